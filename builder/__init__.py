@@ -1,0 +1,1 @@
+"""build-engines: checkpoint -> export -> quantize -> evaluate -> bundle."""

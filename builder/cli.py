@@ -1,0 +1,162 @@
+"""build-engines: the command line over builder.build (a thin layer; the library holds the defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from runtime.bundle import BuildSpec, BundleError, SpecError, from_dict, load_manifest
+
+SPEC_OPTIONS = ("target", "draft", "target_quant", "draft_quant", "k", "block_size", "symmetric", "accuracy_level",
+                "max_context", "opset", "allow_pickle", "trust_remote_code", "backend", "device")
+
+
+def load_config(path: Path) -> dict:
+    """A preset: YAML with BuildSpec's field names (plus optional 'out')."""
+    import yaml
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as err:
+        raise click.UsageError(f"cannot read config {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise click.UsageError(f"config {path} must be a YAML mapping of build settings")
+    return data
+
+
+def spec_from(config: dict, overrides: dict) -> tuple[BuildSpec, str | None]:
+    data = {**config, **{k: v for k, v in overrides.items() if v is not None}}
+    out = data.pop("out", None)
+    try:
+        return from_dict(BuildSpec, data), out
+    except (TypeError, SpecError) as err:
+        raise click.UsageError(str(err)) from None
+
+
+class DefaultGroup(click.Group):
+    """`build-engines --target ...` builds; `build-engines inspect BUNDLE` inspects."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] in self.commands:
+            ctx.meta["subcommand"] = True
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=DefaultGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="Preset YAML (see configs/); flags given here override it.")
+@click.option("--target", help="Target checkpoint: HF folder, .gguf file, or pkg:PACKAGE/FILE.")
+@click.option("--draft", help="Draft checkpoint, 'self' (target re-quantized) or 'self:layers=N'.")
+@click.option("--target-quant", type=click.Choice(["fp32", "int8", "int4"]), help="Target engine weights.")
+@click.option("--draft-quant", type=click.Choice(["fp32", "int8", "int4"]), help="Draft engine weights.")
+@click.option("--k", type=int, help="Default draft tokens per verify step.")
+@click.option("--block-size", type=int, help="Quantization block size (16..256).")
+@click.option("--symmetric/--asymmetric", default=None, help="Symmetric weight quantization.")
+@click.option("--accuracy-level", type=int, help="MatMulNBits accuracy level 0..4 (4: int8 compute, fastest).")
+@click.option("--max-context", type=int, help="Cap the context (default: the pair's usable maximum).")
+@click.option("--opset", type=int, help="ONNX opset.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt_llm"]), help="Engine backend.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Device the engines are built for.")
+@click.option("--allow-pickle", is_flag=True, default=None, help="Accept pickled .bin/.pt weights (can run code).")
+@click.option("--trust-remote-code", is_flag=True, default=None, help="Run a checkpoint's own modelling code.")
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), help="Bundle directory to write.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
+@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads for evaluation.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@click.pass_context
+def main(ctx, config_path, out, force, threads, as_json, **flags):
+    """Export a draft and a target checkpoint to quantized engines and write one bundle."""
+    if ctx.meta.get("subcommand"):
+        return
+    config = load_config(config_path) if config_path else {}
+    if not config and not flags.get("target"):
+        raise click.UsageError("give --target (and --draft), or --config configs/NAME.yaml")
+    spec, config_out = spec_from(config, flags)
+    out = out or (Path(config_out) if config_out else None)
+    if out is None:
+        raise click.UsageError("give --out DIR (where to write the bundle)")
+    manifest = _run_build(spec, out, force, threads, as_json)
+    if as_json:
+        click.echo(json.dumps(_summary(out, manifest), indent=2))
+    else:
+        _print_summary(out, manifest)
+
+
+def _run_build(spec, out, force, threads, quiet):
+    from builder.build import BuildError, build
+    from builder.checkpoint import CheckpointError
+    from builder.export import ExportError
+    from builder.pairing import PairingError
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, quiet=quiet)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=False) as progress:
+        current = {"task": None, "start": time.perf_counter()}
+
+        def on_stage(name: str) -> None:
+            if current["task"] is not None:
+                progress.update(current["task"], completed=1, total=1)
+            current["task"] = progress.add_task(name, total=None)
+
+        try:
+            manifest = build(spec, out, force=force, on_stage=on_stage, threads=threads)
+        except (BuildError, CheckpointError, PairingError, ExportError, SpecError, ValueError) as err:
+            raise click.ClickException(str(err)) from None
+        if current["task"] is not None:
+            progress.update(current["task"], completed=1, total=1)
+    return manifest
+
+
+def _summary(out: Path, manifest) -> dict:
+    return {"bundle": str(out), "spec": dataclasses.asdict(manifest.spec), "default_k": manifest.default_k,
+            "max_context": manifest.max_context,
+            "engines": {e.role: {"quant": e.quant, "size_bytes": e.size_bytes, "engine": e.engine}
+                        for e in (manifest.target, manifest.draft)},
+            "report": manifest.report}
+
+
+def _print_summary(out: Path, manifest) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    report = manifest.report
+    table = Table(title=f"bundle {out}")
+    for column in ("engine", "quant", "size MB", "top-1 vs fp32", "perplexity"):
+        table.add_column(column)
+    for entry in (manifest.target, manifest.draft):
+        row = report.get(entry.role, {})
+        table.add_row(entry.role, entry.quant, f"{entry.size_bytes / 1e6:.1f}",
+                      f"{row.get('top1_agreement_vs_fp32', float('nan')):.3f}", f"{row.get('perplexity', 0):.2f}")
+    console = Console()
+    console.print(table)
+    console.print(f"fp32 target perplexity {report.get('target', {}).get('fp32_perplexity', 0):.2f}; "
+                  f"draft/target top-1 agreement "
+                  f"{report.get('draft_target_top1_agreement', 0):.3f}; default k {manifest.default_k}; "
+                  f"max context {manifest.max_context}; built in {report.get('build_seconds', 0)} s")
+    for note in report.get("pair_notes", []):
+        console.print(f"note: {note}")
+
+
+@main.command("inspect")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect_cmd(bundle: Path, as_json: bool):
+    """Print a bundle's manifest summary and verify every file's sha256."""
+    try:
+        manifest = load_manifest(bundle, verify=True)
+    except BundleError as err:
+        raise click.ClickException(str(err)) from None
+    if as_json:
+        click.echo(manifest.to_json())
+        return
+    _print_summary(bundle, manifest)
+    click.echo(f"verified {len(manifest.files)} files against their sha256: OK")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Stage 3: export a decoder to one ONNX graph that serves prefill, one-token decode and the (k+1)-token verify pass.
+
+The graph's contract (the runtime's OnnxEngine relies on it)::
+
+    inputs   input_ids      int64 [B, S]        S >= 1 new tokens
+             attention_mask int64 [B, P + S]    1 = this cache slot holds a live token, 0 = padding or rolled back
+             position_ids   int64 [B, S]        rotary position of each new token
+             past.{i}.key / past.{i}.value  float32 [B, H_kv, P, D]   P >= 0
+    outputs  logits         float32 [B, S, V]
+             present.{i}.key / present.{i}.value [B, H_kv, P + S, D]  (past with the new slots appended)
+
+Rolling back never slices the cache: the runtime marks rejected slots 0 in ``attention_mask``, and the graph builds
+its 4-D causal mask from that itself. Why this route: onnxruntime-genai's fused GroupQueryAttention graph returns wrong
+logits for several new tokens on a past (the verify pass) and for left-padded batches, while torch's dynamo exporter
+with an explicit mask is right for both (shared/FACTS.md); every export is checked against torch below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class ExportError(RuntimeError):
+    """The exported graph disagrees with torch, or the exporter failed."""
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+
+def cache_names(num_layers: int, prefix: str) -> list[str]:
+    return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def graph_info(config) -> GraphInfo:
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return GraphInfo(
+        num_layers=layers, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        input_names=("input_ids", "attention_mask", "position_ids", *cache_names(layers, "past")),
+        output_names=("logits", *cache_names(layers, "present")))
+
+
+class _CachedDecoder(torch.nn.Module):
+    """Flat-tensor wrapper: (ids, slot mask, positions, *past) -> (logits, *present)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.num_layers = model.config.num_hidden_layers
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers import DynamicCache
+        past_len, new_len = past[0].shape[2], input_ids.shape[1]
+        slot = torch.arange(past_len + new_len).view(1, 1, 1, -1)
+        query = (torch.arange(new_len) + past_len).view(1, 1, -1, 1)
+        # A query sees live slots at or before its own; it always sees itself, so padded rows stay finite.
+        allowed = (attention_mask.bool()[:, None, None, :] & (slot <= query)) | (slot == query)
+        cache = DynamicCache()
+        for i in range(self.num_layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = self.model(input_ids=input_ids, attention_mask=allowed, position_ids=position_ids, cache=cache,
+                         use_cache=True)
+        present = []
+        for layer in out.cache.layers[: self.num_layers]:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
+def _example(info: GraphInfo, batch=2, past=3, new=4):
+    ids = torch.randint(0, min(info.vocab_size, 100), (batch, new))
+    mask = torch.ones(batch, past + new, dtype=torch.int64)
+    pos = torch.arange(past, past + new).repeat(batch, 1)
+    cache = [torch.randn(batch, info.num_kv_heads, past, info.head_dim) for _ in range(2 * info.num_layers)]
+    return ids, mask, pos, cache
+
+
+def export_decoder(model, out_path: Path, opset: int = 18) -> GraphInfo:
+    """Export ``model`` (a transformers causal LM in eval mode, fp32) to ``out_path``."""
+    from torch.export import Dim
+    info = graph_info(model.config)
+    ids, mask, pos, cache = _example(info)
+    batch, new, total, past = Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC
+    shapes = {"input_ids": {0: batch, 1: new}, "attention_mask": {0: batch, 1: total},
+              "position_ids": {0: batch, 1: new}, "past": tuple({0: batch, 2: past} for _ in cache)}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with torch.no_grad():
+            program = torch.onnx.export(
+                _CachedDecoder(model), (ids, mask, pos, *cache), dynamo=True, dynamic_shapes=shapes,
+                input_names=list(info.input_names), output_names=list(info.output_names), opset_version=opset,
+                verbose=False)
+        program.save(str(out_path), external_data=_needs_external_data(model))
+    except Exception as err:  # the exporter raises many types; name the stage and keep the cause
+        raise ExportError(f"ONNX export failed: {type(err).__name__}: {err}") from err
+    return info
+
+
+def _needs_external_data(model) -> bool:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) > 1_800_000_000
+
+
+def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: float, seed: int = 0) -> dict:
+    """Compare the graph with torch on prefill, a verify pass over rolled-back slots, and a left-padded batch.
+
+    Returns the max |logit difference| per case; raises ExportError past ``tolerance`` or on an argmax mismatch.
+    """
+    from runtime.engine import make_session
+    session = make_session(onnx_path, threads=0)
+    rng = np.random.default_rng(seed)
+    vocab = min(info.vocab_size, int(model.config.vocab_size))
+    seq = rng.integers(0, vocab, (1, 12))
+    with torch.no_grad():
+        reference = model(torch.from_numpy(seq)).logits.numpy()
+
+    def run(ids, mask, pos, past):
+        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+        feed.update(zip(info.input_names[3:], past))
+        out = session.run(list(info.output_names), feed)
+        return out[0], out[1:]
+
+    empty = [np.zeros((1, info.num_kv_heads, 0, info.head_dim), np.float32)] * (2 * info.num_layers)
+    prefill, past = run(seq[:, :5], np.ones((1, 5), np.int64), np.arange(5)[None], empty)
+    # three slots of junk, then rolled back by the mask: the verify pass must not see them
+    _, junk = run(rng.integers(0, vocab, (1, 3)), np.ones((1, 8), np.int64), np.arange(5, 8)[None], past)
+    mask = np.ones((1, 15), np.int64)
+    mask[0, 5:8] = 0
+    verify, _ = run(seq[:, 5:], mask, np.arange(5, 12)[None], junk)
+    lengths = (7, 12)
+    ids = np.zeros((2, 12), np.int64)
+    pad_mask = np.zeros((2, 12), np.int64)
+    positions = np.zeros((2, 12), np.int64)
+    for row, n in enumerate(lengths):
+        ids[row, 12 - n:], pad_mask[row, 12 - n:], positions[row, 12 - n:] = seq[0, :n], 1, np.arange(n)
+    batch_empty = [np.zeros((2, info.num_kv_heads, 0, info.head_dim), np.float32)] * (2 * info.num_layers)
+    batched, _ = run(ids, pad_mask, positions, batch_empty)
+    cases = {
+        "prefill": (prefill[0], reference[0, :5]),
+        "verify_after_rollback": (verify[0], reference[0, 5:]),
+        "left_padded_batch": (batched[0, 5:], reference[0, :7]),
+    }
+    report = {}
+    for name, (got, want) in cases.items():
+        got, want = got[:, :vocab], want[:, :vocab]
+        diff = float(np.abs(got - want).max())
+        report[name] = diff
+        if diff > tolerance or not np.array_equal(got.argmax(-1), want.argmax(-1)):
+            raise ExportError(f"exported graph disagrees with torch on {name}: max |Δlogit| {diff:.2e} "
+                              f"(tolerance {tolerance:.0e}); refusing to build a wrong engine")
+    return report

@@ -1,0 +1,34 @@
+"""Stage 4: weight-only quantization of an exported fp32 graph (ONNX Runtime's MatMulNBits quantizer)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+BITS = {"int8": 8, "int4": 4}
+
+
+def quantize(src: Path, dst: Path, quant: str, block_size: int = 32, symmetric: bool = False,
+             accuracy_level: int = 4) -> None:
+    """Write ``src`` quantized as ``quant`` to ``dst``. fp32 copies the graph (with its external data, if any).
+
+    int8/int4 replace every MatMul with a constant weight (attention and MLP projections, the output head) by
+    MatMulNBits with per-block scales and zero points; the embedding table (a Gather) stays fp32.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if quant == "fp32":
+        shutil.copyfile(src, dst)
+        data = src.with_name(src.name + ".data")
+        if data.exists():
+            shutil.copyfile(data, dst.with_name(dst.name + ".data"))
+        return
+    if quant not in BITS:
+        raise ValueError(f"unknown quantization {quant!r}; choose fp32, int8 or int4")
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    model = onnx.load(str(src))
+    quantizer = MatMulNBitsQuantizer(model, bits=BITS[quant], block_size=block_size, is_symmetric=symmetric,
+                                     accuracy_level=accuracy_level)
+    quantizer.process()
+    large = quantizer.model.model.ByteSize() > 1_800_000_000
+    quantizer.model.save_model_to_file(str(dst), use_external_data_format=large)

@@ -1,0 +1,170 @@
+"""The Python API: load a bundle, generate (batched, sampled or greedy), stream, or decode target-only."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from runtime.bundle import Manifest, load_manifest
+from runtime.engine import Engine, OnnxEngine
+from runtime.errors import RequestError
+from runtime.metrics import MetricsRegistry, RequestStats
+from runtime.sampling import SamplingParams
+from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
+from runtime.text import IncrementalDecoder, Tokenizer, find_stop
+
+MODES = ("speculative", "target")
+
+
+@dataclass
+class Generation:
+    """One prompt's result."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens) or "context"
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+class SpeculativeGenerator:
+    """Draft-then-verify generation over one bundle. Thread-compatible: one request at a time per instance."""
+
+    def __init__(self, manifest: Manifest, target: Engine, draft: Engine | None, tokenizer: Tokenizer,
+                 eos_ids: tuple[int, ...] = (), max_k: int | None = None):
+        self.manifest, self.target, self.draft, self.tokenizer = manifest, target, draft, tokenizer
+        self.eos_ids = tuple(eos_ids)
+        self.default_k = manifest.default_k if manifest else 4
+        self.max_k = max_k or (manifest.spec.max_k if manifest else 16)
+        self.max_context = target.max_context
+        self.metrics = MetricsRegistry()
+
+    @classmethod
+    def from_bundle(cls, path: str | os.PathLike, threads: int = 0, providers: list | None = None,
+                    verify: bool = True) -> "SpeculativeGenerator":
+        """Load and verify a bundle (every file against its sha256) and open both engines."""
+        root = Path(path)
+        manifest = load_manifest(root, verify=verify)
+        engines = {}
+        for entry in (manifest.target, manifest.draft):
+            engines[entry.role] = OnnxEngine(
+                root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
+                head_dim=entry.head_dim, vocab_size=manifest.target.vocab_size, max_context=manifest.max_context,
+                threads=threads, providers=providers)
+        tokenizer = Tokenizer(root / "tokenizer")
+        for engine in engines.values():
+            engine.vocab_size = min(engine.vocab_size, tokenizer.vocab_size)
+        return cls(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids)
+
+    # --- requests -------------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 k: int | None = None, stop: str | list[str] | None = None, chat: bool = False,
+                 mode: str = "speculative", adaptive: AdaptiveK | bool | None = None,
+                 fallback: Fallback | bool | None = None, draft_confidence: float = 0.0,
+                 ) -> Generation | list[Generation]:
+        """Generate for one prompt (returns a Generation) or a list (returns a list, in order)."""
+        single = isinstance(prompts, str)
+        results: dict[int, Generation] = {}
+        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       k=k, stop=stop, chat=chat, mode=mode, adaptive=adaptive, fallback=fallback,
+                       draft_confidence=draft_confidence)
+        for index, piece, generation in self._events([prompts] if single else list(prompts), **options):
+            if generation is not None:
+                results[index] = generation
+        ordered = [results[i] for i in sorted(results)]
+        return ordered[0] if single else ordered
+
+    def stream(self, prompt: str, **kwargs) -> Iterator[str]:
+        """Yield text as tokens are accepted; the pieces concatenate to generate(prompt, **kwargs).text."""
+        self.last_stream: Generation | None = None
+        for _, piece, generation in self._events([prompt], **kwargs):
+            if piece:
+                yield piece
+            if generation is not None:
+                self.last_stream = generation
+
+    def stream_batch(self, prompts: list[str], **kwargs) -> Iterator[tuple[int, str, Generation | None]]:
+        """Yield (prompt index, text piece, final Generation or None) as each sequence advances."""
+        yield from self._events(list(prompts), **kwargs)
+
+    # --- the work -------------------------------------------------------------------------------------------------
+
+    def _events(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
+                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                k: int | None = None, stop=None, chat: bool = False, mode: str = "speculative",
+                adaptive=None, fallback=None, draft_confidence: float = 0.0):
+        config, stops = self._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
+                                     fallback)
+        token_lists = [self._encode(p, chat) for p in prompts]
+        drafter = self._drafter(mode, draft_confidence)
+        loop = SpeculativeLoop(self.target, drafter, token_lists, config)
+        loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
+        decoders = [IncrementalDecoder(self.tokenizer) for _ in prompts]
+        texts = [""] * len(prompts)
+        for step in loop.run():
+            for row, new in step:
+                piece = decoders[row.index].push(new) if new else ""
+                if row.finished:
+                    piece += decoders[row.index].flush()
+                piece = self._apply_stops(loop, row, texts, piece, stops)
+                texts[row.index] += piece
+                done = None
+                if row.finished:
+                    row.stats.finish_reason = row.finished
+                    row.stats.prompt_tokens = len(row.prompt)
+                    self.metrics.add(row.stats)
+                    done = Generation(texts[row.index], list(row.generated), len(row.prompt), row.finished,
+                                      row.stats)
+                if piece or done is not None:
+                    yield row.index, piece, done
+
+    def _apply_stops(self, loop, row, texts, piece, stops) -> str:
+        if not stops or not piece:
+            return piece
+        before = texts[row.index]
+        at = find_stop(before + piece, stops, len(before))
+        if at < 0:
+            return piece
+        if not row.finished:
+            loop.finish(row.index, "stop")
+        row.finished = "stop"
+        return (before + piece)[:at][len(before):]
+
+    def _config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback):
+        if mode not in MODES:
+            raise RequestError(f"mode must be one of {MODES}, received {mode!r}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be an integer >= 1, received {max_new_tokens!r}")
+        k = self.default_k if k is None else k
+        if not isinstance(k, int) or not 1 <= k <= self.max_k:
+            raise RequestError(f"k must be an integer in [1, {self.max_k}] for this bundle, received {k!r}")
+        params = SamplingParams(float(temperature), top_k, top_p)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise RequestError("stop strings must be non-empty strings")
+        if adaptive is True:
+            adaptive = AdaptiveK(min_k=1, max_k=self.max_k)
+        if fallback is True:
+            fallback = Fallback()
+        return DecodeConfig(max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None, seed), stops
+
+    def _encode(self, prompt: str, chat: bool) -> list[int]:
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("prompt must be a non-empty string")
+        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
+        if not ids:
+            raise RequestError("prompt encodes to no tokens")
+        if len(ids) >= self.max_context:
+            raise RequestError(f"prompt has {len(ids)} tokens; this bundle's context is {self.max_context}, "
+                               "leaving no room to generate. Shorten the prompt.")
+        return ids
+
+    def _drafter(self, mode: str, confidence: float) -> Drafter | None:
+        if mode == "target" or self.draft is None:
+            return None
+        return ModelDrafter(self.draft, confidence)
+

@@ -1,0 +1,245 @@
+"""The engine bundle: its schema, its manifest and its verified loader.
+
+A bundle is one directory::
+
+    manifest.json          schema version, the frozen BuildSpec, one ModelEntry per engine, sha256 of every file
+    target/model.onnx      (+ model.onnx.data) the target engine
+    draft/model.onnx       the draft engine
+    tokenizer/             tokenizer.json (+ config files)
+
+This module is the light side (no torch): the builder imports it to write a bundle, the runtime, the bench and the
+Triton generator import it to read one. ``manifest.json`` is written last and the directory is renamed into place
+afterwards, so a directory without a valid manifest is never a bundle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+QUANTS = ("fp32", "fp16", "int8", "int4")
+BACKENDS = ("onnxruntime", "tensorrt_llm")
+
+
+class BundleError(Exception):
+    """A bundle is missing, partial, tampered with or of an unknown schema."""
+
+
+class SpecError(ValueError):
+    """A build spec field is out of range; the message names the field, what was expected and what was received."""
+
+
+def _check(ok: bool, name: str, expected: str, received: Any) -> None:
+    if not ok:
+        raise SpecError(f"{name}: expected {expected}, received {received!r}")
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """Everything that decides a build. Written verbatim into the manifest; the runtime reads it back from there."""
+
+    target: str  # target checkpoint: HF folder, .gguf file, or pkg:<python package>/<file>
+    draft: str = "self"  # draft checkpoint, or "self" (the target re-quantized), or "self:layers=N"
+    target_quant: str = "fp32"  # one of QUANTS
+    draft_quant: str = "int4"  # one of QUANTS
+    k: int = 4  # default number of draft tokens per verify step
+    max_k: int = 16  # the largest k the runtime accepts for this bundle
+    block_size: int = 32  # MatMulNBits quantization block size
+    symmetric: bool = False  # symmetric (no zero point) weight quantization
+    accuracy_level: int = 4  # MatMulNBits compute accuracy: 0 (fp32 activations) .. 4 (int8 activations, fastest)
+    opset: int = 18
+    max_context: int = 0  # 0: the usable maximum of the pair
+    backend: str = "onnxruntime"
+    device: str = "cpu"
+    allow_pickle: bool = False  # accept .bin/.pt weights (pickle: can run code) only when the user asks
+    trust_remote_code: bool = False  # run a checkpoint's own modelling code only when the user asks
+
+    def __post_init__(self) -> None:
+        _check(bool(self.target), "target", "a checkpoint path", self.target)
+        _check(bool(self.draft), "draft", "a checkpoint path or 'self'", self.draft)
+        _check(self.target_quant in QUANTS, "target_quant", f"one of {QUANTS}", self.target_quant)
+        _check(self.draft_quant in QUANTS, "draft_quant", f"one of {QUANTS}", self.draft_quant)
+        _check(isinstance(self.k, int) and self.k >= 1, "k", "an integer >= 1", self.k)
+        _check(isinstance(self.max_k, int) and self.max_k >= self.k, "max_k", f"an integer >= k ({self.k})", self.max_k)
+        _check(self.block_size in (16, 32, 64, 128, 256), "block_size", "16, 32, 64, 128 or 256", self.block_size)
+        _check(self.accuracy_level in (0, 1, 2, 3, 4), "accuracy_level", "0..4", self.accuracy_level)
+        _check(self.opset >= 17, "opset", ">= 17", self.opset)
+        _check(isinstance(self.max_context, int) and self.max_context >= 0, "max_context", "an integer >= 0",
+               self.max_context)
+        _check(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)
+        _check(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'", self.device)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One compiled engine of the bundle and what the runtime must know to drive it."""
+
+    role: str  # "target" or "draft"
+    source: str  # the checkpoint as the user named it
+    source_sha256: str  # of the source weights (all weight files, in name order)
+    architecture: str
+    quant: str
+    engine: str  # path of the engine file, relative to the bundle
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # rows of the output head (may exceed the tokenizer's vocabulary: padding)
+    max_context: int
+    input_names: tuple[str, ...] = ()
+    output_names: tuple[str, ...] = ()
+    size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The bundle's manifest.json."""
+
+    spec: BuildSpec
+    target: ModelEntry
+    draft: ModelEntry
+    files: dict[str, str]  # relative path -> sha256, every file of the bundle but the manifest
+    default_k: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    tools: dict[str, str] = field(default_factory=dict)  # tool -> version used to build
+    report: dict[str, Any] = field(default_factory=dict)  # build report: agreement, perplexity, timings
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise BundleError(f"{MANIFEST} is not valid JSON ({err}); rebuild the bundle") from None
+        if not isinstance(data, dict):
+            raise BundleError(f"{MANIFEST} must hold a JSON object, found {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise BundleError(f"{MANIFEST} has schema_version {version!r}; this Draftsmith reads {SCHEMA_VERSION}. "
+                              "Rebuild the bundle with this version of build-engines.")
+        try:
+            return from_dict(cls, data)
+        except (TypeError, ValueError) as err:
+            raise BundleError(f"{MANIFEST} is malformed: {err}") from None
+
+
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass ``cls`` from plain data; unknown or missing keys and wrong types are errors."""
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise TypeError(f"{where}: expected an object, received {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise TypeError(f"{where}: unknown keys {unknown}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise TypeError(f"{where}: missing key {name!r}")
+            continue
+        kwargs[name] = _coerce(hints[name], data[name], f"{where}.{name}")
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise TypeError(f"{where}: expected a list, received {type(value).__name__}")
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+        return tuple(_coerce(item, v, where) for v in value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"{where}: expected an object, received {type(value).__name__}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise TypeError(f"{where}: expected {hint.__name__}, received {type(value).__name__} {value!r}")
+    return value
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_tree(root: Path) -> dict[str, str]:
+    """sha256 of every file below ``root`` but the manifest, keyed by POSIX relative path."""
+    return {p.relative_to(root).as_posix(): sha256_file(p)
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def verify_files(root: Path, manifest: Manifest) -> None:
+    """Raise BundleError naming every missing, extra or altered file."""
+    problems = []
+    for rel, want in sorted(manifest.files.items()):
+        path = root / rel
+        if not _inside(root, path):
+            problems.append(f"{rel}: path escapes the bundle")
+        elif not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif sha256_file(path) != want:
+            problems.append(f"{rel}: sha256 differs from the manifest (altered or truncated)")
+    if problems:
+        raise BundleError(f"bundle {root} failed verification; rebuild it or copy it again:\n  " + "\n  ".join(problems))
+
+
+def _inside(root: Path, path: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def load_manifest(root: str | os.PathLike, verify: bool = True) -> Manifest:
+    """Read a bundle's manifest and (by default) check every file against its sha256."""
+    root = Path(root)
+    if not root.is_dir():
+        raise BundleError(f"no bundle at {root}: not a directory. Build one with `build-engines --out {root}`.")
+    path = root / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{root} has no {MANIFEST}: not a bundle, or a build that did not finish. Rebuild it.")
+    manifest = Manifest.from_json(path.read_text(encoding="utf-8"))
+    if verify:
+        verify_files(root, manifest)
+    return manifest
+
+
+def write_manifest_atomic(root: Path, manifest: Manifest) -> None:
+    """Replace ``root/manifest.json`` atomically (write a temporary file, fsync, rename)."""
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=".manifest-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(manifest.to_json())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, root / MANIFEST)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,100 @@
+"""draftsmith: run a bundle (generate), and the commands other parts register (bench, triton-repo, serve)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from runtime.bundle import BundleError
+from runtime.errors import RequestError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Draftsmith: speculative decoding over engine bundles."""
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.argument("prompt")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-k", type=int, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--k", type=int, default=None, help="Draft tokens per step (default: the bundle's).")
+@click.option("--adaptive", is_flag=True, help="Adapt k to acceptance as it goes.")
+@click.option("--chat/--no-chat", default=False, help="Apply the tokenizer's chat template to the prompt.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
+@click.option("--no-baseline", is_flag=True, help="Skip the target-only run used for the speedup.")
+@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
+def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k, adaptive, chat, stop, stream,
+             no_baseline, threads, as_json):
+    """Generate from PROMPT with speculative decoding, then target-only, and print acceptance and speedup."""
+    from runtime.api import SpeculativeGenerator
+    try:
+        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       k=k, chat=chat, stop=list(stop), adaptive=adaptive or None)
+        generator.generate(prompt, **{**options, "max_new_tokens": 2})  # warm both engines up
+        if stream and not as_json:
+            started = time.perf_counter()
+            for piece in generator.stream(prompt, **options):
+                click.echo(piece, nl=False)
+            click.echo()
+            result = generator.last_stream
+        else:
+            result = generator.generate(prompt, **options)
+        baseline = None if no_baseline else generator.generate(prompt, mode="target", **options)
+    except (BundleError, RequestError) as err:
+        raise click.ClickException(str(err)) from None
+    report = _report(result, baseline)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    if not stream:
+        click.echo(result.text)
+    click.echo("")
+    s = result.stats
+    click.echo(f"speculative: {s.num_emitted_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_second:.1f} tok/s; "
+               f"acceptance rate {s.draft_acceptance_rate:.2f}, mean acceptance length "
+               f"{s.mean_acceptance_length:.2f}, k={generator.default_k if k is None else k}")
+    if baseline is not None:
+        b = baseline.stats
+        click.echo(f"target-only: {b.num_emitted_tokens} tokens in {b.total_time:.2f} s = "
+                   f"{b.tokens_per_second:.1f} tok/s")
+        click.echo(f"speedup: {report['speedup']:.2f}x; identical output: {report['identical_to_target']}")
+
+
+def _report(result, baseline) -> dict:
+    report = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+              "speculative": result.stats.to_dict()}
+    if baseline is not None:
+        report["target_only"] = baseline.stats.to_dict()
+        b, s = baseline.stats.tokens_per_second, result.stats.tokens_per_second
+        report["speedup"] = s / b if b else 0.0
+        report["identical_to_target"] = baseline.token_ids == result.token_ids
+    return report
+
+
+def _register_optional() -> None:
+    """Commands of other packages, added when importable (their heavy imports happen inside the commands)."""
+    import importlib
+    for module, name in (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("runtime.bench", "bench"),
+                         ("builder.distill", "distill")):
+        try:
+            command = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        main.add_command(command)
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The engine interface the decoding loop talks to, and its ONNX Runtime implementation.
+
+An engine owns no sequence state; a KVCache does. ``forward`` appends S slots per row and returns logits for every
+new position; ``rollback`` forgets the newest live tokens of each row by clearing their slots in the attention mask
+(no copy of the cache). Cleared slots are reclaimed by ``compact`` when they outnumber live ones.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class KVCache:
+    """Per-batch cache state. Shapes: past[j] [B, H_kv, T, D]; mask [B, T] (1 = live slot); lengths [B] live tokens."""
+
+    past: list
+    mask: np.ndarray
+    lengths: np.ndarray
+    calls: int = 0  # forward calls made on this cache (tests count them)
+    extra: dict = field(default_factory=dict)  # backend-specific state
+
+    @property
+    def batch(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def slots(self) -> int:
+        return int(self.mask.shape[1])
+
+
+class Engine(Protocol):
+    """What the speculative loop needs from a compiled model."""
+
+    vocab_size: int  # logits columns the loop reads (the tokenizer's vocabulary)
+    max_context: int
+
+    def new_cache(self, batch: int) -> KVCache: ...
+
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        """Append tokens [B, S] (valid [B, S] marks real tokens; padding is 0) and return logits [B, S, V]."""
+
+    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
+        """Keep only the first keep[b] live tokens of each row."""
+
+    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
+        """A cache holding only the given rows (sequences that are still running)."""
+
+
+def make_session(path: str | os.PathLike, threads: int = 0, providers: list | None = None):
+    """An ONNX Runtime session tuned for two sessions taking turns on few cores.
+
+    Spinning threads are off: with a draft and a target alternating, spinning made each call 1.6x slower on
+    2 cores (shared/FACTS.md).
+    """
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+
+
+def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """mask with every live slot past the first keep[b] of its row cleared."""
+    return mask * (np.cumsum(mask, axis=1) <= keep[:, None])
+
+
+class OnnxEngine:
+    """A decoder graph exported by builder.export, run with ONNX Runtime."""
+
+    def __init__(self, path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
+                 max_context: int, threads: int = 0, providers: list | None = None, session=None):
+        self.session = session or make_session(path, threads, providers)
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.vocab_size, self.max_context = vocab_size, max_context
+        self.past_names = [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+        self.output_names = ["logits"] + [n.replace("past", "present", 1) for n in self.past_names]
+        self.dtype = np.float16 if "float16" in self.session.get_inputs()[3].type else np.float32
+
+    def new_cache(self, batch: int) -> KVCache:
+        empty = np.zeros((batch, self.num_kv_heads, 0, self.head_dim), self.dtype)
+        return KVCache([empty] * (2 * self.num_layers), np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64))
+
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        valid = np.ones_like(tokens) if valid is None else valid.astype(np.int64)
+        positions = np.maximum(cache.lengths[:, None] + np.cumsum(valid, axis=1) - 1, 0)
+        mask = np.concatenate([cache.mask, valid], axis=1)
+        feed = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions}
+        feed.update(zip(self.past_names, cache.past))
+        logits, *present = self.session.run(self.output_names, feed)
+        cache.past, cache.mask = present, mask
+        cache.lengths = cache.lengths + valid.sum(axis=1)
+        cache.calls += 1
+        return logits[..., : self.vocab_size]
+
+    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
+        cache.mask = live_keep_mask(cache.mask, keep)
+        cache.lengths = np.minimum(cache.lengths, keep)
+        if cache.slots > 64 and cache.slots > 2 * int(cache.lengths.max()):
+            compact(cache)
+
+    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
+        picked = KVCache([p[rows] for p in cache.past], cache.mask[rows], cache.lengths[rows], cache.calls)
+        compact(picked)
+        return picked
+
+
+def compact(cache: KVCache) -> None:
+    """Gather each row's live slots to the right end (left padding), dropping slots no row uses."""
+    width = int(cache.lengths.max()) if cache.batch else 0
+    if width == cache.slots and bool(cache.mask.all()):
+        return
+    order = np.argsort(cache.mask, axis=1, kind="stable")[:, cache.slots - width:]  # live slots last, in order
+    cache.past = [np.take_along_axis(p, order[:, None, :, None], axis=2) for p in cache.past]
+    cache.mask = np.take_along_axis(cache.mask, order, axis=1)

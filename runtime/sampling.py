@@ -1,0 +1,105 @@
+"""Logit processing and the acceptance rule of speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023).
+
+Vocabulary, per verify step of one sequence with d draft tokens x_1..x_d:
+  p_i     target distribution at draft position i (i = 1..d+1), after temperature/top-k/top-p
+  q_i     draft distribution that x_i was sampled from, after the same processing
+  accepted token   x_i kept because u < min(1, p_i(x_i) / q_i(x_i))
+  recovered token  at the first rejection, sampled from norm(max(0, p_i - q_i)) instead of x_i
+  bonus token      when all d are accepted, one more sampled from p_{d+1}
+Each step therefore emits (accepted count + 1) tokens, and the output follows the target's distribution exactly.
+Temperature 0 is the greedy limit: argmax matching, recovered/bonus tokens are the target's argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None  # keep the k most likely tokens (None or 0: all)
+    top_p: float | None = None  # keep the smallest set whose probability reaches top_p (None or 1: all)
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, received {self.temperature}")
+        if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 0):
+            raise RequestError(f"top_k must be an integer >= 0, received {self.top_k}")
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], received {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """logits [..., V] -> processed distribution [..., V] (float64). Used identically for p and q."""
+    scaled = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < scaled.shape[-1]:
+        kth = np.partition(scaled, -params.top_k, axis=-1)[..., -params.top_k, None]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    scaled -= scaled.max(axis=-1, keepdims=True)
+    probs = np.exp(scaled)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p is not None and params.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_probs = np.take_along_axis(probs, order, axis=-1)
+        before = np.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass strictly above each token
+        keep_sorted = before < params.top_p  # the most likely token is always kept
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """Probability of the most likely token under plain softmax (the draft's confidence)."""
+    shifted = logits.astype(np.float64) - logits.max()
+    return float(1.0 / np.exp(shifted).sum())
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from one distribution [V]."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.shape[-1] - 1))
+
+
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, np.ndarray | None]:
+    """Choose one token from logits [V]; returns it and the distribution it came from (None when greedy)."""
+    if params.greedy:
+        return int(np.argmax(logits)), None
+    probs = probabilities(logits, params)
+    return sample(probs, rng), probs
+
+
+def verify(draft_tokens: list[int], draft_probs: list[np.ndarray | None], target_logits: np.ndarray,
+           params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
+    """Decide one sequence's verify step.
+
+    draft_tokens: x_1..x_d; draft_probs: q_1..q_d (None when greedy); target_logits: [d+1, V], row i scores
+    the token after x_i (row 0: after the last emitted token).
+    Returns (number of accepted draft tokens n, the token emitted after them: recovered or bonus).
+    """
+    if params.greedy:
+        choices = target_logits.argmax(axis=-1)
+        for i, token in enumerate(draft_tokens):
+            if choices[i] != token:
+                return i, int(choices[i])  # recovered token: the target's own choice
+        return len(draft_tokens), int(choices[len(draft_tokens)])  # bonus token
+    target_probs = probabilities(target_logits, params)
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i], draft_probs[i]
+        if rng.random() * q[token] < p[token]:  # u < p/q without dividing by q
+            continue  # accepted token
+        residual = np.maximum(p - q, 0.0)
+        if residual.sum() <= 0.0:  # only when p == q up to rounding; then p itself is the right law
+            residual = p
+        return i, sample(residual, rng)  # recovered token
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)  # bonus token

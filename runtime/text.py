@@ -1,0 +1,92 @@
+"""Text side of generation: tokenizer loading, incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class Tokenizer:
+    """The bundle's tokenizer (tokenizers' fast tokenizer.json) plus its chat template."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer as Fast
+        self.fast = Fast.from_file(str(folder / "tokenizer.json"))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        self.chat_template = config.get("chat_template")
+        template_file = folder / "chat_template.jinja"
+        if not self.chat_template and template_file.is_file():
+            self.chat_template = template_file.read_text(encoding="utf-8")
+        self.special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token")}
+        self.vocab_size = self.fast.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.fast.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.fast.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, prompt: str | list[dict]) -> str:
+        """Render a user message (or a list of messages) with the model's chat template, ready for generation."""
+        if not self.chat_template:
+            raise ValueError("this bundle's tokenizer has no chat template; pass the prompt without --chat")
+        import jinja2
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special.items()})
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+class IncrementalDecoder:
+    """Turns a growing token list into text pieces that never split a multi-byte character.
+
+    Byte-level tokenizers can emit half of a UTF-8 character; its decode then ends in U+FFFD. Such a tail is held
+    back until the next tokens complete it. Decoding restarts from a recent offset, so each step costs O(window).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, window: int = 6):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] were already turned into text
+        self.read = 0
+        self.window = window
+        self.text = ""
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        before = self.tokenizer.decode(self.ids[self.prefix: self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if after.endswith("\ufffd") or len(after) < len(before) or not after.startswith(before):
+            return ""  # incomplete character: wait
+        piece = after[len(before):]
+        self.read = len(self.ids)
+        self.prefix = max(0, self.read - self.window)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (a truncated character is replaced, not dropped)."""
+        full = self.tokenizer.decode(self.ids)
+        piece = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += piece
+        return piece
+
+
+def find_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int:
+    """Index where the earliest stop string starts in ``text``, looking only where a new match can be; -1 if none."""
+    best = -1
+    for stop in stops:
+        at = text.find(stop, max(0, searched_upto - len(stop) + 1))
+        if at >= 0 and (best < 0 or at < best):
+            best = at
+    return best

