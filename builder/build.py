@@ -48,6 +48,7 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
     target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is read by servers running as other users
     started = time.perf_counter()
     try:
         with _disk_errors(out):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from runtime.bundle import BuildSpec, BundleError, SpecError, from_dict, load_manifest
+from runtime.bundle import QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
 
 SPEC_OPTIONS = ("target", "draft", "target_quant", "draft_quant", "k", "block_size", "symmetric", "accuracy_level",
                 "max_context", "opset", "allow_pickle", "trust_remote_code", "backend", "device")
@@ -51,8 +51,9 @@ class DefaultGroup(click.Group):
               help="Preset YAML (see configs/); flags given here override it.")
 @click.option("--target", help="Target checkpoint: HF folder, .gguf file, or pkg:PACKAGE/FILE.")
 @click.option("--draft", help="Draft checkpoint, 'self' (target re-quantized) or 'self:layers=N'.")
-@click.option("--target-quant", type=click.Choice(["fp32", "int8", "int4"]), help="Target engine weights.")
-@click.option("--draft-quant", type=click.Choice(["fp32", "int8", "int4"]), help="Draft engine weights.")
+@click.option("--target-quant", type=click.Choice(QUANTS), help="Target engine weights (TensorRT-LLM: fp16 default; "
+              "int4_awq/int8_sq/w4a8_awq/fp8 via ModelOpt).")
+@click.option("--draft-quant", type=click.Choice(QUANTS), help="Draft engine weights (TensorRT-LLM: int4_awq default).")
 @click.option("--k", type=int, help="Default draft tokens per verify step.")
 @click.option("--block-size", type=int, help="Quantization block size (16..256).")
 @click.option("--symmetric/--asymmetric", default=None, help="Symmetric weight quantization.")
@@ -63,23 +64,34 @@ class DefaultGroup(click.Group):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Device the engines are built for.")
 @click.option("--allow-pickle", is_flag=True, default=None, help="Accept pickled .bin/.pt weights (can run code).")
 @click.option("--trust-remote-code", is_flag=True, default=None, help="Run a checkpoint's own modelling code.")
+@click.option("--trtllm-flavor", type=click.Choice(["engine", "llmapi"]),
+              help="TensorRT-LLM workflow: trtllm-build engines or the LLM API (default: from the installed version).")
+@click.option("--tp-size", type=int, help="TensorRT-LLM tensor parallel GPUs per engine.")
+@click.option("--pp-size", type=int, help="TensorRT-LLM pipeline parallel GPUs per engine.")
+@click.option("--max-batch-size", type=int, help="TensorRT-LLM: sequences decoded together.")
+@click.option("--max-input-len", type=int, help="TensorRT-LLM: longest prompt (default max_seq_len - 1).")
+@click.option("--max-seq-len", type=int, help="TensorRT-LLM: prompt + output tokens (default: the pair's context).")
+@click.option("--dry-run", is_flag=True, help="Print the TensorRT-LLM build plan (every command) and build nothing.")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), help="Bundle directory to write.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads for evaluation.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.pass_context
-def main(ctx, config_path, out, force, threads, as_json, **flags):
+def main(ctx, config_path, out, force, threads, as_json, dry_run, **flags):
     """Export a draft and a target checkpoint to quantized engines and write one bundle."""
     if ctx.meta.get("subcommand"):
         return
     config = load_config(config_path) if config_path else {}
     if not config and not flags.get("target"):
         raise click.UsageError("give --target (and --draft), or --config configs/NAME.yaml")
-    spec, config_out = spec_from(config, flags)
+    spec, config_out = spec_from(config, _trtllm_defaults(config, flags))
+    if dry_run:
+        return _trtllm_dry_run(spec, as_json)
     out = out or (Path(config_out) if config_out else None)
     if out is None:
         raise click.UsageError("give --out DIR (where to write the bundle)")
-    manifest = _run_build(spec, out, force, threads, as_json)
+    manifest = (_run_trtllm_build(spec, out, force, as_json) if spec.backend == "tensorrt_llm"
+                else _run_build(spec, out, force, threads, as_json))
     if as_json:
         click.echo(json.dumps(_summary(out, manifest), indent=2))
     else:
@@ -111,6 +123,44 @@ def _run_build(spec, out, force, threads, quiet):
         if current["task"] is not None:
             progress.update(current["task"], completed=1, total=1)
     return manifest
+
+
+# --- backend tensorrt_llm (builder/trtllm.py) ---------------------------------------------------------------------
+
+TRTLLM_DEFAULTS = {"device": "cuda", "target_quant": "fp16", "draft_quant": "int4_awq"}
+
+
+def _trtllm_defaults(config: dict, flags: dict) -> dict:
+    """For backend tensorrt_llm, defaults that differ from the ONNX path's, unless the config or a flag sets them."""
+    if (flags.get("backend") or config.get("backend")) != "tensorrt_llm":
+        return flags
+    return {**flags, **{k: v for k, v in TRTLLM_DEFAULTS.items() if flags.get(k) is None and k not in config}}
+
+
+def _trtllm_dry_run(spec, as_json: bool) -> None:
+    from builder import trtllm
+    from builder.checkpoint import CheckpointError
+    from builder.pairing import PairingError
+    if spec.backend != "tensorrt_llm":
+        raise click.UsageError("--dry-run prints the TensorRT-LLM build plan: add --backend tensorrt_llm")
+    try:
+        flavor, steps = trtllm.dry_run(spec)
+    except (SpecError, CheckpointError, PairingError) as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(trtllm.plan_json(steps, flavor) if as_json else trtllm.render_plan(steps, flavor), nl=False)
+
+
+def _run_trtllm_build(spec, out, force, quiet):
+    from builder import trtllm
+    from builder.build import BuildError
+    from builder.checkpoint import CheckpointError
+    from builder.pairing import PairingError
+    from rich.console import Console
+    console = Console(stderr=True, quiet=quiet)
+    try:
+        return trtllm.build(spec, out, force=force, on_stage=lambda name: console.print(f"[bold]{name}[/bold]"))
+    except (trtllm.TrtllmError, BuildError, CheckpointError, PairingError, SpecError) as err:
+        raise click.ClickException(str(err)) from None
 
 
 def _summary(out: Path, manifest) -> dict:

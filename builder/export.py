@@ -99,7 +99,7 @@ def export_decoder(model, out_path: Path, opset: int = 18) -> GraphInfo:
     try:
         with torch.no_grad():
             program = torch.onnx.export(
-                _CachedDecoder(model), (ids, mask, pos, *cache), dynamo=True, dynamic_shapes=shapes,
+                _CachedDecoder(model).eval(), (ids, mask, pos, *cache), dynamo=True, dynamic_shapes=shapes,
                 input_names=list(info.input_names), output_names=list(info.output_names), opset_version=opset,
                 verbose=False)
         program.save(str(out_path), external_data=_needs_external_data(model))

@@ -24,8 +24,11 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = 32, symmetric: 
         return
     if quant not in BITS:
         raise ValueError(f"unknown quantization {quant!r}; choose fp32, int8 or int4")
+    import logging
+
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(src))
     quantizer = MatMulNBitsQuantizer(model, bits=BITS[quant], block_size=block_size, is_symmetric=symmetric,
                                      accuracy_level=accuracy_level)

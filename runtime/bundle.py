@@ -27,8 +27,14 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-QUANTS = ("fp32", "fp16", "int8", "int4")
+ONNX_QUANTS = ("fp32", "fp16", "int8", "int4")  # what builder/quantize.py builds (fp16 is refused there)
+# TensorRT-LLM formats: bf16/fp16 (no quantization), int8/int4 weight-only (convert_checkpoint.py --use_weight_only),
+# ModelOpt post-training quantization (examples/quantization/quantize.py --qformat). Which flavor takes which is
+# decided in builder/trtllm.py (FLAVOR_QUANTS); the spec checks the union here.
+TRTLLM_QUANTS = ("fp16", "bf16", "int8", "int4", "int4_awq", "int8_sq", "w4a8_awq", "fp8")
+QUANTS = ONNX_QUANTS + tuple(q for q in TRTLLM_QUANTS if q not in ONNX_QUANTS)
 BACKENDS = ("onnxruntime", "tensorrt_llm")
+TRTLLM_FLAVORS = ("", "engine", "llmapi")  # "": chosen from the installed tensorrt_llm version at build time
 
 
 class BundleError(Exception):
@@ -63,6 +69,13 @@ class BuildSpec:
     device: str = "cpu"
     allow_pickle: bool = False  # accept .bin/.pt weights (pickle: can run code) only when the user asks
     trust_remote_code: bool = False  # run a checkpoint's own modelling code only when the user asks
+    # --- backend tensorrt_llm only (builder/trtllm.py); max_k is the engines' max_draft_len ---
+    trtllm_flavor: str = ""  # "engine" (trtllm-build), "llmapi" (LLM API, PyTorch backend) or "" (from the version)
+    tp_size: int = 1  # tensor parallel GPUs per engine
+    pp_size: int = 1  # pipeline parallel GPUs per engine
+    max_batch_size: int = 8  # sequences decoded together
+    max_input_len: int = 0  # longest prompt; 0: max_seq_len - 1
+    max_seq_len: int = 0  # prompt + generated tokens; 0: the pair's usable context (or max_context)
 
     def __post_init__(self) -> None:
         _check(bool(self.target), "target", "a checkpoint path", self.target)
@@ -78,6 +91,33 @@ class BuildSpec:
                self.max_context)
         _check(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)
         _check(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'", self.device)
+        _check(self.trtllm_flavor in TRTLLM_FLAVORS, "trtllm_flavor", "'engine', 'llmapi' or '' (auto)",
+               self.trtllm_flavor)
+        for name in ("tp_size", "pp_size", "max_batch_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, name, "an integer >= 1", value)
+        for name in ("max_input_len", "max_seq_len"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 0, name, "an integer >= 0 (0: automatic)", value)
+        if self.max_input_len and self.max_seq_len:
+            _check(self.max_input_len < self.max_seq_len, "max_input_len", f"< max_seq_len ({self.max_seq_len})",
+                   self.max_input_len)
+        if self.backend == "onnxruntime":
+            for name in ("target_quant", "draft_quant"):
+                _check(getattr(self, name) in ONNX_QUANTS, name,
+                       f"one of {ONNX_QUANTS} for backend onnxruntime (the other formats need tensorrt_llm)",
+                       getattr(self, name))
+            defaults = {"trtllm_flavor": "", "tp_size": 1, "pp_size": 1}
+            for name, default in defaults.items():
+                _check(getattr(self, name) == default, name,
+                       f"{default!r}: it applies to backend tensorrt_llm only (multi-GPU / TensorRT-LLM option)",
+                       getattr(self, name))
+        else:
+            for name in ("target_quant", "draft_quant"):
+                _check(getattr(self, name) in TRTLLM_QUANTS, name, f"one of {TRTLLM_QUANTS} for backend tensorrt_llm",
+                       getattr(self, name))
+            _check(self.device == "cuda", "device",
+                   "'cuda' for backend tensorrt_llm (TensorRT-LLM runs on NVIDIA GPUs only)", self.device)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,519 @@
+"""``draftsmith bench``: measure speculative decoding against target-only decoding on the same engines, in the same
+run, over a k sweep and prompt workloads; compare with Leviathan et al.'s prediction, the memory bandwidth bound and
+peers; recommend (and optionally store) the bundle's default k.
+
+How a measurement runs: for each workload and batch size, the prompts are taken a batch at a time and each batch is
+decoded target-only and then with every k, back to back (interleaved, so slow drifts of a shared machine hit every
+configuration alike), after one untimed warm-up per configuration. The engines' ``forward`` and their ONNX Runtime
+sessions are wrapped with timers (nothing else changes), which splits the time into draft calls, verify calls,
+prefill, and the loop's own work outside the engines. The report math lives in ``runtime.bench_stats``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k,
+                                 summarize)
+
+BUILTIN_WORKLOADS = ("code", "chat", "reasoning")
+CHAT_BY_DEFAULT = ("chat", "reasoning")  # through the chat template unless --no-chat; code prompts are completions
+
+
+# --- prompts --------------------------------------------------------------------------------------------------------
+
+def parse_prompts(text: str) -> list[str]:
+    """Prompts separated by lines holding only ``---``; a first block made only of ``#`` lines is a comment.
+    A file without any ``---`` line holds one prompt per non-empty line."""
+    lines = text.splitlines()
+    if not any(line.strip() == "---" for line in lines):
+        return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    blocks, current = [], []
+    for line in lines:
+        if line.strip() == "---":
+            blocks.append(current)
+            current = []
+        else:
+            current.append(line)
+    blocks.append(current)
+    if blocks and all(not line.strip() or line.startswith("#") for line in blocks[0]):
+        blocks = blocks[1:]
+    prompts = ["\n".join(block).strip("\n") for block in blocks]
+    return [p for p in prompts if p.strip()]
+
+
+def load_workload(spec: str) -> tuple[str, list[str]]:
+    """A built-in workload name or a prompt file; returns (name, prompts)."""
+    if spec in BUILTIN_WORKLOADS:
+        text = resources.files("runtime").joinpath("prompts", f"{spec}.txt").read_text(encoding="utf-8")
+        return spec, parse_prompts(text)
+    path = Path(spec)
+    if not path.is_file():
+        raise click.BadParameter(f"{spec!r} is neither a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) "
+                                 "nor a prompt file", param_hint="--workload")
+    prompts = parse_prompts(path.read_text(encoding="utf-8"))
+    if not prompts:
+        raise click.BadParameter(f"{spec}: no prompts found", param_hint="--workload")
+    return path.stem, prompts
+
+
+def int_list(values, name: str) -> list[int]:
+    """'1,2,3' / repeated options -> [1, 2, 3] (order kept, duplicates dropped); every value >= 1."""
+    out: list[int] = []
+    for value in values:
+        for part in str(value).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if not part.isdigit() or int(part) < 1:
+                raise click.BadParameter(f"expected integers >= 1, received {part!r}", param_hint=name)
+            if int(part) not in out:
+                out.append(int(part))
+    return out
+
+
+# --- instrumentation ------------------------------------------------------------------------------------------------
+
+class _TimedSession:
+    """An InferenceSession stand-in that times ``run`` and passes everything else through."""
+
+    def __init__(self, session):
+        self._session = session
+        self.last = 0.0
+
+    def run(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._session.run(*args, **kwargs)
+        finally:
+            self.last = time.perf_counter() - start
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+class Recorder:
+    """Wraps the engines of a generator so every forward call is timed (whole call and ORT part) into ``calls``."""
+
+    def __init__(self, generator):
+        self.calls: list[EngineCall] = []
+        self._undo = []
+        for role, engine in (("target", generator.target), ("draft", generator.draft)):
+            if engine is not None:
+                self._wrap(role, engine)
+
+    def _wrap(self, role: str, engine) -> None:
+        session = getattr(engine, "session", None)
+        timed = _TimedSession(session) if session is not None else None
+        if timed is not None:
+            engine.session = timed
+        inner = engine.forward
+
+        def forward(cache, tokens, valid=None):
+            prefill = getattr(cache, "calls", 1) == 0
+            if timed is not None:
+                timed.last = 0.0
+            start = time.perf_counter()
+            out = inner(cache, tokens, valid)
+            seconds = time.perf_counter() - start
+            shape = getattr(tokens, "shape", (1, 1))
+            self.calls.append(EngineCall(role, prefill, seconds, timed.last if timed else seconds,
+                                         int(shape[1]), int(shape[0])))
+            return out
+
+        engine.forward = forward
+        self._undo.append((engine, session))
+
+    def take(self) -> list[EngineCall]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def close(self) -> None:
+        for engine, session in self._undo:
+            engine.__dict__.pop("forward", None)
+            if session is not None:
+                engine.session = session
+        self._undo = []
+
+
+def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, max_new_tokens: int,
+           temperature: float, seed: int | None) -> tuple[list[SequenceRecord], float]:
+    """Run one batch through the generator's own decoding loop, recording each step as it is yielded."""
+    from runtime.speculative import SpeculativeLoop
+    config, _ = generator._config(max_new_tokens, temperature, None, None, seed, k, None, mode, None, None)
+    drafter = generator._drafter(mode, 0.0)
+    loop = SpeculativeLoop(generator.target, drafter, token_lists, config)
+    records = [SequenceRecord() for _ in token_lists]
+    counters = [(0, 0)] * len(token_lists)
+    start = time.perf_counter()
+    last_event = [start] * len(token_lists)
+    for step in loop.run():
+        now = time.perf_counter()
+        for row, new in step:
+            i = row.index
+            drafted = row.stats.num_draft_tokens - counters[i][0]
+            accepted = row.stats.num_accepted_tokens - counters[i][1]
+            counters[i] = (row.stats.num_draft_tokens, row.stats.num_accepted_tokens)
+            records[i].steps.append((drafted, accepted, len(new), now - last_event[i]))
+            last_event[i] = now
+            if new and not records[i].ttft:
+                records[i].ttft = now - start
+            records[i].token_ids.extend(new)
+    return records, time.perf_counter() - start
+
+
+def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
+                  max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None) -> list[CellRecord]:
+    """Measure every (workload, batch, mode, k) cell; ``advance(description)`` is called after each decode."""
+    recorder = Recorder(generator)
+    cells: list[CellRecord] = []
+    configs = [("target", None)] + [("speculative", k) for k in ks]
+    try:
+        for name, token_lists in workloads.items():
+            for batch in batches:
+                mine = {c: CellRecord(name, batch, c[0], c[1]) for c in configs}
+                cells += mine.values()
+                for mode, k in configs:  # warm-up: first calls allocate, JIT-pick kernels and fill caches
+                    decode(generator, token_lists[:batch], mode, k, min(8, max_new_tokens), temperature, seed)
+                recorder.take()
+                for at in range(0, len(token_lists), batch):
+                    chunk = token_lists[at: at + batch]
+                    for mode, k in configs:
+                        records, wall = decode(generator, chunk, mode, k, max_new_tokens, temperature, seed)
+                        cell = mine[(mode, k)]
+                        cell.sequences += records
+                        cell.wall += wall
+                        cell.calls += recorder.take()
+                        if advance:
+                            advance(f"{name} b={batch} " + ("target" if k is None else f"k={k}"))
+    finally:
+        recorder.close()
+    return cells
+
+
+def summarize_cells(cells: list[CellRecord], temperature: float) -> list[dict]:
+    """One row per cell; speculative rows get speedup against the target-only cell of the same workload/batch."""
+    baselines = {(c.workload, c.batch): c for c in cells if c.mode == "target"}
+    rows = []
+    for cell in cells:
+        base = baselines.get((cell.workload, cell.batch))
+        row = summarize(cell, base)
+        if cell.mode == "target":
+            row["speedup"] = 1.0
+            row["identical_to_target"] = None
+        if temperature > 0:
+            row["identical_to_target"] = None  # sampled outputs differ by design
+        rows.append(row)
+    return rows
+
+
+# --- the limit, memory, peers ---------------------------------------------------------------------------------------
+
+def limit_report(bundle: Path, manifest, rows: list[dict], threads: int) -> dict:
+    from runtime.bench_system import measure_bandwidth, weight_bytes_per_token
+    bandwidth = measure_bandwidth(threads=max(1, threads or os.cpu_count() or 1))
+    out = {"bandwidth": bandwidth, "engines": {}}
+    for entry in (manifest.target, manifest.draft):
+        weights = weight_bytes_per_token(bundle / entry.engine)
+        weights["bound_tokens_per_second"] = bandwidth_bound(bandwidth["bytes_per_second"], weights["bytes_per_token"])
+        weights["size_bytes"] = entry.size_bytes
+        weights["quant"] = entry.quant
+        out["engines"][entry.role] = weights
+    target_rows = [r for r in rows if r["mode"] == "target" and r["batch"] == 1]
+    bound = out["engines"]["target"]["bound_tokens_per_second"]
+    if target_rows and bound:
+        tokens = sum(r["tokens"] for r in target_rows)
+        wall = sum(r["wall_seconds"] for r in target_rows)
+        measured = tokens / wall if wall else 0.0
+        out["target_only_tokens_per_second"] = measured
+        out["fraction_of_bound"] = measured / bound
+        out["bound_over_measured"] = bound / measured if measured else None
+    return out
+
+
+# --- output ---------------------------------------------------------------------------------------------------------
+
+def _fmt(value, spec: str = ".2f", missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def render_table(console, report: dict) -> None:
+    from rich.table import Table
+    table = Table(title=f"draftsmith bench: {report['bundle']}", show_lines=False, pad_edge=False)
+    for name in ("workload", "b", "k", "accept", "α", "len", "tok/s", "TTFT ms", "p50 ms", "p95 ms", "speedup",
+                 "predicted", "c", "same"):
+        table.add_column(name, justify="left" if name == "workload" else "right")
+    best = {w: (r["batch"], r["k"]) for w, r in report["best_k"].items()}
+    for r in report["results"]:
+        spec = r["mode"] == "speculative"
+        mark = "*" if spec and best.get(r["workload"]) == (r["batch"], r["k"]) else ""
+        table.add_row(r["workload"], str(r["batch"]), f"{r['k']}{mark}" if spec else "target",
+                      _fmt(r["acceptance_rate"]) if spec else "", _fmt(r["alpha"]) if spec else "",
+                      _fmt(r["mean_acceptance_length"]) if spec else "", _fmt(r["tokens_per_second"], ".1f"),
+                      _fmt(r["ttft_mean"] * 1e3, ".0f"), _fmt(r["latency_p50"] * 1e3, ".1f"),
+                      _fmt(r["latency_p95"] * 1e3, ".1f"), _fmt(r["speedup"]) + "x",
+                      (_fmt(r["predicted_speedup"]) + "x") if spec else "", _fmt(r["c"]) if spec else "",
+                      _fmt(r["identical_to_target"], ".0%", "") if spec else "")
+    for p in report.get("peers", []):
+        if "skipped" in p:
+            continue
+        table.add_row(f"{p['peer']}: {p['workload']}", "1", p["mode"] if p["k"] is None else f"{p['mode']} k={p['k']}",
+                      "", "", "", _fmt(p["tokens_per_second"], ".1f"), "", "", "", _fmt(p["speedup"]) + "x", "", "", "")
+    console.print(table)
+
+
+def render_summary(console, report: dict) -> None:
+    for workload, row in report["best_k"].items():
+        verdict = "speculation pays" if row["speedup"] > 1.0 else "target-only is faster: speculation does not pay"
+        console.print(f"best k for [bold]{workload}[/]: k={row['k']} ({row['speedup']:.2f}x over target-only, "
+                      f"predicted {row['predicted_speedup']:.2f}x; {verdict})")
+    rec = report.get("recommended_k")
+    if rec:
+        console.print(f"recommended default k over {', '.join(report['best_k'])}: [bold]{rec['k']}[/] "
+                      f"(geometric-mean speedup {rec['geomean_speedup']:.2f}x); bundle default now {rec['bundle_default_k']}"
+                      + (" [written]" if rec.get("written") else ""))
+    where = report.get("where_time_goes")
+    if where:
+        for w in where:
+            console.print(f"time at {w['workload']} k={w['k']}: draft {w['draft']:.0%} (ORT {w['draft_ort']:.0%}), "
+                          f"verify {w['verify']:.0%} (ORT {w['verify_ort']:.0%}), prefill {w['prefill']:.0%}, "
+                          f"outside the engines {w['other']:.0%}; draft call {w['draft_call_ms']:.1f} ms, "
+                          f"verify call {w['verify_call_ms']:.1f} ms ({w['verify_vs_target_step']:.2f}x a target-only "
+                          f"step)")
+    mem = report.get("memory")
+    if mem and "draft_overhead_fraction" in mem:
+        t, s = mem["target"], mem["speculative"]
+        console.print(f"peak RSS while decoding: target-only {t['peak_rss_decoding'] / 2**20:.0f} MiB, speculative "
+                      f"{s['peak_rss_decoding'] / 2**20:.0f} MiB ({mem['draft_overhead_fraction']:+.0%} for the "
+                      f"draft); peak while loading {t['peak_rss_loading'] / 2**20:.0f} / "
+                      f"{s['peak_rss_loading'] / 2**20:.0f} MiB; engines: "
+                      + ", ".join(f"{role} {e['size_bytes'] / 1e6:.0f} MB ({e['quant']})"
+                                  for role, e in report.get("limit", {}).get("engines", {}).items()))
+    limit = report.get("limit")
+    if limit and "engines" in limit:
+        bw = limit["bandwidth"]["bytes_per_second"]
+        t = limit["engines"]["target"]
+        line = (f"limit: memory bandwidth {bw / 1e9:.1f} GB/s ({limit['bandwidth']['threads']} threads); target reads "
+                f"{t['bytes_per_token'] / 1e6:.0f} MB of weights per token -> bound {t['bound_tokens_per_second']:.1f} "
+                f"tok/s")
+        if limit.get("target_only_tokens_per_second"):
+            line += (f"; target-only reaches {limit['target_only_tokens_per_second']:.1f} tok/s = "
+                     f"{limit['fraction_of_bound']:.0%} of the bound ({limit['bound_over_measured']:.2f}x from it)")
+        d = limit["engines"].get("draft")
+        if d:
+            line += f"; draft reads {d['bytes_per_token'] / 1e6:.0f} MB/token (bound {d['bound_tokens_per_second']:.0f} tok/s)"
+        console.print(line)
+    for p in report.get("peers", []):
+        if "skipped" in p:
+            console.print(f"peer {p['peer']}: skipped ({p['skipped']})")
+        elif p.get("assistant"):
+            console.print(f"peer {p['peer']} {p['workload']}: assistant = {p['assistant']}")
+
+
+def where_time_goes(rows: list[dict], best: dict[str, dict]) -> list[dict]:
+    """Shares of wall time at each workload's best k: draft/verify calls (and ORT's part), prefill, the rest."""
+    out = []
+    for workload, row in best.items():
+        wall = row["wall_seconds"] or 1.0
+        draft = row["draft_ort_seconds"] + row["draft_glue_seconds"]
+        verify = row["verify_ort_seconds"] + row["verify_glue_seconds"]
+        out.append({"workload": workload, "batch": row["batch"], "k": row["k"], "draft": draft / wall,
+                    "draft_ort": row["draft_ort_seconds"] / wall, "verify": verify / wall,
+                    "verify_ort": row["verify_ort_seconds"] / wall, "prefill": row["prefill_seconds"] / wall,
+                    "other": row["other_seconds"] / wall, "draft_call_ms": row["draft_call_seconds"] * 1e3,
+                    "verify_call_ms": row["verify_call_seconds"] * 1e3,
+                    "verify_vs_target_step": row.get("verify_vs_target_step") or 0.0})
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    """Speedup and acceptance rate against k, one line per workload (and batch size, dashed above 1)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    spec = [r for r in report["results"] if r["mode"] == "speculative"]
+    for workload in dict.fromkeys(r["workload"] for r in spec):
+        for batch in sorted({r["batch"] for r in spec if r["workload"] == workload}):
+            mine = sorted((r for r in spec if r["workload"] == workload and r["batch"] == batch), key=lambda r: r["k"])
+            label = workload if batch == 1 else f"{workload} (batch {batch})"
+            style = "-" if batch == 1 else "--"
+            ks = [r["k"] for r in mine]
+            left.plot(ks, [r["speedup"] for r in mine], style, marker="o", label=label)
+            right.plot(ks, [r["acceptance_rate"] for r in mine], style, marker="o", label=label)
+            right.plot(ks, [r["alpha"] for r in mine], ":", marker=".", color=right.lines[-1].get_color(),
+                       alpha=0.6)
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    left.set(xlabel="k (draft tokens per step)", ylabel="speedup over target-only", title="speedup")
+    right.set(xlabel="k (draft tokens per step)", ylabel="acceptance", ylim=(0, 1.05),
+              title="acceptance rate (solid) and α (dotted)")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.suptitle(Path(report["bundle"]).name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_default_k(bundle: Path, k: int) -> None:
+    """Store k as the bundle's default_k. Only manifest.json changes (it is not among the hashed files), atomically."""
+    from runtime.bundle import load_manifest, write_manifest_atomic
+    manifest = load_manifest(bundle, verify=True)
+    if k > manifest.spec.max_k:
+        raise click.ClickException(f"k={k} exceeds this bundle's max_k ({manifest.spec.max_k})")
+    write_manifest_atomic(bundle, dataclasses.replace(manifest, default_k=k))
+
+
+def _json_default(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+@click.command("bench")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--workload", "workload_specs", multiple=True, default=("code", "chat", "reasoning"), show_default=True,
+              help="code, chat, reasoning or a prompt file (prompts separated by '---' lines, or one per line); "
+                   "repeatable or comma-separated.")
+@click.option("--k", "k_values", multiple=True, default=("1,2,3,4,6,8",), show_default=True,
+              help="Draft lengths to sweep (comma list or repeated).")
+@click.option("--batch", "batch_values", multiple=True, default=("1",), show_default=True,
+              help="Batch sizes (comma list or repeated).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--prompts", "prompt_limit", type=int, default=0, help="Use the first N prompts of each workload (0: all).")
+@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
+@click.option("--chat/--no-chat", default=None,
+              help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and files).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
+@click.option("--write-k", is_flag=True, help="Store the recommended k as the bundle's default_k.")
+@click.option("--memory/--no-memory", default=True, show_default=True,
+              help="Measure peak RSS of target-only and speculative decoding (one child process each).")
+@click.option("--limit/--no-limit", "limit", default=True, show_default=True,
+              help="Measure memory bandwidth and the weights read per token (the bandwidth bound).")
+@click.option("--peers/--no-peers", default=None,
+              help="Run transformers / llama.cpp on the same prompts (default: when installed).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
+          seed, json_out, plot_out, write_k, memory, limit, peers, quiet):
+    """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from runtime.api import SpeculativeGenerator
+    from runtime.bundle import BundleError
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 150))  # logs and pipes: keep the table on one line per row
+    ks, batches = int_list(k_values, "--k"), int_list(batch_values, "--batch")
+    if max_new_tokens < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--max-new-tokens")
+    names = [part.strip() for spec in workload_specs for part in spec.split(",") if part.strip()]
+    loaded = dict(load_workload(n) for n in names)
+    try:
+        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+    except BundleError as err:
+        raise click.ClickException(str(err)) from None
+    bad = [k for k in ks if k > generator.max_k]
+    if bad:
+        raise click.BadParameter(f"{bad} exceed this bundle's max_k ({generator.max_k})", param_hint="--k")
+    workloads: dict[str, list[list[int]]] = {}
+    chat_used = {}
+    for name, prompts in loaded.items():
+        if prompt_limit:
+            prompts = prompts[:prompt_limit]
+        use_chat = chat if chat is not None else (name in CHAT_BY_DEFAULT and bool(generator.tokenizer.chat_template))
+        chat_used[name] = use_chat
+        room = generator.max_context - max_new_tokens
+        workloads[name] = [ids for ids in (generator._encode(p, use_chat) for p in prompts) if len(ids) < room]
+        if not workloads[name]:
+            raise click.ClickException(f"workload {name}: no prompt leaves room for {max_new_tokens} new tokens")
+    started = time.time()
+    runs = sum(math.ceil(len(t) / b) for t in workloads.values() for b in batches) * (1 + len(ks))
+    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, disable=quiet, transient=False)
+    with progress:
+        task = progress.add_task("decoding", total=runs)
+        cells = run_workloads(generator, workloads, ks, batches, max_new_tokens, temperature, seed,
+                              advance=lambda d: progress.update(task, advance=1, description=d))
+    rows = summarize_cells(cells, temperature)
+    best = best_k(rows)
+    rec_k, geomean = recommend_k(rows)
+    manifest = generator.manifest
+    report = {
+        "bundle": str(bundle),
+        "settings": {"workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
+                     "k": ks, "batch": batches, "temperature": temperature, "max_new_tokens": max_new_tokens,
+                     "threads": threads, "seed": seed, "cpu_count": os.cpu_count(),
+                     "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+        "bundle_info": {"target_quant": manifest.target.quant, "draft_quant": manifest.draft.quant,
+                        "draft": manifest.spec.draft, "target": manifest.spec.target,
+                        "default_k": manifest.default_k, "max_k": manifest.spec.max_k},
+        "results": rows,
+        "best_k": {w: r for w, r in best.items()},
+        "where_time_goes": where_time_goes(rows, best),
+    }
+    if rec_k is not None:
+        report["recommended_k"] = {"k": rec_k, "geomean_speedup": geomean, "bundle_default_k": manifest.default_k,
+                                   "chosen_by": "highest geometric mean of measured speedup over the workloads, at "
+                                                "each workload's smallest batch; ties to the smaller k"}
+    del generator  # free the engines before the child processes load their own
+    if limit:
+        with console.status("measuring memory bandwidth and weights per token"):
+            report["limit"] = limit_report(Path(bundle), manifest, rows, threads)
+    if memory:
+        from runtime.bench_system import measure_memory
+        first = next(iter(loaded.values()))[0]
+        with console.status("measuring peak memory (one child process per mode)"):
+            report["memory"] = measure_memory(bundle, threads, min(max_new_tokens, 32), rec_k, first)
+        report["memory"]["engine_size_bytes"] = {"target": manifest.target.size_bytes,
+                                                 "draft": manifest.draft.size_bytes}
+    if peers is not False:
+        report["peers"] = _run_peers(manifest, workloads, best, max_new_tokens, threads, temperature, console,
+                                     quiet, required=bool(peers))
+    if write_k and rec_k is not None:
+        write_default_k(Path(bundle), rec_k)
+        report["recommended_k"]["written"] = True
+        report["recommended_k"]["bundle_default_k"] = rec_k
+    report["seconds"] = time.time() - started
+    render_table(console, report)
+    render_summary(console, report)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2, default=_json_default), encoding="utf-8")
+        console.print(f"report written to {json_out}")
+    if plot_out:
+        plot(report, plot_out)
+        console.print(f"plot written to {plot_out}")
+
+
+def _run_peers(manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet, required) -> list:
+    from runtime.bench_peers import run_llama_cpp, run_transformers
+    if temperature > 0:
+        return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
+    import importlib.util
+    if not required and importlib.util.find_spec("transformers") is None and importlib.util.find_spec("llama_cpp") is None:
+        return [{"peer": "all", "skipped": "no peer installed (pip install draftsmith[peers])"}]
+    ks = {w: r["k"] for w, r in best.items()}
+    status = console.status("peers: loading") if not quiet else None
+    note = (lambda text: status.update(f"peers: {text}")) if status else None
+    if status:
+        status.start()
+    try:
+        return (run_transformers(manifest, workloads, ks, max_new_tokens, threads, manifest.eos_token_ids, note)
+                + run_llama_cpp(manifest, workloads, ks, max_new_tokens, threads, note))
+    finally:
+        if status:
+            status.stop()

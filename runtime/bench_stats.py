@@ -1,0 +1,222 @@
+"""The bench's report math: pure functions over recorded numbers (no engines, no clocks), so tests feed hand-made values.
+
+Definitions (one *cell* = one workload x batch size x mode x k, summed over its prompts):
+
+- A **step** is one target call after the prefill (a verify call in speculative mode, a decode call target-only).
+  Each sequence's step record is ``(drafted, accepted, emitted, seconds_since_previous_event)``.
+- **acceptance rate** (vLLM's ``draft_acceptance_rate``): accepted draft tokens / proposed draft tokens.
+- **alpha** (Leviathan et al.'s per-token acceptance probability): accepted / judged, where *judged* counts the draft
+  tokens the target actually ruled on: the accepted ones plus one rejected token per step that rejected. Tokens after
+  a rejection were never judged, so the plain acceptance rate underestimates alpha for k > 1; this is the maximum
+  likelihood estimate of alpha under the formula's own model (i.i.d. acceptances, stop at the first rejection).
+- **mean acceptance length**: 1 + accepted / steps that drafted (tokens a drafting step emits, bonus token included).
+- **tokens/s**: emitted tokens / wall-clock seconds of the loops that produced them.
+- **TTFT**: seconds from the start of a request (prefill included) to its first emitted token; mean and p50.
+- **per-token latency**: after the first token, each step that emitted n tokens after a gap of g seconds contributes
+  n samples of g / n (the step's time shared by the tokens it delivered); p50 and p95 by linear interpolation.
+- **c** (draft/target cost ratio): mean seconds of one draft decode call (the draft engine's ``forward``, prompt
+  prefill calls excluded) / mean seconds of one target verify call (the target's ``forward`` after the prefill),
+  both measured in the same speculative run. A verify call of k+1 tokens costs more than a one-token decode; that
+  extra is *not* in c, so it shows up as a gap between predicted and measured speedup, next to the loop's overhead.
+- **predicted speedup** (Leviathan et al. 2023, eq. 1 over the cost model): (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineCall:
+    """One ``engine.forward`` call: which engine, whether it was a prompt prefill, its time and ORT's part of it."""
+
+    role: str  # "target" or "draft"
+    prefill: bool
+    seconds: float  # the whole forward call (numpy glue included)
+    ort_seconds: float  # inside InferenceSession.run
+    tokens: int = 1  # new positions per row (S)
+    batch: int = 1
+
+
+@dataclass
+class SequenceRecord:
+    """One prompt's run: per step (drafted, accepted, emitted, gap seconds); the first emitting step's gap is TTFT."""
+
+    steps: list[tuple[int, int, int, float]] = field(default_factory=list)
+    ttft: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def emitted(self) -> int:
+        return sum(s[2] for s in self.steps)
+
+
+@dataclass
+class CellRecord:
+    """Everything measured for one cell; ``wall`` sums the wall-clock seconds of the loops (one per batch)."""
+
+    workload: str
+    batch: int
+    mode: str  # "target" or "speculative"
+    k: int | None
+    sequences: list[SequenceRecord] = field(default_factory=list)
+    calls: list[EngineCall] = field(default_factory=list)
+    wall: float = 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def token_latencies(sequence: SequenceRecord) -> list[float]:
+    """Per-token latency samples of one sequence: each step after the first emission spreads its gap over its tokens."""
+    samples: list[float] = []
+    seen_first = False
+    pending_gap = 0.0
+    for _, _, emitted, gap in sequence.steps:
+        if not seen_first:
+            if emitted:
+                seen_first = True
+            continue
+        pending_gap += gap
+        if emitted:
+            samples += [pending_gap / emitted] * emitted
+            pending_gap = 0.0
+    return samples
+
+
+def acceptance(steps: list[tuple[int, int, int, float]]) -> dict:
+    """Acceptance figures from per-step (drafted, accepted, ...) counts."""
+    drafted = sum(s[0] for s in steps)
+    accepted = sum(s[1] for s in steps)
+    drafting_steps = sum(1 for s in steps if s[0] > 0)
+    rejecting_steps = sum(1 for s in steps if s[1] < s[0])
+    judged = accepted + rejecting_steps
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "drafting_steps": drafting_steps,
+        "rejecting_steps": rejecting_steps,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "alpha": accepted / judged if judged else 0.0,
+        "mean_acceptance_length": 1.0 + accepted / drafting_steps if drafting_steps else 1.0,
+    }
+
+
+def leviathan_speedup(alpha: float, k: int, c: float) -> float:
+    """Predicted walltime improvement: (1 - a^(k+1)) / ((1 - a)(k c + 1)); at a = 1 the limit (k+1)/(k c + 1)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], received {alpha}")
+    if k < 0 or c < 0:
+        raise ValueError(f"k and c must be >= 0, received k={k}, c={c}")
+    expected = (k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return expected / (k * c + 1.0)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def call_costs(calls: list[EngineCall]) -> dict:
+    """Mean call times and the time split: draft and verify (ORT / glue), prefill; per-role call counts."""
+    def pick(role, prefill):
+        return [c for c in calls if c.role == role and c.prefill == prefill]
+    draft, verify = pick("draft", False), pick("target", False)
+    prefill = [c for c in calls if c.prefill]
+    draft_call = _mean([c.seconds for c in draft])
+    verify_call = _mean([c.seconds for c in verify])
+    return {
+        "draft_calls": len(draft),
+        "verify_calls": len(verify),
+        "draft_call_seconds": draft_call,
+        "verify_call_seconds": verify_call,
+        "c": draft_call / verify_call if verify_call > 0 and draft else 0.0,
+        "draft_ort_seconds": sum(c.ort_seconds for c in draft),
+        "draft_glue_seconds": sum(c.seconds - c.ort_seconds for c in draft),
+        "verify_ort_seconds": sum(c.ort_seconds for c in verify),
+        "verify_glue_seconds": sum(c.seconds - c.ort_seconds for c in verify),
+        "prefill_seconds": sum(c.seconds for c in prefill),
+        "engine_seconds": sum(c.seconds for c in calls),
+    }
+
+
+def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
+    """Every figure of one cell; ``baseline`` is the target-only cell of the same workload and batch (for speedup)."""
+    steps = [s for seq in cell.sequences for s in seq.steps]
+    tokens = sum(seq.emitted for seq in cell.sequences)
+    latencies = [x for seq in cell.sequences for x in token_latencies(seq)]
+    ttfts = [seq.ttft for seq in cell.sequences]
+    costs = call_costs(cell.calls)
+    out = {"workload": cell.workload, "batch": cell.batch, "mode": cell.mode, "k": cell.k,
+           "prompts": len(cell.sequences), "tokens": tokens, "steps": len(steps), "wall_seconds": cell.wall,
+           "tokens_per_second": tokens / cell.wall if cell.wall > 0 else 0.0,
+           "ttft_mean": _mean(ttfts), "ttft_p50": percentile(ttfts, 50),
+           "latency_p50": percentile(latencies, 50), "latency_p95": percentile(latencies, 95)}
+    out.update(acceptance(steps))
+    out.update(costs)
+    out["other_seconds"] = max(0.0, cell.wall - costs["engine_seconds"])
+    out["speedup"] = None
+    out["predicted_speedup"] = None
+    out["identical_to_target"] = None
+    if cell.mode == "speculative" and cell.k:
+        out["predicted_speedup"] = leviathan_speedup(out["alpha"], cell.k, costs["c"])
+    if baseline is not None:
+        base = baseline.wall and sum(s.emitted for s in baseline.sequences) / baseline.wall
+        out["speedup"] = out["tokens_per_second"] / base if base else 0.0
+        target_ms = call_costs(baseline.calls)["verify_call_seconds"]
+        out["verify_vs_target_step"] = costs["verify_call_seconds"] / target_ms if target_ms else 0.0
+        if len(baseline.sequences) == len(cell.sequences):
+            same = [a.token_ids == b.token_ids for a, b in zip(cell.sequences, baseline.sequences)]
+            out["identical_to_target"] = sum(same) / len(same) if same else None
+    return out
+
+
+def best_k(rows: list[dict]) -> dict[str, dict]:
+    """Per workload: the speculative row with the highest measured speedup at the smallest batch measured.
+
+    Ties go to the smaller k (less draft work for the same speed). Returns {workload: row}.
+    """
+    best: dict[str, dict] = {}
+    spec = [r for r in rows if r["mode"] == "speculative" and r.get("speedup") is not None]
+    for workload in dict.fromkeys(r["workload"] for r in spec):
+        mine = [r for r in spec if r["workload"] == workload]
+        batch = min(r["batch"] for r in mine)
+        mine = [r for r in mine if r["batch"] == batch]
+        best[workload] = max(mine, key=lambda r: (r["speedup"], -r["k"]))
+    return best
+
+
+def recommend_k(rows: list[dict]) -> tuple[int | None, float]:
+    """One k for the bundle over all workloads measured: the highest geometric mean of speedup across workloads.
+
+    Only k values measured on every workload compete (at each workload's smallest batch); every workload weighs the
+    same whatever its prompt count. Ties go to the smaller k. Returns (k, geometric-mean speedup) or (None, 0.0).
+    """
+    spec = [r for r in rows if r["mode"] == "speculative" and r.get("speedup")]
+    workloads = list(dict.fromkeys(r["workload"] for r in spec))
+    if not workloads:
+        return None, 0.0
+    smallest = {w: min(r["batch"] for r in spec if r["workload"] == w) for w in workloads}
+    table: dict[int, dict[str, float]] = {}
+    for r in spec:
+        if r["batch"] == smallest[r["workload"]]:
+            table.setdefault(r["k"], {})[r["workload"]] = r["speedup"]
+    scores = {k: math.exp(sum(math.log(v) for v in by.values()) / len(by))
+              for k, by in table.items() if len(by) == len(workloads)}
+    if not scores:
+        return None, 0.0
+    k = max(scores, key=lambda key: (scores[key], -key))
+    return k, scores[k]
+
+
+def bandwidth_bound(bandwidth_bytes_per_s: float, bytes_per_token: float) -> float:
+    """Tokens/s a decoder cannot beat if every token reads ``bytes_per_token`` of weights once from memory."""
+    return bandwidth_bytes_per_s / bytes_per_token if bytes_per_token > 0 else 0.0

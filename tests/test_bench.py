@@ -1,0 +1,234 @@
+"""draftsmith bench: the report math against hand-computed values, best k, --write-k, and a short real run.
+
+Speed is measured by the bench, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, acceptance, bandwidth_bound, best_k,
+                                 call_costs, leviathan_speedup, percentile, recommend_k, summarize, token_latencies)
+
+
+# --- prompts --------------------------------------------------------------------------------------------------------
+
+def test_builtin_workloads_ship_about_twenty_prompts_each():
+    from runtime.bench import BUILTIN_WORKLOADS, load_workload
+    for name in BUILTIN_WORKLOADS:
+        loaded, prompts = load_workload(name)
+        assert loaded == name
+        assert 18 <= len(prompts) <= 25
+        assert all(p.strip() and "---" not in p.splitlines() for p in prompts)
+        assert not any(p.startswith("# Code-completion prompts") or p.startswith("# Chat prompts") for p in prompts)
+    code = load_workload("code")[1]
+    assert code[0] == 'def fibonacci(n: int) -> list[int]:\n    """Return the first n Fibonacci numbers."""'
+
+
+def test_prompt_file_formats(tmp_path):
+    from runtime.bench import int_list, parse_prompts
+    assert parse_prompts("# header\n---\nfirst\nline two\n---\n\n---\nsecond\n") == ["first\nline two", "second"]
+    assert parse_prompts("one\n\n# comment\ntwo\n") == ["one", "two"]  # no separators: one prompt per line
+    assert parse_prompts("# a prompt that is code\nx = 1\n---\nnext") == ["# a prompt that is code\nx = 1", "next"]
+    assert int_list(("1,2", "2", "8"), "--k") == [1, 2, 8]
+    with pytest.raises(Exception):
+        int_list(("0",), "--k")
+
+
+# --- statistics -----------------------------------------------------------------------------------------------------
+
+STEPS = [  # (drafted, accepted, emitted, gap seconds)
+    (3, 3, 4, 0.50),  # the first step: TTFT, not a per-token sample
+    (3, 1, 2, 0.06),
+    (3, 0, 1, 0.02),
+    (2, 2, 3, 0.09),
+]
+
+
+def test_acceptance_from_per_step_counts():
+    a = acceptance(STEPS)
+    assert a["draft_tokens"] == 11 and a["accepted_tokens"] == 6
+    assert a["drafting_steps"] == 4 and a["rejecting_steps"] == 2
+    assert a["acceptance_rate"] == pytest.approx(6 / 11)
+    assert a["alpha"] == pytest.approx(6 / 8)  # judged = 6 accepted + 2 rejected; tokens after a rejection never judged
+    assert a["mean_acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert acceptance([(0, 0, 1, 0.1)] * 3)["mean_acceptance_length"] == 1.0  # target-only
+    assert acceptance([(0, 0, 1, 0.1)])["alpha"] == 0.0
+
+
+def test_per_token_latencies_share_each_step_among_its_tokens():
+    seq = SequenceRecord(steps=STEPS + [(2, 0, 0, 0.01), (2, 1, 2, 0.03)])  # a step that emitted nothing
+    samples = token_latencies(seq)
+    assert samples == pytest.approx([0.03, 0.03, 0.02, 0.03, 0.03, 0.03, 0.02, 0.02])
+    assert percentile(samples, 50) == pytest.approx(0.03)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)  # 3 + 0.85 * (4 - 3)
+    values = list(np.random.default_rng(0).random(37))
+    for q in (0, 5, 50, 95, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([], 50) == 0.0
+
+
+def test_leviathan_formula():
+    assert leviathan_speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8 ** 4) / (0.2 * 1.3))  # 2.2708
+    assert leviathan_speedup(0.8, 3, 0.1) == pytest.approx(2.270769, abs=1e-6)
+    assert leviathan_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the a -> 1 limit
+    assert leviathan_speedup(0.0, 2, 0.5) == pytest.approx(1 / 2)  # nothing accepted: pure draft overhead
+    assert leviathan_speedup(0.6, 1, 0.0) == pytest.approx(1.6)
+    with pytest.raises(ValueError):
+        leviathan_speedup(1.5, 2, 0.1)
+
+
+def _calls(role, prefill_seconds, decode_seconds, ort_fraction=0.9):
+    calls = [EngineCall(role, True, prefill_seconds, prefill_seconds * ort_fraction, 10)]
+    return calls + [EngineCall(role, False, s, s * ort_fraction, 1) for s in decode_seconds]
+
+
+def test_call_costs_and_the_cost_ratio():
+    calls = _calls("target", 0.2, [0.04, 0.05, 0.06]) + _calls("draft", 0.1, [0.01, 0.01, 0.02, 0.02])
+    costs = call_costs(calls)
+    assert costs["verify_calls"] == 3 and costs["draft_calls"] == 4
+    assert costs["verify_call_seconds"] == pytest.approx(0.05)
+    assert costs["draft_call_seconds"] == pytest.approx(0.015)
+    assert costs["c"] == pytest.approx(0.3)  # 0.015 / 0.05; prefill calls excluded from both
+    assert costs["prefill_seconds"] == pytest.approx(0.3)
+    assert costs["verify_ort_seconds"] == pytest.approx(0.9 * 0.15)
+    assert costs["draft_glue_seconds"] == pytest.approx(0.1 * 0.06)
+    assert costs["engine_seconds"] == pytest.approx(0.2 + 0.15 + 0.1 + 0.06)
+    assert call_costs(_calls("target", 0.2, [0.05]))["c"] == 0.0  # no draft calls: no ratio
+
+
+def test_summarize_a_cell_against_its_baseline():
+    spec = CellRecord("code", 1, "speculative", 3, wall=2.0,
+                      calls=_calls("target", 0.2, [0.05] * 4) + _calls("draft", 0.1, [0.01] * 11))
+    spec.sequences = [SequenceRecord(steps=list(STEPS), ttft=0.5, token_ids=[1, 2, 3]),
+                      SequenceRecord(steps=[(3, 3, 4, 0.3), (3, 2, 3, 0.09)], ttft=0.3, token_ids=[4, 5])]
+    base = CellRecord("code", 1, "target", None, wall=4.0, calls=_calls("target", 0.2, [0.04] * 17))
+    base.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.1)] * 10, ttft=0.1, token_ids=[1, 2, 3]),
+                      SequenceRecord(steps=[(0, 0, 1, 0.1)] * 7, ttft=0.1, token_ids=[4, 9])]
+    row = summarize(spec, base)
+    assert row["tokens"] == 10 + 7 and row["steps"] == 6
+    assert row["tokens_per_second"] == pytest.approx(17 / 2.0)
+    assert row["speedup"] == pytest.approx((17 / 2.0) / (17 / 4.0))
+    assert row["ttft_mean"] == pytest.approx(0.4) and row["ttft_p50"] == pytest.approx(0.4)
+    assert row["accepted_tokens"] == 11 and row["draft_tokens"] == 17
+    assert row["alpha"] == pytest.approx(11 / 14)  # rejecting steps: 2 in the first sequence, 1 in the second
+    assert row["mean_acceptance_length"] == pytest.approx(1 + 11 / 6)
+    assert row["c"] == pytest.approx(0.2)
+    assert row["predicted_speedup"] == pytest.approx(leviathan_speedup(11 / 14, 3, 0.2))
+    assert row["verify_vs_target_step"] == pytest.approx(0.05 / 0.04)
+    assert row["identical_to_target"] == pytest.approx(0.5)
+    # latency samples: [0.03, 0.03, 0.02, 0.03, 0.03, 0.03] + [0.03] * 3 -> p50 0.03, p95 0.03
+    assert row["latency_p50"] == pytest.approx(0.03) and row["latency_p95"] == pytest.approx(0.03)
+    assert row["other_seconds"] == pytest.approx(2.0 - (0.2 + 0.2 + 0.1 + 0.11))
+
+
+def _row(workload, k, speedup, batch=1):
+    return {"workload": workload, "batch": batch, "mode": "speculative", "k": k, "speedup": speedup}
+
+
+def test_best_k_per_workload_and_the_recommendation():
+    rows = [{"workload": "code", "batch": 1, "mode": "target", "k": None, "speedup": 1.0},
+            _row("code", 1, 1.2), _row("code", 2, 1.6), _row("code", 4, 2.0), _row("code", 4, 3.0, batch=4),
+            _row("chat", 1, 1.1), _row("chat", 2, 1.3), _row("chat", 4, 0.7),
+            _row("qa", 1, 1.0), _row("qa", 2, 1.0)]
+    best = best_k(rows)
+    assert {w: r["k"] for w, r in best.items()} == {"code": 4, "chat": 2, "qa": 1}  # batch 1 only; tie -> smaller k
+    k, score = recommend_k(rows)
+    # geometric means over code, chat, qa (k=4 is missing for qa, so it cannot compete)
+    assert k == 2
+    assert score == pytest.approx((1.6 * 1.3 * 1.0) ** (1 / 3))
+    assert recommend_k([rows[0]]) == (None, 0.0)
+
+
+def test_bandwidth_bound():
+    assert bandwidth_bound(33e9, 540e6) == pytest.approx(61.11, abs=0.01)
+    assert bandwidth_bound(33e9, 0) == 0.0
+
+
+# --- engines, --write-k and a real run ------------------------------------------------------------------------------
+
+def test_recorded_steps_match_the_runtime_counters(generator):
+    from runtime.bench import Recorder, decode
+    ids = generator._encode("def add(a, b):", False)
+    reference = generator.generate("def add(a, b):", max_new_tokens=12, k=3)
+    recorder = Recorder(generator)
+    try:
+        (seq,), wall = decode(generator, [ids], "speculative", 3, 12, 0.0, 0)
+        calls = recorder.take()
+    finally:
+        recorder.close()
+    assert "forward" not in generator.target.__dict__ and type(generator.target.session).__name__ != "_TimedSession"
+    assert seq.token_ids == reference.token_ids
+    assert seq.emitted == len(reference.token_ids)
+    assert sum(s[0] for s in seq.steps) == reference.stats.num_draft_tokens
+    assert sum(s[1] for s in seq.steps) == reference.stats.num_accepted_tokens
+    assert len(seq.steps) == reference.stats.num_steps
+    verify = [c for c in calls if c.role == "target" and not c.prefill]
+    assert len(verify) == reference.stats.num_steps
+    assert sum(1 for c in calls if c.role == "target" and c.prefill) == 1
+    assert all(0 <= c.ort_seconds <= c.seconds for c in calls)
+    assert 0 < seq.ttft <= wall
+
+
+def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
+    from runtime.bench import write_default_k
+    from runtime.bundle import load_manifest
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, copy)
+    before = load_manifest(copy)
+    new_k = 2 if before.default_k != 2 else 3
+    write_default_k(copy, new_k)
+    after = load_manifest(copy, verify=True)
+    assert after.default_k == new_k
+    assert after.files == before.files and after.target == before.target
+    assert not [p for p in copy.iterdir() if p.name.startswith(".manifest-")]
+    with pytest.raises(Exception):
+        write_default_k(copy, before.spec.max_k + 1)
+
+
+def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
+    from click.testing import CliRunner
+    from runtime.cli import main
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, copy)
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("def add(a, b):\n---\nThe quick brown fox\n", encoding="utf-8")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = CliRunner().invoke(main, [
+        "bench", str(copy), "--workload", "code", "--workload", str(prompts), "--k", "1,2", "--prompts", "2",
+        "--max-new-tokens", "6", "--threads", "1", "--no-peers", "--json", str(out), "--plot", str(png),
+        "--write-k", "--quiet"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "best k for code" in result.output
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert {(r["workload"], r["mode"], r["k"]) for r in rows} == {
+        (w, m, k) for w in ("code", "mine") for m, k in (("target", None), ("speculative", 1), ("speculative", 2))}
+    for r in rows:
+        assert r["prompts"] == 2 and 0 < r["tokens"] <= 12
+        assert r["tokens_per_second"] > 0 and r["ttft_mean"] > 0 and r["speedup"] > 0
+        if r["mode"] == "speculative":
+            assert 0 <= r["acceptance_rate"] <= 1 and 0 <= r["alpha"] <= 1 and r["predicted_speedup"] > 0
+            assert r["identical_to_target"] == 1.0  # greedy: the same tokens as target-only
+    assert set(report["best_k"]) == {"code", "mine"}
+    k = report["recommended_k"]["k"]
+    from runtime.bundle import load_manifest
+    assert load_manifest(copy, verify=True).default_k == k and report["recommended_k"]["written"]
+    assert report["memory"]["target"]["peak_rss_decoding"] > 0
+    assert report["memory"]["speculative"]["peak_rss_decoding"] > 0
+    limit = report["limit"]
+    assert limit["bandwidth"]["bytes_per_second"] > 0
+    assert limit["engines"]["target"]["bytes_per_token"] > 0
+    assert limit["engines"]["target"]["bound_tokens_per_second"] > 0
+    assert all(math.isfinite(w["other"]) for w in report["where_time_goes"])
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    image = matplotlib.image.imread(str(png))
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 400

@@ -1,0 +1,164 @@
+"""The runtime's Engine contract (runtime/engine.py), run for every backend.
+
+onnxruntime: the tiny bundle's target engine.
+tensorrt_llm-adapter: runtime/trtllm_engine.RunnerEngine over a CPU stand-in for ModelRunnerCpp (each request runs
+    the tiny ONNX target on the request's whole history and returns its context logits): checks the adapter's own
+    bookkeeping (history, rollback, padding, select) on any machine.
+tensorrt_llm: RunnerEngine over a real ModelRunnerCpp; skipped, with the reason shown, without TensorRT-LLM and a GPU
+    (scripts/gpu_check.sh runs it there, with DRAFTSMITH_TRTLLM_BUNDLE set to an engine-flavor bundle).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from runtime.bundle import load_manifest
+from runtime.engine import OnnxEngine
+
+ATOL = 2e-4
+
+
+def onnx_engine(bundle):
+    manifest = load_manifest(bundle, verify=False)
+    entry = manifest.target
+    return OnnxEngine(bundle / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
+                      head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
+                      threads=1)
+
+
+class CpuRunner:
+    """ModelRunnerCpp.generate's contract for what RunnerEngine uses, computed by a fresh ONNX run per request."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    def generate(self, batch_input_ids, *, max_new_tokens, end_id, pad_id, return_dict):
+        assert max_new_tokens == 1 and return_dict
+        context = []
+        for ids in batch_input_ids:
+            ids = np.asarray(ids.tolist(), dtype=np.int64)[None]
+            self.requests.append(ids.shape[1])
+            context.append(self.engine.forward(self.engine.new_cache(1), ids)[0])
+        return {"context_logits": context}
+
+
+def real_trtllm_engine():
+    reasons = []
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        reasons.append("tensorrt_llm is not installed (pip install 'draftsmith[tensorrt]')")
+    if shutil.which("nvidia-smi") is None:
+        reasons.append("no NVIDIA GPU")
+    if not os.environ.get("DRAFTSMITH_TRTLLM_BUNDLE"):
+        reasons.append("DRAFTSMITH_TRTLLM_BUNDLE (an engine-flavor bundle) is not set")
+    if reasons:
+        pytest.skip("tensorrt_llm backend: " + "; ".join(reasons))
+    from pathlib import Path
+
+    from runtime.trtllm_engine import RunnerEngine, open_runner
+    bundle = Path(os.environ["DRAFTSMITH_TRTLLM_BUNDLE"])
+    manifest = load_manifest(bundle, verify=False)
+    eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
+    return RunnerEngine(open_runner(bundle / manifest.target.engine, 4), vocab_size=manifest.target.vocab_size,
+                        max_context=manifest.max_context, end_id=eos, pad_id=eos)
+
+
+@pytest.fixture(params=["onnxruntime", "tensorrt_llm-adapter", "tensorrt_llm"])
+def engine(request):
+    if request.param == "tensorrt_llm":
+        return real_trtllm_engine()
+    bundle = request.getfixturevalue("tiny_bundle")
+    if request.param == "onnxruntime":
+        return onnx_engine(bundle)
+    from runtime.trtllm_engine import RunnerEngine
+    base = onnx_engine(bundle)
+    return RunnerEngine(CpuRunner(base), vocab_size=base.vocab_size, max_context=base.max_context, end_id=2,
+                        pad_id=0)
+
+
+def tokens(rng, batch, width, high=300):
+    return rng.integers(3, high, size=(batch, width)).astype(np.int64)
+
+
+def test_new_cache_is_empty(engine):
+    cache = engine.new_cache(3)
+    assert cache.batch == 3 and cache.lengths.tolist() == [0, 0, 0]
+
+
+def test_forward_with_past_returns_batch_by_new_positions_by_vocab(engine):
+    rng = np.random.default_rng(0)
+    cache = engine.new_cache(2)
+    first = engine.forward(cache, tokens(rng, 2, 5))
+    second = engine.forward(cache, tokens(rng, 2, 3))
+    assert first.shape == (2, 5, engine.vocab_size) and second.shape == (2, 3, engine.vocab_size)
+    assert np.isfinite(second).all()
+    assert cache.lengths.tolist() == [8, 8]
+
+
+def test_incremental_forward_equals_one_pass(engine):
+    rng = np.random.default_rng(1)
+    ids = tokens(rng, 2, 9)
+    whole = engine.forward(engine.new_cache(2), ids)
+    cache = engine.new_cache(2)
+    parts = [engine.forward(cache, ids[:, :4]), engine.forward(cache, ids[:, 4:5]), engine.forward(cache, ids[:, 5:])]
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, atol=ATOL)
+
+
+def test_rollback_then_forward_equals_a_fresh_run(engine):
+    rng = np.random.default_rng(2)
+    prefix, rejected, replacement = tokens(rng, 2, 6), tokens(rng, 2, 4), tokens(rng, 2, 3)
+    cache = engine.new_cache(2)
+    engine.forward(cache, prefix)
+    engine.forward(cache, rejected)
+    keep = np.array([7, 6])  # row 0 keeps one drafted token, row 1 none
+    engine.rollback(cache, keep)
+    assert cache.lengths.tolist() == [7, 6]
+    after = engine.forward(cache, replacement)
+    for row in range(2):
+        history = np.concatenate([prefix[row], rejected[row]])[: keep[row]]
+        fresh = engine.forward(engine.new_cache(1), np.concatenate([history, replacement[row]])[None])
+        np.testing.assert_allclose(after[row], fresh[0, -3:], atol=ATOL)
+
+
+def test_padding_is_ignored(engine):
+    rng = np.random.default_rng(3)
+    ids = tokens(rng, 2, 4)
+    valid = np.array([[1, 1, 1, 1], [1, 1, 0, 0]])
+    cache = engine.new_cache(2)
+    logits = engine.forward(cache, ids * valid, valid)
+    assert cache.lengths.tolist() == [4, 2]
+    alone = engine.forward(engine.new_cache(1), ids[1:, :2])
+    np.testing.assert_allclose(logits[1, :2], alone[0], atol=ATOL)
+    nxt = tokens(rng, 2, 1)
+    step = engine.forward(cache, nxt)
+    fresh = engine.forward(engine.new_cache(1), np.concatenate([ids[1, :2], nxt[1]])[None])
+    np.testing.assert_allclose(step[1, 0], fresh[0, -1], atol=ATOL)
+
+
+def test_select_keeps_the_chosen_rows(engine):
+    rng = np.random.default_rng(4)
+    ids = tokens(rng, 3, 5)
+    cache = engine.new_cache(3)
+    engine.forward(cache, ids)
+    picked = engine.select(cache, np.array([2, 0]))
+    assert picked.batch == 2 and picked.lengths.tolist() == [5, 5]
+    nxt = tokens(rng, 2, 2)
+    out = engine.forward(picked, nxt)
+    for i, row in enumerate((2, 0)):
+        fresh = engine.forward(engine.new_cache(1), np.concatenate([ids[row], nxt[i]])[None])
+        np.testing.assert_allclose(out[i], fresh[0, -2:], atol=ATOL)
+
+
+def test_adapter_sends_whole_histories_one_request_per_row(tiny_bundle):
+    from runtime.trtllm_engine import RunnerEngine
+    base = onnx_engine(tiny_bundle)
+    runner = CpuRunner(base)
+    engine = RunnerEngine(runner, vocab_size=base.vocab_size, max_context=base.max_context, end_id=2, pad_id=0)
+    cache = engine.new_cache(2)
+    engine.forward(cache, np.array([[5, 6, 7], [8, 9, 0]]), np.array([[1, 1, 1], [1, 1, 0]]))
+    engine.forward(cache, np.array([[10], [11]]))
+    assert runner.requests == [3, 2, 4, 3]

@@ -1,0 +1,272 @@
+"""The runtime over real (tiny) ONNX engines, and the loop's control flow over scripted engines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import BigramEngine, random_table
+from runtime.api import SpeculativeGenerator
+from runtime.errors import RequestError
+from runtime.sampling import SamplingParams
+from runtime.speculative import AdaptiveK, DecodeConfig, Fallback, ModelDrafter, SpeculativeLoop
+
+PROMPTS = ["The quick brown", "def add(a, b):\n    return", "x", "Speculative decoding keeps the target's output"]
+
+
+def run_loop(target, draft, prompts, **config):
+    loop = SpeculativeLoop(target, ModelDrafter(draft) if draft else None, prompts, DecodeConfig(**config))
+    steps = list(loop.run())
+    return loop, steps
+
+
+# --- greedy equivalence on real engines -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_greedy_speculative_equals_target_only(generator, k):
+    for prompt in PROMPTS[:2]:
+        spec = generator.generate(prompt, max_new_tokens=40, k=k)
+        plain = generator.generate(prompt, max_new_tokens=40, mode="target")
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text
+        assert spec.stats.num_steps < plain.stats.num_steps or spec.stats.num_accepted_tokens == 0
+
+
+def test_the_pair_accepts_some_and_rejects_some(generator):
+    """Otherwise the equivalence tests above would not exercise rollback."""
+    stats = generator.generate(PROMPTS[0], max_new_tokens=60, k=4).stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_batch_equals_each_prompt_alone(generator, k):
+    batch = generator.generate(PROMPTS, max_new_tokens=30, k=k)
+    for prompt, result in zip(PROMPTS, batch):
+        alone = generator.generate(prompt, max_new_tokens=30, mode="target")
+        assert result.token_ids == alone.token_ids
+
+
+def test_batch_rows_finish_at_different_times(generator):
+    free = generator.generate(PROMPTS[1], max_new_tokens=30, mode="target").text
+    stop = free[5:8]
+    batch = generator.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=30, stop=[stop])
+    assert batch[1].finish_reason == "stop" and len(batch[1].text) <= 5 + len(stop)
+    assert batch[0].token_ids == generator.generate(PROMPTS[0], max_new_tokens=30, stop=[stop]).token_ids
+
+
+def test_rollback_continuation_equals_fresh_run_from_accepted_prefix(generator):
+    """Generation that continued after rejections equals a fresh run started from the accepted prefix."""
+    tok = generator.tokenizer
+    first = generator.generate(PROMPTS[0], max_new_tokens=40, k=4)
+    assert first.stats.num_draft_tokens > first.stats.num_accepted_tokens  # rejections happened
+    prompt_ids = tok.encode(PROMPTS[0])
+    prefix = prompt_ids + first.token_ids[:20]
+    loop = SpeculativeLoop(generator.target, ModelDrafter(generator.draft), [prefix],
+                           DecodeConfig(max_new_tokens=20, k=4))
+    for _ in loop.run():
+        pass
+    assert loop.rows[0].generated == first.token_ids[20:40]
+
+
+def test_sampled_generation_is_reproducible_with_a_seed(generator):
+    a = generator.generate(PROMPTS[0], max_new_tokens=30, temperature=0.9, top_p=0.95, seed=3)
+    b = generator.generate(PROMPTS[0], max_new_tokens=30, temperature=0.9, top_p=0.95, seed=3)
+    c = generator.generate(PROMPTS[0], max_new_tokens=30, temperature=0.9, top_p=0.95, seed=4)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+# --- streaming and text -----------------------------------------------------------------------------------------
+
+def test_stream_concatenation_equals_generate(generator):
+    for prompt in PROMPTS:
+        pieces = list(generator.stream(prompt, max_new_tokens=40, k=3))
+        assert "".join(pieces) == generator.generate(prompt, max_new_tokens=40, k=3).text
+
+
+def test_stream_never_splits_a_multibyte_character(generator):
+    """Byte-level tokens can carry half a character; no streamed piece may end inside one."""
+    tok = generator.tokenizer
+    ids = tok.encode("日本語のテキスト 🙂🚀 café")
+    from runtime.text import IncrementalDecoder
+    decoder = IncrementalDecoder(tok)
+    pieces = [decoder.push([i]) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert sum(1 for p in pieces if p) < len(ids)  # some tokens were held back: they were partial characters
+
+
+def test_stop_string_split_across_tokens(generator):
+    full = generator.generate(PROMPTS[1], max_new_tokens=40).text
+    stop = full[10:14]
+    result = generator.generate(PROMPTS[1], max_new_tokens=40, stop=stop)
+    assert result.finish_reason == "stop"
+    assert result.text == full[: full.find(stop)]
+    assert "".join(generator.stream(PROMPTS[1], max_new_tokens=40, stop=stop)) == result.text
+
+
+def test_eos_ends_generation():
+    table = np.full((5, 5), -5.0)
+    table[:, 4] = 5.0  # every token is followed by token 4 (our EOS)
+    target = BigramEngine(table)
+    loop, _ = run_loop(target, BigramEngine(table), [[1, 2]], max_new_tokens=10, k=3, eos_ids=(4,))
+    assert loop.rows[0].generated == [4] and loop.rows[0].finished == "stop"
+
+
+def test_context_limit_ends_cleanly():
+    table = random_table(6, 0)
+    target = BigramEngine(table, max_context=12)
+    loop, _ = run_loop(target, BigramEngine(table, max_context=12), [[1] * 5], max_new_tokens=50, k=4)
+    row = loop.rows[0]
+    assert row.finished == "context" and row.total == 12
+
+
+def test_chat_template_is_applied(generator):
+    rendered = generator.tokenizer.apply_chat_template("hello")
+    assert rendered.startswith("<|im_start|>user\nhello<|im_end|>") and rendered.endswith("assistant\n")
+    chat = generator.generate("hello", max_new_tokens=5, chat=True)
+    assert chat.prompt_tokens == len(generator.tokenizer.encode(rendered))
+
+
+# --- control flow over scripted engines -------------------------------------------------------------------------
+
+def test_call_counts_with_a_perfect_draft():
+    """A draft identical to the target: every step accepts k and adds a bonus; draft calls are k per step."""
+    table = random_table(7, 1)
+    target, draft = BigramEngine(table), BigramEngine(table)
+    loop, steps = run_loop(target, draft, [[0, 1]], max_new_tokens=21, k=4)
+    row = loop.rows[0]
+    assert len(row.generated) == 21
+    assert row.stats.num_steps == 5  # 4 full steps emit 5 each (20), then one token left: k shrinks to 0
+    assert row.stats.num_accepted_tokens == 16 and row.stats.draft_acceptance_rate == 1.0
+    assert target.calls == 1 + 5  # prefill + one verify per step
+    assert draft.calls == 4 * 4  # k calls per drafting step, nothing in the last step
+    assert row.stats.mean_acceptance_length == 5.0
+
+
+def test_a_useless_draft_still_gives_target_output():
+    target_table, draft_table = random_table(7, 1), -random_table(7, 1)  # the draft prefers what the target doesn't
+    spec, _ = run_loop(BigramEngine(target_table), BigramEngine(draft_table), [[0, 1]], max_new_tokens=30, k=3)
+    plain, _ = run_loop(BigramEngine(target_table), None, [[0, 1]], max_new_tokens=30, k=3)
+    assert spec.rows[0].generated == plain.rows[0].generated
+    assert spec.rows[0].stats.draft_acceptance_rate < 0.2
+
+
+def test_draft_cache_matches_emitted_tokens_after_every_step():
+    """Rollback keeps exactly the accepted prefix in both caches (the invariant the loop relies on)."""
+    target_table = random_table(6, 3)
+    draft_table = target_table + np.random.default_rng(4).normal(0, 1.0, target_table.shape)
+    target, draft = BigramEngine(target_table), BigramEngine(draft_table)
+    drafter = ModelDrafter(draft)
+    loop = SpeculativeLoop(target, drafter, [[0, 1, 2]], DecodeConfig(max_new_tokens=40, k=3))
+    for _ in loop.run():
+        row = loop.rows[0]
+        seen = draft.live_tokens(drafter.cache, 0) + drafter.pending[0]
+        assert seen == row.prompt + row.generated
+    assert 0 < loop.rows[0].stats.num_accepted_tokens < loop.rows[0].stats.num_draft_tokens
+
+
+def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_rejection():
+    table = random_table(7, 1)
+    loop = SpeculativeLoop(BigramEngine(table), ModelDrafter(BigramEngine(table)), [[0]],
+                           DecodeConfig(max_new_tokens=60, k=1, adaptive=AdaptiveK(min_k=1, max_k=6)))
+    ks = []
+    for _ in loop.run():
+        ks.append(loop.k)
+    assert ks[:3] == [3, 5, 6]
+    bad = SpeculativeLoop(BigramEngine(table), ModelDrafter(BigramEngine(-table)), [[0]],
+                          DecodeConfig(max_new_tokens=30, k=5, adaptive=AdaptiveK(min_k=1, max_k=6)))
+    for _ in bad.run():
+        pass
+    assert bad.k == 1
+
+
+def test_fallback_switches_to_target_only_and_reprobes():
+    table = random_table(7, 1)
+    draft = BigramEngine(-table)
+    loop = SpeculativeLoop(BigramEngine(table), ModelDrafter(draft), [[0]],
+                           DecodeConfig(max_new_tokens=120, k=4, fallback=Fallback(threshold=0.5, window=8,
+                                                                                   probe_every=10)))
+    states = []
+    loop.on_fallback = states.append
+    plain, _ = run_loop(BigramEngine(table), None, [[0]], max_new_tokens=120, k=4)
+    for _ in loop.run():
+        pass
+    stats = loop.rows[0].stats
+    assert states[:3] == [True, False, True]  # fell back, re-probed, fell back again
+    assert stats.fallback_steps >= 10
+    assert loop.rows[0].generated == plain.rows[0].generated
+
+
+def test_draft_confidence_stops_drafting_early():
+    table = random_table(7, 1, scale=0.01)  # a nearly uniform draft: never confident
+    target = BigramEngine(random_table(7, 2))
+    drafter = ModelDrafter(BigramEngine(table), confidence=0.5)
+    loop = SpeculativeLoop(target, drafter, [[0]], DecodeConfig(max_new_tokens=10, k=4))
+    for _ in loop.run():
+        pass
+    assert loop.rows[0].stats.num_draft_tokens == loop.rows[0].stats.num_drafts  # one token per step, not 4
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(k=0), "k must be"), (dict(k=99), "k must be"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.1), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(mode="fast"), "mode"), (dict(stop=[""]), "stop"),
+])
+def test_bad_requests_are_clear_errors(generator, kwargs, message):
+    with pytest.raises(RequestError, match=message):
+        generator.generate("hello", **kwargs)
+
+
+def test_empty_and_overlong_prompts(generator):
+    with pytest.raises(RequestError, match="non-empty"):
+        generator.generate("")
+    with pytest.raises(RequestError, match="context"):
+        generator.generate("word " * 400)
+
+
+def test_tampered_bundle_is_refused(tiny_bundle, tmp_path):
+    import shutil
+    from runtime.bundle import BundleError
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_bundle, copy)
+    engine = copy / "draft" / "model.onnx"
+    data = bytearray(engine.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    engine.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="draft/model.onnx: sha256 differs"):
+        SpeculativeGenerator.from_bundle(copy)
+
+
+# --- metrics ----------------------------------------------------------------------------------------------------
+
+def test_metrics_definitions_and_prometheus_export():
+    table = random_table(7, 1)
+    gen = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=_IdTokenizer(), eos_ids=())
+    result = gen.generate("ab", max_new_tokens=11, k=4)
+    s = result.stats
+    assert s.num_emitted_tokens == 11
+    assert s.draft_acceptance_rate == s.num_accepted_tokens / s.num_draft_tokens == 1.0
+    assert s.mean_acceptance_length == 1 + s.num_accepted_tokens / s.num_drafts
+    assert s.system_efficiency == pytest.approx(11 / s.verify_slots)
+    assert s.acceptance_per_position[:4] == [1.0, 1.0, 1.0, 1.0]
+    text = gen.metrics.prometheus()
+    assert f"draftsmith_accepted_tokens_total {s.num_accepted_tokens}" in text
+    assert "draftsmith_requests_total 1" in text
+    assert 'draftsmith_acceptance_by_position{position="1"} 1.0' in text
+
+
+class _IdTokenizer:
+    """Characters 'a'.. map to ids 0..; enough for the metrics test over a bigram engine."""
+
+    vocab_size = 7
+
+    def encode(self, text):
+        return [ord(c) - ord("a") for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    def apply_chat_template(self, prompt):
+        return prompt

@@ -1,0 +1,321 @@
+"""A real tritonserver (from the nvidia-pytriton wheel) serving a generated repository, checked against the runtime.
+
+One server per module (started once, stopped by the fixture), on free loopback ports. Greedy decoding, so the server's
+text must equal ``SpeculativeGenerator.generate``'s exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+
+def _has_tritonserver() -> bool:
+    from triton_repo.server import ServerError, tritonserver_paths
+    try:
+        tritonserver_paths()
+        return True
+    except ServerError:
+        return False
+
+
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(not _has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
+                                 "(pip install --no-deps nvidia-pytriton)")]
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding keeps", "for i in range(10):",
+           "Ünïcödé café", "日本語の", "emoji 🙂", "print(i * i)"]
+MAX_TOKENS = 24
+
+
+# --- fixtures ---------------------------------------------------------------------------------------------------
+
+def _serve(bundle, out, **options):
+    from triton_repo.generate import write_repository
+    from triton_repo.server import start_server
+    repo = write_repository(bundle, out, threads=1, **options)
+    return start_server(repo, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle, tmp_path_factory):
+    handle = _serve(tiny_bundle, tmp_path_factory.mktemp("triton") / "repo", max_batch_size=16)
+    yield handle
+    handle.stop()
+    assert handle.process.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def expected(generator):
+    """What the Python runtime answers for every prompt (text, acceptance stats)."""
+    return {p: generator.generate(p, max_new_tokens=MAX_TOKENS) for p in PROMPTS}
+
+
+# --- clients ----------------------------------------------------------------------------------------------------
+
+def http_generate(server, body: dict, stream: bool = False):
+    url = f"{server.url}/v2/models/ensemble/generate" + ("_stream" if stream else "")
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        raw = response.read().decode()
+    if not stream:
+        return json.loads(raw)
+    return [json.loads(line[len("data: "):]) for line in raw.splitlines() if line.startswith("data: ")]
+
+
+def http_error(server, body: dict) -> str:
+    with pytest.raises(urllib.error.HTTPError) as info:
+        http_generate(server, body)
+    return info.value.read().decode()
+
+
+def grpc_inputs(text, max_tokens, stream=False, **extra):
+    import tritonclient.grpc as grpcclient
+    arrays = {"text_input": (np.array([[text if isinstance(text, bytes) else text.encode()]], dtype=object), "BYTES"),
+              "max_tokens": (np.array([[max_tokens]], dtype=np.int32), "INT32"),
+              "stream": (np.array([[stream]], dtype=bool), "BOOL")}
+    arrays.update(extra)
+    inputs = []
+    for name, (array, dtype) in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+class Stream:
+    """A gRPC bidirectional stream; ``collect`` returns one request's responses up to its final one (or its error)."""
+
+    def __init__(self, server):
+        import tritonclient.grpc as grpcclient
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.results = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.results.put((result, error)))
+
+    def collect(self, inputs, timeout=60):
+        self.client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = self.results.get(timeout=timeout)
+            if error is not None:
+                return responses, error
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            if result.as_numpy("text_output") is not None:
+                responses.append(result)
+            if final:
+                return responses, None
+
+    def close(self):
+        self.client.stop_stream()
+        self.client.close()
+
+
+def metrics(server) -> dict[str, float]:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    found = {}
+    for name, value in re.findall(r"^(draftsmith_\w+)\{[^}]*\} (\S+)$", text, re.M):
+        found[name] = found.get(name, 0.0) + float(value)
+    return found
+
+
+# --- tests ------------------------------------------------------------------------------------------------------
+
+def test_generate_endpoint_equals_runtime(server, expected):
+    for prompt in PROMPTS[:4]:
+        out = http_generate(server, {"text_input": prompt, "max_tokens": MAX_TOKENS})
+        want = expected[prompt]
+        assert out["text_output"] == want.text
+        assert out["total_draft_tokens"] == want.stats.num_draft_tokens
+        assert out["total_accepted_draft_tokens"] == want.stats.num_accepted_tokens
+        assert out["acceptance_rate"] == pytest.approx(want.stats.draft_acceptance_rate, abs=1e-6)
+
+
+def test_generate_stream_endpoint_concatenates(server, expected):
+    prompt = PROMPTS[0]
+    events = http_generate(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "stream": True}, stream=True)
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == expected[prompt].text
+    assert events[-1]["total_draft_tokens"] == expected[prompt].stats.num_draft_tokens
+
+
+def test_grpc_stream_is_incremental(server, expected):
+    stream = Stream(server)
+    try:
+        for prompt in PROMPTS[:3]:
+            responses, error = stream.collect(grpc_inputs(prompt, MAX_TOKENS, stream=True))
+            assert error is None
+            pieces = [r.as_numpy("text_output").reshape(-1)[0].decode() for r in responses]
+            assert len([p for p in pieces if p]) > 1, pieces  # tokens arrive as they are accepted
+            assert "".join(pieces) == expected[prompt].text
+            drafted = [int(r.as_numpy("total_draft_tokens").reshape(-1)[0]) for r in responses]
+            assert drafted == sorted(drafted) and drafted[-1] == expected[prompt].stats.num_draft_tokens
+            whole, error = stream.collect(grpc_inputs(prompt, MAX_TOKENS, stream=False))
+            assert error is None and len(whole) == 1
+            assert whole[0].as_numpy("text_output").reshape(-1)[0].decode() == expected[prompt].text
+    finally:
+        stream.close()
+
+
+def test_sixteen_clients_twenty_requests_each(server, expected):
+    before = metrics(server)
+
+    def client(c: int) -> list[tuple[str, str]]:
+        return [(p, http_generate(server, {"text_input": p, "max_tokens": MAX_TOKENS})["text_output"])
+                for p in (PROMPTS[(c + i) % len(PROMPTS)] for i in range(20))]
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = [a for batch in pool.map(client, range(16)) for a in batch]
+    assert len(answers) == 16 * 20
+    wrong = [(p, got) for p, got in answers if got != expected[p].text]
+    assert not wrong, wrong[:3]
+    after = metrics(server)
+    assert after["draftsmith_requests_total"] - before["draftsmith_requests_total"] == 320
+    # concurrent requests shared verify calls: fewer batched calls than per-sequence steps
+    calls = after["draftsmith_verify_calls_total"] - before["draftsmith_verify_calls_total"]
+    steps = after["draftsmith_sequence_steps_total"] - before["draftsmith_sequence_steps_total"]
+    assert calls < steps
+    assert server.ready()
+
+
+def test_malformed_requests_get_errors_and_server_keeps_serving(server, expected, generator):
+    assert "text_input" in http_error(server, {"max_tokens": 8})
+    assert "max_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 0})
+    assert "max_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 100_000})
+    assert "parse" in http_error(server, {"text_input": "hi", "max_tokens": "eight"})  # Triton's own JSON check
+    assert "num_draft_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 8,
+                                                     "num_draft_tokens": generator.max_k + 1})
+    assert "num_draft_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 8, "num_draft_tokens": -1})
+    assert "top_p" in http_error(server, {"text_input": "hi", "max_tokens": 8, "top_p": 2.0})
+    assert "empty" in http_error(server, {"text_input": "", "max_tokens": 8})
+    assert "tokens" in http_error(server, {"text_input": "word " * 200, "max_tokens": 8})
+    stream = Stream(server)
+    try:
+        _, error = stream.collect(grpc_inputs(b"\xff\xfe broken", 8))
+        assert error is not None and "UTF-8" in str(error)
+        _, error = stream.collect(grpc_inputs("hi", 8, max_tokens=(np.array([[8.0]], np.float32), "FP32")))
+        assert error is not None and "max_tokens" in str(error) and "FP32" in str(error).upper()
+        _, error = stream.collect(grpc_inputs("hi", 8, stop_words=(np.array([[b"\xc3"]], dtype=object), "BYTES")))
+        assert error is not None and "stop_words" in str(error)
+        responses, error = stream.collect(grpc_inputs(PROMPTS[1], MAX_TOKENS))  # still serving
+        assert error is None
+        assert responses[-1].as_numpy("text_output").reshape(-1)[0].decode() == expected[PROMPTS[1]].text
+    finally:
+        stream.close()
+    assert server.ready()
+    assert metrics(server)["draftsmith_request_errors_total"] >= 4
+
+
+def test_parameters_reach_the_runtime(server, generator):
+    prompt = PROMPTS[0]
+    target_only = generator.generate(prompt, max_new_tokens=12, mode="target")
+    out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "num_draft_tokens": 0})
+    assert out["text_output"] == target_only.text and out["total_draft_tokens"] == 0
+    k2 = generator.generate(prompt, max_new_tokens=12, k=2)
+    out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "num_draft_tokens": 2})
+    assert (out["text_output"], out["total_draft_tokens"]) == (k2.text, k2.stats.num_draft_tokens)
+    sampled = generator.generate(prompt, max_new_tokens=12, temperature=0.8, top_k=20, seed=7)
+    out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "temperature": 0.8, "top_k": 20,
+                                 "seed": 7})
+    assert out["text_output"] == sampled.text
+    full = generator.generate(prompt, max_new_tokens=MAX_TOKENS).text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    if stop.strip():
+        stopped = generator.generate(prompt, max_new_tokens=MAX_TOKENS, stop=[stop])
+        stream = Stream(server)
+        try:
+            responses, error = stream.collect(grpc_inputs(prompt, MAX_TOKENS, stop_words=(
+                np.array([[stop.encode()]], dtype=object), "BYTES")))
+        finally:
+            stream.close()
+        assert error is None
+        assert responses[-1].as_numpy("text_output").reshape(-1)[0].decode() == stopped.text
+
+
+def test_metrics_count_this_request(server, expected):
+    prompt = PROMPTS[2]
+    before = metrics(server)
+    http_generate(server, {"text_input": prompt, "max_tokens": MAX_TOKENS})
+    after = metrics(server)
+    stats = expected[prompt].stats
+    assert after["draftsmith_draft_tokens_total"] - before["draftsmith_draft_tokens_total"] == stats.num_draft_tokens
+    assert (after["draftsmith_accepted_tokens_total"] - before["draftsmith_accepted_tokens_total"]
+            == stats.num_accepted_tokens)
+    assert after["draftsmith_verify_calls_total"] - before["draftsmith_verify_calls_total"] == stats.num_steps
+    assert after["draftsmith_emitted_tokens_total"] > before.get("draftsmith_emitted_tokens_total", 0)
+    assert "draftsmith_fallback_active" in after
+
+
+def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
+    """Triton's HTTP /infer refuses decoupled models; a --no-streaming repository serves it."""
+    import tritonclient.http as httpclient
+    server = _serve(tiny_bundle, tmp_path / "plain", streaming=False, max_batch_size=4)
+    try:
+        client = httpclient.InferenceServerClient(f"{server.host}:{server.http_port}")
+        inputs = []
+        for name, array, dtype in (("text_input", np.array([[PROMPTS[0].encode()]], dtype=object), "BYTES"),
+                                   ("max_tokens", np.array([[MAX_TOKENS]], np.int32), "INT32")):
+            tensor = httpclient.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        result = client.infer("ensemble", inputs)
+        want = expected[PROMPTS[0]]
+        assert result.as_numpy("text_output").reshape(-1)[0].decode() == want.text
+        assert int(result.as_numpy("total_draft_tokens").reshape(-1)[0]) == want.stats.num_draft_tokens
+        assert float(result.as_numpy("acceptance_rate").reshape(-1)[0]) == pytest.approx(
+            want.stats.draft_acceptance_rate, abs=1e-6)
+        assert "stream" in http_error(server, {"text_input": "hi", "max_tokens": 4, "stream": True})
+    finally:
+        server.stop()
+
+
+def test_server_stops_cleanly(tiny_bundle, tmp_path):
+    from triton_repo.server import ServerError, start_server
+    with pytest.raises(ServerError, match="no model repository"):
+        start_server(tmp_path / "missing")
+    broken = tmp_path / "broken"
+    (broken / "bad" / "1").mkdir(parents=True)
+    (broken / "bad" / "config.pbtxt").write_text('name: "bad"\nbackend: "python"\n')
+    with pytest.raises(ServerError, match="exited|not ready"):
+        start_server(broken, timeout=60)
+
+
+@pytest.mark.slow
+def test_smollm2_through_triton(smollm2_bundle, tmp_path):
+    from runtime.api import SpeculativeGenerator
+    generator = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = {p: generator.generate(p, max_new_tokens=32) for p in prompts}
+    server = _serve(smollm2_bundle, tmp_path / "repo", max_batch_size=4)
+    try:
+        before = metrics(server)
+        for prompt in prompts:
+            out = http_generate(server, {"text_input": prompt, "max_tokens": 32})
+            assert out["text_output"] == want[prompt].text
+            assert out["total_draft_tokens"] == want[prompt].stats.num_draft_tokens
+        stream = Stream(server)
+        try:
+            responses, error = stream.collect(grpc_inputs(prompts[0], 32, stream=True))
+        finally:
+            stream.close()
+        assert error is None and len(responses) > 1
+        assert "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in responses) == want[prompts[0]].text
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: http_generate(server, {"text_input": p, "max_tokens": 32}),
+                                    prompts * 2))
+        assert [a["text_output"] for a in answers] == [want[p].text for p in prompts * 2]
+        assert "max_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 0})
+        after = metrics(server)
+        assert after["draftsmith_accepted_tokens_total"] > before.get("draftsmith_accepted_tokens_total", 0)
+        assert server.ready()
+    finally:
+        server.stop()

@@ -1,0 +1,99 @@
+"""The tensorrt_llm runtime adapter without TensorRT-LLM: same API as ONNX bundles, clear errors, Triton repos."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from builder import trtllm
+from runtime.bundle import BuildSpec, load_manifest
+
+NO_TRTLLM = importlib.util.find_spec("tensorrt_llm") is None
+
+
+def fake_gpu_runner(step, root: Path) -> None:
+    if step.call in ("builder.trtllm.copy_checkpoint", "tensorrt_llm.LLM"):
+        trtllm.run_step(step, root)
+        return
+    for output in step.outputs:
+        (root / output).mkdir(parents=True, exist_ok=True)
+        (root / output / "config.json").write_text(json.dumps(step.to_dict()), encoding="utf-8")
+
+
+@pytest.fixture(scope="module", params=["engine", "llmapi"])
+def trt_bundle(request, tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair
+    spec = BuildSpec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="fp16", k=3, max_k=6,
+                     max_context=128, backend="tensorrt_llm", device="cuda", trtllm_flavor=request.param)
+    out = tmp_path_factory.mktemp("trt") / "bundle"
+    trtllm.build(spec, out, runner=fake_gpu_runner, version="1.2.1", gpus=1, examples_dir=str(out.parent),
+                 available=lambda name: True)
+    return out
+
+
+def test_speculative_generator_over_the_adapter_matches_the_onnx_bundle(tiny_bundle, generator):
+    """SpeculativeGenerator drives RunnerEngine exactly as it drives OnnxEngine (greedy output identical)."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.engine import OnnxEngine
+    from runtime.trtllm_engine import RunnerEngine
+    from test_engine_contract import CpuRunner
+    manifest = load_manifest(tiny_bundle, verify=False)
+    engines = {}
+    for entry in (manifest.target, manifest.draft):
+        base = OnnxEngine(tiny_bundle / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
+                          head_dim=entry.head_dim, vocab_size=generator.target.vocab_size,
+                          max_context=manifest.max_context, threads=1)
+        engines[entry.role] = RunnerEngine(CpuRunner(base), vocab_size=base.vocab_size,
+                                           max_context=manifest.max_context, end_id=2, pad_id=0)
+    adapted = SpeculativeGenerator(manifest, engines["target"], engines["draft"], generator.tokenizer,
+                                   manifest.eos_token_ids)
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    want = generator.generate(prompts, max_new_tokens=12)
+    got = adapted.generate(prompts, max_new_tokens=12)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+@pytest.mark.skipif(not NO_TRTLLM, reason="checks the message shown when tensorrt_llm is absent")
+def test_opening_a_trtllm_bundle_without_tensorrt_llm_says_what_to_install(trt_bundle):
+    from runtime.trtllm_engine import TrtllmUnavailable, open_generator
+    with pytest.raises(TrtllmUnavailable, match=r"pip install 'draftsmith\[tensorrt\]'"):
+        open_generator(trt_bundle)
+
+
+def test_llm_api_kwargs_resolve_to_the_bundle(trt_bundle):
+    manifest = load_manifest(trt_bundle)
+    if manifest.spec.trtllm_flavor != "llmapi":
+        pytest.skip("llm_api.yaml exists in llmapi bundles only")
+    from runtime.trtllm_engine import llm_api_kwargs
+    kwargs = llm_api_kwargs(trt_bundle, manifest)
+    assert kwargs["model"] == str(trt_bundle / "target/hf")
+    assert kwargs["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": 6,
+                                            "speculative_model": str(trt_bundle / "draft/hf")}
+    assert kwargs["max_seq_len"] == 128 and Path(kwargs["model"], "config.json").is_file()
+
+
+def test_triton_repo_for_each_flavor(trt_bundle):
+    from triton_repo import trtllm_layouts as layouts
+    files = layouts.repo_for_bundle(trt_bundle)
+    parsed = layouts.parse_all(files)
+    if load_manifest(trt_bundle).spec.trtllm_flavor == "engine":
+        target = next(c for c in parsed.values() if c.name == "tensorrt_llm")
+        assert target.parameters["gpt_model_path"].string_value == str(trt_bundle / "target/engine")
+    else:
+        assert str(trt_bundle / "draft/hf") in files["tensorrt_llm/1/model.yaml"]
+
+
+def test_onnx_bundles_have_no_trtllm_layout(tiny_bundle):
+    from triton_repo import trtllm_layouts as layouts
+    from triton_repo.pbtxt import ConfigError
+    with pytest.raises(ConfigError, match="onnxruntime bundle"):
+        layouts.repo_for_bundle(tiny_bundle)
+
+
+def test_open_generator_serves_onnx_bundles_too(tiny_bundle):
+    from runtime.api import SpeculativeGenerator
+    from runtime.trtllm_engine import open_generator
+    assert isinstance(open_generator(tiny_bundle, threads=1), SpeculativeGenerator)

@@ -1,0 +1,1 @@
+"""Triton Inference Server model repositories for Draftsmith bundles."""

@@ -1,0 +1,76 @@
+"""``draftsmith triton-repo`` and ``draftsmith serve``: thin commands over ``write_repository`` and ``start_server``."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import click
+
+
+@click.command("triton-repo")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--instances", type=int, default=1, show_default=True, help="Speculative model instances (processes).")
+@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads per instance (0: all).")
+@click.option("--max-batch-size", type=int, default=16, show_default=True,
+              help="Requests decoded together in one batch.")
+@click.option("--max-queue-delay-us", type=int, default=2000, show_default=True,
+              help="How long the dynamic batcher waits to fill a batch.")
+@click.option("--max-tokens-limit", type=int, default=0, show_default=True,
+              help="Largest max_tokens a request may ask for (0: the bundle's context).")
+@click.option("--bundle-mount", default=None,
+              help="Absolute path where the server will see the bundle (e.g. /bundles/x); the bundle is not copied.")
+@click.option("--link/--copy", "link", default=False,
+              help="--link: a symbolic link to the bundle instead of a copy (not relocatable).")
+@click.option("--fallback", is_flag=True, help="Decode target-only for a while when acceptance falls low.")
+@click.option("--streaming/--no-streaming", default=True, show_default=True,
+              help="Decoupled (streams; gRPC stream and generate_stream) or not (HTTP /infer works).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay_us, max_tokens_limit, bundle_mount,
+                link, fallback, streaming, overwrite):
+    """Write a Triton model repository serving BUNDLE into OUT: ensemble, preprocessing, speculative, postprocessing."""
+    from runtime.bundle import BundleError
+    from triton_repo.generate import RepositoryError, write_repository
+    try:
+        path = write_repository(bundle, out, instances=instances, threads=threads, max_batch_size=max_batch_size,
+                                max_queue_delay_us=max_queue_delay_us, max_tokens_limit=max_tokens_limit,
+                                bundle_mount=bundle_mount, copy_bundle=not (link or bundle_mount),
+                                fallback=fallback, streaming=streaming, overwrite=overwrite)
+    except (BundleError, RepositoryError) as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"wrote {path}")
+    click.echo(f"serve it:  draftsmith serve {path}")
+
+
+@click.command("serve")
+@click.argument("repo", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint binds.")
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--grpc-port", type=int, default=8001, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--log-verbose", type=int, default=0, show_default=True)
+def serve(repo, host, http_port, grpc_port, metrics_port, timeout, log_verbose):
+    """Start a local Triton Inference Server on REPO (the tritonserver of the nvidia-pytriton wheel); Ctrl-C stops."""
+    from triton_repo.server import ServerError, start_server
+    try:
+        server = start_server(repo, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                              timeout=timeout, log_verbose=log_verbose)
+    except ServerError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"HTTP     {server.url}  (POST {server.url}/v2/models/ensemble/generate)")
+    click.echo(f"gRPC     {server.grpc_url}")
+    click.echo(f"metrics  {server.metrics_url}")
+    click.echo(f"log      {server.log_path}")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            if server.process.poll() is not None:
+                raise click.ClickException(f"tritonserver exited with {server.process.returncode}:\n"
+                                           f"{server.log()[-4000:]}")
+    finally:
+        click.echo("stopping")
+        server.stop()

@@ -1,0 +1,299 @@
+"""Write a Triton model repository for an ONNX Runtime bundle.
+
+The repository a client sees::
+
+    OUT/
+      ensemble/        config.pbtxt, 1/           what clients call: text in, text out (tensorrtllm_backend names)
+      preprocessing/   config.pbtxt, 1/model.py   validate the request, tokenize the prompt
+      speculative/     config.pbtxt, 1/model.py   decoupled: draft-then-verify over the bundle, streams text
+                       bundle/                    the bundle (hard links or a copy), unless it is mounted elsewhere
+      postprocessing/  config.pbtxt, 1/model.py   detokenize token ids (for clients that call ``speculative``'s
+                                                  token path themselves; not a step of the ensemble, see below)
+
+Why the ensemble has two steps, not three. An ensemble streams through a decoupled step (Triton forwards each of its
+responses to the next step), but the next step sees every response on its own: a stateless ``postprocessing`` model
+cannot hold back half of a UTF-8 character split across two steps, nor cut the text at a stop string that spans
+steps. Both need per-sequence text state, so ``speculative`` detokenizes incrementally itself (the runtime's
+``IncrementalDecoder`` and stop strings, exactly as ``SpeculativeGenerator.generate``) and emits ``text_output``
+pieces; the ensemble is ``preprocessing -> speculative``. ``postprocessing`` is still written, a plain
+token-ids-to-text model for tools that expect one.
+
+Why an ensemble and not a BLS model: an ensemble needs no Python of its own, streams, and lets Triton's dynamic
+batcher group concurrent requests in front of ``speculative``, whose ``execute`` then decodes them together (one
+target verify call per step for the whole batch).
+
+Names and dtypes of the ensemble's inputs and outputs follow tensorrtllm_backend's
+``all_models/inflight_batcher_llm/ensemble/config.pbtxt`` (``text_input`` STRING [1], ``max_tokens`` INT32 [1],
+``stop_words`` STRING [-1], ``end_id``/``top_k``/``num_draft_tokens`` INT32 [1], ``temperature``/``top_p`` FP32 [1],
+``seed`` UINT64 [1] (older releases: ``random_seed``; both accepted), ``stream`` BOOL [1]; outputs ``text_output``
+STRING [-1], ``acceptance_rate`` FP32 [1], ``total_accepted_draft_tokens``/``total_draft_tokens`` INT32 [1]).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.bundle import BundleError, Manifest, load_manifest
+from triton_repo import pbtxt
+
+ENSEMBLE, PREPROCESSING, SPECULATIVE, POSTPROCESSING = "ensemble", "preprocessing", "speculative", "postprocessing"
+MODELS_DIR = Path(__file__).parent / "models"  # the Python models, shipped as package data
+BUNDLE_DIR = "bundle"  # inside the speculative model's folder; Triton ignores non-numeric sub-folders
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class RepositoryError(ValueError):
+    """The repository cannot be written as asked (a bad name, a bundle this generator does not serve, ...)."""
+
+
+@dataclass(frozen=True)
+class RepoOptions:
+    """How the repository is laid out and sized. Every field is validated in ``__post_init__``."""
+
+    instances: int = 1  # instances of the speculative model (each one process holding both engines)
+    threads: int = 0  # ONNX Runtime intra-op threads per instance (0: all cores)
+    max_batch_size: int = 16  # requests one execute call may decode together
+    max_queue_delay_us: int = 2000  # how long the dynamic batcher waits to fill a batch
+    preprocessing_instances: int = 1
+    max_tokens_limit: int = 0  # largest max_tokens a request may ask for (0: the bundle's max_context)
+    bundle_mount: str | None = None  # absolute path of the bundle where the server sees it (e.g. /bundles/x)
+    copy_bundle: bool = True  # put the bundle inside the repository (hard links when possible, else a copy)
+    fallback: bool = False  # decode target-only for a while when acceptance falls low (runtime Fallback defaults)
+    streaming: bool = True  # decoupled speculative model: streams, but Triton's HTTP /infer refuses decoupled models
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("instances", "preprocessing_instances", "max_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name}: expected an integer >= 1, received {value!r}")
+        for name in ("threads", "max_queue_delay_us", "max_tokens_limit"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problems.append(f"{name}: expected an integer >= 0, received {value!r}")
+        if self.bundle_mount is not None:
+            if not self.bundle_mount.startswith("/") or ".." in Path(self.bundle_mount).parts:
+                problems.append(f"bundle_mount: expected an absolute path without '..', received {self.bundle_mount!r}")
+            if self.copy_bundle:
+                problems.append("bundle_mount: a mounted bundle is not copied; pass copy_bundle=False")
+        if problems:
+            raise RepositoryError("; ".join(problems))
+
+
+def check_name(name: str) -> str:
+    """A model name (one path component of the repository): letters, digits, '_', '.', '-'; no '..', no '/'."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", "..") or ".." in name:
+        raise RepositoryError(f"model name {name!r}: expected 1-64 characters of [A-Za-z0-9_.-] starting with a "
+                              "letter or digit, no '..'")
+    return name
+
+
+def _inside(root: Path, rel: str) -> Path:
+    """``root / rel`` after checking that it stays inside ``root``."""
+    if os.path.isabs(rel) or ".." in Path(rel).parts:
+        raise RepositoryError(f"path {rel!r} escapes the repository")
+    path = root / rel
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise RepositoryError(f"path {rel!r} escapes the repository")
+    return path
+
+
+# --- the configs, as data ---------------------------------------------------------------------------------------
+
+def _tensor(name: str, dtype: str, dims: list[int], optional: bool = False) -> dict:
+    out = {"name": name, "data_type": dtype, "dims": dims}
+    if optional:
+        out["optional"] = True
+    return out
+
+
+# (name, dtype, dims): the optional request parameters, passed from the ensemble straight to ``speculative``
+OPTIONAL_INPUTS = (
+    ("temperature", "TYPE_FP32", [1]),
+    ("top_k", "TYPE_INT32", [1]),
+    ("top_p", "TYPE_FP32", [1]),
+    ("seed", "TYPE_UINT64", [1]),
+    ("random_seed", "TYPE_UINT64", [1]),
+    ("stop_words", "TYPE_STRING", [-1]),
+    ("end_id", "TYPE_INT32", [1]),
+    ("stream", "TYPE_BOOL", [1]),
+    ("num_draft_tokens", "TYPE_INT32", [1]),
+)
+OUTPUTS = (
+    ("text_output", "TYPE_STRING", [-1]),
+    ("acceptance_rate", "TYPE_FP32", [1]),
+    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
+    ("total_draft_tokens", "TYPE_INT32", [1]),
+)
+
+
+def _params(values: dict[str, object]) -> dict:
+    return {key: {"string_value": str(value)} for key, value in values.items()}
+
+
+def _batching(options: RepoOptions) -> dict:
+    return {"max_queue_delay_microseconds": options.max_queue_delay_us}
+
+
+def preprocessing_config(options: RepoOptions, manifest: Manifest, tokenizer_rel: str) -> dict:
+    return {
+        "name": PREPROCESSING,
+        "backend": "python",
+        "max_batch_size": options.max_batch_size,
+        "dynamic_batching": _batching(options),
+        "input": [_tensor("text_input", "TYPE_STRING", [1]), _tensor("max_tokens", "TYPE_INT32", [1])],
+        "output": [_tensor("input_ids", "TYPE_INT32", [-1]), _tensor("input_lengths", "TYPE_INT32", [1]),
+                   _tensor("request_output_len", "TYPE_INT32", [1])],
+        "instance_group": [{"count": options.preprocessing_instances, "kind": "KIND_CPU"}],
+        "parameters": _params({"tokenizer": tokenizer_rel, "max_context": manifest.max_context,
+                               "max_tokens_limit": options.max_tokens_limit or manifest.max_context}),
+    }
+
+
+def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str) -> dict:
+    return {
+        "name": SPECULATIVE,
+        "backend": "python",
+        "max_batch_size": options.max_batch_size,
+        "model_transaction_policy": {"decoupled": options.streaming},
+        "dynamic_batching": _batching(options),
+        "input": [_tensor("input_ids", "TYPE_INT32", [-1]), _tensor("request_output_len", "TYPE_INT32", [1])]
+        + [_tensor(n, t, d, optional=True) for n, t, d in OPTIONAL_INPUTS],
+        "output": [_tensor(n, t, d) for n, t, d in OUTPUTS],
+        "instance_group": [{"count": options.instances, "kind": "KIND_CPU"}],
+        "parameters": _params({"bundle": bundle_ref, "threads": options.threads,
+                               "max_tokens_limit": options.max_tokens_limit or manifest.max_context,
+                               "fallback": str(options.fallback).lower()}),
+    }
+
+
+def postprocessing_config(options: RepoOptions, tokenizer_rel: str) -> dict:
+    return {
+        "name": POSTPROCESSING,
+        "backend": "python",
+        "max_batch_size": options.max_batch_size,
+        "dynamic_batching": _batching(options),
+        "input": [_tensor("output_ids", "TYPE_INT32", [-1])],
+        "output": [_tensor("text_output", "TYPE_STRING", [-1])],
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+        "parameters": _params({"tokenizer": tokenizer_rel}),
+    }
+
+
+def ensemble_config(options: RepoOptions) -> dict:
+    optional = [n for n, _, _ in OPTIONAL_INPUTS]
+    return {
+        "name": ENSEMBLE,
+        "platform": "ensemble",
+        "max_batch_size": options.max_batch_size,
+        "input": [_tensor("text_input", "TYPE_STRING", [1]), _tensor("max_tokens", "TYPE_INT32", [1])]
+        + [_tensor(n, t, d, optional=True) for n, t, d in OPTIONAL_INPUTS],
+        "output": [_tensor(n, t, d) for n, t, d in OUTPUTS],
+        "ensemble_scheduling": {"step": [
+            {"model_name": PREPROCESSING, "model_version": -1,
+             "input_map": {"text_input": "text_input", "max_tokens": "max_tokens"},
+             "output_map": {"input_ids": "_input_ids",
+                            "request_output_len": "_request_output_len"}},
+            {"model_name": SPECULATIVE, "model_version": -1,
+             "input_map": {"input_ids": "_input_ids", "request_output_len": "_request_output_len",
+                           **{n: n for n in optional}},
+             "output_map": {n: n for n, _, _ in OUTPUTS}},
+        ]},
+    }
+
+
+# --- writing ----------------------------------------------------------------------------------------------------
+
+def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, instances: int = 1, threads: int = 0,
+                     max_batch_size: int = 16, max_queue_delay_us: int = 2000, preprocessing_instances: int = 1,
+                     max_tokens_limit: int = 0, bundle_mount: str | None = None, copy_bundle: bool = True,
+                     fallback: bool = False, streaming: bool = True, overwrite: bool = False) -> Path:
+    """Write the repository for ``bundle`` into ``out`` (created; must be empty unless ``overwrite``).
+
+    Args:
+        bundle: an ONNX Runtime bundle folder (verified against its manifest first).
+        out: the repository folder to write.
+        instances: speculative model instances (one process each, each holding both engines).
+        threads: ONNX Runtime threads per instance (0: all cores).
+        max_batch_size: requests decoded together in one execute call (and the batch dimension of every model).
+        max_queue_delay_us: dynamic batcher wait for more requests.
+        preprocessing_instances: tokenizer instances.
+        max_tokens_limit: the largest ``max_tokens`` accepted (0: the bundle's context).
+        bundle_mount: where the server will find the bundle (absolute; e.g. ``/bundles/smollm2`` in a container);
+            needs ``copy_bundle=False``. Without it the bundle travels inside the repository.
+        copy_bundle: put the bundle inside ``speculative/bundle`` (hard links when on the same file system, else a
+            copy); with ``False`` and no mount, a relative symbolic link is written (not relocatable on its own).
+        fallback: let the runtime decode target-only for a while when acceptance falls low.
+        streaming: make ``speculative`` (and so the ensemble) decoupled, which streams (gRPC streams,
+            ``generate_stream``) but which Triton's HTTP ``/infer`` refuses; ``False`` serves plain request/response
+            clients (HTTP ``/infer``, gRPC unary infer, perf_analyzer without streaming) and rejects ``stream=true``.
+        overwrite: replace an existing ``out``.
+
+    Returns:
+        The repository path.
+    """
+    options = RepoOptions(instances=instances, threads=threads, max_batch_size=max_batch_size,
+                          max_queue_delay_us=max_queue_delay_us, preprocessing_instances=preprocessing_instances,
+                          max_tokens_limit=max_tokens_limit, bundle_mount=bundle_mount, copy_bundle=copy_bundle,
+                          fallback=fallback, streaming=streaming)
+    bundle = Path(bundle)
+    manifest = load_manifest(bundle)
+    if manifest.spec.backend != "onnxruntime":
+        raise RepositoryError(f"bundle backend {manifest.spec.backend!r}: this generator writes Python-backend "
+                              "repositories for 'onnxruntime' bundles; TensorRT-LLM bundles use trtllm_layouts")
+    out = Path(out)
+    if out.exists():
+        if not overwrite and any(out.iterdir()):
+            raise RepositoryError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+        if overwrite:
+            shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if options.max_tokens_limit > manifest.max_context:
+        raise RepositoryError(f"max_tokens_limit: expected <= the bundle's max_context {manifest.max_context}, "
+                              f"received {options.max_tokens_limit}")
+
+    if options.bundle_mount:
+        bundle_ref = options.bundle_mount
+        tokenizer_ref = f"{options.bundle_mount}/tokenizer"
+    else:
+        _place_bundle(bundle, _inside(out, f"{SPECULATIVE}/{BUNDLE_DIR}"), options.copy_bundle)
+        bundle_ref = BUNDLE_DIR  # relative to the speculative model's folder
+        tokenizer_ref = f"../{SPECULATIVE}/{BUNDLE_DIR}/tokenizer"  # relative to the preprocessing model's folder
+
+    models = {
+        PREPROCESSING: (preprocessing_config(options, manifest, tokenizer_ref), "preprocessing.py"),
+        SPECULATIVE: (speculative_config(options, manifest, bundle_ref), "speculative.py"),
+        POSTPROCESSING: (postprocessing_config(options, tokenizer_ref), "postprocessing.py"),
+        ENSEMBLE: (ensemble_config(options), None),
+    }
+    for name, (config, source) in models.items():
+        check_name(name)
+        folder = _inside(out, name)
+        _inside(out, f"{name}/1").mkdir(parents=True, exist_ok=True)
+        (folder / "config.pbtxt").write_text(pbtxt.render(config), encoding="utf-8")
+        if source:
+            code = MODELS_DIR.joinpath(source).read_text(encoding="utf-8")
+            (folder / "1" / "model.py").write_text(code, encoding="utf-8")
+    return out
+
+
+def _place_bundle(bundle: Path, dest: Path, copy: bool) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not copy:
+        dest.symlink_to(os.path.relpath(bundle.resolve(), dest.parent.resolve()), target_is_directory=True)
+        return
+
+    def link_or_copy(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    shutil.copytree(bundle, dest, copy_function=link_or_copy)
+    try:
+        load_manifest(dest)
+    except BundleError as err:  # a copy that does not verify must not be served
+        raise RepositoryError(f"the bundle copied into {dest} does not verify: {err}") from None

@@ -1,0 +1,90 @@
+"""Triton Python model ``preprocessing``: check a request's text and length budget, tokenize the prompt.
+
+Inputs (batch dimension first): ``text_input`` STRING [1] (UTF-8), ``max_tokens`` INT32 [1].
+Outputs: ``input_ids`` INT32 [-1], ``input_lengths`` INT32 [1], ``request_output_len`` INT32 [1].
+A bad request gets its own error response; the rest of the batch is served.
+Written by ``draftsmith triton-repo``; parameters: ``tokenizer`` (a folder, relative to this model's folder or
+absolute), ``max_context``, ``max_tokens_limit``.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class RequestInvalid(ValueError):
+    pass
+
+
+def _model_dir(args) -> Path:
+    return Path(args.get("model_repository") or Path(__file__).resolve().parents[1])
+
+
+def _param(config: dict, key: str) -> str:
+    try:
+        return config["parameters"][key]["string_value"]
+    except KeyError:
+        raise ValueError(f"model config has no parameter {key!r}; regenerate the repository") from None
+
+
+def _scalar(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise RequestInvalid(f"input {name!r} is required")
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise RequestInvalid(f"input {name!r}: expected one value, received {values.size}")
+    return values[0]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from runtime.text import Tokenizer
+        config = json.loads(args["model_config"])
+        folder = Path(_param(config, "tokenizer"))
+        if not folder.is_absolute():
+            folder = _model_dir(args) / folder
+        self.tokenizer = Tokenizer(folder)
+        self.max_context = int(_param(config, "max_context"))
+        self.max_tokens_limit = int(_param(config, "max_tokens_limit"))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                ids, max_tokens = self._prepare(request)
+            except RequestInvalid as err:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(err))))
+                continue
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int32)),
+                pb_utils.Tensor("input_lengths", np.asarray([[len(ids)]], dtype=np.int32)),
+                pb_utils.Tensor("request_output_len", np.asarray([[max_tokens]], dtype=np.int32)),
+            ]))
+        return responses
+
+    def _prepare(self, request):
+        raw = _scalar(request, "text_input")
+        if isinstance(raw, str):
+            text = raw
+        else:
+            try:
+                text = bytes(raw).decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise RequestInvalid(f"input 'text_input' is not valid UTF-8 ({err.reason} at byte {err.start})") \
+                    from None
+        if not text:
+            raise RequestInvalid("input 'text_input' is empty")
+        max_tokens = int(_scalar(request, "max_tokens"))
+        if not 1 <= max_tokens <= self.max_tokens_limit:
+            raise RequestInvalid(f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}], "
+                                 f"received {max_tokens}")
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise RequestInvalid("input 'text_input' encodes to no tokens")
+        if len(ids) >= self.max_context:
+            raise RequestInvalid(f"input 'text_input' has {len(ids)} tokens; the model's context is "
+                                 f"{self.max_context}, leaving no room to generate")
+        return ids, max_tokens

@@ -1,0 +1,255 @@
+"""Triton Python model ``speculative`` (decoupled): draft-then-verify decoding of a Draftsmith bundle.
+
+Triton's dynamic batcher hands ``execute`` the requests that queued while the previous batch ran. Requests with the
+same decoding parameters are decoded together: one ``SpeculativeLoop`` over their prompts, so each step is one draft
+pass and one target verify call for the whole group. Each request gets its own responses through its response
+sender: with ``stream`` true, one response per text piece as its tokens are accepted, the last one flagged final;
+otherwise one final response with the whole text. Every response carries ``text_output`` and the request's
+speculative statistics so far (``acceptance_rate``, ``total_accepted_draft_tokens``, ``total_draft_tokens``).
+
+Text comes out here, not from a separate postprocessing step, because incremental detokenization (holding back half a
+UTF-8 character) and stop strings need per-sequence state across steps; this is the runtime's own code path
+(``IncrementalDecoder``, ``find_stop``), so the text equals ``SpeculativeGenerator.generate``'s.
+
+A malformed request gets an error response (``pb_utils.TritonError``) and the others are served. Counters for
+Triton's ``/metrics``: draft tokens proposed and accepted, verify calls, sequence steps, tokens emitted, requests,
+and a gauge that is 1 while acceptance-driven fallback decodes target-only.
+
+Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this model's folder or absolute),
+``threads``, ``max_tokens_limit``, ``fallback``.
+"""
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class RequestInvalid(ValueError):
+    pass
+
+
+def _param(config: dict, key: str) -> str:
+    try:
+        return config["parameters"][key]["string_value"]
+    except KeyError:
+        raise ValueError(f"model config has no parameter {key!r}; regenerate the repository") from None
+
+
+def _optional(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if name == "stop_words":
+        return values
+    if values.size != 1:
+        raise RequestInvalid(f"input {name!r}: expected one value, received {values.size}")
+    return values[0]
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RequestInvalid(f"input {name!r} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+
+
+class Request:
+    """One request's validated parameters and its response sender."""
+
+    def __init__(self, sender, ids, options, stream):
+        self.sender, self.ids, self.options, self.stream = sender, ids, options, stream
+        self.text = ""
+        self.done = False
+
+    @property
+    def key(self):
+        """Requests with equal keys decode together (their parameters are shared by one loop)."""
+        opts = dict(self.options)
+        if opts["temperature"] == 0.0:
+            opts["seed"] = None  # greedy: the seed changes nothing, so let seeded requests batch with the rest
+        return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from runtime.api import SpeculativeGenerator
+        config = json.loads(args["model_config"])
+        bundle = Path(_param(config, "bundle"))
+        if not bundle.is_absolute():
+            bundle = Path(args.get("model_repository") or Path(__file__).resolve().parents[1]) / bundle
+        self.generator = SpeculativeGenerator.from_bundle(bundle, threads=int(_param(config, "threads")))
+        self.max_tokens_limit = int(_param(config, "max_tokens_limit"))
+        self.fallback = _param(config, "fallback").lower() == "true"
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        self.vocab_size = self.generator.tokenizer.vocab_size
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        counters = {
+            "draft_tokens": "Draft tokens proposed to the target",
+            "accepted_tokens": "Draft tokens the target accepted",
+            "verify_calls": "Target verify calls (one per step of a batch)",
+            "sequence_steps": "Verify steps summed over sequences",
+            "emitted_tokens": "Tokens generated",
+            "requests": "Requests completed",
+            "request_errors": "Requests refused or failed",
+        }
+        self.families, self.metrics = [], {}
+        for name, help_text in counters.items():
+            family = pb_utils.MetricFamily(name=f"draftsmith_{name}_total", description=help_text,
+                                           kind=pb_utils.MetricFamily.COUNTER)
+            self.families.append(family)
+            self.metrics[name] = family.Metric(labels=labels)
+        for name, help_text in {"fallback_active": "1 while decoding target-only because acceptance fell low",
+                                "batch_size": "Requests decoded together by the last loop"}.items():
+            family = pb_utils.MetricFamily(name=f"draftsmith_{name}", description=help_text,
+                                           kind=pb_utils.MetricFamily.GAUGE)
+            self.families.append(family)
+            self.metrics[name] = family.Metric(labels=labels)
+        self.lock = threading.Lock()
+
+    # --- requests ---------------------------------------------------------------------------------------------------
+
+    def execute(self, requests):
+        parsed = []
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed.append(self._parse(request, sender))
+            except Exception as err:  # noqa: BLE001 - any bad request gets its own error, the batch goes on
+                self._fail(sender, err)
+        groups = {}
+        for item in parsed:
+            groups.setdefault(item.key, []).append(item)
+        for group in groups.values():
+            try:
+                self._decode(group)
+            except Exception as err:  # noqa: BLE001 - an engine failure ends this group, never the model
+                for item in group:
+                    if not item.done:
+                        item.done = True
+                        self._fail(item.sender, RuntimeError(f"decoding failed: {err}"))
+        return None
+
+    def _fail(self, sender, err):
+        self.metrics["request_errors"].increment(1)
+        message = str(err) if isinstance(err, RequestInvalid) else f"{type(err).__name__}: {err}"
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)), flags=FINAL)
+
+    def _parse(self, request, sender) -> Request:
+        from runtime.errors import RequestError
+        ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if ids_tensor is None:
+            raise RequestInvalid("input 'input_ids' is required")
+        ids = [int(i) for i in ids_tensor.as_numpy().reshape(-1)]
+        if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise RequestInvalid(f"input 'input_ids': expected 1+ token ids in [0, {self.vocab_size})")
+        if len(ids) >= self.generator.max_context:
+            raise RequestInvalid(f"prompt has {len(ids)} tokens; the context is {self.generator.max_context}")
+        max_tokens = _optional(request, "request_output_len")
+        if max_tokens is None or not 1 <= int(max_tokens) <= self.max_tokens_limit:
+            raise RequestInvalid(f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}], "
+                                 f"received {max_tokens}")
+        temperature = _optional(request, "temperature")
+        temperature = 0.0 if temperature is None else float(temperature)
+        if not math.isfinite(temperature) or temperature < 0:
+            raise RequestInvalid(f"input 'temperature': expected a finite number >= 0, received {temperature}")
+        top_k = _optional(request, "top_k")
+        top_k = None if top_k is None or int(top_k) == 0 else int(top_k)
+        if top_k is not None and top_k < 0:
+            raise RequestInvalid(f"input 'top_k': expected an integer >= 0 (0: off), received {top_k}")
+        top_p = _optional(request, "top_p")
+        top_p = None if top_p is None else float(top_p)
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise RequestInvalid(f"input 'top_p': expected a number in (0, 1], received {top_p}")
+        if top_p == 1.0:
+            top_p = None
+        seed = _optional(request, "seed")
+        if seed is None:
+            seed = _optional(request, "random_seed")
+        seed = None if seed is None else int(seed)
+        k = _optional(request, "num_draft_tokens")
+        mode, k = "speculative", (None if k is None else int(k))
+        if k is not None and not 0 <= k <= self.generator.max_k:
+            raise RequestInvalid(f"input 'num_draft_tokens': expected an integer in [0, {self.generator.max_k}] "
+                                 f"(0: target only), received {k}")
+        if k == 0:
+            mode, k = "target", None
+        end_id = _optional(request, "end_id")
+        if end_id is not None and not 0 <= int(end_id) < self.vocab_size:
+            raise RequestInvalid(f"input 'end_id': expected a token id in [0, {self.vocab_size}), received {end_id}")
+        stops_raw = _optional(request, "stop_words")
+        stops = [] if stops_raw is None else [s for s in (_text(v, "stop_words") for v in stops_raw) if s]
+        stream = _optional(request, "stream")
+        if stream and not self.decoupled:
+            raise RequestInvalid("input 'stream': this repository was written without streaming "
+                                 "(draftsmith triton-repo --no-streaming); send stream=false or use a streaming one")
+        options = dict(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       k=k, stop=stops, mode=mode, end_id=None if end_id is None else int(end_id))
+        try:  # the runtime's own range checks (k, sampling parameters, stop strings), per request
+            self._config(options)
+        except (RequestError, ValueError) as err:
+            raise RequestInvalid(str(err)) from None
+        return Request(sender, ids, options, bool(stream) if stream is not None else False)
+
+    # --- decoding ---------------------------------------------------------------------------------------------------
+
+    def _config(self, options):
+        o = options
+        config, stops = self.generator._config(o["max_new_tokens"], o["temperature"], o["top_k"], o["top_p"],
+                                               o["seed"], o["k"], o["stop"], o["mode"], None, self.fallback or None)
+        if o["end_id"] is not None:
+            config.eos_ids = (o["end_id"],)
+        return config, stops
+
+    def _decode(self, group):
+        from runtime.speculative import SpeculativeLoop
+        from runtime.text import IncrementalDecoder
+        gen = self.generator
+        config, stops = self._config(group[0].options)
+        loop = SpeculativeLoop(gen.target, gen._drafter(group[0].options["mode"], 0.0), [r.ids for r in group],
+                               config)
+        loop.on_fallback = lambda state: self.metrics["fallback_active"].set(float(state))
+        self.metrics["batch_size"].set(float(len(group)))
+        decoders = [IncrementalDecoder(gen.tokenizer) for _ in group]
+        for step in loop.run():
+            self.metrics["verify_calls"].increment(1)
+            for row, new in step:
+                item = group[row.index]
+                piece = decoders[row.index].push(new) if new else ""
+                if row.finished:
+                    piece += decoders[row.index].flush()
+                piece = gen._apply_stops(loop, row, [r.text for r in group], piece, stops)
+                item.text += piece
+                if row.finished:
+                    self._finish(item, row.stats, piece)
+                elif item.stream and piece:
+                    item.sender.send(self._response(piece, row.stats))
+        self.metrics["fallback_active"].set(0.0)
+
+    def _finish(self, item, stats, piece):
+        item.done = True
+        for name, value in (("draft_tokens", stats.num_draft_tokens), ("accepted_tokens", stats.num_accepted_tokens),
+                            ("sequence_steps", stats.num_steps), ("emitted_tokens", stats.num_emitted_tokens),
+                            ("requests", 1)):
+            self.metrics[name].increment(value)
+        item.sender.send(self._response(piece if item.stream else item.text, stats), flags=FINAL)
+
+    @staticmethod
+    def _response(text, stats):
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+            pb_utils.Tensor("acceptance_rate", np.array([[stats.draft_acceptance_rate]], dtype=np.float32)),
+            pb_utils.Tensor("total_accepted_draft_tokens", np.array([[stats.num_accepted_tokens]], dtype=np.int32)),
+            pb_utils.Tensor("total_draft_tokens", np.array([[stats.num_draft_tokens]], dtype=np.int32)),
+        ])
+
+    def finalize(self):
+        self.generator = None
