@@ -10,12 +10,14 @@ from typing import Iterator
 from runtime.bundle import Manifest, load_manifest
 from runtime.engine import Engine, OnnxEngine
 from runtime.errors import RequestError
+from runtime.lookup import PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.sampling import SamplingParams
 from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
 from runtime.text import IncrementalDecoder, Tokenizer, find_stop
 
 MODES = ("speculative", "target")
+DRAFTERS = ("model", "prompt_lookup")
 
 
 @dataclass
@@ -64,14 +66,18 @@ class SpeculativeGenerator:
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  k: int | None = None, stop: str | list[str] | None = None, chat: bool = False,
                  mode: str = "speculative", adaptive: AdaptiveK | bool | None = None,
-                 fallback: Fallback | bool | None = None, draft_confidence: float = 0.0,
+                 fallback: Fallback | bool | None = None, draft_confidence: float = 0.0, drafter: str = "model",
                  ) -> Generation | list[Generation]:
-        """Generate for one prompt (returns a Generation) or a list (returns a list, in order)."""
+        """Generate for one prompt (returns a Generation) or a list (returns a list, in order).
+
+        mode "target" decodes target-only (the baseline); drafter "prompt_lookup" drafts by n-gram lookup in the
+        prompt and the text so far instead of running the draft engine.
+        """
         single = isinstance(prompts, str)
         results: dict[int, Generation] = {}
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        k=k, stop=stop, chat=chat, mode=mode, adaptive=adaptive, fallback=fallback,
-                       draft_confidence=draft_confidence)
+                       draft_confidence=draft_confidence, drafter=drafter)
         for index, piece, generation in self._events([prompts] if single else list(prompts), **options):
             if generation is not None:
                 results[index] = generation
@@ -96,12 +102,11 @@ class SpeculativeGenerator:
     def _events(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                 k: int | None = None, stop=None, chat: bool = False, mode: str = "speculative",
-                adaptive=None, fallback=None, draft_confidence: float = 0.0):
+                adaptive=None, fallback=None, draft_confidence: float = 0.0, drafter: str = "model"):
         config, stops = self._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
                                      fallback)
         token_lists = [self._encode(p, chat) for p in prompts]
-        drafter = self._drafter(mode, draft_confidence)
-        loop = SpeculativeLoop(self.target, drafter, token_lists, config)
+        loop = SpeculativeLoop(self.target, self._drafter(mode, drafter, draft_confidence), token_lists, config)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
         decoders = [IncrementalDecoder(self.tokenizer) for _ in prompts]
         texts = [""] * len(prompts)
@@ -163,8 +168,12 @@ class SpeculativeGenerator:
                                "leaving no room to generate. Shorten the prompt.")
         return ids
 
-    def _drafter(self, mode: str, confidence: float) -> Drafter | None:
-        if mode == "target" or self.draft is None:
+    def _drafter(self, mode: str, kind: str, confidence: float) -> Drafter | None:
+        if kind not in DRAFTERS:
+            raise RequestError(f"drafter must be one of {DRAFTERS}, received {kind!r}")
+        if mode == "target":
             return None
-        return ModelDrafter(self.draft, confidence)
+        if kind == "prompt_lookup":
+            return PromptLookupDrafter(self.target.vocab_size)
+        return ModelDrafter(self.draft, confidence) if self.draft is not None else None
 

@@ -335,7 +335,8 @@ def where_time_goes(rows: list[dict], best: dict[str, dict]) -> list[dict]:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Speedup and acceptance rate against k, one line per workload (and batch size, dashed above 1)."""
+    """Speedup (measured, and Leviathan's prediction dotted) and acceptance (rate, and alpha dotted) against k, one
+    line per workload (and batch size, dashed above 1)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -348,11 +349,17 @@ def plot(report: dict, path: Path) -> None:
             style = "-" if batch == 1 else "--"
             ks = [r["k"] for r in mine]
             left.plot(ks, [r["speedup"] for r in mine], style, marker="o", label=label)
+            left.plot(ks, [r["predicted_speedup"] for r in mine], ":", marker=".", color=left.lines[-1].get_color(),
+                      alpha=0.6)
             right.plot(ks, [r["acceptance_rate"] for r in mine], style, marker="o", label=label)
             right.plot(ks, [r["alpha"] for r in mine], ":", marker=".", color=right.lines[-1].get_color(),
                        alpha=0.6)
+    all_k = sorted({r["k"] for r in spec})
+    for axis in (left, right):
+        axis.set_xticks(all_k)
     left.axhline(1.0, color="grey", linewidth=0.8)
-    left.set(xlabel="k (draft tokens per step)", ylabel="speedup over target-only", title="speedup")
+    left.set(xlabel="k (draft tokens per step)", ylabel="speedup over target-only",
+             title="speedup: measured (solid), predicted (dotted)")
     right.set(xlabel="k (draft tokens per step)", ylabel="acceptance", ylim=(0, 1.05),
               title="acceptance rate (solid) and α (dotted)")
     left.legend(fontsize=8)
@@ -407,9 +414,11 @@ def _json_default(value):
               help="Measure memory bandwidth and the weights read per token (the bandwidth bound).")
 @click.option("--peers/--no-peers", default=None,
               help="Run transformers / llama.cpp on the same prompts (default: when installed).")
+@click.option("--peer-prompts", type=int, default=4, show_default=True,
+              help="Prompts per workload for the peers (they are slow; 0: all).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, json_out, plot_out, write_k, memory, limit, peers, quiet):
+          seed, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -482,8 +491,10 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         report["memory"]["engine_size_bytes"] = {"target": manifest.target.size_bytes,
                                                  "draft": manifest.draft.size_bytes}
     if peers is not False:
-        report["peers"] = _run_peers(manifest, workloads, best, max_new_tokens, threads, temperature, console,
+        peer_workloads = {n: t[:peer_prompts] if peer_prompts else t for n, t in workloads.items()}
+        report["peers"] = _run_peers(manifest, peer_workloads, best, max_new_tokens, threads, temperature, console,
                                      quiet, required=bool(peers))
+        report["settings"]["peer_prompts"] = peer_prompts
     if write_k and rec_k is not None:
         write_default_k(Path(bundle), rec_k)
         report["recommended_k"]["written"] = True

@@ -66,6 +66,12 @@ def run_transformers(manifest: Manifest, workloads: dict[str, list[list[int]]], 
     except ImportError as err:
         return [_skip("transformers", f"cannot load the source checkpoints ({err})")]
     import torch
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # GGUF dequantization bars would tear through the bench's own output
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
     if threads:
         torch.set_num_threads(threads)
     spec = manifest.spec

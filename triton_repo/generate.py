@@ -13,14 +13,19 @@ The repository a client sees::
 Why the ensemble has two steps, not three. An ensemble streams through a decoupled step (Triton forwards each of its
 responses to the next step), but the next step sees every response on its own: a stateless ``postprocessing`` model
 cannot hold back half of a UTF-8 character split across two steps, nor cut the text at a stop string that spans
-steps. Both need per-sequence text state, so ``speculative`` detokenizes incrementally itself (the runtime's
-``IncrementalDecoder`` and stop strings, exactly as ``SpeculativeGenerator.generate``) and emits ``text_output``
-pieces; the ensemble is ``preprocessing -> speculative``. ``postprocessing`` is still written, a plain
-token-ids-to-text model for tools that expect one.
+steps. Both need per-sequence text state, so ``speculative`` runs the runtime's own text path
+(``SpeculativeGenerator.stream_batch``: tokenize, decode, detokenize incrementally, stop strings), which also makes
+its text identical to the Python API's. The ensemble is ``preprocessing -> speculative``: ``preprocessing`` checks the
+request (UTF-8, ``max_tokens`` range) and tokenizes the prompt to refuse one that leaves no room in the context,
+before it takes a batch slot; ``speculative`` takes ``text_input`` and the checked ``request_output_len``.
+``postprocessing`` is still written, a plain token-ids-to-text model for tools that expect one.
 
 Why an ensemble and not a BLS model: an ensemble needs no Python of its own, streams, and lets Triton's dynamic
 batcher group concurrent requests in front of ``speculative``, whose ``execute`` then decodes them together (one
 target verify call per step for the whole batch).
+
+HTTP: Triton's ``/infer`` refuses decoupled models; ``/generate`` and ``/generate_stream`` serve them. A repository
+written with ``streaming=False`` is not decoupled and serves ``/infer`` (and refuses ``stream=true``).
 
 Names and dtypes of the ensemble's inputs and outputs follow tensorrtllm_backend's
 ``all_models/inflight_batcher_llm/ensemble/config.pbtxt`` (``text_input`` STRING [1], ``max_tokens`` INT32 [1],
@@ -161,7 +166,7 @@ def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str
         "max_batch_size": options.max_batch_size,
         "model_transaction_policy": {"decoupled": options.streaming},
         "dynamic_batching": _batching(options),
-        "input": [_tensor("input_ids", "TYPE_INT32", [-1]), _tensor("request_output_len", "TYPE_INT32", [1])]
+        "input": [_tensor("text_input", "TYPE_STRING", [1]), _tensor("request_output_len", "TYPE_INT32", [1])]
         + [_tensor(n, t, d, optional=True) for n, t, d in OPTIONAL_INPUTS],
         "output": [_tensor(n, t, d) for n, t, d in OUTPUTS],
         "instance_group": [{"count": options.instances, "kind": "KIND_CPU"}],
@@ -196,10 +201,9 @@ def ensemble_config(options: RepoOptions) -> dict:
         "ensemble_scheduling": {"step": [
             {"model_name": PREPROCESSING, "model_version": -1,
              "input_map": {"text_input": "text_input", "max_tokens": "max_tokens"},
-             "output_map": {"input_ids": "_input_ids",
-                            "request_output_len": "_request_output_len"}},
+             "output_map": {"request_output_len": "_request_output_len"}},
             {"model_name": SPECULATIVE, "model_version": -1,
-             "input_map": {"input_ids": "_input_ids", "request_output_len": "_request_output_len",
+             "input_map": {"text_input": "text_input", "request_output_len": "_request_output_len",
                            **{n: n for n in optional}},
              "output_map": {n: n for n, _, _ in OUTPUTS}},
         ]},

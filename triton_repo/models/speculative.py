@@ -1,19 +1,22 @@
 """Triton Python model ``speculative`` (decoupled): draft-then-verify decoding of a Draftsmith bundle.
 
 Triton's dynamic batcher hands ``execute`` the requests that queued while the previous batch ran. Requests with the
-same decoding parameters are decoded together: one ``SpeculativeLoop`` over their prompts, so each step is one draft
-pass and one target verify call for the whole group. Each request gets its own responses through its response
-sender: with ``stream`` true, one response per text piece as its tokens are accepted, the last one flagged final;
-otherwise one final response with the whole text. Every response carries ``text_output`` and the request's
-speculative statistics so far (``acceptance_rate``, ``total_accepted_draft_tokens``, ``total_draft_tokens``).
+same decoding parameters are decoded together through the runtime's public ``SpeculativeGenerator.stream_batch``:
+one loop over their prompts, so each step is one draft pass and one target verify call for the whole group. Each
+request gets its own responses through its response sender: with ``stream`` true, one response per text piece as its
+tokens are accepted, the last one flagged final; otherwise one final response with the whole text. The final
+response carries the request's speculative statistics (``acceptance_rate``, ``total_accepted_draft_tokens``,
+``total_draft_tokens``); a stream's intermediate pieces report zeros there.
 
-Text comes out here, not from a separate postprocessing step, because incremental detokenization (holding back half a
-UTF-8 character) and stop strings need per-sequence state across steps; this is the runtime's own code path
-(``IncrementalDecoder``, ``find_stop``), so the text equals ``SpeculativeGenerator.generate``'s.
+The prompt arrives as text (``text_input``, after ``preprocessing`` has checked it and its length) and the text comes
+out here, not from a separate postprocessing step: the runtime tokenizes, detokenizes incrementally (holding back half
+a UTF-8 character) and applies stop strings with per-sequence state across steps, so the text equals
+``SpeculativeGenerator.generate``'s for the same request.
 
-A malformed request gets an error response (``pb_utils.TritonError``) and the others are served. Counters for
-Triton's ``/metrics``: draft tokens proposed and accepted, verify calls, sequence steps, tokens emitted, requests,
-and a gauge that is 1 while acceptance-driven fallback decodes target-only.
+A malformed request gets an error response (``pb_utils.TritonError``) and the others are served. Metrics on Triton's
+``/metrics``: draft tokens proposed and accepted, target calls (one per batch step), sequence steps, tokens emitted,
+requests, errors; gauges for the fallback state (1 while decoding target-only because acceptance fell low) and the
+last batch size.
 
 Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this model's folder or absolute),
 ``threads``, ``max_tokens_limit``, ``fallback``.
@@ -21,7 +24,6 @@ Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this 
 
 import json
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +67,8 @@ def _text(value, name: str) -> str:
 class Request:
     """One request's validated parameters and its response sender."""
 
-    def __init__(self, sender, ids, options, stream):
-        self.sender, self.ids, self.options, self.stream = sender, ids, options, stream
+    def __init__(self, sender, prompt, options, stream):
+        self.sender, self.prompt, self.options, self.stream = sender, prompt, options, stream
         self.text = ""
         self.done = False
 
@@ -95,8 +97,8 @@ class TritonPythonModel:
         counters = {
             "draft_tokens": "Draft tokens proposed to the target",
             "accepted_tokens": "Draft tokens the target accepted",
-            "verify_calls": "Target verify calls (one per step of a batch)",
-            "sequence_steps": "Verify steps summed over sequences",
+            "target_calls": "Target engine calls (prefill and verify; one per step of a whole batch)",
+            "sequence_steps": "Verify steps summed over sequences (> target calls when requests share a batch)",
             "emitted_tokens": "Tokens generated",
             "requests": "Requests completed",
             "request_errors": "Requests refused or failed",
@@ -113,7 +115,17 @@ class TritonPythonModel:
                                            kind=pb_utils.MetricFamily.GAUGE)
             self.families.append(family)
             self.metrics[name] = family.Metric(labels=labels)
-        self.lock = threading.Lock()
+        self._count_target_calls()
+
+    def _count_target_calls(self):
+        """Count the target engine's forward calls: a batch step is one call, however many sequences it verifies."""
+        target = self.generator.target
+        forward, metric = target.forward, self.metrics["target_calls"]
+
+        def counted(*args, **kwargs):
+            metric.increment(1)
+            return forward(*args, **kwargs)
+        target.forward = counted
 
     # --- requests ---------------------------------------------------------------------------------------------------
 
@@ -144,15 +156,12 @@ class TritonPythonModel:
         sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)), flags=FINAL)
 
     def _parse(self, request, sender) -> Request:
-        from runtime.errors import RequestError
-        ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
-        if ids_tensor is None:
-            raise RequestInvalid("input 'input_ids' is required")
-        ids = [int(i) for i in ids_tensor.as_numpy().reshape(-1)]
-        if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise RequestInvalid(f"input 'input_ids': expected 1+ token ids in [0, {self.vocab_size})")
-        if len(ids) >= self.generator.max_context:
-            raise RequestInvalid(f"prompt has {len(ids)} tokens; the context is {self.generator.max_context}")
+        prompt = _optional(request, "text_input")
+        if prompt is None:
+            raise RequestInvalid("input 'text_input' is required")
+        prompt = _text(prompt, "text_input")
+        if not prompt:
+            raise RequestInvalid("input 'text_input' is empty")
         max_tokens = _optional(request, "request_output_len")
         if max_tokens is None or not 1 <= int(max_tokens) <= self.max_tokens_limit:
             raise RequestInvalid(f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}], "
@@ -183,8 +192,9 @@ class TritonPythonModel:
         if k == 0:
             mode, k = "target", None
         end_id = _optional(request, "end_id")
-        if end_id is not None and not 0 <= int(end_id) < self.vocab_size:
-            raise RequestInvalid(f"input 'end_id': expected a token id in [0, {self.vocab_size}), received {end_id}")
+        if end_id is not None and int(end_id) not in self.generator.eos_ids:
+            raise RequestInvalid(f"input 'end_id': this model ends sequences at {list(self.generator.eos_ids)}; "
+                                 f"another end id is not supported, received {end_id}")
         stops_raw = _optional(request, "stop_words")
         stops = [] if stops_raw is None else [s for s in (_text(v, "stop_words") for v in stops_raw) if s]
         stream = _optional(request, "stream")
@@ -192,47 +202,40 @@ class TritonPythonModel:
             raise RequestInvalid("input 'stream': this repository was written without streaming "
                                  "(draftsmith triton-repo --no-streaming); send stream=false or use a streaming one")
         options = dict(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       k=k, stop=stops, mode=mode, end_id=None if end_id is None else int(end_id))
-        try:  # the runtime's own range checks (k, sampling parameters, stop strings), per request
-            self._config(options)
-        except (RequestError, ValueError) as err:
-            raise RequestInvalid(str(err)) from None
-        return Request(sender, ids, options, bool(stream) if stream is not None else False)
+                       k=k, stop=stops, mode=mode)
+        return Request(sender, prompt, options, bool(stream) if stream is not None else False)
 
     # --- decoding ---------------------------------------------------------------------------------------------------
 
-    def _config(self, options):
-        o = options
-        config, stops = self.generator._config(o["max_new_tokens"], o["temperature"], o["top_k"], o["top_p"],
-                                               o["seed"], o["k"], o["stop"], o["mode"], None, self.fallback or None)
-        if o["end_id"] is not None:
-            config.eos_ids = (o["end_id"],)
-        return config, stops
-
     def _decode(self, group):
-        from runtime.speculative import SpeculativeLoop
-        from runtime.text import IncrementalDecoder
-        gen = self.generator
-        config, stops = self._config(group[0].options)
-        loop = SpeculativeLoop(gen.target, gen._drafter(group[0].options["mode"], 0.0), [r.ids for r in group],
-                               config)
-        loop.on_fallback = lambda state: self.metrics["fallback_active"].set(float(state))
+        """Decode a group with the runtime's public batched stream; a request error splits the group up."""
+        from runtime.errors import RequestError
+        options = dict(group[0].options)
+        if self.fallback:
+            options["fallback"] = True
         self.metrics["batch_size"].set(float(len(group)))
-        decoders = [IncrementalDecoder(gen.tokenizer) for _ in group]
-        for step in loop.run():
-            self.metrics["verify_calls"].increment(1)
-            for row, new in step:
-                item = group[row.index]
-                piece = decoders[row.index].push(new) if new else ""
-                if row.finished:
-                    piece += decoders[row.index].flush()
-                piece = gen._apply_stops(loop, row, [r.text for r in group], piece, stops)
+        started = False
+        try:
+            for index, piece, generation in self.generator.stream_batch([r.prompt for r in group], **options):
+                started = True
+                item = group[index]
                 item.text += piece
-                if row.finished:
-                    self._finish(item, row.stats, piece)
+                if generation is not None:
+                    self._finish(item, generation.stats, piece)
                 elif item.stream and piece:
-                    item.sender.send(self._response(piece, row.stats))
-        self.metrics["fallback_active"].set(0.0)
+                    item.sender.send(self._response(piece, None))
+                self.metrics["fallback_active"].set(float(self.generator.metrics.fallback_active))
+        except RequestError as err:
+            if started or len(group) == 1:
+                raise RequestInvalid(str(err)) from None
+            for item in group:  # which request was it? decode each alone; the others are served
+                try:
+                    self._decode([item])
+                except Exception as single:  # noqa: BLE001
+                    item.done = True
+                    self._fail(item.sender, single)
+        finally:
+            self.metrics["fallback_active"].set(0.0)
 
     def _finish(self, item, stats, piece):
         item.done = True
@@ -244,11 +247,14 @@ class TritonPythonModel:
 
     @staticmethod
     def _response(text, stats):
+        """One response; ``stats`` None (a stream's intermediate pieces) reports zeros: totals come with the last."""
+        rate, accepted, drafted = ((stats.draft_acceptance_rate, stats.num_accepted_tokens, stats.num_draft_tokens)
+                                   if stats is not None else (0.0, 0, 0))
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-            pb_utils.Tensor("acceptance_rate", np.array([[stats.draft_acceptance_rate]], dtype=np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.array([[stats.num_accepted_tokens]], dtype=np.int32)),
-            pb_utils.Tensor("total_draft_tokens", np.array([[stats.num_draft_tokens]], dtype=np.int32)),
+            pb_utils.Tensor("acceptance_rate", np.array([[rate]], dtype=np.float32)),
+            pb_utils.Tensor("total_accepted_draft_tokens", np.array([[accepted]], dtype=np.int32)),
+            pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], dtype=np.int32)),
         ])
 
     def finalize(self):
