@@ -147,6 +147,9 @@ def _trtllm_dry_run(spec, as_json: bool) -> None:
         flavor, steps = trtllm.dry_run(spec)
     except (SpecError, CheckpointError, PairingError) as err:
         raise click.ClickException(str(err)) from None
+    if not spec.trtllm_flavor and trtllm.installed_version() is None:
+        click.echo(f"note: tensorrt_llm is not installed here; planned the {flavor} flavor (pass --trtllm-flavor "
+                   "engine for the trtllm-build plan)", err=True)
     click.echo(trtllm.plan_json(steps, flavor) if as_json else trtllm.render_plan(steps, flavor), nl=False)
 
 

