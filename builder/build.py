@@ -71,8 +71,9 @@ def _resolve(spec: BuildSpec):
             if draft_layers >= target.config.num_hidden_layers:
                 raise BuildError(f"self:layers={draft_layers}: the target has only "
                                  f"{target.config.num_hidden_layers} layers")
-        elif option not in ("", "int4", "int8", "fp32"):
-            raise BuildError(f"unknown draft {spec.draft!r}; use a checkpoint path, 'self', 'self:layers=N'")
+        elif option and option != spec.draft_quant:
+            raise BuildError(f"draft {spec.draft!r} conflicts with draft_quant {spec.draft_quant!r}; use "
+                             f"--draft self --draft-quant {option}, or 'self:layers=N', or a checkpoint path")
         return target, target, draft_layers
     return target, ckpt.resolve(spec.draft, spec.allow_pickle, spec.trust_remote_code), 0
 

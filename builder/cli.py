@@ -31,6 +31,9 @@ def load_config(path: Path) -> dict:
 def spec_from(config: dict, overrides: dict) -> tuple[BuildSpec, str | None]:
     data = {**config, **{k: v for k, v in overrides.items() if v is not None}}
     out = data.pop("out", None)
+    draft = str(data.get("draft", ""))
+    if draft.startswith("self:") and not draft.startswith("self:layers=") and "draft_quant" not in data:
+        data["draft_quant"] = draft.partition(":")[2]  # --draft self:int4 means the target re-quantized to int4
     try:
         return from_dict(BuildSpec, data), out
     except (TypeError, SpecError) as err:

@@ -470,10 +470,17 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     runs = sum(math.ceil(len(t) / b) for t in workloads.values() for b in batches) * (1 + len(ks))
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, disable=quiet, transient=False)
+    done = [0]
+
+    def advance(description: str) -> None:
+        progress.update(task, advance=1, description=description)
+        done[0] += 1
+        if not console.is_terminal and not quiet:  # logs get a line per decode instead of a live bar
+            console.print(f"[{done[0]}/{runs}] {description} ({time.time() - started:.0f} s)")
+
     with progress:
         task = progress.add_task("decoding", total=runs)
-        cells = run_workloads(generator, workloads, ks, batches, max_new_tokens, temperature, seed,
-                              advance=lambda d: progress.update(task, advance=1, description=d),
+        cells = run_workloads(generator, workloads, ks, batches, max_new_tokens, temperature, seed, advance=advance,
                               drafter_kind=drafter_kind)
     rows = summarize_cells(cells, temperature)
     best = best_k(rows)

@@ -291,6 +291,43 @@ def test_server_stops_cleanly(tiny_bundle, tmp_path):
         start_server(broken, timeout=60)
 
 
+def test_serve_command_prints_endpoints_and_stops(tiny_bundle, tmp_path):
+    """``draftsmith serve`` binds 127.0.0.1, prints its endpoints, serves, and exits on Ctrl-C (SIGINT)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from triton_repo.generate import write_repository
+    from triton_repo.server import free_port
+    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1, max_batch_size=2)
+    ports = [str(free_port()) for _ in range(3)]
+    command = [sys.executable, "-m", "runtime.cli", "serve", str(repo), "--http-port", ports[0], "--grpc-port",
+               ports[1], "--metrics-port", ports[2]]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(line.startswith("metrics") for line in lines):
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        assert f"http://127.0.0.1:{ports[0]}" in "".join(lines), lines
+        assert f"127.0.0.1:{ports[1]}" in "".join(lines)
+        body = json.dumps({"text_input": PROMPTS[0], "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate", data=body)
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["text_output"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    assert process.returncode == 0
+
+
 @pytest.mark.slow
 def test_smollm2_through_triton(smollm2_bundle, tmp_path):
     from runtime.api import SpeculativeGenerator

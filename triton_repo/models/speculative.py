@@ -219,7 +219,7 @@ class TritonPythonModel:
             for index, piece, generation in self.generator.stream_batch([r.prompt for r in group], **options):
                 started = True
                 item = group[index]
-                item.text += piece
+                item.text += piece[:-1]
                 if generation is not None:
                     self._finish(item, generation.stats, piece)
                 elif item.stream and piece:
