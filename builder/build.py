@@ -7,7 +7,10 @@ loader takes for a bundle, and never touches an existing bundle.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
+import math
 import shutil
 import tempfile
 import time
@@ -16,11 +19,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from builder import checkpoint as ckpt
 from builder import evaluate, export, pairing, quantize
 from runtime.bundle import BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
 
 Stage = Callable[[str], None]
+VOCAB_MAP = "draft_vocab.json"  # a reduced-vocabulary draft head's kept token ids (draft folder and bundle alike)
 TOOLS = ("draftsmith", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "gguf", "tokenizers")
 
 
@@ -91,6 +97,7 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     draft_tok = target_tok if draft_ckpt is target_ckpt else draft_ckpt.load_tokenizer()
     pair = pairing.pair(target_tok, draft_tok, target_ckpt, draft_ckpt, spec.max_context)
     work = tmp / "_work"
+    kept = _draft_vocab(draft_ckpt) if draft_ckpt is not target_ckpt else None  # a reduced-vocabulary draft head
     stage("export target")
     target_model = target_ckpt.load_model()
     target_info, target_check = _export(target_model, target_ckpt, work / "target.onnx", spec)
@@ -99,6 +106,9 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     else:
         stage("export draft")
         draft_model = _truncate(target_model, draft_layers) if draft_layers else draft_ckpt.load_model()
+        if kept is not None:
+            from builder.distill import reduce_head
+            draft_model = reduce_head(draft_model, kept)
         draft_info, draft_check = _export(draft_model, draft_ckpt, work / "draft.onnx", spec)
         draft_fp32 = work / "draft.onnx"
     del target_model
@@ -114,7 +124,16 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     references = {role: evaluate.engine_for(path, info, pair.max_context, threads)
                   for role, path, info in (("target", work / "target.onnx", target_info),
                                            ("draft", draft_fp32, draft_info))}
+    if kept is not None:  # compare and score the draft over the full vocabulary (q = 0 outside the kept ids)
+        from runtime.engine import MappedVocabEngine
+        for group in (engines, references):
+            group["draft"] = MappedVocabEngine(group["draft"], kept, target_info.vocab_size)
     report = evaluate.report(engines, references, ids)
+    if kept is not None:
+        report["draft_vocab"] = {"kept_ids": len(kept), "eval_coverage": float(np.isin(ids[1:], kept).mean())}
+        for key in ("perplexity", "fp32_perplexity"):  # infinite when an eval token is outside the kept ids
+            value = report["draft"][key]
+            report["draft"][key] = value if math.isfinite(value) else None
     report["export_check_max_abs_logit_diff"] = {"target": target_check, "draft": draft_check}
     report["pair_notes"] = list(pair.notes)
     del engines, references
@@ -123,12 +142,24 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     target_tok.save_pretrained(str(tmp / "tokenizer"))
     if not (tmp / "tokenizer" / "tokenizer.json").is_file():
         raise BuildError("the target's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
+    if kept is not None:
+        (tmp / "draft" / VOCAB_MAP).write_text(json.dumps({"kept_ids": [int(t) for t in kept]}), encoding="utf-8")
     entries = {role: _entry(role, c, info, quant, tmp, pair.max_context, spec)
                for role, c, info, quant in (("target", target_ckpt, target_info, spec.target_quant),
                                             ("draft", draft_ckpt, draft_info, spec.draft_quant))}
+    if kept is not None:
+        entries["draft"] = dataclasses.replace(entries["draft"], vocab_map=f"draft/{VOCAB_MAP}")
     return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
                     max_context=pair.max_context, eos_token_ids=_eos_ids(target_ckpt, target_tok),
                     tools=_tool_versions(), report=report)
+
+
+def _draft_vocab(checkpoint):
+    """The kept token ids of a draft folder made by ``draftsmith distill --draft-vocab N``, else None."""
+    if checkpoint.gguf_file or not (checkpoint.folder / VOCAB_MAP).is_file():
+        return None
+    from builder.distill import read_draft_vocab
+    return read_draft_vocab(checkpoint.folder)
 
 
 def _export(model, checkpoint, path: Path, spec: BuildSpec):
@@ -187,7 +218,6 @@ def _tool_versions() -> dict[str, str]:
 
 def _finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
     """Hash, write the manifest last, check the result loads, then rename into place."""
-    import dataclasses
     stage("manifest")
     complete = dataclasses.replace(manifest, files=hash_tree(tmp))
     (tmp / "manifest.json").write_text(complete.to_json(), encoding="utf-8")

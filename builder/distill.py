@@ -2,12 +2,13 @@
 
 Pipeline (``distill_draft``; the click command ``distill`` wraps it): the target (torch) continues a prompt corpus
 (the shipped ``data/distill_prompts.txt`` or the user's file), batched; a few prompts are held out. One
-teacher-forced pass of the target over every prompt + continuation keeps the top ``top_k`` probabilities of each position (sparse logits: the full 49152-wide rows
-of SmolLM2 would need gigabytes). The draft -- the target's first N layers with its embeddings, final norm and head,
-or a given checkpoint -- is then trained for a wall-clock budget on KL(target || draft) at temperature 1 over those
-top-k rows (or cross-entropy on the target's tokens, ``loss="tokens"``), with the embeddings and the (tied) head
-frozen. Acceptance is measured before and after on the held-out prompts, and the draft is saved as a Hugging Face
-folder (safetensors + the target's tokenizer) that ``build-engines --draft DIR`` takes.
+teacher-forced pass of the target over every prompt + continuation keeps the top ``top_k`` probabilities of each
+position (sparse logits: the full 49152-wide rows of SmolLM2 would need gigabytes). The draft -- the target's first
+N layers with its embeddings, final norm and head, or a given checkpoint -- is then trained for a wall-clock budget
+on KL(target || draft) at temperature 1 over those top-k rows (or cross-entropy on the target's tokens,
+``loss="tokens"``), with the embeddings and the (tied) head frozen. Acceptance is measured before and after on the
+held-out prompts, and the draft is saved as a Hugging Face folder (safetensors + the target's tokenizer) that
+``build-engines --draft DIR`` takes.
 
 Greedy acceptance is computed exactly by replaying the speculative loop on the target's greedy continuation of each
 held-out prompt: a step drafts up to k tokens, keeps the run of them that matches the target's tokens (teacher-forced
@@ -211,13 +212,13 @@ def _batches(samples: list[Sample], tokens: int, shuffle: random.Random | None):
     """Right-padded batches of about ``tokens`` tokens (padding included), similar lengths together."""
     if shuffle is None:
         order = sorted(samples, key=lambda s: len(s.ids))
-        chunks = []
     else:
         order = list(samples)
         shuffle.shuffle(order)
         # sort within windows so batches hold similar lengths but their order stays random
         window = 64
-        order = [s for i in range(0, len(order), window) for s in sorted(order[i: i + window], key=lambda s: len(s.ids))]
+        order = [s for i in range(0, len(order), window)
+                 for s in sorted(order[i: i + window], key=lambda s: len(s.ids))]
     batch: list[Sample] = []
     chunks = []
     for s in order:
@@ -246,18 +247,25 @@ def _clean_config(config, layers: int | None = None):
     return config
 
 
+def check_init(init: str, total: int) -> int:
+    """The layer count of ``layers=N`` (0 for a checkpoint path), checked against the target's ``total`` layers."""
+    if not init.startswith("layers="):
+        if not init:
+            raise DistillError("--init: give layers=N or a draft checkpoint")
+        return 0
+    text = init[7:]
+    if not text.isdigit() or not 1 <= int(text) < total:
+        raise DistillError(f"--init {init}: N must be an integer in [1, {total - 1}] (the target has {total} layers)")
+    return int(text)
+
+
 def init_draft(target_model, init: str, allow_pickle: bool = False):
     """``layers=N``: a fresh model holding the target's first N layers, embeddings, final norm and head (copies, so
     the target is untouched); otherwise a checkpoint (HF folder or .gguf) to start from."""
     import torch
     from transformers import AutoModelForCausalLM
     if init.startswith("layers="):
-        text = init[7:]
-        total = target_model.config.num_hidden_layers
-        if not text.isdigit() or not 1 <= int(text) < total:
-            raise DistillError(f"--init {init}: N must be an integer in [1, {total - 1}] (the target has {total} "
-                               "layers)")
-        layers = int(text)
+        layers = check_init(init, target_model.config.num_hidden_layers)
         config = _clean_config(target_model.config, layers)
         torch.manual_seed(0)
         draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -342,25 +350,29 @@ def acceptance(draft, samples: list[Sample], kept: np.ndarray | None = None, ks=
         matches.append(pred[start: start + len(want)] == want)
     total = sum(len(m) for m in matches)
     top1 = float(sum(int(m.sum()) for m in matches) / total) if total else 0.0
-    greedy = {}
-    for k in ks:
-        drafted = accepted = steps = emitted = 0
-        tried, kept_at = np.zeros(k), np.zeros(k)
-        for m in matches:
-            pos = 0
-            while pos < len(m):
-                d = min(k, len(m) - pos - 1)  # room for the target's own token after the drafts
-                n = 0
-                while n < d and m[pos + n]:
-                    n += 1
-                tried[: min(d, n + 1)] += 1
-                kept_at[:n] += 1
-                drafted, accepted, steps, emitted = drafted + d, accepted + n, steps + 1, emitted + n + 1
-                pos += n + 1
-        greedy[k] = {"acceptance": round(accepted / drafted, 4) if drafted else 0.0,
-                     "tokens_per_step": round(emitted / steps, 3) if steps else 0.0,
-                     "alpha": [round(float(a), 4) for a in kept_at / np.maximum(tried, 1)]}
-    return Acceptance(top1, total, greedy)
+    return Acceptance(top1, total, {k: replay(matches, k) for k in ks})
+
+
+def replay(matches: list[np.ndarray], k: int) -> dict:
+    """Greedy speculative decoding replayed over per-position matches (draft argmax == target token) of the target's
+    continuations: each step drafts up to k tokens (leaving room for the target's own), keeps the matching run and
+    emits one target token more. alpha[i]: the share of steps that reached draft position i and had it accepted."""
+    drafted = accepted = steps = emitted = 0
+    tried, kept_at = np.zeros(k), np.zeros(k)
+    for m in matches:
+        pos = 0
+        while pos < len(m):
+            d = min(k, len(m) - pos - 1)
+            n = 0
+            while n < d and m[pos + n]:
+                n += 1
+            tried[: min(d, n + 1)] += 1
+            kept_at[:n] += 1
+            drafted, accepted, steps, emitted = drafted + d, accepted + n, steps + 1, emitted + n + 1
+            pos += n + 1
+    return {"acceptance": round(accepted / drafted, 4) if drafted else 0.0,
+            "tokens_per_step": round(emitted / steps, 3) if steps else 0.0,
+            "alpha": [round(float(a), 4) for a in kept_at / np.maximum(tried, 1)]}
 
 
 def train(draft, samples: list[Sample], *, deadline: float, max_steps: int | None = None, lr: float = 5e-4,
@@ -405,9 +417,9 @@ def train(draft, samples: list[Sample], *, deadline: float, max_steps: int | Non
             value.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
-            losses.append(float(value))
+            losses.append(float(value.detach()))
             step += 1
-            on_step(step, float(value), rate)
+            on_step(step, losses[-1], rate)
 
 
 def _loss(draft, batch: list[Sample], loss: str, kept, remap, prompt_positions: bool):
@@ -467,7 +479,7 @@ def read_draft_vocab(folder: str | Path) -> np.ndarray | None:
     kept = np.asarray(data["kept_ids"], np.int64)
     if kept.ndim != 1 or len(kept) == 0 or len(np.unique(kept)) != len(kept) or kept.min() < 0:
         raise DistillError(f"{path}: kept_ids must be a non-empty list of distinct non-negative token ids")
-    return np.sort(kept)
+    return kept  # in file order: column j of the reduced head is token kept[j] (the runtime reads the same file)
 
 
 def reduce_head(model, kept: np.ndarray):
@@ -523,6 +535,7 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     say(f"distill: {len(corpus)} prompts ({len(train_prompts)} train, {len(held_prompts)} held out) from "
         f"{prompts or 'the shipped corpus'}")
     checkpoint = ckpt.resolve(target)
+    check_init(init, checkpoint.config.num_hidden_layers)
     tokenizer = checkpoint.load_tokenizer()
     target_model = checkpoint.load_model()
     timings = {"load": round(time.perf_counter() - started, 1)}

@@ -17,6 +17,7 @@ with an explicit mask is right for both (shared/FACTS.md); every export is check
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,9 @@ def export_decoder(model, out_path: Path, opset: int = 18) -> GraphInfo:
     """Export ``model`` (a transformers causal LM in eval mode, fp32) to ``out_path``."""
     from torch.export import Dim
     info = graph_info(model.config)
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.shape[0] != info.vocab_size:  # a reduced-vocabulary draft head (distill)
+        info = dataclasses.replace(info, vocab_size=int(head.weight.shape[0]))
     ids, mask, pos, cache = _example(info)
     batch, new, total, past = Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC
     shapes = {"input_ids": {0: batch, 1: new}, "attention_mask": {0: batch, 1: total},
@@ -106,7 +110,33 @@ def export_decoder(model, out_path: Path, opset: int = 18) -> GraphInfo:
     except Exception as err:  # the exporter raises many types; name the stage and keep the cause
         raise ExportError(f"ONNX export failed: {type(err).__name__}: {err}") from err
     fold_weight_transposes(out_path)
+    fuse_for_onnxruntime(out_path)
     return info
+
+
+def fuse_for_onnxruntime(path: Path) -> dict[str, int]:
+    """Fuse RMSNorm (and the residual add before it) into ONNX Runtime's contrib ops; returns fusion counts.
+
+    Why: the exported graph has ~86 small nodes per layer, and on a CPU a small draft's decode step is dominated by
+    per-node overhead, not by reading weights; this removes ~12% of the nodes and measurably cuts the step time.
+    (onnxscript's rotary fusion needs a cos/sin-cache pattern this graph does not have, so it is not attempted.)
+    Attention itself is left unfused: ORT's GroupQueryAttention would ignore the slot mask that rollback and
+    padded batches rely on. check_against_torch runs on the fused graph, so a wrong fusion fails the build.
+    """
+    import onnxscript
+    from onnxscript import ir
+    from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
+    from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
+    model = ir.load(str(path))
+    onnxscript.optimizer.optimize(model)
+    counts = {fuse.__name__[5:]: fuse(model) for fuse in (fuse_rms_normalization, fuse_skip_rms_normalization)}
+    onnxscript.optimizer.optimize(model)
+    weights = (v.const_value for v in model.graph.initializers.values() if v.const_value is not None)
+    large = sum(w.nbytes for w in weights) > 1_800_000_000
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    ir.save(model, str(path), external_data=data.name if large else None)
+    return counts
 
 
 def fold_weight_transposes(path: Path) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 from runtime.bundle import Manifest, load_manifest
-from runtime.engine import Engine, OnnxEngine
+from runtime.engine import Engine, MappedVocabEngine, OnnxEngine, load_vocab_map
 from runtime.errors import RequestError
 from runtime.lookup import PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
@@ -55,6 +55,10 @@ class SpeculativeGenerator:
                 root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
                 head_dim=entry.head_dim, vocab_size=manifest.target.vocab_size, max_context=manifest.max_context,
                 threads=threads, providers=providers)
+        if manifest.draft.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
+            engines["draft"].vocab_size = manifest.draft.vocab_size
+            engines["draft"] = MappedVocabEngine(engines["draft"], load_vocab_map(root / manifest.draft.vocab_map),
+                                                 manifest.target.vocab_size)
         tokenizer = Tokenizer(root / "tokenizer")
         for engine in engines.values():
             engine.vocab_size = min(engine.vocab_size, tokenizer.vocab_size)

@@ -138,6 +138,9 @@ class ModelEntry:
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
     size_bytes: int = 0
+    # A reduced-vocabulary draft head: a JSON file in the bundle ({"kept_ids": [...]}) naming the token of each of the
+    # engine's vocab_size logits; the runtime maps them back to the full vocabulary (runtime.engine.MappedVocabEngine).
+    vocab_map: str = ""
 
 
 @dataclass(frozen=True)

@@ -143,3 +143,56 @@ def compact(past: list[np.ndarray], mask: np.ndarray, lengths: np.ndarray) -> tu
         return past, mask
     order = np.argsort(mask, axis=1, kind="stable")[:, slots - width:]  # live slots last, in their order
     return [np.take_along_axis(p, order[:, None, :, None], axis=2) for p in past], np.take_along_axis(mask, order, 1)
+
+
+class MappedVocabEngine:
+    """A draft engine whose output head covers only some token ids (a reduced-vocabulary draft head).
+
+    The wrapped engine returns logits [B, S, N] over ``kept_ids`` (column j is token kept_ids[j]); this one returns
+    logits over the full vocabulary with -inf everywhere else. The draft's q is then exactly 0 outside the kept set,
+    it proposes only kept tokens, and the acceptance rule (runtime.sampling) stays exact: the target's probability of
+    any other token comes back through the residual max(0, p - q).
+    """
+
+    def __init__(self, engine: Engine, kept_ids, vocab_size: int):
+        kept = np.asarray(kept_ids, dtype=np.int64)
+        if kept.ndim != 1 or not len(kept) or len(np.unique(kept)) != len(kept) or kept.min() < 0:
+            raise ValueError("kept_ids must be a non-empty list of distinct non-negative token ids")
+        if int(kept.max()) >= vocab_size:
+            raise ValueError(f"kept id {int(kept.max())} is outside the vocabulary ({vocab_size} tokens)")
+        self.engine, self.kept_ids = engine, kept
+        self.vocab_size = vocab_size  # may be lowered to the tokenizer's vocabulary, like any engine's
+        self.max_context = engine.max_context
+
+    def new_cache(self, batch: int) -> KVCache:
+        return self.engine.new_cache(batch)
+
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        small = self.engine.forward(cache, tokens, valid)
+        if small.shape[-1] != len(self.kept_ids):
+            raise ValueError(f"the draft engine returned {small.shape[-1]} logits per position; its vocabulary map "
+                             f"has {len(self.kept_ids)} ids")
+        full = np.full(small.shape[:-1] + (self.vocab_size,), -np.inf, dtype=small.dtype)
+        inside = self.kept_ids < self.vocab_size
+        full[..., self.kept_ids[inside]] = small[..., inside]
+        return full
+
+    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
+        self.engine.rollback(cache, keep)
+
+    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
+        return self.engine.select(cache, rows)
+
+    def __getattr__(self, name: str):  # session, num_layers, ...: whatever the wrapped engine has
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+
+def load_vocab_map(path: str | os.PathLike) -> np.ndarray:
+    """The kept token ids of a reduced-vocabulary draft head: ``{"kept_ids": [...]}``, written by draftsmith distill."""
+    import json
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or not isinstance(data.get("kept_ids"), list):
+        raise ValueError(f"{path}: expected an object with a 'kept_ids' list")
+    return np.asarray(data["kept_ids"], dtype=np.int64)

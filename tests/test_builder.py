@@ -37,6 +37,8 @@ def test_export_matches_torch(architecture, tmp_path):
     report = check_against_torch(model, tmp_path / "model.onnx", info, REGISTRY[architecture].tolerance)
     assert set(report) == {"prefill", "verify_after_rollback", "left_padded_batch"}
     assert max(report.values()) < 1e-3
+    fused = _op_types(tmp_path / "model.onnx")
+    assert "SkipSimplifiedLayerNormalization" in fused and "ReduceMean" not in fused  # RMSNorm was fused
 
 
 def test_export_check_catches_a_wrong_graph(tmp_path):

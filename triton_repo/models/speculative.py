@@ -71,6 +71,7 @@ class Request:
         self.sender, self.prompt, self.options, self.stream = sender, prompt, options, stream
         self.text = ""
         self.done = False
+        self.cancelled = False
 
     @property
     def key(self):
@@ -219,11 +220,11 @@ class TritonPythonModel:
             for index, piece, generation in self.generator.stream_batch([r.prompt for r in group], **options):
                 started = True
                 item = group[index]
-                item.text += piece[:-1]
+                item.text += piece
                 if generation is not None:
                     self._finish(item, generation.stats, piece)
                 elif item.stream and piece:
-                    item.sender.send(self._response(piece, None))
+                    self._send(item, self._response(piece, None))
                 self.metrics["fallback_active"].set(float(self.generator.metrics.fallback_active))
         except RequestError as err:
             if started or len(group) == 1:
@@ -243,7 +244,20 @@ class TritonPythonModel:
                             ("sequence_steps", stats.num_steps), ("emitted_tokens", stats.num_emitted_tokens),
                             ("requests", 1)):
             self.metrics[name].increment(value)
-        item.sender.send(self._response(piece if item.stream else item.text, stats), flags=FINAL)
+        self._send(item, self._response(piece if item.stream else item.text, stats), flags=FINAL)
+
+    def _send(self, item, response, flags=0):
+        """Send one response; a client that went away (cancelled) must not end the other requests of its batch."""
+        if item.cancelled:
+            return
+        try:
+            cancelled = getattr(item.sender, "is_cancelled", None)
+            if cancelled is not None and cancelled():
+                item.cancelled = True
+                return
+            item.sender.send(response, flags=flags)
+        except Exception:  # noqa: BLE001 - the request is gone; the batch goes on
+            item.cancelled = True
 
     @staticmethod
     def _response(text, stats):

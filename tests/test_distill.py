@@ -1,0 +1,136 @@
+"""draftsmith distill: distillation raises held-out acceptance on tiny models; the pieces it is made of."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from conftest import make_model, make_tokenizer, tiny_config
+
+WORDS = ("the quick brown fox jumps over lazy dog def add return for range print café speculative decoding "
+         "keeps target output exactly").split()
+
+
+@pytest.fixture(scope="module")
+def learnable_target(tmp_path_factory):
+    """A 2-layer target whose second layer is a per-token MLP (its attention output is zeroed), and a prompt file.
+
+    Its first layer alone (the layers=1 draft) agrees poorly with it, yet what the missing layer does is a function of
+    one position, which a 1-layer draft can learn from a few thousand tokens; a fully random second layer cannot be
+    imitated by one layer on so little data, so the test would measure noise.
+    """
+    import torch
+    root = tmp_path_factory.mktemp("distill")
+    folder = root / "target"
+    make_tokenizer(folder)
+    model = make_model(folder, tiny_config(), seed=1)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.zero_()
+    model.save_pretrained(folder)
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) for _ in range(150)]
+    (root / "prompts.txt").write_text("\n".join(prompts), encoding="utf-8")
+    return folder, root / "prompts.txt"
+
+
+@pytest.fixture(scope="module")
+def distilled(learnable_target, tmp_path_factory):
+    import torch
+    from builder.distill import distill_draft
+    torch.set_num_threads(1)  # seeded and single-threaded: the same numbers every run
+    target, prompts = learnable_target
+    out = tmp_path_factory.mktemp("distilled") / "draft"
+    report = distill_draft(str(target), "layers=1", out, prompts=prompts, max_new_tokens=24, max_steps=250,
+                           seed=0, lr=3e-3, heldout=0.2, tokens_per_batch=512, quiet=True)
+    return out, report
+
+
+def test_distillation_raises_heldout_acceptance(distilled):
+    out, report = distilled
+    before, after = report["before"], report["after"]
+    assert report["heldout_prompts"] == 30 and report["heldout_tokens"] > 300
+    # measured: top-1 0.17 -> 0.30, greedy acceptance at k=4 0.06 -> 0.11 (held-out prompts, never trained on)
+    assert after["top1_agreement"] >= before["top1_agreement"] + 0.08
+    assert after["greedy"]["4"]["acceptance"] >= before["greedy"]["4"]["acceptance"] + 0.03
+    assert after["greedy"]["4"]["tokens_per_step"] > before["greedy"]["4"]["tokens_per_step"]
+
+
+def test_distilled_draft_is_a_loadable_hf_folder(distilled):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out, report = distilled
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert json.loads((out / "distill_report.json").read_text())["after"] == report["after"]
+    assert not (out / "draft_vocab.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 1 and report["draft_layers"] == 1
+    assert AutoTokenizer.from_pretrained(out).vocab_size == 320
+
+
+def test_reduced_vocabulary_distillation_saves_the_kept_ids(learnable_target, tmp_path):
+    from builder.distill import distill_draft, read_draft_vocab
+    target, prompts = learnable_target
+    report = distill_draft(str(target), "layers=1", tmp_path / "d", prompts=prompts, max_new_tokens=8, max_steps=3,
+                           seed=0, draft_vocab=64, quiet=True)
+    kept = read_draft_vocab(tmp_path / "d")
+    assert len(kept) == report["draft_vocab"] == 64 and list(kept) == sorted(kept)
+    assert 2 in kept  # the EOS id is always kept
+    assert 0.5 < report["draft_vocab_coverage_heldout"] <= 1.0
+
+
+def test_replayed_greedy_acceptance_counts_like_the_loop():
+    from builder.distill import replay
+    # matches of draft vs target along one continuation of 8 tokens
+    m = np.array([1, 1, 0, 1, 1, 1, 1, 0], bool)
+    # k=2: step1 drafts 2 (both accepted) +1 token -> pos 3; step2 drafts 2 ok -> pos 6; step3 drafts 1 (pos 6 ok)
+    # -> pos 8. drafted 5, accepted 5.
+    assert replay([m], 2)["acceptance"] == 1.0
+    # k=4: drafts 4 at pos 0 (2 accepted, third wrong) -> pos 3; drafts 4 at pos 3 (all accepted) -> pos 8
+    out = replay([m], 4)
+    assert out["acceptance"] == round(6 / 8, 4) and out["tokens_per_step"] == 4.0
+    assert out["alpha"] == [1.0, 1.0, 0.5, 1.0]
+    assert replay([np.zeros(5, bool)], 3)["acceptance"] == 0.0
+
+
+def test_kept_vocabulary_takes_the_most_frequent_tokens_and_eos():
+    from builder.distill import Sample, kept_vocabulary
+    samples = [Sample([9, 9], [5, 5, 5, 3, 3, 7]), Sample([4], [5, 3, 1])]
+    assert kept_vocabulary(samples, 2, 10, always=[]).tolist() == [3, 5]
+    assert kept_vocabulary(samples, 3, 10, always=[2]).tolist() == [2, 3, 5]
+    # unseen in continuations: prompt tokens come first, then the lowest ids
+    assert kept_vocabulary(samples, 6, 10, always=[]).tolist() == [1, 3, 4, 5, 7, 9]
+
+
+def test_prompt_file_blocks_and_completion_mark(tmp_path):
+    from builder.distill import DistillError, load_prompts, split_prompts
+    path = tmp_path / "p.txt"
+    path.write_text("# comment\n---\n@completion\ndef f():\n---\nHello there\n---\nWhy?\n", encoding="utf-8")
+    prompts = load_prompts(path)
+    assert [(p.text, p.completion) for p in prompts] == [("def f():", True), ("Hello there", False),
+                                                          ("Why?", False)]
+    train, held = split_prompts(prompts, 0.34, seed=0)
+    assert len(held) == 1 and len(train) == 2 and {p.text for p in train + held} == {p.text for p in prompts}
+    shipped = load_prompts()
+    assert len(shipped) >= 150 and 40 <= sum(p.completion for p in shipped) < len(shipped) - 40
+    path.write_text("only one\n", encoding="utf-8")
+    with pytest.raises(DistillError):
+        load_prompts(path)
+
+
+def test_bad_init_is_refused(learnable_target, tmp_path):
+    from builder.distill import DistillError, distill_draft
+    target, prompts = learnable_target
+    with pytest.raises(DistillError, match="layers"):
+        distill_draft(str(target), "layers=2", tmp_path / "d", prompts=prompts, max_new_tokens=2, max_steps=1,
+                      quiet=True)
+
+
+def test_distill_command_is_registered():
+    from click.testing import CliRunner
+    from runtime.cli import main
+    result = CliRunner().invoke(main, ["distill", "--help"])
+    assert result.exit_code == 0
+    for option in ("--target", "--init", "--out", "--prompts", "--minutes", "--draft-vocab", "--loss"):
+        assert option in result.output
