@@ -45,8 +45,12 @@ class SpeculativeGenerator:
 
     @classmethod
     def from_bundle(cls, path: str | os.PathLike, threads: int = 0, providers: list | None = None,
-                    verify: bool = True) -> "SpeculativeGenerator":
-        """Load and verify a bundle (every file against its sha256) and open both engines."""
+                    verify: bool = True, draft_threads: int | None = None) -> "SpeculativeGenerator":
+        """Load and verify a bundle (every file against its sha256) and open both engines.
+
+        threads: ONNX Runtime intra-op threads (0: one per core); draft_threads: the draft's, if different (a small
+        draft's many tiny ops can run faster on fewer threads).
+        """
         root = Path(path)
         manifest = load_manifest(root, verify=verify)
         engines = {}
@@ -54,7 +58,8 @@ class SpeculativeGenerator:
             engines[entry.role] = OnnxEngine(
                 root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
                 head_dim=entry.head_dim, vocab_size=manifest.target.vocab_size, max_context=manifest.max_context,
-                threads=threads, providers=providers)
+                threads=threads if entry.role == "target" or draft_threads is None else draft_threads,
+                providers=providers)
         if manifest.draft.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
             engines["draft"].vocab_size = manifest.draft.vocab_size
             engines["draft"] = MappedVocabEngine(engines["draft"], load_vocab_map(root / manifest.draft.vocab_map),

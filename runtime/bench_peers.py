@@ -76,8 +76,11 @@ def run_transformers(manifest: Manifest, workloads: dict[str, list[list[int]]], 
         torch.set_num_threads(threads)
     spec = manifest.spec
     try:
-        target = resolve(spec.target, spec.allow_pickle, spec.trust_remote_code).load_model()
-        assistant, what = transformers_assistant(manifest, target)
+        import contextlib
+        import io
+        with contextlib.redirect_stderr(io.StringIO()):  # GGUF dequantization draws its own tqdm bars
+            target = resolve(spec.target, spec.allow_pickle, spec.trust_remote_code).load_model()
+            assistant, what = transformers_assistant(manifest, target)
     except Exception as err:  # a peer failing must not sink the bench
         return [_skip("transformers", f"could not load {spec.target}: {type(err).__name__}: {err}")]
     assistant.eval()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import click
 
@@ -27,29 +26,31 @@ def main():
 @click.option("--seed", type=int, default=None)
 @click.option("--k", type=int, default=None, help="Draft tokens per step (default: the bundle's).")
 @click.option("--adaptive", is_flag=True, help="Adapt k to acceptance as it goes.")
+@click.option("--drafter", type=click.Choice(["model", "prompt_lookup"]), default="model", show_default=True,
+              help="Draft with the bundle's draft engine, or by n-gram lookup in the prompt (no model).")
 @click.option("--chat/--no-chat", default=False, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
 @click.option("--no-baseline", is_flag=True, help="Skip the target-only run used for the speedup.")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
+@click.option("--draft-threads", type=int, default=None, help="The draft engine's threads (default: --threads).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
-def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k, adaptive, chat, stop, stream,
-             no_baseline, threads, as_json):
+def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k, adaptive, drafter, chat, stop,
+             stream, no_baseline, threads, draft_threads, as_json):
     """Generate from PROMPT with speculative decoding, then target-only, and print acceptance and speedup."""
     from runtime.api import SpeculativeGenerator
     try:
-        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, draft_threads=draft_threads)
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        k=k, chat=chat, stop=list(stop), adaptive=adaptive or None)
         generator.generate(prompt, **{**options, "max_new_tokens": 2})  # warm both engines up
         if stream and not as_json:
-            started = time.perf_counter()
-            for piece in generator.stream(prompt, **options):
+            for piece in generator.stream(prompt, drafter=drafter, **options):
                 click.echo(piece, nl=False)
             click.echo()
             result = generator.last_stream
         else:
-            result = generator.generate(prompt, **options)
+            result = generator.generate(prompt, drafter=drafter, **options)
         baseline = None if no_baseline else generator.generate(prompt, mode="target", **options)
     except (BundleError, RequestError) as err:
         raise click.ClickException(str(err)) from None

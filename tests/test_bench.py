@@ -242,3 +242,16 @@ def test_prompt_lookup_drafter_is_measured_too(generator):
     (base,), _ = decode(generator, [ids], "target", None, 10, 0.0, 0)
     assert spec.token_ids == base.token_ids
     assert all(s[0] == 0 and s[1] == 0 for s in base.steps)
+
+
+def test_transformers_peer_runs_on_the_same_checkpoints(generator):
+    pytest.importorskip("transformers")
+    from runtime.bench_peers import run_llama_cpp, run_transformers
+    ids = generator._encode("def add(a, b):", False)
+    rows = run_transformers(generator.manifest, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "target", None),
+                                                              ("transformers", "assisted", 2)], rows
+    assert all(0 < r["tokens"] <= 8 and r["tokens_per_second"] > 0 for r in rows)
+    assert "draft checkpoint" in rows[1]["assistant"]
+    skipped = run_llama_cpp(generator.manifest, {"w": [ids]}, {"w": 2}, 4, 1)
+    assert skipped[0]["peer"] == "llama.cpp" and "skipped" in skipped[0]  # the tiny pair is not GGUF

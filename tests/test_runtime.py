@@ -270,3 +270,30 @@ class _IdTokenizer:
 
     def apply_chat_template(self, prompt):
         return prompt
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+def test_generate_command_json(tiny_bundle):
+    import json
+    from click.testing import CliRunner
+    from runtime.cli import main
+    result = CliRunner().invoke(main, ["generate", str(tiny_bundle), "The quick brown", "--max-new-tokens", "20",
+                                       "--k", "3", "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["identical_to_target"] is True
+    assert report["speculative"]["num_emitted_tokens"] == 20 == len(report["token_ids"])
+    assert 0 <= report["speculative"]["draft_acceptance_rate"] <= 1 and report["speedup"] > 0
+
+
+def test_generate_command_stream_and_errors(tiny_bundle, tmp_path):
+    from click.testing import CliRunner
+    from runtime.cli import main
+    streamed = CliRunner().invoke(main, ["generate", str(tiny_bundle), "def add(a, b):", "--max-new-tokens", "12",
+                                         "--stream", "--threads", "1"])
+    assert streamed.exit_code == 0 and "acceptance rate" in streamed.output and "speedup" in streamed.output
+    bad = CliRunner().invoke(main, ["generate", str(tiny_bundle), "hi", "--k", "0"])
+    assert bad.exit_code != 0 and "k must be" in bad.output
+    missing = CliRunner().invoke(main, ["generate", str(tmp_path / "none"), "hi"])
+    assert missing.exit_code != 0 and "no bundle at" in missing.output

@@ -259,9 +259,14 @@ def test_metrics_count_this_request(server, expected):
 
 
 def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
-    """Triton's HTTP /infer refuses decoupled models; a --no-streaming repository serves it."""
+    """Triton's HTTP /infer refuses decoupled models; a --no-streaming repository serves it (after being moved)."""
+    import shutil
     import tritonclient.http as httpclient
-    server = _serve(tiny_bundle, tmp_path / "plain", streaming=False, max_batch_size=4)
+    from triton_repo.generate import write_repository
+    from triton_repo.server import start_server
+    written = write_repository(tiny_bundle, tmp_path / "written", threads=1, streaming=False, max_batch_size=4)
+    moved = shutil.move(str(written), str(tmp_path / "moved"))  # relocatable: nothing points back to "written"
+    server = start_server(moved, timeout=180)
     try:
         client = httpclient.InferenceServerClient(f"{server.host}:{server.http_port}")
         inputs = []
@@ -271,6 +276,7 @@ def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         result = client.infer("ensemble", inputs)
+        client.close()  # an open keep-alive connection holds Triton's shutdown for its exit timeout
         want = expected[PROMPTS[0]]
         assert result.as_numpy("text_output").reshape(-1)[0].decode() == want.text
         assert int(result.as_numpy("total_draft_tokens").reshape(-1)[0]) == want.stats.num_draft_tokens
