@@ -125,7 +125,7 @@ def encode(tokenizer, prompt: Prompt, chat: bool | None, max_tokens: int) -> lis
                                              add_generation_prompt=True)
     else:
         text = prompt.text
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]  # as the runtime encodes prompts
     return list(ids[-max_tokens:])
 
 
@@ -582,9 +582,14 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         task = progress.add_task("draft: training", total=total)
         t0 = time.perf_counter()
 
+        last_line = [time.perf_counter()]
+
         def on_step(step, value, rate):
             done = step if max_steps else min(total, time.perf_counter() - t0)
             progress.update(task, completed=done, description=f"draft: training (loss {value:.3f})")
+            if not console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
+                last_line[0] = time.perf_counter()
+                say(f"training: step {step}, loss {value:.4f}, lr {rate:.2e}, {time.perf_counter() - t0:.0f} s")
 
         trained = train(draft, samples, deadline=train_deadline, max_steps=max_steps, lr=lr, loss=loss, kept=kept,
                         tokens_per_batch=tokens_per_batch, seed=seed, train_prompt_positions=train_prompt_positions,

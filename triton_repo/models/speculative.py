@@ -154,7 +154,11 @@ class TritonPythonModel:
     def _fail(self, sender, err):
         self.metrics["request_errors"].increment(1)
         message = str(err) if isinstance(err, RequestInvalid) else f"{type(err).__name__}: {err}"
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)), flags=FINAL)
+        try:
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
+                        flags=FINAL)
+        except Exception:  # noqa: BLE001 - the client is gone; nothing left to tell it
+            pass
 
     def _parse(self, request, sender) -> Request:
         prompt = _optional(request, "text_input")
