@@ -77,10 +77,12 @@ class DefaultGroup(click.Group):
 @click.option("--dry-run", is_flag=True, help="Print the TensorRT-LLM build plan (every command) and build nothing.")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), help="Bundle directory to write.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
+@click.option("--triton-repo", "triton_repo", type=click.Path(path_type=Path, file_okay=False),
+              help="Also write a Triton model repository for the new bundle here (see `draftsmith triton-repo`).")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads for evaluation.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.pass_context
-def main(ctx, config_path, out, force, threads, as_json, dry_run, **flags):
+def main(ctx, config_path, out, force, triton_repo, threads, as_json, dry_run, **flags):
     """Export a draft and a target checkpoint to quantized engines and write one bundle."""
     if ctx.meta.get("subcommand"):
         return
@@ -95,10 +97,24 @@ def main(ctx, config_path, out, force, threads, as_json, dry_run, **flags):
         raise click.UsageError("give --out DIR (where to write the bundle)")
     manifest = (_run_trtllm_build(spec, out, force, as_json) if spec.backend == "tensorrt_llm"
                 else _run_build(spec, out, force, threads, as_json))
+    if triton_repo is not None:
+        _write_triton_repo(out, triton_repo, force)
     if as_json:
         click.echo(json.dumps(_summary(out, manifest), indent=2))
     else:
         _print_summary(out, manifest)
+
+
+def _write_triton_repo(bundle: Path, repo: Path, force: bool) -> None:
+    try:
+        from triton_repo.generate import RepositoryError, write_repository
+    except ImportError as err:
+        raise click.ClickException(f"--triton-repo needs the triton extra: pip install 'draftsmith[triton]' ({err})")
+    try:
+        write_repository(bundle, repo, overwrite=force)
+    except (RepositoryError, BundleError, ValueError) as err:
+        raise click.ClickException(f"bundle built at {bundle}, but the Triton repository failed: {err}") from None
+    click.echo(f"Triton repository written to {repo}; serve it with `draftsmith serve {repo}`", err=True)
 
 
 def _run_build(spec, out, force, threads, quiet):

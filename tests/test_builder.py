@@ -258,3 +258,15 @@ def test_cli_json_summary_and_inspect(tiny_pair, tmp_path):
     inspected = run_cli("inspect", str(out))
     assert inspected.exit_code == 0 and "verified" in inspected.output and "OK" in inspected.output
     assert np.isfinite(summary["report"]["target"]["perplexity"])
+
+
+def test_build_with_triton_repo(tiny_pair, tmp_path):
+    pytest.importorskip("tritonclient")
+    from triton_repo.pbtxt import parse
+    result = run_cli("--target", str(tiny_pair[0]), "--draft", "self", "--draft-quant", "int8", "--out",
+                     str(tmp_path / "b"), "--triton-repo", str(tmp_path / "repo"))
+    assert result.exit_code == 0, result.output
+    configs = sorted((tmp_path / "repo").glob("*/config.pbtxt"))
+    assert {c.parent.name for c in configs} >= {"ensemble", "preprocessing", "postprocessing"}
+    for config in configs:
+        assert parse(config.read_text()).name == config.parent.name
