@@ -107,6 +107,8 @@ def export_decoder(model, out_path: Path, opset: int = 18) -> GraphInfo:
                 input_names=list(info.input_names), output_names=list(info.output_names), opset_version=opset,
                 verbose=False)
         program.save(str(out_path), external_data=_needs_external_data(model))
+    except OSError:
+        raise  # disk full and friends: the pipeline turns them into actionable errors
     except Exception as err:  # the exporter raises many types; name the stage and keep the cause
         raise ExportError(f"ONNX export failed: {type(err).__name__}: {err}") from err
     fold_weight_transposes(out_path)

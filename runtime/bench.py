@@ -504,6 +504,15 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
                                    "chosen_by": "highest geometric mean of measured speedup over the workloads, at "
                                                 "each workload's smallest batch; ties to the smaller k"}
     del generator  # free the engines before the child processes load their own
+
+    def save(final: bool) -> None:
+        """Write the JSON after each phase, so a slow or interrupted peer run loses nothing measured before it."""
+        report["seconds"] = time.time() - started
+        report["complete"] = final
+        if json_out:
+            json_out.write_text(json.dumps(report, indent=2, default=_json_default), encoding="utf-8")
+
+    save(False)
     if limit:
         with console.status("measuring memory bandwidth and weights per token"):
             report["limit"] = limit_report(Path(bundle), manifest, rows, threads)
@@ -514,6 +523,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
             report["memory"] = measure_memory(bundle, threads, min(max_new_tokens, 32), rec_k, first)
         report["memory"]["engine_size_bytes"] = {"target": manifest.target.size_bytes,
                                                  "draft": manifest.draft.size_bytes}
+    save(False)
     if peers is not False:
         peer_workloads = {n: t[:peer_prompts] if peer_prompts else t for n, t in workloads.items()}
         report["peers"] = _run_peers(manifest, peer_workloads, best, max_new_tokens, threads, temperature, console,
@@ -523,11 +533,10 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         write_default_k(Path(bundle), rec_k)
         report["recommended_k"]["written"] = True
         report["recommended_k"]["bundle_default_k"] = rec_k
-    report["seconds"] = time.time() - started
+    save(True)
     render_table(console, report)
     render_summary(console, report)
     if json_out:
-        json_out.write_text(json.dumps(report, indent=2, default=_json_default), encoding="utf-8")
         console.print(f"report written to {json_out}")
     if plot_out:
         plot(report, plot_out)

@@ -1,0 +1,60 @@
+"""Faults while building: a full disk and a build killed at random points never leave a loadable partial bundle."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from builder.build import BuildError, build
+from runtime.bundle import BuildSpec, BundleError, load_manifest
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (the tiny bundle needs more); skipped where mounting is not permitted."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_disk_full_is_a_clear_error_and_leaves_nothing(tiny_pair, small_disk):
+    with pytest.raises(BuildError, match="disk full"):
+        build(BuildSpec(target=str(tiny_pair[0]), draft="self", draft_quant="int8"), small_disk / "bundle")
+    assert list(small_disk.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_build_killed_at_random_points_never_leaves_a_loadable_partial_bundle(tiny_pair, tmp_path):
+    out = tmp_path / "bundle"
+    command = [sys.executable, "-m", "builder.cli", "--target", str(tiny_pair[0]), "--draft", "self",
+               "--draft-quant", "int8", "--out", str(out), "--force"]
+    rng = random.Random(20)
+    completed = 0
+    for attempt in range(20):
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+        time.sleep(rng.uniform(0.5, 14.0))
+        finished = process.poll() is not None
+        if not finished:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        if out.exists():
+            load_manifest(out)  # whatever is at `out` is a complete bundle (an earlier finished run)
+            completed += finished
+        for partial in tmp_path.glob(".bundle.partial-*"):
+            with pytest.raises(BundleError):
+                load_manifest(partial)
+    rerun = subprocess.run(command, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    load_manifest(out)
