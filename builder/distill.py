@@ -152,7 +152,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     done: dict[int, Sample] = {}
     torch.manual_seed(seed)
     for start in range(0, len(order), batch_size):
-        if time.perf_counter() > deadline:
+        if start and time.perf_counter() > deadline:  # the first batch always runs
             break
         rows = order[start: start + batch_size]
         width = max(len(prompts[i]) for i in rows)
@@ -511,8 +511,8 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     """Distil a draft for ``target`` into the Hugging Face folder ``out``; returns the report (also written to
     ``out/distill_report.json``).
 
-    ``minutes`` is the whole budget: generation may use ``generate_share`` of it, training the rest less a reserve
-    for the final measurement. ``max_steps`` (tests) bounds training by steps instead of time.
+    ``minutes`` is the whole budget: after loading the target, generation may use ``generate_share`` of what is left
+    (at least one batch), training the rest less a reserve for the final measurement. ``max_steps`` (tests) bounds training by steps instead of time.
     """
     import torch
     from rich.console import Console
@@ -549,7 +549,7 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         task = progress.add_task("target: held-out continuations", total=len(held_ids))
         held = generate(target_model, held_ids, max_new_tokens, temperature=0.0, seed=seed, eos_ids=eos, pad_id=pad,
                         batch_size=batch_prompts, advance=lambda n: progress.advance(task, n))
-        gen_deadline = started + generate_share * minutes * 60
+        gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
         task = progress.add_task("target: training continuations", total=len(train_ids))
         samples = generate(target_model, train_ids, max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos,
                            pad_id=pad, batch_size=batch_prompts, deadline=gen_deadline,

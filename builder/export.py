@@ -133,12 +133,23 @@ def fuse_for_onnxruntime(path: Path) -> dict[str, int]:
     onnxscript.optimizer.optimize(model)
     counts = {fuse.__name__[5:]: fuse(model) for fuse in (fuse_rms_normalization, fuse_skip_rms_normalization)}
     onnxscript.optimizer.optimize(model)
+    _strip_build_metadata(model)
     weights = (v.const_value for v in model.graph.initializers.values() if v.const_value is not None)
     large = sum(w.nbytes for w in weights) > 1_800_000_000
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
     ir.save(model, str(path), external_data=data.name if large else None)
     return counts
+
+
+def _strip_build_metadata(model) -> None:
+    """Drop the exporter's per-node stack traces: they carry absolute paths of the build machine into the bundle."""
+    for node in model.graph.all_nodes():
+        node.metadata_props.clear()
+        node.doc_string = None
+    for holder in (model, model.graph):
+        holder.metadata_props.clear()
+        holder.doc_string = None
 
 
 def fold_weight_transposes(path: Path) -> int:

@@ -270,3 +270,14 @@ def test_build_with_triton_repo(tiny_pair, tmp_path):
     assert {c.parent.name for c in configs} >= {"ensemble", "preprocessing", "postprocessing"}
     for config in configs:
         assert parse(config.read_text()).name == config.parent.name
+
+
+def test_no_build_machine_paths_leak_into_the_bundle(tiny_bundle, tiny_pair):
+    """Only what the user chose (the source paths in the manifest) may name this machine's folders."""
+    import os
+    home_markers = [str(Path(__file__).resolve().parents[1]), os.path.expanduser("~"), str(tiny_pair[0].parent)]
+    for path in tiny_bundle.rglob("*"):
+        if path.is_file() and path.name != "manifest.json":
+            data = path.read_bytes()
+            for marker in home_markers:
+                assert marker.encode() not in data, f"{path.relative_to(tiny_bundle)} contains {marker}"

@@ -1,0 +1,519 @@
+"""Load a real tritonserver serving a Draftsmith repository, and account for every request.
+
+    draftsmith load REPO_OR_BUNDLE --clients 8 --duration 30 --max-requests 1000 [--stream-fraction 0.5] [--json OUT]
+    draftsmith load --url http://127.0.0.1:8000 --grpc-url 127.0.0.1:8001 --clients 4 --duration 10
+
+Given a bundle, a repository is written to a temporary folder; given a repository (or a bundle), a tritonserver is
+started on loopback and stopped at the end. With ``--url`` an already running server is driven instead.
+
+Each of N client threads sends requests one after another until the duration is over or ``--max-requests`` have been
+sent in all. A request is streamed over a gRPC bidirectional stream (``stream=true``; text arrives piece by piece) with
+probability ``--stream-fraction``, else sent to HTTP ``/v2/models/ensemble/generate``. Prompts of mixed lengths and
+mixed parameters (greedy and sampled, top-k/top-p, draft length, max_tokens, stop words) are drawn from a seeded RNG.
+
+Every request sent ends in exactly one of:
+
+* answered: a final response, well formed (``text_output`` a string; acceptance in [0, 1]; accepted <= drafted);
+* failed: the server (or the connection) answered with an error;
+* lost: neither, within ``--request-timeout`` seconds (or an answer that is not well formed).
+
+``lost`` must be 0; the command exits 1 otherwise. Also reported: latency p50/p95/p99 of answered requests, the time
+to first text of streamed ones, tokens/s (from the server's ``draftsmith_emitted_tokens_total``) and the resident
+memory of the server (tritonserver and its Python backend stubs, summed from /proc) at the start and after every
+``--rss-every`` finished requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import re
+import statistics
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+PROMPTS = {  # short, medium, long: mixed prompt lengths
+    "short": ["Hi", "def add(a, b):", "The quick brown fox", "SELECT name FROM users", "日本語の"],
+    "medium": ["Speculative decoding keeps the target's output exactly, and the draft proposes",
+               "for i in range(10): print(i * i)\ndef square(x):\n    return",
+               "Ünïcödé café — naïve façade, emoji 🙂 and a sentence that goes on for a while"],
+    "long": ["The quick brown fox jumps over the lazy dog. " * 4 + "def add(a, b):\n    return a + b\n" * 2,
+             "Speculative decoding keeps the target's output exactly. " * 5],
+}
+
+
+# --- the server's memory ----------------------------------------------------------------------------------------
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (tritonserver's Python backend stubs are its children)."""
+    tree, out, todo = _children(), [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(tree.get(current, []))
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and its descendants, in bytes (0 when it is gone)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            for line in Path("/proc", str(p), "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def find_server_pid(http_port: int) -> int | None:
+    """The tritonserver process serving HTTP on ``http_port`` (for ``--url``), from /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            args = Path("/proc", entry, "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"tritonserver") and f"--http-port={http_port}".encode() in args:
+            return int(entry)
+    return None
+
+
+def stub_pids(server_pid: int) -> list[int]:
+    """The Python backend stub processes of a tritonserver."""
+    out = []
+    for p in process_tree(server_pid)[1:]:
+        try:
+            if b"triton_python_backend_stub" in Path("/proc", str(p), "cmdline").read_bytes():
+                out.append(p)
+        except OSError:
+            continue
+    return out
+
+
+# --- requests ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Record:
+    """One request and how it ended."""
+
+    client: int
+    kind: str  # "grpc-stream" or "http"
+    prompt_class: str
+    started: float  # seconds since the load began
+    ended: float = 0.0
+    outcome: str = "lost"  # answered / failed / lost
+    latency: float = 0.0
+    ttft: float | None = None
+    error: str = ""
+    chars: int = 0
+
+
+def draw_request(rng: random.Random, max_tokens: int, stream: bool) -> tuple[str, dict]:
+    """(prompt class, request fields): mixed lengths and parameters, all valid."""
+    prompt_class = rng.choice(["short", "short", "medium", "long"])
+    body: dict = {"text_input": rng.choice(PROMPTS[prompt_class]),
+                  "max_tokens": rng.choice([max(1, max_tokens // 4), max(1, max_tokens // 2), max_tokens])}
+    if rng.random() < 0.3:
+        body.update(temperature=0.8, seed=rng.randrange(1 << 31))
+        if rng.random() < 0.5:
+            body["top_k"] = 20
+        if rng.random() < 0.5:
+            body["top_p"] = 0.9
+    if rng.random() < 0.2:
+        body["num_draft_tokens"] = rng.choice([0, 1, 2])
+    if stream and rng.random() < 0.2:
+        body["stop_words"] = ["\n\n"]
+    return prompt_class, body
+
+
+def well_formed(text, rate, accepted, drafted) -> str:
+    """'' when a final answer is well formed, else what is wrong with it."""
+    if not isinstance(text, str):
+        return f"text_output is {type(text).__name__}, not a string"
+    if not isinstance(rate, (int, float)) or not 0.0 <= float(rate) <= 1.0:
+        return f"acceptance_rate {rate!r} outside [0, 1]"
+    if not isinstance(accepted, int) or not isinstance(drafted, int) or not 0 <= accepted <= drafted:
+        return f"accepted {accepted!r} / drafted {drafted!r} inconsistent"
+    return ""
+
+
+def http_request(url: str, body: dict, timeout: float, record: Record, t0: float) -> None:
+    request = urllib.request.Request(f"{url}/v2/models/ensemble/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    began = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        record.outcome, record.error = "failed", f"HTTP {err.code}: {err.read()[:300].decode(errors='replace')}"
+        return
+    except TimeoutError:
+        record.outcome, record.error = "lost", f"no answer in {timeout:.0f} s"
+        return
+    except (urllib.error.URLError, ConnectionError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, TimeoutError):
+            record.outcome, record.error = "lost", f"no answer in {timeout:.0f} s"
+        else:
+            record.outcome, record.error = "failed", f"connection: {reason}"
+        return
+    finally:
+        record.ended = time.perf_counter() - t0
+    problem = well_formed(answer.get("text_output"), answer.get("acceptance_rate"),
+                          answer.get("total_accepted_draft_tokens"), answer.get("total_draft_tokens"))
+    record.latency = time.perf_counter() - began
+    record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
+    record.chars = len(answer.get("text_output") or "")
+
+
+class GrpcStreamClient:
+    """One gRPC bidirectional stream, re-opened after any stream-level error (a server restart, a timeout)."""
+
+    def __init__(self, grpc_url: str):
+        self.grpc_url = grpc_url
+        self.client = None
+        self.results: queue.Queue = queue.Queue()
+
+    def _open(self):
+        import tritonclient.grpc as grpcclient
+        self.results = queue.Queue()
+        results = self.results
+        self.client = grpcclient.InferenceServerClient(self.grpc_url)
+        self.client.start_stream(callback=lambda result, error: results.put((result, error)))
+
+    def close(self):
+        if self.client is not None:
+            try:
+                self.client.stop_stream(cancel_requests=True)
+                self.client.close()
+            except Exception:  # noqa: BLE001 - a broken stream may refuse to close cleanly
+                pass
+            self.client = None
+
+    def request(self, body: dict, timeout: float, record: Record, t0: float) -> None:
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+        began = time.perf_counter()
+        deadline = began + timeout
+        try:
+            if self.client is None:
+                self._open()
+            arrays = {"text_input": (np.array([[body["text_input"].encode()]], dtype=object), "BYTES"),
+                      "max_tokens": (np.array([[body["max_tokens"]]], dtype=np.int32), "INT32"),
+                      "stream": (np.array([[True]], dtype=bool), "BOOL")}
+            for name, dtype, np_type in (("temperature", "FP32", np.float32), ("top_p", "FP32", np.float32),
+                                         ("top_k", "INT32", np.int32), ("num_draft_tokens", "INT32", np.int32),
+                                         ("seed", "UINT64", np.uint64)):
+                if name in body:
+                    arrays[name] = (np.array([[body[name]]], dtype=np_type), dtype)
+            if "stop_words" in body:
+                arrays["stop_words"] = (np.array([[s.encode() for s in body["stop_words"]]], dtype=object), "BYTES")
+            inputs = []
+            for name, (array, dtype) in arrays.items():
+                tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+                tensor.set_data_from_numpy(array)
+                inputs.append(tensor)
+            request_id = uuid.uuid4().hex
+            self.client.async_stream_infer("ensemble", inputs, request_id=request_id,
+                                           enable_empty_final_response=True)
+            text, last = "", None
+            while True:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise queue.Empty
+                result, error = self.results.get(timeout=left)
+                if error is not None:
+                    record.outcome, record.error = "failed", f"gRPC: {error}"
+                    if "StatusCode" in str(error) or "Socket closed" in str(error):
+                        self.close()  # the stream itself broke
+                    return
+                response = result.get_response()
+                if response.id and response.id != request_id:
+                    continue  # a late response of an abandoned request
+                piece = result.as_numpy("text_output")
+                if piece is not None:
+                    chunk = piece.reshape(-1)[0]
+                    chunk = chunk.decode("utf-8") if isinstance(chunk, bytes) else chunk
+                    if chunk and record.ttft is None:
+                        record.ttft = time.perf_counter() - began
+                    text += chunk
+                    last = result
+                if response.parameters["triton_final_response"].bool_param:
+                    break
+            if last is not None:
+                rate = float(last.as_numpy("acceptance_rate").reshape(-1)[0])
+                accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+                drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
+            else:
+                rate = accepted = drafted = None  # no text_output at all: not well formed
+            problem = well_formed(text, rate, accepted, drafted)
+            record.latency = time.perf_counter() - began
+            record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
+            record.chars = len(text)
+        except queue.Empty:
+            record.outcome, record.error = "lost", f"no final response in {timeout:.0f} s"
+            self.close()
+        except Exception as err:  # noqa: BLE001 - connection refused, stream closed: the request failed
+            record.outcome, record.error = "failed", f"gRPC: {type(err).__name__}: {err}"
+            self.close()
+        finally:
+            record.ended = time.perf_counter() - t0
+
+
+# --- the load ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Endpoints:
+    url: str
+    grpc_url: str
+    metrics_url: str | None = None
+    server_pid: int | None = None
+
+
+def scrape(metrics_url: str | None) -> dict[str, float]:
+    if not metrics_url:
+        return {}
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return {}
+    found: dict[str, float] = {}
+    for name, value in re.findall(r"^(draftsmith_\w+)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        found[name] = found.get(name, 0.0) + float(value)
+    return found
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+@dataclass
+class LoadResult:
+    clients: int
+    duration_s: float
+    sent: int
+    answered: int
+    failed: int
+    lost: int
+    wall_s: float
+    latency_s: dict
+    ttft_s: dict
+    tokens: int | None
+    tokens_per_s: float | None
+    requests_per_s: float
+    rss: list = field(default_factory=list)  # [{"requests": n, "rss_mb": x}]
+    errors: dict = field(default_factory=dict)  # first message -> count
+    records: list = field(default_factory=list)
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        out.pop("records")
+        return out
+
+
+def run_load(endpoints: Endpoints, clients: int = 4, duration: float = 10.0, max_requests: int = 1000,
+             stream_fraction: float = 0.5, max_tokens: int = 32, request_timeout: float = 60.0, seed: int = 0,
+             rss_every: int = 100, stop: threading.Event | None = None) -> LoadResult:
+    """Drive ``endpoints`` with ``clients`` threads for ``duration`` s or ``max_requests`` requests, whichever first."""
+    if clients < 1 or duration <= 0 or max_requests < 1 or not 0.0 <= stream_fraction <= 1.0:
+        raise ValueError("clients >= 1, duration > 0, max_requests >= 1 and 0 <= stream_fraction <= 1")
+    stop = stop or threading.Event()
+    lock = threading.Lock()
+    records: list[Record] = []
+    rss: list[dict] = []
+    finished = [0]
+    before = scrape(endpoints.metrics_url)
+    if endpoints.server_pid:
+        rss.append({"requests": 0, "rss_mb": round(rss_bytes(endpoints.server_pid) / 2**20, 1)})
+    t0 = time.perf_counter()
+    end = t0 + duration
+
+    def client(c: int) -> None:
+        rng = random.Random(seed * 1000 + c)
+        grpc = GrpcStreamClient(endpoints.grpc_url)
+        try:
+            while not stop.is_set() and time.perf_counter() < end:
+                stream = rng.random() < stream_fraction
+                prompt_class, body = draw_request(rng, max_tokens, stream)
+                with lock:
+                    if len(records) >= max_requests:
+                        return
+                    record = Record(c, "grpc-stream" if stream else "http", prompt_class, time.perf_counter() - t0)
+                    records.append(record)
+                if stream:
+                    grpc.request(body, request_timeout, record, t0)
+                else:
+                    http_request(endpoints.url, body, request_timeout, record, t0)
+                if record.outcome == "failed":
+                    time.sleep(0.05)  # a server that is down refuses at once: do not spin
+                with lock:
+                    finished[0] += 1
+                    sample = endpoints.server_pid and finished[0] % rss_every == 0
+                    done = finished[0]
+                if sample:
+                    entry = {"requests": done, "rss_mb": round(rss_bytes(endpoints.server_pid) / 2**20, 1)}
+                    with lock:
+                        rss.append(entry)
+        finally:
+            grpc.close()
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(duration + request_timeout + 30)
+    wall = time.perf_counter() - t0
+    if endpoints.server_pid:
+        rss.append({"requests": finished[0], "rss_mb": round(rss_bytes(endpoints.server_pid) / 2**20, 1)})
+    after = scrape(endpoints.metrics_url)
+    with lock:
+        done = list(records)
+    answered = [r for r in done if r.outcome == "answered"]
+    latencies = [r.latency for r in answered]
+    ttfts = [r.ttft for r in answered if r.ttft is not None]
+    errors: dict[str, int] = {}
+    for r in done:
+        if r.outcome != "answered":
+            key = f"{r.outcome}: {r.error[:160]}"
+            errors[key] = errors.get(key, 0) + 1
+    tokens = None
+    if "draftsmith_emitted_tokens_total" in after:
+        tokens = int(after["draftsmith_emitted_tokens_total"] - before.get("draftsmith_emitted_tokens_total", 0))
+
+    def dist(values):
+        return {f"p{q}": None if not values else round(percentile(values, q), 4) for q in (50, 95, 99)} | {
+            "mean": round(statistics.fmean(values), 4) if values else None}
+
+    return LoadResult(
+        clients=clients, duration_s=duration, sent=len(done), answered=len(answered),
+        failed=sum(r.outcome == "failed" for r in done), lost=sum(r.outcome == "lost" for r in done),
+        wall_s=round(wall, 2), latency_s=dist(latencies), ttft_s=dist(ttfts), tokens=tokens,
+        tokens_per_s=None if tokens is None else round(tokens / wall, 1),
+        requests_per_s=round(len(answered) / wall, 2), rss=rss, errors=errors, records=done)
+
+
+def rss_growth(result: LoadResult, first: int = 200) -> dict | None:
+    """RSS after the first ``first`` requests vs at the end (the last samples), in MiB."""
+    samples = [s for s in result.rss if s["requests"] > 0]
+    if len(samples) < 2:
+        return None
+    early = min(samples, key=lambda s: abs(s["requests"] - first))
+    late = samples[-1]
+    return {"after_requests": early["requests"], "rss_mb": early["rss_mb"], "final_requests": late["requests"],
+            "final_rss_mb": late["rss_mb"], "growth_mb": round(late["rss_mb"] - early["rss_mb"], 1)}
+
+
+def _print(result: LoadResult) -> None:
+    lat, ttft = result.latency_s, result.ttft_s
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    click.echo(f"clients {result.clients}, {result.wall_s:.1f} s: sent {result.sent}, answered {result.answered}, "
+               f"failed {result.failed}, lost {result.lost}")
+    click.echo(f"latency s  p50 {fmt(lat['p50'])}  p95 {fmt(lat['p95'])}  p99 {fmt(lat['p99'])}   "
+               f"(streamed, first text: p50 {fmt(ttft['p50'])}  p95 {fmt(ttft['p95'])})")
+    click.echo(f"throughput {result.requests_per_s} req/s, "
+               f"{'-' if result.tokens_per_s is None else result.tokens_per_s} tok/s ({result.tokens} tokens)")
+    if result.rss:
+        click.echo("server RSS MiB: " + ", ".join(f"{s['requests']}:{s['rss_mb']}" for s in result.rss))
+    for error, count in list(result.errors.items())[:10]:
+        click.echo(f"  {count} x {error}")
+
+
+@click.command("load")
+@click.argument("target", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--url", default=None, help="Drive a running server's HTTP endpoint (e.g. http://127.0.0.1:8000).")
+@click.option("--grpc-url", default=None, help="With --url: its gRPC endpoint (default: host:8001).")
+@click.option("--metrics-url", default=None, help="With --url: its metrics (default: http://host:8002/metrics).")
+@click.option("--clients", type=int, default=4, show_default=True, help="Concurrent clients.")
+@click.option("--duration", type=float, default=10.0, show_default=True, help="Seconds of load.")
+@click.option("--max-requests", type=int, default=1000, show_default=True, help="Requests in all, at most.")
+@click.option("--stream-fraction", type=float, default=0.5, show_default=True,
+              help="Share of requests streamed over gRPC (the rest: HTTP generate).")
+@click.option("--max-tokens", type=int, default=32, show_default=True, help="Largest max_tokens of a request.")
+@click.option("--request-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds after which a request without an answer counts as lost.")
+@click.option("--threads", type=int, default=0, show_default=True,
+              help="Given a bundle: ONNX Runtime threads of the served model (0: all cores).")
+@click.option("--max-batch-size", type=int, default=16, show_default=True, help="Given a bundle: batch size.")
+@click.option("--rss-every", type=int, default=100, show_default=True, help="Sample the server's RSS every N requests.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
+def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, stream_fraction, max_tokens,
+         request_timeout, threads, max_batch_size, rss_every, seed, json_out):
+    """Drive a Triton server on REPO_OR_BUNDLE (started here on loopback) or at --url with concurrent clients."""
+    from urllib.parse import urlparse
+    from triton_repo.server import ServerError, start_server
+    if (target is None) == (url is None):
+        raise click.UsageError("give a repository or bundle, or --url of a running server (one of them)")
+    server, tmp = None, None
+    try:
+        if url:
+            parsed = urlparse(url)
+            host = parsed.hostname or "127.0.0.1"
+            endpoints = Endpoints(url.rstrip("/"), grpc_url or f"{host}:8001",
+                                  metrics_url or f"http://{host}:8002/metrics",
+                                  find_server_pid(parsed.port or 80) if host in ("127.0.0.1", "localhost") else None)
+        else:
+            repo = Path(target)
+            if (repo / "manifest.json").is_file():  # a bundle: write its repository first
+                from triton_repo.generate import write_repository
+                tmp = tempfile.mkdtemp(prefix="draftsmith-load-")
+                repo = write_repository(repo, Path(tmp) / "repo", threads=threads, max_batch_size=max_batch_size)
+            elif not (repo / "ensemble" / "config.pbtxt").is_file():
+                raise click.UsageError(f"{target} is neither a bundle (manifest.json) nor a Triton repository "
+                                       "(ensemble/config.pbtxt)")
+            click.echo(f"starting tritonserver on {repo} ...", err=True)
+            server = start_server(repo)
+            endpoints = Endpoints(server.url, server.grpc_url, server.metrics_url, server.process.pid)
+        result = run_load(endpoints, clients=clients, duration=duration, max_requests=max_requests,
+                          stream_fraction=stream_fraction, max_tokens=max_tokens, request_timeout=request_timeout,
+                          seed=seed, rss_every=rss_every)
+    except (ServerError, ValueError) as err:
+        raise click.ClickException(str(err)) from None
+    finally:
+        if server is not None:
+            server.stop()
+        if tmp:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    _print(result)
+    summary = result.summary()
+    summary["rss_growth"] = rss_growth(result)
+    if json_out:
+        Path(json_out).write_text(json.dumps(summary, indent=2))
+    if result.lost:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    load()
