@@ -512,7 +512,8 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     ``out/distill_report.json``).
 
     ``minutes`` is the whole budget: after loading the target, generation may use ``generate_share`` of what is left
-    (at least one batch), training the rest less a reserve for the final measurement. ``max_steps`` (tests) bounds training by steps instead of time.
+    (at least one batch), training the rest less a reserve for the final measurement. ``max_steps`` (tests) bounds
+    training by steps instead of time.
     """
     import torch
     from rich.console import Console

@@ -83,21 +83,25 @@ def int_list(values, name: str) -> list[int]:
 # --- instrumentation ------------------------------------------------------------------------------------------------
 
 class _TimedSession:
-    """An InferenceSession stand-in that times ``run`` and passes everything else through."""
+    """An InferenceSession stand-in that times every ``run*`` method (``run``, ``run_with_ort_values``,
+    ``run_with_iobinding``) into ``last`` and passes everything else through."""
 
     def __init__(self, session):
         self._session = session
         self.last = 0.0
 
-    def run(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self._session.run(*args, **kwargs)
-        finally:
-            self.last = time.perf_counter() - start
-
     def __getattr__(self, name):
-        return getattr(self._session, name)
+        attribute = getattr(self._session, name)
+        if not (name.startswith("run") and callable(attribute)):
+            return attribute
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                self.last += time.perf_counter() - start
+        return timed
 
 
 class Recorder:

@@ -173,7 +173,7 @@ def test_recorded_steps_match_the_runtime_counters(generator):
     verify = [c for c in calls if c.role == "target" and not c.prefill]
     assert len(verify) == reference.stats.num_steps
     assert sum(1 for c in calls if c.role == "target" and c.prefill) == 1
-    assert all(0 <= c.ort_seconds <= c.seconds for c in calls)
+    assert all(0 < c.ort_seconds <= c.seconds for c in calls)  # ORT's part is measured, whatever run* the engine uses
     assert 0 < seq.ttft <= wall
 
 

@@ -47,8 +47,8 @@ PROMPTS = {  # short, medium, long: mixed prompt lengths
     "medium": ["Speculative decoding keeps the target's output exactly, and the draft proposes",
                "for i in range(10): print(i * i)\ndef square(x):\n    return",
                "Ünïcödé café — naïve façade, emoji 🙂 and a sentence that goes on for a while"],
-    "long": ["The quick brown fox jumps over the lazy dog. " * 4 + "def add(a, b):\n    return a + b\n" * 2,
-             "Speculative decoding keeps the target's output exactly. " * 5],
+    "long": ["The quick brown fox jumps over the lazy dog. " * 2 + "def add(a, b):\n    return a + b\n",
+             "Speculative decoding keeps the target's output exactly. " * 2 + "for i in range(10): print(i * i)\n"],
 }
 
 
@@ -311,6 +311,9 @@ def scrape(metrics_url: str | None) -> dict[str, float]:
     return found
 
 
+_REQUEST_ID = re.compile(r"\[request id: [^]]*\] ")  # errors differ by it alone: count them together
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -405,7 +408,7 @@ def run_load(endpoints: Endpoints, clients: int = 4, duration: float = 10.0, max
     errors: dict[str, int] = {}
     for r in done:
         if r.outcome != "answered":
-            key = f"{r.outcome}: {r.error[:160]}"
+            key = r.outcome + ": " + _REQUEST_ID.sub("", r.error)[:160]
             errors[key] = errors.get(key, 0) + 1
     tokens = None
     if "draftsmith_emitted_tokens_total" in after:
