@@ -53,20 +53,9 @@ class SpeculativeGenerator:
         """
         root = Path(path)
         manifest = load_manifest(root, verify=verify)
-        engines = {}
-        for entry in (manifest.target, manifest.draft):
-            engines[entry.role] = OnnxEngine(
-                root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-                head_dim=entry.head_dim, vocab_size=manifest.target.vocab_size, max_context=manifest.max_context,
-                threads=threads if entry.role == "target" or draft_threads is None else draft_threads,
-                providers=providers)
-        if manifest.draft.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
-            engines["draft"].vocab_size = manifest.draft.vocab_size
-            engines["draft"] = MappedVocabEngine(engines["draft"], load_vocab_map(root / manifest.draft.vocab_map),
-                                                 manifest.target.vocab_size)
         tokenizer = Tokenizer(root / "tokenizer")
-        for engine in engines.values():
-            engine.vocab_size = min(engine.vocab_size, tokenizer.vocab_size)
+        engines = open_engines(root, manifest, tokenizer.vocab_size, ("target", "draft"), threads, draft_threads,
+                               providers)
         return cls(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids)
 
     # --- requests -------------------------------------------------------------------------------------------------
@@ -186,3 +175,22 @@ class SpeculativeGenerator:
             return PromptLookupDrafter(self.target.vocab_size)
         return ModelDrafter(self.draft, confidence) if self.draft is not None else None
 
+
+
+def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("target", "draft"), threads: int = 0,
+                 draft_threads: int | None = None, providers: list | None = None) -> dict[str, Engine]:
+    """The bundle's ONNX Runtime engines by role, reading logits over the tokenizer's vocabulary."""
+    engines: dict[str, Engine] = {}
+    for entry in (manifest.target, manifest.draft):
+        if entry.role not in roles:
+            continue
+        engine = OnnxEngine(
+            root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
+            head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
+            threads=threads if entry.role == "target" or draft_threads is None else draft_threads,
+            providers=providers)
+        if entry.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
+            engine = MappedVocabEngine(engine, load_vocab_map(root / entry.vocab_map), manifest.target.vocab_size)
+        engine.vocab_size = min(engine.vocab_size, tokenizer_vocab)
+        engines[entry.role] = engine
+    return engines

@@ -38,20 +38,15 @@ def _current_rss_bytes() -> int:
 
 def _child(bundle: str, mode: str, threads: int, tokens: int, k: int | None, prompt: str) -> dict:
     """Load what ``mode`` needs (target-only loads no draft engine), decode, and report resident memory."""
-    from runtime.api import SpeculativeGenerator
+    from runtime.api import SpeculativeGenerator, open_engines
     from runtime.bundle import load_manifest
-    from runtime.engine import OnnxEngine
     from runtime.text import Tokenizer
     root = Path(bundle)
     manifest = load_manifest(root, verify=False)
     tokenizer = Tokenizer(root / "tokenizer")
     before = _current_rss_bytes()
-    engines = {}
-    for entry in (manifest.target, manifest.draft) if mode == "speculative" else (manifest.target,):
-        engines[entry.role] = OnnxEngine(
-            root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-            head_dim=entry.head_dim, vocab_size=min(manifest.target.vocab_size, tokenizer.vocab_size),
-            max_context=manifest.max_context, threads=threads)
+    roles = ("target", "draft") if mode == "speculative" else ("target",)
+    engines = open_engines(root, manifest, tokenizer.vocab_size, roles, threads)
     generator = SpeculativeGenerator(manifest, engines["target"], engines.get("draft"), tokenizer,
                                      manifest.eos_token_ids)
     loaded = _current_rss_bytes()
