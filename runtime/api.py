@@ -113,7 +113,7 @@ class SpeculativeGenerator:
                 piece = decoders[row.index].push(new) if new else ""
                 if row.finished:
                     piece += decoders[row.index].flush()
-                piece = self._apply_stops(loop, row, texts, piece, stops)
+                piece = self._apply_stops(row, texts, piece, stops)
                 texts[row.index] += piece
                 done = None
                 if row.finished:
@@ -125,16 +125,14 @@ class SpeculativeGenerator:
                 if piece or done is not None:
                     yield row.index, piece, done
 
-    def _apply_stops(self, loop, row, texts, piece, stops) -> str:
+    def _apply_stops(self, row, texts, piece, stops) -> str:
         if not stops or not piece:
             return piece
         before = texts[row.index]
         at = find_stop(before + piece, stops, len(before))
         if at < 0:
             return piece
-        if not row.finished:
-            loop.finish(row.index, "stop")
-        row.finished = "stop"
+        row.finished = "stop"  # the loop drops finished rows after this step
         return (before + piece)[:at][len(before):]
 
     def _config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback):

@@ -97,7 +97,6 @@ class ModelDrafter:
     def start(self, prompts: list[list[int]]) -> None:
         self.cache = self.engine.new_cache(len(prompts))
         self.pending = [list(p) for p in prompts]  # tokens the draft has not been fed yet
-        self.fed = [0] * len(prompts)
 
     def _feed(self, chunks: list[list[int]]) -> np.ndarray:
         """Feed one chunk per row; returns the logits after each row's last token [B, V] (junk for empty rows)."""
@@ -114,7 +113,7 @@ class ModelDrafter:
         self.base = self.cache.lengths.copy()
         self.fed = [0] * rows
         chunks = [list(p) if a else [] for p, a in zip(self.pending, active)]
-        self.fed_pending = [a for a in active]
+        self.fed_pending = list(active)
         while any(active):
             logits = self._feed(chunks)
             chunks = [[] for _ in range(rows)]
