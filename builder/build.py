@@ -163,7 +163,7 @@ def _draft_vocab(checkpoint):
 
 
 def _export(model, checkpoint, path: Path, spec: BuildSpec):
-    info = export.export_decoder(model, path, spec.opset)
+    info = export.export_decoder(model, path, spec.opset, export.GRAPH_DTYPES[spec.device])
     check = export.check_against_torch(model, path, info, checkpoint.architecture.tolerance)
     return info, check
 

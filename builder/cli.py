@@ -64,7 +64,10 @@ class DefaultGroup(click.Group):
 @click.option("--max-context", type=int, help="Cap the context (default: the pair's usable maximum).")
 @click.option("--opset", type=int, help="ONNX opset.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt_llm"]), help="Engine backend.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Device the engines are built for.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]),
+              help="Device the engines are built for. onnxruntime: cpu = fp32/int8/int4 engines; cuda = fp16/int8/int4 "
+                   "engines for onnxruntime-gpu's CUDA and TensorRT execution providers (built and checked on any "
+                   "machine; the target defaults to fp16).")
 @click.option("--allow-pickle", is_flag=True, default=None, help="Accept pickled .bin/.pt weights (can run code).")
 @click.option("--trust-remote-code", is_flag=True, default=None, help="Run a checkpoint's own modelling code.")
 @click.option("--trtllm-flavor", type=click.Choice(["engine", "llmapi"]),
@@ -149,11 +152,17 @@ def _run_build(spec, out, force, threads, quiet):
 TRTLLM_DEFAULTS = {"device": "cuda", "target_quant": "fp16", "draft_quant": "int4_awq"}
 
 
+ONNX_CUDA_DEFAULTS = {"target_quant": "fp16"}  # ONNX Runtime on CUDA: fp16 target, int4 draft (fp32 is CPU-only)
+
+
 def _trtllm_defaults(config: dict, flags: dict) -> dict:
-    """For backend tensorrt_llm, defaults that differ from the ONNX path's, unless the config or a flag sets them."""
-    if (flags.get("backend") or config.get("backend")) != "tensorrt_llm":
-        return flags
-    return {**flags, **{k: v for k, v in TRTLLM_DEFAULTS.items() if flags.get(k) is None and k not in config}}
+    """Defaults that differ from the ONNX CPU path's (backend tensorrt_llm; onnxruntime on cuda), unless the config
+    or a flag sets them."""
+    backend = flags.get("backend") or config.get("backend")
+    device = flags.get("device") or config.get("device")
+    defaults = (TRTLLM_DEFAULTS if backend == "tensorrt_llm"
+                else ONNX_CUDA_DEFAULTS if device == "cuda" else {})
+    return {**flags, **{k: v for k, v in defaults.items() if flags.get(k) is None and k not in config}}
 
 
 def _trtllm_dry_run(spec, as_json: bool) -> None:

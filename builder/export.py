@@ -5,8 +5,8 @@ The graph's contract (the runtime's OnnxEngine relies on it)::
     inputs   input_ids      int64 [B, S]        S >= 1 new tokens
              attention_mask int64 [B, P + S]    1 = this cache slot holds a live token, 0 = padding or rolled back
              position_ids   int64 [B, S]        rotary position of each new token
-             past.{i}.key / past.{i}.value  float32 [B, H_kv, P, D]   P >= 0
-    outputs  logits         float32 [B, S, V]
+             past.{i}.key / past.{i}.value  float32 [B, H_kv, P, D]   P >= 0 (float16 in a CUDA graph)
+    outputs  logits         float32 [B, S, V] (float16 in a CUDA graph)
              present.{i}.key / present.{i}.value [B, H_kv, P + S, D]  (past with the new slots appended)
 
 Rolling back never slices the cache: the runtime marks rejected slots 0 in ``attention_mask``, and the graph builds
@@ -80,22 +80,37 @@ class _CachedDecoder(torch.nn.Module):
         return (out.logits, *present)
 
 
-def _example(info: GraphInfo, batch=2, past=3, new=4):
+def _example(info: GraphInfo, batch=2, past=3, new=4, dtype=torch.float32):
     ids = torch.randint(0, min(info.vocab_size, 100), (batch, new))
     mask = torch.ones(batch, past + new, dtype=torch.int64)
     pos = torch.arange(past, past + new).repeat(batch, 1)
-    cache = [torch.randn(batch, info.num_kv_heads, past, info.head_dim) for _ in range(2 * info.num_layers)]
+    cache = [torch.randn(batch, info.num_kv_heads, past, info.head_dim, dtype=dtype)
+             for _ in range(2 * info.num_layers)]
     return ids, mask, pos, cache
 
 
-def export_decoder(model, out_path: Path, opset: int = 18) -> GraphInfo:
-    """Export ``model`` (a transformers causal LM in eval mode, fp32) to ``out_path``."""
+GRAPH_DTYPES = {"cpu": "float32", "cuda": "float16"}  # the export's float type per target device
+
+
+def export_decoder(model, out_path: Path, opset: int = 18, dtype: str = "float32") -> GraphInfo:
+    """Export ``model`` (a transformers causal LM in eval mode, fp32) to ``out_path``.
+
+    ``dtype="float16"`` (CUDA engines) exports a half-precision copy of the model, leaving ``model`` untouched:
+    transformers keeps the rotary angles and RMSNorm statistics in fp32 inside an fp16 model, and the exporter
+    records exactly that, whereas converting a finished fp32 graph to fp16 would round positions x frequencies
+    (an angle error of up to a radian at position 3000).
+    """
     from torch.export import Dim
+    if dtype not in ("float32", "float16"):
+        raise ExportError(f"export dtype must be float32 or float16, received {dtype!r}")
+    if dtype == "float16":
+        import copy
+        model = copy.deepcopy(model).to(torch.float16)
     info = graph_info(model.config)
     head = model.get_output_embeddings()
     if head is not None and head.weight.shape[0] != info.vocab_size:  # a reduced-vocabulary draft head (distill)
         info = dataclasses.replace(info, vocab_size=int(head.weight.shape[0]))
-    ids, mask, pos, cache = _example(info)
+    ids, mask, pos, cache = _example(info, dtype=getattr(torch, dtype))
     batch, new, total, past = Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC
     shapes = {"input_ids": {0: batch, 1: new}, "attention_mask": {0: batch, 1: total},
               "position_ids": {0: batch, 1: new}, "past": tuple({0: batch, 2: past} for _ in cache)}
@@ -186,13 +201,19 @@ def _needs_external_data(model) -> bool:
     return sum(p.numel() * p.element_size() for p in model.parameters()) > 1_800_000_000
 
 
-def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: float, seed: int = 0) -> dict:
-    """Compare the graph with torch on prefill, a verify pass over rolled-back slots, and a left-padded batch.
+FP16_RELATIVE_TOLERANCE = 2e-2  # an fp16 graph vs the fp32 model: |Δlogit| up to this share of the largest logit
 
-    Returns the max |logit difference| per case; raises ExportError past ``tolerance`` or on an argmax mismatch.
+
+def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: float, seed: int = 0) -> dict:
+    """Compare the graph with torch (fp32) on prefill, a verify pass over rolled-back slots, and a left-padded batch.
+
+    Returns the max |logit difference| per case; raises ExportError past the tolerance, or where the argmax differs
+    although torch's two best logits are further apart than the tolerance. An fp16 graph (CUDA engines; run here on
+    the CPU through ONNX Runtime's inserted casts) gets ``FP16_RELATIVE_TOLERANCE`` of the largest logit.
     """
     from runtime.engine import make_session
     session = make_session(onnx_path, threads=0)
+    dtype = np.float16 if "float16" in session.get_inputs()[3].type else np.float32
     rng = np.random.default_rng(seed)
     vocab = min(info.vocab_size, int(model.config.vocab_size))
     seq = rng.integers(0, vocab, (1, 12))
@@ -205,7 +226,7 @@ def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: floa
         out = session.run(list(info.output_names), feed)
         return out[0], out[1:]
 
-    empty = [np.zeros((1, info.num_kv_heads, 0, info.head_dim), np.float32)] * (2 * info.num_layers)
+    empty = [np.zeros((1, info.num_kv_heads, 0, info.head_dim), dtype)] * (2 * info.num_layers)
     prefill, past = run(seq[:, :5], np.ones((1, 5), np.int64), np.arange(5)[None], empty)
     # three slots of junk, then rolled back by the mask: the verify pass must not see them
     _, junk = run(rng.integers(0, vocab, (1, 3)), np.ones((1, 8), np.int64), np.arange(5, 8)[None], past)
@@ -218,7 +239,7 @@ def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: floa
     positions = np.zeros((2, 12), np.int64)
     for row, n in enumerate(lengths):
         ids[row, 12 - n:], pad_mask[row, 12 - n:], positions[row, 12 - n:] = seq[0, :n], 1, np.arange(n)
-    batch_empty = [np.zeros((2, info.num_kv_heads, 0, info.head_dim), np.float32)] * (2 * info.num_layers)
+    batch_empty = [np.zeros((2, info.num_kv_heads, 0, info.head_dim), dtype)] * (2 * info.num_layers)
     batched, _ = run(ids, pad_mask, positions, batch_empty)
     cases = {
         "prefill": (prefill[0], reference[0, :5]),
@@ -227,10 +248,17 @@ def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: floa
     }
     report = {}
     for name, (got, want) in cases.items():
-        got, want = got[:, :vocab], want[:, :vocab]
+        got, want = got[:, :vocab].astype(np.float32), want[:, :vocab]
+        allowed = tolerance
+        if dtype == np.float16:
+            allowed = max(tolerance, FP16_RELATIVE_TOLERANCE * float(np.abs(want).max()))
         diff = float(np.abs(got - want).max())
         report[name] = diff
-        if diff > tolerance or not np.array_equal(got.argmax(-1), want.argmax(-1)):
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        decided = (top2[:, 1] - top2[:, 0]) > allowed  # positions whose argmax no rounding may change
+        flipped = (got.argmax(-1) != want.argmax(-1)) & decided
+        if diff > allowed or flipped.any():
             raise ExportError(f"exported graph disagrees with torch on {name}: max |Δlogit| {diff:.2e} "
-                              f"(tolerance {tolerance:.0e}); refusing to build a wrong engine")
+                              f"(tolerance {allowed:.1e}), {int(flipped.sum())} clear argmax changes; refusing "
+                              "to build a wrong engine")
     return report

@@ -1,4 +1,8 @@
-"""Stage 4: weight-only quantization of an exported fp32 graph (ONNX Runtime's MatMulNBits quantizer)."""
+"""Stage 4: weight-only quantization of an exported graph (ONNX Runtime's MatMulNBits quantizer).
+
+The graph is fp32 for CPU engines and fp16 for CUDA ones (builder.export); MatMulNBits keeps the graph's float type
+for activations and scales, so one function serves both devices.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +14,21 @@ BITS = {"int8": 8, "int4": 4}
 
 def quantize(src: Path, dst: Path, quant: str, block_size: int = 32, symmetric: bool = False,
              accuracy_level: int = 4) -> None:
-    """Write ``src`` quantized as ``quant`` to ``dst``. fp32 copies the graph (with its external data, if any).
+    """Write ``src`` quantized as ``quant`` to ``dst``. fp32 / fp16 copy the graph as exported (with its external
+    data, if any).
 
     int8/int4 replace every MatMul with a constant weight (attention and MLP projections, the output head) by
-    MatMulNBits with per-block scales and zero points; the embedding table (a Gather) stays fp32.
+    MatMulNBits with per-block scales and zero points; the embedding table (a Gather) keeps the graph's float type.
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if quant == "fp32":
+    if quant in ("fp32", "fp16"):
         shutil.copyfile(src, dst)
         data = src.with_name(src.name + ".data")
         if data.exists():
             shutil.copyfile(data, dst.with_name(dst.name + ".data"))
         return
     if quant not in BITS:
-        raise ValueError(f"unknown quantization {quant!r}; choose fp32, int8 or int4")
+        raise ValueError(f"unknown quantization {quant!r}; choose fp32 (CPU), fp16 (CUDA), int8 or int4")
     import logging
 
     import onnx

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 from runtime.bundle import Manifest, load_manifest
-from runtime.engine import Engine, MappedVocabEngine, OnnxEngine, load_vocab_map
+from runtime.engine import Engine, MappedVocabEngine, OnnxEngine, load_vocab_map, providers_for
 from runtime.errors import RequestError
 from runtime.lookup import PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
@@ -45,17 +45,20 @@ class SpeculativeGenerator:
 
     @classmethod
     def from_bundle(cls, path: str | os.PathLike, threads: int = 0, providers: list | None = None,
-                    verify: bool = True, draft_threads: int | None = None) -> "SpeculativeGenerator":
+                    verify: bool = True, draft_threads: int | None = None,
+                    device: str | None = None, device_id: int = 0) -> "SpeculativeGenerator":
         """Load and verify a bundle (every file against its sha256) and open both engines.
 
         threads: ONNX Runtime intra-op threads (0: one per core); draft_threads: the draft's, if different (a small
-        draft's many tiny ops can run faster on fewer threads).
+        draft's many tiny ops can run faster on fewer threads). device: "cpu", "cuda" or "tensorrt" (default: the
+        device the bundle was built for) and device_id (which GPU); providers: explicit ONNX Runtime execution
+        providers instead.
         """
         root = Path(path)
         manifest = load_manifest(root, verify=verify)
         tokenizer = Tokenizer(root / "tokenizer")
         engines = open_engines(root, manifest, tokenizer.vocab_size, ("target", "draft"), threads, draft_threads,
-                               providers)
+                               providers, device, device_id)
         return cls(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids)
 
     # --- requests -------------------------------------------------------------------------------------------------
@@ -176,8 +179,14 @@ class SpeculativeGenerator:
 
 
 def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("target", "draft"), threads: int = 0,
-                 draft_threads: int | None = None, providers: list | None = None) -> dict[str, Engine]:
-    """The bundle's ONNX Runtime engines by role, reading logits over the tokenizer's vocabulary."""
+                 draft_threads: int | None = None, providers: list | None = None,
+                 device: str | None = None, device_id: int = 0) -> dict[str, Engine]:
+    """The bundle's ONNX Runtime engines by role, reading logits over the tokenizer's vocabulary, on ``device``
+    (default: the bundle's own) unless explicit ``providers`` are given."""
+    device = device or manifest.spec.device
+    if providers is None:
+        providers = providers_for(device, device_id=device_id)  # fails early, saying what to install, when the provider is missing
+    cache_device = "cuda" if device in ("cuda", "tensorrt") else None
     engines: dict[str, Engine] = {}
     for entry in (manifest.target, manifest.draft):
         if entry.role not in roles:
@@ -186,7 +195,7 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
             root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
             head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
             threads=threads if entry.role == "target" or draft_threads is None else draft_threads,
-            providers=providers)
+            providers=providers, cache_device=cache_device, device_id=device_id)
         if entry.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
             engine = MappedVocabEngine(engine, load_vocab_map(root / entry.vocab_map), manifest.target.vocab_size)
         engine.vocab_size = min(engine.vocab_size, tokenizer_vocab)

@@ -23,6 +23,7 @@ import click
 
 from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k,
                                  summarize)
+from runtime.engine import DEVICES, DeviceError
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning")
 CHAT_BY_DEFAULT = ("chat", "reasoning")  # through the chat template unless --no-chat; code prompts are completions
@@ -436,9 +437,11 @@ def _json_default(value):
               help="Run transformers / llama.cpp on the same prompts (default: when installed).")
 @click.option("--peer-prompts", type=int, default=4, show_default=True,
               help="Prompts per workload for the peers (they are slow; 0: all).")
+@click.option("--device", type=click.Choice(DEVICES), default=None,
+              help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, quiet):
+          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, device, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -453,12 +456,15 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     names = [part.strip() for spec in workload_specs for part in spec.split(",") if part.strip()]
     loaded = dict(load_workload(n) for n in names)
     try:
-        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
-    except BundleError as err:
+        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, device=device)
+    except (BundleError, DeviceError) as err:
         raise click.ClickException(str(err)) from None
     bad = [k for k in ks if k > generator.max_k]
     if bad:
         raise click.BadParameter(f"{bad} exceed this bundle's max_k ({generator.max_k})", param_hint="--k")
+    if (device or generator.manifest.spec.device) != "cpu":  # host RAM and host bandwidth say nothing about a GPU
+        memory = limit = False
+        peers = False if peers is None else peers
     workloads: dict[str, list[list[int]]] = {}
     chat_used = {}
     for name, prompts in loaded.items():

@@ -27,7 +27,10 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-ONNX_QUANTS = ("fp32", "fp16", "int8", "int4")  # what builder/quantize.py builds (fp16 is refused there)
+ONNX_QUANTS = ("fp32", "fp16", "int8", "int4")  # what builder/quantize.py builds
+# ONNX Runtime engines per device: a CPU engine is exported in fp32 (fp16 would run through inserted casts, slower);
+# a CUDA engine is exported in fp16 (the GPU's native width; fp32 would double the weight traffic) and quantized from it.
+ONNX_DEVICE_QUANTS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", "int4")}
 # TensorRT-LLM formats: bf16/fp16 (no quantization), int8/int4 weight-only (convert_checkpoint.py --use_weight_only),
 # ModelOpt post-training quantization (examples/quantization/quantize.py --qformat). Which flavor takes which is
 # decided in builder/trtllm.py (FLAVOR_QUANTS); the spec checks the union here.
@@ -103,10 +106,11 @@ class BuildSpec:
             _check(self.max_input_len < self.max_seq_len, "max_input_len", f"< max_seq_len ({self.max_seq_len})",
                    self.max_input_len)
         if self.backend == "onnxruntime":
+            allowed = ONNX_DEVICE_QUANTS[self.device]
             for name in ("target_quant", "draft_quant"):
-                _check(getattr(self, name) in ONNX_QUANTS, name,
-                       f"one of {ONNX_QUANTS} for backend onnxruntime (the other formats need tensorrt_llm)",
-                       getattr(self, name))
+                _check(getattr(self, name) in allowed, name,
+                       f"one of {allowed} for backend onnxruntime on device {self.device} (fp16 is the CUDA "
+                       "format, fp32 the CPU one; the other formats need tensorrt_llm)", getattr(self, name))
             defaults = {"trtllm_flavor": "", "tp_size": 1, "pp_size": 1}
             for name, default in defaults.items():
                 _check(getattr(self, name) == default, name,

@@ -8,6 +8,7 @@ import sys
 import click
 
 from runtime.bundle import BundleError
+from runtime.engine import DEVICES, DeviceError
 from runtime.errors import RequestError
 
 
@@ -34,13 +35,16 @@ def main():
 @click.option("--no-baseline", is_flag=True, help="Skip the target-only run used for the speedup.")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
 @click.option("--draft-threads", type=int, default=None, help="The draft engine's threads (default: --threads).")
+@click.option("--device", type=click.Choice(DEVICES), default=None,
+              help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
 def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k, adaptive, drafter, chat, stop,
-             stream, no_baseline, threads, draft_threads, as_json):
+             stream, no_baseline, threads, draft_threads, device, as_json):
     """Generate from PROMPT with speculative decoding, then target-only, and print acceptance and speedup."""
     from runtime.api import SpeculativeGenerator
     try:
-        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, draft_threads=draft_threads)
+        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, draft_threads=draft_threads,
+                                                     device=device)
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        k=k, chat=chat, stop=list(stop), adaptive=adaptive or None)
         generator.generate(prompt, **{**options, "max_new_tokens": 2})  # warm both engines up
@@ -52,7 +56,7 @@ def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k,
         else:
             result = generator.generate(prompt, drafter=drafter, **options)
         baseline = None if no_baseline else generator.generate(prompt, mode="target", **options)
-    except (BundleError, RequestError) as err:
+    except (BundleError, RequestError, DeviceError) as err:
         raise click.ClickException(str(err)) from None
     report = _report(result, baseline)
     if as_json:

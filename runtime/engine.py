@@ -52,6 +52,35 @@ class Engine(Protocol):
         """A cache holding only the given rows (sequences that are still running)."""
 
 
+DEVICES = ("cpu", "cuda", "tensorrt")  # where the runtime can run an ONNX bundle (tensorrt: TensorRT EP over CUDA)
+PROVIDERS = {"cpu": ["CPUExecutionProvider"],
+             "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+             "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+class DeviceError(RuntimeError):
+    """The requested device has no ONNX Runtime execution provider here; the message says what to install."""
+
+
+def providers_for(device: str, available: list[str] | None = None, device_id: int = 0) -> list:
+    """ONNX Runtime execution providers for ``device``, in priority order (GPU ones with their ``device_id``); CPU
+    last for the ops a GPU provider leaves out. Fails early, with what to install, when onnxruntime here lacks the
+    device's provider."""
+    if device not in PROVIDERS:
+        raise DeviceError(f"device must be one of {DEVICES}, received {device!r}")
+    if available is None:
+        import onnxruntime
+        available = onnxruntime.get_available_providers()
+    missing = [p for p in PROVIDERS[device][:-1] if p not in available]
+    if missing:
+        raise DeviceError(
+            f"device {device!r} needs ONNX Runtime's {' and '.join(missing)}, but this onnxruntime offers only "
+            f"{sorted(available)}. Install the GPU build in place of the CPU one (pip uninstall -y onnxruntime && "
+            "pip install onnxruntime-gpu; CUDA 12 and cuDNN 9 must be present), or run on the CPU with device 'cpu' "
+            "(a CUDA bundle's fp16 engines run there too, more slowly).")
+    return [name if name == "CPUExecutionProvider" else (name, {"device_id": device_id}) for name in PROVIDERS[device]]
+
+
 def make_session(path: str | os.PathLike, threads: int = 0, providers: list | None = None):
     """An ONNX Runtime session tuned for two sessions taking turns on few cores.
 
@@ -75,13 +104,20 @@ def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 
 class OnnxEngine:
-    """A decoder graph exported by builder.export, run with ONNX Runtime."""
+    """A decoder graph exported by builder.export, run with ONNX Runtime.
+
+    ``cache_device`` None keeps the cache in ONNX Runtime's CPU memory and runs plain ``run_with_ort_values``;
+    "cuda" (or "cpu", which tests use to exercise the same path) binds the present tensors to that device with an
+    IO binding, so on a GPU the cache never crosses PCIe between steps: only ids, mask and logits do.
+    """
 
     def __init__(self, path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
-                 max_context: int, threads: int = 0, providers: list | None = None, session=None):
+                 max_context: int, threads: int = 0, providers: list | None = None, session=None,
+                 cache_device: str | None = None, device_id: int = 0):
         self.session = session or make_session(path, threads, providers)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.vocab_size, self.max_context = vocab_size, max_context
+        self.cache_device, self.device_id = cache_device, device_id
         self.past_names = [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
         self.output_names = ["logits"] + [n.replace("past", "present", 1) for n in self.past_names]
         self.dtype = np.float16 if "float16" in self.session.get_inputs()[3].type else np.float32
@@ -100,11 +136,24 @@ class OnnxEngine:
         small = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions}
         feed = {name: self._ort.OrtValue.ortvalue_from_numpy(array) for name, array in small.items()}
         feed.update(zip(self.past_names, cache.past))
-        logits, *present = self.session.run_with_ort_values(self.output_names, feed)
+        logits, *present = self._run(feed)
         cache.past, cache.mask = present, mask
         cache.lengths = cache.lengths + valid.sum(axis=1)
         cache.calls += 1
-        return logits.numpy()[..., : self.vocab_size]
+        logits = logits.numpy()[..., : self.vocab_size]
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)  # fp16 engines: sample in fp32
+
+    def _run(self, feed: dict) -> list:
+        if self.cache_device is None:
+            return self.session.run_with_ort_values(self.output_names, feed)
+        binding = self.session.io_binding()
+        for name, value in feed.items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output("logits", "cpu")  # the sampler reads logits on the host
+        for name in self.output_names[1:]:
+            binding.bind_output(name, self.cache_device, self.device_id)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
         cache.mask = live_keep_mask(cache.mask, keep)
@@ -123,7 +172,9 @@ class OnnxEngine:
         cache.past = self._to_device(cache.past)
 
     def _to_device(self, arrays: list[np.ndarray]) -> list:
-        return [self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        device = self.cache_device or "cpu"
+        return [self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), device, self.device_id)
+                for a in arrays]
 
     @property
     def _ort(self):

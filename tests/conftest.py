@@ -91,6 +91,19 @@ def tiny_bundle(tiny_pair, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_cuda_bundle(tiny_pair, tmp_path_factory) -> Path:
+    """The tiny pair built for ONNX Runtime on CUDA (fp16 target, int4 draft). Built and checked on the CPU; its
+    engines run here through ONNX Runtime's inserted casts (device="cpu")."""
+    from builder.build import build
+    from runtime.bundle import BuildSpec
+    target, draft = tiny_pair
+    out = tmp_path_factory.mktemp("bundles") / "tiny-cuda"
+    build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="int4", k=4,
+                    max_context=128, device="cuda", block_size=16), out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def generator(tiny_bundle):
     from runtime.api import SpeculativeGenerator
     return SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)

@@ -169,7 +169,9 @@ def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str
         "input": [_tensor("text_input", "TYPE_STRING", [1]), _tensor("request_output_len", "TYPE_INT32", [1])]
         + [_tensor(n, t, d, optional=True) for n, t, d in OPTIONAL_INPUTS],
         "output": [_tensor(n, t, d) for n, t, d in OUTPUTS],
-        "instance_group": [{"count": options.instances, "kind": "KIND_CPU"}],
+        # a CUDA bundle: Triton places each instance on a GPU and passes its id (model_instance_device_id)
+        "instance_group": [{"count": options.instances,
+                            "kind": "KIND_GPU" if manifest.spec.device == "cuda" else "KIND_CPU"}],
         "parameters": _params({"bundle": bundle_ref, "threads": options.threads,
                                "max_tokens_limit": options.max_tokens_limit or manifest.max_context,
                                "fallback": str(options.fallback).lower()}),

@@ -89,7 +89,9 @@ class TritonPythonModel:
         bundle = Path(_param(config, "bundle"))
         if not bundle.is_absolute():
             bundle = Path(args.get("model_repository") or Path(__file__).resolve().parents[1]) / bundle
-        self.generator = SpeculativeGenerator.from_bundle(bundle, threads=int(_param(config, "threads")))
+        self.generator = SpeculativeGenerator.from_bundle(
+            bundle, threads=int(_param(config, "threads")),
+            device_id=int(args.get("model_instance_device_id") or 0))  # the GPU Triton gave this instance
         self.max_tokens_limit = int(_param(config, "max_tokens_limit"))
         self.fallback = _param(config, "fallback").lower() == "true"
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
