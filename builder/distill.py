@@ -507,6 +507,7 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
             temperature: float = 0.0, heldout: float = 0.1, top_k: int = 32, lr: float = 5e-4,
             batch_prompts: int = 16, tokens_per_batch: int = 1024, max_steps: int | None = None,
             max_prompt_tokens: int = 256, chat: bool | None = None, generate_share: float = 0.4,
+            samples_per_prompt: int = 1, sample_temperature: float = 1.0,
             train_prompt_positions: bool = True, force: bool = False, console=None, quiet: bool = False) -> dict:
     """Distil a draft for ``target`` into the Hugging Face folder ``out``; returns the report (also written to
     ``out/distill_report.json``).
@@ -514,6 +515,10 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     ``minutes`` is the whole budget: after loading the target, generation may use ``generate_share`` of what is left
     (at least one batch), training the rest less a reserve for the final measurement. ``max_steps`` (tests) bounds
     training by steps instead of time.
+
+    ``samples_per_prompt`` > 1 adds continuations sampled at ``sample_temperature`` after the first pass (while the
+    generation share lasts): a small corpus then yields more distinct target text, so the draft overfits less (one
+    greedy continuation per prompt of the 208 shipped ones gave 0.98 top-1 on training prompts, 0.28 held out).
     """
     import torch
     from rich.console import Console
@@ -526,6 +531,11 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         raise DistillError(f"{out} exists and is not empty; pass --force to overwrite it")
     if draft_vocab < 0:
         raise DistillError(f"--draft-vocab must be >= 0, received {draft_vocab}")
+    if samples_per_prompt < 1 or sample_temperature <= 0:
+        raise DistillError(f"--samples-per-prompt must be >= 1 and --sample-temperature > 0, received "
+                           f"{samples_per_prompt} and {sample_temperature}")
+    if not 0 < generate_share < 1:
+        raise DistillError(f"--generate-share must be in (0, 1), received {generate_share}")
     console = console or Console(stderr=True, quiet=quiet)
     if threads:
         torch.set_num_threads(threads)
@@ -555,6 +565,13 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         samples = generate(target_model, train_ids, max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos,
                            pad_id=pad, batch_size=batch_prompts, deadline=gen_deadline,
                            advance=lambda n: progress.advance(task, n))
+        for extra in range(1, samples_per_prompt):
+            if time.perf_counter() > gen_deadline:
+                break
+            task = progress.add_task(f"target: sampled continuations {extra + 1}", total=len(train_ids))
+            samples += generate(target_model, train_ids, max_new_tokens, temperature=sample_temperature,
+                                seed=seed + extra, eos_ids=eos, pad_id=pad, batch_size=batch_prompts,
+                                deadline=gen_deadline, advance=lambda n, t=task: progress.advance(t, n))
         if not samples:
             raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
         timings["generate"] = round(time.perf_counter() - t0, 1)
@@ -611,6 +628,8 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         "train_positions": sum(len(s.ids) - 1 for s in samples),
         "heldout_tokens": sum(len(s.continuation) for s in held),
         "max_new_tokens": max_new_tokens, "generation_temperature": temperature, "top_k": top_k,
+        "samples_per_prompt": samples_per_prompt, "sample_temperature": sample_temperature,
+        "generate_share": generate_share,
         "draft_layers": draft.config.num_hidden_layers,
         "draft_vocab": int(len(kept)) if kept is not None else 0,
         "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
@@ -647,20 +666,28 @@ def _progress(console, quiet: bool):
               help="kl: KL(target || draft) on the target's top-k probabilities; tokens: cross-entropy on its tokens.")
 @click.option("--draft-vocab", type=int, default=0, show_default=True,
               help="Keep only the N most frequent target tokens in the draft's head (0: full head).")
+@click.option("--samples-per-prompt", type=int, default=1, show_default=True,
+              help="Continuations per training prompt: the first at --temperature, the others sampled at "
+                   "--sample-temperature while the generation share lasts (more distinct text, less overfitting).")
+@click.option("--sample-temperature", type=float, default=1.0, show_default=True,
+              help="Temperature of the extra continuations.")
+@click.option("--generate-share", type=float, default=0.4, show_default=True,
+              help="Share of the budget (after loading) for generating continuations; training gets the rest.")
 @click.option("--heldout", type=float, default=0.1, show_default=True, help="Share of prompts held out.")
 @click.option("--lr", type=float, default=5e-4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0: torch's default).")
 @click.option("--force", is_flag=True, help="Overwrite a non-empty --out folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def distill(target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab, heldout, lr,
-                    seed, threads, force, as_json):
+def distill(target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab, samples_per_prompt,
+            sample_temperature, generate_share, heldout, lr, seed, threads, force, as_json):
     """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
     from builder.checkpoint import CheckpointError
     try:
         report = distill_draft(target, init, out, prompts=prompts, minutes=minutes, max_new_tokens=max_new_tokens,
                          seed=seed, threads=threads, draft_vocab=draft_vocab, loss=loss, temperature=temperature,
-                         heldout=heldout, lr=lr, force=force)
+                         heldout=heldout, lr=lr, force=force, samples_per_prompt=samples_per_prompt,
+                         sample_temperature=sample_temperature, generate_share=generate_share)
     except (DistillError, CheckpointError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:

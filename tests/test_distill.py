@@ -134,3 +134,17 @@ def test_distill_command_is_registered():
     assert result.exit_code == 0
     for option in ("--target", "--init", "--out", "--prompts", "--minutes", "--draft-vocab", "--loss"):
         assert option in result.output
+
+
+def test_extra_sampled_continuations_add_distinct_training_text(learnable_target, tmp_path):
+    from builder.distill import DistillError, distill_draft
+    target, prompts = learnable_target
+    one = distill_draft(str(target), "layers=1", tmp_path / "one", prompts=prompts, max_new_tokens=8, max_steps=1,
+                        seed=0, quiet=True)
+    three = distill_draft(str(target), "layers=1", tmp_path / "three", prompts=prompts, max_new_tokens=8,
+                          max_steps=1, seed=0, samples_per_prompt=3, sample_temperature=1.0, quiet=True)
+    assert three["train_prompts"] == 3 * one["train_prompts"]
+    assert three["train_tokens"] > 2 * one["train_tokens"]
+    assert three["heldout_tokens"] == one["heldout_tokens"]  # held-out prompts stay greedy and unseen
+    with pytest.raises(DistillError, match="samples-per-prompt"):
+        distill_draft(str(target), "layers=1", tmp_path / "bad", prompts=prompts, samples_per_prompt=0, quiet=True)

@@ -1,6 +1,9 @@
 """The runtime's Engine contract (runtime/engine.py), run for every backend.
 
 onnxruntime: the tiny bundle's target engine.
+onnxruntime-fp16: the tiny pair built for CUDA (fp16 engines), run on the CPU with the cache in an IO binding, as the
+    GPU runs it (looser tolerance: fp16 activations).
+onnxruntime-cuda: the same engine on CUDAExecutionProvider; skipped, with the reason shown, without onnxruntime-gpu.
 tensorrt_llm-adapter: runtime/trtllm_engine.RunnerEngine over a CPU stand-in for ModelRunnerCpp (each request runs
     the tiny ONNX target on the request's whole history and returns its context logits): checks the adapter's own
     bookkeeping (history, rollback, padding, select) on any machine.
@@ -23,12 +26,16 @@ from runtime.engine import OnnxEngine
 ATOL = 2e-4
 
 
-def onnx_engine(bundle):
+def onnx_engine(bundle, **options):
     manifest = load_manifest(bundle, verify=False)
     entry = manifest.target
     return OnnxEngine(bundle / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
                       head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
-                      threads=1)
+                      threads=1, **options)
+
+
+def tolerance(engine) -> float:
+    return 3e-2 if getattr(engine, "dtype", None) == np.float16 else ATOL
 
 
 class CpuRunner:
@@ -67,10 +74,21 @@ def real_trtllm_engine():
                         max_context=manifest.max_context, end_id=eos, pad_id=eos)
 
 
-@pytest.fixture(params=["onnxruntime", "tensorrt_llm-adapter", "tensorrt_llm"])
+@pytest.fixture(params=["onnxruntime", "onnxruntime-fp16", "onnxruntime-cuda", "tensorrt_llm-adapter",
+                        "tensorrt_llm"])
 def engine(request):
     if request.param == "tensorrt_llm":
         return real_trtllm_engine()
+    if request.param.startswith("onnxruntime-"):
+        import onnxruntime
+
+        from runtime.engine import providers_for
+        device = "cpu" if request.param == "onnxruntime-fp16" else "cuda"
+        if device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+            pytest.skip("onnxruntime-cuda: this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu "
+                        "on a GPU machine; scripts/gpu_check.sh)")
+        return onnx_engine(request.getfixturevalue("tiny_cuda_bundle"), cache_device=device,
+                           providers=providers_for(device))
     bundle = request.getfixturevalue("tiny_bundle")
     if request.param == "onnxruntime":
         return onnx_engine(bundle)
@@ -105,7 +123,7 @@ def test_incremental_forward_equals_one_pass(engine):
     whole = engine.forward(engine.new_cache(2), ids)
     cache = engine.new_cache(2)
     parts = [engine.forward(cache, ids[:, :4]), engine.forward(cache, ids[:, 4:5]), engine.forward(cache, ids[:, 5:])]
-    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, atol=ATOL)
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, atol=tolerance(engine))
 
 
 def test_rollback_then_forward_equals_a_fresh_run(engine):
@@ -121,7 +139,7 @@ def test_rollback_then_forward_equals_a_fresh_run(engine):
     for row in range(2):
         history = np.concatenate([prefix[row], rejected[row]])[: keep[row]]
         fresh = engine.forward(engine.new_cache(1), np.concatenate([history, replacement[row]])[None])
-        np.testing.assert_allclose(after[row], fresh[0, -3:], atol=ATOL)
+        np.testing.assert_allclose(after[row], fresh[0, -3:], atol=tolerance(engine))
 
 
 def test_padding_is_ignored(engine):
@@ -132,11 +150,11 @@ def test_padding_is_ignored(engine):
     logits = engine.forward(cache, ids * valid, valid)
     assert cache.lengths.tolist() == [4, 2]
     alone = engine.forward(engine.new_cache(1), ids[1:, :2])
-    np.testing.assert_allclose(logits[1, :2], alone[0], atol=ATOL)
+    np.testing.assert_allclose(logits[1, :2], alone[0], atol=tolerance(engine))
     nxt = tokens(rng, 2, 1)
     step = engine.forward(cache, nxt)
     fresh = engine.forward(engine.new_cache(1), np.concatenate([ids[1, :2], nxt[1]])[None])
-    np.testing.assert_allclose(step[1, 0], fresh[0, -1], atol=ATOL)
+    np.testing.assert_allclose(step[1, 0], fresh[0, -1], atol=tolerance(engine))
 
 
 def test_select_keeps_the_chosen_rows(engine):
@@ -150,7 +168,7 @@ def test_select_keeps_the_chosen_rows(engine):
     out = engine.forward(picked, nxt)
     for i, row in enumerate((2, 0)):
         fresh = engine.forward(engine.new_cache(1), np.concatenate([ids[row], nxt[i]])[None])
-        np.testing.assert_allclose(out[i], fresh[0, -2:], atol=ATOL)
+        np.testing.assert_allclose(out[i], fresh[0, -2:], atol=tolerance(engine))
 
 
 def test_adapter_sends_whole_histories_one_request_per_row(tiny_bundle):
