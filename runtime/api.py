@@ -10,14 +10,14 @@ from typing import Iterator
 from runtime.bundle import Manifest, load_manifest
 from runtime.engine import Engine, MappedVocabEngine, OnnxEngine, load_vocab_map, providers_for
 from runtime.errors import RequestError
-from runtime.lookup import PromptLookupDrafter
+from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.sampling import SamplingParams
 from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
 from runtime.text import IncrementalDecoder, Tokenizer, find_stop
 
 MODES = ("speculative", "target")
-DRAFTERS = ("model", "prompt_lookup")
+DRAFTERS = ("model", "prompt_lookup", "hybrid")  # hybrid: lookup where the context has a 2-gram match, else model
 
 
 @dataclass
@@ -174,7 +174,11 @@ class SpeculativeGenerator:
             return None
         if kind == "prompt_lookup":
             return PromptLookupDrafter(self.target.vocab_size)
-        return ModelDrafter(self.draft, confidence) if self.draft is not None else None
+        if self.draft is None:
+            return None
+        if kind == "hybrid":
+            return HybridDrafter(ModelDrafter(self.draft, confidence), self.target.vocab_size)
+        return ModelDrafter(self.draft, confidence)
 
 
 
@@ -185,7 +189,7 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
     (default: the bundle's own) unless explicit ``providers`` are given."""
     device = device or manifest.spec.device
     if providers is None:
-        providers = providers_for(device, device_id=device_id)  # fails early, saying what to install, when the provider is missing
+        providers = providers_for(device, device_id=device_id)  # fails early, saying what to install
     cache_device = "cuda" if device in ("cuda", "tensorrt") else None
     engines: dict[str, Engine] = {}
     for entry in (manifest.target, manifest.draft):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import click
 
+from runtime.api import DRAFTERS
 from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k,
                                  summarize)
 from runtime.engine import DEVICES, DeviceError
@@ -424,7 +425,7 @@ def _json_default(value):
 @click.option("--chat/--no-chat", default=None,
               help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and files).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--drafter", "drafter_kind", type=click.Choice(["model", "prompt_lookup"]), default="model",
+@click.option("--drafter", "drafter_kind", type=click.Choice(DRAFTERS), default="model",
               show_default=True, help="What drafts: the bundle's draft engine, or n-gram lookup in the context.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")

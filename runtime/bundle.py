@@ -29,7 +29,7 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 ONNX_QUANTS = ("fp32", "fp16", "int8", "int4")  # what builder/quantize.py builds
 # ONNX Runtime engines per device: a CPU engine is exported in fp32 (fp16 would run through inserted casts, slower);
-# a CUDA engine is exported in fp16 (the GPU's native width; fp32 would double the weight traffic) and quantized from it.
+# a CUDA engine in fp16 (the GPU's native width; fp32 would double the weight traffic), and quantized from that.
 ONNX_DEVICE_QUANTS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", "int4")}
 # TensorRT-LLM formats: bf16/fp16 (no quantization), int8/int4 weight-only (convert_checkpoint.py --use_weight_only),
 # ModelOpt post-training quantization (examples/quantization/quantize.py --qformat). Which flavor takes which is

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from runtime.api import DRAFTERS
 from runtime.bundle import BundleError
 from runtime.engine import DEVICES, DeviceError
 from runtime.errors import RequestError
@@ -27,7 +28,7 @@ def main():
 @click.option("--seed", type=int, default=None)
 @click.option("--k", type=int, default=None, help="Draft tokens per step (default: the bundle's).")
 @click.option("--adaptive", is_flag=True, help="Adapt k to acceptance as it goes.")
-@click.option("--drafter", type=click.Choice(["model", "prompt_lookup"]), default="model", show_default=True,
+@click.option("--drafter", type=click.Choice(DRAFTERS), default="model", show_default=True,
               help="Draft with the bundle's draft engine, or by n-gram lookup in the prompt (no model).")
 @click.option("--chat/--no-chat", default=False, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")

@@ -78,7 +78,8 @@ def providers_for(device: str, available: list[str] | None = None, device_id: in
             f"{sorted(available)}. Install the GPU build in place of the CPU one (pip uninstall -y onnxruntime && "
             "pip install onnxruntime-gpu; CUDA 12 and cuDNN 9 must be present), or run on the CPU with device 'cpu' "
             "(a CUDA bundle's fp16 engines run there too, more slowly).")
-    return [name if name == "CPUExecutionProvider" else (name, {"device_id": device_id}) for name in PROVIDERS[device]]
+    return [name if name == "CPUExecutionProvider" else (name, {"device_id": device_id})
+            for name in PROVIDERS[device]]
 
 
 def make_session(path: str | os.PathLike, threads: int = 0, providers: list | None = None):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.sampling import SamplingParams
-from runtime.speculative import Proposal
+from runtime.speculative import ModelDrafter, Proposal
 
 
 def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -54,3 +54,46 @@ class PromptLookupDrafter:
 
     def keep_rows(self, rows: np.ndarray) -> None:
         self.history = [self.history[r] for r in rows]
+
+
+class HybridDrafter:
+    """Prompt lookup where the context has an n-gram match of at least ``min_ngram`` tokens, the draft model
+    elsewhere, chosen per row and per step.
+
+    Why: a lookup proposal costs nothing, and where the text repeats its context it is accepted as often as the
+    model's; where there is no match the model still drafts. Each row's proposal comes from one source with its own q
+    (a point mass, or the model's distribution), so the acceptance rule stays exact row by row. The model drafter
+    treats a row that looked up as a row that drafted nothing: it catches up on everything that row emitted the next
+    time it drafts for it.
+    """
+
+    def __init__(self, model: ModelDrafter, vocab_size: int, min_ngram: int = 2, max_ngram: int = 3):
+        self.model = model
+        self.lookup = PromptLookupDrafter(vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+        self.looked_up = self.proposed = 0  # rows whose proposal came from lookup / all proposing rows
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self.model.start(prompts)
+        self.lookup.start(prompts)
+
+    def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
+        found = self.lookup.propose(limits, params, rngs)
+        drafted = self.model.propose([0 if found.tokens[b] else limit for b, limit in enumerate(limits)], params,
+                                     rngs)
+        self.looked_up += sum(1 for t in found.tokens if t)
+        self.proposed += sum(1 for limit in limits if limit > 0)
+        pick = [bool(t) for t in found.tokens]
+        return Proposal([f if p else d for f, d, p in zip(found.tokens, drafted.tokens, pick)],
+                        [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)])
+
+    def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
+        self.lookup.settle(accepted, emitted)
+        self.model.settle(accepted, emitted)
+
+    def observe(self, emitted: list[list[int]]) -> None:
+        self.lookup.observe(emitted)
+        self.model.observe(emitted)
+
+    def keep_rows(self, rows: np.ndarray) -> None:
+        self.lookup.keep_rows(rows)
+        self.model.keep_rows(rows)

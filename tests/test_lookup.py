@@ -54,3 +54,36 @@ def test_prompt_lookup_greedy_equals_target_only(generator):
     plain = generator.generate(prompt, max_new_tokens=30, mode="target")
     assert spec.token_ids == plain.token_ids
     assert spec.stats.num_draft_tokens > 0
+
+
+def test_hybrid_sampling_follows_the_target_distribution_from_both_sources():
+    """Rows with a 2-gram match draft by lookup (point mass), the others with the draft model (its own q); sampling
+    stays exact for both kinds of rows (first two tokens, 20,000 sequences of each kind)."""
+    from runtime.lookup import HybridDrafter
+    from runtime.speculative import ModelDrafter
+    vocab, table, draft_table = 4, random_table(4, 5), random_table(4, 9)
+    params = SamplingParams(1.0)
+    repetitive, fresh = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3]  # the first always matches "0 1"; the second cannot
+    n = 20000
+    drafter = HybridDrafter(ModelDrafter(BigramEngine(draft_table)), vocab)
+    loop = SpeculativeLoop(BigramEngine(table), drafter, [repetitive] * n + [fresh] * n,
+                           DecodeConfig(2, 3, params, seed=2))
+    for _ in loop.run():
+        pass
+    probs = probabilities(table, params)
+    for rows, last in ((loop.rows[:n], 1), (loop.rows[n:], 3)):
+        observed = np.zeros((vocab, vocab))
+        for row in rows:
+            observed[row.generated[0], row.generated[1]] += 1
+        exact = probs[last][:, None] * probs
+        assert 0.5 * np.abs(observed / n - exact).sum() < 0.03
+    assert n <= drafter.looked_up < drafter.proposed  # lookup for the repetitive rows, the model for the rest
+    assert drafter.model.calls > 0
+
+
+def test_hybrid_greedy_equals_target_only(generator):
+    for prompt in ("def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "The quick brown fox"):
+        spec = generator.generate(prompt, max_new_tokens=30, drafter="hybrid", k=4)
+        plain = generator.generate(prompt, max_new_tokens=30, mode="target")
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.num_draft_tokens > 0
