@@ -17,7 +17,7 @@ SPEC_OPTIONS = ("target", "draft", "target_quant", "draft_quant", "k", "block_si
 
 
 def load_config(path: Path) -> dict:
-    """A preset: YAML with BuildSpec's field names (plus optional 'out')."""
+    """A preset: YAML with BuildSpec's field names (plus optional 'out', and 'distill', the draft's recipe)."""
     import yaml
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -31,6 +31,7 @@ def load_config(path: Path) -> dict:
 def spec_from(config: dict, overrides: dict) -> tuple[BuildSpec, str | None]:
     data = {**config, **{k: v for k, v in overrides.items() if v is not None}}
     out = data.pop("out", None)
+    data.pop("distill", None)  # the draft's recipe: `draftsmith distill --config` reads it, the build does not
     draft = str(data.get("draft", ""))
     if draft.startswith("self:") and not draft.startswith("self:layers=") and "draft_quant" not in data:
         data["draft_quant"] = draft.partition(":")[2]  # --draft self:int4 means the target re-quantized to int4
@@ -93,6 +94,10 @@ def main(ctx, config_path, out, force, triton_repo, threads, as_json, dry_run, *
     if not config and not flags.get("target"):
         raise click.UsageError("give --target (and --draft), or --config configs/NAME.yaml")
     spec, config_out = spec_from(config, _trtllm_defaults(config, flags))
+    if "distill" in config and spec.draft == config.get("draft") and not Path(spec.draft).exists():
+        raise click.UsageError(f"the draft {spec.draft} of {config_path} is made by its 'distill:' recipe: run "
+                               f"`draftsmith distill --config {config_path}` first (about 20 minutes on 2 cores), or "
+                               "pass --draft self for the target re-quantized")
     if dry_run:
         return _trtllm_dry_run(spec, as_json)
     out = out or (Path(config_out) if config_out else None)

@@ -650,11 +650,36 @@ def _progress(console, quiet: bool):
 
 # --- the command ----------------------------------------------------------------------------------------------------
 
+RECIPE_KEYS = ("init", "prompts", "minutes", "max_new_tokens", "temperature", "loss", "draft_vocab",
+               "samples_per_prompt", "sample_temperature", "generate_share", "heldout", "lr", "seed")
+
+
+def recipe_from(config: dict, path) -> tuple[str, str, dict]:
+    """(target, out, options) of a preset's ``distill:`` recipe: the draft folder is the preset's ``draft``."""
+    recipe = config.get("distill")
+    if not isinstance(recipe, dict):
+        raise DistillError(f"{path} has no 'distill:' recipe (a mapping of draftsmith distill options)")
+    unknown = sorted(set(recipe) - set(RECIPE_KEYS))
+    if unknown:
+        raise DistillError(f"{path}: unknown distill option(s) {unknown}; known: {list(RECIPE_KEYS)}")
+    if not config.get("target") or not config.get("draft"):
+        raise DistillError(f"{path} must name the target and, as 'draft', the folder the recipe distils into")
+    return str(config["target"]), str(config["draft"]), dict(recipe)
+
+
+def is_distilled(folder: Path) -> bool:
+    """A finished distillation: save_draft writes the report after the weights."""
+    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", REPORT_FILE))
+
+
 @click.command("distill")
-@click.option("--target", required=True, help="Target checkpoint: HF folder, .gguf file or pkg:<package>/<file>.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="A preset with a 'distill:' recipe: distil its target into its 'draft' folder with the recipe's "
+                   "options (flags given here override them); a folder already distilled is kept unless --force.")
+@click.option("--target", help="Target checkpoint: HF folder, .gguf file or pkg:<package>/<file>.")
 @click.option("--init", "init", default="layers=4", show_default=True,
               help="layers=N (the target's first N layers, embeddings and head) or a draft checkpoint to start from.")
-@click.option("--out", required=True, type=click.Path(), help="Folder for the draft (HF format, safetensors).")
+@click.option("--out", type=click.Path(), help="Folder for the draft (HF format, safetensors).")
 @click.option("--prompts", type=click.Path(), default=None,
               help="Prompt file ('---'-separated blocks or one per line; '@completion' first line: raw text). "
                    "Default: the shipped corpus.")
@@ -679,15 +704,33 @@ def _progress(console, quiet: bool):
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0: torch's default).")
 @click.option("--force", is_flag=True, help="Overwrite a non-empty --out folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def distill(target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab, samples_per_prompt,
-            sample_temperature, generate_share, heldout, lr, seed, threads, force, as_json):
+@click.pass_context
+def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab,
+            samples_per_prompt, sample_temperature, generate_share, heldout, lr, seed, threads, force, as_json):
     """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
     from builder.checkpoint import CheckpointError
+    options = dict(init=init, prompts=prompts, minutes=minutes, max_new_tokens=max_new_tokens, temperature=temperature,
+                   loss=loss, draft_vocab=draft_vocab, samples_per_prompt=samples_per_prompt,
+                   sample_temperature=sample_temperature, generate_share=generate_share, heldout=heldout, lr=lr,
+                   seed=seed)
+    if config_path is not None:
+        from builder.cli import load_config
+        try:
+            recipe_target, recipe_out, recipe = recipe_from(load_config(config_path), config_path)
+        except DistillError as err:
+            raise click.ClickException(str(err)) from None
+        given = {name for name in ctx.params
+                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+        options.update({k: v for k, v in recipe.items() if k not in given})  # flags override the recipe
+        target, out = target or recipe_target, out or recipe_out
+        if is_distilled(Path(out)) and not force:
+            click.echo(f"{out} already holds a distilled draft ({REPORT_FILE}); keeping it (--force redoes it)",
+                       err=True)
+            return
+    if not target or not out:
+        raise click.UsageError("give --target and --out, or --config PRESET with a 'distill:' recipe")
     try:
-        report = distill_draft(target, init, out, prompts=prompts, minutes=minutes, max_new_tokens=max_new_tokens,
-                         seed=seed, threads=threads, draft_vocab=draft_vocab, loss=loss, temperature=temperature,
-                         heldout=heldout, lr=lr, force=force, samples_per_prompt=samples_per_prompt,
-                         sample_temperature=sample_temperature, generate_share=generate_share)
+        report = distill_draft(target, options.pop("init"), out, threads=threads, force=force, **options)
     except (DistillError, CheckpointError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:

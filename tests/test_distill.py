@@ -148,3 +148,47 @@ def test_extra_sampled_continuations_add_distinct_training_text(learnable_target
     assert three["heldout_tokens"] == one["heldout_tokens"]  # held-out prompts stay greedy and unseen
     with pytest.raises(DistillError, match="samples-per-prompt"):
         distill_draft(str(target), "layers=1", tmp_path / "bad", prompts=prompts, samples_per_prompt=0, quiet=True)
+
+
+def test_preset_recipe_distils_once_then_builds(learnable_target, tmp_path):
+    """A preset's 'distill:' recipe: build-engines asks for the distillation first, `draftsmith distill --config`
+    makes the draft into the preset's draft folder (once), and the build then takes it."""
+    import yaml
+    from click.testing import CliRunner
+
+    from builder.cli import main as build_engines
+    from runtime.bundle import load_manifest
+    from runtime.cli import main as draftsmith
+    target, prompts = learnable_target
+    draft = tmp_path / "drafts" / "tiny-l1"
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml.safe_dump({
+        "target": str(target), "draft": str(draft), "target_quant": "fp32", "draft_quant": "fp32", "k": 2,
+        "max_context": 128, "distill": {"init": "layers=1", "minutes": 1.0, "max_new_tokens": 8, "generate_share": 0.2,
+                                        "prompts": str(prompts), "lr": 1e-3}}))
+    runner = CliRunner()
+    refused = runner.invoke(build_engines, ["--config", str(preset), "--out", str(tmp_path / "b")])
+    assert refused.exit_code == 2 and f"draftsmith distill --config {preset}" in refused.output
+    made = runner.invoke(draftsmith, ["distill", "--config", str(preset), "--json", "--max-new-tokens", "6"])
+    assert made.exit_code == 0, made.output
+    report = json.loads((draft / "distill_report.json").read_text())
+    assert report["init"] == "layers=1" and report["minutes"] == 1.0 and report["generate_share"] == 0.2
+    assert report["max_new_tokens"] == 6  # a flag overrides the recipe
+    stamp = (draft / "distill_report.json").stat().st_mtime_ns
+    again = runner.invoke(draftsmith, ["distill", "--config", str(preset)])
+    assert again.exit_code == 0 and "already holds" in again.output
+    assert (draft / "distill_report.json").stat().st_mtime_ns == stamp
+    built = runner.invoke(build_engines, ["--config", str(preset), "--out", str(tmp_path / "b"), "--json"])
+    assert built.exit_code == 0, built.output
+    manifest = load_manifest(tmp_path / "b")
+    assert manifest.draft.source == str(draft) and manifest.draft.num_layers == 1
+
+
+def test_recipe_errors_name_the_problem(tmp_path):
+    from builder.distill import DistillError, recipe_from
+    with pytest.raises(DistillError, match="no 'distill:' recipe"):
+        recipe_from({"target": "t", "draft": "d"}, "p.yaml")
+    with pytest.raises(DistillError, match=r"unknown distill option\(s\) \['epochs'\]"):
+        recipe_from({"target": "t", "draft": "d", "distill": {"epochs": 3}}, "p.yaml")
+    with pytest.raises(DistillError, match="must name the target"):
+        recipe_from({"target": "t", "distill": {}}, "p.yaml")
