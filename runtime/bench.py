@@ -24,7 +24,7 @@ import click
 from runtime.api import DRAFTERS
 from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k,
                                  summarize)
-from runtime.engine import DEVICES, DeviceError
+from runtime.engine import DEVICES, DeviceError, MappedVocabEngine
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning")
 CHAT_BY_DEFAULT = ("chat", "reasoning")  # through the chat template unless --no-chat; code prompts are completions
@@ -117,10 +117,11 @@ class Recorder:
                 self._wrap(role, engine)
 
     def _wrap(self, role: str, engine) -> None:
-        session = getattr(engine, "session", None)
+        holder = engine.engine if isinstance(engine, MappedVocabEngine) else engine  # the session's owner
+        session = getattr(holder, "session", None)
         timed = _TimedSession(session) if session is not None else None
         if timed is not None:
-            engine.session = timed
+            holder.session = timed
         inner = engine.forward
 
         def forward(cache, tokens, valid=None):
@@ -136,17 +137,17 @@ class Recorder:
             return out
 
         engine.forward = forward
-        self._undo.append((engine, session))
+        self._undo.append((engine, holder, session))
 
     def take(self) -> list[EngineCall]:
         calls, self.calls = self.calls, []
         return calls
 
     def close(self) -> None:
-        for engine, session in self._undo:
+        for engine, holder, session in self._undo:
             engine.__dict__.pop("forward", None)
             if session is not None:
-                engine.session = session
+                holder.session = session
         self._undo = []
 
 

@@ -121,3 +121,13 @@ def test_a_reduced_head_draft_builds_and_decodes_like_the_target(tiny_pair, tmp_
         assert speculative.token_ids == alone.token_ids
     sampled = generator.generate("for i in range", max_new_tokens=8, temperature=1.0, seed=3)
     assert len(sampled.token_ids) >= 1
+    from runtime.bench import Recorder, decode  # the bench times the draft's ONNX Runtime part through the map too
+    recorder = Recorder(generator)
+    try:
+        decode(generator, [generator._encode("def add(a, b):", False)], "speculative", 3, 8, 0.0, 0)
+        calls = recorder.take()
+    finally:
+        recorder.close()
+    drafts = [c for c in calls if c.role == "draft"]
+    assert drafts and all(0 < c.ort_seconds <= c.seconds for c in drafts)
+    assert type(generator.draft.engine.session).__name__ == "InferenceSession"
