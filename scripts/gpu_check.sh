@@ -40,7 +40,7 @@ STATUS=0
 if [ "$ORT_CUDA" = 1 ]; then
   echo "== ONNX Runtime on CUDA"
   python -m pytest -q -rs tests/test_onnx_cuda.py tests/test_engine_contract.py || STATUS=1
-  build-engines --config configs/smollm2-135m.yaml --device cuda --target-quant fp16 --draft-quant int4 \
+  build-engines --config configs/smollm2-135m-self.yaml --device cuda --target-quant fp16 --draft-quant int4 \
     --out "$OUT/onnx-cuda-smollm2" --force
   python - "$OUT/onnx-cuda-smollm2" "$MAX_NEW_TOKENS" <<'PY' || STATUS=1
 import sys, time
