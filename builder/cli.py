@@ -10,10 +10,10 @@ from pathlib import Path
 
 import click
 
-from runtime.bundle import QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
+from runtime.bundle import DRAFTERS, QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
 
 SPEC_OPTIONS = ("target", "draft", "target_quant", "draft_quant", "k", "block_size", "symmetric", "accuracy_level",
-                "max_context", "opset", "allow_pickle", "trust_remote_code", "backend", "device")
+                "max_context", "opset", "allow_pickle", "trust_remote_code", "backend", "device", "drafter")
 
 
 def load_config(path: Path) -> dict:
@@ -59,6 +59,9 @@ class DefaultGroup(click.Group):
               "int4_awq/int8_sq/w4a8_awq/fp8 via ModelOpt).")
 @click.option("--draft-quant", type=click.Choice(QUANTS), help="Draft engine weights (TensorRT-LLM: int4_awq default).")
 @click.option("--k", type=int, help="Default draft tokens per verify step.")
+@click.option("--drafter", type=click.Choice(DRAFTERS),
+              help="The runtime's default drafter: the draft engine (model), n-gram lookup (prompt_lookup), or hybrid "
+                   "(lookup where the context has a 2-gram match, the engine elsewhere).")
 @click.option("--block-size", type=int, help="Quantization block size (16..256).")
 @click.option("--symmetric/--asymmetric", default=None, help="Symmetric weight quantization.")
 @click.option("--accuracy-level", type=int, help="MatMulNBits accuracy level 0..4 (4: int8 compute, fastest).")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from runtime.bundle import Manifest, load_manifest
+from runtime.bundle import DRAFTERS, Manifest, load_manifest
 from runtime.engine import Engine, MappedVocabEngine, OnnxEngine, load_vocab_map, providers_for
 from runtime.errors import RequestError
 from runtime.lookup import HybridDrafter, PromptLookupDrafter
@@ -17,7 +17,6 @@ from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, Mode
 from runtime.text import IncrementalDecoder, Tokenizer, find_stop
 
 MODES = ("speculative", "target")
-DRAFTERS = ("model", "prompt_lookup", "hybrid")  # hybrid: lookup where the context has a 2-gram match, else model
 
 
 @dataclass
@@ -39,6 +38,7 @@ class SpeculativeGenerator:
         self.manifest, self.target, self.draft, self.tokenizer = manifest, target, draft, tokenizer
         self.eos_ids = tuple(eos_ids)
         self.default_k = manifest.default_k if manifest else 4
+        self.default_drafter = manifest.spec.drafter if manifest else "model"
         self.max_k = max_k or (manifest.spec.max_k if manifest else 16)
         self.max_context = target.max_context
         self.metrics = MetricsRegistry()
@@ -67,12 +67,13 @@ class SpeculativeGenerator:
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  k: int | None = None, stop: str | list[str] | None = None, chat: bool = False,
                  mode: str = "speculative", adaptive: AdaptiveK | bool | None = None,
-                 fallback: Fallback | bool | None = None, draft_confidence: float = 0.0, drafter: str = "model",
+                 fallback: Fallback | bool | None = None, draft_confidence: float = 0.0, drafter: str | None = None,
                  ) -> Generation | list[Generation]:
         """Generate for one prompt (returns a Generation) or a list (returns a list, in order).
 
         mode "target" decodes target-only (the baseline); drafter "prompt_lookup" drafts by n-gram lookup in the
-        prompt and the text so far instead of running the draft engine.
+        prompt and the text so far instead of running the draft engine, "hybrid" by lookup where the context has a
+        2-gram match and with the draft engine elsewhere; None: the bundle's default (its spec's drafter).
         """
         single = isinstance(prompts, str)
         results: dict[int, Generation] = {}
@@ -103,7 +104,7 @@ class SpeculativeGenerator:
     def _events(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                 k: int | None = None, stop=None, chat: bool = False, mode: str = "speculative",
-                adaptive=None, fallback=None, draft_confidence: float = 0.0, drafter: str = "model"):
+                adaptive=None, fallback=None, draft_confidence: float = 0.0, drafter: str | None = None):
         config, stops = self._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
                                      fallback)
         token_lists = [self._encode(p, chat) for p in prompts]
@@ -167,7 +168,8 @@ class SpeculativeGenerator:
                                "leaving no room to generate. Shorten the prompt.")
         return ids
 
-    def _drafter(self, mode: str, kind: str, confidence: float) -> Drafter | None:
+    def _drafter(self, mode: str, kind: str | None, confidence: float) -> Drafter | None:
+        kind = kind or self.default_drafter
         if kind not in DRAFTERS:
             raise RequestError(f"drafter must be one of {DRAFTERS}, received {kind!r}")
         if mode == "target":

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import click
 
-from runtime.api import DRAFTERS
 from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k,
                                  summarize)
+from runtime.bundle import DRAFTERS
 from runtime.engine import DEVICES, DeviceError, MappedVocabEngine
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning")
@@ -152,7 +152,7 @@ class Recorder:
 
 
 def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, max_new_tokens: int,
-           temperature: float, seed: int | None, drafter_kind: str = "model") -> tuple[list[SequenceRecord], float]:
+           temperature: float, seed: int | None, drafter_kind: str | None = None) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
     private helpers), recording each step as it is yielded."""
     from runtime.speculative import SpeculativeLoop
@@ -180,7 +180,7 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
 
 def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
                   max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None,
-                  drafter_kind: str = "model") -> list[CellRecord]:
+                  drafter_kind: str | None = None) -> list[CellRecord]:
     """Measure every (workload, batch, mode, k) cell; ``advance(description)`` is called after each decode."""
     recorder = Recorder(generator)
     cells: list[CellRecord] = []
@@ -426,8 +426,9 @@ def _json_default(value):
 @click.option("--chat/--no-chat", default=None,
               help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and files).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--drafter", "drafter_kind", type=click.Choice(DRAFTERS), default="model",
-              show_default=True, help="What drafts: the bundle's draft engine, or n-gram lookup in the context.")
+@click.option("--drafter", "drafter_kind", type=click.Choice(DRAFTERS), default=None,
+              help="What drafts: the draft engine, n-gram lookup in the context, or lookup where the context has a "
+                   "2-gram match and the engine elsewhere (default: the bundle's drafter).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
 @click.option("--write-k", is_flag=True, help="Store the recommended k as the bundle's default_k.")
@@ -464,6 +465,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     bad = [k for k in ks if k > generator.max_k]
     if bad:
         raise click.BadParameter(f"{bad} exceed this bundle's max_k ({generator.max_k})", param_hint="--k")
+    drafter_kind = drafter_kind or generator.default_drafter
     if (device or generator.manifest.spec.device) != "cpu":  # host RAM and host bandwidth say nothing about a GPU
         memory = limit = False
         peers = False if peers is None else peers

@@ -37,6 +37,9 @@ ONNX_DEVICE_QUANTS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", 
 TRTLLM_QUANTS = ("fp16", "bf16", "int8", "int4", "int4_awq", "int8_sq", "w4a8_awq", "fp8")
 QUANTS = ONNX_QUANTS + tuple(q for q in TRTLLM_QUANTS if q not in ONNX_QUANTS)
 BACKENDS = ("onnxruntime", "tensorrt_llm")
+# Who proposes draft tokens at run time: the draft engine, n-gram lookup in the context (no model), or lookup where the
+# context has a 2-gram match and the draft engine elsewhere. The bundle records its default; requests may override it.
+DRAFTERS = ("model", "prompt_lookup", "hybrid")
 TRTLLM_FLAVORS = ("", "engine", "llmapi")  # "": chosen from the installed tensorrt_llm version at build time
 
 
@@ -63,6 +66,7 @@ class BuildSpec:
     draft_quant: str = "int4"  # one of QUANTS
     k: int = 4  # default number of draft tokens per verify step
     max_k: int = 16  # the largest k the runtime accepts for this bundle
+    drafter: str = "model"  # the runtime's default drafter (DRAFTERS); a request may pick another
     block_size: int = 32  # MatMulNBits quantization block size
     symmetric: bool = False  # symmetric (no zero point) weight quantization
     accuracy_level: int = 4  # MatMulNBits compute accuracy: 0 (fp32 activations) .. 4 (int8 activations, fastest)
@@ -87,6 +91,7 @@ class BuildSpec:
         _check(self.draft_quant in QUANTS, "draft_quant", f"one of {QUANTS}", self.draft_quant)
         _check(isinstance(self.k, int) and self.k >= 1, "k", "an integer >= 1", self.k)
         _check(isinstance(self.max_k, int) and self.max_k >= self.k, "max_k", f"an integer >= k ({self.k})", self.max_k)
+        _check(self.drafter in DRAFTERS, "drafter", f"one of {DRAFTERS}", self.drafter)
         _check(self.block_size in (16, 32, 64, 128, 256), "block_size", "16, 32, 64, 128 or 256", self.block_size)
         _check(self.accuracy_level in (0, 1, 2, 3, 4), "accuracy_level", "0..4", self.accuracy_level)
         _check(self.opset >= 17, "opset", ">= 17", self.opset)

@@ -7,8 +7,7 @@ import sys
 
 import click
 
-from runtime.api import DRAFTERS
-from runtime.bundle import BundleError
+from runtime.bundle import DRAFTERS, BundleError
 from runtime.engine import DEVICES, DeviceError
 from runtime.errors import RequestError
 
@@ -28,8 +27,9 @@ def main():
 @click.option("--seed", type=int, default=None)
 @click.option("--k", type=int, default=None, help="Draft tokens per step (default: the bundle's).")
 @click.option("--adaptive", is_flag=True, help="Adapt k to acceptance as it goes.")
-@click.option("--drafter", type=click.Choice(DRAFTERS), default="model", show_default=True,
-              help="Draft with the bundle's draft engine, or by n-gram lookup in the prompt (no model).")
+@click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
+              help="Draft with the draft engine, by n-gram lookup in the prompt (no model), or hybrid: lookup where the "
+                   "context has a 2-gram match, the engine elsewhere (default: the bundle's drafter).")
 @click.option("--chat/--no-chat", default=False, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")

@@ -87,3 +87,23 @@ def test_hybrid_greedy_equals_target_only(generator):
         plain = generator.generate(prompt, max_new_tokens=30, mode="target")
         assert spec.token_ids == plain.token_ids
         assert spec.stats.num_draft_tokens > 0
+
+
+def test_the_bundle_names_its_default_drafter(tiny_pair, tmp_path):
+    from builder.build import build
+    from runtime.api import SpeculativeGenerator
+    from runtime.bundle import BuildSpec, SpecError
+    from runtime.lookup import HybridDrafter
+    from runtime.speculative import ModelDrafter
+    target, draft = tiny_pair
+    build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp32", draft_quant="fp32", k=3,
+                    max_context=128, drafter="hybrid"), tmp_path / "b")
+    generator = SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1)
+    assert generator.default_drafter == "hybrid"
+    assert isinstance(generator._drafter("speculative", None, 0.0), HybridDrafter)
+    assert isinstance(generator._drafter("speculative", "model", 0.0), ModelDrafter)  # a request may override it
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    assert generator.generate(prompt, max_new_tokens=20).token_ids == generator.generate(
+        prompt, max_new_tokens=20, mode="target").token_ids
+    with pytest.raises(SpecError, match="drafter"):
+        BuildSpec(target="t", drafter="ngram")

@@ -30,7 +30,7 @@ TRTLLM_OUTPUTS = {"text_output": ("TYPE_STRING", [-1]), "acceptance_rate": ("TYP
 
 def _golden_configs() -> dict[str, str]:
     options = RepoOptions(instances=2, threads=3, max_batch_size=8)
-    manifest = types.SimpleNamespace(max_context=256)
+    manifest = types.SimpleNamespace(max_context=256, spec=types.SimpleNamespace(device="cpu"))
     return {ENSEMBLE: pbtxt.render(ensemble_config(options)),
             PREPROCESSING: pbtxt.render(preprocessing_config(options, manifest, "../speculative/bundle/tokenizer")),
             SPECULATIVE: pbtxt.render(speculative_config(options, manifest, "bundle")),
