@@ -210,6 +210,12 @@ def _summary(out: Path, manifest) -> dict:
             "report": manifest.report}
 
 
+def _figure(value, digits: int) -> str:
+    """A report figure, or 'n/a' where there is none (a reduced-head draft has no perplexity: tokens outside its
+    head have probability 0)."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def _print_summary(out: Path, manifest) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -220,7 +226,7 @@ def _print_summary(out: Path, manifest) -> None:
     for entry in (manifest.target, manifest.draft):
         row = report.get(entry.role, {})
         table.add_row(entry.role, entry.quant, f"{entry.size_bytes / 1e6:.1f}",
-                      f"{row.get('top1_agreement_vs_fp32', float('nan')):.3f}", f"{row.get('perplexity', 0):.2f}")
+                      _figure(row.get("top1_agreement_vs_fp32"), 3), _figure(row.get("perplexity"), 2))
     console = Console()
     console.print(table)
     console.print(f"fp32 target perplexity {report.get('target', {}).get('fp32_perplexity', 0):.2f}; "

@@ -113,6 +113,11 @@ def test_a_reduced_head_draft_builds_and_decodes_like_the_target(tiny_pair, tmp_
     assert manifest.draft.vocab_map == "draft/draft_vocab.json" and manifest.draft.vocab_size == 150
     assert manifest.target.vocab_size == 320 and not manifest.target.vocab_map
     assert manifest.report["draft_vocab"]["kept_ids"] == 150
+    from click.testing import CliRunner
+
+    from builder.cli import main as build_engines
+    shown = CliRunner().invoke(build_engines, ["inspect", str(tmp_path / "bundle")])
+    assert shown.exit_code == 0 and "n/a" in shown.output, shown.output  # no perplexity over a reduced head
     generator = SpeculativeGenerator.from_bundle(tmp_path / "bundle", threads=1)
     assert isinstance(generator.draft, MappedVocabEngine)
     for prompt in ("The quick brown fox", "def add(a, b):"):
