@@ -45,3 +45,11 @@ class BigramEngine:
 
 def random_table(vocab: int, seed: int, scale: float = 1.5) -> np.ndarray:
     return np.random.default_rng(seed).normal(0.0, scale, (vocab, vocab))
+
+
+def pair_frequencies(rows, vocab: int) -> np.ndarray:
+    """Observed frequencies of (first, second) generated token pairs over finished loop rows."""
+    counts = np.zeros((vocab, vocab))
+    for row in rows:
+        counts[row.generated[0], row.generated[1]] += 1
+    return counts / len(rows)

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from fakes import BigramEngine, random_table
+from fakes import BigramEngine, pair_frequencies, random_table
 from runtime.engine import MappedVocabEngine
 from runtime.sampling import SamplingParams, probabilities
 from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
@@ -52,10 +52,7 @@ def sample_pairs_reduced(target_table, params, n: int, k: int, seed: int) -> np.
                            DecodeConfig(2, k, params, seed=seed))
     for _ in loop.run():
         pass
-    counts = np.zeros((VOCAB, VOCAB))
-    for row in loop.rows:
-        counts[row.generated[0], row.generated[1]] += 1
-    return counts / n
+    return pair_frequencies(loop.rows, VOCAB)
 
 
 @pytest.mark.parametrize("params", CASES[:2], ids=["T=1", "T=0.7,top_k=3"])

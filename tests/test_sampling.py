@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import BigramEngine, random_table
+from fakes import BigramEngine, pair_frequencies, random_table
 from runtime import sampling
 from runtime.errors import RequestError
 from runtime.sampling import SamplingParams, probabilities, verify
@@ -95,10 +95,7 @@ def sample_pairs(target_table, draft_table, params, n: int, k: int, seed: int) -
     loop = SpeculativeLoop(target, ModelDrafter(draft), [[0]] * n, DecodeConfig(2, k, params, seed=seed))
     for _ in loop.run():
         pass
-    counts = np.zeros((VOCAB, VOCAB))
-    for row in loop.rows:
-        counts[row.generated[0], row.generated[1]] += 1
-    return counts / n
+    return pair_frequencies(loop.rows, VOCAB)
 
 
 def total_variation(a: np.ndarray, b: np.ndarray) -> float:
