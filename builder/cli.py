@@ -12,9 +12,6 @@ import click
 
 from runtime.bundle import DRAFTERS, QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
 
-SPEC_OPTIONS = ("target", "draft", "target_quant", "draft_quant", "k", "block_size", "symmetric", "accuracy_level",
-                "max_context", "opset", "allow_pickle", "trust_remote_code", "backend", "device", "drafter")
-
 
 def load_config(path: Path) -> dict:
     """A preset: YAML with BuildSpec's field names (plus optional 'out', and 'distill', the draft's recipe)."""
@@ -96,7 +93,7 @@ def main(ctx, config_path, out, force, triton_repo, threads, as_json, dry_run, *
     config = load_config(config_path) if config_path else {}
     if not config and not flags.get("target"):
         raise click.UsageError("give --target (and --draft), or --config configs/NAME.yaml")
-    spec, config_out = spec_from(config, _trtllm_defaults(config, flags))
+    spec, config_out = spec_from(config, _device_defaults(config, flags))
     if "distill" in config and spec.draft == config.get("draft") and not Path(spec.draft).exists():
         raise click.UsageError(f"the draft {spec.draft} of {config_path} is made by its 'distill:' recipe: run "
                                f"`draftsmith distill --config {config_path}` first (about 20 minutes on 2 cores), or "
@@ -163,7 +160,7 @@ TRTLLM_DEFAULTS = {"device": "cuda", "target_quant": "fp16", "draft_quant": "int
 ONNX_CUDA_DEFAULTS = {"target_quant": "fp16"}  # ONNX Runtime on CUDA: fp16 target, int4 draft (fp32 is CPU-only)
 
 
-def _trtllm_defaults(config: dict, flags: dict) -> dict:
+def _device_defaults(config: dict, flags: dict) -> dict:
     """Defaults that differ from the ONNX CPU path's (backend tensorrt_llm; onnxruntime on cuda), unless the config
     or a flag sets them."""
     backend = flags.get("backend") or config.get("backend")

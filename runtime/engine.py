@@ -52,10 +52,11 @@ class Engine(Protocol):
         """A cache holding only the given rows (sequences that are still running)."""
 
 
-DEVICES = ("cpu", "cuda", "tensorrt")  # where the runtime can run an ONNX bundle (tensorrt: TensorRT EP over CUDA)
+# Where the runtime can run an ONNX bundle, and the execution providers for each (tensorrt: TensorRT EP over CUDA)
 PROVIDERS = {"cpu": ["CPUExecutionProvider"],
              "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
              "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]}
+DEVICES = tuple(PROVIDERS)
 
 
 class DeviceError(RuntimeError):

@@ -78,11 +78,10 @@ class HybridDrafter:
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
         found = self.lookup.propose(limits, params, rngs)
-        drafted = self.model.propose([0 if found.tokens[b] else limit for b, limit in enumerate(limits)], params,
-                                     rngs)
-        self.looked_up += sum(1 for t in found.tokens if t)
+        pick = [bool(t) for t in found.tokens]  # rows with a match take the lookup's proposal
+        drafted = self.model.propose([0 if p else limit for p, limit in zip(pick, limits)], params, rngs)
+        self.looked_up += sum(pick)
         self.proposed += sum(1 for limit in limits if limit > 0)
-        pick = [bool(t) for t in found.tokens]
         return Proposal([f if p else d for f, d, p in zip(found.tokens, drafted.tokens, pick)],
                         [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)])
 

@@ -148,12 +148,12 @@ def test_quant_must_suit_the_device(device, quant):
 
 
 def test_cli_device_cuda_defaults_to_an_fp16_target():
-    from builder.cli import _trtllm_defaults, spec_from
-    spec, _ = spec_from({}, _trtllm_defaults({}, {"target": "t", "device": "cuda"}))
+    from builder.cli import _device_defaults, spec_from
+    spec, _ = spec_from({}, _device_defaults({}, {"target": "t", "device": "cuda"}))
     assert (spec.device, spec.target_quant, spec.draft_quant) == ("cuda", "fp16", "int4")
-    spec, _ = spec_from({}, _trtllm_defaults({}, {"target": "t", "device": "cuda", "target_quant": "int8"}))
+    spec, _ = spec_from({}, _device_defaults({}, {"target": "t", "device": "cuda", "target_quant": "int8"}))
     assert spec.target_quant == "int8"
-    spec, _ = spec_from({}, _trtllm_defaults({}, {"target": "t"}))
+    spec, _ = spec_from({}, _device_defaults({}, {"target": "t"}))
     assert (spec.device, spec.target_quant) == ("cpu", "fp32")
 
 
