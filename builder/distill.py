@@ -119,13 +119,14 @@ def split_prompts(prompts: list, heldout: float, seed: int) -> tuple[list, list]
 
 
 def encode(tokenizer, prompt: Prompt, chat: bool | None, max_tokens: int) -> list[int]:
-    use_chat = (not prompt.completion) if chat is None else chat
-    if use_chat and getattr(tokenizer, "chat_template", None):
+    use_chat = bool((not prompt.completion) if chat is None else chat) and bool(getattr(tokenizer, "chat_template", None))
+    if use_chat:  # transformers renders templates in jinja2's sandbox, as runtime.text does
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
                                              add_generation_prompt=True)
     else:
         text = prompt.text
-    ids = tokenizer(text, add_special_tokens=True)["input_ids"]  # as the runtime encodes prompts
+    # as the runtime encodes prompts: a rendered chat prompt carries its own special tokens (Tokenizer.encode_chat)
+    ids = tokenizer(text, add_special_tokens=not use_chat)["input_ids"]
     return list(ids[-max_tokens:])
 
 

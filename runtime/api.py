@@ -160,7 +160,10 @@ class SpeculativeGenerator:
     def _encode(self, prompt: str, chat: bool) -> list[int]:
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string")
-        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
+        try:
+            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        except ValueError as err:  # no template, or one that fails or breaks the sandbox
+            raise RequestError(str(err)) from None
         if not ids:
             raise RequestError("prompt encodes to no tokens")
         if len(ids) >= self.max_context:

@@ -442,9 +442,14 @@ def _json_default(value):
               help="Prompts per workload for the peers (they are slow; 0: all).")
 @click.option("--device", type=click.Choice(DEVICES), default=None,
               help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
+@click.option("--allow-pickle", is_flag=True,
+              help="Let the peers reload pickled source weights (.bin/.pt can run code; a bundle never grants this).")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, device, quiet):
+          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, device, allow_pickle,
+          trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -541,7 +546,8 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     if peers is not False:
         peer_workloads = {n: t[:peer_prompts] if peer_prompts else t for n, t in workloads.items()}
         report["peers"] = _run_peers(manifest, peer_workloads, best, max_new_tokens, threads, temperature, console,
-                                     quiet, required=bool(peers))
+                                     quiet, required=bool(peers),
+                                     consent={"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code})
         report["settings"]["peer_prompts"] = peer_prompts
     if write_k and rec_k is not None:
         write_default_k(Path(bundle), rec_k)
@@ -557,7 +563,8 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         console.print(f"plot written to {plot_out}")
 
 
-def _run_peers(manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet, required) -> list:
+def _run_peers(manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet, required,
+               consent: dict) -> list:
     from runtime.bench_peers import run_llama_cpp, run_transformers
     if temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
@@ -570,7 +577,8 @@ def _run_peers(manifest, workloads, best, max_new_tokens, threads, temperature, 
     if status:
         status.start()
     try:
-        return (run_transformers(manifest, workloads, ks, max_new_tokens, threads, manifest.eos_token_ids, note)
+        return (run_transformers(manifest, workloads, ks, max_new_tokens, threads, manifest.eos_token_ids, note,
+                                 **consent)
                 + run_llama_cpp(manifest, workloads, ks, max_new_tokens, threads, note))
     finally:
         if status:

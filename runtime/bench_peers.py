@@ -25,8 +25,11 @@ def _source_path(source: str):
     return _locate(source)
 
 
-def transformers_assistant(manifest: Manifest, target):
+def transformers_assistant(manifest: Manifest, target, allow_pickle: bool = False, trust_remote_code: bool = False):
     """The assistant model for transformers' assisted generation, and a sentence saying what it is.
+
+    Consent to unpickle or to run a checkpoint's code comes from the person running the bench (its flags), never from
+    the manifest: a bundle is data, and one that says ``trust_remote_code: true`` must not grant it.
 
     - a checkpoint draft: that checkpoint, loaded the same way;
     - ``self:layers=N``: the target's first N layers (shared weights), what the bundle's draft was built from;
@@ -51,14 +54,18 @@ def transformers_assistant(manifest: Manifest, target):
             assistant = quantize_dynamic(copy.deepcopy(target), {torch.nn.Linear}, dtype=torch.qint8)
         return assistant, ("the target with torch dynamic int8 Linear layers (stands in for the bundle's int4 "
                            "self-draft, which transformers cannot run)")
-    checkpoint = resolve(spec.draft, spec.allow_pickle, spec.trust_remote_code)
+    checkpoint = resolve(spec.draft, allow_pickle, trust_remote_code)
     return checkpoint.load_model(), f"the draft checkpoint {spec.draft}"
 
 
 def run_transformers(manifest: Manifest, workloads: dict[str, list[list[int]]], best_k: dict[str, int],
                      max_new_tokens: int, threads: int, eos_ids: tuple[int, ...],
-                     progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Plain ``generate`` and ``generate(assistant_model=...)``, greedy, one sequence at a time, per workload."""
+                     progress: Callable[[str], None] | None = None, allow_pickle: bool = False,
+                     trust_remote_code: bool = False) -> list[dict]:
+    """Plain ``generate`` and ``generate(assistant_model=...)``, greedy, one sequence at a time, per workload.
+
+    ``allow_pickle`` / ``trust_remote_code``: the caller's consent for reloading the source checkpoints (the
+    manifest's record of the build's flags is never taken as consent)."""
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
         return [_skip("transformers", "transformers/torch not installed (pip install draftsmith[peers])")]
     try:
@@ -79,8 +86,8 @@ def run_transformers(manifest: Manifest, workloads: dict[str, list[list[int]]], 
         import contextlib
         import io
         with contextlib.redirect_stderr(io.StringIO()):  # GGUF dequantization draws its own tqdm bars
-            target = resolve(spec.target, spec.allow_pickle, spec.trust_remote_code).load_model()
-            assistant, what = transformers_assistant(manifest, target)
+            target = resolve(spec.target, allow_pickle, trust_remote_code).load_model()
+            assistant, what = transformers_assistant(manifest, target, allow_pickle, trust_remote_code)
     except Exception as err:  # a peer failing must not sink the bench
         return [_skip("transformers", f"could not load {spec.target}: {type(err).__name__}: {err}")]
     assistant.eval()

@@ -21,8 +21,8 @@ class Tokenizer:
         self.special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token")}
         self.vocab_size = self.fast.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.fast.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.fast.decode(ids, skip_special_tokens=True)
@@ -31,12 +31,53 @@ class Tokenizer:
         """Render a user message (or a list of messages) with the model's chat template, ready for generation."""
         if not self.chat_template:
             raise ValueError("this bundle's tokenizer has no chat template; pass the prompt without --chat")
-        import jinja2
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special.items()})
+        return render_chat_template(self.chat_template, messages, **{k: v or "" for k, v in self.special.items()})
+
+    def encode_chat(self, prompt: str | list[dict]) -> list[int]:
+        """Token ids of the rendered chat prompt. The template writes its own special tokens (BOS included, where the
+        model wants one), so the tokenizer adds none: adding them again would put BOS twice (transformers does the
+        same in ``apply_chat_template(tokenize=True)``)."""
+        return self.encode(self.apply_chat_template(prompt), add_special_tokens=False)
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+    """Render a chat template the way transformers does, in jinja2's immutable sandbox.
+
+    A template comes from a checkpoint or a bundle: hostile data. The sandbox refuses attribute access to internals
+    (``__globals__``, ``__init__``, ...) and calls that mutate, so ``{{ cycler.__init__.__globals__.os }}`` raises
+    instead of reaching the interpreter. The helpers real templates use are there: ``raise_exception``, the
+    ``tojson`` filter, ``strftime_now`` and loop controls (``{% break %}``, ``{% continue %}``).
+    """
+    from jinja2.exceptions import SecurityError, TemplateError
+    try:
+        compiled = _chat_environment().from_string(template)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+    except SecurityError as err:
+        raise ValueError(f"the chat template tried something the sandbox forbids ({err}); "
+                         "this template is unsafe, replace it") from None
+    except TemplateError as err:
+        raise ValueError(f"the chat template failed to render: {err}") from None
+
+
+def _chat_environment():
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+    # transformers' tojson: no HTML escaping (jinja2's own filter escapes <, > and &, which changes prompts)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    from datetime import datetime
+    return datetime.now().strftime(format)
 
 
 def _token_text(value) -> str | None:

@@ -1,0 +1,116 @@
+"""Chat templates are hostile data: they render in jinja2's immutable sandbox, with transformers' helpers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.errors import RequestError
+from runtime.text import Tokenizer, render_chat_template
+
+USER = [{"role": "user", "content": "hi"}]
+
+# Each tries to reach the interpreter (os, subprocess, builtins) or to mutate the caller's data.
+ESCAPES = [
+    "{{ cycler.__init__.__globals__.os.popen('touch {marker}').read() }}",
+    "{{ joiner.__init__.__globals__.os.system('touch {marker}') }}",
+    "{{ namespace.__init__.__globals__.os.system('touch {marker}') }}",
+    "{{ lipsum.__globals__['os'].popen('touch {marker}').read() }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ (messages|attr('__class__')).__base__.__subclasses__() }}",
+    "{{ raise_exception.__globals__['__builtins__']['__import__']('os').system('touch {marker}') }}",
+    "{{ self._TemplateReference__context.cycler.__init__.__globals__.os.system('touch {marker}') }}",
+    "{% set x = messages.append({'role': 'system', 'content': 'injected'}) %}{{ messages|length }}",
+    "{{ messages[0].update({'content': 'overwritten'}) }}",
+]
+
+
+@pytest.mark.parametrize("template", ESCAPES)
+def test_a_template_cannot_reach_the_interpreter_or_mutate_its_input(template, tmp_path):
+    marker = tmp_path / "pwned"
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="chat template"):
+        render_chat_template(template.replace("{marker}", str(marker)), messages)
+    assert not marker.exists()
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+def test_transformers_helpers_work_inside_the_sandbox():
+    template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}"
+                "|{{ strftime_now('%Y') | length }}")
+    messages = [{"role": "user", "content": "<b>&"}, {"role": "assistant", "content": "never shown"}]
+    rendered = render_chat_template(template, messages)
+    first, year = rendered.split("|")
+    assert json.loads(first) == messages[0]  # no HTML escaping: the prompt's text is what the model sees
+    assert "<b>&" in first and "never shown" not in rendered
+    assert year == "4"
+
+
+def test_raise_exception_reports_the_templates_own_message():
+    template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+    with pytest.raises(ValueError, match="a system message must come first"):
+        render_chat_template(template, USER)
+
+
+def test_undefined_variables_render_empty_as_in_transformers():
+    assert render_chat_template("{% if tools %}T{% endif %}{{ date_string }}ok", USER) == "ok"
+
+
+def _bos_tokenizer(folder, template: str) -> Tokenizer:
+    """A word-level tokenizer whose post-processor adds <s> in front, as many Llama tokenizers do."""
+    from tokenizers import Tokenizer as Fast, models, pre_tokenizers, processors
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hi": 3, "user": 4, ":": 5, "assistant": 6}
+    fast = Fast(models.WordLevel(vocab, unk_token="[UNK]"))
+    fast.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast.add_special_tokens(["<s>", "</s>"])
+    fast.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return Tokenizer(folder)
+
+
+def test_a_template_that_writes_bos_gets_exactly_one(tmp_path):
+    tokenizer = _bos_tokenizer(tmp_path, "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} "
+                                         "{% endfor %}assistant:")
+    assert tokenizer.encode("hi")[:1] == [0]  # plain prompts still get the tokenizer's BOS
+    assert tokenizer.encode_chat("hi") == [0, 4, 5, 3, 6, 5]
+
+
+def test_generate_refuses_a_hostile_bundle_template_without_running_it(generator, tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setattr(generator.tokenizer, "chat_template",
+                        "{{ cycler.__init__.__globals__.os.popen('touch %s').read() }}" % marker)
+    with pytest.raises(RequestError, match="sandbox"):
+        generator.generate("hello", max_new_tokens=2, chat=True)
+    assert not marker.exists()
+
+
+def test_the_bundles_own_template_still_renders(generator):
+    out = generator.generate("hello", max_new_tokens=3, chat=True)
+    assert out.prompt_tokens == len(generator.tokenizer.encode_chat("hello"))
+
+
+def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, monkeypatch):
+    """The manifest records the build's --allow-pickle / --trust-remote-code; reloading for the peers must not take
+    them as consent: only the bench's own flags grant it."""
+    pytest.importorskip("transformers")
+    import dataclasses
+    import builder.checkpoint
+    from runtime.bench_peers import run_transformers
+    seen = []
+
+    def resolve(source, allow_pickle=False, trust_remote_code=False):
+        seen.append((allow_pickle, trust_remote_code))
+        raise builder.checkpoint.CheckpointError("stop here")
+
+    monkeypatch.setattr(builder.checkpoint, "resolve", resolve)
+    spec = dataclasses.replace(generator.manifest.spec, allow_pickle=True, trust_remote_code=True)
+    hostile = dataclasses.replace(generator.manifest, spec=spec)
+    ids = generator._encode("def add(a, b):", False)
+    rows = run_transformers(hostile, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids)
+    assert "skipped" in rows[0] and seen == [(False, False)]
+    seen.clear()
+    run_transformers(hostile, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids, allow_pickle=True)
+    assert seen == [(True, False)]  # the person running the bench can still say yes
