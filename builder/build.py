@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from builder import checkpoint as ckpt
-from builder import evaluate, export, pairing, quantize
+from builder import evaluate, export, gguf_weights, graph, pairing, quantize
 from runtime.bundle import BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
 
 Stage = Callable[[str], None]
@@ -103,6 +103,7 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     target_info, target_check = _export(target_model, target_ckpt, work / "target.onnx", spec)
     if draft_ckpt is target_ckpt and not draft_layers:
         draft_info, draft_check, draft_fp32 = target_info, target_check, work / "target.onnx"
+        draft_model = target_model
     else:
         stage("export draft")
         draft_model = _truncate(target_model, draft_layers) if draft_layers else draft_ckpt.load_model()
@@ -111,12 +112,12 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
             draft_model = reduce_head(draft_model, kept)
         draft_info, draft_check = _export(draft_model, draft_ckpt, work / "draft.onnx", spec)
         draft_fp32 = work / "draft.onnx"
-    del target_model
     stage("quantize")
-    quantize.quantize(work / "target.onnx", tmp / "target" / "model.onnx", spec.target_quant, spec.block_size,
-                      spec.symmetric, spec.accuracy_level)
-    quantize.quantize(draft_fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec.block_size,
-                      spec.symmetric, spec.accuracy_level)
+    _quantize(work / "target.onnx", tmp / "target" / "model.onnx", spec.target_quant, spec, target_ckpt,
+              target_model)
+    _quantize(draft_fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec,
+              target_ckpt if draft_layers else draft_ckpt, draft_model)
+    del target_model, draft_model
     stage("evaluate")
     ids = target_tok(evaluate.eval_text())["input_ids"][: min(512, pair.max_context)]
     engines = {role: evaluate.engine_for(tmp / role / "model.onnx", info, pair.max_context, threads)
@@ -163,9 +164,32 @@ def _draft_vocab(checkpoint):
 
 
 def _export(model, checkpoint, path: Path, spec: BuildSpec):
+    """The fp32 (fp16 on cuda) graph of ``model`` at ``path``, checked against torch: (GraphInfo, check report)."""
+    if spec.engine_graph == "fused":
+        try:
+            decoder = graph.from_transformers(model)
+        except graph.GraphError as err:
+            raise BuildError(f"{checkpoint.source}: {err}") from None
+        graph.build(decoder, path)
+        info = graph.info_of(decoder)
+        return info, graph.check_against_torch(model, path, info, checkpoint.architecture.tolerance)
     info = export.export_decoder(model, path, spec.opset, export.GRAPH_DTYPES[spec.device])
     check = export.check_against_torch(model, path, info, checkpoint.architecture.tolerance)
     return info, check
+
+
+def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, model) -> None:
+    """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
+    the GGUF file's own blocks (builder.gguf_weights); ``model``: the loaded model ``src`` came from, whose weights
+    are those of ``checkpoint``."""
+    if quant != "gguf":
+        quantize.quantize(src, dst, quant, spec.block_size, spec.symmetric, spec.accuracy_level)
+        return
+    if not checkpoint.gguf_file:
+        raise BuildError(f"quant gguf keeps a GGUF file's own quantized blocks, but {checkpoint.source} is not a "
+                         ".gguf file; choose int4 or int8")
+    decoder = gguf_weights.apply(graph.from_transformers(model), checkpoint.folder / checkpoint.gguf_file)
+    graph.build(decoder, dst, spec.accuracy_level)
 
 
 def _truncate(model, layers: int):
@@ -188,7 +212,15 @@ def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: Bui
                       architecture=checkpoint.architecture.name, quant=quant, engine=engine,
                       num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                       vocab_size=info.vocab_size, max_context=max_context, input_names=info.input_names,
-                      output_names=info.output_names, size_bytes=size)
+                      output_names=info.output_names, size_bytes=size, graph=info.graph,
+                      min_call_tokens=_min_call_tokens(role, info.graph, quant, spec))
+
+
+def _min_call_tokens(role: str, graph_kind: str, quant: str, spec: BuildSpec) -> int:
+    """2 where the target's one-token calls would take MatMulNBits' one-row int8 kernel (runtime.engine.FusedEngine:
+    its rounding differs from the many-row kernel a verify call takes); 1 elsewhere (a draft need not be exact)."""
+    int8_activations = quant in ("int8", "int4", "gguf") and spec.accuracy_level == 4
+    return 2 if role == "target" and graph_kind == "fused" and int8_activations else 1
 
 
 def _eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:

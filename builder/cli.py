@@ -64,6 +64,9 @@ class DefaultGroup(click.Group):
 @click.option("--accuracy-level", type=int, help="MatMulNBits accuracy level 0..4 (4: int8 compute, fastest).")
 @click.option("--max-context", type=int, help="Cap the context (default: the pair's usable maximum).")
 @click.option("--opset", type=int, help="ONNX opset.")
+@click.option("--graph", type=click.Choice(["fused", "export"]),
+              help="Engine graph: fused (ONNX Runtime's fused CPU operators; the CPU default) or export (torch's "
+                   "decoder op by op; the CUDA default).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt_llm"]), help="Engine backend.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]),
               help="Device the engines are built for. onnxruntime: cpu = fp32/int8/int4 engines; cuda = fp16/int8/int4 "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.engine import OnnxEngine
+from runtime.engine import OnnxEngine, engine_class
 
 
 def eval_text() -> str:
@@ -46,5 +46,5 @@ def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], id
 
 
 def engine_for(path: Path, info, max_context: int, threads: int = 0) -> OnnxEngine:
-    return OnnxEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+    return engine_class(info.graph)(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                       vocab_size=info.vocab_size, max_context=max_context, threads=threads)

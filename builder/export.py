@@ -31,12 +31,15 @@ class ExportError(RuntimeError):
 
 @dataclass(frozen=True)
 class GraphInfo:
+    """What the runtime must know of an engine graph (ModelEntry's fields); ``graph``: its contract (bundle.GRAPHS)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
+    graph: str = "export"
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:
@@ -204,6 +207,27 @@ def _needs_external_data(model) -> bool:
 FP16_RELATIVE_TOLERANCE = 2e-2  # an fp16 graph vs the fp32 model: |Δlogit| up to this share of the largest logit
 
 
+def compare_cases(cases: dict, tolerance: float, vocab: int, fp16: bool = False) -> dict:
+    """Max |logit difference| per case {name: (graph logits, torch logits)}; raises ExportError past the tolerance,
+    or where the argmax differs although torch's two best logits are further apart than the tolerance."""
+    report = {}
+    for name, (got, want) in cases.items():
+        got, want = got[:, :vocab].astype(np.float32), want[:, :vocab]
+        allowed = tolerance
+        if fp16:
+            allowed = max(tolerance, FP16_RELATIVE_TOLERANCE * float(np.abs(want).max()))
+        diff = float(np.abs(got - want).max())
+        report[name] = diff
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        decided = (top2[:, 1] - top2[:, 0]) > allowed  # positions whose argmax no rounding may change
+        flipped = (got.argmax(-1) != want.argmax(-1)) & decided
+        if diff > allowed or flipped.any():
+            raise ExportError(f"exported graph disagrees with torch on {name}: max |Δlogit| {diff:.2e} "
+                              f"(tolerance {allowed:.1e}), {int(flipped.sum())} clear argmax changes; refusing "
+                              "to build a wrong engine")
+    return report
+
+
 def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: float, seed: int = 0) -> dict:
     """Compare the graph with torch (fp32) on prefill, a verify pass over rolled-back slots, and a left-padded batch.
 
@@ -246,19 +270,5 @@ def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: floa
         "verify_after_rollback": (verify[0], reference[0, 5:]),
         "left_padded_batch": (batched[0, 5:], reference[0, :7]),
     }
-    report = {}
-    for name, (got, want) in cases.items():
-        got, want = got[:, :vocab].astype(np.float32), want[:, :vocab]
-        allowed = tolerance
-        if dtype == np.float16:
-            allowed = max(tolerance, FP16_RELATIVE_TOLERANCE * float(np.abs(want).max()))
-        diff = float(np.abs(got - want).max())
-        report[name] = diff
-        top2 = np.sort(want, axis=-1)[:, -2:]
-        decided = (top2[:, 1] - top2[:, 0]) > allowed  # positions whose argmax no rounding may change
-        flipped = (got.argmax(-1) != want.argmax(-1)) & decided
-        if diff > allowed or flipped.any():
-            raise ExportError(f"exported graph disagrees with torch on {name}: max |Δlogit| {diff:.2e} "
-                              f"(tolerance {allowed:.1e}), {int(flipped.sum())} clear argmax changes; refusing "
-                              "to build a wrong engine")
+    report = compare_cases(cases, tolerance, vocab, fp16=dtype == np.float16)
     return report

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 from runtime.bundle import DRAFTERS, Manifest, load_manifest
-from runtime.engine import Engine, MappedVocabEngine, OnnxEngine, load_vocab_map, providers_for
+from runtime.engine import Engine, MappedVocabEngine, engine_class, load_vocab_map, providers_for
 from runtime.errors import RequestError
 from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
@@ -200,11 +200,13 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
     for entry in (manifest.target, manifest.draft):
         if entry.role not in roles:
             continue
-        engine = OnnxEngine(
+        device_options = ({"cache_device": cache_device, "device_id": device_id} if entry.graph == "export"
+                          else {"min_call_tokens": entry.min_call_tokens})
+        engine = engine_class(entry.graph)(
             root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
             head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
             threads=threads if entry.role == "target" or draft_threads is None else draft_threads,
-            providers=providers, cache_device=cache_device, device_id=device_id)
+            providers=providers, **device_options)
         if entry.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
             engine = MappedVocabEngine(engine, load_vocab_map(root / entry.vocab_map), manifest.target.vocab_size)
         engine.vocab_size = min(engine.vocab_size, tokenizer_vocab)

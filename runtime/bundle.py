@@ -27,10 +27,14 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-ONNX_QUANTS = ("fp32", "fp16", "int8", "int4")  # what builder/quantize.py builds
+ONNX_QUANTS = ("fp32", "fp16", "int8", "int4", "gguf")  # builder/quantize.py; gguf: the GGUF file's own blocks
+# The ONNX graph an engine is: "fused" (builder/graph.py: ONNX Runtime's fused CPU operators, GroupQueryAttention over
+# a cache written in place; the CPU default) or "export" (builder/export.py: torch's decoder op by op; any device).
+GRAPHS = ("fused", "export")
+GRAPH_CHOICES = ("",) + GRAPHS  # "": fused on cpu, export on cuda
 # ONNX Runtime engines per device: a CPU engine is exported in fp32 (fp16 would run through inserted casts, slower);
 # a CUDA engine in fp16 (the GPU's native width; fp32 would double the weight traffic), and quantized from that.
-ONNX_DEVICE_QUANTS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", "int4")}
+ONNX_DEVICE_QUANTS = {"cpu": ("fp32", "int8", "int4", "gguf"), "cuda": ("fp16", "int8", "int4")}
 # TensorRT-LLM formats: bf16/fp16 (no quantization), int8/int4 weight-only (convert_checkpoint.py --use_weight_only),
 # ModelOpt post-training quantization (examples/quantization/quantize.py --qformat). Which flavor takes which is
 # decided in builder/trtllm.py (FLAVOR_QUANTS); the spec checks the union here.
@@ -72,6 +76,7 @@ class BuildSpec:
     accuracy_level: int = 4  # MatMulNBits compute accuracy: 0 (fp32 activations) .. 4 (int8 activations, fastest)
     opset: int = 18
     max_context: int = 0  # 0: the usable maximum of the pair
+    graph: str = ""  # GRAPHS: the fused CPU graph or the torch export; "": fused on cpu, export on cuda
     backend: str = "onnxruntime"
     device: str = "cpu"
     allow_pickle: bool = False  # accept .bin/.pt weights (pickle: can run code) only when the user asks
@@ -98,6 +103,13 @@ class BuildSpec:
         _check(isinstance(self.max_context, int) and self.max_context >= 0, "max_context", "an integer >= 0",
                self.max_context)
         _check(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)
+        _check(self.graph in GRAPH_CHOICES, "graph", f"one of {GRAPH_CHOICES}", self.graph)
+        if self.graph == "fused":
+            _check(self.device == "cpu", "graph", "'export' for device cuda (the fused graph is ONNX Runtime's CPU "
+                   "kernels; pass --graph export)", self.graph)
+        if "gguf" in (self.target_quant, self.draft_quant):
+            _check(self.engine_graph == "fused", "graph", "'fused' for quant gguf (the GGUF blocks are written into the "
+                   "fused graph)", self.graph)
         _check(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'", self.device)
         _check(self.trtllm_flavor in TRTLLM_FLAVORS, "trtllm_flavor", "'engine', 'llmapi' or '' (auto)",
                self.trtllm_flavor)
@@ -129,6 +141,12 @@ class BuildSpec:
                    "'cuda' for backend tensorrt_llm (TensorRT-LLM runs on NVIDIA GPUs only)", self.device)
 
 
+    @property
+    def engine_graph(self) -> str:
+        """The graph the build writes: the spec's, or the device's default."""
+        return self.graph or ("fused" if self.device == "cpu" else "export")
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """One compiled engine of the bundle and what the runtime must know to drive it."""
@@ -147,6 +165,10 @@ class ModelEntry:
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
     size_bytes: int = 0
+    graph: str = "export"  # GRAPHS: which engine contract the file follows (bundles before the fused graph: export)
+    # fused graph only: pad shorter calls to this many tokens (2 for a target with int8-activation MatMulNBits, whose
+    # one-row kernel rounds differently: runtime.engine.FusedEngine), so verify and target-only agree bit for bit
+    min_call_tokens: int = 1
     # A reduced-vocabulary draft head: a JSON file in the bundle ({"kept_ids": [...]}) naming the token of each of the
     # engine's vocab_size logits; the runtime maps them back to the full vocabulary (runtime.engine.MappedVocabEngine).
     vocab_map: str = ""

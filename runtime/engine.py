@@ -249,3 +249,126 @@ def load_vocab_map(path: str | os.PathLike) -> np.ndarray:
     if not isinstance(data, dict) or not isinstance(data.get("kept_ids"), list):
         raise ValueError(f"{path}: expected an object with a 'kept_ids' list")
     return np.asarray(data["kept_ids"], dtype=np.int64)
+
+
+class FusedEngine:
+    """A fused decoder graph (builder.graph: GroupQueryAttention over a fixed-capacity cache) run with ONNX Runtime.
+
+    The cache is one float32 buffer [B, H_kv, T, D] per layer and kind, bound as both past and present, so the graph
+    writes the new tokens' K/V in place: nothing is concatenated or copied per call. Row b's live tokens fill slots
+    [0, lengths[b]); ``rollback`` only lowers lengths (the next call overwrites the dead slots). The buffer doubles
+    when a call would run past it (rare; a copy), up to the bundle's context.
+
+    Padding in a call (right-padded rows, a row with nothing to add) is computed like real tokens and then left dead:
+    each new token only attends to slots before it, so padding never changes a real token's logits.
+
+    GroupQueryAttention on CPU takes several new tokens on a past only at batch 1, so such a call over a batch runs
+    row by row, each on a view of its own rows of the same buffers (no copy).
+
+    ``min_call_tokens`` 2 pads one-token calls to two. MatMulNBits with int8 activations (accuracy level 4) computes
+    one row by another kernel than several rows, and its activation rounding turns that ~1e-7 difference into logits
+    apart by up to ~2 after 30 layers; calls of 2 or more rows agree bit for bit whatever their number. A quantized
+    target therefore always takes the many-row kernel, so a verify call scores each token exactly as target-only
+    decoding does (tests/test_fused_graph.py).
+    """
+
+    def __init__(self, path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
+                 max_context: int, threads: int = 0, providers: list | None = None, session=None,
+                 initial_slots: int = 256, min_call_tokens: int = 1):
+        self.session = session or make_session(path, threads, providers)
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.vocab_size, self.max_context = vocab_size, max_context
+        self.initial_slots, self.min_call_tokens = initial_slots, min_call_tokens
+        self.past_names = [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+        self.present_names = [n.replace("past", "present", 1) for n in self.past_names]
+
+    def new_cache(self, batch: int) -> KVCache:
+        slots = min(self.initial_slots, self.max_context)
+        return KVCache(self._buffers(batch, slots), np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64),
+                       extra={"views": {}})
+
+    def _buffers(self, batch: int, slots: int) -> list[np.ndarray]:
+        shape = (batch, self.num_kv_heads, slots, self.head_dim)
+        return [np.zeros(shape, np.float32) for _ in self.past_names]
+
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        """Append each row's valid tokens (right-padded in ``tokens``) and return logits [B, S, V]."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        counts = tokens.shape[1] * np.ones(len(tokens), np.int64) if valid is None else valid.sum(axis=1)
+        asked = tokens.shape[1]
+        if asked < self.min_call_tokens:
+            tokens = np.pad(tokens, ((0, 0), (0, self.min_call_tokens - asked)))
+        batch, new = tokens.shape
+        self._reserve(cache, int(cache.lengths.max()) + new)
+        if batch == 1 or new == 1 or not cache.lengths.any():
+            logits = self._run(cache, slice(0, batch), tokens, cache.lengths + new)
+        else:  # several new tokens on a past: one call per row (the kernel's batch-1 path)
+            logits = np.zeros((batch, new, self.vocab_size), np.float32)
+            for b in np.flatnonzero(counts):
+                width = max(int(counts[b]), self.min_call_tokens)
+                logits[b, :width] = self._run(cache, slice(b, b + 1), tokens[b: b + 1, :width],
+                                              cache.lengths[b: b + 1] + width)[0]
+        cache.lengths = cache.lengths + counts
+        cache.calls += 1
+        return logits[:, :asked]
+
+    def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray) -> np.ndarray:
+        """One session call on ``rows`` of the cache; ``totals``: each row's slot count after the call."""
+        binding = self._binding(cache, rows)
+        binding.bind_cpu_input("input_ids", tokens)
+        binding.bind_cpu_input("seqlens_k", (totals - 1).astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(int(totals.max()), dtype=np.int32))
+        binding.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[..., : self.vocab_size]
+
+    def _binding(self, cache: KVCache, rows: slice):
+        """An IO binding with past and present bound to the same buffers (rows' views), made once per rows."""
+        views = cache.extra.setdefault("views", {})
+        key = (rows.start, rows.stop)
+        if key not in views:
+            binding = self.session.io_binding()
+            binding.bind_output("logits", "cpu")  # first: get_outputs()[0]
+            for past, present, buffer in zip(self.past_names, self.present_names, cache.past):
+                value = self._ort.OrtValue.ortvalue_from_numpy(buffer[rows])
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+            views[key] = binding
+        return views[key]
+
+    def _reserve(self, cache: KVCache, needed: int) -> None:
+        slots = cache.past[0].shape[2]
+        if needed <= slots:
+            return
+        limit = self.max_context + self.min_call_tokens  # padding may pass the context by a slot; it stays dead
+        if needed > limit:
+            raise ValueError(f"a call would hold {needed} tokens; this engine's context is {self.max_context}")
+        bigger = self._buffers(cache.batch, min(limit, max(needed, 2 * slots)))
+        for old, new in zip(cache.past, bigger):
+            new[:, :, :slots] = old
+        cache.past, cache.extra["views"] = bigger, {}
+
+    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
+        cache.lengths = np.minimum(cache.lengths, keep)
+
+    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
+        """The given rows, in buffers trimmed to what they use (at least ``initial_slots``)."""
+        used = int(cache.lengths[rows].max()) if len(rows) else 0
+        slots = min(cache.past[0].shape[2], max(used, self.initial_slots))
+        past = [np.ascontiguousarray(p[rows][:, :, :slots]) for p in cache.past]
+        return KVCache(past, cache.mask[rows], cache.lengths[rows], cache.calls, extra={"views": {}})
+
+    @property
+    def _ort(self):
+        import onnxruntime
+        return onnxruntime
+
+
+ENGINES = {"export": OnnxEngine, "fused": FusedEngine}  # bundle.GRAPHS -> the engine that runs that contract
+
+
+def engine_class(graph: str):
+    """The engine class for a ModelEntry's ``graph``."""
+    if graph not in ENGINES:
+        raise ValueError(f"unknown engine graph {graph!r}; this Draftsmith runs {sorted(ENGINES)}")
+    return ENGINES[graph]

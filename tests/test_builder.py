@@ -71,7 +71,8 @@ def test_bundle_contents(tiny_bundle):
     manifest = load_manifest(tiny_bundle)
     assert manifest.spec.target_quant == "fp32" and manifest.default_k == 4
     assert {"target/model.onnx", "draft/model.onnx", "tokenizer/tokenizer.json"} <= set(manifest.files)
-    assert manifest.target.input_names[:3] == ("input_ids", "attention_mask", "position_ids")
+    assert manifest.target.graph == manifest.draft.graph == "fused"  # the CPU default
+    assert manifest.target.input_names[:3] == ("input_ids", "seqlens_k", "total_sequence_length")
     assert manifest.eos_token_ids == (2,)
     assert manifest.max_context == 128
     assert {"torch", "onnxruntime", "transformers"} <= set(manifest.tools)
