@@ -76,19 +76,21 @@ def open_runner(engine_dir: Path, max_batch_size: int | None = None, kv_fraction
 class ExecutorSession:
     """Greedy requests on one engine through the executor that ModelRunnerCpp holds (``runner.session``).
 
-    Request keywords (input_token_ids, max_tokens, end_id, pad_id, sampling_config, output_config,
-    external_draft_tokens_config) and the response fields (request_id, has_error(), error_msg, result.is_final,
-    result.output_token_ids) are those of tensorrt_llm.bindings.executor, as TensorRT-LLM's own tests drive
-    ``runner.session``. Not run here: no GPU.
+    What ModelRunnerCpp.generate itself does with ``draft_tokens_list`` (tensorrt_llm/runtime/model_runner_cpp.py,
+    "Draft-Target-Model speculative decoding"), per row instead of one max_new_tokens for the batch: one
+    ``tensorrt_llm.bindings.executor.Request(input_token_ids, max_tokens, pad_id, end_id, sampling_config,
+    output_config, external_draft_tokens_config)`` per row, ``session.enqueue_requests``, then
+    ``session.await_responses()`` until every ``result.is_final``; tokens in ``result.output_token_ids[0]``.
+    Not run here: no GPU.
     """
 
-    def __init__(self, runner, end_id: int, pad_id: int, timeout_s: float = 60.0):
-        self.runner, self.end_id, self.pad_id, self.timeout_s = runner, end_id, pad_id, timeout_s
+    def __init__(self, runner, end_id: int, pad_id: int):
+        self.runner, self.end_id, self.pad_id = runner, end_id, pad_id
 
     def generate(self, histories: list[list[int]], max_tokens: list[int],
                  drafts: list[list[int]] | None = None) -> list[list[int]]:
         """New tokens per row (the input excluded); with drafts, the target verifies them in the same request."""
-        from tensorrt_llm.bindings import executor
+        import tensorrt_llm.bindings.executor as executor
         requests = []
         for row, history in enumerate(histories):
             draft = drafts[row] if drafts else []
@@ -100,10 +102,7 @@ class ExecutorSession:
         ids = self.runner.session.enqueue_requests(requests)
         done: dict[int, list[int]] = {}
         while len(done) < len(ids):
-            responses = self.runner.session.await_responses(timeout=self.timeout_s)
-            if not responses:
-                raise RuntimeError(f"TensorRT-LLM returned nothing within {self.timeout_s} s")
-            for response in responses:
+            for response in self.runner.session.await_responses():
                 if response.has_error():
                     raise RuntimeError(f"TensorRT-LLM request failed: {response.error_msg}")
                 if response.result.is_final:
@@ -128,6 +127,8 @@ class ExternalDraftGenerator:
         """SpeculativeGenerator.generate's call and result types, greedy; mode "target" drafts nothing."""
         from runtime.api import Generation
         from runtime.errors import RequestError
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be an integer >= 1, received {max_new_tokens!r}")
         given = sorted(key for key, value in unsupported.items() if value not in (None, False, 0, 0.0))
         if temperature or given:
             raise RequestError("engine-flavor TensorRT-LLM bundles generate greedily in-process (the target verifies "
@@ -366,16 +367,20 @@ class LlmApiGenerator:
         self.default_k = manifest.default_k
 
     @classmethod
-    def from_bundle(cls, path: str | os.PathLike, verify: bool = True) -> "LlmApiGenerator":
+    def from_bundle(cls, path: str | os.PathLike, verify: bool = True, speculative: bool = True,
+                    **overrides) -> "LlmApiGenerator":
+        """speculative=False: the same target without a draft (the baseline). overrides: LLM keywords from the
+        caller (the person running the command, e.g. ``kv_cache_config``), never from the bundle."""
         root = Path(path)
         manifest = load_manifest(root, verify=verify)
         kwargs = llm_api_kwargs(root, manifest)
         require_tensorrt_llm()
         from tensorrt_llm import LLM
-        speculative = draft_target_config(kwargs.pop("speculative_config"))
+        options = kwargs.pop("speculative_config")
+        if speculative:
+            kwargs["speculative_config"] = draft_target_config(options)
         # trust_remote_code is never taken from the bundle (llm_api_kwargs refuses it); say False explicitly.
-        return cls(manifest, LLM(**kwargs, speculative_config=speculative, trust_remote_code=False),
-                   manifest.eos_token_ids)
+        return cls(manifest, LLM(**{**kwargs, **overrides, "trust_remote_code": False}), manifest.eos_token_ids)
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None, **unsupported):
