@@ -124,7 +124,8 @@ def test_upstream_templates_are_filled_the_draft_is_the_target_renamed(tmp_path)
 
 
 def test_upstream_template_without_a_key_we_set_is_refused_by_name(tmp_path):
-    with pytest.raises(ConfigError, match=r"tensorrt_llm/config.pbtxt: the template has no \$\{enable_kv_cache_reuse\}"):
+    missing = r"tensorrt_llm/config.pbtxt: the template has no \$\{enable_kv_cache_reuse\}"
+    with pytest.raises(ConfigError, match=missing):
         layouts.upstream_engine_files(ENGINE, make_upstream(tmp_path / "upstream", drop="enable_kv_cache_reuse"))
     with pytest.raises(ConfigError, match="missing preprocessing/config.pbtxt"):
         layouts.upstream_engine_files(ENGINE, tmp_path / "empty")
@@ -139,3 +140,16 @@ def test_write_repo_replaces_only_its_own_repository(tmp_path):
     with pytest.raises(ConfigError, match="not a repository this generator wrote"):
         layouts.write_repo(files, tmp_path / "work", overwrite=True)
     assert (tmp_path / "work" / "notes.txt").read_text() == "mine"
+
+
+def test_upstream_llmapi_files_are_copied_and_our_model_yaml_replaces_theirs(tmp_path):
+    import yaml
+    source = tmp_path / "llmapi" / "tensorrt_llm"
+    (source / "1").mkdir(parents=True)
+    (source / "config.pbtxt").write_text('name: "tensorrt_llm"\nbackend: "python"\n')
+    (source / "1" / "model.py").write_text("# upstream model\n")
+    (source / "1" / "helpers.py").write_text("# upstream helpers\n")
+    (source / "1" / "model.yaml").write_text("model: TinyLlama/TinyLlama-1.1B-Chat-v1.0\n")
+    files = layouts.llmapi_repo_files(layouts.LlmApiLayout(LLM_KWARGS), tmp_path / "llmapi")
+    assert files["tensorrt_llm/1/helpers.py"] == "# upstream helpers\n"
+    assert yaml.safe_load(files["tensorrt_llm/1/model.yaml"])["model"] == "/bundle/target/hf"

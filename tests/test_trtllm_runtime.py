@@ -201,3 +201,11 @@ def test_hostile_llm_api_yaml_is_refused_naming_the_key(trt_bundle, tmp_path, ch
     with pytest.raises(BundleError, match="llm_api.yaml is refused") as err:
         llm_api_kwargs(bundle, manifest)
     assert message in str(err.value)
+
+
+def test_build_engines_triton_repo_writes_the_trtllm_layout(trt_bundle, tmp_path):
+    from builder.cli import _write_triton_repo
+    _write_triton_repo(trt_bundle, tmp_path / "repo", False)
+    flavor = load_manifest(trt_bundle).spec.trtllm_flavor
+    expected = "tensorrt_llm_bls/config.pbtxt" if flavor == "engine" else "tensorrt_llm/1/model.yaml"
+    assert (tmp_path / "repo" / expected).is_file()

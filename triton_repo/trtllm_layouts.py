@@ -495,7 +495,8 @@ def llmapi_repo_files(layout: LlmApiLayout, upstream: str | Path | None = None) 
     copied = _copied_version_folder(source / "tensorrt_llm", "tensorrt_llm")
     copied.pop("tensorrt_llm/1/model.yaml", None)  # upstream's example; ours replaces it
     files.update(copied)
-    files["README.md"] = "# Draftsmith TensorRT-LLM repository (LLM API)\n\nModel files copied from the upstream folder.\n"
+    files["README.md"] = ("# Draftsmith TensorRT-LLM repository (LLM API)\n\n"
+                          "Model files copied from the upstream folder.\n")
     return files
 
 
