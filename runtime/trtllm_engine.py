@@ -289,10 +289,9 @@ def llm_api_kwargs(root: Path, manifest: Manifest) -> dict[str, Any]:
         raise BundleError(f"{root}/llm_api.yaml cannot be read ({err}); rebuild the bundle") from None
     problems: list[str] = []
     kwargs = _checked(data, LLM_API_KEYS, LLM_API_REQUIRED, root, "", problems)
-    speculative = data.get("speculative_config") if isinstance(data, dict) else None
-    if isinstance(speculative, dict):
-        kwargs["speculative_config"] = _checked(speculative, SPECULATIVE_KEYS, tuple(SPECULATIVE_KEYS), root,
-                                                "speculative_config.", problems)
+    if isinstance(data, dict) and "speculative_config" in data:
+        kwargs["speculative_config"] = _checked(data["speculative_config"], SPECULATIVE_KEYS,
+                                                tuple(SPECULATIVE_KEYS), root, "speculative_config.", problems)
     if problems:
         raise BundleError(f"{root}/llm_api.yaml is refused; rebuild the bundle with build-engines:\n  "
                           + "\n  ".join(problems))
@@ -302,7 +301,7 @@ def llm_api_kwargs(root: Path, manifest: Manifest) -> dict[str, Any]:
 def _checked(data: Any, allowed: dict[str, Any], required: tuple[str, ...], root: Path, where: str,
              problems: list[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
-        problems.append(f"{where or 'the file'}: expected a mapping, received {type(data).__name__}")
+        problems.append(f"{where.rstrip('.') or 'the file'}: expected a mapping, received {type(data).__name__}")
         return {}
     checked: dict[str, Any] = {}
     for key, value in data.items():

@@ -180,6 +180,7 @@ HOSTILE_LLM_API = [
                              "trust_remote_code": True}}, "speculative_config.trust_remote_code"),
     ({"speculative_config": {"decoding_type": "Eagle", "max_draft_len": 4, "speculative_model": "draft/hf"}},
      "speculative_config.decoding_type"),
+    ({"speculative_config": "draft/hf"}, "speculative_config: expected a mapping"),
 ]
 
 
