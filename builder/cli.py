@@ -86,10 +86,13 @@ class DefaultGroup(click.Group):
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--triton-repo", "triton_repo", type=click.Path(path_type=Path, file_okay=False),
               help="Also write a Triton model repository for the new bundle here (see `draftsmith triton-repo`).")
+@click.option("--upstream-models", "upstream_models", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="TensorRT-LLM bundles with --triton-repo: a copy of TensorRT-LLM's triton_backend/all_models/"
+                   "inflight_batcher_llm (or all_models/llmapi) to fill and copy the models from.")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads for evaluation.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.pass_context
-def main(ctx, config_path, out, force, triton_repo, threads, as_json, dry_run, **flags):
+def main(ctx, config_path, out, force, triton_repo, upstream_models, threads, as_json, dry_run, **flags):
     """Export a draft and a target checkpoint to quantized engines and write one bundle."""
     if ctx.meta.get("subcommand"):
         return
@@ -109,14 +112,16 @@ def main(ctx, config_path, out, force, triton_repo, threads, as_json, dry_run, *
     manifest = (_run_trtllm_build(spec, out, force, as_json) if spec.backend == "tensorrt_llm"
                 else _run_build(spec, out, force, threads, as_json))
     if triton_repo is not None:
-        _write_triton_repo(out, triton_repo, force)
+        _write_triton_repo(out, triton_repo, force, upstream_models)
     if as_json:
         click.echo(json.dumps(_summary(out, manifest), indent=2))
     else:
         _print_summary(out, manifest)
 
 
-def _write_triton_repo(bundle: Path, repo: Path, force: bool) -> None:
+def _write_triton_repo(bundle: Path, repo: Path, force: bool, upstream_models: Path | None = None) -> None:
+    if load_manifest(bundle, verify=False).spec.backend == "tensorrt_llm":
+        return _write_trtllm_repo(bundle, repo, force, upstream_models)
     try:
         from triton_repo.generate import RepositoryError, write_repository
     except ImportError as err:
@@ -126,6 +131,16 @@ def _write_triton_repo(bundle: Path, repo: Path, force: bool) -> None:
     except (RepositoryError, BundleError, ValueError) as err:
         raise click.ClickException(f"bundle built at {bundle}, but the Triton repository failed: {err}") from None
     click.echo(f"Triton repository written to {repo}; serve it with `draftsmith serve {repo}`", err=True)
+
+
+def _write_trtllm_repo(bundle: Path, repo: Path, force: bool, upstream_models: Path | None) -> None:
+    from triton_repo.pbtxt import ConfigError
+    from triton_repo.trtllm_layouts import write_trtllm_repository
+    try:
+        write_trtllm_repository(bundle, repo, upstream_models=upstream_models, overwrite=force)
+    except (ConfigError, BundleError, ImportError) as err:
+        raise click.ClickException(f"bundle built at {bundle}, but the Triton repository failed: {err}") from None
+    click.echo(f"Triton repository written to {repo} (TensorRT-LLM layout; see its README.md)", err=True)
 
 
 def _run_build(spec, out, force, threads, quiet):

@@ -2,10 +2,14 @@
 
 Two flavors, because TensorRT-LLM changed its workflow during 2026:
 
-* ``engine``: per-architecture ``convert_checkpoint.py`` (or ModelOpt's ``examples/quantization/quantize.py``), then
-  ``trtllm-build`` for the draft and for the target, the target with ``--speculative_decoding_mode
-  draft_tokens_external --max_draft_len K``. Released TensorRT-LLM up to 1.3.0rc20 carries it (the 1.3.0rc20 release
-  notes: "This RC version will be the last one supporting the TensorRT backend"; stable 1.2.x carries it).
+* ``engine``: per-architecture ``convert_checkpoint.py`` (or ModelOpt's ``examples/quantization/quantize.py``,
+  calibrated on a set built from Draftsmith's own prompt files, so no dataset is downloaded), then ``trtllm-build``
+  for the draft and for the target, the target with ``--speculative_decoding_mode draft_tokens_external
+  --max_draft_len K`` and no logits-gathering flag: ``trtllm-build`` refuses ``--gather_context_logits`` with a
+  draft length > 0 (tests/fixtures/trtllm/trtllm_build.json), so the target verifies the draft's tokens itself
+  (executor ``ExternalDraftTokensConfig``, as Triton's ``tensorrt_llm_bls`` does) instead of returning logits.
+  Released TensorRT-LLM up to 1.3.0rc20 carries it (the 1.3.0rc20 release notes: "This RC version will be the last
+  one supporting the TensorRT backend"; stable 1.2.x carries it).
 * ``llmapi``: ModelOpt post-training quantization of the Hugging Face checkpoints (``mtq.quantize`` +
   ``export_hf_checkpoint``), then ``LLM(target, speculative_config=DraftTargetDecodingConfig(max_draft_len=K,
   speculative_model=draft))`` on the PyTorch backend. Every release since 1.0 carries it; after 1.3.0rc20 it is the
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from runtime.bundle import BuildSpec, Manifest, ModelEntry, SpecError
+from runtime.trtllm_engine import DECODING_TYPE
 
 FLAVORS = ("engine", "llmapi")
 LAST_ENGINE_RELEASE = "1.3.0rc20"  # GitHub release notes of v1.3.0rc20: the last with the TensorRT backend
@@ -74,9 +79,15 @@ CONVERT_SCRIPTS = {
     "MistralForCausalLM": "models/core/llama/convert_checkpoint.py",
     "Qwen2ForCausalLM": "models/core/qwen/convert_checkpoint.py",
 }
-CALIB_SIZE = 512  # quantize.py --calib_size (its default, made explicit so the plan shows it)
-MODELOPT_CALIB_SAMPLES = 64  # llmapi flavor: calibration passes over builder/data/eval.txt (no dataset download)
+# Calibration: quantize.py's --calib_dataset defaults to the hub dataset cnn_dailymail; a local directory is loaded
+# with datasets.load_dataset(dir, split="train") and its "text" column is used (tensorrt_llm/quantization/
+# quantize_by_modelopt.py get_calib_dataloader; tests/fixtures/trtllm/quantize.json). The plan writes such a folder
+# from the shipped prompt files first, so fp8 / int8_sq / AWQ builds work offline.
+CALIB_DIR = "_work/calibration"
+CALIB_FILE = "train.jsonl"
+MODELOPT_CALIB_SAMPLES = 64  # llmapi flavor: calibration passes over the same texts
 LLM_API_FILE = "llm_api.yaml"
+
 
 
 class TrtllmError(RuntimeError):
@@ -171,6 +182,8 @@ def make_plan(spec: BuildSpec, flavor: str, inputs: PlanInputs) -> list[Step]:
     quants = {"target": spec.target_quant, "draft": spec.draft_quant}
     steps: list[Step] = []
     if flavor == "engine":
+        if any(q in QFORMATS for q in quants.values()):
+            steps.append(_calibration_step())
         for role in ("draft", "target"):
             steps += _engine_steps(spec, role, quants[role], inputs, max_input_len, max_seq_len)
     else:
@@ -186,11 +199,12 @@ def _engine_steps(spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, ma
     dtype = DTYPES.get(quant, "float16")
     parallel = ("--tp_size", str(spec.tp_size), "--pp_size", str(spec.pp_size))
     if quant in QFORMATS:
-        # examples/quantization/quantize.py: --model_dir --output_dir --dtype --qformat --calib_size --tp_size --pp_size
+        # examples/quantization/quantize.py: --model_dir --output_dir --dtype --qformat --calib_dataset --calib_size
+        # --tp_size --pp_size (argparse; tests/fixtures/trtllm/quantize.json).
         convert = Step(role, "quantize", argv=(
             "python3", f"{inputs.examples_dir}/quantization/quantize.py", "--model_dir", inputs.sources[role],
-            "--output_dir", checkpoint, "--dtype", dtype, "--qformat", quant, "--calib_size", str(CALIB_SIZE),
-            *parallel), outputs=(checkpoint,))
+            "--output_dir", checkpoint, "--dtype", dtype, "--qformat", quant, "--calib_dataset", CALIB_DIR,
+            "--calib_size", str(len(calibration_texts())), *parallel), outputs=(checkpoint,))
     else:
         architecture = inputs.architectures[role]
         if architecture not in CONVERT_SCRIPTS:
@@ -206,19 +220,44 @@ def _engine_steps(spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, ma
     # trtllm-build flags, from examples/draft_target_model/README.md ("Build draft and target engines"):
     # --use_paged_context_fmha=enable on both (KV-cache reuse between draft and verify calls), --max_batch_size,
     # --max_input_len, --max_seq_len, --gemm_plugin=float16 for unquantized fp16 weights; the target gets
-    # --speculative_decoding_mode=draft_tokens_external and --max_draft_len; --gather_generation_logits "if using
-    # generation logits for selecting tokens" (Draftsmith's sampled acceptance reads draft and target logits).
-    # --gather_context_logits: the engine adapter (runtime/trtllm_engine.py) reads logits of every position it
-    # appends (trtllm-build argparse: "Gather context logits").
+    # --speculative_decoding_mode=draft_tokens_external and --max_draft_len.
+    # No logits flag: build.py raises "Gather context logits is not support with draft len > 0" for
+    # --gather_context_logits (or --gather_all_token_logits) with --max_draft_len > 0, and later builds deprecate
+    # --gather_generation_logits ("Use --output_generation_logits at runtime instead"); the target verifies
+    # draft tokens itself (tests/fixtures/trtllm/trtllm_build.json).
     gemm = ("--gemm_plugin", dtype) if quant in ("fp16", "bf16", "int8", "int4") else ()
     speculative = (("--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(spec.max_k))
                    if role == "target" else ())
     build = Step(role, "build", argv=(
         "trtllm-build", "--checkpoint_dir", checkpoint, "--output_dir", engine, *gemm,
         "--use_paged_context_fmha", "enable", "--max_batch_size", str(spec.max_batch_size),
-        "--max_input_len", str(max_input_len), "--max_seq_len", str(max_seq_len), *speculative,
-        "--gather_generation_logits", "--gather_context_logits"), outputs=(engine,))
+        "--max_input_len", str(max_input_len), "--max_seq_len", str(max_seq_len), *speculative), outputs=(engine,))
     return [convert, build]
+
+
+def _calibration_step() -> Step:
+    return Step("bundle", "calibration", call="builder.trtllm.write_calibration_set",
+                kwargs={"export_dir": CALIB_DIR}, outputs=(f"{CALIB_DIR}/{CALIB_FILE}",))
+
+
+def calibration_texts() -> list[str]:
+    """Calibration texts from the shipped prompt files (builder/data/distill_prompts.txt and eval.txt).
+
+    Why: quantize.py's default calibration set is a hub download; these need no network and are of the kind of
+    text Draftsmith's users run.
+    """
+    from builder import evaluate
+    from builder.distill import load_prompts
+    paragraphs = [p.strip() for p in evaluate.eval_text().split("\n\n") if p.strip()]
+    return [prompt.text.strip() for prompt in load_prompts()] + paragraphs
+
+
+def write_calibration_set(export_dir: str, root: Path) -> None:
+    """``export_dir/train.jsonl``: one {"text": ...} per line, the layout datasets.load_dataset(dir) reads."""
+    folder = root / export_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"text": text}, ensure_ascii=False) for text in calibration_texts()]
+    (folder / CALIB_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def _hf_step(role: str, quant: str, source: str) -> Step:
@@ -238,8 +277,13 @@ def llm_api_kwargs(spec: BuildSpec, max_seq_len: int) -> dict[str, Any]:
     """LLM(...) keywords of an llmapi bundle, paths relative to the bundle (runtime/trtllm_engine.py resolves them).
 
     Names: tensorrt_llm/llmapi/llm_args.py (BaseLlmArgs: model, tokenizer, dtype, tensor_parallel_size,
-    pipeline_parallel_size, max_batch_size, max_seq_len; speculative_config: DraftTargetDecodingConfig, whose
-    decoding_type is "Draft_Target" and whose validator requires max_draft_len > 0 and speculative_model).
+    pipeline_parallel_size, max_batch_size, max_seq_len; TorchLlmArgs: disable_overlap_scheduler).
+    speculative_config is written as from_dict reads it: decoding_type "DraftTarget" (the table key in 1.0-1.2; main
+    accepts it too), max_draft_len, and the draft path (runtime/trtllm_engine.py and the Triton model.yaml pick the
+    field name the release uses). Only current main validates max_draft_len > 0 and a set speculative_model
+    (validate_draft_target_config); 1.0-1.2 have no such validator, so make_plan's own checks (max_k >= k >= 1)
+    stand in for it. disable_overlap_scheduler=True: the draft/target quick start in docs/source/features/
+    speculative-decoding.md passes it (tests/fixtures/trtllm/decoding_types.json).
     """
     return {
         "model": "target/hf",
@@ -249,7 +293,8 @@ def llm_api_kwargs(spec: BuildSpec, max_seq_len: int) -> dict[str, Any]:
         "pipeline_parallel_size": spec.pp_size,
         "max_batch_size": spec.max_batch_size,
         "max_seq_len": max_seq_len,
-        "speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": spec.max_k,
+        "disable_overlap_scheduler": True,
+        "speculative_config": {"decoding_type": DECODING_TYPE, "max_draft_len": spec.max_k,
                                "speculative_model": "draft/hf"},
     }
 
@@ -429,6 +474,8 @@ def run_step(step: Step, root: Path) -> None:
         if result.returncode != 0:
             raise TrtllmError(f"step {step.role}: {step.name} failed (exit {result.returncode}): "
                               f"{shlex.join(step.argv)}")
+    elif step.call == "builder.trtllm.write_calibration_set":
+        write_calibration_set(root=root, **step.kwargs)
     elif step.call == "builder.trtllm.copy_checkpoint":
         copy_checkpoint(root=root, **step.kwargs)
     elif step.call == "builder.trtllm.modelopt_quantize":
@@ -451,7 +498,7 @@ def copy_checkpoint(model_dir: str, export_dir: str, root: Path) -> None:
 
 def modelopt_quantize(model_dir: str, export_dir: str, quant_cfg: str, dtype: str, calib_samples: int,
                       root: Path) -> None:
-    """ModelOpt post-training quantization on the GPU, calibrated on builder/data/eval.txt, exported for the LLM API.
+    """ModelOpt post-training quantization on the GPU, calibrated on calibration_texts(), exported for the LLM API.
 
     APIs: modelopt.torch.quantization.quantize(model, config, forward_loop) and
     modelopt.torch.export.export_hf_checkpoint(model, dtype=None, export_dir=...) (ModelOpt's unified HF export).
@@ -461,11 +508,10 @@ def modelopt_quantize(model_dir: str, export_dir: str, quant_cfg: str, dtype: st
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from builder import evaluate
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).cuda().eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(evaluate.eval_text(), return_tensors="pt")["input_ids"][0]
+    ids = tokenizer("\n\n".join(calibration_texts()), return_tensors="pt")["input_ids"][0]
     window = 256
     chunks = [ids[i:i + window] for i in range(0, max(len(ids) - window, 1), window)][:calib_samples]
 

@@ -56,7 +56,25 @@ def test_engine_plan_configures_speculative_decoding_on_the_target_only():
     assert "--speculative_decoding_mode" not in draft and "--max_draft_len" not in draft
     for argv in (target, draft):
         assert argv[argv.index("--use_paged_context_fmha") + 1] == "enable"
-        assert "--gather_generation_logits" in argv
+        # build.py refuses --gather_context_logits with a draft length > 0; --gather_generation_logits is deprecated
+        assert not [flag for flag in argv if flag.startswith("--gather_")]
+
+
+@pytest.mark.parametrize("quant", trtllm.QFORMATS)
+def test_quantized_engine_plan_calibrates_offline_on_shipped_text(quant, tmp_path):
+    steps = trtllm.make_plan(trt_spec(target_quant=quant, draft_quant="fp16"), "engine", INPUTS)
+    assert steps[0].name == "calibration"
+    argv = next(s.argv for s in steps if s.name == "quantize")
+    assert argv[argv.index("--calib_dataset") + 1] == trtllm.CALIB_DIR  # not the hub default cnn_dailymail
+    trtllm.run_step(steps[0], tmp_path)
+    lines = (tmp_path / trtllm.CALIB_DIR / trtllm.CALIB_FILE).read_text(encoding="utf-8").splitlines()
+    texts = [json.loads(line)["text"] for line in lines]
+    assert len(texts) == int(argv[argv.index("--calib_size") + 1]) >= 32 and all(t.strip() for t in texts)
+
+
+def test_unquantized_engine_plan_needs_no_calibration():
+    steps = trtllm.make_plan(trt_spec(target_quant="fp16", draft_quant="int8"), "engine", INPUTS)
+    assert "calibration" not in [s.name for s in steps]
 
 
 def test_weight_only_uses_convert_checkpoint_and_modelopt_formats_use_quantize_py():
@@ -72,8 +90,9 @@ def test_llmapi_plan_records_draft_target_config():
     steps = trtllm.make_plan(trt_spec(k=2, max_k=6), "llmapi", INPUTS)
     llm = steps[-1]
     assert llm.call == "tensorrt_llm.LLM"
-    assert llm.kwargs["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": 6,
+    assert llm.kwargs["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 6,
                                                 "speculative_model": "draft/hf"}
+    assert llm.kwargs["disable_overlap_scheduler"] is True
     assert [s.kwargs.get("quant_cfg") for s in steps[:2]] == ["INT4_AWQ_CFG", None]  # draft int4_awq, target fp16
 
 
@@ -163,7 +182,7 @@ def test_more_parallel_ranks_than_gpus_fails_fast(tmp_path):
 
 def fake_gpu_runner(step, root: Path) -> None:
     """Stands in for convert/quantize/trtllm-build/ModelOpt: writes each step's outputs; runs the CPU-only steps."""
-    if step.call in ("builder.trtllm.copy_checkpoint", "tensorrt_llm.LLM"):
+    if step.call in ("builder.trtllm.copy_checkpoint", "tensorrt_llm.LLM", "builder.trtllm.write_calibration_set"):
         trtllm.run_step(step, root)
         return
     for output in step.outputs:
@@ -171,7 +190,8 @@ def fake_gpu_runner(step, root: Path) -> None:
         (root / output / "config.json").write_text(json.dumps(step.to_dict()), encoding="utf-8")
 
 
-@pytest.mark.parametrize("flavor,quants", [("engine", ("int8", "int4")), ("llmapi", ("fp16", "fp16")),
+@pytest.mark.parametrize("flavor,quants", [("engine", ("int8", "int4")), ("engine", ("fp8", "int4_awq")),
+                                           ("llmapi", ("fp16", "fp16")),
                                            ("llmapi", ("fp8", "int4_awq"))])
 def test_build_writes_a_verified_bundle_with_the_plan(tiny_pair, tmp_path, flavor, quants):
     target, draft = tiny_pair
