@@ -10,9 +10,9 @@ The graph's contract (the runtime's OnnxEngine relies on it)::
              present.{i}.key / present.{i}.value [B, H_kv, P + S, D]  (past with the new slots appended)
 
 Rolling back never slices the cache: the runtime marks rejected slots 0 in ``attention_mask``, and the graph builds
-its 4-D causal mask from that itself. Why this route: onnxruntime-genai's fused GroupQueryAttention graph returns wrong
-logits for several new tokens on a past (the verify pass) and for left-padded batches, while torch's dynamo exporter
-with an explicit mask is right for both (shared/FACTS.md); every export is checked against torch below.
+its 4-D causal mask from that itself, which is also how left-padded batches work. This is the graph for CUDA engines
+and for models the fused CPU graph (builder/graph.py, the CPU default) does not cover: torch's decoder op by op
+(~86 nodes a layer, the whole cache concatenated on each call), checked against torch below.
 """
 
 from __future__ import annotations

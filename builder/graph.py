@@ -14,8 +14,9 @@ About 10 nodes a layer. The contract (runtime.engine.FusedEngine relies on it)::
     inputs   input_ids             int64 [B, S]      S >= 1 new tokens
              seqlens_k             int32 [B]         live tokens of each row after this call, minus 1
              total_sequence_length int32 []          max over rows of live tokens after this call
+             logits_to_keep        int64 [1]         the last positions to score (S; 0 for a prefill)
              past.{i}.key / past.{i}.value  float32 [B, H_kv, T, D]   a fixed-capacity buffer (T slots)
-    outputs  logits                float32 [B, S, V]
+    outputs  logits                float32 [B, logits_to_keep, V]
              present.{i}.key / present.{i}.value   the same buffer, written in place (bound to the past buffer)
 
 GroupQueryAttention writes the new tokens' K/V at slots [len, len + S) of the buffer and attends to slots < len + S,
@@ -106,7 +107,7 @@ def cache_names(num_layers: int, prefix: str) -> list[str]:
 
 
 def input_names(num_layers: int) -> tuple[str, ...]:
-    return ("input_ids", "seqlens_k", "total_sequence_length", *cache_names(num_layers, "past"))
+    return ("input_ids", "seqlens_k", "total_sequence_length", "logits_to_keep", *cache_names(num_layers, "past"))
 
 
 def output_names(num_layers: int) -> tuple[str, ...]:
@@ -217,14 +218,20 @@ def build(decoder: Decoder, path: Path, accuracy_level: int = 4) -> tuple[tuple[
         (act,) = g.op("Mul", [silu, up])
         pending = _linear(g, f"layers.{i}.down", act, layer.down)
     normed, _ = _norm(g, "final_norm", decoder.final_norm, residual, pending, decoder.eps)
-    (logits,) = [_linear(g, "head", normed, decoder.head, out="logits")]
+    # only the last logits_to_keep positions reach the head (0 in a prefill whose logits nobody reads)
+    (new,) = g.op("Shape", ["input_ids"], start=1, end=2)
+    (start,) = g.op("Sub", [new, "logits_to_keep"])
+    (kept,) = g.op("Slice", [normed, start, g.const("int64_max", np.array([2 ** 62], np.int64)),
+                             g.const("axis_1", np.array([1], np.int64))])
+    (logits,) = [_linear(g, "head", kept, decoder.head, out="logits")]
     dyn = ["batch", "slots"]
     kv_shape = [dyn[0], decoder.kv_heads, dyn[1], decoder.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new"]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
-              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+              helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1])]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "past")]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "new", decoder.vocab])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "kept", decoder.vocab])]
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "present")]
     graph = helper.make_graph(g.nodes, "draftsmith_fused_decoder", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)],
@@ -296,7 +303,7 @@ def info_of(decoder: Decoder):
 
 def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0) -> dict:
     """The fused engine (through the runtime's own FusedEngine) against torch, on what decoding does with it:
-    a prefill, a verify pass of 7 tokens after 3 junk tokens were rolled back, a right-padded batch prefill, then a
+    a prefill, a verify pass of 7 tokens after a prefill without logits and 3 junk tokens rolled back, a right-padded batch prefill, then a
     batched one-token step and a batched 3-token verify (which runs row by row). Raises ExportError past
     ``tolerance`` (builder.export.compare_cases)."""
     import torch
@@ -309,8 +316,9 @@ def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0
     seq = rng.integers(0, vocab, (2, 16))
     with torch.no_grad():
         reference = model(torch.from_numpy(seq)).logits.numpy()
+    prefill = engine.forward(engine.new_cache(1), seq[:1, :5])
     cache = engine.new_cache(1)
-    prefill = engine.forward(cache, seq[:1, :5])
+    engine.prefill(cache, seq[:1, :5])  # no logits: the output head is skipped, the cache must be the same
     engine.forward(cache, rng.integers(0, vocab, (1, 3)))
     engine.rollback(cache, np.array([5]))
     verify = engine.forward(cache, seq[:1, 5:12])

@@ -291,7 +291,12 @@ class FusedEngine:
         shape = (batch, self.num_kv_heads, slots, self.head_dim)
         return [np.zeros(shape, np.float32) for _ in self.past_names]
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def prefill(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
+        """``forward`` without the output head: a prompt's logits are not read (its last token is fed again)."""
+        self.forward(cache, tokens, valid, score=False)
+
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
+                score: bool = True) -> np.ndarray:
         """Append each row's valid tokens (right-padded in ``tokens``) and return logits [B, S, V]."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         counts = tokens.shape[1] * np.ones(len(tokens), np.int64) if valid is None else valid.sum(axis=1)
@@ -301,21 +306,23 @@ class FusedEngine:
         batch, new = tokens.shape
         self._reserve(cache, int(cache.lengths.max()) + new)
         if batch == 1 or new == 1 or not cache.lengths.any():
-            logits = self._run(cache, slice(0, batch), tokens, cache.lengths + new)
+            logits = self._run(cache, slice(0, batch), tokens, cache.lengths + new, new if score else 0)
         else:  # several new tokens on a past: one call per row (the kernel's batch-1 path)
-            logits = np.zeros((batch, new, self.vocab_size), np.float32)
+            logits = np.zeros((batch, new if score else 0, self.vocab_size), np.float32)
             for b in np.flatnonzero(counts):
                 width = max(int(counts[b]), self.min_call_tokens)
                 logits[b, :width] = self._run(cache, slice(b, b + 1), tokens[b: b + 1, :width],
-                                              cache.lengths[b: b + 1] + width)[0]
+                                              cache.lengths[b: b + 1] + width, width if score else 0)[0]
         cache.lengths = cache.lengths + counts
         cache.calls += 1
         return logits[:, :asked]
 
-    def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray) -> np.ndarray:
-        """One session call on ``rows`` of the cache; ``totals``: each row's slot count after the call."""
+    def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray, keep: int) -> np.ndarray:
+        """One session call on ``rows`` of the cache; ``totals``: each row's slot count after the call; logits for
+        the last ``keep`` positions."""
         binding = self._binding(cache, rows)
         binding.bind_cpu_input("input_ids", tokens)
+        binding.bind_cpu_input("logits_to_keep", np.array([keep], dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", (totals - 1).astype(np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(int(totals.max()), dtype=np.int32))
         binding.bind_output("logits", "cpu")

@@ -153,13 +153,27 @@ class ModelDrafter:
         self.pending = [self.pending[r] for r in rows]
 
 
-def feed(engine: Engine, cache, chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """One forward call over per-row chunks of different lengths, right-padded; padding slots stay masked."""
+def prefill(engine: Engine, cache, chunks: list[list[int]]) -> None:
+    """Feed prompts whose logits nobody reads; an engine with a ``prefill`` skips its output head for them."""
+    if not hasattr(engine, "prefill"):
+        feed(engine, cache, chunks)
+        return
+    tokens, valid = _padded(chunks)
+    engine.prefill(cache, tokens, valid)
+
+
+def _padded(chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     width = max(1, max(len(c) for c in chunks))
     tokens = np.zeros((len(chunks), width), np.int64)
     valid = np.zeros((len(chunks), width), np.int64)
     for b, chunk in enumerate(chunks):
         tokens[b, : len(chunk)], valid[b, : len(chunk)] = chunk, 1
+    return tokens, valid
+
+
+def feed(engine: Engine, cache, chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """One forward call over per-row chunks of different lengths, right-padded; padding slots stay masked."""
+    tokens, valid = _padded(chunks)
     return engine.forward(cache, tokens, valid), valid
 
 
@@ -202,7 +216,7 @@ class SpeculativeLoop:
         cache = self.target.new_cache(len(running))
         # prefill: everything but each prompt's last token (that one is fed by the first verify call)
         if any(len(r.prompt) > 1 for r in running):
-            self._feed_target(cache, [r.prompt[:-1] for r in running])
+            prefill(self.target, cache, [r.prompt[:-1] for r in running])
         last = [r.prompt[-1] for r in running]
         if self.drafter is not None:
             self.drafter.start([r.prompt for r in running])

@@ -91,6 +91,30 @@ def tiny_bundle(tiny_pair, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_export_bundle(tiny_pair, tmp_path_factory) -> Path:
+    """The tiny pair with torch-exported graphs (``graph="export"``: the CUDA graph, run on the CPU here)."""
+    from builder.build import build
+    from runtime.bundle import BuildSpec
+    target, draft = tiny_pair
+    out = tmp_path_factory.mktemp("bundles") / "tiny-export"
+    build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp32", draft_quant="fp32", k=4,
+                    max_context=128, graph="export"), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_int4_bundle(tiny_pair, tmp_path_factory) -> Path:
+    """The tiny pair with an int4 target (fused graph, int8 activations: its one-token calls are padded to two)."""
+    from builder.build import build
+    from runtime.bundle import BuildSpec
+    target, draft = tiny_pair
+    out = tmp_path_factory.mktemp("bundles") / "tiny-int4"
+    build(BuildSpec(target=str(target), draft=str(draft), target_quant="int4", draft_quant="int4", k=4,
+                    max_context=128), out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_cuda_bundle(tiny_pair, tmp_path_factory) -> Path:
     """The tiny pair built for ONNX Runtime on CUDA (fp16 target, int4 draft). Built and checked on the CPU; its
     engines run here through ONNX Runtime's inserted casts (device="cpu")."""

@@ -1,6 +1,8 @@
 """The runtime's Engine contract (runtime/engine.py), run for every backend.
 
-onnxruntime: the tiny bundle's target engine.
+onnxruntime-fused: the tiny bundle's target engine (the fused CPU graph, builder/graph.py; the default).
+onnxruntime-int4: the tiny int4 bundle's target (fused, int8 activations, one-token calls padded to two).
+onnxruntime-export: the torch-exported graph (builder/export.py) of the same pair.
 onnxruntime-fp16: the tiny pair built for CUDA (fp16 engines), run on the CPU with the cache in an IO binding, as the
     GPU runs it (looser tolerance: fp16 activations).
 onnxruntime-cuda: the same engine on CUDAExecutionProvider; skipped, with the reason shown, without onnxruntime-gpu.
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 
 from runtime.bundle import load_manifest
-from runtime.engine import OnnxEngine
+from runtime.engine import engine_class
 
 ATOL = 2e-4
 
@@ -29,12 +31,17 @@ ATOL = 2e-4
 def onnx_engine(bundle, **options):
     manifest = load_manifest(bundle, verify=False)
     entry = manifest.target
-    return OnnxEngine(bundle / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-                      head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
-                      threads=1, **options)
+    if entry.graph == "fused":
+        options["min_call_tokens"] = entry.min_call_tokens
+    return engine_class(entry.graph)(bundle / entry.engine, num_layers=entry.num_layers,
+                                     num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim,
+                                     vocab_size=entry.vocab_size, max_context=manifest.max_context, threads=1,
+                                     **options)
 
 
 def tolerance(engine) -> float:
+    if getattr(engine, "min_call_tokens", 1) > 1:
+        return 5e-2  # int8 activations: a call's rows are rounded together
     return 3e-2 if getattr(engine, "dtype", None) == np.float16 else ATOL
 
 
@@ -74,11 +81,15 @@ def real_trtllm_engine():
                         max_context=manifest.max_context, end_id=eos, pad_id=eos)
 
 
-@pytest.fixture(params=["onnxruntime", "onnxruntime-fp16", "onnxruntime-cuda", "tensorrt_llm-adapter",
-                        "tensorrt_llm"])
+@pytest.fixture(params=["onnxruntime-fused", "onnxruntime-int4", "onnxruntime-export", "onnxruntime-fp16",
+                        "onnxruntime-cuda", "tensorrt_llm-adapter", "tensorrt_llm"])
 def engine(request):
     if request.param == "tensorrt_llm":
         return real_trtllm_engine()
+    bundles = {"onnxruntime-fused": "tiny_bundle", "onnxruntime-int4": "tiny_int4_bundle",
+               "onnxruntime-export": "tiny_export_bundle"}
+    if request.param in bundles:
+        return onnx_engine(request.getfixturevalue(bundles[request.param]))
     if request.param.startswith("onnxruntime-"):
         import onnxruntime
 
@@ -90,8 +101,6 @@ def engine(request):
         return onnx_engine(request.getfixturevalue("tiny_cuda_bundle"), cache_device=device,
                            providers=providers_for(device))
     bundle = request.getfixturevalue("tiny_bundle")
-    if request.param == "onnxruntime":
-        return onnx_engine(bundle)
     from runtime.trtllm_engine import RunnerEngine
     base = onnx_engine(bundle)
     return RunnerEngine(CpuRunner(base), vocab_size=base.vocab_size, max_context=base.max_context, end_id=2,
