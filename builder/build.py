@@ -195,13 +195,22 @@ def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, mod
 def _truncate(model, layers: int):
     """The target's first ``layers`` decoder layers with its embeddings, final norm and head (shared weights)."""
     import copy
-    draft = copy.copy(model)
+    draft = _shallow(model)
     draft.config = copy.deepcopy(model.config)
     draft.config.num_hidden_layers = layers
-    draft.model = copy.copy(model.model)
+    draft.model = _shallow(model.model)
     draft.model.layers = model.model.layers[:layers]
     draft.model.config = draft.config
     return draft
+
+
+def _shallow(module):
+    """A copy of ``module`` sharing its weights but with its own child table (assigning a child to the copy must not
+    change the original: copy.copy alone shares the table, which truncated the target too)."""
+    import copy
+    twin = copy.copy(module)
+    twin._modules = dict(module._modules)
+    return twin
 
 
 def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: BuildSpec) -> ModelEntry:

@@ -124,12 +124,12 @@ class Recorder:
             holder.session = timed
         inner = engine.forward
 
-        def forward(cache, tokens, valid=None):
+        def forward(cache, tokens, valid=None, **options):  # options: FusedEngine's score=False from prefill
             prefill = getattr(cache, "calls", 1) == 0
             if timed is not None:
                 timed.last = 0.0
             start = time.perf_counter()
-            out = inner(cache, tokens, valid)
+            out = inner(cache, tokens, valid, **options)
             seconds = time.perf_counter() - start
             shape = getattr(tokens, "shape", (1, 1))
             self.calls.append(EngineCall(role, prefill, seconds, timed.last if timed else seconds,

@@ -69,10 +69,10 @@ def test_fp16_export_keeps_rotary_angles_in_fp32(tiny_cuda_bundle):
         assert typed[angle] == onnx.TensorProto.FLOAT, angle
 
 
-def test_fp16_engine_agrees_with_the_fp32_engine(tiny_bundle, tiny_cuda_bundle):
+def test_fp16_engine_agrees_with_the_fp32_engine(tiny_export_bundle, tiny_cuda_bundle):
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 300, (2, 40)).astype(np.int64)
-    full = engine_of(tiny_bundle)
+    full = engine_of(tiny_export_bundle)
     half = engine_of(tiny_cuda_bundle)
     want = full.forward(full.new_cache(2), ids)
     got = half.forward(half.new_cache(2), ids)
@@ -91,7 +91,7 @@ def test_cuda_bundle_greedy_equals_target_only_on_cpu(tiny_cuda_bundle):
         assert fast.stats.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("bundle", ["tiny_bundle", "tiny_cuda_bundle"])
+@pytest.mark.parametrize("bundle", ["tiny_export_bundle", "tiny_cuda_bundle"])
 def test_io_binding_path_equals_the_plain_path(bundle, request):
     """The GPU keeps the cache on the device through an IO binding; bound to the CPU, the same code must give the
     same logits as the plain run, through prefill, decode, rollback and select."""
