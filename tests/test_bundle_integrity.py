@@ -222,6 +222,26 @@ def test_a_graph_that_does_not_parse_is_a_bundle_error():
         external_data_locations(b"\xff\xff\xff\xff not protobuf", "target/model.onnx")
 
 
+@pytest.mark.parametrize("content", [b"not json", b"[1, 2]", b'{"kept_ids": "0-319"}', b'{"kept_ids": [true, 1]}'])
+def test_a_malformed_vocabulary_map_is_a_bundle_error(tiny_bundle, tmp_path, content):
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    (root / "draft" / "draft_vocab.json").write_bytes(content)
+    edit_manifest(root, lambda data: data["draft"].update(vocab_map="draft/draft_vocab.json"))
+    rehash(root)
+    with pytest.raises(BundleError, match="draft/draft_vocab.json: expected an object with a 'kept_ids' list"):
+        SpeculativeGenerator.from_bundle(root, threads=1)
+
+
+def test_loading_a_bundle_needs_no_torch(tiny_bundle):
+    """The checks parse graphs with onnx, not with anything of the builder's."""
+    code = ("import sys; from runtime.api import SpeculativeGenerator; "
+            f"SpeculativeGenerator.from_bundle({str(tiny_bundle)!r}, threads=1).generate('x', max_new_tokens=2); "
+            "assert not {'torch', 'transformers', 'builder'} & set(sys.modules), sorted(sys.modules)")
+    child = subprocess.run([sys.executable, "-c", code], cwd=CODE, env={**os.environ, "PYTHONPATH": str(CODE)},
+                           capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+
+
 # --- 6. what loads is what was hashed ------------------------------------------------------------------------------
 
 def _swap_after_verification(monkeypatch, swaps: dict[Path, bytes]) -> None:
