@@ -260,7 +260,7 @@ def path_problem(rel: Any) -> str | None:
     if not isinstance(rel, str) or not rel:
         return "expected a non-empty relative path"
     if rel.startswith("/") or "\\" in rel or "\0" in rel or re.match(r"[A-Za-z]:", rel):
-        return "an absolute path (a bundle names its files relative to itself)"
+        return "an absolute path, a drive or a backslash (a bundle names its files relative to itself)"
     if any(part in ("", ".", "..") for part in rel.split("/")):
         return "'..', '.' or an empty component (a bundle names its files by plain relative paths)"
     return None
@@ -334,6 +334,12 @@ def load_manifest(root: str | os.PathLike, verify: bool = True) -> Manifest:
     """Read a bundle's manifest and (by default) check every file against its sha256."""
     root = Path(root)
     if not root.is_dir():
+        set_aside = [p / root.name for p in root.parent.glob(".*.old-*")
+                     if p.name.startswith(f".{root.name}.old-") and (p / root.name).is_dir()]
+        if set_aside:
+            raise BundleError(f"no bundle at {root}, but a replace that was interrupted set the previous one aside in "
+                              f"{set_aside[0]}: run build-engines on {root} again (it puts it back first), or move it "
+                              "back yourself.")
         raise BundleError(f"no bundle at {root}: not a directory. Build one with `build-engines --out {root}`.")
     path = root / MANIFEST
     if not path.is_file():
