@@ -1,31 +1,38 @@
 """The build pipeline: checkpoint -> pair check -> export -> quantize -> evaluate -> bundle.
 
-Everything is written into a hidden temporary directory beside the output and renamed into place at the very end,
-after manifest.json (the last file written). An interrupted build leaves at most that hidden directory, which no
-loader takes for a bundle, and never touches an existing bundle.
+Everything is written into a hidden ``.NAME.partial-*`` folder beside the output and renamed into place at the very
+end, after manifest.json (the last file written) and an fsync of every file. An interrupted build leaves at most that
+hidden folder, which no loader takes for a bundle and the next build removes (``staging``); replacing a bundle sets
+the old one aside in ``.NAME.old-*`` first, which the next build puts back if the swap did not finish (``publish``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import json
+import logging
 import math
+import os
+import re
 import shutil
 import tempfile
 import time
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from builder import checkpoint as ckpt
 from builder import evaluate, export, gguf_weights, graph, pairing, quantize
-from runtime.bundle import BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
+from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
 
+log = logging.getLogger(__name__)
 Stage = Callable[[str], None]
+Replaceable = Callable[[Path], "str | None"]  # why a folder may not be replaced (None: it may)
 VOCAB_MAP = "draft_vocab.json"  # a reduced-vocabulary draft head's kept token ids (draft folder and bundle alike)
 TOOLS = ("draftsmith", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "gguf", "tokenizers")
 
@@ -34,12 +41,36 @@ class BuildError(RuntimeError):
     """The build cannot go on; the message says why and what to do."""
 
 
-def check_output(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise BuildError(f"{out} already exists; pass --force to replace it (the old bundle stays until the new "
+def bundle_problem(folder: Path) -> str | None:
+    """Why --force may not replace ``folder`` (None: a bundle, i.e. a manifest.json that parses as one, of any schema
+    version)."""
+    manifest = folder / MANIFEST
+    if manifest.is_symlink() or not manifest.is_file():
+        return f"it holds no {MANIFEST}"
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"its {MANIFEST} does not parse ({err})"
+    if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int) or "files" not in data:
+        return f"its {MANIFEST} is not a bundle manifest"
+    return None
+
+
+def check_output(out: Path, force: bool, replaceable: Replaceable = bundle_problem, what: str = "bundle") -> None:
+    """Refuse an existing ``out`` unless ``force``, and even then anything ``replaceable`` finds a reason against:
+    --force replaces a previous result, never an arbitrary folder."""
+    if not (out.exists() or out.is_symlink()) or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        return  # nothing there, or an empty folder: nothing to lose
+    if not force:
+        raise BuildError(f"{out} already exists; pass --force to replace it (the old {what} stays until the new "
                          "one is complete)")
-    if out.exists() and not out.is_dir():
-        raise BuildError(f"{out} exists and is not a directory")
+    if out.is_symlink() or not out.is_dir():
+        raise BuildError(f"{out} exists and is not a directory (or is a symbolic link); --force replaces only a "
+                         f"{what} folder. Choose another output path.")
+    problem = replaceable(out)
+    if problem:
+        raise BuildError(f"{out} is not a {what} ({problem}); --force replaces only a {what} or an empty folder, so "
+                         "nothing was touched. Choose another output path, or move that folder away yourself.")
 
 
 def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage | None = None,
@@ -50,21 +81,13 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
     if spec.backend != "onnxruntime":
         raise BuildError(f"backend {spec.backend!r} is built by its own pipeline (builder.trtllm)")
     check_output(out, force)
-    stage("resolve")
-    target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is read by servers running as other users
     started = time.perf_counter()
-    try:
-        with _disk_errors(out):
-            manifest = _build_into(tmp, spec, target_ckpt, draft_ckpt, draft_layers, stage, threads)
-            manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
-            manifest = _finish(tmp, manifest, out, stage)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest
+    with staging(out, force) as tmp, _disk_errors(out):
+        stage("resolve")
+        target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
+        manifest = _build_into(tmp, spec, target_ckpt, draft_ckpt, draft_layers, stage, threads)
+        manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
+        return _finish(tmp, manifest, out, stage)
 
 
 def _resolve(spec: BuildSpec):
@@ -258,19 +281,147 @@ def _tool_versions() -> dict[str, str]:
 
 
 def _finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
-    """Hash, write the manifest last, check the result loads, then rename into place."""
+    """Hash, write the manifest last, check the result loads, then publish it at ``out``."""
     stage("manifest")
     complete = dataclasses.replace(manifest, files=hash_tree(tmp))
-    (tmp / "manifest.json").write_text(complete.to_json(), encoding="utf-8")
+    (tmp / MANIFEST).write_text(complete.to_json(), encoding="utf-8")
     load_manifest(tmp, verify=True)
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        out.rename(old / out.name)
-    tmp.rename(out)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    publish(tmp, out)
     return complete
+
+
+# --- publishing: a result appears at ``out`` whole, and a crash at any point loses nothing -------------------------
+
+@contextmanager
+def staging(out: Path, force: bool, replaceable: Replaceable = bundle_problem, what: str = "bundle") -> Iterator[Path]:
+    """A new hidden folder beside ``out`` to write a result into; removed on the way out unless ``publish`` moved it.
+
+    While it exists this process holds a lock on it (flock, released by the kernel if the process dies), which is
+    how a later run tells a live build's folder from a dead one's. Before making it, under the parent folder's lock:
+    a swap a killed run left half done is undone and stale partial folders are removed (``recover``, which says so),
+    and ``out`` is checked again (``check_output``).
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out.parent, blocking=True):
+        recover(out)
+        check_output(out, force, replaceable, what)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        held = _lock(tmp, blocking=False)
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is read by servers running as other users
+        yield tmp
+    finally:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        os.close(held)
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Move the finished folder ``tmp`` to ``out``, replacing what is there, recoverably.
+
+    Files and folders are fsynced first. An existing ``out`` is renamed into ``.NAME.old-*``, then ``tmp`` to
+    ``out``, then the old one is deleted. If the second rename fails the old one is put back at once; if the process
+    dies between the renames, the next ``staging`` for ``out`` puts it back (``recover``).
+    """
+    _fsync_tree(tmp)
+    with _locked(out.parent, blocking=True):
+        old = None
+        try:
+            if out.exists() or out.is_symlink():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+                os.rename(out, old / out.name)
+                _fsync_dir(out.parent)
+            os.rename(tmp, out)
+        except BaseException:
+            if old is not None:
+                if (old / out.name).exists() and not (out.exists() or out.is_symlink()):
+                    os.rename(old / out.name, out)
+                shutil.rmtree(old, ignore_errors=True)
+            raise
+        _fsync_dir(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(out: Path) -> None:
+    """Undo what killed runs left beside ``out``, saying what was done (call under the parent folder's lock).
+
+    A ``.NAME.old-*`` folder is the previous ``out`` set aside by a replace: put back when ``out`` is missing (the
+    process died between the renames), deleted otherwise (it died after them). A ``.NAME.partial-*`` folder no live
+    process holds (see ``staging``) is a dead build's and is deleted.
+    """
+    for old in _leftovers(out, "old"):
+        previous = old / out.name
+        if not (out.exists() or out.is_symlink()) and previous.is_dir():
+            os.rename(previous, out)
+            _fsync_dir(out.parent)
+            log.warning("put %s back from %s: a replace was interrupted between its two renames", out, old.name)
+        else:
+            log.warning("removed %s, the leftover of a replace of %s that had finished", old.name, out)
+        shutil.rmtree(old, ignore_errors=True)
+    for partial in _leftovers(out, "partial"):
+        try:
+            held = _lock(partial, blocking=False)
+        except BlockingIOError:
+            continue  # a live build is writing it
+        try:
+            size = sum(p.stat().st_size for p in partial.rglob("*") if p.is_file() and not p.is_symlink())
+            shutil.rmtree(partial, ignore_errors=True)
+        finally:
+            os.close(held)
+        log.warning("removed %s (%.1f MB), left by a build of %s that was killed or ran out of memory",
+                    partial.name, size / 1e6, out)
+
+
+def _leftovers(out: Path, kind: str) -> list[Path]:
+    """The real folders beside ``out`` named as ``tempfile.mkdtemp`` names our ``.NAME.{kind}-*`` ones."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.{kind}-[A-Za-z0-9_]{{8}}")
+    if not out.parent.is_dir():
+        return []
+    return sorted(p for p in out.parent.iterdir()
+                  if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+
+
+def _lock(folder: Path, blocking: bool) -> int:
+    """An open descriptor of ``folder`` holding an exclusive flock on it; BlockingIOError if another holds it."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextmanager
+def _locked(folder: Path, blocking: bool) -> Iterator[None]:
+    fd = _lock(folder, blocking)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder below ``root`` (and ``root``): a rename must not land before the data."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextmanager

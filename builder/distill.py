@@ -527,9 +527,8 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     from builder import checkpoint as ckpt
     started = time.perf_counter()
     deadline = started + minutes * 60
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise DistillError(f"{out} exists and is not empty; pass --force to overwrite it")
+    out = Path(out).absolute()
+    _check_out(out, force)
     if draft_vocab < 0:
         raise DistillError(f"--draft-vocab must be >= 0, received {draft_vocab}")
     if samples_per_prompt < 1 or sample_temperature <= 0:
@@ -637,10 +636,42 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         "before": before.to_dict(), "after": after.to_dict(), "train_top1_after": round(train_fit.top1, 4),
         "training": trained, "seconds": timings,
     }
-    save_draft(draft, tokenizer, out, kept, report)
+    _publish_draft(draft, tokenizer, out, kept, report, force)
     say(f"saved the draft to {out} ({timings['total']:.0f} s in all); build with: "
         f"draftsmith build-engines --target {target} --draft {out}")
     return report
+
+
+def draft_problem(folder: Path) -> str | None:
+    """Why --force may not replace ``folder`` (None: a Hugging Face model folder, i.e. a draft)."""
+    config = folder / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() and not config.is_symlink() else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if not isinstance(data, dict) or not ({"model_type", "architectures"} & set(data)):
+        return "it holds no model config.json"
+    return None
+
+
+def _check_out(out: Path, force: bool) -> None:
+    from builder.build import BuildError, check_output
+    try:
+        check_output(out, force, draft_problem, "draft folder")
+    except BuildError as err:
+        raise DistillError(str(err)) from None
+
+
+def _publish_draft(draft, tokenizer, out: Path, kept, report: dict, force: bool) -> None:
+    """Write the draft into a hidden folder beside ``out`` and swap it in whole (the builder's staging and publish):
+    an interrupted save leaves the previous draft, never a half-written one next to a finished-looking report."""
+    from builder.build import BuildError, publish, staging
+    try:
+        with staging(out, force, draft_problem, "draft folder") as tmp:
+            save_draft(draft, tokenizer, tmp, kept, report)
+            publish(tmp, out)
+    except BuildError as err:
+        raise DistillError(str(err)) from None
 
 
 def _progress(console, quiet: bool):
@@ -703,7 +734,7 @@ def is_distilled(folder: Path) -> bool:
 @click.option("--lr", type=float, default=5e-4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0: torch's default).")
-@click.option("--force", is_flag=True, help="Overwrite a non-empty --out folder.")
+@click.option("--force", is_flag=True, help="Replace the draft folder at --out (only a model folder, or an empty one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab,

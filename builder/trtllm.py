@@ -38,7 +38,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -410,10 +409,8 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
     spec = dataclasses.replace(spec, trtllm_flavor=flavor)
     target, draft, pair, target_tok = resolve_pair(spec)
     steps = make_plan(spec, flavor, plan_inputs(target, draft, pair.max_context, examples_dir))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     started = time.perf_counter()
-    try:
+    with onnx_build.staging(out, force) as tmp:
         for number, step in enumerate(steps, 1):
             stage(f"{number}/{len(steps)} {step.role}: {step.name}")
             (runner or run_step)(step, tmp)
@@ -426,9 +423,6 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
         manifest = _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp)
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
         return onnx_build._finish(tmp, manifest, out, stage)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def resolve_pair(spec: BuildSpec):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from runtime.bundle import DRAFTERS, Manifest, load_manifest
-from runtime.engine import Engine, MappedVocabEngine, engine_class, load_vocab_map, providers_for
+import numpy as np
+
+from runtime.bundle import DRAFTERS, BundleError, Manifest, load_manifest, read_onnx, read_verified
+from runtime.engine import Engine, MappedVocabEngine, engine_class, make_session, providers_for
 from runtime.errors import RequestError
 from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
@@ -56,9 +60,9 @@ class SpeculativeGenerator:
         """
         root = Path(path)
         manifest = load_manifest(root, verify=verify)
-        tokenizer = Tokenizer(root / "tokenizer")
+        tokenizer = load_tokenizer(root, manifest, verify)
         engines = open_engines(root, manifest, tokenizer.vocab_size, ("target", "draft"), threads, draft_threads,
-                               providers, device, device_id)
+                               providers, device, device_id, verify=verify)
         return cls(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids)
 
     # --- requests -------------------------------------------------------------------------------------------------
@@ -189,9 +193,13 @@ class SpeculativeGenerator:
 
 def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("target", "draft"), threads: int = 0,
                  draft_threads: int | None = None, providers: list | None = None,
-                 device: str | None = None, device_id: int = 0) -> dict[str, Engine]:
+                 device: str | None = None, device_id: int = 0, verify: bool = True) -> dict[str, Engine]:
     """The bundle's ONNX Runtime engines by role, reading logits over the tokenizer's vocabulary, on ``device``
-    (default: the bundle's own) unless explicit ``providers`` are given."""
+    (default: the bundle's own) unless explicit ``providers`` are given.
+
+    Each engine is made from the bytes that were hashed (``read_onnx``; with ``verify``, checked against the
+    manifest), never by reopening a path: a file swapped after verification is not the one that runs.
+    """
     device = device or manifest.spec.device
     if providers is None:
         providers = providers_for(device, device_id=device_id)  # fails early, saying what to install
@@ -200,15 +208,48 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
     for entry in (manifest.target, manifest.draft):
         if entry.role not in roles:
             continue
+        model, external = read_onnx(root, manifest, entry.engine, verify)
+        session = make_session(model, threads if entry.role == "target" or draft_threads is None else draft_threads,
+                               providers, external)
+        del model, external  # the session holds its own copy: free ours before the next engine is read
         device_options = ({"cache_device": cache_device, "device_id": device_id} if entry.graph == "export"
                           else {"min_call_tokens": entry.min_call_tokens})
         engine = engine_class(entry.graph)(
             root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
             head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
-            threads=threads if entry.role == "target" or draft_threads is None else draft_threads,
-            providers=providers, **device_options)
+            session=session, **device_options)
         if entry.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
-            engine = MappedVocabEngine(engine, load_vocab_map(root / entry.vocab_map), manifest.target.vocab_size)
+            kept = kept_ids(read_verified(root, manifest, entry.vocab_map, verify), entry.vocab_map)
+            engine = MappedVocabEngine(engine, kept, manifest.target.vocab_size)
         engine.vocab_size = min(engine.vocab_size, tokenizer_vocab)
         engines[entry.role] = engine
     return engines
+
+
+def kept_ids(data: bytes, where: str) -> np.ndarray:
+    """The kept token ids of a vocabulary map ``{"kept_ids": [...]}`` (written by draftsmith distill)."""
+    try:
+        kept = json.loads(data).get("kept_ids")
+    except (ValueError, AttributeError):
+        kept = None
+    if not isinstance(kept, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in kept):
+        raise BundleError(f"{where}: expected an object with a 'kept_ids' list of token ids; rebuild the bundle")
+    return np.asarray(kept, dtype=np.int64)
+
+
+def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True) -> Tokenizer:
+    """The bundle's tokenizer, made from its files' verified bytes.
+
+    Each listed ``tokenizer/`` file is read once and checked (``read_verified``), then written to a private
+    temporary folder for Tokenizer to read, so a file swapped in the bundle after verification cannot reach it.
+    """
+    files = {rel[len("tokenizer/"):]: read_verified(root, manifest, rel, verify)
+             for rel in sorted(manifest.files) if rel.startswith("tokenizer/")}
+    if "tokenizer.json" not in files:
+        raise BundleError(f"{root}: the manifest lists no tokenizer/tokenizer.json; rebuild the bundle")
+    with tempfile.TemporaryDirectory(prefix="draftsmith-tokenizer-") as folder:
+        for rel, data in files.items():
+            path = Path(folder, rel)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        return Tokenizer(Path(folder))

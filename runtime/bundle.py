@@ -10,6 +10,10 @@ A bundle is one directory::
 This module is the light side (no torch): the builder imports it to write a bundle, the runtime, the bench and the
 Triton generator import it to read one. ``manifest.json`` is written last and the directory is renamed into place
 afterwards, so a directory without a valid manifest is never a bundle.
+
+A bundle is hostile data until checked: every path it names must be a plain relative path that stays inside it
+(symbolic links included), it holds exactly the files its manifest lists, and what the runtime loads is read once and
+hashed as read (``read_verified``, ``read_onnx``), so a file swapped after verification is never the one that runs.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import posixpath
+import re
 import tempfile
 import types
 import typing
@@ -173,6 +179,11 @@ class ModelEntry:
     # engine's vocab_size logits; the runtime maps them back to the full vocabulary (runtime.engine.MappedVocabEngine).
     vocab_map: str = ""
 
+    def __post_init__(self) -> None:
+        _check_relative(self.engine, f"{self.role}.engine")
+        if self.vocab_map:
+            _check_relative(self.vocab_map, f"{self.role}.vocab_map")
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -188,6 +199,12 @@ class Manifest:
     tools: dict[str, str] = field(default_factory=dict)  # tool -> version used to build
     report: dict[str, Any] = field(default_factory=dict)  # build report: agreement, perplexity, timings
     schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for rel, digest in self.files.items():
+            _check_relative(rel, "files key")
+            if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+                raise ValueError(f"files[{rel!r}]: expected a sha256 hex digest, received {digest!r}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -254,6 +271,41 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     return value
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# An external-data location names a file beside the graph; this charset keeps ONNX Runtime's in-memory address tag
+# ("*/_ORT_MEM_ADDR_/*": data at a raw pointer) and anything shell- or platform-special out.
+_LOCATION_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
+
+
+def path_problem(rel: Any) -> str | None:
+    """Why ``rel`` is not a plain relative POSIX path inside a folder (None when it is)."""
+    if not isinstance(rel, str) or not rel:
+        return "expected a non-empty relative path"
+    if rel.startswith("/") or "\\" in rel or "\0" in rel or re.match(r"[A-Za-z]:", rel):
+        return "an absolute path, a drive or a backslash (a bundle names its files relative to itself)"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return "'..', '.' or an empty component (a bundle names its files by plain relative paths)"
+    return None
+
+
+def _check_relative(rel: Any, name: str) -> None:
+    problem = path_problem(rel)
+    if problem:
+        raise ValueError(f"{name} {rel!r}: {problem}")
+
+
+def bundle_path(root: Path, rel: str) -> Path:
+    """The real path of bundle file ``rel``; BundleError unless it is a plain relative path that stays inside
+    ``root`` once every symbolic link is resolved."""
+    problem = path_problem(rel)
+    if problem:
+        raise BundleError(f"{rel!r}: {problem}")
+    real_root, real = Path(root).resolve(), (Path(root) / rel).resolve()
+    if not real.is_relative_to(real_root):
+        raise BundleError(f"{rel}: resolves to {real}, outside the bundle (a symbolic link leads out of it)")
+    return real
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -262,47 +314,158 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def tree_entries(root: Path) -> list[str]:
+    """Every entry below ``root`` that is not a real folder (files, links, devices), as POSIX relative paths, but the
+    manifest. Symbolic links are listed, never followed: what a bundle holds is what is in its own folder."""
+    entries = []
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        here = Path(folder)
+        links = [d for d in dirs if (here / d).is_symlink()]
+        for name in files + links:
+            rel = (here / name).relative_to(root).as_posix()
+            if rel != MANIFEST:
+                entries.append(rel)
+    return sorted(entries)
+
+
 def hash_tree(root: Path) -> dict[str, str]:
     """sha256 of every file below ``root`` but the manifest, keyed by POSIX relative path."""
-    return {p.relative_to(root).as_posix(): sha256_file(p)
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    return {rel: sha256_file(root / rel) for rel in tree_entries(root)}
 
 
 def verify_files(root: Path, manifest: Manifest) -> None:
-    """Raise BundleError naming every missing, extra or altered file."""
-    problems = []
+    """Raise BundleError naming every missing, altered, escaping or unlisted file: a bundle is exactly its list."""
+    problems = [] if manifest.files else ["the manifest lists no files (an empty list would vouch for anything)"]
     for rel, want in sorted(manifest.files.items()):
-        path = root / rel
-        if not _inside(root, path):
-            problems.append(f"{rel}: path escapes the bundle")
-        elif not path.is_file():
+        try:
+            path = bundle_path(root, rel)
+        except BundleError as err:
+            problems.append(str(err))
+            continue
+        if not path.is_file():
             problems.append(f"{rel}: missing")
         elif sha256_file(path) != want:
             problems.append(f"{rel}: sha256 differs from the manifest (altered or truncated)")
+    problems += [f"{rel}: not listed in the manifest (an unlisted file is never trusted; delete it)"
+                 for rel in tree_entries(Path(root)) if rel not in manifest.files]
     if problems:
         raise BundleError(f"bundle {root} failed verification; rebuild it or copy it again:\n  " + "\n  ".join(problems))
-
-
-def _inside(root: Path, path: Path) -> bool:
-    try:
-        path.resolve().relative_to(root.resolve())
-        return True
-    except ValueError:
-        return False
 
 
 def load_manifest(root: str | os.PathLike, verify: bool = True) -> Manifest:
     """Read a bundle's manifest and (by default) check every file against its sha256."""
     root = Path(root)
     if not root.is_dir():
+        set_aside = [p / root.name for p in root.parent.glob(".*.old-*")
+                     if p.name.startswith(f".{root.name}.old-") and (p / root.name).is_dir()]
+        if set_aside:
+            raise BundleError(f"no bundle at {root}, but a replace that was interrupted set the previous one aside in "
+                              f"{set_aside[0]}: run build-engines on {root} again (it puts it back first), or move it "
+                              "back yourself.")
         raise BundleError(f"no bundle at {root}: not a directory. Build one with `build-engines --out {root}`.")
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"{root} has no {MANIFEST}: not a bundle, or a build that did not finish. Rebuild it.")
-    manifest = Manifest.from_json(path.read_text(encoding="utf-8"))
+    manifest = Manifest.from_json(bundle_path(root, MANIFEST).read_text(encoding="utf-8"))
     if verify:
         verify_files(root, manifest)
     return manifest
+
+
+def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> bytes:
+    """The bytes of bundle file ``rel``, read once and (with ``verify``) checked against the manifest's sha256.
+
+    Load from these bytes, never by reopening the path: an in-place copy or a concurrent rebuild could change the
+    file between the check and the load.
+    """
+    if rel not in manifest.files:
+        raise BundleError(f"{rel}: not listed in the manifest's files, so it is not part of the bundle; rebuild it")
+    path = bundle_path(root, rel)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise BundleError(f"{rel}: cannot be read ({err.strerror or err}); rebuild the bundle or copy it again") from None
+    if verify and hashlib.sha256(data).hexdigest() != manifest.files[rel]:
+        raise BundleError(f"{rel}: sha256 differs from the manifest: it changed after verification (copied over or "
+                          "rebuilt while loading?). Load again once the copy is complete.")
+    return data
+
+
+def read_onnx(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> tuple[bytes, dict[str, bytes]]:
+    """An ONNX engine's graph and its external-data files by the location the graph names, each read once and
+    checked (``read_verified``). Every location must be a file the bundle lists, beside or below the graph."""
+    model = read_verified(root, manifest, rel, verify)
+    external = {}
+    for location in external_data_locations(model, rel):
+        external[location] = read_verified(root, manifest, posixpath.join(posixpath.dirname(rel), location), verify)
+    return model, external
+
+
+def external_data_locations(model: bytes, where: str) -> set[str]:
+    """The external-data locations an ONNX graph names, in every tensor it holds (initializers, sparse ones,
+    constants in node attributes, subgraphs, functions); BundleError for one that could leave the graph's folder.
+
+    Checked here, not left to ONNX Runtime: older releases follow '..' and absolute locations.
+    """
+    import onnx
+    from google.protobuf.message import DecodeError
+    try:
+        proto = onnx.ModelProto.FromString(model)
+    except (DecodeError, RecursionError, ValueError) as err:
+        raise BundleError(f"{where}: not a valid ONNX model ({err}); rebuild the bundle") from None
+    locations, problems = set(), []
+    for kind, owner, tensor in _model_tensors(proto):
+        if kind == "node":
+            problems.append(f"{owner}: an EPContext node (it loads a compiled binary by a path of its own)")
+            continue
+        entries = {e.key: e.value for e in tensor.external_data}
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and "location" not in entries:
+            continue
+        location = entries.get("location", "")
+        if path_problem(location) or not all(_LOCATION_PART.fullmatch(p) for p in location.split("/")):
+            problems.append(f"tensor {tensor.name!r}: external data location {location!r} is not a plain file name "
+                            "beside the graph")
+        else:
+            locations.add(location)
+    if problems:
+        raise BundleError(f"{where}: refused, its data would come from outside the bundle:\n  " + "\n  ".join(problems))
+    return locations
+
+
+def _model_tensors(model):
+    """(kind, owner, tensor) for every tensor of the model; ("node", name, None) for an EPContext node."""
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        for node in function.node:
+            yield from _node_tensors(node)
+    for info in model.training_info:
+        yield from _graph_tensors(info.initialization)
+        yield from _graph_tensors(info.algorithm)
+
+
+def _graph_tensors(graph):
+    for tensor in graph.initializer:
+        yield "tensor", graph.name, tensor
+    for sparse in graph.sparse_initializer:
+        yield "tensor", graph.name, sparse.values
+        yield "tensor", graph.name, sparse.indices
+    for node in graph.node:
+        yield from _node_tensors(node)
+
+
+def _node_tensors(node):
+    if node.op_type == "EPContext":
+        yield "node", node.name or node.op_type, None
+    for attribute in node.attribute:
+        tensors = [attribute.t] if attribute.HasField("t") else []
+        tensors += list(attribute.tensors)
+        sparse = ([attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else [])
+        for item in sparse + list(attribute.sparse_tensors):
+            tensors += [item.values, item.indices]
+        for tensor in tensors:
+            yield "tensor", node.name, tensor
+        for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+            yield from _graph_tensors(graph)
 
 
 def write_manifest_atomic(root: Path, manifest: Manifest) -> None:

@@ -83,21 +83,32 @@ def providers_for(device: str, available: list[str] | None = None, device_id: in
             for name in PROVIDERS[device]]
 
 
-def make_session(path: str | os.PathLike, threads: int = 0, providers: list | None = None):
+def make_session(model: str | os.PathLike | bytes, threads: int = 0, providers: list | None = None,
+                 external_data: dict[str, bytes] | None = None):
     """An ONNX Runtime session tuned for two sessions taking turns on few cores.
 
+    ``model`` is a path or the graph's bytes; a bundle's loader passes the bytes it verified, with ``external_data``
+    (each external-data file's bytes by the location the graph names), so what runs is what was hashed.
     Spinning threads are off: with a draft and a target alternating, spinning made each call 1.6x slower on
     2 cores (shared/FACTS.md).
     """
     import onnxruntime as ort
     options = ort.SessionOptions()
+    if external_data:  # ONNX Runtime copies them while the session is made
+        if not hasattr(options, "add_external_initializers_from_files_in_memory"):
+            raise RuntimeError(f"onnxruntime {ort.__version__} cannot take a graph's external data from memory; "
+                               "upgrade it (pip install -U onnxruntime; 1.32 can)")
+        names = list(external_data)
+        options.add_external_initializers_from_files_in_memory(
+            names, [external_data[n] for n in names], [len(external_data[n]) for n in names])
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"])
 
 
 def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Faults while building: a full disk and a build killed at random points never leave a loadable partial bundle."""
+"""Faults while building: a full disk and a build killed at random points never leave a loadable partial bundle, and
+what a killed build leaves behind is removed by the next one."""
 
 from __future__ import annotations
 
@@ -58,3 +59,27 @@ def test_build_killed_at_random_points_never_leaves_a_loadable_partial_bundle(ti
     rerun = subprocess.run(command, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     load_manifest(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]  # the killed runs' partial folders are gone too
+
+
+def test_a_killed_build_leaves_a_partial_folder_that_the_next_build_removes(tiny_pair, tmp_path, caplog):
+    """SIGKILL (or the OOM killer) gives a build no chance to clean up; the next build on the same output does, and
+    says so."""
+    out = tmp_path / "bundle"
+    command = [sys.executable, "-m", "builder.cli", "--target", str(tiny_pair[0]), "--draft", "self",
+               "--draft-quant", "int8", "--out", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".bundle.partial-*/target")) and process.poll() is None:
+        assert time.monotonic() < deadline, "the build never started writing"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    (partial,) = tmp_path.glob(".bundle.partial-*")
+
+    def stop(name):
+        raise KeyboardInterrupt(name)
+    with pytest.raises(KeyboardInterrupt):
+        build(BuildSpec(target=str(tiny_pair[0]), draft="self"), out, on_stage=stop)
+    assert not partial.exists() and list(tmp_path.iterdir()) == []
+    assert f"removed {partial.name}" in caplog.text and "killed" in caplog.text

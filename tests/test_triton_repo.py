@@ -150,8 +150,14 @@ def test_repository_refuses_non_empty_out_and_bad_limits(tiny_bundle, tmp_path):
         write_repository(tiny_bundle, out)
     with pytest.raises(RepositoryError, match="max_tokens_limit"):
         write_repository(tiny_bundle, tmp_path / "other", max_tokens_limit=10_000)
+    with pytest.raises(RepositoryError, match="not a repository written by draftsmith"):
+        write_repository(tiny_bundle, out, overwrite=True)  # --overwrite replaces only a repository we wrote
+    assert (out / "keep.txt").read_text() == "x"
+    (out / "keep.txt").unlink()
+    write_repository(tiny_bundle, out)
+    (out / "stale.txt").write_text("x")
     write_repository(tiny_bundle, out, overwrite=True, streaming=False)
-    assert not (out / "keep.txt").exists()
+    assert not (out / "stale.txt").exists()
     assert not pbtxt.parse((out / SPECULATIVE / "config.pbtxt").read_text()).model_transaction_policy.decoupled
 
 

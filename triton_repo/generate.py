@@ -48,6 +48,7 @@ from triton_repo import pbtxt
 ENSEMBLE, PREPROCESSING, SPECULATIVE, POSTPROCESSING = "ensemble", "preprocessing", "speculative", "postprocessing"
 MODELS_DIR = Path(__file__).parent / "models"  # the Python models, shipped as package data
 BUNDLE_DIR = "bundle"  # inside the speculative model's folder; Triton ignores non-numeric sub-folders
+MARKER = ".draftsmith-repository"  # written into every repository we generate: what --overwrite may replace
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -252,12 +253,10 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
         raise RepositoryError(f"bundle backend {manifest.spec.backend!r}: this generator writes Python-backend "
                               "repositories for 'onnxruntime' bundles; TensorRT-LLM bundles use trtllm_layouts")
     out = Path(out)
-    if out.exists():
-        if not overwrite and any(out.iterdir()):
-            raise RepositoryError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-        if overwrite:
-            shutil.rmtree(out)
+    _clear_output(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by draftsmith triton-repo; --overwrite replaces only such folders\n",
+                              encoding="utf-8")
     if options.max_tokens_limit > manifest.max_context:
         raise RepositoryError(f"max_tokens_limit: expected <= the bundle's max_context {manifest.max_context}, "
                               f"received {options.max_tokens_limit}")
@@ -285,6 +284,36 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
             code = MODELS_DIR.joinpath(source).read_text(encoding="utf-8")
             (folder / "1" / "model.py").write_text(code, encoding="utf-8")
     return out
+
+
+def _clear_output(out: Path, overwrite: bool) -> None:
+    """Leave ``out`` absent or empty: an existing non-empty folder is removed only with ``overwrite`` and only if it
+    is a repository this generator wrote (``generated_problem``); anything else is refused with the reason."""
+    if not (out.exists() or out.is_symlink()) or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        return
+    if not overwrite:
+        raise RepositoryError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    problem = generated_problem(out)
+    if problem:
+        raise RepositoryError(f"{out} is not a repository written by draftsmith triton-repo ({problem}); --overwrite "
+                              "replaces only those, so nothing was touched. Choose another folder, or move it away "
+                              "yourself.")
+    shutil.rmtree(out)
+
+
+def generated_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a repository this generator wrote (None: it is). Ours carry ``MARKER``; one written
+    before the marker existed is recognised by holding only our four model folders, each with a config.pbtxt."""
+    if folder.is_symlink() or not folder.is_dir():
+        return "not a folder, or a symbolic link"
+    marker = folder / MARKER
+    if marker.is_file() and not marker.is_symlink():
+        return None
+    names = {p.name for p in folder.iterdir()}
+    ours = {PREPROCESSING, SPECULATIVE, POSTPROCESSING, ENSEMBLE}
+    if names == ours and all((folder / n / "config.pbtxt").is_file() for n in ours):
+        return None
+    return f"no {MARKER} marker"
 
 
 def _place_bundle(bundle: Path, dest: Path, copy: bool) -> None:

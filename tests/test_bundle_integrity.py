@@ -1,0 +1,512 @@
+"""A bundle is what its manifest says and only that, what loads is what was hashed, and replacing a bundle (or a draft,
+or a Triton repository) never loses the user's folder: one test per hostile input or failure point (issue 15, 3-10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from builder.build import BuildError, build
+from builder.cli import main as build_engines
+from runtime.api import SpeculativeGenerator
+from runtime.bundle import BuildSpec, BundleError, Manifest, hash_tree, load_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = Path(sys.modules["builder"].__file__).resolve().parents[1]  # the checkout whose builder the tests import
+PROMPT = "The quick brown"
+
+
+def copy_of(bundle: Path, dest: Path) -> Path:
+    shutil.copytree(bundle, dest, symlinks=True)
+    return dest
+
+
+def edit_manifest(root: Path, change) -> None:
+    """Apply ``change`` to the raw manifest data (a hostile author writes whatever JSON they like)."""
+    data = json.loads((root / "manifest.json").read_text())
+    change(data)
+    (root / "manifest.json").write_text(json.dumps(data))
+
+
+def rehash(root: Path) -> None:
+    """List and hash every file as it now is: a hostile author makes the manifest vouch for their files."""
+    edit_manifest(root, lambda data: data.update(files=hash_tree(root)))
+
+
+def first_logits(generator: SpeculativeGenerator, role: str = "target") -> np.ndarray:
+    engine = getattr(generator, role)
+    ids = np.asarray([generator.tokenizer.encode(PROMPT)], dtype=np.int64)
+    return engine.forward(engine.new_cache(1), ids)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle):
+    """The pristine bundle's target and draft logits on PROMPT."""
+    generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
+    return {role: first_logits(generator, role) for role in ("target", "draft")}
+
+
+# --- 3. every path stays inside the bundle ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hostile", ["absolute engine", "dot-dot engine", "absolute vocab_map", "dot-dot vocab_map"])
+def test_paths_in_the_manifest_that_leave_the_bundle_are_refused(tiny_bundle, tmp_path, hostile):
+    """An engine or vocabulary map named by an absolute path or '..' would load a file the manifest never hashed."""
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    outside = copy_of(tiny_bundle / "target", tmp_path / "outside")
+    (outside / "map.json").write_text(json.dumps({"kept_ids": list(range(320))}))
+    field, where = hostile.split()[1], {"absolute": str(outside), "dot-dot": "../outside"}[hostile.split()[0]]
+    value = f"{where}/model.onnx" if field == "engine" else f"{where}/map.json"
+    edit_manifest(root, lambda data: data["draft"].update({field: value}))
+    with pytest.raises(BundleError, match=f"draft.{field}.*(absolute path|'\\.\\.')"):
+        SpeculativeGenerator.from_bundle(root, threads=1)
+
+
+def test_an_unlisted_engine_behind_a_symbolic_link_is_refused(tiny_bundle, tmp_path):
+    """engine names a link inside the bundle that leads to a model outside it, which the manifest does not list."""
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    outside = copy_of(tiny_bundle / "draft", tmp_path / "outside")
+    (root / "target" / "evil.onnx").symlink_to(outside / "model.onnx")
+    edit_manifest(root, lambda data: data["target"].update(engine="target/evil.onnx"))
+    with pytest.raises(BundleError, match="target/evil.onnx: not listed in the manifest"):
+        SpeculativeGenerator.from_bundle(root, threads=1)
+    with pytest.raises(BundleError, match="target/evil.onnx: (not listed|resolves to .* outside)"):
+        SpeculativeGenerator.from_bundle(root, threads=1, verify=False)
+
+
+def test_a_folder_linked_out_of_the_bundle_is_refused_even_unverified(tiny_bundle, tmp_path):
+    """target/ replaced by a link to a folder elsewhere: with verify=False nothing is hashed, yet nothing outside
+    the bundle may load."""
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    outside = tmp_path / "elsewhere"
+    (root / "target").rename(outside)
+    (root / "target").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(BundleError, match="target/model.onnx: resolves to .* outside the bundle"):
+        SpeculativeGenerator.from_bundle(root, threads=1, verify=False)
+    with pytest.raises(BundleError, match="outside the bundle"):
+        load_manifest(root)
+
+
+# --- 4. the bundle holds exactly the files it lists ---------------------------------------------------------------
+
+def test_unlisted_files_are_refused_and_each_is_named(tiny_bundle, tmp_path):
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    extras = ["target/extra.onnx", "draft/model.onnx.data", "tokenizer/template.jinja", "tokenizer/manifest.json",
+              "notes.txt"]
+    for rel in extras:
+        (root / rel).write_text("{{ cycler.__init__.__globals__.os.popen('id').read() }}")
+    (root / "tokenizer" / "linked").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(BundleError) as caught:
+        load_manifest(root)
+    for rel in extras + ["tokenizer/linked"]:
+        assert f"{rel}: not listed in the manifest" in str(caught.value)
+
+
+def test_an_empty_file_list_is_refused(tiny_bundle, tmp_path):
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    edit_manifest(root, lambda data: data.update(files={}))
+    with pytest.raises(BundleError, match="lists no files"):
+        load_manifest(root)
+
+
+# --- 5. external data stays inside the bundle ---------------------------------------------------------------------
+
+def _externalise(root: Path, location: str, data_at: Path) -> None:
+    """Store the target's weights as external data at ``data_at``, the graph naming it ``location``; rehash."""
+    import onnx
+    from onnx.external_data_helper import convert_model_to_external_data
+    path = root / "target" / "model.onnx"
+    model = onnx.load(str(path))
+    convert_model_to_external_data(model, all_tensors_to_one_file=True, location="weights.data", size_threshold=1024)
+    onnx.save(model, str(path))
+    (root / "target" / "weights.data").rename(data_at)
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save(model, str(path))
+    rehash(root)
+
+
+def test_external_data_inside_the_bundle_loads_from_the_verified_bytes(tiny_bundle, tmp_path, reference):
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    _externalise(root, "model.onnx.data", root / "target" / "model.onnx.data")
+    assert (root / "target" / "model.onnx").stat().st_size < 100_000  # the weights really are outside the graph
+    generator = SpeculativeGenerator.from_bundle(root, threads=1)
+    np.testing.assert_allclose(first_logits(generator), reference["target"], atol=1e-5)
+
+
+@pytest.mark.parametrize("hostile", ["dot-dot", "absolute", "symbolic link"])
+def test_external_data_outside_the_bundle_is_refused(tiny_bundle, tmp_path, hostile):
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    secret = tmp_path / "secret.data"
+    location = {"dot-dot": "../../secret.data", "absolute": str(secret), "symbolic link": "weights.data"}[hostile]
+    _externalise(root, location, secret)
+    if hostile == "symbolic link":
+        (root / "target" / "weights.data").symlink_to(secret)
+        rehash(root)
+    expected = "resolves to .* outside the bundle" if hostile == "symbolic link" else "not a plain file name"
+    for verify in (False, True):
+        with pytest.raises(BundleError, match=expected):
+            SpeculativeGenerator.from_bundle(root, threads=1, verify=verify)
+
+
+def _tiny_graph_with(tensor_place: str, location: str):
+    """A model with one external-data tensor placed in an initializer, a sparse initializer, a Constant node, a
+    subgraph or a function; or an EPContext node."""
+    from onnx import TensorProto, helper
+    tensor = helper.make_tensor("W", TensorProto.FLOAT, [1], [0.0])
+    tensor.ClearField("float_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=location)
+    out = helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)
+    graph_in, nodes, inits, sparse, functions = [], [], [], [], []
+    if tensor_place == "initializer":
+        inits, nodes = [tensor], [helper.make_node("Identity", ["W"], ["Y"])]
+    elif tensor_place == "sparse initializer":
+        indices = helper.make_tensor("I", TensorProto.INT64, [1], [0])
+        sparse = [helper.make_sparse_tensor(tensor, indices, [4])]
+        nodes = [helper.make_node("Identity", ["W"], ["Y"])]
+    elif tensor_place == "constant":
+        nodes = [helper.make_node("Constant", [], ["Y"], value=tensor)]
+    elif tensor_place == "subgraph":
+        branch = helper.make_graph([helper.make_node("Constant", [], ["Y"], value=tensor)], "branch", [], [out])
+        graph_in = [helper.make_tensor_value_info("C", TensorProto.BOOL, [])]
+        nodes = [helper.make_node("If", ["C"], ["Y"], then_branch=branch, else_branch=branch)]
+    elif tensor_place == "function":
+        body = helper.make_node("Constant", [], ["Z"], value=tensor)
+        functions = [helper.make_function("local", "F", [], ["Z"], [body], [helper.make_opsetid("", 18)])]
+        nodes = [helper.make_node("F", [], ["Y"], domain="local")]
+    elif tensor_place == "EPContext":
+        nodes = [helper.make_node("EPContext", [], ["Y"], domain="com.microsoft", ep_cache_context=location,
+                                  embed_mode=0)]
+    graph = helper.make_graph(nodes, "g", graph_in, [out], inits, sparse_initializer=sparse)
+    model = helper.make_model(graph, functions=functions, opset_imports=[helper.make_opsetid("", 18),
+                                                                          helper.make_opsetid("local", 1)])
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("place", ["initializer", "sparse initializer", "constant", "subgraph", "function"])
+@pytest.mark.parametrize("location", ["../x.data", "/etc/passwd", "*/_ORT_MEM_ADDR_/*", "a/../../x", "C:\\x.data"])
+def test_every_tensor_of_the_graph_is_checked_for_its_data_location(place, location):
+    """Not only initializers: constants, subgraphs and functions can hold external data too; ONNX Runtime's
+    in-memory address tag would read raw process memory."""
+    from runtime.bundle import external_data_locations
+    with pytest.raises(BundleError, match="W.*not a plain file name"):
+        external_data_locations(_tiny_graph_with(place, location), "target/model.onnx")
+    assert external_data_locations(_tiny_graph_with(place, "model.onnx.data"), "t") == {"model.onnx.data"}
+
+
+def test_an_epcontext_node_is_refused():
+    from runtime.bundle import external_data_locations
+    with pytest.raises(BundleError, match="EPContext"):
+        external_data_locations(_tiny_graph_with("EPContext", "../engine.bin"), "target/model.onnx")
+
+
+def test_a_graph_that_does_not_parse_is_a_bundle_error():
+    from runtime.bundle import external_data_locations
+    with pytest.raises(BundleError, match="not a valid ONNX model"):
+        external_data_locations(b"\xff\xff\xff\xff not protobuf", "target/model.onnx")
+
+
+@pytest.mark.parametrize("content", [b"not json", b"[1, 2]", b'{"kept_ids": "0-319"}', b'{"kept_ids": [true, 1]}'])
+def test_a_malformed_vocabulary_map_is_a_bundle_error(tiny_bundle, tmp_path, content):
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    (root / "draft" / "draft_vocab.json").write_bytes(content)
+    edit_manifest(root, lambda data: data["draft"].update(vocab_map="draft/draft_vocab.json"))
+    rehash(root)
+    with pytest.raises(BundleError, match="draft/draft_vocab.json: expected an object with a 'kept_ids' list"):
+        SpeculativeGenerator.from_bundle(root, threads=1)
+
+
+def test_loading_a_bundle_needs_no_torch(tiny_bundle):
+    """The checks parse graphs with onnx, not with anything of the builder's."""
+    code = ("import sys; from runtime.api import SpeculativeGenerator; "
+            f"SpeculativeGenerator.from_bundle({str(tiny_bundle)!r}, threads=1).generate('x', max_new_tokens=2); "
+            "assert not {'torch', 'transformers', 'builder'} & set(sys.modules), sorted(sys.modules)")
+    child = subprocess.run([sys.executable, "-c", code], cwd=CODE, env={**os.environ, "PYTHONPATH": str(CODE)},
+                           capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+
+
+# --- 6. what loads is what was hashed ------------------------------------------------------------------------------
+
+def _swap_after_verification(monkeypatch, swaps: dict[Path, bytes]) -> None:
+    """Verification passes on the original files; then they change on disk (an rsync in place, a --force)."""
+    import runtime.api
+    real = runtime.api.load_manifest
+
+    def verify_then_swap(root, verify=True):
+        manifest = real(root, verify=verify)
+        for path, data in swaps.items():
+            path.write_bytes(data)
+        return manifest
+    monkeypatch.setattr(runtime.api, "load_manifest", verify_then_swap)
+
+
+@pytest.mark.parametrize("swapped", ["target/model.onnx", "tokenizer/tokenizer.json", "draft/draft_vocab.json"])
+def test_a_file_swapped_after_verification_is_refused(tiny_bundle, tmp_path, monkeypatch, swapped):
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    (root / "draft" / "draft_vocab.json").write_text(json.dumps({"kept_ids": list(range(320))}))
+    edit_manifest(root, lambda data: data["draft"].update(vocab_map="draft/draft_vocab.json"))
+    rehash(root)
+    replacement = {"target/model.onnx": (root / "draft" / "model.onnx").read_bytes(),  # another valid engine
+                   "tokenizer/tokenizer.json": (root / "tokenizer" / "tokenizer.json").read_bytes().replace(
+                       b'"<|im_end|>"', b'"<|im_END|>"'),
+                   "draft/draft_vocab.json": json.dumps({"kept_ids": list(range(319, -1, -1))}).encode()}[swapped]
+    _swap_after_verification(monkeypatch, {root / swapped: replacement})
+    with pytest.raises(BundleError, match=f"{swapped}: sha256 differs from the manifest: it changed after"):
+        SpeculativeGenerator.from_bundle(root, threads=1)
+
+
+def test_a_swap_after_reading_cannot_reach_the_session(tiny_bundle, tmp_path, monkeypatch, reference):
+    """The file changes after it was read and hashed, while the session is being made: the session comes from the
+    verified bytes, so its logits are the original target's."""
+    import runtime.api
+    import runtime.engine
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    draft_bytes = (root / "draft" / "model.onnx").read_bytes()
+    real = runtime.engine.make_session
+
+    def swap_then_make(model, *args, **kwargs):
+        (root / "target" / "model.onnx").write_bytes(draft_bytes)
+        return real(model, *args, **kwargs)
+    monkeypatch.setattr(runtime.engine, "make_session", swap_then_make)
+    monkeypatch.setattr(runtime.api, "make_session", swap_then_make, raising=False)
+    generator = SpeculativeGenerator.from_bundle(root, threads=1)
+    np.testing.assert_allclose(first_logits(generator), reference["target"], atol=1e-6)
+    assert not np.allclose(reference["draft"], reference["target"], atol=1e-3)  # the swap would have shown
+
+
+# --- 7. a replace that is interrupted between its renames loses nothing -------------------------------------------
+
+def _prepared_partial(tiny_bundle: Path, out: Path) -> Path:
+    """A finished build's folder beside ``out`` (a copy of the tiny bundle with a mark in its report)."""
+    tmp = copy_of(tiny_bundle, out.parent / f".{out.name}.partial-testtest")
+    edit_manifest(tmp, lambda data: data["report"].update(generation="new"))
+    return tmp
+
+
+def test_a_failed_second_rename_puts_the_old_bundle_back(tiny_bundle, tmp_path, monkeypatch):
+    from builder import build as builder_build
+    out = copy_of(tiny_bundle, tmp_path / "out")
+    tmp = _prepared_partial(tiny_bundle, out)
+    manifest = Manifest.from_json((tmp / "manifest.json").read_text())
+    real, calls = os.rename, []
+
+    def second_rename_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error (injected)")
+        real(src, dst)
+    monkeypatch.setattr(os, "rename", second_rename_fails)
+    with pytest.raises(OSError, match="injected"):
+        builder_build._finish(tmp, manifest, out, lambda name: None)
+    monkeypatch.undo()
+    assert load_manifest(out).report.get("generation") is None  # the old bundle, complete
+    assert not list(tmp_path.glob(".out.old-*"))
+
+
+def _kill_during_finish(tiny_bundle: Path, out: Path, when: str) -> None:
+    """Run the builder's final step in a child that SIGKILLs itself after the first rename or during the old
+    bundle's removal, as an OOM kill or a power cut would."""
+    tmp = _prepared_partial(tiny_bundle, out)
+    script = textwrap.dedent(f"""
+        import os, shutil, signal
+        from pathlib import Path
+        from builder import build
+        from runtime.bundle import Manifest
+        tmp, out = Path({str(tmp)!r}), Path({str(out)!r})
+        real_rename, real_rmtree = os.rename, shutil.rmtree
+        def rename(src, dst):
+            real_rename(src, dst)
+            if {when!r} == "between renames":
+                os.kill(os.getpid(), signal.SIGKILL)
+        def rmtree(path, *args, **kwargs):
+            if ".old-" in str(path) and {when!r} == "before cleanup":
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_rmtree(path, *args, **kwargs)
+        os.rename, shutil.rmtree = rename, rmtree
+        build._finish(tmp, Manifest.from_json((tmp / "manifest.json").read_text()), out, lambda name: None)
+    """)
+    child = subprocess.run([sys.executable, "-c", script], cwd=CODE, env={**os.environ, "PYTHONPATH": str(CODE)},
+                           capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+
+
+def _next_run(tiny_pair, out: Path, force: bool = True) -> None:
+    """The next build-engines run on ``out``, stopped at its first stage (all the recovery happens before)."""
+    def stop(name):
+        raise KeyboardInterrupt(name)
+    with pytest.raises(KeyboardInterrupt):
+        build(BuildSpec(target=str(tiny_pair[0]), draft="self"), out, force=force, on_stage=stop)
+
+
+def test_a_build_killed_between_the_renames_is_recovered_by_the_next_run(tiny_bundle, tiny_pair, tmp_path, caplog):
+    out = copy_of(tiny_bundle, tmp_path / "out")
+    _kill_during_finish(tiny_bundle, out, "between renames")
+    assert not out.exists() and len(list(tmp_path.glob(".out.old-*"))) == 1  # the window: no bundle at out
+    with pytest.raises(BundleError, match="interrupted set the previous one aside in .*out.old-"):
+        load_manifest(out)  # a loader meanwhile says where the bundle is
+    _next_run(tiny_pair, out)
+    assert load_manifest(out).report.get("generation") is None  # the old bundle is back, whole
+    assert "put" in caplog.text and "back from .out.old-" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_build_killed_after_the_renames_keeps_the_new_bundle(tiny_bundle, tiny_pair, tmp_path, caplog):
+    out = copy_of(tiny_bundle, tmp_path / "out")
+    _kill_during_finish(tiny_bundle, out, "before cleanup")
+    _next_run(tiny_pair, out)
+    assert load_manifest(out).report["generation"] == "new"
+    assert "removed .out.old-" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bundle, tmp_path, monkeypatch):
+    from builder import build as builder_build
+    out = tmp_path / "out"
+    tmp = _prepared_partial(tiny_bundle, out)
+    manifest = Manifest.from_json((tmp / "manifest.json").read_text())
+    files = {str(p.resolve()) for p in tmp.rglob("*") if p.is_file()}
+    events, real_fsync, real_rename = [], os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))
+    monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(("rename", str(src))), real_rename(src, dst)))
+    builder_build._finish(tmp, manifest, out, lambda name: None)
+    rename_at = events.index(("rename", str(tmp)))
+    synced = {path for kind, path in events[:rename_at] if kind == "fsync"}
+    assert files <= synced and str(tmp.resolve()) in synced
+    assert ("fsync", str(tmp_path.resolve())) in events[rename_at:]  # the parent folder, after the rename  # the parent folder, after the rename
+
+
+# --- 8. partial folders of dead builds are removed, and the user is told -------------------------------------------
+
+def test_stale_partial_folders_are_removed_and_live_ones_kept(tiny_pair, tmp_path, caplog):
+    from builder.build import _lock
+    out = tmp_path / "out"
+    dead = [tmp_path / ".out.partial-dead0001", tmp_path / ".out.partial-dead0002"]
+    for folder in dead:
+        (folder / "target").mkdir(parents=True)
+        (folder / "target" / "model.onnx").write_bytes(b"\0" * 2_000_000)
+    live = tmp_path / ".out.partial-live0001"
+    live.mkdir()
+    other = tmp_path / ".other.partial-dead0003"  # another output's: not ours to judge
+    other.mkdir()
+    held = _lock(live, blocking=False)  # a build still running holds its folder
+    try:
+        _next_run(tiny_pair, out, force=False)
+    finally:
+        os.close(held)
+    assert not any(folder.exists() for folder in dead) and live.is_dir() and other.is_dir()
+    for folder in dead:
+        assert f"removed {folder.name} (2.0 MB), left by a build" in caplog.text
+
+
+# --- 9. --force / --overwrite replace only what we made ------------------------------------------------------------
+
+def _user_folder(path: Path) -> dict[str, str]:
+    (path / "sub").mkdir(parents=True)
+    (path / "notes.txt").write_text("months of work")
+    (path / "sub" / "data.csv").write_text("1,2,3")
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def _contents(path: Path) -> dict[str, str]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("hostile", ["user folder", "unparsable manifest", "manifest of something else"])
+def test_force_refuses_a_folder_that_is_not_a_bundle(tiny_pair, tmp_path, hostile):
+    out = tmp_path / "work"
+    _user_folder(out)
+    if hostile == "unparsable manifest":
+        (out / "manifest.json").write_text("{ not json")
+    elif hostile == "manifest of something else":
+        (out / "manifest.json").write_text(json.dumps({"name": "my web app", "version": "1.0"}))
+    before = _contents(out)
+    result = CliRunner().invoke(build_engines, ["--target", str(tiny_pair[0]), "--draft", "self", "--out", str(out),
+                                                "--force"])
+    assert result.exit_code != 0
+    assert "is not a bundle" in result.output and "nothing was touched" in result.output
+    assert _contents(out) == before and [p.name for p in tmp_path.iterdir()] == ["work"]
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_generated_repository(tiny_bundle, tmp_path):
+    from runtime.cli import main as draftsmith
+    for out in (tmp_path / "work", copy_of(tiny_bundle, tmp_path / "bundle")):  # a user's folder; the bundle itself
+        if out.name == "work":
+            _user_folder(out)
+        before = _contents(out)
+        result = CliRunner().invoke(draftsmith, ["triton-repo", str(tiny_bundle), str(out), "--overwrite"])
+        assert result.exit_code != 0 and "is not a repository written by draftsmith" in result.output
+        assert _contents(out) == before
+
+
+def test_overwrite_replaces_a_repository_written_before_the_marker(tiny_bundle, tmp_path):
+    from triton_repo.generate import MARKER, write_repository
+    out = write_repository(tiny_bundle, tmp_path / "repo", copy_bundle=False, bundle_mount="/bundles/t")
+    (out / MARKER).unlink()  # an older Draftsmith's repository: only our four model folders
+    write_repository(tiny_bundle, out, overwrite=True)
+    assert (out / MARKER).is_file() and (out / "speculative" / "bundle" / "manifest.json").is_file()
+
+
+# --- 10. distill --force swaps the draft in whole -------------------------------------------------------------------
+
+@pytest.fixture
+def old_draft(tmp_path):
+    from conftest import make_model, make_tokenizer, tiny_config
+    folder = tmp_path / "draft"
+    make_tokenizer(folder)
+    make_model(folder, tiny_config(layers=1), seed=9)
+    (folder / "distill_report.json").write_text(json.dumps({"generation": "old"}))
+    return folder
+
+
+def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, tmp_path, monkeypatch):
+    import builder.distill as distill
+    before = {p.name: p.read_bytes() for p in old_draft.iterdir()}
+    (tmp_path / "prompts.txt").write_text("\n".join(f"the quick brown fox {i}" for i in range(12)))
+
+    def save_then_die(draft, tokenizer, out, kept, report):
+        draft.save_pretrained(str(out))  # the weights are written; the process dies before the rest
+        raise KeyboardInterrupt("killed while saving")
+    monkeypatch.setattr(distill, "save_draft", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        distill.distill_draft(str(tiny_pair[0]), "layers=1", old_draft, prompts=tmp_path / "prompts.txt",
+                              max_new_tokens=4, max_steps=1, force=True, quiet=True)
+    assert {p.name: p.read_bytes() for p in old_draft.iterdir()} == before  # untouched: no new weights, old report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "prompts.txt"]
+
+
+def test_distill_force_refuses_a_folder_that_is_not_a_draft(tiny_pair, tmp_path):
+    from builder.distill import DistillError, distill_draft
+    out = tmp_path / "work"
+    before = _user_folder(out)
+    with pytest.raises(DistillError, match="is not a draft folder .*nothing was touched"):
+        distill_draft(str(tiny_pair[0]), "layers=1", out, max_steps=1, force=True, quiet=True)
+    assert _contents(out) == before
+
+
+def test_manifest_dataclass_refuses_escaping_paths_at_construction(tiny_bundle):
+    """The same rules hold for manifests made in code (the builders), not only for JSON read from disk."""
+    manifest = load_manifest(tiny_bundle)
+    with pytest.raises(ValueError, match="absolute path"):
+        dataclasses.replace(manifest.target, engine="/etc/passwd")
+    with pytest.raises(ValueError, match="files key '../x'"):
+        dataclasses.replace(manifest, files={"../x": "0" * 64})
+    with pytest.raises(BuildError, match="not a bundle"):
+        from builder.build import check_output
+        check_output(Path(__file__).parent, force=True)
