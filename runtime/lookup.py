@@ -74,16 +74,16 @@ class HybridDrafter:
     def __init__(self, model: ModelDrafter, vocab_size: int, min_ngram: int = 2, max_ngram: int = 3,
                  free: Drafter | None = None):
         self.model = model
-        self.lookup = free if free is not None else PromptLookupDrafter(vocab_size, max_ngram=max_ngram,
-                                                                         min_ngram=min_ngram)
+        self.free = free if free is not None else PromptLookupDrafter(vocab_size, max_ngram=max_ngram,
+                                                                       min_ngram=min_ngram)
         self.looked_up = self.proposed = 0  # rows whose proposal came from the free drafter / all proposing rows
 
     def start(self, prompts: list[list[int]]) -> None:
         self.model.start(prompts)
-        self.lookup.start(prompts)
+        self.free.start(prompts)
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
-        found = self.lookup.propose(limits, params, rngs)
+        found = self.free.propose(limits, params, rngs)
         pick = [bool(t) for t in found.tokens]  # rows with a match take the lookup's proposal
         drafted = self.model.propose([0 if p else limit for p, limit in zip(pick, limits)], params, rngs)
         self.looked_up += sum(pick)
@@ -92,13 +92,13 @@ class HybridDrafter:
                         [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)])
 
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
-        self.lookup.settle(accepted, emitted)
+        self.free.settle(accepted, emitted)
         self.model.settle(accepted, emitted)
 
     def observe(self, emitted: list[list[int]]) -> None:
-        self.lookup.observe(emitted)
+        self.free.observe(emitted)
         self.model.observe(emitted)
 
     def keep_rows(self, rows: np.ndarray) -> None:
-        self.lookup.keep_rows(rows)
+        self.free.keep_rows(rows)
         self.model.keep_rows(rows)

@@ -169,7 +169,9 @@ class SuffixCorpus:
     indexed when the next drafter starts (a generator serves one request at a time, so by then they are complete, and
     no row drafts from its own response through the corpus). Past ``max_tokens`` the oldest documents go until half is
     left and the trie is rebuilt from the rest: amortized O(depth) per token, and never more than max_tokens * depth
-    trie nodes, whatever the requests send. Only drafts depend on it: the output's distribution stays the target's.
+    trie nodes, whatever the requests send. Only drafts depend on it: the output's distribution stays the target's
+    (greedy output is unchanged), though a seeded sampled request may draw another, equally distributed, sample as the
+    corpus changes, and its speed shows whether earlier responses resembled it.
     """
 
     def __init__(self, max_tokens: int = 16384, depth: int = DEPTH):

@@ -51,8 +51,18 @@ def random_table(vocab: int, seed: int, scale: float = 1.5) -> np.ndarray:
     return np.random.default_rng(seed).normal(0.0, scale, (vocab, vocab))
 
 
+def copying_table(vocab: int, seed: int, path: list[int], boost: float = 2.0, scale: float = 0.5) -> np.ndarray:
+    """A target that mostly follows ``path`` (each a -> b on it is boosted), as a text that repeats its context does:
+    a model-free drafter's multi-token proposals along it are accepted often enough, and rejected often enough, to
+    test both."""
+    table = random_table(vocab, seed, scale)
+    for a, b in zip(path, path[1:]):
+        table[a, b] += boost
+    return table
+
+
 def prefix_frequencies(rows, vocab: int, length: int) -> np.ndarray:
-    """Observed frequencies of the first ``length`` generated tokens of finished loop rows: an array [vocab] * length."""
+    """Observed frequencies of the first ``length`` generated tokens of finished rows, as an array [vocab] * length."""
     firsts = np.array([row.generated[:length] for row in rows], dtype=np.int64)
     counts = np.bincount(np.ravel_multi_index(tuple(firsts.T), (vocab,) * length), minlength=vocab ** length)
     return (counts / len(rows)).reshape((vocab,) * length)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from fakes import LENGTH, BigramEngine, assert_follows_target, point_mass_laws, random_table, run_loop
+from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table,
+                   run_loop)
 from runtime.lookup import PromptLookupDrafter, lookup
 from runtime.sampling import SamplingParams, probabilities
 from runtime.speculative import DecodeConfig, SpeculativeLoop
@@ -31,7 +31,7 @@ def test_longer_ngram_takes_precedence():
 
 def test_lookup_sampling_follows_the_target_distribution():
     """Point-mass proposals keep rejection sampling exact: 20,000 sequences of 4 tokens, the first step drafting 3."""
-    vocab, table = 4, random_table(4, 5)
+    vocab, table = 4, copying_table(4, 5, [0, 1, 2, 3, 0])
     params = SamplingParams(1.0)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0]  # repetitive: lookup always proposes, first "1 2 3"
     n = 20000
@@ -54,7 +54,7 @@ def test_hybrid_sampling_follows_the_target_distribution_from_both_sources():
     stays exact for both kinds of rows (20,000 sequences of 4 tokens of each kind, the first step drafting 3)."""
     from runtime.lookup import HybridDrafter
     from runtime.speculative import ModelDrafter
-    vocab, table, draft_table = 4, random_table(4, 5), random_table(4, 9)
+    vocab, table, draft_table = 4, copying_table(4, 5, [0, 1, 2, 3, 0]), random_table(4, 9)
     params = SamplingParams(1.0)
     repetitive, fresh = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3]  # the first always matches "0 1"; the second cannot
     n = 20000

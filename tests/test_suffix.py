@@ -7,7 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fakes import LENGTH, BigramEngine, assert_follows_target, point_mass_laws, random_table, run_loop
+from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table,
+                   run_loop)
 from runtime.lookup import HybridDrafter, lookup
 from runtime.sampling import SamplingParams, probabilities
 from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
@@ -80,7 +81,7 @@ def test_out_of_range_settings_are_refused_by_name(field, value):
         SuffixConfig(**{field: value})
 
 
-# --- the index: exact counts, built incrementally ----------------------------------------------------------------------
+# --- the index: exact counts, built incrementally ---------------------------------------------------------------
 
 def test_incremental_counts_equal_a_brute_force_count():
     rng = np.random.default_rng(0)
@@ -125,7 +126,7 @@ def test_drafting_after_each_step_equals_drafting_from_scratch():
 def test_suffix_sampling_follows_the_target_distribution():
     """Point-mass proposals keep rejection sampling exact: 20,000 sequences of 4 tokens, the first step drafting the
     majority continuation 1 3 2."""
-    vocab, table = 4, random_table(4, 5)
+    vocab, table = 4, copying_table(4, 5, [0, 1, 3, 2])
     params = SamplingParams(1.0)
     n = 20000
     drafter = SuffixDrafter(vocab)
@@ -138,7 +139,7 @@ def test_suffix_sampling_follows_the_target_distribution():
 def test_hybrid_suffix_sampling_follows_the_target_distribution_from_both_sources():
     """Rows with a confident suffix draft take it (point mass), the others the draft model (its own q); both kinds
     follow the target exactly (20,000 sequences of 4 tokens of each kind, the first step drafting 3)."""
-    vocab, table, draft_table = 4, random_table(4, 5), random_table(4, 9)
+    vocab, table, draft_table = 4, copying_table(4, 5, [0, 1, 3, 2]), random_table(4, 9)
     params = SamplingParams(1.0)
     n = 20000
     drafter = HybridDrafter(ModelDrafter(BigramEngine(draft_table)), vocab, free=SuffixDrafter(vocab,
@@ -170,8 +171,8 @@ def test_the_generator_and_bench_build_suffix_drafters(generator):
     assert BuildSpec(target="t", drafter="suffix").drafter == "suffix"
     assert isinstance(generator._drafter("speculative", "suffix", 0.0), SuffixDrafter)
     hybrid = generator._drafter("speculative", "hybrid_suffix", 0.0)
-    assert isinstance(hybrid, HybridDrafter) and isinstance(hybrid.lookup, SuffixDrafter)
-    assert hybrid.lookup.config == HYBRID_SUFFIX
+    assert isinstance(hybrid, HybridDrafter) and isinstance(hybrid.free, SuffixDrafter)
+    assert hybrid.free.config == HYBRID_SUFFIX
     choices = next(p for p in bench.params if p.name == "drafter_kind").type.choices
     assert "suffix" in choices and "hybrid_suffix" in choices
     ids = [generator._encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n", False)]
