@@ -18,6 +18,7 @@ from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.sampling import SamplingParams
 from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
+from runtime.suffix import HYBRID_SUFFIX, SuffixCorpus, SuffixDrafter
 from runtime.text import IncrementalDecoder, Tokenizer, find_stop
 
 MODES = ("speculative", "target")
@@ -46,6 +47,7 @@ class SpeculativeGenerator:
         self.max_k = max_k or (manifest.spec.max_k if manifest else 16)
         self.max_context = target.max_context
         self.metrics = MetricsRegistry()
+        self.suffix_corpus: SuffixCorpus | None = None  # earlier responses for suffix drafters (a server sets one)
 
     @classmethod
     def from_bundle(cls, path: str | os.PathLike, threads: int = 0, providers: list | None = None,
@@ -183,10 +185,15 @@ class SpeculativeGenerator:
             return None
         if kind == "prompt_lookup":
             return PromptLookupDrafter(self.target.vocab_size)
+        if kind == "suffix":
+            return SuffixDrafter(self.target.vocab_size, self.suffix_corpus)
         if self.draft is None:
             return None
         if kind == "hybrid":
             return HybridDrafter(ModelDrafter(self.draft, confidence), self.target.vocab_size)
+        if kind == "hybrid_suffix":
+            confident = SuffixDrafter(self.target.vocab_size, self.suffix_corpus, HYBRID_SUFFIX)
+            return HybridDrafter(ModelDrafter(self.draft, confidence), self.target.vocab_size, free=confident)
         return ModelDrafter(self.draft, confidence)
 
 

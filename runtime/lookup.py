@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.sampling import SamplingParams
-from runtime.speculative import ModelDrafter, Proposal
+from runtime.speculative import Drafter, ModelDrafter, Proposal
 
 
 def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -28,6 +28,15 @@ def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -
     return []
 
 
+def point_masses(tokens: list[int], vocab_size: int, params: SamplingParams) -> list[np.ndarray | None]:
+    """q for each proposed token of a model-free drafter: one-hot on the token (None when greedy: argmax matching)."""
+    if params.greedy:
+        return [None] * len(tokens)
+    masses = np.zeros((len(tokens), vocab_size))
+    masses[np.arange(len(tokens)), tokens] = 1.0
+    return list(masses)
+
+
 class PromptLookupDrafter:
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
@@ -37,13 +46,7 @@ class PromptLookupDrafter:
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
         tokens = [lookup(h, limit, self.max_ngram, self.min_ngram) for h, limit in zip(self.history, limits)]
-        probs = [[None if params.greedy else self._point_mass(t) for t in row] for row in tokens]
-        return Proposal(tokens, probs)
-
-    def _point_mass(self, token: int) -> np.ndarray:
-        q = np.zeros(self.vocab_size)
-        q[token] = 1.0
-        return q
+        return Proposal(tokens, [point_masses(t, self.vocab_size, params) for t in tokens])
 
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
         self.observe(emitted)
@@ -57,8 +60,9 @@ class PromptLookupDrafter:
 
 
 class HybridDrafter:
-    """Prompt lookup where the context has an n-gram match of at least ``min_ngram`` tokens, the draft model
-    elsewhere, chosen per row and per step.
+    """A model-free drafter where it proposes, the draft model elsewhere, chosen per row and per step. The free
+    drafter is prompt lookup with an n-gram match of at least ``min_ngram`` tokens unless ``free`` gives another
+    (runtime/suffix.py's, with a minimum score: the ``hybrid_suffix`` drafter).
 
     Why: a lookup proposal costs nothing, and where the text repeats its context it is accepted as often as the
     model's; where there is no match the model still drafts. Each row's proposal comes from one source with its own q
@@ -67,17 +71,19 @@ class HybridDrafter:
     time it drafts for it.
     """
 
-    def __init__(self, model: ModelDrafter, vocab_size: int, min_ngram: int = 2, max_ngram: int = 3):
+    def __init__(self, model: ModelDrafter, vocab_size: int, min_ngram: int = 2, max_ngram: int = 3,
+                 free: Drafter | None = None):
         self.model = model
-        self.lookup = PromptLookupDrafter(vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
-        self.looked_up = self.proposed = 0  # rows whose proposal came from lookup / all proposing rows
+        self.free = free if free is not None else PromptLookupDrafter(vocab_size, max_ngram=max_ngram,
+                                                                       min_ngram=min_ngram)
+        self.looked_up = self.proposed = 0  # rows whose proposal came from the free drafter / all proposing rows
 
     def start(self, prompts: list[list[int]]) -> None:
         self.model.start(prompts)
-        self.lookup.start(prompts)
+        self.free.start(prompts)
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
-        found = self.lookup.propose(limits, params, rngs)
+        found = self.free.propose(limits, params, rngs)
         pick = [bool(t) for t in found.tokens]  # rows with a match take the lookup's proposal
         drafted = self.model.propose([0 if p else limit for p, limit in zip(pick, limits)], params, rngs)
         self.looked_up += sum(pick)
@@ -86,13 +92,13 @@ class HybridDrafter:
                         [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)])
 
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
-        self.lookup.settle(accepted, emitted)
+        self.free.settle(accepted, emitted)
         self.model.settle(accepted, emitted)
 
     def observe(self, emitted: list[list[int]]) -> None:
-        self.lookup.observe(emitted)
+        self.free.observe(emitted)
         self.model.observe(emitted)
 
     def keep_rows(self, rows: np.ndarray) -> None:
-        self.lookup.keep_rows(rows)
+        self.free.keep_rows(rows)
         self.model.keep_rows(rows)

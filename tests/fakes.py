@@ -2,9 +2,13 @@
 
 Its KV cache is the slot tokens themselves, rolled back through the same live-slot mask as OnnxEngine, so the loop's
 control flow, rollback and call counts are tested without ONNX models, and exact target distributions are known.
+The helpers below compute those exactly (token prefixes, acceptance per draft position) and bound the sampling noise,
+so each drafter's distribution test asserts the same thing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,9 +51,126 @@ def random_table(vocab: int, seed: int, scale: float = 1.5) -> np.ndarray:
     return np.random.default_rng(seed).normal(0.0, scale, (vocab, vocab))
 
 
+def copying_table(vocab: int, seed: int, path: list[int], boost: float = 2.0, scale: float = 0.5) -> np.ndarray:
+    """A target that mostly follows ``path`` (each a -> b on it is boosted), as a text that repeats its context does:
+    a model-free drafter's multi-token proposals along it are accepted often enough, and rejected often enough, to
+    test both."""
+    table = random_table(vocab, seed, scale)
+    for a, b in zip(path, path[1:]):
+        table[a, b] += boost
+    return table
+
+
+def prefix_frequencies(rows, vocab: int, length: int) -> np.ndarray:
+    """Observed frequencies of the first ``length`` generated tokens of finished rows, as an array [vocab] * length."""
+    firsts = np.array([row.generated[:length] for row in rows], dtype=np.int64)
+    counts = np.bincount(np.ravel_multi_index(tuple(firsts.T), (vocab,) * length), minlength=vocab ** length)
+    return (counts / len(rows)).reshape((vocab,) * length)
+
+
 def pair_frequencies(rows, vocab: int) -> np.ndarray:
     """Observed frequencies of (first, second) generated token pairs over finished loop rows."""
-    counts = np.zeros((vocab, vocab))
-    for row in rows:
-        counts[row.generated[0], row.generated[1]] += 1
-    return counts / len(rows)
+    return prefix_frequencies(rows, vocab, 2)
+
+
+def exact_prefixes(probs: np.ndarray, start: int, length: int) -> np.ndarray:
+    """P(x_1..x_length | start) under a bigram target whose next-token law after token a is probs[a]."""
+    joint = probs[start]
+    for _ in range(length - 1):
+        joint = joint[..., None] * probs  # joint[..., a, b] = P(..., a) p(b | a)
+    return joint
+
+
+def exact_acceptance(probs: np.ndarray, draft_laws: list[np.ndarray], start: int) -> np.ndarray:
+    """P(draft tokens 1..j all accepted), j = 1..len(draft_laws), in one verify step after ``start``.
+
+    draft_laws[j-1][a, b] is the draft's q(b | a) at position j (a point-mass proposal x_j: 1 where b == x_j). Under
+    rejection sampling P(x_j = b and accepted | x_{j-1} = a) = min(p(b | a), q(b | a)), so the chain is a product.
+    """
+    reach = np.eye(len(probs))[start]  # [a]: P(all so far accepted and the last token is a)
+    out = []
+    for law in draft_laws:
+        reach = reach @ np.minimum(probs, law)
+        out.append(reach.sum())
+    return np.array(out)
+
+
+def point_mass_laws(tokens: list[int], vocab: int) -> list[np.ndarray]:
+    """draft_laws for a fixed proposal x_1..x_d (prompt lookup, suffix drafting)."""
+    laws = []
+    for token in tokens:
+        law = np.zeros((vocab, vocab))
+        law[:, token] = 1.0
+        laws.append(law)
+    return laws
+
+
+def tv_bound(exact: np.ndarray, n: int, failure: float = 1e-6) -> float:
+    """A bound the total variation between ``exact`` and the frequencies of n samples from it exceeds with
+    probability < failure: its mean is at most 0.5 * sum(sqrt(p (1 - p) / n)), and one sample moves it by at most
+    1/n, so by McDiarmid it exceeds the mean by t with probability <= exp(-2 n t^2)."""
+    p = exact.ravel()
+    return 0.5 * float(np.sqrt(p * (1 - p) / n).sum()) + float(np.sqrt(np.log(1 / failure) / (2 * n)))
+
+
+def rate_bound(n: int, failure: float = 1e-6) -> float:
+    """Hoeffding: an observed rate over n trials misses its probability by more than this with probability < failure."""
+    return float(np.sqrt(np.log(2 / failure) / (2 * n)))
+
+
+def total_variation(a: np.ndarray, b: np.ndarray) -> float:
+    return 0.5 * float(np.abs(a - b).sum())
+
+
+@dataclass
+class DraftCounts:
+    """Per draft position, summed over rows: how many steps proposed it and how many accepted it."""
+
+    drafted: np.ndarray
+    accepted: np.ndarray
+
+    @classmethod
+    def of(cls, rows) -> "DraftCounts":
+        size = max([len(r.stats.drafted_per_position) for r in rows] + [1])
+        drafted, accepted = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        for row in rows:
+            d, a = row.stats.drafted_per_position, row.stats.accepted_per_position
+            drafted[: len(d)] += d
+            accepted[: len(a)] += a
+        return cls(drafted, accepted)
+
+    def multi_token_steps_decided_both_ways(self) -> bool:
+        """Steps drafted >= 2 tokens, some second tokens were accepted, and some draft tokens were rejected."""
+        return len(self.drafted) >= 2 and self.drafted[1] > 0 and self.accepted[1] > 0 and bool(
+            (self.accepted < self.drafted).any())
+
+
+def run_loop(loop, groups: int = 1) -> DraftCounts | list[DraftCounts]:
+    """Run a loop to the end; returns its first step's draft counts (every row starts from a known context there),
+    one per equal slice of its rows when ``groups`` > 1."""
+    steps = loop.run()
+    next(steps)
+    size = len(loop.rows) // groups
+    first = [DraftCounts.of(loop.rows[g * size: (g + 1) * size]) for g in range(groups)]
+    for _ in steps:
+        pass
+    return first if groups > 1 else first[0]
+
+
+LENGTH = 4  # tokens generated per sequence in the distribution tests: the first step may draft up to LENGTH - 1
+
+
+def assert_follows_target(rows, first: DraftCounts, probs: np.ndarray, start: int, draft_laws: list[np.ndarray]):
+    """Rows decoded from context ``start`` follow the target exactly: the laws of x_1, (x_1, x_2), (x_1, x_2, x_3) and
+    (x_3, x_4) within sampling noise; the first step drafted len(draft_laws) tokens in every row and accepted each
+    position as often as the exact value says; and across all steps, multi-token drafts were accepted and rejected."""
+    n, vocab = len(rows), len(probs)
+    exact, observed = exact_prefixes(probs, start, LENGTH), prefix_frequencies(rows, vocab, LENGTH)
+    for axes in ((1, 2, 3), (2, 3), (3,), (0, 1)):
+        law = exact.sum(axes)
+        assert total_variation(observed.sum(axes), law) < tv_bound(law, n), f"law of the tokens but {axes}"
+    acceptance = exact_acceptance(probs, draft_laws, start)
+    depth = len(draft_laws)
+    assert first.drafted[:depth].tolist() == [n] * depth and len(first.drafted) == depth
+    assert np.abs(first.accepted[:depth] / n - acceptance).max() < rate_bound(n), (first.accepted / n, acceptance)
+    assert DraftCounts.of(rows).multi_token_steps_decided_both_ways()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from fakes import BigramEngine, pair_frequencies, random_table
+from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table,
+                   run_loop)
 from runtime.lookup import PromptLookupDrafter, lookup
 from runtime.sampling import SamplingParams, probabilities
 from runtime.speculative import DecodeConfig, SpeculativeLoop
@@ -30,19 +30,15 @@ def test_longer_ngram_takes_precedence():
 
 
 def test_lookup_sampling_follows_the_target_distribution():
-    """Point-mass proposals keep rejection sampling exact (first two tokens, 20,000 sequences)."""
-    vocab, table = 4, random_table(4, 5)
+    """Point-mass proposals keep rejection sampling exact: 20,000 sequences of 4 tokens, the first step drafting 3."""
+    vocab, table = 4, copying_table(4, 5, [0, 1, 2, 3, 0])
     params = SamplingParams(1.0)
-    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0]  # repetitive: lookup always proposes
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0]  # repetitive: lookup always proposes, first "1 2 3"
     n = 20000
-    loop = SpeculativeLoop(BigramEngine(table), PromptLookupDrafter(vocab), [prompt] * n, DecodeConfig(2, 3, params,
-                                                                                                       seed=1))
-    for _ in loop.run():
-        pass
-    probs = probabilities(table, params)
-    exact = probs[0][:, None] * probs
-    assert 0.5 * np.abs(pair_frequencies(loop.rows, vocab) - exact).sum() < 0.03
-    assert sum(r.stats.num_draft_tokens for r in loop.rows) == n  # every row drafted its one allowed token
+    loop = SpeculativeLoop(BigramEngine(table), PromptLookupDrafter(vocab), [prompt] * n,
+                           DecodeConfig(LENGTH, 3, params, seed=1))
+    first = run_loop(loop)
+    assert_follows_target(loop.rows, first, probabilities(table, params), 0, point_mass_laws([1, 2, 3], vocab))
 
 
 def test_prompt_lookup_greedy_equals_target_only(generator):
@@ -55,22 +51,20 @@ def test_prompt_lookup_greedy_equals_target_only(generator):
 
 def test_hybrid_sampling_follows_the_target_distribution_from_both_sources():
     """Rows with a 2-gram match draft by lookup (point mass), the others with the draft model (its own q); sampling
-    stays exact for both kinds of rows (first two tokens, 20,000 sequences of each kind)."""
+    stays exact for both kinds of rows (20,000 sequences of 4 tokens of each kind, the first step drafting 3)."""
     from runtime.lookup import HybridDrafter
     from runtime.speculative import ModelDrafter
-    vocab, table, draft_table = 4, random_table(4, 5), random_table(4, 9)
+    vocab, table, draft_table = 4, copying_table(4, 5, [0, 1, 2, 3, 0]), random_table(4, 9)
     params = SamplingParams(1.0)
     repetitive, fresh = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3]  # the first always matches "0 1"; the second cannot
     n = 20000
     drafter = HybridDrafter(ModelDrafter(BigramEngine(draft_table)), vocab)
     loop = SpeculativeLoop(BigramEngine(table), drafter, [repetitive] * n + [fresh] * n,
-                           DecodeConfig(2, 3, params, seed=2))
-    for _ in loop.run():
-        pass
+                           DecodeConfig(LENGTH, 3, params, seed=2))
+    looked_up, modelled = run_loop(loop, groups=2)
     probs = probabilities(table, params)
-    for rows, last in ((loop.rows[:n], 1), (loop.rows[n:], 3)):
-        exact = probs[last][:, None] * probs
-        assert 0.5 * np.abs(pair_frequencies(rows, vocab) - exact).sum() < 0.03
+    assert_follows_target(loop.rows[:n], looked_up, probs, 1, point_mass_laws([2, 3, 0], vocab))
+    assert_follows_target(loop.rows[n:], modelled, probs, 3, [probabilities(draft_table, params)] * 3)
     assert n <= drafter.looked_up < drafter.proposed  # lookup for the repetitive rows, the model for the rest
     assert drafter.model.calls > 0
 

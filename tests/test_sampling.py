@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import BigramEngine, pair_frequencies, random_table
+from fakes import (LENGTH, BigramEngine, assert_follows_target, exact_prefixes, prefix_frequencies, random_table,
+                   run_loop, total_variation)
 from runtime import sampling
 from runtime.errors import RequestError
 from runtime.sampling import SamplingParams, probabilities, verify
@@ -80,26 +81,22 @@ def test_top_k_and_top_p_processing():
 
 
 # --- the distribution ---------------------------------------------------------------------------------------------
+# Sequences of LENGTH = 4 tokens with k = 3: the budget rule (a step drafts at most max_new_tokens - generated - 1
+# tokens, since it emits one more than it accepts) lets the first step draft all 3.
 
 VOCAB = 5
+N = 20000
 
 
 def exact_pairs(table: np.ndarray, start: int, params: SamplingParams) -> np.ndarray:
     """P(x1, x2 | start) under the target alone."""
-    probs = probabilities(table, params)  # [V, V]: row a = p(. | a)
-    return probs[start][:, None] * probs
+    return exact_prefixes(probabilities(table, params), start, 2)
 
 
-def sample_pairs(target_table, draft_table, params, n: int, k: int, seed: int) -> np.ndarray:
-    target, draft = BigramEngine(target_table), BigramEngine(draft_table)
-    loop = SpeculativeLoop(target, ModelDrafter(draft), [[0]] * n, DecodeConfig(2, k, params, seed=seed))
-    for _ in loop.run():
-        pass
-    return pair_frequencies(loop.rows, VOCAB)
-
-
-def total_variation(a: np.ndarray, b: np.ndarray) -> float:
-    return 0.5 * float(np.abs(a - b).sum())
+def run_model_drafter(target_table, draft_table, params, n: int, k: int, seed: int):
+    loop = SpeculativeLoop(BigramEngine(target_table), ModelDrafter(BigramEngine(draft_table)), [[0]] * n,
+                           DecodeConfig(LENGTH, k, params, seed=seed))
+    return loop, run_loop(loop)
 
 
 CASES = [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)]
@@ -108,14 +105,20 @@ CASES = [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, 
 @pytest.mark.parametrize("params", CASES, ids=["T=1", "T=0.7,top_k=3", "T=1.3,top_p=0.8"])
 def test_speculative_sampling_follows_the_target_distribution(params):
     target_table, draft_table = random_table(VOCAB, 1), random_table(VOCAB, 2)
-    exact = exact_pairs(target_table, 0, params)
-    observed = sample_pairs(target_table, draft_table, params, n=20000, k=2, seed=7)
-    # first token alone, and the pair (exercises acceptance after acceptance, and the bonus token)
-    assert total_variation(observed.sum(1), exact.sum(1)) < 0.02
-    assert total_variation(observed, exact) < 0.03
+    loop, first = run_model_drafter(target_table, draft_table, params, N, k=3, seed=7)
+    p, q = probabilities(target_table, params), probabilities(draft_table, params)
+    assert_follows_target(loop.rows, first, p, 0, [q] * 3)
     # the draft really differs: a sampler that followed it would be far off
-    draft_pairs = exact_pairs(draft_table, 0, params)
-    assert total_variation(draft_pairs, exact) > 0.15
+    assert total_variation(exact_prefixes(q, 0, 2), exact_prefixes(p, 0, 2)) > 0.15
+
+
+def test_the_budget_rule_lets_the_first_step_draft_all_but_one_new_token():
+    """max_new_tokens=2 (the old distribution tests) leaves room for one draft token; 4 leaves room for 3."""
+    for max_new_tokens, drafted in ((2, 1), (4, 3), (9, 5)):
+        loop = SpeculativeLoop(BigramEngine(random_table(VOCAB, 1)), ModelDrafter(BigramEngine(random_table(VOCAB, 2))),
+                               [[0]] * 20, DecodeConfig(max_new_tokens, 5, SAMPLED, seed=3))
+        assert run_loop(loop).drafted.tolist() == [20] * drafted
+        assert all(len(r.generated) == max_new_tokens for r in loop.rows)
 
 
 def test_a_wrong_acceptance_rule_fails_the_distribution_test(monkeypatch):
@@ -131,13 +134,14 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(monkeypatch):
     monkeypatch.setattr("runtime.speculative.verify", wrong_verify)
     params = SamplingParams(1.0)
     target_table, draft_table = random_table(VOCAB, 1), random_table(VOCAB, 2)
-    observed = sample_pairs(target_table, draft_table, params, n=20000, k=2, seed=7)
-    assert total_variation(observed, exact_pairs(target_table, 0, params)) > 0.03
+    loop, first = run_model_drafter(target_table, draft_table, params, N, k=3, seed=7)
+    p, q = probabilities(target_table, params), probabilities(draft_table, params)
+    with pytest.raises(AssertionError, match="law of the tokens"):
+        assert_follows_target(loop.rows, first, p, 0, [q] * 3)
 
 
 def test_seeded_sampling_is_reproducible():
     target_table, draft_table = random_table(VOCAB, 1), random_table(VOCAB, 2)
-    a = sample_pairs(target_table, draft_table, SamplingParams(1.0), n=200, k=3, seed=11)
-    b = sample_pairs(target_table, draft_table, SamplingParams(1.0), n=200, k=3, seed=11)
-    c = sample_pairs(target_table, draft_table, SamplingParams(1.0), n=200, k=3, seed=12)
+    a, b, c = (run_model_drafter(target_table, draft_table, SAMPLED, 200, 3, seed)[0] for seed in (11, 11, 12))
+    a, b, c = (prefix_frequencies(loop.rows, VOCAB, LENGTH) for loop in (a, b, c))
     assert np.array_equal(a, b) and not np.array_equal(a, c)
