@@ -38,7 +38,8 @@ LONG = 96  # max_tokens of the requests that must still be running when they are
 def server(tiny_bundle, tmp_path_factory):
     from triton_repo.generate import write_repository
     from triton_repo.server import start_server
-    repo = write_repository(tiny_bundle, tmp_path_factory.mktemp("hardening") / "repo", threads=1, max_batch_size=8)
+    repo = write_repository(tiny_bundle, tmp_path_factory.mktemp("hardening") / "repo", threads=1, max_batch_size=8,
+                            max_tokens_limit=LONG)
     handle = start_server(repo, timeout=180)
     yield handle
     handle.stop()
