@@ -339,6 +339,7 @@ def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, gene
     assert delta(before, after, "draftsmith_target_calls_total") == other.stats.num_steps + 1  # + the prefill
     finals = [line for line in server.log().splitlines() if "request cancelled by its client" in line]
     assert finals and "final response" in finals[-1], server.log()[-2000:]
+    print(finals[-1])
     assert f"after {int(cancelled_steps)} steps" in finals[-1]
 
 

@@ -20,6 +20,10 @@ anything is decoded or tokenized (this model can be called directly, without ``p
 Cancellation stops the work: after every step each running request's response sender is asked whether its client
 cancelled or went away; such a request leaves the loop at once (its cache row is freed, the other rows go on) and
 gets its final response (a CANCELLED error, flagged final, as the Python backend requires of a decoupled model).
+Through the ``ensemble`` this needs Triton's help, which 2.51 does not give: it checks an ensemble request for
+cancellation only between steps, never passing it to the step that runs (triton-inference-server/server#6739), so a
+cancelled ensemble request decodes on to its end (bounded by ``max_tokens_limit``). Clients that cancel call this
+model directly (the same inputs; ``request_output_len`` for ``max_tokens``).
 
 Seeds are per request: a batch decodes each request with a generator made from its own ``seed``, so a seeded
 request samples the same text whatever it is batched with (with ``fallback`` on, the fallback state is shared by
@@ -35,12 +39,14 @@ Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this 
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_CHECK_S = 0.01  # ask about cancellation at most this often per request (each ask is a round trip to Triton)
 
 
 class RequestInvalid(ValueError):
@@ -89,6 +95,7 @@ class Request:
         self.done = False  # its generation ended (finished, failed or cancelled)
         self.cancelled = False  # its client cancelled or went away: nobody reads its responses
         self.final_sent = False
+        self.checked_at = float("-inf")  # when Triton was last asked whether it was cancelled
 
     @property
     def key(self):
@@ -300,8 +307,11 @@ class TritonPythonModel:
         self._send(item, self._response(piece if item.stream else item.text, stats), flags=FINAL)
 
     def _is_cancelled(self, item) -> bool:
-        """Has the client cancelled (or gone away)? Asked after every step; a sender that fails counts as gone."""
-        if not item.cancelled:
+        """Has the client cancelled (or gone away)? Asked after every step (at most every ``CANCEL_CHECK_S``, so
+        steps of a tiny model do not turn into round trips); a sender that fails counts as gone."""
+        now = time.monotonic()
+        if not item.cancelled and now - item.checked_at >= CANCEL_CHECK_S:
+            item.checked_at = now
             try:
                 item.cancelled = bool(item.sender.is_cancelled())
             except Exception:  # noqa: BLE001 - the request is gone
