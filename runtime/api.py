@@ -31,7 +31,7 @@ class Generation:
     text: str
     token_ids: list[int]
     prompt_tokens: int
-    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens) or "context"
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens), "context" or "cancelled"
     stats: RequestStats = field(default_factory=RequestStats)
 
 
@@ -70,7 +70,7 @@ class SpeculativeGenerator:
     # --- requests -------------------------------------------------------------------------------------------------
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | list[int | None] | None = None,
                  k: int | None = None, stop: str | list[str] | None = None, chat: bool = False,
                  mode: str = "speculative", adaptive: AdaptiveK | bool | None = None,
                  fallback: Fallback | bool | None = None, draft_confidence: float = 0.0, drafter: str | None = None,
@@ -79,7 +79,9 @@ class SpeculativeGenerator:
 
         mode "target" decodes target-only (the baseline); drafter "prompt_lookup" drafts by n-gram lookup in the
         prompt and the text so far instead of running the draft engine, "hybrid" by lookup where the context has a
-        2-gram match and with the draft engine elsewhere; None: the bundle's default (its spec's drafter).
+        2-gram match and with the draft engine elsewhere; None: the bundle's default (its spec's drafter). seed: one
+        for the batch (each prompt draws its own stream of it) or a list, one per prompt (each prompt samples as it
+        would alone with its seed).
         """
         single = isinstance(prompts, str)
         results: dict[int, Generation] = {}
@@ -101,16 +103,23 @@ class SpeculativeGenerator:
             if generation is not None:
                 self.last_stream = generation
 
-    def stream_batch(self, prompts: list[str], **kwargs) -> Iterator[tuple[int, str, Generation | None]]:
-        """Yield (prompt index, text piece, final Generation or None) as each sequence advances."""
-        yield from self._events(list(prompts), **kwargs)
+    def stream_batch(self, prompts: list[str], cancelled=None, **kwargs
+                     ) -> Iterator[tuple[int, str, Generation | None]]:
+        """Yield (prompt index, text piece, final Generation or None) as each sequence advances.
+
+        ``cancelled(index) -> bool`` is asked after every step for each running sequence: a true answer finishes it
+        at once (finish reason "cancelled"; its cache row is freed before the next step). ``seed`` may be a list,
+        one seed per prompt: each sequence then samples as it would alone with that seed.
+        """
+        yield from self._events(list(prompts), cancelled=cancelled, **kwargs)
 
     # --- the work -------------------------------------------------------------------------------------------------
 
     def _events(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
-                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                top_k: int | None = None, top_p: float | None = None, seed: int | list[int | None] | None = None,
                 k: int | None = None, stop=None, chat: bool = False, mode: str = "speculative",
-                adaptive=None, fallback=None, draft_confidence: float = 0.0, drafter: str | None = None):
+                adaptive=None, fallback=None, draft_confidence: float = 0.0, drafter: str | None = None,
+                cancelled=None):
         config, stops = self._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
                                      fallback)
         token_lists = [self._encode(p, chat) for p in prompts]
@@ -120,6 +129,8 @@ class SpeculativeGenerator:
         texts = [""] * len(prompts)
         for step in loop.run():
             for row, new in step:
+                if cancelled is not None and not row.finished and cancelled(row.index):
+                    loop.finish(row.index, "cancelled")  # the loop drops the row (and its cache) after this step
                 piece = decoders[row.index].push(new) if new else ""
                 if row.finished:
                     piece += decoders[row.index].flush()

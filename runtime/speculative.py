@@ -14,11 +14,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
 from runtime.engine import Engine
+from runtime.errors import RequestError
 from runtime.metrics import RequestStats
 from runtime.sampling import SamplingParams, next_token, top_probability, verify
 
@@ -185,7 +186,24 @@ class DecodeConfig:
     eos_ids: tuple[int, ...] = ()
     adaptive: AdaptiveK | None = None
     fallback: Fallback | None = None
-    seed: int | None = None
+    seed: int | Sequence[int | None] | None = None  # one seed for the batch, or one per row (see row_generators)
+
+
+def row_generators(seed: int | Sequence[int | None] | None, rows: int) -> list[np.random.Generator]:
+    """One random generator per row; every draw of a row (draft sample, acceptance, recovered, bonus) uses its own.
+
+    One seed for the whole batch: row b draws from stream b of it, so identical prompts still differ. One seed per
+    row (a sequence): each row's generator comes from its own seed alone, the stream a batch of one would give it, so
+    a seeded request's text does not depend on what it was batched with or where. None: fresh entropy.
+    """
+    if seed is None or isinstance(seed, (int, np.integer)):
+        if seed is not None and seed < 0:
+            raise RequestError(f"seed: expected an integer >= 0, received {seed}")
+        return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(rows)]
+    seeds = list(seed)
+    if len(seeds) != rows:
+        raise RequestError(f"seed: expected one seed per prompt ({rows}), received {len(seeds)}")
+    return [row_generators(s, 1)[0] for s in seeds]
 
 
 class SpeculativeLoop:
@@ -193,8 +211,8 @@ class SpeculativeLoop:
 
     def __init__(self, target: Engine, drafter: Drafter | None, prompts: list[list[int]], config: DecodeConfig):
         self.target, self.drafter, self.config = target, drafter, config
-        seeds = np.random.SeedSequence(config.seed).spawn(len(prompts))
-        self.rows = [Row(i, list(p), rng=np.random.default_rng(s)) for i, (p, s) in enumerate(zip(prompts, seeds))]
+        rngs = row_generators(config.seed, len(prompts))
+        self.rows = [Row(i, list(p), rng=rng) for i, (p, rng) in enumerate(zip(prompts, rngs))]
         self.k = config.k
         self.recent = deque(maxlen=config.fallback.window if config.fallback else 1)  # 1/0 per recent draft token
         self.fallback_steps_left = 0

@@ -75,6 +75,38 @@ def test_sampled_generation_is_reproducible_with_a_seed(generator):
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
+
+def test_seeded_requests_batched_together_sample_as_alone(generator):
+    """One seed per prompt: two identical seeded requests in one batch (with another between them) each give what
+    they give alone."""
+    options = dict(max_new_tokens=30, temperature=0.9, top_p=0.95)
+    alone = generator.generate(PROMPTS[0], seed=3, **options)
+    batch = generator.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], seed=[3, 4, 3], **options)
+    assert batch[0].token_ids == batch[2].token_ids == alone.token_ids
+    assert batch[1].token_ids == generator.generate(PROMPTS[1], seed=4, **options).token_ids
+    assert generator.generate(PROMPTS[0], seed=5, **options).token_ids != alone.token_ids
+
+
+def test_cancelled_sequence_leaves_the_batch_at_once(generator):
+    """``stream_batch(cancelled=...)``: a cancelled row finishes at the next step ("cancelled") and leaves the batch;
+    the other row's tokens are those it gets alone."""
+    steps = {0: 0}
+
+    def cancelled(index):
+        if index == 0:
+            steps[0] += 1
+        return index == 0 and steps[0] >= 2
+
+    done = {}
+    for index, _, generation in generator.stream_batch([PROMPTS[1], PROMPTS[0]], cancelled=cancelled,
+                                                       max_new_tokens=40, mode="target"):
+        if generation is not None:
+            done[index] = generation
+    assert done[0].finish_reason == "cancelled" and done[0].stats.num_steps == 2 and len(done[0].token_ids) == 2
+    assert steps[0] == 2  # never asked again: the row left the batch
+    alone = generator.generate(PROMPTS[0], max_new_tokens=40, mode="target")
+    assert done[1].token_ids == alone.token_ids and done[1].finish_reason == alone.finish_reason
+
 # --- streaming and text -----------------------------------------------------------------------------------------
 
 def test_stream_concatenation_equals_generate(generator):

@@ -145,3 +145,36 @@ def test_seeded_sampling_is_reproducible():
     a, b, c = (run_model_drafter(target_table, draft_table, SAMPLED, 200, 3, seed)[0] for seed in (11, 11, 12))
     a, b, c = (prefix_frequencies(loop.rows, VOCAB, LENGTH) for loop in (a, b, c))
     assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def sampled_rows(prompts, seed, max_new_tokens=20, k=3):
+    """What each row of one loop generates (temperature 1, a draft that disagrees often: every kind of draw)."""
+    target, draft = BigramEngine(random_table(VOCAB, 1)), BigramEngine(random_table(VOCAB, 2))
+    loop = SpeculativeLoop(target, ModelDrafter(draft), prompts, DecodeConfig(max_new_tokens, k, SAMPLED, seed=seed))
+    for _ in loop.run():
+        pass
+    return [row.generated for row in loop.rows]
+
+
+def test_per_row_seeds_do_not_depend_on_the_batch():
+    """Two identical seeded requests batched together (anywhere in the batch, with others) sample what each samples
+    alone: each row has its own generator from its own seed."""
+    alone = sampled_rows([[0]], seed=[5])[0]
+    assert sampled_rows([[0]], seed=5)[0] == alone  # a lone request's int seed is the same stream
+    other = sampled_rows([[2]], seed=[4])[0]
+    batch = sampled_rows([[1], [0], [2], [0]], seed=[9, 5, 4, 5])
+    assert batch[1] == batch[3] == alone
+    assert batch[2] == other
+    assert sampled_rows([[0]], seed=[6])[0] != alone  # the seed matters (so the equalities above could fail)
+
+
+def test_one_seed_for_a_batch_still_gives_rows_their_own_streams():
+    rows = sampled_rows([[0]] * 4, seed=5)
+    assert len({tuple(r) for r in rows}) > 1  # identical prompts under one batch seed still differ
+
+
+def test_bad_seeds_are_request_errors():
+    with pytest.raises(RequestError, match="one seed per prompt"):
+        sampled_rows([[0], [0]], seed=[1])
+    with pytest.raises(RequestError, match="seed"):
+        sampled_rows([[0]], seed=-1)

@@ -34,7 +34,7 @@ def _golden_configs() -> dict[str, str]:
     return {ENSEMBLE: pbtxt.render(ensemble_config(options)),
             PREPROCESSING: pbtxt.render(preprocessing_config(options, manifest, "../speculative/bundle/tokenizer")),
             SPECULATIVE: pbtxt.render(speculative_config(options, manifest, "bundle")),
-            POSTPROCESSING: pbtxt.render(postprocessing_config(options, "../speculative/bundle/tokenizer"))}
+            POSTPROCESSING: pbtxt.render(postprocessing_config(options, manifest, "../speculative/bundle/tokenizer"))}
 
 
 @pytest.mark.parametrize("name", MODELS)

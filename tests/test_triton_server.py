@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import queue
 import re
+import shutil
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +53,7 @@ def server(tiny_bundle, tmp_path_factory):
     yield handle
     handle.stop()
     assert handle.process.returncode is not None
+    assert not handle.log_kept and not handle.log_path.exists()  # a clean stop removes its temporary log
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +297,31 @@ def test_server_stops_cleanly(tiny_bundle, tmp_path):
     broken = tmp_path / "broken"
     (broken / "bad" / "1").mkdir(parents=True)
     (broken / "bad" / "config.pbtxt").write_text('name: "bad"\nbackend: "no_such_backend"\n')
-    with pytest.raises(ServerError, match="exited with"):
+    with pytest.raises(ServerError, match="exited with") as failed:
         start_server(broken, timeout=60)
+    log = Path(re.search(r"\(full log: (.+)\)", str(failed.value)).group(1))
+    assert log.is_file() and "no_such_backend" in log.read_text()  # kept: the error points at it
+    shutil.rmtree(log.parent)
+
+
+def test_server_environment_is_an_allow_list(monkeypatch):
+    from triton_repo.server import server_env
+    monkeypatch.setenv("DRAFTSMITH_TEST_SECRET", "x")
+    monkeypatch.setenv("HF_TOKEN", "x")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    env = server_env()
+    assert "DRAFTSMITH_TEST_SECRET" not in env and "HF_TOKEN" not in env
+    assert env["OMP_NUM_THREADS"] == "2" and env["LC_ALL"] == "C.UTF-8" and "PATH" in env
+    assert server_env(pass_env=["HF_TOKEN"])["HF_TOKEN"] == "x"
+
+
+@pytest.mark.parametrize("spec", ["model-repository", "no-such-api:k=v", "model-repository:k", ":k=v",
+                                  "inference:k=v w"])
+def test_bad_restriction_is_refused_before_starting(spec):
+    from triton_repo.server import ServerError, check_restriction
+    with pytest.raises(ServerError, match="APIS:HEADER=VALUE"):
+        check_restriction(spec, "--http-restricted-api")
 
 
 def test_serve_command_prints_endpoints_and_stops(tiny_bundle, tmp_path):
@@ -309,7 +335,7 @@ def test_serve_command_prints_endpoints_and_stops(tiny_bundle, tmp_path):
     repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1, max_batch_size=2)
     ports = [str(free_port()) for _ in range(3)]
     command = [sys.executable, "-m", "runtime.cli", "serve", str(repo), "--http-port", ports[0], "--grpc-port",
-               ports[1], "--metrics-port", ports[2]]
+               ports[1], "--metrics-port", ports[2], "--http-restricted-api", "model-repository:admin-key=serve-test"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -325,6 +351,12 @@ def test_serve_command_prints_endpoints_and_stops(tiny_bundle, tmp_path):
         request = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate", data=body)
         with urllib.request.urlopen(request, timeout=60) as response:
             assert json.loads(response.read())["text_output"]
+        index = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v2/repository/index", data=b"{}")
+        with pytest.raises(urllib.error.HTTPError):  # restricted: no admin-key header
+            urllib.request.urlopen(index, timeout=10)
+        index.add_header("admin-key", "serve-test")
+        with urllib.request.urlopen(index, timeout=10) as response:
+            assert response.status == 200
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -333,6 +365,11 @@ def test_serve_command_prints_endpoints_and_stops(tiny_bundle, tmp_path):
             process.kill()
             process.wait(10)
     assert process.returncode == 0
+    printed = "".join(lines) + process.stdout.read()  # what readline buffered, then the rest
+    log = Path(re.search(r"^log +(\S+)$", printed, re.M).group(1))
+    assert f"log kept at {log}" in printed  # the path it printed still holds the log after it stopped
+    assert log.is_file() and "Started HTTPService" in log.read_text()
+    shutil.rmtree(log.parent)
 
 
 @pytest.mark.slow

@@ -79,7 +79,8 @@ def run(bundle: str, threads: int = 2, max_tokens: int = 64, clients: int = 16, 
                             time.perf_counter() - started))
     del generator
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-") as tmp:
-        repo = write_repository(bundle, Path(tmp) / "repo", threads=threads, max_batch_size=clients)
+        repo = write_repository(bundle, Path(tmp) / "repo", threads=threads, max_batch_size=clients,
+                                max_tokens_limit=max_tokens)  # the bench asks for exactly this many
         server = start_server(repo)
         try:
             _generate(server.url, PROMPTS[0], 4)  # warm up

@@ -18,7 +18,13 @@ import click
 @click.option("--max-queue-delay-us", type=int, default=2000, show_default=True,
               help="How long the dynamic batcher waits to fill a batch.")
 @click.option("--max-tokens-limit", type=int, default=0, show_default=True,
-              help="Largest max_tokens a request may ask for (0: the bundle's context).")
+              help="Largest max_tokens a request may ask for (0: 512, at most half the bundle's context).")
+@click.option("--max-prompt-bytes", type=int, default=0, show_default=True,
+              help="Largest prompt in UTF-8 bytes, refused before tokenizing (0: 32 per context token).")
+@click.option("--max-stop-words", type=int, default=16, show_default=True,
+              help="Most stop strings one request may send (each is searched at every step).")
+@click.option("--max-stop-word-bytes", type=int, default=256, show_default=True,
+              help="Longest stop string, in UTF-8 bytes.")
 @click.option("--bundle-mount", default=None,
               help="Absolute path where the server will see the bundle (e.g. /bundles/x); the bundle is not copied.")
 @click.option("--link/--copy", "link", default=False,
@@ -27,8 +33,9 @@ import click
 @click.option("--streaming/--no-streaming", default=True, show_default=True,
               help="Decoupled (streams; gRPC stream and generate_stream) or not (HTTP /infer works).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay_us, max_tokens_limit, bundle_mount,
-                link, fallback, streaming, overwrite):
+def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay_us, max_tokens_limit,
+                max_prompt_bytes, max_stop_words, max_stop_word_bytes, bundle_mount, link, fallback, streaming,
+                overwrite):
     """Write a Triton model repository serving BUNDLE into OUT: ensemble, preprocessing, speculative, postprocessing."""
     from runtime.bundle import BundleError
     from triton_repo.generate import RepositoryError, write_repository
@@ -36,7 +43,9 @@ def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay
         path = write_repository(bundle, out, instances=instances, threads=threads, max_batch_size=max_batch_size,
                                 max_queue_delay_us=max_queue_delay_us, max_tokens_limit=max_tokens_limit,
                                 bundle_mount=bundle_mount, copy_bundle=not (link or bundle_mount),
-                                fallback=fallback, streaming=streaming, overwrite=overwrite)
+                                fallback=fallback, streaming=streaming, overwrite=overwrite,
+                                max_prompt_bytes=max_prompt_bytes, max_stop_words=max_stop_words,
+                                max_stop_word_bytes=max_stop_word_bytes)
     except (BundleError, RepositoryError) as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"wrote {path}")
@@ -51,12 +60,25 @@ def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--log-verbose", type=int, default=0, show_default=True)
-def serve(repo, host, http_port, grpc_port, metrics_port, timeout, log_verbose):
+@click.option("--log-file", type=click.Path(dir_okay=False), default=None,
+              help="Where the server's log goes (default: a temporary file; kept, its path is printed).")
+@click.option("--http-restricted-api", multiple=True, metavar="APIS:HEADER=VALUE",
+              help="Triton's flag: these HTTP APIs answer only requests with this header, e.g. "
+                   "model-repository,model-config,statistics,trace,logging:admin-key=SECRET. Repeatable.")
+@click.option("--grpc-restricted-protocol", multiple=True, metavar="PROTOCOLS:HEADER=VALUE",
+              help="Triton's flag: the same for gRPC protocols. Repeatable.")
+@click.option("--pass-env", multiple=True, metavar="NAME",
+              help="Pass this environment variable to the server and its models (by default only PATH, locale, "
+                   "temporary-folder, thread and device settings are). Repeatable.")
+def serve(repo, host, http_port, grpc_port, metrics_port, timeout, log_verbose, log_file, http_restricted_api,
+          grpc_restricted_protocol, pass_env):
     """Start a local Triton Inference Server on REPO (the tritonserver of the nvidia-pytriton wheel); Ctrl-C stops."""
     from triton_repo.server import ServerError, start_server
     try:
         server = start_server(repo, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                              timeout=timeout, log_verbose=log_verbose)
+                              timeout=timeout, log_verbose=log_verbose, log_path=log_file,
+                              http_restricted_api=http_restricted_api,
+                              grpc_restricted_protocol=grpc_restricted_protocol, pass_env=pass_env, keep_log=True)
     except ServerError as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"HTTP     {server.url}  (POST {server.url}/v2/models/ensemble/generate)")
@@ -70,7 +92,8 @@ def serve(repo, host, http_port, grpc_port, metrics_port, timeout, log_verbose):
         while not stop.wait(1.0):
             if server.process.poll() is not None:
                 raise click.ClickException(f"tritonserver exited with {server.process.returncode}:\n"
-                                           f"{server.log()[-4000:]}")
+                                           f"{server.log()[-4000:]}\n(full log: {server.log_path})")
     finally:
         click.echo("stopping")
         server.stop()
+        click.echo(f"log kept at {server.log_path}")

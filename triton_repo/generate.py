@@ -16,8 +16,8 @@ cannot hold back half of a UTF-8 character split across two steps, nor cut the t
 steps. Both need per-sequence text state, so ``speculative`` runs the runtime's own text path
 (``SpeculativeGenerator.stream_batch``: tokenize, decode, detokenize incrementally, stop strings), which also makes
 its text identical to the Python API's. The ensemble is ``preprocessing -> speculative``: ``preprocessing`` checks the
-request (UTF-8, ``max_tokens`` range) and tokenizes the prompt to refuse one that leaves no room in the context,
-before it takes a batch slot; ``speculative`` takes ``text_input`` and the checked ``request_output_len``.
+request (prompt size in bytes before anything else, UTF-8, ``max_tokens`` range) and tokenizes the prompt to refuse
+one that leaves no room in the context, before it takes a batch slot; ``speculative`` takes ``text_input`` and the checked ``request_output_len``.
 ``postprocessing`` is still written, a plain token-ids-to-text model for tools that expect one.
 
 Why an ensemble and not a BLS model: an ensemble needs no Python of its own, streams, and lets Triton's dynamic
@@ -50,6 +50,9 @@ MODELS_DIR = Path(__file__).parent / "models"  # the Python models, shipped as p
 BUNDLE_DIR = "bundle"  # inside the speculative model's folder; Triton ignores non-numeric sub-folders
 MARKER = ".draftsmith-repository"  # written into every repository we generate: what --overwrite may replace
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# Request bounds, checked before any work is done for a request (see ``request_limits``)
+DEFAULT_MAX_TOKENS = 512  # the largest max_tokens by default; never more than half the context
+PROMPT_BYTES_PER_TOKEN = 32  # a prompt longer than this many bytes per context token cannot fit: refused untokenized
 
 
 class RepositoryError(ValueError):
@@ -65,7 +68,10 @@ class RepoOptions:
     max_batch_size: int = 16  # requests one execute call may decode together
     max_queue_delay_us: int = 2000  # how long the dynamic batcher waits to fill a batch
     preprocessing_instances: int = 1
-    max_tokens_limit: int = 0  # largest max_tokens a request may ask for (0: the bundle's max_context)
+    max_tokens_limit: int = 0  # largest max_tokens a request may ask for (0: 512, at most half the bundle's context)
+    max_prompt_bytes: int = 0  # largest prompt in UTF-8 bytes, checked before tokenizing (0: 32 per context token)
+    max_stop_words: int = 16  # most stop strings one request may send (each one is searched at every step)
+    max_stop_word_bytes: int = 256  # longest stop string, in UTF-8 bytes
     bundle_mount: str | None = None  # absolute path of the bundle where the server sees it (e.g. /bundles/x)
     copy_bundle: bool = True  # put the bundle inside the repository (hard links when possible, else a copy)
     fallback: bool = False  # decode target-only for a while when acceptance falls low (runtime Fallback defaults)
@@ -73,11 +79,11 @@ class RepoOptions:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("instances", "preprocessing_instances", "max_batch_size"):
+        for name in ("instances", "preprocessing_instances", "max_batch_size", "max_stop_word_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{name}: expected an integer >= 1, received {value!r}")
-        for name in ("threads", "max_queue_delay_us", "max_tokens_limit"):
+        for name in ("threads", "max_queue_delay_us", "max_tokens_limit", "max_prompt_bytes", "max_stop_words"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 problems.append(f"{name}: expected an integer >= 0, received {value!r}")
@@ -110,10 +116,15 @@ def _inside(root: Path, rel: str) -> Path:
 
 # --- the configs, as data ---------------------------------------------------------------------------------------
 
-def _tensor(name: str, dtype: str, dims: list[int], optional: bool = False) -> dict:
+def _tensor(name: str, dtype: str, dims: list[int], optional: bool = False, ragged: bool = False) -> dict:
+    """One input or output. ``ragged``: requests whose tensors differ in shape still share a batch (Triton's dynamic
+    batcher otherwise closes a batch at the first request whose shape differs; the Python models read each request's
+    tensors on their own, so any shapes mix)."""
     out = {"name": name, "data_type": dtype, "dims": dims}
     if optional:
         out["optional"] = True
+    if ragged:
+        out["allow_ragged_batch"] = True
     return out
 
 
@@ -145,6 +156,13 @@ def _batching(options: RepoOptions) -> dict:
     return {"max_queue_delay_microseconds": options.max_queue_delay_us}
 
 
+def request_limits(options: RepoOptions, manifest: Manifest) -> dict[str, int]:
+    """The bounds every request is checked against before the server works on it (model config parameters)."""
+    return {"max_tokens_limit": options.max_tokens_limit or min(DEFAULT_MAX_TOKENS, manifest.max_context // 2),
+            "max_prompt_bytes": options.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * manifest.max_context,
+            "max_stop_words": options.max_stop_words, "max_stop_word_bytes": options.max_stop_word_bytes}
+
+
 def preprocessing_config(options: RepoOptions, manifest: Manifest, tokenizer_rel: str) -> dict:
     return {
         "name": PREPROCESSING,
@@ -156,7 +174,8 @@ def preprocessing_config(options: RepoOptions, manifest: Manifest, tokenizer_rel
                    _tensor("request_output_len", "TYPE_INT32", [1])],
         "instance_group": [{"count": options.preprocessing_instances, "kind": "KIND_CPU"}],
         "parameters": _params({"tokenizer": tokenizer_rel, "max_context": manifest.max_context,
-                               "max_tokens_limit": options.max_tokens_limit or manifest.max_context}),
+                               **{k: v for k, v in request_limits(options, manifest).items()
+                                  if k in ("max_tokens_limit", "max_prompt_bytes")}}),
     }
 
 
@@ -168,27 +187,26 @@ def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str
         "model_transaction_policy": {"decoupled": options.streaming},
         "dynamic_batching": _batching(options),
         "input": [_tensor("text_input", "TYPE_STRING", [1]), _tensor("request_output_len", "TYPE_INT32", [1])]
-        + [_tensor(n, t, d, optional=True) for n, t, d in OPTIONAL_INPUTS],
+        + [_tensor(n, t, d, optional=True, ragged=-1 in d) for n, t, d in OPTIONAL_INPUTS],
         "output": [_tensor(n, t, d) for n, t, d in OUTPUTS],
         # a CUDA bundle: Triton places each instance on a GPU and passes its id (model_instance_device_id)
         "instance_group": [{"count": options.instances,
                             "kind": "KIND_GPU" if manifest.spec.device == "cuda" else "KIND_CPU"}],
         "parameters": _params({"bundle": bundle_ref, "threads": options.threads,
-                               "max_tokens_limit": options.max_tokens_limit or manifest.max_context,
-                               "fallback": str(options.fallback).lower()}),
+                               **request_limits(options, manifest), "fallback": str(options.fallback).lower()}),
     }
 
 
-def postprocessing_config(options: RepoOptions, tokenizer_rel: str) -> dict:
+def postprocessing_config(options: RepoOptions, manifest: Manifest, tokenizer_rel: str) -> dict:
     return {
         "name": POSTPROCESSING,
         "backend": "python",
         "max_batch_size": options.max_batch_size,
         "dynamic_batching": _batching(options),
-        "input": [_tensor("output_ids", "TYPE_INT32", [-1])],
+        "input": [_tensor("output_ids", "TYPE_INT32", [-1], ragged=True)],
         "output": [_tensor("text_output", "TYPE_STRING", [-1])],
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
-        "parameters": _params({"tokenizer": tokenizer_rel}),
+        "parameters": _params({"tokenizer": tokenizer_rel, "max_output_ids": manifest.max_context}),
     }
 
 
@@ -218,7 +236,8 @@ def ensemble_config(options: RepoOptions) -> dict:
 def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, instances: int = 1, threads: int = 0,
                      max_batch_size: int = 16, max_queue_delay_us: int = 2000, preprocessing_instances: int = 1,
                      max_tokens_limit: int = 0, bundle_mount: str | None = None, copy_bundle: bool = True,
-                     fallback: bool = False, streaming: bool = True, overwrite: bool = False) -> Path:
+                     fallback: bool = False, streaming: bool = True, overwrite: bool = False,
+                     max_prompt_bytes: int = 0, max_stop_words: int = 16, max_stop_word_bytes: int = 256) -> Path:
     """Write the repository for ``bundle`` into ``out`` (created; must be empty unless ``overwrite``).
 
     Args:
@@ -229,7 +248,7 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
         max_batch_size: requests decoded together in one execute call (and the batch dimension of every model).
         max_queue_delay_us: dynamic batcher wait for more requests.
         preprocessing_instances: tokenizer instances.
-        max_tokens_limit: the largest ``max_tokens`` accepted (0: the bundle's context).
+        max_tokens_limit: the largest ``max_tokens`` accepted (0: 512, at most half the bundle's context).
         bundle_mount: where the server will find the bundle (absolute; e.g. ``/bundles/smollm2`` in a container);
             needs ``copy_bundle=False``. Without it the bundle travels inside the repository.
         copy_bundle: put the bundle inside ``speculative/bundle`` (hard links when on the same file system, else a
@@ -239,6 +258,9 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
             ``generate_stream``) but which Triton's HTTP ``/infer`` refuses; ``False`` serves plain request/response
             clients (HTTP ``/infer``, gRPC unary infer, perf_analyzer without streaming) and rejects ``stream=true``.
         overwrite: replace an existing ``out``.
+        max_prompt_bytes: the largest prompt in UTF-8 bytes, refused before it is tokenized (0: 32 bytes per context
+            token, more than any prompt that fits needs).
+        max_stop_words, max_stop_word_bytes: how many stop strings a request may send, and how long each may be.
 
     Returns:
         The repository path.
@@ -246,7 +268,8 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
     options = RepoOptions(instances=instances, threads=threads, max_batch_size=max_batch_size,
                           max_queue_delay_us=max_queue_delay_us, preprocessing_instances=preprocessing_instances,
                           max_tokens_limit=max_tokens_limit, bundle_mount=bundle_mount, copy_bundle=copy_bundle,
-                          fallback=fallback, streaming=streaming)
+                          fallback=fallback, streaming=streaming, max_prompt_bytes=max_prompt_bytes,
+                          max_stop_words=max_stop_words, max_stop_word_bytes=max_stop_word_bytes)
     bundle = Path(bundle)
     manifest = load_manifest(bundle)
     if manifest.spec.backend != "onnxruntime":
@@ -272,7 +295,7 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
     models = {
         PREPROCESSING: (preprocessing_config(options, manifest, tokenizer_ref), "preprocessing.py"),
         SPECULATIVE: (speculative_config(options, manifest, bundle_ref), "speculative.py"),
-        POSTPROCESSING: (postprocessing_config(options, tokenizer_ref), "postprocessing.py"),
+        POSTPROCESSING: (postprocessing_config(options, manifest, tokenizer_ref), "postprocessing.py"),
         ENSEMBLE: (ensemble_config(options), None),
     }
     for name, (config, source) in models.items():

@@ -4,12 +4,17 @@ What it takes to run that binary outside NVIDIA's container (see FACTS.md, "A re
 backend's stub for the running Python version copied next to ``libtriton_python.so``, the wheel's
 ``nvidia_pytriton.libs`` on ``LD_LIBRARY_PATH``, and this interpreter's ``bin`` first on ``PATH`` so the models import
 the same packages (numpy < 2) as this process. Every endpoint binds 127.0.0.1 unless told otherwise.
+
+The server and its model processes get an allow-listed environment (``server_env``), not the caller's: a token or
+key in the caller's environment never reaches code that reads requests. Its log survives a crash (``stop`` keeps it
+when the server exited abnormally, or when asked to because its path was shown to someone).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +26,18 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
+
+# What the server and its models need from the environment: where programs, libraries and Python packages are, the
+# locale, temporary files, thread and device settings. Nothing else (tokens, keys, passwords) is passed on.
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONDONTWRITEBYTECODE",
+              "VIRTUAL_ENV", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TMP", "TEMP",
+              "TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")
+PASSED_ENV_PREFIXES = ("LC_", "OMP_", "ORT_", "ONNXRUNTIME_", "MKL_", "OPENBLAS_", "CUDA_", "NVIDIA_", "CUDNN_")
+# Triton 2.51's restricted categories (--http-restricted-api / --grpc-restricted-protocol APIS:KEY=VALUE)
+RESTRICTABLE = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository", "statistics",
+                "trace", "logging")
+_RESTRICTION = re.compile(r"([a-z-]+(?:,[a-z-]+)*):([A-Za-z0-9_-]+)=(\S+)")
 
 
 class ServerError(RuntimeError):
@@ -77,6 +94,8 @@ class TritonServer:
     metrics_port: int
     log_path: Path
     _cleanup: list = field(default_factory=list)
+    keep_log: bool = False  # keep the log even after a clean stop (its path was shown to someone)
+    log_kept: bool = False  # set by stop(): the log is still at log_path
 
     @property
     def url(self) -> str:
@@ -101,17 +120,36 @@ class TritonServer:
         return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        if self.process.poll() is None:
+        """Stop the server (SIGINT, then SIGKILL to its process group after ``timeout``); returns its exit code.
+
+        The log is removed only after a clean stop of a server that was running, unless ``keep_log``; after a crash
+        (the server had exited by itself, or did not stop in time, or exited non-zero) it stays at ``log_path`` and
+        ``log_kept`` says so.
+        """
+        crashed = self.process.poll() is not None
+        if crashed:
+            self._kill_group()  # model stubs a crashed server left behind
+        else:
             self.process.send_signal(signal.SIGINT)  # graceful: Triton unloads models, stubs exit
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the server and its model stubs
+                crashed = True
+                self._kill_group()
                 self.process.wait(10)
+        clean = not crashed and self.process.returncode == 0
+        self.log_kept = self.log_kept or self.keep_log or not clean
         for path in self._cleanup:
-            shutil.rmtree(path, ignore_errors=True)
+            if not (self.log_kept and self.log_path.is_relative_to(path)):
+                shutil.rmtree(path, ignore_errors=True)
         self._cleanup.clear()
         return self.process.returncode
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the server and its model stubs
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left of it
 
     def __enter__(self) -> "TritonServer":
         return self
@@ -120,18 +158,36 @@ class TritonServer:
         self.stop()
 
 
+def check_restriction(spec: str, flag: str) -> str:
+    """``APIS:KEY=VALUE`` as Triton 2.51 takes it (e.g. ``model-repository,model-config:admin-key=SECRET``)."""
+    match = _RESTRICTION.fullmatch(spec)
+    unknown = [] if match is None else [a for a in match.group(1).split(",") if a not in RESTRICTABLE]
+    if match is None or unknown:
+        raise ServerError(f"{flag} {spec!r}: expected APIS:HEADER=VALUE, APIS a comma-separated list of "
+                          f"{', '.join(RESTRICTABLE)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return spec
+
+
 def server_command(repo: Path, backends: Path, host: str, http_port: int, grpc_port: int, metrics_port: int,
-                   log_verbose: int = 0) -> list[str]:
-    return [str(tritonserver_paths()["binary"]), f"--model-repository={repo}", f"--backend-directory={backends}",
-            f"--http-address={host}", f"--http-port={http_port}", f"--grpc-address={host}",
-            f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
-            "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
-            f"--log-verbose={log_verbose}", "--exit-on-error=true", "--disable-auto-complete-config",
-            "--exit-timeout-secs=10"]  # open client streams otherwise hold a shutdown for 30 s
+                   log_verbose: int = 0, http_restricted_api: Iterable[str] = (),
+                   grpc_restricted_protocol: Iterable[str] = ()) -> list[str]:
+    """The tritonserver command line; each restriction makes its APIs answer only requests with its header."""
+    return ([str(tritonserver_paths()["binary"]), f"--model-repository={repo}", f"--backend-directory={backends}",
+             f"--http-address={host}", f"--http-port={http_port}", f"--grpc-address={host}",
+             f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+             "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+             f"--log-verbose={log_verbose}", "--exit-on-error=true", "--disable-auto-complete-config",
+             "--exit-timeout-secs=10"]  # open client streams otherwise hold a shutdown for 30 s
+            + [f"--http-restricted-api={check_restriction(s, '--http-restricted-api')}" for s in http_restricted_api]
+            + [f"--grpc-restricted-protocol={check_restriction(s, '--grpc-restricted-protocol')}"
+               for s in grpc_restricted_protocol])
 
 
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
+def server_env(pass_env: Iterable[str] = ()) -> dict[str, str]:
+    """The environment of the server and its model processes: the allow-list (``PASSED_ENV``, names starting with
+    ``PASSED_ENV_PREFIXES``) and the names in ``pass_env``, never the caller's whole environment."""
+    wanted = set(PASSED_ENV) | set(pass_env)
+    env = {k: v for k, v in os.environ.items() if k in wanted or k.startswith(PASSED_ENV_PREFIXES)}
     libs = str(tritonserver_paths()["libs"])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libs, env.get("LD_LIBRARY_PATH")) if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -141,7 +197,8 @@ def server_env() -> dict[str, str]:
 def start_server(repo: str | os.PathLike, *, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
                  metrics_port: int = 0, timeout: float = 180.0, log_verbose: int = 0,
                  log_path: str | os.PathLike | None = None, backends: str | os.PathLike | None = None,
-                 ) -> TritonServer:
+                 http_restricted_api: Iterable[str] = (), grpc_restricted_protocol: Iterable[str] = (),
+                 pass_env: Iterable[str] = (), keep_log: bool = False) -> TritonServer:
     """Start tritonserver on ``repo`` and wait until it is ready.
 
     Args:
@@ -150,8 +207,15 @@ def start_server(repo: str | os.PathLike, *, host: str = "127.0.0.1", http_port:
         http_port, grpc_port, metrics_port: 0 picks a free port.
         timeout: seconds to wait for readiness.
         log_verbose: tritonserver's --log-verbose.
-        log_path: where the server's output goes (default: a temporary file, removed by ``stop``).
+        log_path: where the server's output goes (default: a temporary file, removed by a clean ``stop``; kept
+            after a crash or a failed start, whose error names it).
         backends: a prepared backends folder (default: a temporary copy with this interpreter's Python stub).
+        http_restricted_api, grpc_restricted_protocol: ``APIS:HEADER=VALUE`` groups (Triton's flags of these
+            names): those APIs then answer only requests carrying that header (e.g.
+            ``model-repository,model-config,statistics,trace,logging:admin-key=SECRET``). The value is visible in
+            the server's command line to local users.
+        pass_env: environment variable names to pass to the server and its models beyond ``PASSED_ENV``.
+        keep_log: keep the log even after a clean stop (``draftsmith serve`` prints its path).
 
     Returns:
         A ready TritonServer; call ``stop()`` (or use it as a context manager).
@@ -172,23 +236,26 @@ def start_server(repo: str | os.PathLike, *, host: str = "127.0.0.1", http_port:
         log_path = log_dir / "tritonserver.log"
     log_path = Path(log_path)
     ports = [p or free_port(host) for p in (http_port, grpc_port, metrics_port)]
-    command = server_command(repo, Path(backends), host, *ports, log_verbose=log_verbose)
+    command = server_command(repo, Path(backends), host, *ports, log_verbose=log_verbose,
+                             http_restricted_api=http_restricted_api,
+                             grpc_restricted_protocol=grpc_restricted_protocol)
+    env = server_env(pass_env)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-                                   start_new_session=True)
-    server = TritonServer(process, host, *ports, log_path=log_path, _cleanup=cleanup)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = TritonServer(process, host, *ports, log_path=log_path, _cleanup=cleanup, keep_log=keep_log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             why = _log_errors(server.log())
             server.stop()
-            raise ServerError(f"tritonserver exited with {process.returncode}:\n{why}")
+            raise ServerError(f"tritonserver exited with {process.returncode}:\n{why}\n(full log: {log_path})")
         if server.ready():
             return server
         time.sleep(0.5)
     why = _log_errors(server.log())
+    server.keep_log = True  # the error below points at it
     server.stop()
-    raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{why}")
+    raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{why}\n(full log: {log_path})")
 
 
 def _log_errors(log: str, limit: int = 4000) -> str:

@@ -2,9 +2,10 @@
 
 Inputs (batch dimension first): ``text_input`` STRING [1] (UTF-8), ``max_tokens`` INT32 [1].
 Outputs: ``input_ids`` INT32 [-1], ``input_lengths`` INT32 [1], ``request_output_len`` INT32 [1].
-A bad request gets its own error response; the rest of the batch is served.
+A bad request gets its own error response; the rest of the batch is served. Bounds come before work: the prompt's
+size in bytes is checked before it is decoded or tokenized, so a multi-megabyte prompt costs nothing.
 Written by ``draftsmith triton-repo``; parameters: ``tokenizer`` (a folder, relative to this model's folder or
-absolute), ``max_context``, ``max_tokens_limit``.
+absolute), ``max_context``, ``max_tokens_limit``, ``max_prompt_bytes``.
 """
 
 import json
@@ -39,6 +40,10 @@ def _scalar(request, name: str):
     return values[0]
 
 
+def _error(message: str):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from runtime.text import Tokenizer
@@ -49,6 +54,7 @@ class TritonPythonModel:
         self.tokenizer = Tokenizer(folder)
         self.max_context = int(_param(config, "max_context"))
         self.max_tokens_limit = int(_param(config, "max_tokens_limit"))
+        self.max_prompt_bytes = int(_param(config, "max_prompt_bytes"))
 
     def execute(self, requests):
         responses = []
@@ -56,7 +62,10 @@ class TritonPythonModel:
             try:
                 ids, max_tokens = self._prepare(request)
             except RequestInvalid as err:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(err))))
+                responses.append(_error(str(err)))
+                continue
+            except Exception as err:  # noqa: BLE001 - one request's failure never fails its batch
+                responses.append(_error(f"preprocessing failed: {type(err).__name__}: {err}"))
                 continue
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int32)),
@@ -67,6 +76,14 @@ class TritonPythonModel:
 
     def _prepare(self, request):
         raw = _scalar(request, "text_input")
+        size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
+        if size > self.max_prompt_bytes:
+            raise RequestInvalid(f"input 'text_input' is {size} bytes; this server's limit is max_prompt_bytes="
+                                 f"{self.max_prompt_bytes}. Shorten the prompt")
+        max_tokens = int(_scalar(request, "max_tokens"))
+        if not 1 <= max_tokens <= self.max_tokens_limit:
+            raise RequestInvalid(f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}] "
+                                 f"(this server's max_tokens_limit), received {max_tokens}")
         if isinstance(raw, str):
             text = raw
         else:
@@ -77,10 +94,6 @@ class TritonPythonModel:
                     from None
         if not text:
             raise RequestInvalid("input 'text_input' is empty")
-        max_tokens = int(_scalar(request, "max_tokens"))
-        if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise RequestInvalid(f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}], "
-                                 f"received {max_tokens}")
         ids = self.tokenizer.encode(text)
         if not ids:
             raise RequestInvalid("input 'text_input' encodes to no tokens")
