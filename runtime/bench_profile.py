@@ -1,8 +1,8 @@
 """Where an engine call's time goes: ONNX Runtime's profiler over a few decode calls, per operator type.
 
-Used by ``draftsmith bench`` (the ``profile`` section of its JSON) and handy alone::
+Used by ``draftsmith bench`` (the ``profile`` section of its JSON) and alone::
 
-    python -m runtime.bench_profile BUNDLE [--past 64] [--new 1] [--calls 20]
+    draftsmith profile BUNDLE [--past 64] [--new 1] [--calls 20] [--threads 2]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import click
 import numpy as np
 
 
@@ -83,17 +84,15 @@ def profile_bundle(root: str | os.PathLike, threads: int = 0, past: int = 64, ne
             for entry in (manifest.target, manifest.draft)}
 
 
-def main() -> None:
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("bundle")
-    parser.add_argument("--past", type=int, default=64)
-    parser.add_argument("--new", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=0)
-    args = parser.parse_args()
-    print(json.dumps(profile_bundle(args.bundle, args.threads, args.past, args.new, args.calls), indent=2))
-
-
-if __name__ == "__main__":
-    main()
+@click.command("profile")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--past", type=int, default=64, show_default=True, help="Tokens already in the cache.")
+@click.option("--new", type=int, default=1, show_default=True, help="New tokens per call (k + 1 for a verify).")
+@click.option("--calls", type=int, default=20, show_default=True, help="Calls profiled (after the prompt).")
+@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
+def profile(bundle, past, new, calls, threads):
+    """Per-operator time of BUNDLE's target and draft calls (ONNX Runtime's profiler), as JSON."""
+    for name, value in (("--past", past), ("--new", new), ("--calls", calls)):
+        if value < 1:
+            raise click.BadParameter("must be >= 1", param_hint=name)
+    click.echo(json.dumps(profile_bundle(bundle, threads, past, new, calls), indent=2))

@@ -91,7 +91,7 @@ def _report(result, baseline) -> dict:
 def _register_optional() -> None:
     """Commands of other packages, added when importable (their heavy imports happen inside the commands)."""
     import importlib
-    for module, name in (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("runtime.bench", "bench"),
+    for module, name in (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("runtime.bench", "bench"), ("runtime.bench_profile", "profile"),
                          ("builder.distill", "distill"), ("triton_repo.load", "load")):
         try:
             command = getattr(importlib.import_module(module), name)

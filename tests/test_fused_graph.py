@@ -199,3 +199,12 @@ def test_gguf_types_without_an_exact_form_are_requantized_and_reported(tmp_path)
     decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf")
     assert all(layer.down.quant is None and layer.qkv.quant is not None for layer in decoder.layers)
     assert decoder.notes and "Q5_0" in decoder.notes[0]
+
+
+def test_profile_reports_per_operator_time_and_node_counts(tiny_bundle):
+    from runtime.bench_profile import profile_bundle
+    report = profile_bundle(tiny_bundle, threads=1, past=8, new=3, calls=4)
+    target = report["target"]
+    assert target["calls"] == 4 and target["new_tokens"] == 3 and target["mean_call_ms"] > 0
+    assert target["ops"]["GroupQueryAttention"]["nodes"] == 2  # one per layer, as stored
+    assert target["stored_nodes"]["GroupQueryAttention"] == 2 and "draft" in report
