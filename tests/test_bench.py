@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, acceptance, bandwidth_bound, best_k,
-                                 call_costs, leviathan_speedup, percentile, recommend_k, summarize, token_latencies)
+                                 call_costs, expected_tokens_per_step, leviathan_speedup, percentile, predicted_speedup,
+                                 recommend_k, summarize, token_latencies)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------------
@@ -84,6 +85,38 @@ def test_leviathan_formula():
         leviathan_speedup(1.5, 2, 0.1)
 
 
+def test_predicted_speedup_prices_the_measured_verify_call_and_draft_calls():
+    # alpha 0.5, k=3: E[tokens per step] = (1 - 0.5^4) / 0.5 = 1.875
+    assert expected_tokens_per_step(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens_per_step(1.0, 3) == 4.0
+    # a verify call of 30 ms against a 25 ms target-only step, 2 draft calls of 5 ms per step (not k=3):
+    # (2 * 5 + 30) / 25 = 1.6 steps per step -> 1.875 / 1.6
+    assert predicted_speedup(0.5, 3, 2.0, 0.005, 0.030, 0.025) == pytest.approx(1.875 / 1.6)
+    # eq. 1 with c = T_draft / T_verify prices the verify as one step and k draft calls: 1.875 / (3/6 + 1) = 1.25
+    assert leviathan_speedup(0.5, 3, 0.005 / 0.030) == pytest.approx(1.25)
+    # a verify as cheap as a step and k draft calls per step: the two agree
+    assert predicted_speedup(0.5, 3, 3.0, 0.005, 0.025, 0.025) == pytest.approx(leviathan_speedup(0.5, 3, 0.2))
+    assert predicted_speedup(0.5, 3, 0.0, 0.0, 0.025, 0.025) == pytest.approx(1.875)  # lookup: no draft calls
+    assert predicted_speedup(0.5, 3, 2.0, 0.005, 0.0, 0.025) == 0.0  # nothing measured: no prediction
+
+
+def test_summarize_predicts_from_the_draft_calls_steps_made():
+    """A hybrid cell: 4 steps, only 2 of them called the draft (k=2 each); verify calls dearer than a target step."""
+    spec = CellRecord("code", 1, "speculative", 2, wall=1.0,
+                      calls=_calls("target", 0.1, [0.03] * 4) + _calls("draft", 0.05, [0.004] * 4))
+    spec.sequences = [SequenceRecord(steps=[(2, 2, 3, 0.1), (2, 1, 2, 0.03), (2, 0, 1, 0.03), (2, 2, 3, 0.03)],
+                                     token_ids=[1])]
+    base = CellRecord("code", 1, "target", None, wall=2.0, calls=_calls("target", 0.1, [0.02] * 8))
+    base.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.02)] * 9, token_ids=[1])]
+    row = summarize(spec, base)
+    alpha = 5 / 7  # 5 accepted, 2 rejecting steps
+    assert row["alpha"] == pytest.approx(alpha)
+    assert row["draft_calls_per_step"] == pytest.approx(1.0)
+    assert row["expected_tokens_per_step"] == pytest.approx(1 + alpha + alpha ** 2)
+    assert row["predicted_speedup"] == pytest.approx((1 + alpha + alpha ** 2) / ((1.0 * 0.004 + 0.03) / 0.02))
+    assert row["verify_vs_target_step"] == pytest.approx(1.5)
+
+
 def _calls(role, prefill_seconds, decode_seconds, ort_fraction=0.9):
     calls = [EngineCall(role, True, prefill_seconds, prefill_seconds * ort_fraction, 10)]
     return calls + [EngineCall(role, False, s, s * ort_fraction, 1) for s in decode_seconds]
@@ -120,7 +153,10 @@ def test_summarize_a_cell_against_its_baseline():
     assert row["alpha"] == pytest.approx(11 / 14)  # rejecting steps: 2 in the first sequence, 1 in the second
     assert row["mean_acceptance_length"] == pytest.approx(1 + 11 / 6)
     assert row["c"] == pytest.approx(0.2)
-    assert row["predicted_speedup"] == pytest.approx(leviathan_speedup(11 / 14, 3, 0.2))
+    assert row["draft_calls_per_step"] == pytest.approx(11 / 4)
+    # E[tokens] / (n * T_draft + T_verify) in target-only steps (0.04 s): the verify call costs 1.25 steps
+    expected = (1 - (11 / 14) ** 4) / (1 - 11 / 14)
+    assert row["predicted_speedup"] == pytest.approx(expected / ((11 / 4 * 0.01 + 0.05) / 0.04))
     assert row["verify_vs_target_step"] == pytest.approx(0.05 / 0.04)
     assert row["identical_to_target"] == pytest.approx(0.5)
     # latency samples: [0.03, 0.03, 0.02, 0.03, 0.03, 0.03] + [0.03] * 3 -> p50 0.03, p95 0.03
