@@ -290,8 +290,11 @@ def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[li
 
 
 def _llama_generate(llm, max_new_tokens: int, eos: set[int]):
-    """Greedy ids from ``Llama.generate`` (the loop that consults the draft model), stopping at EOS or the limit."""
+    """Greedy ids from ``Llama.generate`` (the loop that consults the draft model), stopping at EOS or the limit.
+    ``reset()`` first: ``generate`` would otherwise reuse the cache of a previous prompt's matching prefix and skip
+    that prefill (the warm-up runs the first prompt twice)."""
     def generate(ids):
+        llm.reset()
         out = []
         for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             out.append(int(token))
