@@ -390,7 +390,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     systems = peer_bars(report)
-    fig, axes = plt.subplots(1, 3 if systems else 2, figsize=(16 if systems else 10, 4.5))
+    fig, axes = plt.subplots(1, 3 if systems else 2, figsize=(18 if systems else 10, 4.5))
     left, right = axes[0], axes[1]
     spec = [r for r in report["results"] if r["mode"] == "speculative"]
     for workload in dict.fromkeys(r["workload"] for r in spec):
@@ -446,7 +446,7 @@ def _plot_peers(axis, systems: dict[str, dict[str, float]]) -> None:
                  hatch="" if label.startswith("draftsmith") else "//")
     axis.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
     axis.set(ylabel="tokens/s", title="us and the peers, same prompts")
-    axis.legend(fontsize=7)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
 
 
 def write_default_k(bundle: Path, k: int) -> None:

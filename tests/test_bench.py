@@ -437,3 +437,22 @@ def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tin
     seen.clear()
     run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1, trust_remote_code=True)
     assert seen and set(seen) == {(False, True)}
+
+
+def test_the_plot_puts_every_peer_next_to_us(tmp_path):
+    from runtime.bench import peer_bars, plot
+    report = {"bundle": "b", "results": [{"workload": "code", "batch": 1, "mode": "speculative", "k": 2,
+                                          "speedup": 1.2, "predicted_speedup": 1.3, "acceptance_rate": 0.6,
+                                          "alpha": 0.7}],
+              "peers_reference": {"code": {"target_tokens_per_second": 30.0, "speculative_tokens_per_second": 36.0}},
+              "peers": [{"peer": "llama.cpp", "workload": "code", "mode": "plain", "tokens_per_second": 70.0},
+                        {"peer": "onnxruntime-genai int4", "workload": "code", "mode": "speculative",
+                         "tokens_per_second": 90.0},
+                        {"peer": "transformers", "skipped": "not installed"}]}
+    assert peer_bars(report) == {"draftsmith target-only": {"code": 30.0}, "draftsmith speculative": {"code": 36.0},
+                                 "llama.cpp plain": {"code": 70.0}, "onnxruntime-genai int4 speculative": {"code": 90.0}}
+    import matplotlib.image
+    plot(report, tmp_path / "with.png")
+    plot({**report, "peers": [], "peers_reference": {}}, tmp_path / "without.png")
+    assert matplotlib.image.imread(str(tmp_path / "with.png")).shape[1] > \
+        matplotlib.image.imread(str(tmp_path / "without.png")).shape[1]  # a third panel: the peers' tokens/s
