@@ -63,7 +63,9 @@ def _quiet_transformers() -> None:
 
 def source_candidates(entry: ModelEntry, bundle: Path) -> list[Path]:
     """Where the checkpoint of ``entry`` may be now, in order: its package (``pkg:``), the absolute path recorded at
-    build time, then a relative source against the bundle's parent folder and the working directory."""
+    build time, then a relative source against each folder above the bundle (``bundles/x`` built from the project
+    root: the grandparent) and the working directory. Candidates are only places to look: the caller checks the
+    weights' sha256."""
     from builder.checkpoint import CheckpointError, _locate
     source = entry.source
     if entry.role == "draft" and (source == "self" or source.startswith("self:")):
@@ -79,7 +81,7 @@ def source_candidates(entry: ModelEntry, bundle: Path) -> list[Path]:
         if typed.is_absolute():
             out.append(typed)
         else:
-            out += [Path(bundle).resolve().parent / typed, Path.cwd() / typed]
+            out += [folder / typed for folder in Path(bundle).resolve().parents] + [Path.cwd() / typed]
     return list(dict.fromkeys(out))
 
 

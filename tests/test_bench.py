@@ -318,13 +318,14 @@ def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tin
     from runtime.bundle import load_manifest
     project = tmp_path / "project"
     shutil.copytree(tiny_pair[0], project / "models" / "target")
-    shutil.copytree(tiny_bundle, project / "bundle")
+    shutil.copytree(tiny_bundle, project / "bundles" / "tiny")
     entry = dataclasses.replace(load_manifest(tiny_bundle).target, source="models/target", source_resolved="")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    # built in project/ as `--target models/target`, bench run from elsewhere: found beside the bundle
-    assert locate_checkpoint(entry, project / "bundle").folder == project / "models" / "target"
+    # an old bundle (no recorded path) built in project/ as `--target models/target --out bundles/tiny`, bench run
+    # from elsewhere: found above the bundle
+    assert locate_checkpoint(entry, project / "bundles" / "tiny").folder == project / "models" / "target"
     # a bundle moved away from its project: found through the absolute path recorded at build time
     moved = dataclasses.replace(entry, source_resolved=str(project / "models" / "target"))
     assert locate_checkpoint(moved, tmp_path / "bundle-copy").folder == project / "models" / "target"
@@ -332,7 +333,7 @@ def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tin
         locate_checkpoint(entry, tmp_path / "bundle-copy")
     other = dataclasses.replace(entry, source_sha256="0" * 64)  # the folder holds other weights now
     with pytest.raises(PeerError, match="other weights"):
-        locate_checkpoint(other, project / "bundle")
+        locate_checkpoint(other, project / "bundles" / "tiny")
 
 
 def test_peer_rows_are_compared_with_our_target_only_run():
