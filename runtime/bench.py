@@ -499,6 +499,9 @@ def _json_default(value):
                    "(default: those installed).")
 @click.option("--peer-prompts", type=int, default=4, show_default=True,
               help="Prompts per workload for the peers (they are slow; 0: all).")
+@click.option("--peer-spinning/--no-peer-spinning", default=False, show_default=True,
+              help="Leave ONNX Runtime's thread spinning on in the ONNX Runtime GenAI peer (its default); off, as "
+                   "our engines run, unless given.")
 @click.option("--device", type=click.Choice(DEVICES), default=None,
               help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
 @click.option("--allow-pickle", is_flag=True,
@@ -507,8 +510,8 @@ def _json_default(value):
               help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, device, allow_pickle,
-          trust_remote_code, quiet):
+          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, peer_spinning, device,
+          allow_pickle, trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -608,9 +611,10 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         report["peers"] = _run_peers(Path(bundle), manifest, peer_workloads, best, max_new_tokens, threads,
                                      temperature, console, quiet, required=bool(peers),
                                      consent={"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code},
-                                     ours=ours)
+                                     ours=ours, spinning=peer_spinning)
         report["peers_reference"] = {w: {key: v for key, v in r.items() if key != "token_ids"} for w, r in ours.items()}
         report["settings"]["peer_prompts"] = peer_prompts
+        report["settings"]["peer_spinning"] = peer_spinning
     if write_k and rec_k is not None:
         write_default_k(Path(bundle), rec_k)
         report["recommended_k"]["written"] = True
@@ -660,7 +664,7 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
 
 
 def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet,
-               required, consent: dict, ours: dict[str, dict]) -> list:
+               required, consent: dict, ours: dict[str, dict], spinning: bool = False) -> list:
     from runtime.bench_peers import compare_with_ours, run_llama_cpp, run_onnxruntime_genai, run_transformers
     if temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
@@ -676,7 +680,8 @@ def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads,
     try:
         rows = run_transformers(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent)
         rows += run_llama_cpp(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note)
-        rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent)
+        rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent,
+                                      spinning=spinning)
     finally:
         if status:
             status.stop()

@@ -401,19 +401,32 @@ def _link_tree(source: Path, dest: Path) -> None:
                 shutil.copy2(path, dest / path.name)
 
 
-def _genai_model(folder: Path, threads: int, eos_ids: tuple[int, ...]):
-    """og.Model over ``folder`` with intra-op threads = the bench's --threads on every session (target and draft)
-    and the bundle's EOS ids, through a config overlay (the cached files stay as the builder wrote them)."""
+def genai_session_options(threads: int, spinning: bool) -> dict:
+    """genai_config ``session_options`` for every session: intra-op threads = the bench's --threads (0: genai's
+    default) and, unless ``spinning``, ONNX Runtime's thread spinning off, as our own engines run (genai passes
+    string-valued keys through as session config entries; with two sessions taking turns on few cores, spinning
+    threads cost several times the work)."""
+    options: dict = {"intra_op_num_threads": threads} if threads else {}
+    if not spinning:
+        options["session.intra_op.allow_spinning"] = "0"
+        options["session.inter_op.allow_spinning"] = "0"
+    return options
+
+
+def _genai_model(folder: Path, threads: int, eos_ids: tuple[int, ...], spinning: bool = False):
+    """og.Model over ``folder`` with ``genai_session_options`` on every session (target and draft) and the bundle's
+    EOS ids, through a config overlay (the cached files stay as the builder wrote them)."""
     import onnxruntime_genai as og
     config = og.Config(str(folder))
     cfg = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
     model: dict = {}
     if eos_ids:
         model["eos_token_id"] = list(eos_ids)
-    if threads:
+    options = genai_session_options(threads, spinning)
+    if options:
         for section in ("decoder", "draft"):
             if section in cfg["model"]:
-                model[section] = {"session_options": {"intra_op_num_threads": threads}}
+                model[section] = {"session_options": options}
     if model:
         config.overlay(json.dumps({"model": model}))
     return og.Model(config)
@@ -478,9 +491,10 @@ def genai_graphs(manifest: Manifest, bundle: Path, consent: dict, progress=None)
 def run_onnxruntime_genai(manifest: Manifest, bundle: Path, workloads: dict[str, list[list[int]]],
                           best_k: dict[str, int], max_new_tokens: int, threads: int, eos_ids: tuple[int, ...] = (),
                           progress: Callable[[str], None] | None = None, allow_pickle: bool = False,
-                          trust_remote_code: bool = False) -> list[dict]:
+                          trust_remote_code: bool = False, spinning: bool = False) -> list[dict]:
     """ONNX Runtime GenAI on its own builder graphs of the bundle's weights: fp32 and int4 targets, each plain and
-    speculative with the bundle's draft (built by the same builder)."""
+    speculative with the bundle's draft (built by the same builder); ``spinning``: leave ONNX Runtime's thread
+    spinning on (its default) instead of off."""
     peer = "onnxruntime-genai"
     if importlib.util.find_spec("onnxruntime_genai") is None:
         return [_skip(peer, "onnxruntime-genai is not installed (pip install draftsmith[peers])")]
@@ -498,8 +512,8 @@ def run_onnxruntime_genai(manifest: Manifest, bundle: Path, workloads: dict[str,
     for precision in ("fp32", "int4"):
         name = f"{peer} {precision}"
         try:
-            plain = _genai_model(graphs[precision], threads, eos_ids)
-            spec = _genai_model(speculative_config(graphs[precision], graphs["draft"]), threads, eos_ids)
+            plain = _genai_model(graphs[precision], threads, eos_ids, spinning)
+            spec = _genai_model(speculative_config(graphs[precision], graphs["draft"]), threads, eos_ids, spinning)
         except Exception as err:
             rows.append(_skip(name, f"{type(err).__name__}: {err}"))
             continue
@@ -515,6 +529,8 @@ def run_onnxruntime_genai(manifest: Manifest, bundle: Path, workloads: dict[str,
                 rows.append(_skip(name, f"{workload}: {type(err).__name__}: {err}"))
                 continue
             mine[1]["speculative_stats"] = _speculative_summary(stats)
+            for row in mine:
+                row["session_options"] = genai_session_options(threads, spinning)
             rows += mine
         del plain, spec
     return rows

@@ -383,6 +383,8 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
         assert spec["token_ids"] == plain["token_ids"]  # its speculative decoding is greedy-exact on its own graph
         assert spec["speculative_stats"]["draft_tokens_proposed"] > 0 and "draft checkpoint" in spec["draft"]
         assert 0 < plain["tokens"] <= 12 and plain["speedup"] == 1.0
+        assert spec["session_options"] == {"intra_op_num_threads": 1, "session.intra_op.allow_spinning": "0",
+                                           "session.inter_op.allow_spinning": "0"}  # as our engines run
     ours = [generator.generate(text, max_new_tokens=6, mode="target").token_ids
             for text in ("def add(a, b):", "The quick brown fox")]
     bench_peers.compare_with_ours(rows, {"w": {"target_tokens_per_second": 1.0, "token_ids": ours}},
