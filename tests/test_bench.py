@@ -336,6 +336,26 @@ def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tin
         locate_checkpoint(other, project / "bundles" / "tiny")
 
 
+def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle, tiny_pair, tmp_path, monkeypatch):
+    """The issue's case: a bundle built with relative sources, benched from another folder, skipped transformers."""
+    pytest.importorskip("transformers")
+    import dataclasses
+    from runtime.bench_peers import run_transformers
+    project = tmp_path / "project"
+    for role, folder in zip(("target", "draft"), tiny_pair):
+        shutil.copytree(folder, project / "models" / role)
+    manifest = generator.manifest
+    relative = dataclasses.replace(
+        manifest, spec=dataclasses.replace(manifest.spec, target="models/target", draft="models/draft"),
+        target=dataclasses.replace(manifest.target, source="models/target", source_resolved=""),
+        draft=dataclasses.replace(manifest.draft, source="models/draft", source_resolved=""))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    ids = generator._encode("def add(a, b):", False)
+    rows = run_transformers(relative, project / "bundles" / "tiny", {"w": [ids]}, {"w": 2}, 3, 1, generator.eos_ids)
+    assert [r["mode"] for r in rows] == ["plain", "assisted"], rows
+
+
 def test_peer_rows_are_compared_with_our_target_only_run():
     from runtime.bench_peers import compare_with_ours
     rows = [{"peer": "p", "workload": "w", "mode": "plain", "k": None, "tokens_per_second": 30.0,
