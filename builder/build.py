@@ -245,7 +245,8 @@ def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: Bui
                       num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                       vocab_size=info.vocab_size, max_context=max_context, input_names=info.input_names,
                       output_names=info.output_names, size_bytes=size, graph=info.graph,
-                      min_call_tokens=_min_call_tokens(role, info.graph, quant, spec))
+                      min_call_tokens=_min_call_tokens(role, info.graph, quant, spec),
+                      source_resolved=str(checkpoint.folder.joinpath(checkpoint.gguf_file or "").resolve()))
 
 
 def _min_call_tokens(role: str, graph_kind: str, quant: str, spec: BuildSpec) -> int:

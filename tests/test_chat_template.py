@@ -92,7 +92,7 @@ def test_the_bundles_own_template_still_renders(generator):
     assert out.prompt_tokens == len(generator.tokenizer.encode_chat("hello"))
 
 
-def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, monkeypatch):
+def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, tiny_bundle, monkeypatch):
     """The manifest records the build's --allow-pickle / --trust-remote-code; reloading for the peers must not take
     them as consent: only the bench's own flags grant it."""
     pytest.importorskip("transformers")
@@ -109,8 +109,8 @@ def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, monkeypatch
     spec = dataclasses.replace(generator.manifest.spec, allow_pickle=True, trust_remote_code=True)
     hostile = dataclasses.replace(generator.manifest, spec=spec)
     ids = generator._encode("def add(a, b):", False)
-    rows = run_transformers(hostile, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids)
-    assert "skipped" in rows[0] and seen == [(False, False)]
+    rows = run_transformers(hostile, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids)
+    assert "skipped" in rows[0] and seen and set(seen) == {(False, False)}
     seen.clear()
-    run_transformers(hostile, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids, allow_pickle=True)
-    assert seen == [(True, False)]  # the person running the bench can still say yes
+    run_transformers(hostile, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids, allow_pickle=True)
+    assert seen and set(seen) == {(True, False)}  # the person running the bench can still say yes
