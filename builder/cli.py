@@ -57,8 +57,9 @@ class DefaultGroup(click.Group):
 @click.option("--draft-quant", type=click.Choice(QUANTS), help="Draft engine weights (TensorRT-LLM: int4_awq default).")
 @click.option("--k", type=int, help="Default draft tokens per verify step.")
 @click.option("--drafter", type=click.Choice(DRAFTERS),
-              help="The runtime's default drafter: the draft engine (model), n-gram lookup (prompt_lookup), or hybrid "
-                   "(lookup where the context has a 2-gram match, the engine elsewhere).")
+              help="The runtime's default drafter: the draft engine (model), n-gram lookup (prompt_lookup), a suffix "
+                   "trie over the context (suffix), or hybrid / hybrid_suffix (lookup or suffix where the context "
+                   "matches, the engine elsewhere).")
 @click.option("--block-size", type=int, help="Quantization block size (16..256).")
 @click.option("--symmetric/--asymmetric", default=None, help="Symmetric weight quantization.")
 @click.option("--accuracy-level", type=int, help="MatMulNBits accuracy level 0..4 (4: int8 compute, fastest).")

@@ -485,8 +485,9 @@ def _json_default(value):
               help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and files).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--drafter", "drafter_kind", type=click.Choice(DRAFTERS), default=None,
-              help="What drafts: the draft engine, n-gram lookup in the context, or lookup where the context has a "
-                   "2-gram match and the engine elsewhere (default: the bundle's drafter).")
+              help="What drafts: the draft engine (model), n-gram lookup in the context (prompt_lookup), a suffix trie "
+                   "over the context (suffix), or either of those where it matches and the engine elsewhere (hybrid, "
+                   "hybrid_suffix). Default: the bundle's drafter.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
 @click.option("--write-k", is_flag=True, help="Store the recommended k as the bundle's default_k.")

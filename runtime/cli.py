@@ -28,8 +28,9 @@ def main():
 @click.option("--k", type=int, default=None, help="Draft tokens per step (default: the bundle's).")
 @click.option("--adaptive", is_flag=True, help="Adapt k to acceptance as it goes.")
 @click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
-              help="Draft with the draft engine, by n-gram lookup in the prompt (no model), or hybrid: lookup where the "
-                   "context has a 2-gram match, the engine elsewhere (default: the bundle's drafter).")
+              help="Who drafts: the draft engine (model), n-gram lookup (prompt_lookup), a suffix trie over the "
+                   "context (suffix), or hybrid / hybrid_suffix (lookup or suffix where the context matches, the "
+                   "engine elsewhere). Default: the bundle's drafter.")
 @click.option("--chat/--no-chat", default=False, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
