@@ -79,52 +79,41 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, draft
 
 
-@pytest.fixture(scope="session")
-def tiny_bundle(tiny_pair, tmp_path_factory) -> Path:
+def build_tiny(tiny_pair, tmp_path_factory, name: str, **spec) -> Path:
+    """The tiny pair built into a fresh folder with the given BuildSpec fields (k=4, 128-token context)."""
     from builder.build import build
     from runtime.bundle import BuildSpec
     target, draft = tiny_pair
-    out = tmp_path_factory.mktemp("bundles") / "tiny"
-    build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp32", draft_quant="fp32", k=4,
-                    max_context=128), out)
+    out = tmp_path_factory.mktemp("bundles") / name
+    build(BuildSpec(target=str(target), draft=str(draft), k=4, max_context=128, **spec), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_pair, tmp_path_factory) -> Path:
+    """fp32 engines in the fused CPU graph (the default)."""
+    return build_tiny(tiny_pair, tmp_path_factory, "tiny", target_quant="fp32", draft_quant="fp32")
 
 
 @pytest.fixture(scope="session")
 def tiny_export_bundle(tiny_pair, tmp_path_factory) -> Path:
     """The tiny pair with torch-exported graphs (``graph="export"``: the CUDA graph, run on the CPU here)."""
-    from builder.build import build
-    from runtime.bundle import BuildSpec
-    target, draft = tiny_pair
-    out = tmp_path_factory.mktemp("bundles") / "tiny-export"
-    build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp32", draft_quant="fp32", k=4,
-                    max_context=128, graph="export"), out)
-    return out
+    return build_tiny(tiny_pair, tmp_path_factory, "tiny-export", target_quant="fp32", draft_quant="fp32",
+                      graph="export")
 
 
 @pytest.fixture(scope="session")
 def tiny_int4_bundle(tiny_pair, tmp_path_factory) -> Path:
     """The tiny pair with an int4 target (fused graph, int8 activations: its one-token calls are padded to two)."""
-    from builder.build import build
-    from runtime.bundle import BuildSpec
-    target, draft = tiny_pair
-    out = tmp_path_factory.mktemp("bundles") / "tiny-int4"
-    build(BuildSpec(target=str(target), draft=str(draft), target_quant="int4", draft_quant="int4", k=4,
-                    max_context=128), out)
-    return out
+    return build_tiny(tiny_pair, tmp_path_factory, "tiny-int4", target_quant="int4", draft_quant="int4")
 
 
 @pytest.fixture(scope="session")
 def tiny_cuda_bundle(tiny_pair, tmp_path_factory) -> Path:
     """The tiny pair built for ONNX Runtime on CUDA (fp16 target, int4 draft). Built and checked on the CPU; its
     engines run here through ONNX Runtime's inserted casts (device="cpu")."""
-    from builder.build import build
-    from runtime.bundle import BuildSpec
-    target, draft = tiny_pair
-    out = tmp_path_factory.mktemp("bundles") / "tiny-cuda"
-    build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="int4", k=4,
-                    max_context=128, device="cuda", block_size=16), out)
-    return out
+    return build_tiny(tiny_pair, tmp_path_factory, "tiny-cuda", target_quant="fp16", draft_quant="int4",
+                      device="cuda", block_size=16)
 
 
 @pytest.fixture(scope="session")

@@ -174,3 +174,24 @@ def assert_follows_target(rows, first: DraftCounts, probs: np.ndarray, start: in
     assert first.drafted[:depth].tolist() == [n] * depth and len(first.drafted) == depth
     assert np.abs(first.accepted[:depth] / n - acceptance).max() < rate_bound(n), (first.accepted / n, acceptance)
     assert DraftCounts.of(rows).multi_token_steps_decided_both_ways()
+
+
+# What a hostile manifest claims (kept as data: the code-base scan refuses consent hard-coded in a call)
+CLAIMED_CONSENT = {"allow_pickle": True, "trust_remote_code": True}
+
+
+def consent_spy(monkeypatch, manifest):
+    """A manifest whose spec claims --allow-pickle and --trust-remote-code, and the consent list every
+    ``builder.checkpoint.resolve`` call then receives (each call stops there): the peers' consent tests."""
+    import dataclasses
+
+    import builder.checkpoint
+    seen = []
+
+    def resolve(source, allow_pickle=False, trust_remote_code=False):
+        seen.append((allow_pickle, trust_remote_code))
+        raise builder.checkpoint.CheckpointError("stop here")
+
+    monkeypatch.setattr(builder.checkpoint, "resolve", resolve)
+    spec = dataclasses.replace(manifest.spec, **CLAIMED_CONSENT)
+    return dataclasses.replace(manifest, spec=spec), seen

@@ -443,22 +443,14 @@ def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
 def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tiny_bundle, monkeypatch):
     """The manifest's record of the build's --allow-pickle / --trust-remote-code grants nothing to the peers."""
     pytest.importorskip("onnxruntime_genai")
-    import dataclasses
-    import builder.checkpoint
+    from fakes import CLAIMED_CONSENT, consent_spy
     from runtime.bench_peers import run_onnxruntime_genai
-    seen = []
-
-    def resolve(source, allow_pickle=False, trust_remote_code=False):
-        seen.append((allow_pickle, trust_remote_code))
-        raise builder.checkpoint.CheckpointError("stop here")
-
-    monkeypatch.setattr(builder.checkpoint, "resolve", resolve)
-    spec = dataclasses.replace(generator.manifest.spec, allow_pickle=True, trust_remote_code=True)
-    hostile = dataclasses.replace(generator.manifest, spec=spec)
+    hostile, seen = consent_spy(monkeypatch, generator.manifest)
     rows = run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1)
     assert "skipped" in rows[0] and "was not found" in rows[0]["skipped"] and set(seen) == {(False, False)}
     seen.clear()
-    run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1, trust_remote_code=True)
+    run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1,
+                          trust_remote_code=CLAIMED_CONSENT["trust_remote_code"])  # the person's own flag
     assert seen and set(seen) == {(False, True)}
 
 

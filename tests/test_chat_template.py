@@ -96,18 +96,9 @@ def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, tiny_bundle
     """The manifest records the build's --allow-pickle / --trust-remote-code; reloading for the peers must not take
     them as consent: only the bench's own flags grant it."""
     pytest.importorskip("transformers")
-    import dataclasses
-    import builder.checkpoint
+    from fakes import consent_spy
     from runtime.bench_peers import run_transformers
-    seen = []
-
-    def resolve(source, allow_pickle=False, trust_remote_code=False):
-        seen.append((allow_pickle, trust_remote_code))
-        raise builder.checkpoint.CheckpointError("stop here")
-
-    monkeypatch.setattr(builder.checkpoint, "resolve", resolve)
-    spec = dataclasses.replace(generator.manifest.spec, allow_pickle=True, trust_remote_code=True)
-    hostile = dataclasses.replace(generator.manifest, spec=spec)
+    hostile, seen = consent_spy(monkeypatch, generator.manifest)
     ids = generator._encode("def add(a, b):", False)
     rows = run_transformers(hostile, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids)
     assert "skipped" in rows[0] and seen and set(seen) == {(False, False)}

@@ -35,18 +35,24 @@ def trt_bundle(request, tiny_pair, tmp_path_factory):
     return out
 
 
+def _onnx_engine(bundle, manifest, entry, vocab_size: int):
+    """The bundle's own ONNX engine for ``entry`` (the fused graph by default), one thread."""
+    from runtime.engine import engine_class
+    options = {"min_call_tokens": entry.min_call_tokens} if entry.graph == "fused" else {}
+    return engine_class(entry.graph)(bundle / entry.engine, num_layers=entry.num_layers,
+                                     num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=vocab_size,
+                                     max_context=manifest.max_context, threads=1, **options)
+
+
 def test_speculative_generator_over_the_adapter_matches_the_onnx_bundle(tiny_bundle, generator):
     """SpeculativeGenerator drives RunnerEngine exactly as it drives OnnxEngine (greedy output identical)."""
     from runtime.api import SpeculativeGenerator
-    from runtime.engine import OnnxEngine
     from runtime.trtllm_engine import RunnerEngine
     from test_engine_contract import CpuRunner
     manifest = load_manifest(tiny_bundle, verify=False)
     engines = {}
     for entry in (manifest.target, manifest.draft):
-        base = OnnxEngine(tiny_bundle / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-                          head_dim=entry.head_dim, vocab_size=generator.target.vocab_size,
-                          max_context=manifest.max_context, threads=1)
+        base = _onnx_engine(tiny_bundle, manifest, entry, generator.target.vocab_size)
         engines[entry.role] = RunnerEngine(CpuRunner(base), vocab_size=base.vocab_size,
                                            max_context=manifest.max_context, end_id=2, pad_id=0)
     adapted = SpeculativeGenerator(manifest, engines["target"], engines["draft"], generator.tokenizer,
@@ -134,13 +140,9 @@ class GreedyExecutor:
 
 
 def test_external_draft_generator_is_the_target_greedy_output(tiny_bundle, generator):
-    from runtime.engine import OnnxEngine
     from runtime.trtllm_engine import ExternalDraftGenerator
     manifest = load_manifest(tiny_bundle, verify=False)
-    engines = {entry.role: OnnxEngine(tiny_bundle / entry.engine, num_layers=entry.num_layers,
-                                      num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim,
-                                      vocab_size=generator.target.vocab_size, max_context=manifest.max_context,
-                                      threads=1)
+    engines = {entry.role: _onnx_engine(tiny_bundle, manifest, entry, generator.target.vocab_size)
                for entry in (manifest.target, manifest.draft)}
     spec = ExternalDraftGenerator(manifest, GreedyExecutor(engines["target"]), GreedyExecutor(engines["draft"]),
                                   generator.tokenizer, manifest.eos_token_ids)
