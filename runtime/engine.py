@@ -253,15 +253,6 @@ class MappedVocabEngine:
         return getattr(self.engine, name)
 
 
-def load_vocab_map(path: str | os.PathLike) -> np.ndarray:
-    """The kept token ids of a reduced-vocabulary draft head: ``{"kept_ids": [...]}``, written by draftsmith distill."""
-    import json
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or not isinstance(data.get("kept_ids"), list):
-        raise ValueError(f"{path}: expected an object with a 'kept_ids' list")
-    return np.asarray(data["kept_ids"], dtype=np.int64)
-
-
 class FusedEngine:
     """A fused decoder graph (builder.graph: GroupQueryAttention over a fixed-capacity cache) run with ONNX Runtime.
 
