@@ -638,7 +638,7 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     }
     _publish_draft(draft, tokenizer, out, kept, report, force)
     say(f"saved the draft to {out} ({timings['total']:.0f} s in all); build with: "
-        f"draftsmith build-engines --target {target} --draft {out}")
+        f"build-engines --target {target} --draft {out}")
     return report
 
 
