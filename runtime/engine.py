@@ -51,6 +51,9 @@ class Engine(Protocol):
     def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
         """A cache holding only the given rows (sequences that are still running)."""
 
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        """A cache holding cache's rows, then other's (requests admitted into a running batch)."""
+
 
 # Where the runtime can run an ONNX bundle, and the execution providers for each (tensorrt: TensorRT EP over CUDA)
 PROVIDERS = {"cpu": ["CPUExecutionProvider"],
@@ -179,6 +182,11 @@ class OnnxEngine:
         self._compact(picked)
         return picked
 
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        past, mask = stack_rows([p.numpy() for p in cache.past], cache.mask, [p.numpy() for p in other.past],
+                                other.mask)
+        return KVCache(self._to_device(past), mask, np.concatenate([cache.lengths, other.lengths]), cache.calls)
+
     def _compact(self, cache: KVCache) -> None:
         past = [p if isinstance(p, np.ndarray) else p.numpy() for p in cache.past]
         cache.past, cache.mask = compact(past, cache.mask, cache.lengths)
@@ -207,6 +215,21 @@ def compact(past: list[np.ndarray], mask: np.ndarray, lengths: np.ndarray) -> tu
         return past, mask
     order = np.argsort(mask, axis=1, kind="stable")[:, slots - width:]  # live slots last, in their order
     return [np.take_along_axis(p, order[:, None, :, None], axis=2) for p in past], np.take_along_axis(mask, order, 1)
+
+
+def stack_rows(past: list[np.ndarray], mask: np.ndarray, more: list[np.ndarray], more_mask: np.ndarray,
+               time_axis: int = 2) -> tuple[list[np.ndarray], np.ndarray]:
+    """Two batches' cache arrays as one: the shorter side is left-padded with dead slots (mask 0)."""
+    width = max(mask.shape[1], more_mask.shape[1])
+
+    def pad(array: np.ndarray, slots: int) -> np.ndarray:
+        widths = [(0, 0)] * array.ndim
+        widths[time_axis] = (width - slots, 0)
+        return np.pad(array, widths)
+
+    joined = [np.concatenate([pad(a, mask.shape[1]), pad(b, more_mask.shape[1])]) for a, b in zip(past, more)]
+    masks = [np.pad(m, ((0, 0), (width - m.shape[1], 0))) for m in (mask, more_mask)]
+    return joined, np.concatenate(masks).astype(np.int64)
 
 
 class MappedVocabEngine:
@@ -246,6 +269,9 @@ class MappedVocabEngine:
 
     def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
         return self.engine.select(cache, rows)
+
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        return self.engine.join(cache, other)
 
     def __getattr__(self, name: str):  # session, num_layers, ...: whatever the wrapped engine has
         if name == "engine":
@@ -303,7 +329,7 @@ class FusedEngine:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         counts = tokens.shape[1] * np.ones(len(tokens), np.int64) if valid is None else valid.sum(axis=1)
         asked = tokens.shape[1]
-        if asked < self.min_call_tokens:
+        if len(tokens) * asked < self.min_call_tokens:  # the kernels see batch x tokens rows: pad only a lone token
             tokens = np.pad(tokens, ((0, 0), (0, self.min_call_tokens - asked)))
         batch, new = tokens.shape
         self._reserve(cache, int(cache.lengths.max()) + new)
@@ -352,20 +378,48 @@ class FusedEngine:
         limit = self.max_context + self.min_call_tokens  # padding may pass the context by a slot; it stays dead
         if needed > limit:
             raise ValueError(f"a call would hold {needed} tokens; this engine's context is {self.max_context}")
-        bigger = self._buffers(cache.batch, min(limit, max(needed, 2 * slots)))
+        self._grow(cache, cache.past[0].shape[0], min(limit, max(needed, 2 * slots)))
+
+    def _grow(self, cache: KVCache, rows: int, slots: int) -> None:
+        """New buffers of ``rows`` x ``slots`` holding the old ones' contents (bindings are remade)."""
+        bigger = self._buffers(rows, slots)
+        old_rows, old_slots = cache.past[0].shape[0], cache.past[0].shape[2]
         for old, new in zip(cache.past, bigger):
-            new[:, :, :slots] = old
+            new[:old_rows, :, :old_slots] = old
         cache.past, cache.extra["views"] = bigger, {}
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
         cache.lengths = np.minimum(cache.lengths, keep)
 
     def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
-        """The given rows, in buffers trimmed to what they use (at least ``initial_slots``)."""
+        """The given rows. Rows kept in order move down within the same buffers (only their live slots are copied,
+        and the bindings stay valid: a server retires requests every few steps); otherwise new buffers trimmed to
+        what the rows use (at least ``initial_slots``). Either way the old cache must not be used again."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and bool((np.diff(rows) > 0).all()):
+            for i, r in enumerate(rows):
+                if i != r:
+                    used = int(cache.lengths[r])
+                    for buffer in cache.past:
+                        buffer[i, :, :used] = buffer[r, :, :used]
+            return KVCache(cache.past, cache.mask[rows], cache.lengths[rows], cache.calls, extra=cache.extra)
         used = int(cache.lengths[rows].max()) if len(rows) else 0
         slots = min(cache.past[0].shape[2], max(used, self.initial_slots))
         past = [np.ascontiguousarray(p[rows][:, :, :slots]) for p in cache.past]
         return KVCache(past, cache.mask[rows], cache.lengths[rows], cache.calls, extra={"views": {}})
+
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        """cache's rows, then other's, in cache's buffers: they grow (rows to a power of two, so admitting one
+        request at a time copies the batch only log-many times) when other does not fit."""
+        n, m = cache.batch, other.batch
+        used = int(other.lengths.max()) if m else 0
+        rows, slots = cache.past[0].shape[0], cache.past[0].shape[2]
+        if n + m > rows or used > slots:
+            self._grow(cache, max(rows, 1 << (n + m - 1).bit_length()), max(slots, used))
+        for buffer, more in zip(cache.past, other.past):
+            buffer[n: n + m, :, :used] = more[:, :, :used]
+        return KVCache(cache.past, np.zeros((n + m, 0), np.int64), np.concatenate([cache.lengths, other.lengths]),
+                       cache.calls, extra=cache.extra)
 
     @property
     def _ort(self):

@@ -250,6 +250,13 @@ class RunnerEngine:
         mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         return KVCache([], mask, lengths.copy(), cache.calls, extra={"tokens": tokens})
 
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        tokens = [list(t) for t in cache.extra["tokens"] + other.extra["tokens"]]
+        lengths = np.concatenate([cache.lengths, other.lengths])
+        width = int(lengths.max()) if len(lengths) else 0
+        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        return KVCache([], mask, lengths, cache.calls, extra={"tokens": tokens})
+
 
 def _to_numpy(value) -> np.ndarray:
     if hasattr(value, "detach"):

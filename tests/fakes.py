@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.engine import KVCache, live_keep_mask
+from runtime.engine import KVCache, live_keep_mask, stack_rows
 
 
 class BigramEngine:
@@ -42,6 +42,10 @@ class BigramEngine:
 
     def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
         return KVCache([cache.past[0][rows]], cache.mask[rows], cache.lengths[rows], cache.calls)
+
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        past, mask = stack_rows(cache.past, cache.mask, other.past, other.mask, time_axis=1)
+        return KVCache(past, mask, np.concatenate([cache.lengths, other.lengths]), cache.calls)
 
     def live_tokens(self, cache: KVCache, row: int) -> list[int]:
         return [int(t) for t, m in zip(cache.past[0][row], cache.mask[row]) if m]

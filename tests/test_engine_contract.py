@@ -189,3 +189,19 @@ def test_adapter_sends_whole_histories_one_request_per_row(tiny_bundle):
     engine.forward(cache, np.array([[5, 6, 7], [8, 9, 0]]), np.array([[1, 1, 1], [1, 1, 0]]))
     engine.forward(cache, np.array([[10], [11]]))
     assert runner.requests == [3, 2, 4, 3]
+
+
+def test_join_appends_rows_that_continue_as_if_alone(engine):
+    rng = np.random.default_rng(5)
+    first, second = tokens(rng, 2, 6), tokens(rng, 1, 3)
+    cache = engine.new_cache(2)
+    engine.forward(cache, first)
+    other = engine.new_cache(1)
+    engine.forward(other, second)
+    joined = engine.join(engine.select(cache, np.array([1])), other)  # a retired row, then an admitted one
+    assert joined.batch == 2 and joined.lengths.tolist() == [6, 3]
+    nxt = tokens(rng, 2, 1)
+    out = engine.forward(joined, nxt)
+    for i, history in enumerate((first[1], second[0])):
+        fresh = engine.forward(engine.new_cache(1), np.concatenate([history, nxt[i]])[None])
+        np.testing.assert_allclose(out[i, 0], fresh[0, -1], atol=tolerance(engine))

@@ -1,0 +1,501 @@
+"""In-flight batching: one loop owns the engines and, at every step, admits, decodes and retires requests.
+
+A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
+(2) waiting requests are admitted first come first served up to ``max_batch`` rows: each prompt is prefilled in a
+cache of its own, which then joins the running batch; (3) every row advances once, in one of two ways, whichever
+gives more tokens per second on the measured call costs and each row's own acceptance so far:
+
+- speculative: each row's drafter proposes up to its k tokens and the target scores every row's [last, x_1..x_d].
+  On CPU, GroupQueryAttention takes several new tokens on a past only at batch 1, so this call runs row by row;
+- batched target-only: one target call of one token for every row.
+
+(4) each row accepts with its own sampling parameters and random generator (sampling.verify), its text and stop
+strings advance, and finished rows leave, their cache rows freed. A row's tokens are what the same request gets
+alone: every engine call has at least two token rows (``min_call_tokens`` 2), so a row's logits are bit for bit the
+same whatever it shares a call with, and a seeded sampled row always speculates, so its random stream is used the
+same way in every batch.
+
+Each request has its own drafter (its own draft cache), made by the generator as for a lone request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from runtime.api import Generation, SpeculativeGenerator
+from runtime.errors import RequestError
+from runtime.metrics import RequestStats
+from runtime.sampling import verify
+from runtime.speculative import DecodeConfig, Drafter, feed, prefill, row_generators
+from runtime.text import IncrementalDecoder, find_stop
+
+POLICIES = ("auto", "speculative", "batched")
+
+
+class Overloaded(RequestError):
+    """The queue is full, or a request waited longer than the scheduler allows: retry later."""
+
+
+@dataclass
+class Event:
+    """What a request receives: text as it is accepted, then exactly one ``final`` (or one ``error``)."""
+
+    piece: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the tokens this event adds
+    final: Generation | None = None
+    error: Exception | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.final is not None or self.error is not None
+
+
+class Handle:
+    """A submitted request: its events, in order, and a way to cancel it (honoured at the next step)."""
+
+    def __init__(self, request_id: int, sink: Callable[[Event], None] | None = None):
+        self.id = request_id
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._sink = sink or self._events.put
+        self._cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def send(self, event: Event) -> None:
+        self._sink(event)
+
+    def __iter__(self) -> Iterator[Event]:
+        """Events until the last one (blocking); only when no ``sink`` was given."""
+        while True:
+            event = self._events.get()
+            yield event
+            if event.last:
+                return
+
+    def result(self) -> Generation:
+        """Wait for the final Generation; raises the request's error."""
+        for event in self:
+            if event.error is not None:
+                raise event.error
+            if event.final is not None:
+                return event.final
+        raise RuntimeError("unreachable")
+
+
+@dataclass
+class _Row:
+    """A running request."""
+
+    handle: Handle
+    prompt: list[int]
+    config: DecodeConfig
+    stops: tuple[str, ...]
+    drafter: Drafter | None
+    rng: np.random.Generator
+    decoder: IncrementalDecoder
+    deadline: float | None
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: str = ""
+    acceptance: float = 0.6  # running estimate of P(a draft token is accepted), for the step policy
+    stats: RequestStats = field(default_factory=RequestStats)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def last(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
+    @property
+    def pinned(self) -> bool:
+        """A seeded sampled row always speculates: its text then does not depend on the batch it runs in."""
+        return self.drafter is not None and self.config.seed is not None and not self.config.params.greedy
+
+
+@dataclass
+class _Waiting:
+    handle: Handle
+    prompt: list[int]
+    config: DecodeConfig
+    stops: tuple[str, ...]
+    drafter_kind: str | None
+    mode: str
+    draft_confidence: float
+    timeout: float | None
+
+
+class CostModel:
+    """Measured seconds of the calls a step is made of, for choosing how to run it.
+
+    ``batch[B]``: one target call of one token for B rows; ``verify[S]``: one row's target call of S tokens;
+    ``draft``: one draft token for one row. Calibrated once on a scratch cache, then each kind is rescaled by how
+    the steps actually ran (a machine under other load slows everything).
+    """
+
+    def __init__(self):
+        self.batch: dict[int, float] = {}
+        self.verify: dict[int, float] = {}
+        self.draft = 0.0
+        self.scale = {"batched": 1.0, "speculative": 1.0}
+
+    def batch_cost(self, rows: int) -> float:
+        sizes = sorted(self.batch)
+        return float(np.interp(rows, sizes, [self.batch[s] for s in sizes])) * self.scale["batched"]
+
+    def spec_cost(self, widths: list[int]) -> float:
+        sizes = sorted(self.verify)
+        verify_s = np.interp(widths, sizes, [self.verify[s] for s in sizes])
+        return float(verify_s.sum() + self.draft * (np.asarray(widths) - 1).sum()) * self.scale["speculative"]
+
+    def observe(self, kind: str, predicted: float, measured: float) -> None:
+        if predicted > 0:
+            self.scale[kind] = 0.8 * self.scale[kind] + 0.2 * measured / (predicted / self.scale[kind])
+
+    def calibrate(self, target, draft, max_batch: int, max_width: int, past: int = 64, repeats: int = 3) -> None:
+        def timed(engine, rows: int, width: int) -> float:
+            cache = engine.new_cache(rows)
+            prefill(engine, cache, [[1] * past] * rows)
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                engine.forward(cache, np.ones((rows, width), np.int64))
+                best = min(best, time.perf_counter() - start)
+                engine.rollback(cache, cache.lengths - width)
+            return best
+
+        for rows in sorted({1, 2, 4, max_batch} | {b for b in (8, 16, 32) if b < max_batch}):
+            self.batch[rows] = timed(target, rows, 1)
+        for width in range(1, max_width + 1):
+            self.verify[width] = timed(target, 1, width)
+        self.draft = timed(draft, 1, 1) if draft is not None else 0.0
+
+
+class Scheduler:
+    """Serves many requests at once over one generator's engines; see the module docstring.
+
+    ``submit`` may be called from any thread; the loop runs in its own (``start``), or a test drives ``step``.
+    max_batch: rows decoded together; max_queue: waiting requests before ``Overloaded``; max_wait: seconds a request
+    may wait for admission before ``Overloaded``; policy: "auto" (measured), "speculative" or "batched" (target-only
+    steps while more than one row runs).
+    """
+
+    def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
+                 max_wait: float = 60.0, policy: str = "auto"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError("max_batch and max_queue must be >= 1")
+        self.generator, self.target = generator, generator.target
+        self.max_batch, self.max_queue, self.max_wait, self.policy = max_batch, max_queue, max_wait, policy
+        for engine in (generator.target, generator.draft):
+            batch_invariant(engine)
+        self.rows: list[_Row] = []
+        self.cache = self.target.new_cache(0)
+        self.waiting: deque[_Waiting] = deque()
+        self.costs = CostModel()
+        self.counters = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "step_time": 0.0, "engine_time": 0.0,
+                         "admitted": 0, "finished": 0, "cancelled": 0, "timed_out": 0, "refused": 0}
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # --- the outside ----------------------------------------------------------------------------------------------
+
+    def submit(self, prompt, *, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None, k: int | None = None,
+               stop=None, mode: str = "speculative", drafter: str | None = None, draft_confidence: float = 0.0,
+               timeout: float | None = None, sink: Callable[[Event], None] | None = None) -> Handle:
+        """Queue one request (a prompt string, or chat messages with ``chat``); validated here, so a bad one raises
+        RequestError at once. ``timeout``: seconds from now after which it finishes with reason "timeout"."""
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise RequestError(f"seed: expected an integer >= 0 or None, received {seed!r}")
+        if timeout is not None and not timeout > 0:
+            raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
+        config, stops = self.generator._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode,
+                                               None, None)
+        self.generator._drafter(mode, drafter, draft_confidence)  # an unknown drafter fails here, not in the loop
+        ids = self.generator._encode(prompt, chat)
+        handle = Handle(next(self._ids), sink)
+        with self._lock:
+            if len(self.waiting) >= self.max_queue:
+                self.counters["refused"] += 1
+                raise Overloaded(f"overloaded: {len(self.waiting)} requests are waiting (the limit); retry later")
+            self.waiting.append(_Waiting(handle, ids, config, stops, drafter, mode, draft_confidence, timeout))
+            self._lock.notify()
+        return handle
+
+    def start(self, calibrate: bool = True) -> "Scheduler":
+        """Measure the call costs, then run the loop in a daemon thread until ``stop``."""
+        if calibrate:
+            self.calibrate()
+        self._thread = threading.Thread(target=self._loop, name="draftsmith-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def calibrate(self) -> None:
+        max_width = min(self.generator.max_k, 8) + 1
+        self.costs.calibrate(self.target, self.generator.draft, self.max_batch, max_width)
+
+    def stop(self) -> None:
+        """Stop the loop; every request still waiting or running gets an error event."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self._fail_all(RequestError("the server is shutting down"))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    def stats(self) -> dict:
+        """Counters, and per step: mean rows, seconds, and the seconds outside engine calls (the overhead)."""
+        c = dict(self.counters)
+        steps = max(1, c["steps"])
+        c.update(running=len(self.rows), waiting=len(self.waiting), mean_batch=c["row_steps"] / steps,
+                 step_ms=1e3 * c["step_time"] / steps,
+                 overhead_ms=1e3 * (c["step_time"] - c["engine_time"]) / steps)
+        return c
+
+    # --- the loop -------------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.busy:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as err:  # an engine failure: fail what is running, keep serving
+                self._fail_running(RequestError(f"decoding failed: {err}"))
+
+    def step(self) -> bool:
+        """One step (see the module docstring); False when there was nothing to run."""
+        start = time.perf_counter()
+        self._refuse_stale()
+        self._retire([self._interrupted(row) for row in self.rows])
+        engine_time = self._admit()
+        if not self.rows:
+            return False
+        speculate = self._speculate()
+        t0 = time.perf_counter()
+        drafts = [self._propose(row) if speculate else ([], []) for row in self.rows]
+        t1 = time.perf_counter()
+        logits = feed(self.target, self.cache, [[row.last] + d for row, (d, _) in zip(self.rows, drafts)])[0]
+        t2 = time.perf_counter()
+        keep = self.cache.lengths.copy()
+        for b, (row, (draft, probs)) in enumerate(zip(self.rows, drafts)):
+            n, extra = verify(draft, probs, logits[b, : len(draft) + 1], row.config.params, row.rng)
+            keep[b] -= len(draft) - n
+            self._settle(row, draft, n, draft[:n] + [extra], t1 - t0, t2 - t1)
+        self.target.rollback(self.cache, keep)
+        kind = "speculative" if speculate else "batched"
+        predicted = (self.costs.spec_cost([len(d) + 1 for d, _ in drafts]) if speculate
+                     else self.costs.batch_cost(len(self.rows)))
+        self.costs.observe(kind, predicted, t2 - t0)
+        self._count(len(self.rows), speculate, time.perf_counter() - start, engine_time + t2 - t0)
+        self._retire([row.finished for row in self.rows])
+        return True
+
+    def _count(self, rows: int, speculate: bool, step_time: float, engine_time: float) -> None:
+        c = self.counters
+        c["steps"] += 1
+        c["speculative_steps"] += speculate
+        c["row_steps"] += rows
+        c["step_time"] += step_time
+        c["engine_time"] += engine_time
+
+    def _speculate(self) -> bool:
+        """Whether this step drafts: by policy, else by expected tokens per second on the measured costs."""
+        drafting = [row for row in self.rows if row.drafter is not None and self._draft_limit(row)]
+        if not drafting:
+            return False
+        if self.policy == "speculative" or any(row.pinned for row in drafting):
+            return True
+        if self.policy == "batched":
+            return len(self.rows) == 1
+        if not self.costs.batch:
+            return True
+        widths, tokens = [], 0.0
+        for row in self.rows:
+            limit = self._draft_limit(row) if row.drafter is not None else 0
+            widths.append(limit + 1)
+            a = min(row.acceptance, 0.99)
+            tokens += (1 - a ** (limit + 1)) / (1 - a)
+        return tokens / self.costs.spec_cost(widths) > len(self.rows) / self.costs.batch_cost(len(self.rows))
+
+    def _draft_limit(self, row: _Row) -> int:
+        budget = row.config.max_new_tokens - len(row.generated) - 1
+        context = self.target.max_context - len(row.prompt) - len(row.generated)
+        return max(0, min(row.config.k, budget, context))
+
+    def _propose(self, row: _Row) -> tuple[list[int], list]:
+        limit = self._draft_limit(row) if row.drafter is not None else 0
+        if not limit:
+            return [], []
+        proposal = row.drafter.propose([limit], row.config.params, [row.rng])
+        return proposal.tokens[0], proposal.probs[0]
+
+    def _settle(self, row: _Row, draft: list[int], accepted: int, out: list[int], draft_time: float,
+                verify_time: float) -> None:
+        """After verification: the row's drafter, acceptance estimate, stats, tokens and text."""
+        if row.drafter is not None:
+            if draft:
+                row.drafter.settle([accepted], [out])
+                row.acceptance = 0.8 * row.acceptance + 0.2 * accepted / len(draft)
+            else:
+                row.drafter.observe([out])
+        row.stats.record_step(len(draft), accepted, 0, fallback=False)
+        row.stats.draft_time += draft_time
+        row.stats.verify_time += verify_time
+        new = self._append(row, out)
+        row.stats.num_emitted_tokens += len(new)
+        now = time.perf_counter()
+        if new and not row.stats.time_to_first_token:
+            row.stats.time_to_first_token = now - row.started
+        row.stats.total_time = now - row.started
+        piece = row.decoder.push(new) if new else ""
+        if row.finished:
+            piece += row.decoder.flush()
+        piece = self._apply_stops(row, piece)
+        row.text += piece
+        if piece:
+            row.handle.send(Event(piece, new))
+
+    def _append(self, row: _Row, tokens: list[int]) -> list[int]:
+        new = []
+        for token in tokens:
+            if row.finished:
+                break
+            row.generated.append(token)
+            new.append(token)
+            if token in row.config.eos_ids:
+                row.finished = "stop"
+            elif len(row.generated) >= row.config.max_new_tokens:
+                row.finished = "length"
+            elif len(row.prompt) + len(row.generated) >= self.target.max_context:
+                row.finished = "context"
+        return new
+
+    def _apply_stops(self, row: _Row, piece: str) -> str:
+        if not row.stops or not piece:
+            return piece
+        at = find_stop(row.text + piece, row.stops, len(row.text))
+        if at < 0:
+            return piece
+        row.finished = "stop"
+        return (row.text + piece)[:at][len(row.text):]
+
+    # --- admission and retirement ---------------------------------------------------------------------------------
+
+    def _admit(self) -> float:
+        """Admit waiting requests FIFO into free rows; returns the seconds spent prefilling."""
+        with self._lock:
+            taken = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
+        if not taken:
+            return 0.0
+        start = time.perf_counter()
+        try:
+            cache = self.target.new_cache(len(taken))
+            if any(len(w.prompt) > 1 for w in taken):
+                prefill(self.target, cache, [w.prompt[:-1] for w in taken])
+            rows = [self._row(w) for w in taken]
+        except Exception as err:  # nothing joined yet: the batch in flight is untouched
+            for w in taken:
+                w.handle.send(Event(error=RequestError(f"admission failed: {err}")))
+            return time.perf_counter() - start
+        self.cache = self.target.join(self.cache, cache)
+        self.rows.extend(rows)
+        self.counters["admitted"] += len(taken)
+        return time.perf_counter() - start
+
+    def _row(self, w: _Waiting) -> _Row:
+        drafter = self.generator._drafter(w.mode, w.drafter_kind, w.draft_confidence)
+        if drafter is not None:
+            drafter.start([w.prompt])
+        rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
+        deadline = w.handle.submitted + w.timeout if w.timeout else None
+        return _Row(w.handle, w.prompt, w.config, w.stops, drafter, rng, IncrementalDecoder(self.generator.tokenizer),
+                    deadline)
+
+    def _interrupted(self, row: _Row) -> str:
+        if row.handle.cancelled:
+            return "cancelled"
+        if row.deadline is not None and time.perf_counter() > row.deadline:
+            return "timeout"
+        return ""
+
+    def _retire(self, reasons: list[str]) -> None:
+        """Rows with a reason leave: each gets its final event; the batch cache keeps the others."""
+        if not any(reasons):
+            return
+        keep = []
+        for b, (row, reason) in enumerate(zip(self.rows, reasons)):
+            if not reason:
+                keep.append(b)
+                continue
+            row.finished = reason
+            tail = row.decoder.flush() if reason in ("cancelled", "timeout") else ""
+            row.text += tail
+            row.stats.finish_reason, row.stats.prompt_tokens = reason, len(row.prompt)
+            self.generator.metrics.add(row.stats)
+            key = {"cancelled": "cancelled", "timeout": "timed_out"}.get(reason, "finished")
+            self.counters[key] += 1
+            row.handle.send(Event(tail, [], final=Generation(row.text, list(row.generated), len(row.prompt), reason,
+                                                             row.stats)))
+        self.rows = [self.rows[b] for b in keep]
+        self.cache = self.target.select(self.cache, np.array(keep, dtype=np.int64))
+
+    def _refuse_stale(self) -> None:
+        """Requests cancelled while waiting, or waiting longer than max_wait, leave the queue."""
+        now = time.perf_counter()
+        with self._lock:
+            stale = [w for w in self.waiting if w.handle.cancelled or now - w.handle.submitted > self.max_wait]
+            for w in stale:
+                self.waiting.remove(w)
+        for w in stale:
+            if w.handle.cancelled:
+                self.counters["cancelled"] += 1
+                w.handle.send(Event(final=Generation("", [], len(w.prompt), "cancelled")))
+            else:
+                self.counters["refused"] += 1
+                w.handle.send(Event(error=Overloaded(f"overloaded: waited {now - w.handle.submitted:.1f} s for a "
+                                                     f"free row (the limit is {self.max_wait:g} s); retry later")))
+
+    def _fail_running(self, error: Exception) -> None:
+        for row in self.rows:
+            row.handle.send(Event(error=error))
+        self.rows = []
+        self.cache = self.target.new_cache(0)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            waiting, self.waiting = list(self.waiting), deque()
+        for w in waiting:
+            w.handle.send(Event(error=error))
+        self._fail_running(error)
+
+
+def batch_invariant(engine) -> None:
+    """Make a fused engine pad a lone token to two (see FusedEngine: the one-row kernel rounds differently), so a
+    row's logits do not depend on how many rows share its call."""
+    inner = getattr(engine, "engine", engine)
+    if hasattr(inner, "min_call_tokens"):
+        inner.min_call_tokens = max(2, inner.min_call_tokens)
