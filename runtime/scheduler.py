@@ -2,20 +2,25 @@
 
 A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
 (2) waiting requests are admitted first come first served up to ``max_batch`` rows: each prompt is prefilled in a
-cache of its own, which then joins the running batch; (3) every row advances once, in one of two ways, whichever
-gives more tokens per second on the measured call costs and each row's own acceptance so far:
+cache of its own, which then joins the running batch; (3) every row advances once; (4) each row accepts with its own
+sampling parameters, k and random generator (sampling.verify), its text and stop strings advance, and finished rows
+leave, their cache rows freed. New requests therefore start at the next step, whatever else is running.
 
-- speculative: each row's drafter proposes up to its k tokens and the target scores every row's [last, x_1..x_d].
-  On CPU, GroupQueryAttention takes several new tokens on a past only at batch 1, so this call runs row by row;
-- batched target-only: one target call of one token for every row.
+How a step runs is the policy's choice:
 
-(4) each row accepts with its own sampling parameters and random generator (sampling.verify), its text and stop
-strings advance, and finished rows leave, their cache rows freed. A row's tokens are what the same request gets
-alone: every engine call has at least two token rows (``min_call_tokens`` 2), so a row's logits are bit for bit the
-same whatever it shares a call with, and a seeded sampled row always speculates, so its random stream is used the
-same way in every batch.
+- "exact" (the default): every row drafts and the target scores each row's [last, x_1..x_d] in a call of its own.
+  Every answer is then bit for bit what the same request gets alone (``SpeculativeGenerator.generate``): a row's
+  logits never depend on what else runs. The price: on CPU, GroupQueryAttention takes several new tokens on a past
+  only at batch 1, so rows share no target call and concurrency adds little throughput.
+- "throughput": a step either drafts (row by row, as above) or makes one batched call of one token for all rows,
+  whichever gives more tokens per second on the measured call costs (CostModel) and each row's acceptance so far.
+  A batched call runs other attention and matmul kernels than a lone row's (one query row per head instead of
+  several), and the int8-activation matmuls of a quantized target turn those last-bit differences into logit
+  differences of up to ~1: greedy answers stay greedy, but can part from a lone run's at a near tie.
 
-Each request has its own drafter (its own draft cache), made by the generator as for a lone request.
+Every call has at least two token rows (``min_call_tokens`` 2; see FusedEngine), and a seeded sampled row always
+drafts, so a seeded request's random stream is used the same way whatever it runs with. Each request has its own
+drafter (its own draft cache), made by the generator as for a lone request.
 """
 
 from __future__ import annotations
@@ -34,14 +39,18 @@ from runtime.api import Generation, SpeculativeGenerator
 from runtime.errors import RequestError
 from runtime.metrics import RequestStats
 from runtime.sampling import verify
-from runtime.speculative import DecodeConfig, Drafter, feed, prefill, row_generators
+from runtime.speculative import DecodeConfig, Drafter, prefill, row_generators
 from runtime.text import IncrementalDecoder, find_stop
 
-POLICIES = ("auto", "speculative", "batched")
+POLICIES = ("exact", "throughput")
 
 
 class Overloaded(RequestError):
     """The queue is full, or a request waited longer than the scheduler allows: retry later."""
+
+
+class Unavailable(RuntimeError):
+    """Not the request's fault: the engines failed while it ran, or the scheduler is stopping."""
 
 
 @dataclass
@@ -67,6 +76,7 @@ class Handle:
         self._sink = sink or self._events.put
         self._cancelled = threading.Event()
         self.submitted = time.perf_counter()
+        self.outcome: Event | None = None  # the last event, once read
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -79,21 +89,20 @@ class Handle:
         self._sink(event)
 
     def __iter__(self) -> Iterator[Event]:
-        """Events until the last one (blocking); only when no ``sink`` was given."""
-        while True:
+        """Events until the last one (blocking); only when no ``sink`` was given. Once the last was read, nothing."""
+        while self.outcome is None:
             event = self._events.get()
-            yield event
             if event.last:
-                return
+                self.outcome = event
+            yield event
 
     def result(self) -> Generation:
-        """Wait for the final Generation; raises the request's error."""
-        for event in self:
-            if event.error is not None:
-                raise event.error
-            if event.final is not None:
-                return event.final
-        raise RuntimeError("unreachable")
+        """Wait for the final Generation (reading the events that are left); raises the request's error."""
+        for _ in self:
+            pass
+        if self.outcome.error is not None:
+            raise self.outcome.error
+        return self.outcome.final
 
 
 @dataclass
@@ -152,10 +161,14 @@ class CostModel:
         self.scale = {"batched": 1.0, "speculative": 1.0}
 
     def batch_cost(self, rows: int) -> float:
+        if not self.batch:  # not calibrated
+            return 0.0
         sizes = sorted(self.batch)
         return float(np.interp(rows, sizes, [self.batch[s] for s in sizes])) * self.scale["batched"]
 
     def spec_cost(self, widths: list[int]) -> float:
+        if not self.verify:
+            return 0.0
         sizes = sorted(self.verify)
         verify_s = np.interp(widths, sizes, [self.verify[s] for s in sizes])
         return float(verify_s.sum() + self.draft * (np.asarray(widths) - 1).sum()) * self.scale["speculative"]
@@ -188,12 +201,11 @@ class Scheduler:
 
     ``submit`` may be called from any thread; the loop runs in its own (``start``), or a test drives ``step``.
     max_batch: rows decoded together; max_queue: waiting requests before ``Overloaded``; max_wait: seconds a request
-    may wait for admission before ``Overloaded``; policy: "auto" (measured), "speculative" or "batched" (target-only
-    steps while more than one row runs).
+    may wait for admission before ``Overloaded``; policy: "exact" or "throughput" (see the module docstring).
     """
 
     def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
-                 max_wait: float = 60.0, policy: str = "auto"):
+                 max_wait: float = 60.0, policy: str = "exact"):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
         if max_batch < 1 or max_queue < 1:
@@ -221,7 +233,7 @@ class Scheduler:
                timeout: float | None = None, sink: Callable[[Event], None] | None = None) -> Handle:
         """Queue one request (a prompt string, or chat messages with ``chat``); validated here, so a bad one raises
         RequestError at once. ``timeout``: seconds from now after which it finishes with reason "timeout"."""
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise RequestError(f"seed: expected an integer >= 0 or None, received {seed!r}")
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
@@ -231,6 +243,8 @@ class Scheduler:
         ids = self.generator._encode(prompt, chat)
         handle = Handle(next(self._ids), sink)
         with self._lock:
+            if self._stopping:
+                raise Unavailable("the scheduler is stopping")
             if len(self.waiting) >= self.max_queue:
                 self.counters["refused"] += 1
                 raise Overloaded(f"overloaded: {len(self.waiting)} requests are waiting (the limit); retry later")
@@ -257,7 +271,7 @@ class Scheduler:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
-        self._fail_all(RequestError("the server is shutting down"))
+        self._fail_all(Unavailable("the scheduler is stopping"))
 
     @property
     def busy(self) -> bool:
@@ -284,7 +298,7 @@ class Scheduler:
             try:
                 self.step()
             except Exception as err:  # an engine failure: fail what is running, keep serving
-                self._fail_running(RequestError(f"decoding failed: {err}"))
+                self._fail_running(Unavailable(f"decoding failed: {err}"))
 
     def step(self) -> bool:
         """One step (see the module docstring); False when there was nothing to run."""
@@ -298,7 +312,7 @@ class Scheduler:
         t0 = time.perf_counter()
         drafts = [self._propose(row) if speculate else ([], []) for row in self.rows]
         t1 = time.perf_counter()
-        logits = feed(self.target, self.cache, [[row.last] + d for row, (d, _) in zip(self.rows, drafts)])[0]
+        logits = self.target.forward(self.cache, *self._target_chunks(drafts))
         t2 = time.perf_counter()
         keep = self.cache.lengths.copy()
         for b, (row, (draft, probs)) in enumerate(zip(self.rows, drafts)):
@@ -323,15 +337,14 @@ class Scheduler:
         c["engine_time"] += engine_time
 
     def _speculate(self) -> bool:
-        """Whether this step drafts: by policy, else by expected tokens per second on the measured costs."""
+        """Whether this step drafts. "exact": always (each row's calls are its own). "throughput": when drafting
+        gives more tokens per second than one batched call, on the measured costs and each row's acceptance."""
         drafting = [row for row in self.rows if row.drafter is not None and self._draft_limit(row)]
         if not drafting:
             return False
-        if self.policy == "speculative" or any(row.pinned for row in drafting):
+        if self.policy == "exact" or len(self.rows) == 1 or not self.costs.batch:
             return True
-        if self.policy == "batched":
-            return len(self.rows) == 1
-        if not self.costs.batch:
+        if any(row.pinned for row in drafting):
             return True
         widths, tokens = [], 0.0
         for row in self.rows:
@@ -340,6 +353,17 @@ class Scheduler:
             a = min(row.acceptance, 0.99)
             tokens += (1 - a ** (limit + 1)) / (1 - a)
         return tokens / self.costs.spec_cost(widths) > len(self.rows) / self.costs.batch_cost(len(self.rows))
+
+    def _target_chunks(self, drafts: list[tuple[list[int], list]]) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's [last, x_1..x_d], right-padded. "exact" adds one padding column, so a fused engine runs the
+        call row by row, the kernels a lone request gets, even when no row drafted."""
+        chunks = [[row.last] + d for row, (d, _) in zip(self.rows, drafts)]
+        width = max(len(c) for c in chunks) + (self.policy == "exact" and len(chunks) > 1)
+        tokens = np.zeros((len(chunks), width), np.int64)
+        valid = np.zeros((len(chunks), width), np.int64)
+        for b, chunk in enumerate(chunks):
+            tokens[b, : len(chunk)], valid[b, : len(chunk)] = chunk, 1
+        return tokens, valid
 
     def _draft_limit(self, row: _Row) -> int:
         budget = row.config.max_new_tokens - len(row.generated) - 1
@@ -419,7 +443,7 @@ class Scheduler:
             rows = [self._row(w) for w in taken]
         except Exception as err:  # nothing joined yet: the batch in flight is untouched
             for w in taken:
-                w.handle.send(Event(error=RequestError(f"admission failed: {err}")))
+                w.handle.send(Event(error=Unavailable(f"admission failed: {err}")))
             return time.perf_counter() - start
         self.cache = self.target.join(self.cache, cache)
         self.rows.extend(rows)

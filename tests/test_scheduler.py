@@ -1,0 +1,198 @@
+"""The in-flight batching scheduler over scripted engines: admission mid-flight, per-row settings and exactness,
+cancellation, deadlines, the queue limit, failures."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fakes import BigramEngine, exact_prefixes, random_table, total_variation, tv_bound
+from runtime.api import SpeculativeGenerator
+from runtime.errors import RequestError
+from runtime.sampling import SamplingParams, probabilities
+from runtime.scheduler import Overloaded, Scheduler, Unavailable
+from runtime.text import Tokenizer
+
+PROMPTS = ["the cat", "a b c d e f", "hello there, how are", "def f(x):", "one two one two one", "zz"]
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_bundle):
+    tokenizer = Tokenizer(tiny_bundle / "tokenizer")
+    vocab = tokenizer.vocab_size
+    target = BigramEngine(random_table(vocab, 1, scale=3.0), max_context=128)
+    draft = BigramEngine(random_table(vocab, 1, scale=3.0) + random_table(vocab, 2, scale=0.7), max_context=128)
+    return SpeculativeGenerator(None, target, draft, tokenizer, eos_ids=(2,), max_k=8)
+
+
+def drain(scheduler: Scheduler) -> int:
+    steps = 0
+    while scheduler.step():
+        steps += 1
+    return steps
+
+
+SETTINGS = [dict(k=1), dict(k=3, drafter="prompt_lookup"), dict(k=4), dict(mode="target"), dict(k=2, stop=["e"]),
+            dict(k=5, max_new_tokens=7)]
+
+
+@pytest.mark.parametrize("policy", ["exact", "throughput"])
+def test_rows_admitted_mid_flight_get_what_they_get_alone(generator, policy):
+    scheduler = Scheduler(generator, max_batch=4, policy=policy)
+    scheduler.calibrate()
+    options = [{"max_new_tokens": 24, **s} for s in SETTINGS]
+    handles = [scheduler.submit(p, **o) for p, o in zip(PROMPTS[:3], options[:3])]
+    for _ in range(3):
+        scheduler.step()
+    handles += [scheduler.submit(p, **o) for p, o in zip(PROMPTS[3:], options[3:])]  # 3 join, 1 waits for a row
+    drain(scheduler)
+    for prompt, option, handle in zip(PROMPTS, options, handles):
+        alone = generator.generate(prompt, **option)
+        got = handle.result()
+        assert got.token_ids == alone.token_ids and got.text == alone.text, (prompt, option)
+        assert got.finish_reason == alone.finish_reason
+    stats = scheduler.stats()
+    assert stats["admitted"] == stats["finished"] == 6 and stats["running"] == 0
+
+
+def test_a_new_request_gets_its_first_token_at_the_next_step(generator):
+    scheduler = Scheduler(generator, max_batch=4)
+    long = scheduler.submit(PROMPTS[0], max_new_tokens=100, k=2)
+    for _ in range(5):
+        scheduler.step()
+    short = scheduler.submit(PROMPTS[1], max_new_tokens=3, k=2)
+    scheduler.step()
+    first = next(iter(short))
+    assert first.token_ids and not first.last  # one step after it arrived
+    long.cancel()
+    drain(scheduler)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(generator):
+    def run(others: int) -> list[int]:
+        scheduler = Scheduler(generator, max_batch=8, policy="throughput")
+        scheduler.calibrate()
+        noise = [scheduler.submit(p, max_new_tokens=20, temperature=0.9, k=2) for p in PROMPTS[:others]]
+        mine = scheduler.submit("hello there", max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7, k=3)
+        noise += [scheduler.submit(p, max_new_tokens=5, k=1) for p in PROMPTS[others:]]
+        drain(scheduler)
+        return mine.result().token_ids
+
+    alone = run(0)
+    assert run(3) == alone and run(6) == alone
+    assert generator.generate("hello there", max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7,
+                              k=3).token_ids == alone
+
+
+def test_rows_with_different_temperatures_each_follow_their_own_target_law(generator):
+    """One batch mixes temperature 1.0 and 0.5 rows, k=3 drafted: each group's first two tokens follow the target's
+    law at its own temperature."""
+    n = 1500
+    no_eos = SpeculativeGenerator(None, generator.target, generator.draft, generator.tokenizer, max_k=8)
+    scheduler = Scheduler(no_eos, max_batch=64, max_queue=2 * n)
+    prompt = "the cat"
+    start = generator.tokenizer.encode(prompt)[-1]
+    groups = {1.0: [], 0.5: []}
+    for i in range(n):
+        for temperature, handles in groups.items():
+            handles.append(scheduler.submit(prompt, max_new_tokens=4, temperature=temperature, k=3))
+    drain(scheduler)
+    table = generator.target.table
+    for temperature, handles in groups.items():
+        law = exact_prefixes(np.stack([probabilities(row, SamplingParams(temperature)) for row in table]), start, 2)
+        pairs = np.array([h.result().token_ids[:2] for h in handles])
+        observed = np.bincount(pairs[:, 0] * len(table) + pairs[:, 1], minlength=law.size).reshape(law.shape) / n
+        assert total_variation(observed, law) < tv_bound(law, n), temperature
+    drafted = sum(h.result().stats.num_draft_tokens for h in groups[1.0])
+    accepted = sum(h.result().stats.num_accepted_tokens for h in groups[1.0])
+    assert drafted >= 3 * n and 0 < accepted < drafted  # k=3 drafted at the first step, accepted and rejected
+
+
+def test_cancel_frees_the_row_at_the_next_step(generator):
+    scheduler = Scheduler(generator, max_batch=2)
+    a = scheduler.submit(PROMPTS[0], max_new_tokens=50)
+    b = scheduler.submit(PROMPTS[1], max_new_tokens=50)
+    scheduler.step()
+    a.cancel()
+    scheduler.step()
+    assert len(scheduler.rows) == 1 and scheduler.cache.batch == 1
+    final = [e for e in a if e.last][0]
+    assert final.final.finish_reason == "cancelled" and scheduler.stats()["cancelled"] == 1
+    c = scheduler.submit(PROMPTS[2], max_new_tokens=4)  # the freed row is reused
+    drain(scheduler)
+    assert b.result().finish_reason in ("length", "stop")
+    assert c.result().token_ids == generator.generate(PROMPTS[2], max_new_tokens=4).token_ids
+
+
+def test_a_request_past_its_deadline_finishes_with_timeout(generator):
+    scheduler = Scheduler(generator)
+    handle = scheduler.submit(PROMPTS[0], max_new_tokens=100, timeout=1e-6)
+    drain(scheduler)
+    assert handle.result().finish_reason == "timeout"
+
+
+def test_the_queue_limit_and_the_waiting_limit_refuse_with_overloaded(generator):
+    scheduler = Scheduler(generator, max_batch=1, max_queue=1, max_wait=0.0)
+    scheduler.submit(PROMPTS[0], max_new_tokens=3)
+    with pytest.raises(Overloaded, match="retry later"):
+        scheduler.submit(PROMPTS[1], max_new_tokens=3)
+    scheduler.step()  # the first is admitted; the queue has room again
+    waiting = scheduler.submit(PROMPTS[1], max_new_tokens=3)
+    scheduler.step()  # no free row, and it has waited longer than max_wait
+    with pytest.raises(Overloaded, match="waited"):
+        waiting.result()
+    drain(scheduler)
+
+
+def test_bad_requests_fail_at_submit(generator):
+    scheduler = Scheduler(generator)
+    for bad in (dict(k=0), dict(max_new_tokens=0), dict(drafter="nope"), dict(seed=-1), dict(timeout=0),
+                dict(stop=[""])):
+        with pytest.raises(RequestError):
+            scheduler.submit("hello", **bad)
+    assert not scheduler.waiting
+
+
+def test_an_engine_failure_fails_the_running_rows_and_the_loop_goes_on(generator, monkeypatch):
+    scheduler = Scheduler(generator).start(calibrate=False)
+    try:
+        broken = {"once": True}
+        forward = generator.target.forward
+
+        def flaky(*args, **kwargs):
+            if broken.pop("once", False):
+                raise RuntimeError("boom")
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(generator.target, "forward", flaky)
+        with pytest.raises(Unavailable, match="boom"):
+            scheduler.submit(PROMPTS[0], max_new_tokens=5).result()
+        assert scheduler.submit(PROMPTS[1], max_new_tokens=5).result().token_ids == generator.generate(
+            PROMPTS[1], max_new_tokens=5).token_ids
+    finally:
+        scheduler.stop()
+
+
+def test_threads_submit_concurrently_and_stop_fails_what_is_left(generator):
+    scheduler = Scheduler(generator, max_batch=3).start()
+    results = {}
+
+    def client(i: int) -> None:
+        results[i] = scheduler.submit(PROMPTS[i % len(PROMPTS)], max_new_tokens=12, k=1 + i % 4).result()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, got in results.items():
+        assert got.token_ids == generator.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=12,
+                                                   k=1 + i % 4).token_ids
+    late = scheduler.submit(PROMPTS[0], max_new_tokens=100000 // 1000)
+    scheduler.stop()
+    with pytest.raises(Unavailable, match="stopping"):
+        late.result()
+    with pytest.raises(Unavailable):
+        scheduler.submit(PROMPTS[0])
