@@ -131,7 +131,7 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
         stage("export draft")
         draft_model = _truncate(target_model, draft_layers) if draft_layers else draft_ckpt.load_model()
         if kept is not None:
-            from builder.distill import reduce_head
+            from builder.distill.draft import reduce_head
             draft_model = reduce_head(draft_model, kept)
         draft_info, draft_check = _export(draft_model, draft_ckpt, work / "draft.onnx", spec)
         draft_fp32 = work / "draft.onnx"
@@ -182,7 +182,7 @@ def _draft_vocab(checkpoint):
     """The kept token ids of a draft folder made by ``draftsmith distill --draft-vocab N``, else None."""
     if checkpoint.gguf_file or not (checkpoint.folder / VOCAB_MAP).is_file():
         return None
-    from builder.distill import read_draft_vocab
+    from builder.distill.save import read_draft_vocab
     return read_draft_vocab(checkpoint.folder)
 
 

@@ -11,18 +11,15 @@ from pathlib import Path
 import click
 
 from runtime.bundle import DRAFTERS, QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
+from runtime.presets import load_preset
 
 
 def load_config(path: Path) -> dict:
-    """A preset: YAML with BuildSpec's field names (plus optional 'out', and 'distill', the draft's recipe)."""
-    import yaml
+    """The preset at ``path`` (runtime.presets), or a usage error saying why it cannot be read."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as err:
-        raise click.UsageError(f"cannot read config {path}: {err}") from None
-    if not isinstance(data, dict):
-        raise click.UsageError(f"config {path} must be a YAML mapping of build settings")
-    return data
+        return load_preset(path)
+    except SpecError as err:
+        raise click.UsageError(str(err)) from None
 
 
 def spec_from(config: dict, overrides: dict) -> tuple[BuildSpec, str | None]:

@@ -246,7 +246,7 @@ def calibration_texts() -> list[str]:
     text Draftsmith's users run.
     """
     from builder import evaluate
-    from builder.distill import load_prompts
+    from builder.distill.corpus import load_prompts
     paragraphs = [p.strip() for p in evaluate.eval_text().split("\n\n") if p.strip()]
     return [prompt.text.strip() for prompt in load_prompts()] + paragraphs
 

@@ -1,4 +1,7 @@
-"""Draftsmith runtime: exact speculative decoding over a bundle's engines (numpy + onnxruntime, no torch)."""
+"""Draftsmith runtime: exact speculative decoding over a bundle's engines (numpy + onnxruntime, no torch).
+
+The light side every other package imports; it imports none of them (``tests/test_layout.py``).
+"""
 
 from runtime.bundle import BuildSpec, BundleError, Manifest, load_manifest
 from runtime.errors import RequestError

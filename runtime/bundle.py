@@ -11,6 +11,10 @@ This module is the light side (no torch): the builder imports it to write a bund
 Triton generator import it to read one. ``manifest.json`` is written last and the directory is renamed into place
 afterwards, so a directory without a valid manifest is never a bundle.
 
+The manifest's classes are pydantic dataclasses: strict (no coercion: "4" is not 4, a list is not a tuple in code),
+frozen, unknown keys refused, validated at construction (``dataclasses.replace`` included) and when read; every
+failure is collected and named by field, expected and received (``describe``).
+
 A bundle is hostile data until checked: every path it names must be a plain relative path that stays inside it
 (symbolic links included), it holds exactly the files its manifest lists, and what the runtime loads is read once and
 hashed as read (``read_verified``, ``read_onnx``), so a file swapped after verification is never the one that runs.
@@ -19,17 +23,20 @@ hashed as read (``read_verified``, ``read_onnx``), so a file swapped after verif
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import posixpath
 import re
 import tempfile
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -68,7 +75,27 @@ def _check(ok: bool, name: str, expected: str, received: Any) -> None:
         raise SpecError(f"{name}: expected {expected}, received {received!r}")
 
 
-@dataclass(frozen=True)
+STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+def raising(error: type[Exception]):
+    """Construction raises ``error`` (its message from ``describe``) instead of pydantic's ValidationError."""
+    def wrap(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            try:
+                init(self, *args, **kwargs)
+            except ValidationError as err:
+                raise error(describe(err, cls)) from None
+        cls.__init__ = __init__
+        return cls
+    return wrap
+
+
+@raising(SpecError)
+@dataclass(frozen=True, config=STRICT)
 class BuildSpec:
     """Everything that decides a build. Written verbatim into the manifest; the runtime reads it back from there."""
 
@@ -155,7 +182,8 @@ class BuildSpec:
         return self.graph or ("fused" if self.device == "cpu" else "export")
 
 
-@dataclass(frozen=True)
+@raising(ValueError)
+@dataclass(frozen=True, config=STRICT)
 class ModelEntry:
     """One compiled engine of the bundle and what the runtime must know to drive it."""
 
@@ -190,7 +218,8 @@ class ModelEntry:
             _check_relative(self.vocab_map, f"{self.role}.vocab_map")
 
 
-@dataclass(frozen=True)
+@raising(ValueError)
+@dataclass(frozen=True, config=STRICT)
 class Manifest:
     """The bundle's manifest.json."""
 
@@ -227,53 +256,55 @@ class Manifest:
             raise BundleError(f"{MANIFEST} has schema_version {version!r}; this Draftsmith reads {SCHEMA_VERSION}. "
                               "Rebuild the bundle with this version of build-engines.")
         try:
-            return from_dict(cls, data)
-        except (TypeError, ValueError) as err:
-            raise BundleError(f"{MANIFEST} is malformed: {err}") from None
+            return _adapter(cls).validate_json(text)
+        except ValidationError as err:
+            raise BundleError(f"{MANIFEST} is malformed: {describe(err, cls)}") from None
 
 
-def from_dict(cls: type, data: Any, where: str = "") -> Any:
-    """Build dataclass ``cls`` from plain data; unknown or missing keys and wrong types are errors."""
-    where = where or cls.__name__
-    if not isinstance(data, dict):
-        raise TypeError(f"{where}: expected an object, received {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise TypeError(f"{where}: unknown keys {unknown}; known: {sorted(fields)}")
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise TypeError(f"{where}: missing key {name!r}")
-            continue
-        kwargs[name] = _coerce(hints[name], data[name], f"{where}.{name}")
-    return cls(**kwargs)
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
 
 
-def _coerce(hint: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, where)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise TypeError(f"{where}: expected a list, received {type(value).__name__}")
-        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
-        return tuple(_coerce(item, v, where) for v in value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise TypeError(f"{where}: expected an object, received {type(value).__name__}")
-        return dict(value)
-    if origin in (typing.Union, types.UnionType):
-        return value
-    if hint is Any:
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise TypeError(f"{where}: expected {hint.__name__}, received {type(value).__name__} {value!r}")
-    return value
+def from_dict(cls: type, data: Any) -> Any:
+    """Validate plain data (a preset with its flags) into ``cls``, as its constructor does; SpecError naming every
+    bad field (``describe``)."""
+    if not isinstance(data, dict) or not all(isinstance(key, str) for key in data):
+        raise SpecError(f"{cls.__name__}: expected a mapping of field names, received {data!r}")
+    try:
+        return cls(**data)
+    except ValueError as err:  # BuildSpec raises SpecError itself
+        raise SpecError(str(err)) from None
+
+
+def describe(err: ValidationError, cls: type) -> str:
+    """Every failure of a validation, one per line: where (the field's path), what was expected, what was received.
+    Our own checks (``__post_init__``) already say all three; unknown keys are listed with the known ones."""
+    lines, unknown = [], {}
+    for e in err.errors(include_url=False):
+        loc = tuple(str(part) for part in e["loc"])
+        where = ".".join(loc) or cls.__name__
+        if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            unknown.setdefault(loc[:-1], []).append(loc[-1])
+        elif e["type"] == "value_error":
+            lines.append(f"{where}: {e['ctx']['error']}" if loc else str(e["ctx"]["error"]))
+        elif e["type"] in ("missing", "missing_argument", "missing_keyword_argument"):
+            lines.append(f"{where}: missing (a required key)")
+        else:
+            expected = e["msg"].removeprefix("Input should be ")
+            received = repr(e["input"])
+            received = received if len(received) <= 80 else received[:77] + "..."  # hostile data can be large
+            lines.append(f"{where}: expected {expected}, received {type(e['input']).__name__} {received}")
+    for loc, names in unknown.items():
+        lines.append(f"{'.'.join(loc) or cls.__name__}: unknown keys {sorted(names)}; known: {_known(cls, loc)}")
+    return "; ".join(lines)
+
+
+def _known(cls: type, loc: tuple[str, ...]) -> list[str]:
+    """The field names of the dataclass at ``loc`` inside ``cls`` (``spec`` of a Manifest: BuildSpec's)."""
+    for name in loc:
+        cls = typing.get_type_hints(cls).get(name)
+    return sorted(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else []
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -89,11 +89,15 @@ def _report(result, baseline) -> dict:
     return report
 
 
+# Commands other packages own, added when importable: the one place the runtime names them (tests/test_layout.py);
+# their heavy imports happen inside the commands.
+COMMANDS = (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("bench.speed", "bench"),
+            ("bench.profile", "profile"), ("builder.distill.cli", "distill"), ("bench.load", "load"))
+
+
 def _register_optional() -> None:
-    """Commands of other packages, added when importable (their heavy imports happen inside the commands)."""
     import importlib
-    for module, name in (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("runtime.bench", "bench"), ("runtime.bench_profile", "profile"),
-                         ("builder.distill", "distill"), ("triton_repo.load", "load")):
+    for module, name in COMMANDS:
         try:
             command = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):

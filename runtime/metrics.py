@@ -1,9 +1,22 @@
-"""Speculative-decoding statistics, with vLLM's definitions, per request and cumulative; Prometheus text export."""
+"""Speculative-decoding statistics, with vLLM's definitions, per request and cumulative; Prometheus export.
+
+prometheus_client writes the export (names, escaping, histograms, content type). It is imported on the first export
+only: Triton's Python backend loads the runtime too, exports its own metrics there, and cannot import
+prometheus_client (its ``ssl`` import fails in the backend stub's interpreter).
+"""
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import asdict, dataclass, field
+
+
+def __getattr__(name):  # CONTENT_TYPE: the Content-Type header of MetricsRegistry.prometheus()'s text, lazily
+    if name == "CONTENT_TYPE":
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return CONTENT_TYPE_LATEST
+    raise AttributeError(name)
 
 
 @dataclass
@@ -80,48 +93,123 @@ class RequestStats:
                 mine[i] += value
 
 
-class MetricsRegistry:
-    """Cumulative counters across requests, thread-safe, exportable as Prometheus text."""
+# Latency buckets (seconds): a CPU first token takes tens of milliseconds to seconds, a token after it milliseconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+COUNTERS = {  # exported name (without _total) -> (help, RequestStats field or "requests")
+    "requests": ("Requests completed", "requests"),
+    "verify_steps": ("Target verify calls", "num_steps"),
+    "drafts": ("Verify steps that checked at least one draft token", "num_drafts"),
+    "draft_tokens": ("Draft tokens proposed", "num_draft_tokens"),
+    "accepted_tokens": ("Draft tokens accepted", "num_accepted_tokens"),
+    "emitted_tokens": ("Tokens generated", "num_emitted_tokens"),
+    "fallback_steps": ("Target-only steps taken because acceptance fell low", "fallback_steps"),
+}
+# vLLM's spec-decode counters under vLLM's own names, so dashboards built for vLLM read ours: vllm-project/vllm
+# vllm/v1/spec_decode/metrics.py (SpecDecodingProm), each exposed with _total; per position with a 0-based label.
+VLLM_COUNTERS = {
+    "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", "num_drafts"),
+    "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", "num_draft_tokens"),
+    "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.", "num_accepted_tokens"),
+}
+GAUGES = {  # exported name -> (help, RequestStats property of the cumulative counters)
+    "draft_acceptance_rate": ("accepted / drafted", "draft_acceptance_rate"),
+    "mean_acceptance_length": ("1 + accepted / drafts", "mean_acceptance_length"),
+    "system_efficiency": ("emitted / (steps * (k + 1))", "system_efficiency"),
+}
 
-    def __init__(self) -> None:
+
+@dataclass
+class LatencyHistogram:
+    """Observations counted into fixed buckets (upper bounds, seconds), as a Prometheus histogram exports them."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # [i]: observations in (bounds[i-1], bounds[i]]; last: above all
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.total += seconds
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at or below it), +Inf last: a Prometheus histogram's buckets."""
+        running, out = 0, []
+        for bound, count in zip(self.bounds + (float("inf"),), self.counts):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+class MetricsRegistry:
+    """Cumulative counters across requests and latency histograms, thread-safe, exported for Prometheus.
+
+    Each registry exports through its own prometheus_client ``CollectorRegistry`` (no process-global state: two
+    generators in one process count apart), made on the first export.
+    """
+
+    def __init__(self, prefix: str = "draftsmith") -> None:
         self._lock = threading.Lock()
+        self.prefix = prefix
         self.total = RequestStats()
         self.requests = 0
-        self.fallback_active = False
+        self.fallback_active = False  # True while decoding target-only because acceptance fell low (on_fallback)
+        self.ttft = LatencyHistogram(TTFT_BUCKETS)
+        self.inter_token = LatencyHistogram(ITL_BUCKETS)
+        self._registry = None
 
     def add(self, stats: RequestStats) -> None:
+        """Count a finished request: its counters, its time to first token and its inter-token latency, (total -
+        TTFT) / (tokens - 1)."""
         with self._lock:
             self.total.merge(stats)
             self.requests += 1
+            if stats.num_emitted_tokens:
+                self.ttft.observe(stats.time_to_first_token)
+            if stats.num_emitted_tokens > 1:
+                self.inter_token.observe(max(0.0, stats.total_time - stats.time_to_first_token)
+                                         / (stats.num_emitted_tokens - 1))
 
-    def prometheus(self, prefix: str = "draftsmith") -> str:
+    def prometheus(self) -> str:
+        """Every metric in Prometheus' text exposition format (served with ``runtime.metrics.CONTENT_TYPE``)."""
+        from prometheus_client import CollectorRegistry, generate_latest
         with self._lock:
-            t = self.total
-            counters = {
-                "requests_total": ("Requests completed", self.requests),
-                "verify_steps_total": ("Target verify calls", t.num_steps),
-                "drafts_total": ("Verify steps that checked at least one draft token", t.num_drafts),
-                "draft_tokens_total": ("Draft tokens proposed", t.num_draft_tokens),
-                "accepted_tokens_total": ("Draft tokens accepted", t.num_accepted_tokens),
-                "emitted_tokens_total": ("Tokens generated", t.num_emitted_tokens),
-                "fallback_steps_total": ("Target-only steps taken because acceptance fell low", t.fallback_steps),
-            }
-            gauges = {
-                "draft_acceptance_rate": ("accepted / drafted", t.draft_acceptance_rate),
-                "mean_acceptance_length": ("1 + accepted / drafts", t.mean_acceptance_length),
-                "system_efficiency": ("emitted / (steps * (k + 1))", t.system_efficiency),
-                "fallback_active": ("1 while decoding target-only because of low acceptance", int(self.fallback_active)),
-            }
-            lines = []
-            for name, (help_text, value) in counters.items():
-                lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} counter",
-                          f"{prefix}_{name} {value}"]
-            for name, (help_text, value) in gauges.items():
-                lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} gauge",
-                          f"{prefix}_{name} {value}"]
+            if self._registry is None:
+                self._registry = CollectorRegistry(auto_describe=False)
+                self._registry.register(self)
+        return generate_latest(self._registry).decode("utf-8")
+
+    def collect(self) -> list:
+        """prometheus_client's collector protocol: the metric families of one consistent snapshot."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+        with self._lock:
+            t, p = self.total, self.prefix
+            counted = {"requests": self.requests, **{f: getattr(t, f) for _, f in COUNTERS.values() if f != "requests"}}
+            out = [CounterMetricFamily(f"{p}_{name}", text, value=counted[f]) for name, (text, f) in COUNTERS.items()]
+            out += [CounterMetricFamily(name, text, value=counted[f]) for name, (text, f) in VLLM_COUNTERS.items()]
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=["position"])
+            for i, count in enumerate(t.accepted_per_position):
+                per_pos.add_metric([str(i)], count)
+            out.append(per_pos)
+            out += [GaugeMetricFamily(f"{p}_{name}", help_text, value=getattr(t, f))
+                    for name, (help_text, f) in GAUGES.items()]
+            out.append(GaugeMetricFamily(f"{p}_fallback_active", "1 while decoding target-only because of low "
+                                         "acceptance", value=int(self.fallback_active)))
+            by_position = GaugeMetricFamily(f"{p}_acceptance_by_position", "Acceptance rate of draft position i",
+                                            labels=["position"])
             for i, rate in enumerate(t.acceptance_per_position):
-                if i == 0:
-                    lines += [f"# HELP {prefix}_acceptance_by_position Acceptance rate of draft position i",
-                              f"# TYPE {prefix}_acceptance_by_position gauge"]
-                lines.append(f'{prefix}_acceptance_by_position{{position="{i + 1}"}} {rate}')
-            return "\n".join(lines) + "\n"
+                by_position.add_metric([str(i + 1)], rate)
+            out.append(by_position)
+            for name, help_text, histogram in (
+                    ("time_to_first_token_seconds", "Seconds from a request's start (prefill included) to its first "
+                     "token", self.ttft),
+                    ("inter_token_latency_seconds", "A request's mean seconds per token after its first",
+                     self.inter_token)):
+                out.append(HistogramMetricFamily(f"{p}_{name}", help_text, sum_value=histogram.total,
+                                                 buckets=[(floatToGoString(b), c) for b, c in histogram.cumulative()]))
+        return out
+

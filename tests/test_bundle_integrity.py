@@ -477,13 +477,14 @@ def old_draft(tmp_path):
 
 def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, tmp_path, monkeypatch):
     import builder.distill as distill
+    from builder.distill import save
     before = {p.name: p.read_bytes() for p in old_draft.iterdir()}
     (tmp_path / "prompts.txt").write_text("\n".join(f"the quick brown fox {i}" for i in range(12)))
 
     def save_then_die(draft, tokenizer, out, kept, report):
         draft.save_pretrained(str(out))  # the weights are written; the process dies before the rest
         raise KeyboardInterrupt("killed while saving")
-    monkeypatch.setattr(distill, "save_draft", save_then_die)
+    monkeypatch.setattr(save, "save_draft", save_then_die)  # publish_draft calls it there
     with pytest.raises(KeyboardInterrupt):
         distill.distill_draft(str(tiny_pair[0]), "layers=1", old_draft, prompts=tmp_path / "prompts.txt",
                               max_new_tokens=4, max_steps=1, force=True, quiet=True)

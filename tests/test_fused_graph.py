@@ -202,7 +202,7 @@ def test_gguf_types_without_an_exact_form_are_requantized_and_reported(tmp_path)
 
 
 def test_profile_reports_per_operator_time_and_node_counts(tiny_bundle):
-    from runtime.bench_profile import profile_bundle
+    from bench.profile import profile_bundle
     report = profile_bundle(tiny_bundle, threads=1, past=8, new=3, calls=4)
     target = report["target"]
     assert target["calls"] == 4 and target["new_tokens"] == 3 and target["mean_call_ms"] > 0

@@ -73,7 +73,7 @@ def stop_discarding_log(server, timeout: float = 30.0) -> None:
 
 def stubs(server) -> dict[str, int]:
     """model name -> pid of its Python backend stub."""
-    from triton_repo.load import stub_pids
+    from bench.load import stub_pids
     out = {}
     for pid in stub_pids(server.process.pid):
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -110,7 +110,7 @@ def test_load_command_accounts_for_every_request(server, tmp_path):
 def test_memory_does_not_grow_over_1000_requests(server):
     """1,000 mixed requests from 8 clients: none lost, and the server's RSS (tritonserver + stubs) after the last
     requests is within 64 MiB of its RSS after the first 200 (measured: +4 MiB, flat after 400; docs/operations.md)."""
-    from triton_repo.load import Endpoints, rss_growth, run_load
+    from bench.load import Endpoints, rss_growth, run_load
     result = run_load(Endpoints(server.url, server.grpc_url, server.metrics_url, server.process.pid), clients=8,
                       duration=120, max_requests=1000, max_tokens=8, request_timeout=60, rss_every=100)
     assert result.sent == 1000 and result.answered == 1000 and result.lost == 0, result.errors
@@ -247,7 +247,7 @@ def test_server_restarted_under_load(tiny_bundle, tmp_path):
     """Stop and start the server on the same repository and ports while 4 clients send requests: errors in the gap,
     no request lost (no hang), every request sent after the restart answered."""
     from triton_repo.generate import write_repository
-    from triton_repo.load import Endpoints, run_load
+    from bench.load import Endpoints, run_load
     from triton_repo.server import free_port, start_server
     repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1, max_batch_size=8)
     ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -71,6 +72,107 @@ def test_stream_equals_generate_for_any_prompt(fast_generator, prompt, seed, tem
     except RequestError:
         return
     assert "".join(fast_generator.stream(prompt, **options)) == whole.text
+
+
+# --- incremental detokenization: tokenizers' DecodeStream gives the text the windowed re-decode gave ---------------
+
+def windowed_pieces(tokenizer, chunks: list[list[int]], window: int = 6) -> list[str]:
+    """The pieces of the hand-written decoder DecodeStream replaced (re-decode a window, hold a partial character
+    back, the whole decode at the end): the oracle the library must match piece for piece."""
+    ids, prefix, read, text, out = [], 0, 0, "", []
+    for chunk in chunks:
+        ids.extend(chunk)
+        before, after = tokenizer.decode(ids[prefix:read]), tokenizer.decode(ids[prefix:])
+        if after.endswith("\ufffd") or len(after) < len(before) or not after.startswith(before):
+            out.append("")
+            continue
+        out.append(after[len(before):])
+        text += out[-1]
+        read, prefix = len(ids), max(0, len(ids) - window)
+    full = tokenizer.decode(ids)
+    out.append(full[len(text):] if full.startswith(text) else "")
+    return out
+
+
+def decoder_pieces(tokenizer, chunks: list[list[int]]) -> list[str]:
+    from runtime.text import IncrementalDecoder
+    decoder = IncrementalDecoder(tokenizer)
+    return [decoder.push(chunk) for chunk in chunks] + [decoder.flush()]
+
+
+@functools.lru_cache(maxsize=4)
+def token_sequences(tokenizer):
+    """Token id lists biased towards trouble: byte tokens holding part of a UTF-8 character, special tokens (skipped
+    in the text), any id, and the tokens of multilingual text and emoji (characters split across tokens)."""
+    vocab = tokenizer.vocab_size
+    decoded = [tokenizer.decode([i]) for i in range(vocab)]
+    partial = [i for i, text in enumerate(decoded) if "\ufffd" in text]
+    special = [i for i, text in enumerate(decoded) if text == ""]
+    some_id = st.one_of(st.sampled_from(partial), st.integers(0, vocab - 1),
+                        *([st.sampled_from(special)] if special else []))
+    texts = st.text(st.characters(codec="utf-8", categories=["L", "N", "P", "S", "Zs"]), min_size=1, max_size=40)
+    return st.one_of(st.lists(some_id, min_size=1, max_size=24),
+                     texts.map(lambda text: tokenizer.encode(text, add_special_tokens=False)).filter(bool))
+
+
+def chunked(draw, ids: list[int]) -> list[list[int]]:
+    """``ids`` split into the pushes a speculative loop makes (1 to k + 1 tokens a step)."""
+    chunks, at = [], 0
+    while at < len(ids):
+        n = draw(st.integers(1, 5))
+        chunks.append(ids[at: at + n])
+        at += n
+    return chunks
+
+
+def check_detokenization(tokenizer, data) -> None:
+    ids = data.draw(token_sequences(tokenizer))
+    chunks = chunked(data.draw, ids)
+    pieces = decoder_pieces(tokenizer, chunks)
+    assert pieces == windowed_pieces(tokenizer, chunks)
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_bundle):
+    return Tokenizer(tiny_bundle / "tokenizer")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_decode_stream_matches_the_windowed_decode(tiny_tokenizer, data):
+    check_detokenization(tiny_tokenizer, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_decode_stream_matches_the_windowed_decode_on_smollm2(smollm2_tokenizer, data):
+    """The real SmolLM2 tokenizer: 49152 byte-level BPE tokens, 314 of them parts of a UTF-8 character."""
+    check_detokenization(smollm2_tokenizer, data)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_bundle):
+    return Tokenizer(smollm2_bundle / "tokenizer")
+
+
+def test_a_stream_that_fails_decodes_whole_from_then_on(tiny_tokenizer):
+    """tokenizers raises when a decoder changes text already emitted ("invalid prefix"); the decoder then decodes
+    the whole sequence at each push instead, with the same text."""
+    from runtime.text import IncrementalDecoder
+
+    class Failing:
+        def step(self, tokenizer, ids):
+            raise Exception("Invalid prefix encountered")
+
+    ids = tiny_tokenizer.encode("Ünïcödé café — 日本語 🙂", add_special_tokens=False)
+    decoder = IncrementalDecoder(tiny_tokenizer)
+    first = decoder.push(ids[:3])
+    decoder._stream = Failing()
+    pieces = [first] + [decoder.push([i]) for i in ids[3:]] + [decoder.flush()]
+    assert "".join(pieces) == tiny_tokenizer.decode(ids)
+    assert decoder._stream is None and all(not p.endswith("\ufffd") for p in pieces)
 
 
 # --- corrupted manifests and configs ------------------------------------------------------------------------------

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -283,10 +288,51 @@ def test_metrics_definitions_and_prometheus_export():
     assert s.mean_acceptance_length == 1 + s.num_accepted_tokens / s.num_drafts
     assert s.system_efficiency == pytest.approx(11 / s.verify_slots)
     assert s.acceptance_per_position[:4] == [1.0, 1.0, 1.0, 1.0]
+    from prometheus_client.parser import text_string_to_metric_families
     text = gen.metrics.prometheus()
-    assert f"draftsmith_accepted_tokens_total {s.num_accepted_tokens}" in text
-    assert "draftsmith_requests_total 1" in text
-    assert 'draftsmith_acceptance_by_position{position="1"} 1.0' in text
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+               for family in text_string_to_metric_families(text) for x in family.samples}
+    assert samples[("draftsmith_accepted_tokens_total", ())] == s.num_accepted_tokens
+    assert samples[("draftsmith_requests_total", ())] == 1
+    assert samples[("draftsmith_acceptance_by_position", (("position", "1"),))] == 1.0
+    # vLLM's spec-decode counters carry the same counts under vLLM's names
+    assert samples[("vllm:spec_decode_num_drafts_total", ())] == s.num_drafts
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", ())] == s.num_draft_tokens
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", ())] == s.num_accepted_tokens
+    assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == s.num_drafts
+    # one request: one TTFT and one inter-token latency observation, (total - TTFT) / (tokens - 1)
+    assert samples[("draftsmith_time_to_first_token_seconds_count", ())] == 1
+    assert samples[("draftsmith_time_to_first_token_seconds_sum", ())] == pytest.approx(s.time_to_first_token)
+    assert samples[("draftsmith_inter_token_latency_seconds_count", ())] == 1
+    assert samples[("draftsmith_inter_token_latency_seconds_sum", ())] == pytest.approx(
+        (s.total_time - s.time_to_first_token) / (s.num_emitted_tokens - 1))
+
+
+def test_metrics_registries_count_apart():
+    """Each MetricsRegistry exports through its own prometheus_client registry: two generators in one process never
+    share counts (nor clash on names)."""
+    from runtime.metrics import CONTENT_TYPE, MetricsRegistry, RequestStats
+    one, two = MetricsRegistry(), MetricsRegistry()
+    one.add(RequestStats(num_emitted_tokens=1, time_to_first_token=0.2, total_time=0.2))
+    assert "draftsmith_requests_total 1.0" in one.prometheus()
+    assert "draftsmith_requests_total 0.0" in two.prometheus()
+    assert 'draftsmith_time_to_first_token_seconds_bucket{le="0.25"} 1.0' in one.prometheus()
+    assert 'draftsmith_time_to_first_token_seconds_bucket{le="0.1"} 0.0' in one.prometheus()
+    assert "draftsmith_inter_token_latency_seconds_count 0.0" in one.prometheus()  # one token: no inter-token gap
+    one.fallback_active = True
+    assert "draftsmith_fallback_active 1.0" in one.prometheus()
+    assert CONTENT_TYPE.startswith("text/plain; version=")  # prometheus_client's, for the text prometheus() returns
+
+
+def test_decoding_never_imports_prometheus_client():
+    """Triton's Python backend runs the runtime but cannot import prometheus_client (its ssl import fails in the
+    stub's interpreter): only an export imports it."""
+    code = ("import sys\nfrom runtime.metrics import MetricsRegistry, RequestStats\nimport runtime.api\n"
+            "m = MetricsRegistry()\nm.add(RequestStats(num_emitted_tokens=3, total_time=1.0))\n"
+            "assert 'prometheus_client' not in sys.modules\nm.prometheus()\n"
+            "assert 'prometheus_client' in sys.modules\n")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
 
 
 class _IdTokenizer:

@@ -23,7 +23,7 @@ from triton_repo import pbtxt
 from triton_repo.generate import RepoOptions, RepositoryError, _inside, check_name, write_repository
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("builder", "runtime", "triton_repo", "scripts", "tests")
+SOURCE_DIRS = ("bench", "builder", "runtime", "triton_repo", "scripts", "tests")
 
 
 # --- nothing escapes the repository -----------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_servers_bind_loopback_by_default():
 
 
 def test_load_command_starts_its_server_on_loopback():
-    from triton_repo import load
+    from bench import load
     source = inspect.getsource(load.load.callback)
     assert "start_server(repo)" in source  # the default host: 127.0.0.1
     assert "0.0.0.0" not in inspect.getsource(load)

@@ -165,7 +165,7 @@ def test_suffix_greedy_equals_target_only(generator, kind):
 
 
 def test_the_generator_and_bench_build_suffix_drafters(generator):
-    from runtime.bench import bench, decode
+    from bench.speed import bench, decode
     from runtime.bundle import DRAFTERS, BuildSpec
     assert {"suffix", "hybrid_suffix"} <= set(DRAFTERS)
     assert BuildSpec(target="t", drafter="suffix").drafter == "suffix"

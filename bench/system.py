@@ -3,7 +3,7 @@ bytes of weights a decoder reads per token (hence its bandwidth bound).
 
 Run as a module, this file is the child process of the memory measurement::
 
-    python -m runtime.bench_system BUNDLE --mode target|speculative --threads T --tokens N --k K
+    python -m bench.system BUNDLE --mode target|speculative --threads T --tokens N --k K
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def measure_memory(bundle: str | os.PathLike, threads: int, tokens: int, k: int 
     """Peak RSS of target-only and of speculative decoding, each in its own fresh process (so they don't mix)."""
     out: dict = {}
     for mode in ("target", "speculative"):
-        command = [sys.executable, "-m", "runtime.bench_system", str(bundle), "--mode", mode, "--threads",
+        command = [sys.executable, "-m", "bench.system", str(bundle), "--mode", mode, "--threads",
                    str(threads), "--tokens", str(tokens), "--prompt", prompt] + (["--k", str(k)] if k else [])
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:

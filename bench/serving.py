@@ -1,6 +1,6 @@
 """Latency and throughput through a local Triton vs the Python runtime alone, at 1 and N concurrent clients.
 
-    python -m triton_repo.bench BUNDLE [--threads 2] [--max-tokens 64] [--clients 16] [--requests 2]
+    python -m bench.serving BUNDLE [--threads 2] [--max-tokens 64] [--clients 16] [--requests 2]
 
 Greedy decoding, so every answer is checked against the runtime's and token counts come from the runtime's run of
 the same prompt. The runtime "alone" has no server: at 1 client it is ``generate`` in a loop; at N clients it is

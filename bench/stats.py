@@ -254,3 +254,19 @@ def recommend_k(rows: list[dict]) -> tuple[int | None, float]:
 def bandwidth_bound(bandwidth_bytes_per_s: float, bytes_per_token: float) -> float:
     """Tokens/s a decoder cannot beat if every token reads ``bytes_per_token`` of weights once from memory."""
     return bandwidth_bytes_per_s / bytes_per_token if bytes_per_token > 0 else 0.0
+
+
+def where_time_goes(rows: list[dict], best: dict[str, dict]) -> list[dict]:
+    """Shares of wall time at each workload's best k: draft/verify calls (and ORT's part), prefill, the rest."""
+    out = []
+    for workload, row in best.items():
+        wall = row["wall_seconds"] or 1.0
+        draft = row["draft_ort_seconds"] + row["draft_glue_seconds"]
+        verify = row["verify_ort_seconds"] + row["verify_glue_seconds"]
+        out.append({"workload": workload, "batch": row["batch"], "k": row["k"], "draft": draft / wall,
+                    "draft_ort": row["draft_ort_seconds"] / wall, "verify": verify / wall,
+                    "verify_ort": row["verify_ort_seconds"] / wall, "prefill": row["prefill_seconds"] / wall,
+                    "other": row["other_seconds"] / wall, "draft_call_ms": row["draft_call_seconds"] * 1e3,
+                    "verify_call_ms": row["verify_call_seconds"] * 1e3,
+                    "verify_vs_target_step": row.get("verify_vs_target_step") or 0.0})
+    return out

@@ -1,0 +1,103 @@
+"""``draftsmith distill``: a thin command over ``distill_draft``, and the presets' ``distill:`` recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from builder.distill.corpus import DistillError
+from builder.distill.pipeline import distill_draft
+from builder.distill.save import REPORT_FILE, is_distilled
+from runtime.bundle import SpecError
+from runtime.presets import load_preset
+
+RECIPE_KEYS = ("init", "prompts", "minutes", "max_new_tokens", "temperature", "loss", "draft_vocab",
+               "samples_per_prompt", "sample_temperature", "generate_share", "heldout", "lr", "seed")
+
+
+def recipe_from(config: dict, path) -> tuple[str, str, dict]:
+    """(target, out, options) of a preset's ``distill:`` recipe: the draft folder is the preset's ``draft``."""
+    recipe = config.get("distill")
+    if not isinstance(recipe, dict):
+        raise DistillError(f"{path} has no 'distill:' recipe (a mapping of draftsmith distill options)")
+    unknown = sorted(set(recipe) - set(RECIPE_KEYS))
+    if unknown:
+        raise DistillError(f"{path}: unknown distill option(s) {unknown}; known: {list(RECIPE_KEYS)}")
+    if not config.get("target") or not config.get("draft"):
+        raise DistillError(f"{path} must name the target and, as 'draft', the folder the recipe distils into")
+    return str(config["target"]), str(config["draft"]), dict(recipe)
+
+
+@click.command("distill")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="A preset with a 'distill:' recipe: distil its target into its 'draft' folder with the recipe's "
+                   "options (flags given here override them); a folder already distilled is kept unless --force.")
+@click.option("--target", help="Target checkpoint: HF folder, .gguf file or pkg:<package>/<file>.")
+@click.option("--init", "init", default="layers=4", show_default=True,
+              help="layers=N (the target's first N layers, embeddings and head) or a draft checkpoint to start from.")
+@click.option("--out", type=click.Path(), help="Folder for the draft (HF format, safetensors).")
+@click.option("--prompts", type=click.Path(), default=None,
+              help="Prompt file ('---'-separated blocks or one per line; '@completion' first line: raw text). "
+                   "Default: the shipped corpus.")
+@click.option("--minutes", type=float, default=15.0, show_default=True, help="Whole budget: generation + training.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Target tokens per prompt.")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Target sampling temperature for the training continuations (0: greedy).")
+@click.option("--loss", type=click.Choice(["kl", "tokens"]), default="kl", show_default=True,
+              help="kl: KL(target || draft) on the target's top-k probabilities; tokens: cross-entropy on its tokens.")
+@click.option("--draft-vocab", type=int, default=0, show_default=True,
+              help="Keep only the N most frequent target tokens in the draft's head (0: full head).")
+@click.option("--samples-per-prompt", type=int, default=1, show_default=True,
+              help="Continuations per training prompt: the first at --temperature, the others sampled at "
+                   "--sample-temperature while the generation share lasts (more distinct text, less overfitting).")
+@click.option("--sample-temperature", type=float, default=1.0, show_default=True,
+              help="Temperature of the extra continuations.")
+@click.option("--generate-share", type=float, default=0.4, show_default=True,
+              help="Share of the budget (after loading) for generating continuations; training gets the rest.")
+@click.option("--heldout", type=float, default=0.1, show_default=True, help="Share of prompts held out.")
+@click.option("--lr", type=float, default=5e-4, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0: torch's default).")
+@click.option("--force", is_flag=True, help="Replace the draft folder at --out (only a model folder, or an empty one).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab,
+            samples_per_prompt, sample_temperature, generate_share, heldout, lr, seed, threads, force, as_json):
+    """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
+    from builder.checkpoint import CheckpointError
+    options = dict(init=init, prompts=prompts, minutes=minutes, max_new_tokens=max_new_tokens, temperature=temperature,
+                   loss=loss, draft_vocab=draft_vocab, samples_per_prompt=samples_per_prompt,
+                   sample_temperature=sample_temperature, generate_share=generate_share, heldout=heldout, lr=lr,
+                   seed=seed)
+    if config_path is not None:
+        try:
+            recipe_target, recipe_out, recipe = recipe_from(load_preset(config_path), config_path)
+        except (DistillError, SpecError) as err:
+            raise click.ClickException(str(err)) from None
+        given = {name for name in ctx.params
+                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+        options.update({k: v for k, v in recipe.items() if k not in given})  # flags override the recipe
+        target, out = target or recipe_target, out or recipe_out
+        if is_distilled(Path(out)) and not force:
+            click.echo(f"{out} already holds a distilled draft ({REPORT_FILE}); keeping it (--force redoes it)",
+                       err=True)
+            return
+    if not target or not out:
+        raise click.UsageError("give --target and --out, or --config PRESET with a 'distill:' recipe")
+    try:
+        report = distill_draft(target, options.pop("init"), out, threads=threads, force=force, **options)
+    except (DistillError, CheckpointError) as err:
+        raise click.ClickException(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    b, a = report["before"], report["after"]
+    click.echo(f"held-out top-1 agreement: {b['top1_agreement']:.3f} -> {a['top1_agreement']:.3f} "
+               f"({report['heldout_prompts']} prompts, {report['heldout_tokens']} target tokens)")
+    for k in ("2", "3", "4"):
+        click.echo(f"greedy acceptance k={k}: {b['greedy'][k]['acceptance']:.3f} -> {a['greedy'][k]['acceptance']:.3f}"
+                   f"  (tokens/step {b['greedy'][k]['tokens_per_step']:.2f} -> {a['greedy'][k]['tokens_per_step']:.2f};"
+                   f" per-position alpha {a['greedy'][k]['alpha']})")
+    click.echo(f"time: {report['seconds']}")

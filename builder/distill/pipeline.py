@@ -1,0 +1,159 @@
+"""``distill_draft``: the stages in order, under one wall-clock budget, with progress and the report."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from builder.distill.continuations import eos_ids_of, generate
+from builder.distill.corpus import DistillError, encode, load_prompts, split_prompts
+from builder.distill.distributions import teacher
+from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary
+from builder.distill.evaluation import acceptance
+from builder.distill.save import check_out, publish_draft
+from builder.distill.training import train
+
+
+def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Path | None = None,
+                  minutes: float = 15.0, max_new_tokens: int = 64, seed: int = 0, threads: int = 0,
+                  draft_vocab: int = 0, loss: str = "kl", temperature: float = 0.0, heldout: float = 0.1,
+                  top_k: int = 32, lr: float = 5e-4, batch_prompts: int = 16, tokens_per_batch: int = 1024,
+                  max_steps: int | None = None, max_prompt_tokens: int = 256, chat: bool | None = None,
+                  generate_share: float = 0.4, samples_per_prompt: int = 1, sample_temperature: float = 1.0,
+                  train_prompt_positions: bool = True, force: bool = False, console=None, quiet: bool = False) -> dict:
+    """Distil a draft for ``target`` into the Hugging Face folder ``out``; returns the report (also written to
+    ``out/distill_report.json``).
+
+    ``minutes`` is the whole budget: after loading the target, generation may use ``generate_share`` of what is left
+    (at least one batch), training the rest less a reserve for the final measurement. ``max_steps`` (tests) bounds
+    training by steps instead of time.
+
+    ``samples_per_prompt`` > 1 adds continuations sampled at ``sample_temperature`` after the first pass (while the
+    generation share lasts): a small corpus then yields more distinct target text, so the draft overfits less (one
+    greedy continuation per prompt of the 208 shipped ones gave 0.98 top-1 on training prompts, 0.28 held out).
+    """
+    import torch
+    from rich.console import Console
+
+    from builder import checkpoint as ckpt
+    started = time.perf_counter()
+    deadline = started + minutes * 60
+    out = Path(out).absolute()
+    check_out(out, force)
+    if draft_vocab < 0:
+        raise DistillError(f"--draft-vocab must be >= 0, received {draft_vocab}")
+    if samples_per_prompt < 1 or sample_temperature <= 0:
+        raise DistillError(f"--samples-per-prompt must be >= 1 and --sample-temperature > 0, received "
+                           f"{samples_per_prompt} and {sample_temperature}")
+    if not 0 < generate_share < 1:
+        raise DistillError(f"--generate-share must be in (0, 1), received {generate_share}")
+    console = console or Console(stderr=True, quiet=quiet)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    say = console.print
+    corpus = load_prompts(prompts)
+    train_prompts, held_prompts = split_prompts(corpus, heldout, seed)
+    say(f"distill: {len(corpus)} prompts ({len(train_prompts)} train, {len(held_prompts)} held out) from "
+        f"{prompts or 'the shipped corpus'}")
+    checkpoint = ckpt.resolve(target)
+    check_init(init, checkpoint.config.num_hidden_layers)
+    tokenizer = checkpoint.load_tokenizer()
+    target_model = checkpoint.load_model()
+    timings = {"load": round(time.perf_counter() - started, 1)}
+    eos = eos_ids_of(target_model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    train_ids = [encode(tokenizer, p, chat, max_prompt_tokens) for p in train_prompts]
+    held_ids = [encode(tokenizer, p, chat, max_prompt_tokens) for p in held_prompts]
+
+    with _progress(console, quiet) as progress:
+        t0 = time.perf_counter()
+        task = progress.add_task("target: held-out continuations", total=len(held_ids))
+        held = generate(target_model, held_ids, max_new_tokens, temperature=0.0, seed=seed, eos_ids=eos, pad_id=pad,
+                        batch_size=batch_prompts, advance=lambda n: progress.advance(task, n))
+        gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
+        task = progress.add_task("target: training continuations", total=len(train_ids))
+        samples = generate(target_model, train_ids, max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos,
+                           pad_id=pad, batch_size=batch_prompts, deadline=gen_deadline,
+                           advance=lambda n: progress.advance(task, n))
+        for extra in range(1, samples_per_prompt):
+            if time.perf_counter() > gen_deadline:
+                break
+            task = progress.add_task(f"target: sampled continuations {extra + 1}", total=len(train_ids))
+            samples += generate(target_model, train_ids, max_new_tokens, temperature=sample_temperature,
+                                seed=seed + extra, eos_ids=eos, pad_id=pad, batch_size=batch_prompts,
+                                deadline=gen_deadline, advance=lambda n, t=task: progress.advance(t, n))
+        if not samples:
+            raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
+        timings["generate"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        task = progress.add_task("target: teacher distributions", total=len(samples))
+        teacher(target_model, samples, top_k, tokens_per_batch, advance=lambda n: progress.advance(task, n))
+        timings["teacher"] = round(time.perf_counter() - t0, 1)
+
+        draft = init_draft(target_model, init)
+        del target_model
+        kept = None
+        if draft_vocab:
+            vocab = min(len(tokenizer), draft.get_output_embeddings().weight.shape[0])
+            if draft_vocab >= vocab:
+                raise DistillError(f"--draft-vocab {draft_vocab} is not smaller than the vocabulary ({vocab})")
+            kept = kept_vocabulary(samples, draft_vocab, vocab, eos)
+        t0 = time.perf_counter()
+        before = acceptance(draft, held, kept)
+        measure = time.perf_counter() - t0
+        say(f"before: held-out top-1 agreement {before.top1:.3f}, greedy acceptance "
+            + ", ".join(f"k={k} {before.greedy[k]['acceptance']:.3f}" for k in (2, 4)))
+        train_deadline = deadline - 1.5 * measure - 5
+        if max_steps is None and train_deadline <= time.perf_counter():
+            raise DistillError(f"no time left to train within --minutes {minutes}; raise it")
+        total = max_steps or max(1, int(train_deadline - time.perf_counter()))
+        task = progress.add_task("draft: training", total=total)
+        t0 = time.perf_counter()
+
+        last_line = [time.perf_counter()]
+
+        def on_step(step, value, rate):
+            done = step if max_steps else min(total, time.perf_counter() - t0)
+            progress.update(task, completed=done, description=f"draft: training (loss {value:.3f})")
+            if not console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
+                last_line[0] = time.perf_counter()
+                say(f"training: step {step}, loss {value:.4f}, lr {rate:.2e}, {time.perf_counter() - t0:.0f} s")
+
+        trained = train(draft, samples, deadline=train_deadline, max_steps=max_steps, lr=lr, loss=loss, kept=kept,
+                        tokens_per_batch=tokens_per_batch, seed=seed, train_prompt_positions=train_prompt_positions,
+                        on_step=on_step)
+        progress.update(task, completed=total)
+    timings["train"] = trained["seconds"]
+    after = acceptance(draft, held, kept)
+    train_fit = acceptance(draft, samples[: len(held)], kept, ks=(4,))
+    say(f"after:  held-out top-1 agreement {after.top1:.3f}, greedy acceptance "
+        + ", ".join(f"k={k} {after.greedy[k]['acceptance']:.3f}" for k in (2, 4))
+        + f" (training prompts: top-1 {train_fit.top1:.3f})")
+    timings["total"] = round(time.perf_counter() - started, 1)
+    report = {
+        "target": target, "init": init, "loss": loss, "seed": seed, "minutes": minutes,
+        "prompts": str(prompts) if prompts else "builtin:distill_prompts.txt",
+        "train_prompts": len(samples), "heldout_prompts": len(held),
+        "train_tokens": sum(len(s.continuation) for s in samples),
+        "train_positions": sum(len(s.ids) - 1 for s in samples),
+        "heldout_tokens": sum(len(s.continuation) for s in held),
+        "max_new_tokens": max_new_tokens, "generation_temperature": temperature, "top_k": top_k,
+        "samples_per_prompt": samples_per_prompt, "sample_temperature": sample_temperature,
+        "generate_share": generate_share,
+        "draft_layers": draft.config.num_hidden_layers,
+        "draft_vocab": int(len(kept)) if kept is not None else 0,
+        "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
+        "before": before.to_dict(), "after": after.to_dict(), "train_top1_after": round(train_fit.top1, 4),
+        "training": trained, "seconds": timings,
+    }
+    publish_draft(draft, tokenizer, out, kept, report, force)
+    say(f"saved the draft to {out} ({timings['total']:.0f} s in all); build with: "
+        f"build-engines --target {target} --draft {out}")
+    return report
+
+
+def _progress(console, quiet: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, disable=quiet, transient=False)

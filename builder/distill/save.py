@@ -1,0 +1,82 @@
+"""Stage 5: the draft saved as a Hugging Face folder (safetensors + the target's tokenizer, the kept ids of a reduced
+head, the report), staged beside its place and swapped in whole, as the builder publishes bundles.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from builder.distill.corpus import DistillError
+
+VOCAB_FILE = "draft_vocab.json"
+REPORT_FILE = "distill_report.json"
+
+
+def save_draft(draft, tokenizer, out: Path, kept: np.ndarray | None, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    draft.hf_quantizer = None
+    if hasattr(draft.config, "quantization_config"):
+        del draft.config.quantization_config
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    draft.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    vocab_file = out / VOCAB_FILE
+    if kept is not None:
+        vocab_file.write_text(json.dumps({"kept_ids": [int(t) for t in kept],
+                                          "full_vocab_size": int(draft.config.vocab_size)}), encoding="utf-8")
+    elif vocab_file.exists():
+        vocab_file.unlink()
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
+
+
+def read_draft_vocab(folder: str | Path) -> np.ndarray | None:
+    """The kept ids of a reduced-vocabulary draft folder, or None for a full head."""
+    path = Path(folder) / VOCAB_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    kept = np.asarray(data["kept_ids"], np.int64)
+    if kept.ndim != 1 or len(kept) == 0 or len(np.unique(kept)) != len(kept) or kept.min() < 0:
+        raise DistillError(f"{path}: kept_ids must be a non-empty list of distinct non-negative token ids")
+    return kept  # in file order: column j of the reduced head is token kept[j] (the runtime reads the same file)
+
+
+def is_distilled(folder: Path) -> bool:
+    """A finished distillation: save_draft writes the report after the weights."""
+    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", REPORT_FILE))
+
+
+def draft_problem(folder: Path) -> str | None:
+    """Why --force may not replace ``folder`` (None: a Hugging Face model folder, i.e. a draft)."""
+    config = folder / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() and not config.is_symlink() else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if not isinstance(data, dict) or not ({"model_type", "architectures"} & set(data)):
+        return "it holds no model config.json"
+    return None
+
+
+def check_out(out: Path, force: bool) -> None:
+    from builder.build import BuildError, check_output
+    try:
+        check_output(out, force, draft_problem, "draft folder")
+    except BuildError as err:
+        raise DistillError(str(err)) from None
+
+
+def publish_draft(draft, tokenizer, out: Path, kept, report: dict, force: bool) -> None:
+    """Write the draft into a hidden folder beside ``out`` and swap it in whole (the builder's staging and publish):
+    an interrupted save leaves the previous draft, never a half-written one next to a finished-looking report."""
+    from builder.build import BuildError, publish, staging
+    try:
+        with staging(out, force, draft_problem, "draft folder") as tmp:
+            save_draft(draft, tokenizer, tmp, kept, report)
+            publish(tmp, out)
+    except BuildError as err:
+        raise DistillError(str(err)) from None
