@@ -1,4 +1,5 @@
-"""draftsmith: run a bundle (generate), and the commands other parts register (bench, triton-repo, serve)."""
+"""draftsmith: run a bundle (generate), serve it (serve-openai), and the commands other parts register (bench,
+triton-repo, serve)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,33 @@ def _report(result, baseline) -> dict:
         report["speedup"] = s / b if b else 0.0
         report["identical_to_target"] = baseline.token_ids == result.token_ids
     return report
+
+
+@main.command("serve-openai")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; any but loopback exposes the server (then use --api-key).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="DRAFTSMITH_API_KEY", show_envvar=True, default=None,
+              help="Required as 'Authorization: Bearer KEY' on every route but /health (default: none).")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Requests waiting for a row before new ones get 429 (overloaded).")
+@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
+@click.option("--model-name", default=None, help="The model name clients send (default: the bundle's folder name).")
+def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, model_name):
+    """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics), every request on one in-flight batching scheduler."""
+    try:
+        from runtime.openai_server import serve
+    except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here
+        raise click.ClickException(f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' "
+                                   f"({err})") from None
+    try:
+        serve(bundle, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
+              threads=threads, model_name=model_name)
+    except (BundleError, RequestError, DeviceError, ValueError) as err:
+        raise click.ClickException(str(err)) from None
 
 
 def _register_optional() -> None:
