@@ -280,3 +280,15 @@ def test_disconnect_cancels_the_request(client, served, reference, monkeypatch):
         time.sleep(0.02)
     monkeypatch.undo()
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices  # still serving
+
+
+# --- the load driver ----------------------------------------------------------------------------------------------
+
+def test_load_driver_against_the_server(served):
+    from bench.openai_load import run_load
+    report = run_load(served.url, clients=2, duration=60, max_requests=6, max_tokens=16, cancel_fraction=0.34,
+                      check_identical=True, seed=3)
+    assert report["sent"] == 6 and report["lost"] == 0 and report["failed"] == 0
+    assert report["answered"] + report["cancelled"] == 6 and report["answered"] >= 1
+    assert report["identical"]["mismatches"] == 0 and report["identical"]["checked"] >= 1
+    assert report["output_tokens"] > 0 and report["ttft_s"]["p50"] > 0

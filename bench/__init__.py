@@ -1,0 +1,1 @@
+"""Benchmarks and load drivers (not imported by the runtime)."""
