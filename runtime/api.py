@@ -174,8 +174,13 @@ class SpeculativeGenerator:
             fallback = Fallback()
         return DecodeConfig(max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None, seed), stops
 
-    def _encode(self, prompt: str, chat: bool) -> list[int]:
-        if not isinstance(prompt, str) or not prompt:
+    def _encode(self, prompt: str | list[dict], chat: bool) -> list[int]:
+        """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages (a server's)."""
+        if chat and isinstance(prompt, list):
+            if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                     and isinstance(m.get("content"), str) for m in prompt):
+                raise RequestError("chat messages must be a non-empty list of {'role': str, 'content': str}")
+        elif not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string")
         try:
             ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)

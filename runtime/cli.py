@@ -1,4 +1,5 @@
-"""draftsmith: run a bundle (generate), and the commands other parts register (bench, triton-repo, serve)."""
+"""draftsmith: run a bundle (generate), serve it (serve-openai), and the commands other parts register (bench,
+triton-repo, serve)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import click
 from runtime.bundle import DRAFTERS, BundleError
 from runtime.engine import DEVICES, DeviceError
 from runtime.errors import RequestError
+from runtime.scheduler import POLICIES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -89,10 +91,41 @@ def _report(result, baseline) -> dict:
     return report
 
 
+@main.command("serve-openai")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; any but loopback exposes the server (then use --api-key).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="DRAFTSMITH_API_KEY", show_envvar=True, default=None,
+              help="Required as 'Authorization: Bearer KEY' on every route but /health (default: none).")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Requests waiting for a row before new ones get 429 (overloaded).")
+@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
+@click.option("--model-name", default=None, help="The model name clients send (default: the bundle's folder name).")
+@click.option("--policy", type=click.Choice(POLICIES), default="exact", show_default=True,
+              help="exact: every answer is bit for bit the same request's alone; throughput: batched target-only "
+                   "steps when they pay (answers of a quantized target may then part from a lone run's at near ties).")
+def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, model_name, policy):
+    """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics), every request on one in-flight batching scheduler."""
+    try:
+        from runtime.openai_server import serve
+    except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here
+        raise click.ClickException(f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' "
+                                   f"({err})") from None
+    try:
+        serve(bundle, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
+              threads=threads, model_name=model_name, policy=policy)
+    except (BundleError, RequestError, DeviceError, ValueError) as err:
+        raise click.ClickException(str(err)) from None
+
+
 # Commands other packages own, added when importable: the one place the runtime names them (tests/test_layout.py);
 # their heavy imports happen inside the commands.
 COMMANDS = (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("bench.speed", "bench"),
-            ("bench.profile", "profile"), ("builder.distill.cli", "distill"), ("bench.load", "load"))
+            ("bench.profile", "profile"), ("builder.distill.cli", "distill"), ("bench.load", "load"),
+            ("bench.openai_load", "openai_load"))
 
 
 def _register_optional() -> None:

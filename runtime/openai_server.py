@@ -1,0 +1,408 @@
+"""An OpenAI-compatible HTTP server over the in-flight batching Scheduler: FastAPI routes, run by uvicorn.
+
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``: server-sent events in OpenAI's
+chunk shapes, ending in ``data: [DONE]``), ``GET /v1/models[/{model}]``, ``GET /health`` (no key) and
+``GET /metrics`` (Prometheus text). Request bodies: runtime/openai_protocol.py.
+
+Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 a bad request (validation, a
+bound, the scheduler's RequestError), 401 a missing or wrong API key, 404 an unknown model or route, 413 a body over
+the limit, 429 overloaded (the queue is full, or a request waited too long for a row; with Retry-After, so OpenAI's
+clients back off and retry), 500 anything else, logged here and never described to the client. A streamed request
+waits for its first text before the response starts, so an error until then gets its status code; a later one is
+sent as an error event, then ``[DONE]``. A client that disconnects cancels its request: its row leaves the batch at
+the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import hmac
+import logging
+import re
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.api import Generation
+from runtime.errors import RequestError
+from runtime.openai_protocol import (FINISH_REASONS, AssistantMessage, ChatChoice, ChatCompletion,
+                                     ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Completion,
+                                     CompletionChoice, CompletionRequest, Delta, Limits, SamplingRequest,
+                                     Usage, error_body, new_id)
+from runtime.scheduler import Event, Overloaded, Scheduler, Unavailable
+
+log = logging.getLogger("draftsmith.openai")
+
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+DISCONNECT_POLL_S = 0.5  # how often a request waiting for text checks that its client is still there
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.body, self.headers = status, error_body(message, type, param, code), headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, self.status, headers=self.headers)
+
+
+def overloaded(err: Overloaded) -> APIError:
+    return APIError(429, str(err), "rate_limit_error", code="server_overloaded", headers={"Retry-After": "1"})
+
+
+def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, limits: Limits | None = None,
+               request_timeout: float | None = None) -> FastAPI:
+    """The server's app over a started ``scheduler``.
+
+    model_name: the one model requests must name; api_key: required as ``Authorization: Bearer KEY`` on every route
+    but /health (None: open); limits: per-request bounds (default: from the bundle's context);
+    request_timeout: seconds after which a request ends with finish_reason "length" (None: none).
+    """
+    limits = limits or Limits.for_context(scheduler.generator.max_context)
+    app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    _add_error_handlers(app)
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "draftsmith",
+            "max_model_len": scheduler.generator.max_context}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        _check_model(model, model_name)
+        return card
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(metrics_text(scheduler, model_name), media_type=PROMETHEUS)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await reply(body, body.prompt, False, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await reply(body, body.plain_messages(), True, request)
+
+    async def reply(body: SamplingRequest, prompt, chat: bool, request: Request) -> Response:
+        _check_model(body.model, model_name)
+        problems = body.check(limits, body.prompt_bytes())
+        if problems:
+            raise APIError(400, "; ".join(message for _, message in problems), param=problems[0][0])
+        bridge = _Bridge()
+        options = body.options(default_max_tokens=limits.max_tokens_limit)
+        try:  # off the event loop: it tokenizes (and renders the chat template)
+            handle = await asyncio.to_thread(scheduler.submit, prompt, chat=chat, timeout=request_timeout,
+                                             sink=bridge.put, **options)
+        except Overloaded as err:
+            raise overloaded(err) from None
+        except RequestError as err:
+            raise APIError(400, str(err)) from None
+        except Unavailable as err:
+            raise _event_error(err) from None
+        chunks, streaming = _Chunks(chat, model_name, body.include_usage), False
+        try:
+            first = await bridge.next(request)
+            if first is None:
+                return Response(status_code=499)  # the client went away: nobody reads this
+            if first.error is not None:
+                return _event_error(first.error).response()
+            if body.stream:
+                streaming = True  # from here the response's on_close cancels
+                return _EventStream(chunks.stream(first, bridge), on_close=handle.cancel)
+            generation = await bridge.final(first, request)
+        finally:
+            if not streaming:
+                handle.cancel()  # a no-op once finished; frees the row if the client left or the server stops
+        if generation is None:
+            return Response(status_code=499)  # the client went away: nobody reads this
+        return JSONResponse(chunks.whole(generation).model_dump(mode="json"))
+
+    return app
+
+
+def _check_model(model: str, served: str) -> None:
+    if model != served:
+        raise APIError(404, f"The model {model!r} does not exist; this server serves {served!r}", param="model",
+                       code="model_not_found")
+
+
+def _event_error(error: Exception) -> APIError:
+    """An error the scheduler sent instead of text: overloaded (waited too long), or a server fault."""
+    if isinstance(error, Overloaded):
+        return overloaded(error)
+    if isinstance(error, Unavailable) and "stopping" in str(error):
+        return APIError(503, "the server is shutting down; retry on another", "server_error")
+    log.error("generation failed: %s", error)
+    return APIError(500, "the server failed while generating this completion; retry later", "server_error")
+
+
+class _Bridge:
+    """A request's events, from the scheduler thread to this event loop."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.checked = self.loop.time()  # when the client was last seen connected
+
+    def put(self, event: Event) -> None:
+        """The scheduler's sink (its thread): must not raise there."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: the server is gone
+            pass
+
+    async def next(self, request: Request) -> Event | None:
+        """The next event, or None once the client has disconnected (checked every DISCONNECT_POLL_S, whether
+        events keep coming or not)."""
+        getter = asyncio.ensure_future(self.queue.get())
+        try:
+            while True:
+                wait = self.checked + DISCONNECT_POLL_S - self.loop.time()
+                done, _ = await asyncio.wait({getter}, timeout=max(0.0, wait))
+                if self.loop.time() - self.checked >= DISCONNECT_POLL_S:
+                    if await request.is_disconnected():
+                        return None
+                    self.checked = self.loop.time()
+                if done:
+                    return getter.result()
+        finally:
+            getter.cancel()
+
+    async def final(self, event: Event, request: Request) -> Generation | None:
+        """Events from ``event`` on until the final Generation (None: the client left); raises an error event."""
+        while event is not None:
+            if event.error is not None:
+                raise _event_error(event.error)
+            if event.final is not None:
+                return event.final
+            event = await self.next(request)
+        return None
+
+
+class _Chunks:
+    """One request's response objects: whole, or as server-sent events."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool):
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+
+    def whole(self, g: Generation) -> Completion | ChatCompletion:
+        reason, usage = FINISH_REASONS.get(g.finish_reason, "stop"), Usage.of(g.prompt_tokens, len(g.token_ids))
+        if self.chat:
+            return ChatCompletion(id=self.id, model=self.model, usage=usage, choices=[
+                ChatChoice(message=AssistantMessage(content=g.text), finish_reason=reason)])
+        return Completion(id=self.id, model=self.model, usage=usage,
+                          choices=[CompletionChoice(text=g.text, finish_reason=reason)])
+
+    async def stream(self, event: Event, bridge: _Bridge) -> AsyncIterator[str]:
+        """Chunks from the first event on (the client's disconnect cancels this, see _EventStream)."""
+        if self.chat:
+            yield self._chunk("", role=True)
+        while True:
+            if event.error is not None:
+                yield _sse(_event_error(event.error).body)
+                break
+            if event.piece:
+                yield self._chunk(event.piece)
+                await asyncio.sleep(0)  # let a lost connection be noticed before a burst of queued events is written
+            if event.final is not None:
+                g = event.final
+                yield self._chunk("", reason=FINISH_REASONS.get(g.finish_reason, "stop"))
+                if self.include_usage:
+                    yield self._usage(Usage.of(g.prompt_tokens, len(g.token_ids)))
+                break
+            event = await bridge.queue.get()
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, text: str, reason: str | None = None, role: bool = False) -> str:
+        if self.chat:
+            delta = Delta(role="assistant", content="") if role else Delta(content=text or None)
+            chunk = ChatCompletionChunk(id=self.id, model=self.model,
+                                        choices=[ChunkChoice(delta=delta, finish_reason=reason)])
+        else:
+            chunk = Completion(id=self.id, model=self.model,
+                               choices=[CompletionChoice(text=text, finish_reason=reason)])
+        return _sse(chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"}))
+
+    def _usage(self, usage: Usage) -> str:
+        kind = ChatCompletionChunk if self.chat else Completion
+        return _sse(kind(id=self.id, model=self.model, choices=[], usage=usage).model_dump(mode="json"))
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that call ``on_close`` however the response ends: finished, failed, or the client gone
+    (Starlette then cancels the stream, or its next send fails)."""
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _Guard:
+    """Pure ASGI, before FastAPI parses anything: the API key (every route but /health), then the body's size (read
+    here whole, at most ``max_body_bytes``, and handed on)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.key is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization")
+            if not given or not hmac.compare_digest(given, self.key):
+                message = ("Incorrect API key provided" if given else
+                           "Missing API key: send it as the header 'Authorization: Bearer KEY'")
+                error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await error.response()(scope, receive, send)
+        too_large = APIError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes",
+                             param="body", code="request_too_large")
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body_bytes:
+            return await too_large.response()(scope, receive, send)
+        parts, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body_bytes:
+                return await too_large.response()(scope, receive, send)
+            more = message.get("more_body", False)
+        pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        problems = [_describe(e) for e in err.errors()]
+        return APIError(400, "; ".join(m for _, m in problems), param=problems[0][0] if problems else None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = (f"Unknown route: {request.method} {request.url.path}" if err.status_code == 404 else
+                   f"{request.method} is not allowed on {request.url.path}" if err.status_code == 405 else
+                   str(err.detail))
+        return APIError(err.status_code, message, code="not_found" if err.status_code == 404 else None).response()
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error", "server_error").response()
+
+
+def _describe(error: dict) -> tuple[str | None, str]:
+    """(param, message) of one pydantic error, in the words OpenAI's API uses."""
+    loc = [str(part) for part in error.get("loc", ())][1:]  # without the leading "body"
+    param = loc[0] if loc else None
+    kind, message = error.get("type"), str(error.get("msg", "")).removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        return param, f"Unrecognized request argument supplied: {'.'.join(loc)}"
+    if kind == "json_invalid":
+        return None, f"the request body is not valid JSON: {error.get('ctx', {}).get('error', message)}"
+    if kind == "missing" and not loc:
+        return None, "a JSON request body is required"
+    return param, f"{'.'.join(loc) or 'body'}: {message}"
+
+
+# --- metrics -----------------------------------------------------------------------------------------------------
+
+_COUNTERS = {  # scheduler.stats() key: (metric name, help)
+    "steps": ("scheduler_steps_total", "Scheduler steps (each advances every running row once)"),
+    "speculative_steps": ("scheduler_speculative_steps_total", "Steps that drafted and verified"),
+    "row_steps": ("scheduler_row_steps_total", "Rows advanced, summed over steps"),
+    "admitted": ("scheduler_admitted_total", "Requests admitted into the batch"),
+    "finished": ("scheduler_finished_total", "Requests finished (stop, length or context)"),
+    "cancelled": ("scheduler_cancelled_total", "Requests cancelled (their client went away)"),
+    "timed_out": ("scheduler_timed_out_total", "Requests that ran past their deadline"),
+    "refused": ("scheduler_refused_total", "Requests refused as overloaded (queue full, or waited too long)"),
+    "step_time": ("scheduler_step_seconds_total", "Seconds spent in steps"),
+    "engine_time": ("scheduler_engine_seconds_total", "Seconds spent in engine calls within steps"),
+}
+_GAUGES = {
+    "running": ("scheduler_running", "Requests in the running batch"),
+    "waiting": ("scheduler_waiting", "Requests waiting for a row"),
+    "mean_batch": ("scheduler_mean_batch", "Mean rows per step"),
+}
+_VLLM = {"drafts": "vllm:spec_decode_num_drafts_total", "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+         "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def metrics_text(scheduler: Scheduler, model_name: str, prefix: str = "draftsmith") -> str:
+    """The generator's metrics, the scheduler's, and vLLM's names for the common ones (dashboards made for vLLM)."""
+    text = scheduler.generator.metrics.prometheus(prefix)
+    stats = scheduler.stats()
+    lines = [text.rstrip("\n")]
+    for table, kind in ((_COUNTERS, "counter"), (_GAUGES, "gauge")):
+        for key, (name, help_text) in table.items():
+            if key in stats:
+                lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}",
+                          f"{prefix}_{name} {stats[key]}"]
+    label = '{model_name="%s"}' % model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    if "vllm:" not in text:
+        vllm = {"vllm:num_requests_running": ("gauge", stats.get("running")),
+                "vllm:num_requests_waiting": ("gauge", stats.get("waiting"))}
+        for key, name in _VLLM.items():
+            found = re.search(rf"^{prefix}_{key}_total(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+            vllm[name] = ("counter", found.group(1) if found else None)
+        for name, (kind, value) in vllm.items():
+            if value is not None:
+                lines += [f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_batch: int = 8, max_queue: int = 256, threads: int = 0, model_name: str | None = None,
+          log_level: str = "info", policy: str = "exact") -> None:
+    """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted."""
+    import uvicorn
+
+    from runtime.api import SpeculativeGenerator
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy).start()
+    name = model_name or Path(bundle).resolve().name
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)
+    try:
+        uvicorn.run(create_app(scheduler, name, api_key=api_key), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        scheduler.stop()
