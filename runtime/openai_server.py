@@ -362,30 +362,21 @@ _GAUGES = {
     "waiting": ("scheduler_waiting", "Requests waiting for a row"),
     "mean_batch": ("scheduler_mean_batch", "Mean rows per step"),
 }
-_VLLM = {"drafts": "vllm:spec_decode_num_drafts_total", "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-         "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
 
 
 def metrics_text(scheduler: Scheduler, model_name: str, prefix: str = "draftsmith") -> str:
-    """The generator's metrics, the scheduler's, and vLLM's names for the common ones (dashboards made for vLLM)."""
-    text = scheduler.generator.metrics.prometheus(prefix)
+    """The generator's metrics (with vLLM's spec-decode counter names, runtime/metrics.py), the scheduler's, and
+    vLLM's names for the queue gauges (dashboards made for vLLM)."""
     stats = scheduler.stats()
-    lines = [text.rstrip("\n")]
+    lines = [scheduler.generator.metrics.prometheus().rstrip("\n")]
     for table, kind in ((_COUNTERS, "counter"), (_GAUGES, "gauge")):
         for key, (name, help_text) in table.items():
             if key in stats:
                 lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}",
                           f"{prefix}_{name} {stats[key]}"]
     label = '{model_name="%s"}' % model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    if "vllm:" not in text:
-        vllm = {"vllm:num_requests_running": ("gauge", stats.get("running")),
-                "vllm:num_requests_waiting": ("gauge", stats.get("waiting"))}
-        for key, name in _VLLM.items():
-            found = re.search(rf"^{prefix}_{key}_total(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-            vllm[name] = ("counter", found.group(1) if found else None)
-        for name, (kind, value) in vllm.items():
-            if value is not None:
-                lines += [f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+    for name, key in (("vllm:num_requests_running", "running"), ("vllm:num_requests_waiting", "waiting")):
+        lines += [f"# TYPE {name} gauge", f"{name}{label} {stats[key]}"]
     return "\n".join(lines) + "\n"
 
 
