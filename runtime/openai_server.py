@@ -19,7 +19,6 @@ import asyncio
 import json
 import hmac
 import logging
-import re
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
