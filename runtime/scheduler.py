@@ -8,7 +8,9 @@ leave, their cache rows freed. New requests therefore start at the next step, wh
 
 How a step runs is the policy's choice:
 
-- "exact" (the default): every row drafts and the target scores each row's [last, x_1..x_d] in a call of its own.
+- "exact" (the default): each row drafts (with ``fallback``, unless its own acceptance so far makes an undrafted
+  step cheaper per token, re-probed every PROBE_EVERY steps) and the target scores each row's [last, x_1..x_d] in a
+  call of its own.
   Every answer is then bit for bit what the same request gets alone (``SpeculativeGenerator.generate``): a row's
   logits never depend on what else runs. The price: on CPU, GroupQueryAttention takes several new tokens on a past
   only at batch 1, so rows share no target call and concurrency adds little throughput.
@@ -43,6 +45,7 @@ from runtime.speculative import DecodeConfig, Drafter, prefill, row_generators
 from runtime.text import IncrementalDecoder, find_stop
 
 POLICIES = ("exact", "throughput")
+PROBE_EVERY = 32  # a row that stopped drafting because acceptance fell low drafts again after this many steps
 
 
 class Overloaded(RequestError):
@@ -121,6 +124,7 @@ class _Row:
     text: str = ""
     finished: str = ""
     acceptance: float = 0.6  # running estimate of P(a draft token is accepted), for the step policy
+    undrafted: int = 0  # steps in a row it did not draft (its own fallback; "exact")
     stats: RequestStats = field(default_factory=RequestStats)
     started: float = field(default_factory=time.perf_counter)
 
@@ -201,17 +205,19 @@ class Scheduler:
 
     ``submit`` may be called from any thread; the loop runs in its own (``start``), or a test drives ``step``.
     max_batch: rows decoded together; max_queue: waiting requests before ``Overloaded``; max_wait: seconds a request
-    may wait for admission before ``Overloaded``; policy: "exact" or "throughput" (see the module docstring).
+    may wait for admission before ``Overloaded``; policy: "exact" or "throughput" (see the module docstring);
+    fallback ("exact"): let a row whose drafts are rarely accepted stop drafting (``_row_drafts``).
     """
 
     def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
-                 max_wait: float = 60.0, policy: str = "exact"):
+                 max_wait: float = 60.0, policy: str = "exact", fallback: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
         if max_batch < 1 or max_queue < 1:
             raise ValueError("max_batch and max_queue must be >= 1")
         self.generator, self.target = generator, generator.target
         self.max_batch, self.max_queue, self.max_wait, self.policy = max_batch, max_queue, max_wait, policy
+        self.fallback = fallback
         for engine in (generator.target, generator.draft):
             batch_invariant(engine)
         self.rows: list[_Row] = []
@@ -308,9 +314,10 @@ class Scheduler:
         engine_time = self._admit()
         if not self.rows:
             return False
-        speculate = self._speculate()
+        plan = self._plan()
+        speculate = any(plan)
         t0 = time.perf_counter()
-        drafts = [self._propose(row) if speculate else ([], []) for row in self.rows]
+        drafts = [self._propose(row) if drafts else ([], []) for row, drafts in zip(self.rows, plan)]
         t1 = time.perf_counter()
         logits = self.target.forward(self.cache, *self._target_chunks(drafts))
         t2 = time.perf_counter()
@@ -336,23 +343,34 @@ class Scheduler:
         c["step_time"] += step_time
         c["engine_time"] += engine_time
 
-    def _speculate(self) -> bool:
-        """Whether this step drafts. "exact": always (each row's calls are its own). "throughput": when drafting
-        gives more tokens per second than one batched call, on the measured costs and each row's acceptance."""
-        drafting = [row for row in self.rows if row.drafter is not None and self._draft_limit(row)]
-        if not drafting:
-            return False
-        if self.policy == "exact" or len(self.rows) == 1 or not self.costs.batch:
-            return True
-        if any(row.pinned for row in drafting):
-            return True
+    def _plan(self) -> list[bool]:
+        """Which rows draft this step. "exact": each row by itself (its own calls either way). "throughput": all or
+        none, by whether drafting gives more tokens per second than one batched call for every row."""
+        able = [row.drafter is not None and self._draft_limit(row) > 0 for row in self.rows]
+        if self.policy == "exact":
+            return [a and self._row_drafts(row) for a, row in zip(able, self.rows)]
+        if not any(able):
+            return able
+        if not self.costs.batch or any(row.pinned for row, a in zip(self.rows, able) if a):
+            return able
         widths, tokens = [], 0.0
-        for row in self.rows:
-            limit = self._draft_limit(row) if row.drafter is not None else 0
+        for row, a in zip(self.rows, able):
+            limit = self._draft_limit(row) if a else 0
             widths.append(limit + 1)
-            a = min(row.acceptance, 0.99)
-            tokens += (1 - a ** (limit + 1)) / (1 - a)
-        return tokens / self.costs.spec_cost(widths) > len(self.rows) / self.costs.batch_cost(len(self.rows))
+            tokens += expected_tokens(row.acceptance, limit)
+        drafts = tokens / self.costs.spec_cost(widths) > len(self.rows) / self.costs.batch_cost(len(self.rows))
+        return able if drafts else [False] * len(self.rows)
+
+    def _row_drafts(self, row: _Row) -> bool:
+        """A row's own fallback: draft unless its acceptance so far makes one undrafted call per token cheaper;
+        probe again every PROBE_EVERY undrafted steps (its estimate only moves when it drafts)."""
+        if not self.fallback or row.pinned or not self.costs.verify:
+            return True
+        limit = self._draft_limit(row)
+        pays = (expected_tokens(row.acceptance, limit) / self.costs.spec_cost([limit + 1])
+                > 1 / self.costs.spec_cost([1]))
+        row.undrafted = 0 if pays or row.undrafted >= PROBE_EVERY else row.undrafted + 1
+        return row.undrafted == 0
 
     def _target_chunks(self, drafts: list[tuple[list[int], list]]) -> tuple[np.ndarray, np.ndarray]:
         """Every row's [last, x_1..x_d], right-padded. "exact" adds one padding column, so a fused engine runs the
@@ -515,6 +533,12 @@ class Scheduler:
         for w in waiting:
             w.handle.send(Event(error=error))
         self._fail_running(error)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify of k draft tokens yields when each is accepted with probability ``acceptance``."""
+    a = min(acceptance, 0.99)
+    return (1 - a ** (k + 1)) / (1 - a)
 
 
 def batch_invariant(engine) -> None:

@@ -198,3 +198,20 @@ def test_threads_submit_concurrently_and_stop_fails_what_is_left(generator):
     idle.stop()
     with pytest.raises(Unavailable, match="stopping"):
         left.result()
+
+
+def test_fallback_stops_drafting_for_a_row_whose_drafts_fail_and_keeps_its_answer(generator):
+    vocab = generator.target.vocab_size
+    stale = SpeculativeGenerator(None, generator.target, BigramEngine(random_table(vocab, 9, scale=3.0),
+                                                                      max_context=128), generator.tokenizer, max_k=8)
+    drafted = {}
+    for fallback in (False, True):
+        scheduler = Scheduler(stale, fallback=fallback)
+        scheduler.costs.verify, scheduler.costs.draft = {1: 1.0, 5: 1.5}, 0.2  # a draft must be accepted to pay
+        handle = scheduler.submit(PROMPTS[2], max_new_tokens=60, k=4)
+        drain(scheduler)
+        result = handle.result()
+        assert result.token_ids == stale.generate(PROMPTS[2], max_new_tokens=60, k=4).token_ids
+        drafted[fallback] = result.stats.num_draft_tokens
+    assert drafted[True] < drafted[False] / 3  # it stopped, and probed again now and then
+    assert drafted[True] > 4

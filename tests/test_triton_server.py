@@ -258,7 +258,7 @@ def test_metrics_count_this_request(server, expected):
     assert after["draftsmith_sequence_steps_total"] - before["draftsmith_sequence_steps_total"] == stats.num_steps
     assert after["draftsmith_target_calls_total"] - before["draftsmith_target_calls_total"] == stats.num_steps + 1
     assert after["draftsmith_emitted_tokens_total"] > before.get("draftsmith_emitted_tokens_total", 0)
-    assert "draftsmith_fallback_active" in after
+    assert "draftsmith_running" in after and "draftsmith_waiting" in after
 
 
 def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):

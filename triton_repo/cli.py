@@ -29,13 +29,18 @@ import click
               help="Absolute path where the server will see the bundle (e.g. /bundles/x); the bundle is not copied.")
 @click.option("--link/--copy", "link", default=False,
               help="--link: a symbolic link to the bundle instead of a copy (not relocatable).")
-@click.option("--fallback", is_flag=True, help="Decode target-only for a while when acceptance falls low.")
+@click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True,
+              help="The scheduler's: exact (every answer as the same request's alone) or throughput (batched "
+                   "target-only steps when they pay).")
+@click.option("--fallback", is_flag=True, help="A request whose drafts are rarely accepted stops drafting for a while.")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Requests waiting for a row before new ones are refused as overloaded.")
 @click.option("--streaming/--no-streaming", default=True, show_default=True,
               help="Decoupled (streams; gRPC stream and generate_stream) or not (HTTP /infer works).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay_us, max_tokens_limit,
-                max_prompt_bytes, max_stop_words, max_stop_word_bytes, bundle_mount, link, fallback, streaming,
-                overwrite):
+                max_prompt_bytes, max_stop_words, max_stop_word_bytes, bundle_mount, link, fallback, policy,
+                max_queue, streaming, overwrite):
     """Write a Triton model repository serving BUNDLE into OUT: ensemble, preprocessing, speculative, postprocessing."""
     from runtime.bundle import BundleError
     from triton_repo.generate import RepositoryError, write_repository
@@ -43,7 +48,8 @@ def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay
         path = write_repository(bundle, out, instances=instances, threads=threads, max_batch_size=max_batch_size,
                                 max_queue_delay_us=max_queue_delay_us, max_tokens_limit=max_tokens_limit,
                                 bundle_mount=bundle_mount, copy_bundle=not (link or bundle_mount),
-                                fallback=fallback, streaming=streaming, overwrite=overwrite,
+                                policy=policy, max_queue=max_queue, fallback=fallback, streaming=streaming,
+                                overwrite=overwrite,
                                 max_prompt_bytes=max_prompt_bytes, max_stop_words=max_stop_words,
                                 max_stop_word_bytes=max_stop_word_bytes)
     except (BundleError, RepositoryError) as err:

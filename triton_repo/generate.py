@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.bundle import BundleError, Manifest, load_manifest
+from runtime.scheduler import POLICIES
 from triton_repo import pbtxt
 
 ENSEMBLE, PREPROCESSING, SPECULATIVE, POSTPROCESSING = "ensemble", "preprocessing", "speculative", "postprocessing"
@@ -74,12 +75,16 @@ class RepoOptions:
     max_stop_word_bytes: int = 256  # longest stop string, in UTF-8 bytes
     bundle_mount: str | None = None  # absolute path of the bundle where the server sees it (e.g. /bundles/x)
     copy_bundle: bool = True  # put the bundle inside the repository (hard links when possible, else a copy)
-    fallback: bool = False  # decode target-only for a while when acceptance falls low (runtime Fallback defaults)
+    policy: str = "exact"  # the scheduler's: "exact" (answers as alone) or "throughput" (runtime/scheduler.py)
+    max_queue: int = 256  # requests waiting for a row before new ones are refused as overloaded
+    fallback: bool = False  # a row whose drafts are rarely accepted stops drafting for a while (runtime/scheduler.py)
     streaming: bool = True  # decoupled speculative model: streams, but Triton's HTTP /infer refuses decoupled models
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("instances", "preprocessing_instances", "max_batch_size", "max_stop_word_bytes"):
+        if self.policy not in POLICIES:
+            problems.append(f"policy: expected one of {POLICIES}, received {self.policy!r}")
+        for name in ("instances", "preprocessing_instances", "max_batch_size", "max_stop_word_bytes", "max_queue"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{name}: expected an integer >= 1, received {value!r}")
@@ -193,7 +198,9 @@ def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str
         "instance_group": [{"count": options.instances,
                             "kind": "KIND_GPU" if manifest.spec.device == "cuda" else "KIND_CPU"}],
         "parameters": _params({"bundle": bundle_ref, "threads": options.threads,
-                               **request_limits(options, manifest), "fallback": str(options.fallback).lower()}),
+                               **request_limits(options, manifest), "policy": options.policy,
+                               "max_batch": options.max_batch_size, "max_queue": options.max_queue,
+                               "fallback": str(options.fallback).lower()}),
     }
 
 
@@ -236,7 +243,8 @@ def ensemble_config(options: RepoOptions) -> dict:
 def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, instances: int = 1, threads: int = 0,
                      max_batch_size: int = 16, max_queue_delay_us: int = 2000, preprocessing_instances: int = 1,
                      max_tokens_limit: int = 0, bundle_mount: str | None = None, copy_bundle: bool = True,
-                     fallback: bool = False, streaming: bool = True, overwrite: bool = False,
+                     policy: str = "exact", max_queue: int = 256, fallback: bool = False, streaming: bool = True,
+                     overwrite: bool = False,
                      max_prompt_bytes: int = 0, max_stop_words: int = 16, max_stop_word_bytes: int = 256) -> Path:
     """Write the repository for ``bundle`` into ``out`` (created; must be empty unless ``overwrite``).
 
@@ -245,7 +253,7 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
         out: the repository folder to write.
         instances: speculative model instances (one process each, each holding both engines).
         threads: ONNX Runtime threads per instance (0: all cores).
-        max_batch_size: requests decoded together in one execute call (and the batch dimension of every model).
+        max_batch_size: the batch dimension of every model, and the rows the scheduler decodes together.
         max_queue_delay_us: dynamic batcher wait for more requests.
         preprocessing_instances: tokenizer instances.
         max_tokens_limit: the largest ``max_tokens`` accepted (0: 512, at most half the bundle's context).
@@ -253,7 +261,9 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
             needs ``copy_bundle=False``. Without it the bundle travels inside the repository.
         copy_bundle: put the bundle inside ``speculative/bundle`` (hard links when on the same file system, else a
             copy); with ``False`` and no mount, a relative symbolic link is written (not relocatable on its own).
-        fallback: let the runtime decode target-only for a while when acceptance falls low.
+        policy: the scheduler's, "exact" or "throughput" (runtime/scheduler.py).
+        max_queue: requests waiting for a row before new ones are refused as overloaded.
+        fallback: let a row whose drafts are rarely accepted stop drafting for a while (probing again).
         streaming: make ``speculative`` (and so the ensemble) decoupled, which streams (gRPC streams,
             ``generate_stream``) but which Triton's HTTP ``/infer`` refuses; ``False`` serves plain request/response
             clients (HTTP ``/infer``, gRPC unary infer, perf_analyzer without streaming) and rejects ``stream=true``.
@@ -268,7 +278,8 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
     options = RepoOptions(instances=instances, threads=threads, max_batch_size=max_batch_size,
                           max_queue_delay_us=max_queue_delay_us, preprocessing_instances=preprocessing_instances,
                           max_tokens_limit=max_tokens_limit, bundle_mount=bundle_mount, copy_bundle=copy_bundle,
-                          fallback=fallback, streaming=streaming, max_prompt_bytes=max_prompt_bytes,
+                          policy=policy, max_queue=max_queue, fallback=fallback, streaming=streaming,
+                          max_prompt_bytes=max_prompt_bytes,
                           max_stop_words=max_stop_words, max_stop_word_bytes=max_stop_word_bytes)
     bundle = Path(bundle)
     manifest = load_manifest(bundle)

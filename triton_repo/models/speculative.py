@@ -1,12 +1,17 @@
 """Triton Python model ``speculative`` (decoupled): draft-then-verify decoding of a Draftsmith bundle.
 
-Triton's dynamic batcher hands ``execute`` the requests that queued while the previous batch ran. Requests with the
-same decoding parameters are decoded together through the runtime's public ``SpeculativeGenerator.stream_batch``:
-one loop over their prompts, so each step is one draft pass and one target verify call for the whole group. Each
-request gets its own responses through its response sender: with ``stream`` true, one response per text piece as its
-tokens are accepted, the last one flagged final; otherwise one final response with the whole text. The final
-response carries the request's speculative statistics (``acceptance_rate``, ``total_accepted_draft_tokens``,
-``total_draft_tokens``); a stream's intermediate pieces report zeros there.
+Every request is handed to the runtime's in-flight batching scheduler (runtime/scheduler.py) as it arrives: ``execute``
+only validates and submits, and returns. One scheduler loop owns both engines and, at every step, admits waiting
+requests into the running batch, advances every row once (each with its own sampling parameters, k and seed) and
+retires finished ones, so a new request starts at the next step whatever else runs, and a long request holds nobody
+back. Each request gets its own responses through its response sender, sent from the scheduler's thread: with
+``stream`` true, one response per text piece as its tokens are accepted, the last one flagged final; otherwise one
+final response with the whole text. The final response carries the request's speculative statistics
+(``acceptance_rate``, ``total_accepted_draft_tokens``, ``total_draft_tokens``); a stream's intermediate pieces report
+zeros there. The scheduler's ``policy`` (model parameter) is "exact" (every answer bit for bit the same request's
+alone) or "throughput" (batched target-only steps when they pay); see runtime/scheduler.py.
+
+A repository written without streaming (not decoupled) submits the batch Triton gives ``execute`` and waits for it.
 
 The prompt arrives as text (``text_input``, after ``preprocessing`` has checked it and its length) and the text comes
 out here, not from a separate postprocessing step: the runtime tokenizes, detokenizes incrementally (holding back half
@@ -17,29 +22,29 @@ A malformed request gets an error response (``pb_utils.TritonError``) and the ot
 work: the prompt's size in bytes, the number and length of stop strings and ``max_tokens`` are checked before
 anything is decoded or tokenized (this model can be called directly, without ``preprocessing``).
 
-Cancellation stops the work: after every step each running request's response sender is asked whether its client
-cancelled or went away; such a request leaves the loop at once (its cache row is freed, the other rows go on) and
-gets its final response (a CANCELLED error, flagged final, as the Python backend requires of a decoupled model).
-Through the ``ensemble`` this needs Triton's help, which 2.51 does not give: it checks an ensemble request for
-cancellation only between steps, never passing it to the step that runs (triton-inference-server/server#6739), so a
-cancelled ensemble request decodes on to its end (bounded by ``max_tokens_limit``). Clients that cancel call this
-model directly (the same inputs; ``request_output_len`` for ``max_tokens``).
+Cancellation stops the work: a watcher thread asks each running request's response sender, every
+``CANCEL_CHECK_S``, whether its client cancelled or went away, and cancels it in the scheduler, which drops the row
+(and frees its cache row) at its next step; the request then gets its final response (a CANCELLED error, flagged
+final, as the Python backend requires of a decoupled model). Through the ``ensemble`` this needs Triton's help, which
+2.51 does not give: it checks an ensemble request for cancellation only between steps, never passing it to the step
+that runs (triton-inference-server/server#6739), so a cancelled ensemble request decodes on to its end (bounded by
+``max_tokens_limit``). Clients that cancel call this model directly (the same inputs; ``request_output_len`` for
+``max_tokens``).
 
-Seeds are per request: a batch decodes each request with a generator made from its own ``seed``, so a seeded
-request samples the same text whatever it is batched with (with ``fallback`` on, the fallback state is shared by
-the batch, and then so is its effect on sampling).
+Seeds are per request: each row samples from a generator made from its own ``seed``, so a seeded request samples the
+same text whatever it is batched with.
 
-Metrics on Triton's ``/metrics``: draft tokens proposed and accepted, target calls (one per batch step), sequence
-steps, tokens emitted, requests, cancelled requests, errors; gauges for the fallback state (1 while decoding
-target-only because acceptance fell low) and the last batch size.
+Metrics on Triton's ``/metrics``: draft tokens proposed and accepted, target calls, sequence steps, tokens emitted,
+requests, cancelled requests, errors; gauges for the requests running and waiting in the scheduler.
 
 Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this model's folder or absolute),
-``threads``, ``max_tokens_limit``, ``max_prompt_bytes``, ``max_stop_words``, ``max_stop_word_bytes``, ``fallback``.
+``threads``, ``max_tokens_limit``, ``max_prompt_bytes``, ``max_stop_words``, ``max_stop_word_bytes``, ``policy``,
+``max_batch``, ``max_queue``, ``fallback``.
 """
 
 import json
 import math
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -86,23 +91,20 @@ def _text(value, name: str) -> str:
         raise RequestInvalid(f"input {name!r} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
 
 
+def _message(err) -> str:
+    """A client's error text: a bad request says what is wrong; anything else names its kind too."""
+    return str(err) if isinstance(err, RequestInvalid) else f"{type(err).__name__}: {err}"
+
+
 class Request:
-    """One request's validated parameters and its response sender."""
+    """One request's validated parameters, its response sender and its scheduler handle."""
 
     def __init__(self, sender, prompt, options, stream):
         self.sender, self.prompt, self.options, self.stream = sender, prompt, options, stream
-        self.text = ""
-        self.done = False  # its generation ended (finished, failed or cancelled)
+        self.handle = None
         self.cancelled = False  # its client cancelled or went away: nobody reads its responses
         self.final_sent = False
-        self.checked_at = float("-inf")  # when Triton was last asked whether it was cancelled
-
-    @property
-    def key(self):
-        """Requests with equal keys decode together (their parameters are shared by one loop). The seed is not
-        part of it: each row of a loop samples from its own request's seed."""
-        opts = {k: v for k, v in self.options.items() if k != "seed"}
-        return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
+        self.finished = threading.Event()  # its last response went out (or could not)
 
 
 class TritonPythonModel:
@@ -119,7 +121,6 @@ class TritonPythonModel:
         self.max_prompt_bytes = int(_param(config, "max_prompt_bytes"))
         self.max_stop_words = int(_param(config, "max_stop_words"))
         self.max_stop_word_bytes = int(_param(config, "max_stop_word_bytes"))
-        self.fallback = _param(config, "fallback").lower() == "true"
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         self.vocab_size = self.generator.tokenizer.vocab_size
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -139,13 +140,23 @@ class TritonPythonModel:
                                            kind=pb_utils.MetricFamily.COUNTER)
             self.families.append(family)
             self.metrics[name] = family.Metric(labels=labels)
-        for name, help_text in {"fallback_active": "1 while decoding target-only because acceptance fell low",
-                                "batch_size": "Requests decoded together by the last loop"}.items():
+        for name, help_text in {"running": "Requests in the scheduler's running batch",
+                                "waiting": "Requests waiting for a row in the scheduler"}.items():
             family = pb_utils.MetricFamily(name=f"draftsmith_{name}", description=help_text,
                                            kind=pb_utils.MetricFamily.GAUGE)
             self.families.append(family)
             self.metrics[name] = family.Metric(labels=labels)
         self._count_target_calls()
+        from runtime.scheduler import Scheduler
+        self.scheduler = Scheduler(self.generator, max_batch=int(_param(config, "max_batch")),
+                                   max_queue=int(_param(config, "max_queue")), policy=_param(config, "policy"),
+                                   fallback=_param(config, "fallback").lower() == "true")
+        self.scheduler.start()
+        self.active: dict[int, Request] = {}  # submitted, final response not sent yet: the watcher's list
+        self.active_lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.watcher = threading.Thread(target=self._watch_cancellations, name="speculative-cancel", daemon=True)
+        self.watcher.start()
 
     def _count_target_calls(self):
         """Count the target engine's forward calls: a batch step is one call, however many sequences it verifies."""
@@ -160,34 +171,98 @@ class TritonPythonModel:
     # --- requests ---------------------------------------------------------------------------------------------------
 
     def execute(self, requests):
-        parsed = []
+        """Validate and submit each request; decoupled: return at once (responses go out from the scheduler's
+        thread), else wait for this batch and return its responses in order."""
+        submitted = []
         for request in requests:
-            sender = request.get_response_sender()
+            sender = request.get_response_sender() if self.decoupled else None
             try:
                 item = self._parse(request, sender)
+                self._submit(item)
             except Exception as err:  # noqa: BLE001 - any bad request gets its own error, the batch goes on
-                self._fail(sender, err)
+                item = None
+                if self.decoupled:
+                    self._fail(sender, err)
+                else:
+                    submitted.append(err)
                 continue
-            if self._is_cancelled(item):  # cancelled while it queued: no work at all
-                self._end_cancelled(item)
-            else:
-                parsed.append(item)
-        groups = {}
-        for item in parsed:
-            groups.setdefault(item.key, []).append(item)
-        for group in groups.values():
-            try:
-                self._decode(group)
-            except Exception as err:  # noqa: BLE001 - an engine failure ends this group, never the model
-                for item in group:
-                    if not item.done:
-                        item.done = True
-                        self._fail(item.sender, RuntimeError(f"decoding failed: {err}"))
-        return None
+            submitted.append(item)
+        if self.decoupled:
+            return None
+        return [self._answer(item) for item in submitted]
+
+    def _submit(self, item):
+        from runtime.errors import RequestError
+        options = dict(item.options)
+        try:
+            item.handle = self.scheduler.submit(item.prompt, sink=lambda event: self._on_event(item, event),
+                                                **options)
+        except RequestError as err:
+            raise RequestInvalid(str(err)) from None
+        if self.decoupled:
+            with self.active_lock:
+                self.active[item.handle.id] = item
+
+    def _answer(self, item):
+        """Not decoupled: the final response (or error) of one request of this batch."""
+        if isinstance(item, Exception):
+            self.metrics["request_errors"].increment(1)
+            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(_message(item)))
+        item.finished.wait()
+        return item.response
+
+    def _on_event(self, item, event):
+        """The scheduler's sink (its thread): one event of one request → its responses. Must not raise."""
+        try:
+            self.metrics["running"].set(float(len(self.scheduler.rows)))
+            self.metrics["waiting"].set(float(len(self.scheduler.waiting)))
+            if event.error is not None:
+                self._done(item, error=event.error)
+            elif event.final is not None:
+                generation = event.final
+                self._count(generation.stats)
+                if generation.finish_reason == "cancelled":
+                    self._end_cancelled(item, generation.stats.num_steps)
+                else:
+                    self.metrics["requests"].increment(1)
+                    text = event.piece if item.stream else generation.text
+                    self._done(item, response=self._response(text, generation.stats))
+            elif item.stream and event.piece:
+                self._send(item, self._response(event.piece, None))
+        except Exception as err:  # noqa: BLE001 - never break the scheduler's loop
+            pb_utils.Logger.log_error(f"speculative: sending a response failed: {err}")
+
+    def _done(self, item, response=None, error=None):
+        """The request's last response: sent (decoupled) or kept for ``execute`` to return."""
+        with self.active_lock:
+            if item.handle is not None:
+                self.active.pop(item.handle.id, None)
+        if error is not None:
+            self.metrics["request_errors"].increment(1)
+            response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(_message(error)))
+        if self.decoupled:
+            self._send(item, response, flags=FINAL)
+        else:
+            item.response = response
+        item.finished.set()
+
+    def _watch_cancellations(self):
+        """Ask Triton, every CANCEL_CHECK_S, whether each running request's client cancelled or went away."""
+        while not self.stopping.wait(CANCEL_CHECK_S):
+            with self.active_lock:
+                items = list(self.active.values())
+            for item in items:
+                try:
+                    gone = bool(item.sender.is_cancelled())
+                except Exception:  # noqa: BLE001 - the request is gone
+                    gone = True
+                if gone:
+                    item.cancelled = True
+                    item.handle.cancel()
 
     def _fail(self, sender, err):
         self.metrics["request_errors"].increment(1)
-        message = str(err) if isinstance(err, RequestInvalid) else f"{type(err).__name__}: {err}"
+        message = _message(err)
         try:
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
                         flags=FINAL)
@@ -259,72 +334,25 @@ class TritonPythonModel:
                                  f"max_stop_word_bytes={self.max_stop_word_bytes}")
         return [s for s in (_text(v, "stop_words") for v in values) if s]
 
-    # --- decoding ---------------------------------------------------------------------------------------------------
-
-    def _decode(self, group):
-        """Decode a group with the runtime's public batched stream; a request error splits the group up."""
-        from runtime.errors import RequestError
-        options = dict(group[0].options, seed=[r.options["seed"] for r in group])  # each row samples its own seed
-        if self.fallback:
-            options["fallback"] = True
-        self.metrics["batch_size"].set(float(len(group)))
-        started = False
-        try:
-            for index, piece, generation in self.generator.stream_batch(
-                    [r.prompt for r in group], cancelled=lambda i: self._is_cancelled(group[i]), **options):
-                started = True
-                item = group[index]
-                item.text += piece
-                if generation is not None and generation.finish_reason == "cancelled":
-                    self._count(generation.stats)
-                    self._end_cancelled(item, generation.stats.num_steps)
-                elif generation is not None:
-                    self._finish(item, generation.stats, piece)
-                elif item.stream and piece:
-                    self._send(item, self._response(piece, None))
-                self.metrics["fallback_active"].set(float(self.generator.metrics.fallback_active))
-        except RequestError as err:
-            if started or len(group) == 1:
-                raise RequestInvalid(str(err)) from None
-            for item in group:  # which request was it? decode each alone; the others are served
-                try:
-                    self._decode([item])
-                except Exception as single:  # noqa: BLE001
-                    item.done = True
-                    self._fail(item.sender, single)
-        finally:
-            self.metrics["fallback_active"].set(0.0)
+    # --- responses --------------------------------------------------------------------------------------------------
 
     def _count(self, stats):
         for name, value in (("draft_tokens", stats.num_draft_tokens), ("accepted_tokens", stats.num_accepted_tokens),
                             ("sequence_steps", stats.num_steps), ("emitted_tokens", stats.num_emitted_tokens)):
             self.metrics[name].increment(value)
 
-    def _finish(self, item, stats, piece):
-        item.done = True
-        self._count(stats)
-        self.metrics["requests"].increment(1)
-        self._send(item, self._response(piece if item.stream else item.text, stats), flags=FINAL)
-
-    def _is_cancelled(self, item) -> bool:
-        """Has the client cancelled (or gone away)? Asked after every step (at most every ``CANCEL_CHECK_S``, so
-        steps of a tiny model do not turn into round trips); a sender that fails counts as gone."""
-        now = time.monotonic()
-        if not item.cancelled and now - item.checked_at >= CANCEL_CHECK_S:
-            item.checked_at = now
-            try:
-                item.cancelled = bool(item.sender.is_cancelled())
-            except Exception:  # noqa: BLE001 - the request is gone
-                item.cancelled = True
-        return item.cancelled
-
     def _end_cancelled(self, item, steps: int = 0):
         """A cancelled request's last response: a CANCELLED error flagged final (Triton waits for the flag)."""
-        item.done = True
+        with self.active_lock:
+            self.active.pop(item.handle.id, None)
         self.metrics["requests_cancelled"].increment(1)
+        error = pb_utils.TritonError("request cancelled by its client", pb_utils.TritonError.CANCELLED)
+        if not self.decoupled:
+            item.response = pb_utils.InferenceResponse(output_tensors=[], error=error)
+            item.finished.set()
+            return
         how = "sent"
         try:
-            error = pb_utils.TritonError("request cancelled by its client", pb_utils.TritonError.CANCELLED)
             item.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
         except Exception:  # noqa: BLE001 - the error response could not go out: the flag alone still must
             try:
@@ -333,6 +361,7 @@ class TritonPythonModel:
             except Exception:  # noqa: BLE001 - a closed sender: the backend sent the flag when it saw the cancel
                 how = "already sent by the backend"
         item.final_sent = True
+        item.finished.set()
         pb_utils.Logger.log_info(f"speculative: request cancelled by its client after {steps} steps; decoding "
                                  f"stopped, final response {how}")
 
@@ -361,4 +390,6 @@ class TritonPythonModel:
         ])
 
     def finalize(self):
+        self.stopping.set()
+        self.scheduler.stop()  # what still runs or waits gets an error response
         self.generator = None
