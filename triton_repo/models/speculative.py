@@ -105,6 +105,10 @@ class Request:
         self.cancelled = False  # its client cancelled or went away: nobody reads its responses
         self.final_sent = False
         self.finished = threading.Event()  # its last response went out (or could not)
+        # held while asking Triton about cancellation and while sending the final response: after the final one the
+        # sender's response factory is freed, and asking it then crashes the server (TRITONBACKEND_ResponseFactory-
+        # IsCancelled on a freed factory, seen with Triton 2.51)
+        self.lock = threading.Lock()
 
 
 class TritonPythonModel:
@@ -252,10 +256,13 @@ class TritonPythonModel:
             with self.active_lock:
                 items = list(self.active.values())
             for item in items:
-                try:
-                    gone = bool(item.sender.is_cancelled())
-                except Exception:  # noqa: BLE001 - the request is gone
-                    gone = True
+                with item.lock:
+                    if item.final_sent:
+                        continue
+                    try:
+                        gone = bool(item.sender.is_cancelled())
+                    except Exception:  # noqa: BLE001 - the request is gone
+                        gone = True
                 if gone:
                     item.cancelled = True
                     item.handle.cancel()
@@ -352,15 +359,16 @@ class TritonPythonModel:
             item.finished.set()
             return
         how = "sent"
-        try:
-            item.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
-        except Exception:  # noqa: BLE001 - the error response could not go out: the flag alone still must
+        with item.lock:
             try:
-                item.sender.send(flags=FINAL)
-                how = "sent (flag only)"
-            except Exception:  # noqa: BLE001 - a closed sender: the backend sent the flag when it saw the cancel
-                how = "already sent by the backend"
-        item.final_sent = True
+                item.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+            except Exception:  # noqa: BLE001 - the error response could not go out: the flag alone still must
+                try:
+                    item.sender.send(flags=FINAL)
+                    how = "sent (flag only)"
+                except Exception:  # noqa: BLE001 - a closed sender: the backend sent the flag when it saw the cancel
+                    how = "already sent by the backend"
+            item.final_sent = True
         item.finished.set()
         pb_utils.Logger.log_info(f"speculative: request cancelled by its client after {steps} steps; decoding "
                                  f"stopped, final response {how}")
@@ -370,11 +378,17 @@ class TritonPythonModel:
         pieces of a cancelled request are dropped; a final response is always attempted."""
         if item.final_sent or (item.cancelled and not flags & FINAL):
             return
-        try:
-            item.sender.send(response, flags=flags)
-        except Exception:  # noqa: BLE001 - the request is gone; the batch goes on
-            item.cancelled = True
-        if flags & FINAL:
+        if not flags & FINAL:
+            try:
+                item.sender.send(response, flags=flags)
+            except Exception:  # noqa: BLE001 - the request is gone; the batch goes on
+                item.cancelled = True
+            return
+        with item.lock:
+            try:
+                item.sender.send(response, flags=flags)
+            except Exception:  # noqa: BLE001 - the request is gone; the batch goes on
+                item.cancelled = True
             item.final_sent = True
 
     @staticmethod
