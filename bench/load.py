@@ -133,6 +133,8 @@ class Record:
     ttft: float | None = None
     error: str = ""
     chars: int = 0
+    body: dict = field(default_factory=dict)  # what was sent
+    text: str = ""  # what came back
 
 
 def draw_request(rng: random.Random, max_tokens: int, stream: bool) -> tuple[str, dict]:
@@ -191,6 +193,7 @@ def http_request(url: str, body: dict, timeout: float, record: Record, t0: float
     record.latency = time.perf_counter() - began
     record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
     record.chars = len(answer.get("text_output") or "")
+    record.text = answer.get("text_output") or ""
 
 
 class GrpcStreamClient:
@@ -276,7 +279,7 @@ class GrpcStreamClient:
             problem = well_formed(text, rate, accepted, drafted)
             record.latency = time.perf_counter() - began
             record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
-            record.chars = len(text)
+            record.chars, record.text = len(text), text
         except queue.Empty:
             record.outcome, record.error = "lost", f"no final response in {timeout:.0f} s"
             self.close()
@@ -372,7 +375,8 @@ def run_load(endpoints: Endpoints, clients: int = 4, duration: float = 10.0, max
                 with lock:
                     if len(records) >= max_requests:
                         return
-                    record = Record(c, "grpc-stream" if stream else "http", prompt_class, time.perf_counter() - t0)
+                    record = Record(c, "grpc-stream" if stream else "http", prompt_class, time.perf_counter() - t0,
+                                    body=body)
                     records.append(record)
                 if stream:
                     grpc.request(body, request_timeout, record, t0)
@@ -426,6 +430,25 @@ def run_load(endpoints: Endpoints, clients: int = 4, duration: float = 10.0, max
         requests_per_s=round(len(answered) / wall, 2), rss=rss, errors=errors, records=done)
 
 
+def deterministic(body: dict) -> bool:
+    """Greedy, or sampled with a seed: the same request alone must give the same text."""
+    return not body.get("temperature") or "seed" in body
+
+
+def check_identical(url: str, records: list[Record], timeout: float) -> dict:
+    """Send each answered deterministic request again, alone and one at a time, and count texts that differ."""
+    checked, mismatches = 0, []
+    for record in records:
+        if record.outcome != "answered" or not deterministic(record.body):
+            continue
+        alone = Record(-1, "http", record.prompt_class, 0.0, body=record.body)
+        http_request(url, record.body, timeout, alone, time.perf_counter())
+        checked += 1
+        if alone.outcome != "answered" or alone.text != record.text:
+            mismatches.append({"body": record.body, "under_load": record.text[:200], "alone": alone.text[:200]})
+    return {"checked": checked, "mismatches": len(mismatches), "examples": mismatches[:3]}
+
+
 def rss_growth(result: LoadResult, first: int = 200) -> dict | None:
     """RSS after the first ``first`` requests vs at the end (the last samples), in MiB."""
     samples = [s for s in result.rss if s["requests"] > 0]
@@ -468,11 +491,15 @@ def _print(result: LoadResult) -> None:
 @click.option("--threads", type=int, default=0, show_default=True,
               help="Given a bundle: ONNX Runtime threads of the served model (0: all cores).")
 @click.option("--max-batch-size", type=int, default=16, show_default=True, help="Given a bundle: batch size.")
+@click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True,
+              help="Given a bundle: the scheduler's policy (runtime/scheduler.py).")
 @click.option("--rss-every", type=int, default=100, show_default=True, help="Sample the server's RSS every N requests.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--check-identical", "identical", is_flag=True,
+              help="Afterwards, send each greedy or seeded request again alone and count answers that differ.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
 def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, stream_fraction, max_tokens,
-         request_timeout, threads, max_batch_size, rss_every, seed, json_out):
+         request_timeout, threads, max_batch_size, policy, rss_every, seed, identical, json_out):
     """Drive a Triton server on REPO_OR_BUNDLE (started here on loopback) or at --url with concurrent clients."""
     from urllib.parse import urlparse
     from triton_repo.server import ServerError, start_server
@@ -491,7 +518,8 @@ def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, st
             if (repo / "manifest.json").is_file():  # a bundle: write its repository first
                 from triton_repo.generate import write_repository
                 tmp = tempfile.mkdtemp(prefix="draftsmith-load-")
-                repo = write_repository(repo, Path(tmp) / "repo", threads=threads, max_batch_size=max_batch_size)
+                repo = write_repository(repo, Path(tmp) / "repo", threads=threads, max_batch_size=max_batch_size,
+                                        policy=policy)
             elif not (repo / "ensemble" / "config.pbtxt").is_file():
                 raise click.UsageError(f"{target} is neither a bundle (manifest.json) nor a Triton repository "
                                        "(ensemble/config.pbtxt)")
@@ -501,6 +529,7 @@ def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, st
         result = run_load(endpoints, clients=clients, duration=duration, max_requests=max_requests,
                           stream_fraction=stream_fraction, max_tokens=max_tokens, request_timeout=request_timeout,
                           seed=seed, rss_every=rss_every)
+        identity = check_identical(endpoints.url, result.records, request_timeout) if identical else None
     except (ServerError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     finally:
@@ -512,6 +541,10 @@ def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, st
     _print(result)
     summary = result.summary()
     summary["rss_growth"] = rss_growth(result)
+    if identity is not None:
+        summary["identical"] = identity
+        click.echo(f"identical alone: {identity['checked'] - identity['mismatches']} of {identity['checked']} "
+                   "deterministic answers")
     if json_out:
         Path(json_out).write_text(json.dumps(summary, indent=2))
     if result.lost:

@@ -16,6 +16,7 @@ from runtime.engine import Engine, MappedVocabEngine, engine_class, make_session
 from runtime.errors import RequestError
 from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
+from runtime.request import decode_request
 from runtime.sampling import SamplingParams
 from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
 from runtime.suffix import HYBRID_SUFFIX, SuffixCorpus, SuffixDrafter
@@ -157,17 +158,13 @@ class SpeculativeGenerator:
         return (before + piece)[:at][len(before):]
 
     def _config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback):
-        if mode not in MODES:
-            raise RequestError(f"mode must be one of {MODES}, received {mode!r}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be an integer >= 1, received {max_new_tokens!r}")
-        k = self.default_k if k is None else k
-        if not isinstance(k, int) or not 1 <= k <= self.max_k:
-            raise RequestError(f"k must be an integer in [1, {self.max_k}] for this bundle, received {k!r}")
-        params = SamplingParams(float(temperature), top_k, top_p)
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise RequestError("stop strings must be non-empty strings")
+        request = decode_request(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, k=k, stop=stop, mode=mode)
+        k = self.default_k if request.k is None else request.k
+        if k > self.max_k:
+            raise RequestError(f"k: expected an integer in [1, {self.max_k}] for this bundle, received {k!r}")
+        params = SamplingParams(request.temperature, request.top_k, request.top_p)
+        max_new_tokens, seed, stops = request.max_new_tokens, request.seed, request.stops
         if adaptive is True:
             adaptive = AdaptiveK(min_k=1, max_k=self.max_k)
         if fallback is True:

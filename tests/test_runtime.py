@@ -247,7 +247,7 @@ def test_draft_confidence_stops_drafting_early():
 # --- bad input ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(k=0), "k must be"), (dict(k=99), "k must be"), (dict(temperature=-1.0), "temperature"),
+    (dict(k=0), "k: expected greater than or equal to 1"), (dict(k=99), "k: expected an integer in"), (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.1), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(mode="fast"), "mode"), (dict(stop=[""]), "stop"),
 ])
@@ -372,6 +372,6 @@ def test_generate_command_stream_and_errors(tiny_bundle, tmp_path):
                                          "--stream", "--threads", "1"])
     assert streamed.exit_code == 0 and "acceptance rate" in streamed.output and "speedup" in streamed.output
     bad = CliRunner().invoke(main, ["generate", str(tiny_bundle), "hi", "--k", "0"])
-    assert bad.exit_code != 0 and "k must be" in bad.output
+    assert bad.exit_code != 0 and "k: expected" in bad.output
     missing = CliRunner().invoke(main, ["generate", str(tmp_path / "none"), "hi"])
     assert missing.exit_code != 0 and "no bundle at" in missing.output

@@ -1,0 +1,60 @@
+"""The decoding settings one request may carry, validated in one place for the API, the CLI and both servers.
+
+A pydantic model (strict types, frozen, unknown keys refused), so every caller gets the same rules and the same
+messages, naming the field, what was expected and what was received. The bounds that depend on the bundle (k up to
+its ``max_k``) are checked by the generator on top.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from runtime.bundle import describe
+from runtime.errors import RequestError
+
+Seed = Optional[Union[int, list[Optional[int]]]]  # one for the batch, or one per prompt
+
+
+class DecodeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)  # 0: greedy
+    top_k: Optional[int] = Field(None, ge=0)  # None or 0: all tokens
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)  # None or 1: all
+    seed: Seed = None
+    k: Optional[int] = Field(None, ge=1)  # draft tokens per step; None: the bundle's default
+    stop: Union[str, list[str], None] = None
+    mode: Literal["speculative", "target"] = "speculative"
+
+    @field_validator("seed")
+    @classmethod
+    def _seeds_are_not_negative(cls, seed):
+        seeds = seed if isinstance(seed, list) else [seed]
+        if any(s is not None and s < 0 for s in seeds):
+            raise ValueError(f"expected integers >= 0, received {seed}")
+        return seed
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_are_not_empty(cls, stop):
+        if any(not s for s in ([stop] if isinstance(stop, str) else stop or [])):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+def decode_request(**fields) -> DecodeRequest:
+    """A DecodeRequest, or a RequestError saying every field that is wrong. NumPy scalars count as the Python
+    numbers they hold (servers parse tensors)."""
+    fields = {key: value.item() if isinstance(value, np.generic) else value for key, value in fields.items()}
+    try:
+        return DecodeRequest(**fields)
+    except ValidationError as err:
+        raise RequestError(describe(err, DecodeRequest)) from None
