@@ -20,9 +20,11 @@ How a step runs is the policy's choice:
   several), and the int8-activation matmuls of a quantized target turn those last-bit differences into logit
   differences of up to ~1: greedy answers stay greedy, but can part from a lone run's at a near tie.
 
-Every call has at least two token rows (``min_call_tokens`` 2; see FusedEngine), and a seeded sampled row always
-drafts, so a seeded request's random stream is used the same way whatever it runs with. Each request has its own
-drafter (its own draft cache), made by the generator as for a lone request.
+In "exact", every call has at least two token rows (``min_call_tokens`` 2; see FusedEngine) and a seeded sampled
+row always drafts, so a seeded request's text is the same whatever it runs with. In "throughput", whether a step
+drafts depends on the batch, and a step that drafts uses a row's random stream differently from one that does not:
+seeded requests still sample from exactly the target's distribution, but their text depends on what else runs.
+Each request has its own drafter (its own draft cache), made by the generator as for a lone request.
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ class _Row:
 
     @property
     def pinned(self) -> bool:
-        """A seeded sampled row always speculates: its text then does not depend on the batch it runs in."""
+        """A seeded sampled row always drafts ("exact" with fallback): whether a step drafts changes how its random
+        stream is used, so deciding by acceptance would make its text depend on timing."""
         return self.drafter is not None and self.config.seed is not None and not self.config.params.greedy
 
 
@@ -319,18 +322,19 @@ class Scheduler:
         t0 = time.perf_counter()
         drafts = [self._propose(row) if drafts else ([], []) for row, drafts in zip(self.rows, plan)]
         t1 = time.perf_counter()
-        logits = self.target.forward(self.cache, *self._target_chunks(drafts))
+        logits = self._score(drafts, plan)
         t2 = time.perf_counter()
         keep = self.cache.lengths.copy()
         for b, (row, (draft, probs)) in enumerate(zip(self.rows, drafts)):
-            n, extra = verify(draft, probs, logits[b, : len(draft) + 1], row.config.params, row.rng)
+            n, extra = verify(draft, probs, logits[b], row.config.params, row.rng)
             keep[b] -= len(draft) - n
             self._settle(row, draft, n, draft[:n] + [extra], t1 - t0, t2 - t1)
         self.target.rollback(self.cache, keep)
-        kind = "speculative" if speculate else "batched"
-        predicted = (self.costs.spec_cost([len(d) + 1 for d, _ in drafts]) if speculate
-                     else self.costs.batch_cost(len(self.rows)))
-        self.costs.observe(kind, predicted, t2 - t0)
+        if all(plan) or not any(plan):  # a pure step: rescale its kind's costs by how it ran
+            kind = "speculative" if speculate else "batched"
+            predicted = (self.costs.spec_cost([len(d) + 1 for d, _ in drafts]) if speculate
+                         else self.costs.batch_cost(len(self.rows)))
+            self.costs.observe(kind, predicted, t2 - t0)
         self._count(len(self.rows), speculate, time.perf_counter() - start, engine_time + t2 - t0)
         self._retire([row.finished for row in self.rows])
         return True
@@ -344,21 +348,16 @@ class Scheduler:
         c["engine_time"] += engine_time
 
     def _plan(self) -> list[bool]:
-        """Which rows draft this step. "exact": each row by itself (its own calls either way). "throughput": all or
-        none, by whether drafting gives more tokens per second than one batched call for every row."""
+        """Which rows draft this step. "exact": each row by itself (its own calls either way). "throughput": all
+        that can or none, by whether drafting gives more tokens per second than one batched call."""
         able = [row.drafter is not None and self._draft_limit(row) > 0 for row in self.rows]
         if self.policy == "exact":
             return [a and self._row_drafts(row) for a, row in zip(able, self.rows)]
-        if not any(able):
+        if not any(able) or not self.costs.batch:
             return able
-        if not self.costs.batch or any(row.pinned for row, a in zip(self.rows, able) if a):
-            return able
-        widths, tokens = [], 0.0
-        for row, a in zip(self.rows, able):
-            limit = self._draft_limit(row) if a else 0
-            widths.append(limit + 1)
-            tokens += expected_tokens(row.acceptance, limit)
-        drafts = tokens / self.costs.spec_cost(widths) > len(self.rows) / self.costs.batch_cost(len(self.rows))
+        widths = [self._draft_limit(row) + 1 for row, a in zip(self.rows, able) if a]
+        tokens = sum(expected_tokens(row.acceptance, self._draft_limit(row)) for row, a in zip(self.rows, able) if a)
+        drafts = tokens / self.costs.spec_cost(widths) > len(widths) / self.costs.batch_cost(len(self.rows))
         return able if drafts else [False] * len(self.rows)
 
     def _row_drafts(self, row: _Row) -> bool:
@@ -372,16 +371,25 @@ class Scheduler:
         row.undrafted = 0 if pays or row.undrafted >= PROBE_EVERY else row.undrafted + 1
         return row.undrafted == 0
 
-    def _target_chunks(self, drafts: list[tuple[list[int], list]]) -> tuple[np.ndarray, np.ndarray]:
-        """Every row's [last, x_1..x_d], right-padded. "exact" adds one padding column, so a fused engine runs the
-        call row by row, the kernels a lone request gets, even when no row drafted."""
-        chunks = [[row.last] + d for row, (d, _) in zip(self.rows, drafts)]
-        width = max(len(c) for c in chunks) + (self.policy == "exact" and len(chunks) > 1)
-        tokens = np.zeros((len(chunks), width), np.int64)
-        valid = np.zeros((len(chunks), width), np.int64)
-        for b, chunk in enumerate(chunks):
-            tokens[b, : len(chunk)], valid[b, : len(chunk)] = chunk, 1
-        return tokens, valid
+    def _score(self, drafts: list[tuple[list[int], list]], plan: list[bool]) -> list[np.ndarray]:
+        """Each row's target logits for [last, x_1..x_d]. Rows scored alone (every row in "exact", drafting rows
+        in "throughput") share a call with one padding column, so a fused engine runs it row by row, the kernels a
+        lone request gets; the other rows then take one batched call of one token each."""
+        alone = [True] * len(self.rows) if self.policy == "exact" else plan
+        out: list = [None] * len(self.rows)
+        if any(alone):
+            chunks = [[row.last] + d if a else [] for row, (d, _), a in zip(self.rows, drafts, alone)]
+            logits = self.target.forward(self.cache, *padded(chunks, extra=1))
+            for b, (chunk, a) in enumerate(zip(chunks, alone)):
+                if a:
+                    out[b] = logits[b, : len(chunk)]
+        if not all(alone):
+            chunks = [[] if a else [row.last] for row, a in zip(self.rows, alone)]
+            logits = self.target.forward(self.cache, *padded(chunks))
+            for b, a in enumerate(alone):
+                if not a:
+                    out[b] = logits[b, :1]
+        return out
 
     def _draft_limit(self, row: _Row) -> int:
         budget = row.config.max_new_tokens - len(row.generated) - 1
@@ -533,6 +541,16 @@ class Scheduler:
         for w in waiting:
             w.handle.send(Event(error=error))
         self._fail_running(error)
+
+
+def padded(chunks: list[list[int]], extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row chunks right-padded into tokens and valid [B, width + extra] (padding is 0 and not valid)."""
+    width = max(len(c) for c in chunks) + extra
+    tokens = np.zeros((len(chunks), width), np.int64)
+    valid = np.zeros((len(chunks), width), np.int64)
+    for b, chunk in enumerate(chunks):
+        tokens[b, : len(chunk)], valid[b, : len(chunk)] = chunk, 1
+    return tokens, valid
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
