@@ -178,3 +178,22 @@ def test_bad_seeds_are_request_errors():
         sampled_rows([[0], [0]], seed=[1])
     with pytest.raises(RequestError, match="seed"):
         sampled_rows([[0]], seed=-1)
+
+
+def test_top_p_on_a_large_vocabulary_is_the_full_sort_nucleus():
+    """nucleus() sorts only the most likely candidates when they hold the set: the same set, ties included."""
+    from runtime.sampling import nucleus
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        probs = np.exp(rng.normal(0, [0.5, 3.0, 8.0][trial % 3], 5000))
+        if trial % 4 == 0:
+            probs[:300] = probs.max()  # a tie that straddles the candidate boundary
+        if trial % 5 == 0:
+            probs = np.round(probs, 1) + 1e-3  # many ties
+        probs /= probs.sum()
+        top_p = [0.3, 0.9, 0.99][trial % 3]
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        want = np.zeros(len(probs), bool)
+        want[order[: max(1, int((before < top_p).sum()))]] = True
+        assert np.array_equal(nucleus(probs, top_p), want), trial
