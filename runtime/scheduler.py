@@ -43,7 +43,7 @@ from runtime.api import Generation, SpeculativeGenerator
 from runtime.errors import RequestError
 from runtime.metrics import RequestStats
 from runtime.sampling import verify
-from runtime.speculative import DecodeConfig, Drafter, prefill, row_generators
+from runtime.speculative import DecodeConfig, Drafter, append_tokens, prefill, row_generators
 from runtime.text import IncrementalDecoder, find_stop
 
 POLICIES = ("exact", "throughput")
@@ -415,7 +415,7 @@ class Scheduler:
         row.stats.record_step(len(draft), accepted, 0, fallback=False)
         row.stats.draft_time += draft_time
         row.stats.verify_time += verify_time
-        new = self._append(row, out)
+        new = append_tokens(row, out, row.config, self.target.max_context)
         row.stats.num_emitted_tokens += len(new)
         now = time.perf_counter()
         if new and not row.stats.time_to_first_token:
@@ -428,21 +428,6 @@ class Scheduler:
         row.text += piece
         if piece:
             row.handle.send(Event(piece, new))
-
-    def _append(self, row: _Row, tokens: list[int]) -> list[int]:
-        new = []
-        for token in tokens:
-            if row.finished:
-                break
-            row.generated.append(token)
-            new.append(token)
-            if token in row.config.eos_ids:
-                row.finished = "stop"
-            elif len(row.generated) >= row.config.max_new_tokens:
-                row.finished = "length"
-            elif len(row.prompt) + len(row.generated) >= self.target.max_context:
-                row.finished = "context"
-        return new
 
     def _apply_stops(self, row: _Row, piece: str) -> str:
         if not row.stops or not piece:

@@ -318,17 +318,22 @@ class SpeculativeLoop:
             self.on_fallback(state)
 
     def _append(self, row: Row, tokens: list[int]) -> list[int]:
-        """Add emitted tokens to a row, stopping at EOS, the budget and the context."""
-        new = []
-        for token in tokens:
-            if row.finished:
-                break
-            row.generated.append(token)
-            new.append(token)
-            if token in self.config.eos_ids:
-                row.finished = "stop"
-            elif len(row.generated) >= self.config.max_new_tokens:
-                row.finished = "length"
-            elif row.total >= self.target.max_context:
-                row.finished = "context"
-        return new
+        return append_tokens(row, tokens, self.config, self.target.max_context)
+
+
+def append_tokens(row, tokens: list[int], config: DecodeConfig, max_context: int) -> list[int]:
+    """Add emitted tokens to a row (its ``prompt``, ``generated`` and ``finished``), stopping at EOS, the budget and
+    the context; returns the tokens it took."""
+    new = []
+    for token in tokens:
+        if row.finished:
+            break
+        row.generated.append(token)
+        new.append(token)
+        if token in config.eos_ids:
+            row.finished = "stop"
+        elif len(row.generated) >= config.max_new_tokens:
+            row.finished = "length"
+        elif len(row.prompt) + len(row.generated) >= max_context:
+            row.finished = "context"
+    return new
