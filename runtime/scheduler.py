@@ -43,7 +43,7 @@ from runtime.api import Generation, SpeculativeGenerator
 from runtime.errors import RequestError
 from runtime.metrics import RequestStats
 from runtime.sampling import verify
-from runtime.speculative import DecodeConfig, Drafter, append_tokens, prefill, row_generators
+from runtime.speculative import DecodeConfig, Drafter, append_tokens, padded, prefill, row_generators
 from runtime.text import IncrementalDecoder, find_stop
 
 POLICIES = ("exact", "throughput")
@@ -526,16 +526,6 @@ class Scheduler:
         for w in waiting:
             w.handle.send(Event(error=error))
         self._fail_running(error)
-
-
-def padded(chunks: list[list[int]], extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row chunks right-padded into tokens and valid [B, width + extra] (padding is 0 and not valid)."""
-    width = max(len(c) for c in chunks) + extra
-    tokens = np.zeros((len(chunks), width), np.int64)
-    valid = np.zeros((len(chunks), width), np.int64)
-    for b, chunk in enumerate(chunks):
-        tokens[b, : len(chunk)], valid[b, : len(chunk)] = chunk, 1
-    return tokens, valid
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -159,12 +159,13 @@ def prefill(engine: Engine, cache, chunks: list[list[int]]) -> None:
     if not hasattr(engine, "prefill"):
         feed(engine, cache, chunks)
         return
-    tokens, valid = _padded(chunks)
+    tokens, valid = padded(chunks)
     engine.prefill(cache, tokens, valid)
 
 
-def _padded(chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    width = max(1, max(len(c) for c in chunks))
+def padded(chunks: list[list[int]], extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row chunks right-padded into tokens and valid [B, width + extra] (padding is 0 and not valid)."""
+    width = max(1, max(len(c) for c in chunks) + extra)
     tokens = np.zeros((len(chunks), width), np.int64)
     valid = np.zeros((len(chunks), width), np.int64)
     for b, chunk in enumerate(chunks):
@@ -174,7 +175,7 @@ def _padded(chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 def feed(engine: Engine, cache, chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """One forward call over per-row chunks of different lengths, right-padded; padding slots stay masked."""
-    tokens, valid = _padded(chunks)
+    tokens, valid = padded(chunks)
     return engine.forward(cache, tokens, valid), valid
 
 
