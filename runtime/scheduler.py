@@ -261,9 +261,10 @@ class Scheduler:
             self._lock.notify()
         return handle
 
-    def start(self, calibrate: bool = True) -> "Scheduler":
-        """Measure the call costs, then run the loop in a daemon thread until ``stop``."""
-        if calibrate:
+    def start(self, calibrate: bool | None = None) -> "Scheduler":
+        """Measure the call costs (by default only when the policy or the fallback reads them), then run the loop in
+        a daemon thread until ``stop``."""
+        if calibrate or (calibrate is None and (self.policy == "throughput" or self.fallback)):
             self.calibrate()
         self._thread = threading.Thread(target=self._loop, name="draftsmith-scheduler", daemon=True)
         self._thread.start()
