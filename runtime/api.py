@@ -20,9 +20,7 @@ from runtime.request import decode_request
 from runtime.sampling import SamplingParams
 from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
 from runtime.suffix import HYBRID_SUFFIX, SuffixCorpus, SuffixDrafter
-from runtime.text import IncrementalDecoder, Tokenizer, find_stop
-
-MODES = ("speculative", "target")
+from runtime.text import IncrementalDecoder, Tokenizer, cut_at_stop
 
 
 @dataclass
@@ -148,14 +146,10 @@ class SpeculativeGenerator:
                     yield row.index, piece, done
 
     def _apply_stops(self, row, texts, piece, stops) -> str:
-        if not stops or not piece:
-            return piece
-        before = texts[row.index]
-        at = find_stop(before + piece, stops, len(before))
-        if at < 0:
-            return piece
-        row.finished = "stop"  # the loop drops finished rows after this step
-        return (before + piece)[:at][len(before):]
+        piece, stopped = cut_at_stop(texts[row.index], piece, stops)
+        if stopped:
+            row.finished = "stop"  # the loop drops finished rows after this step
+        return piece
 
     def _config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback):
         request = decode_request(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -44,7 +44,7 @@ from runtime.errors import RequestError
 from runtime.metrics import RequestStats
 from runtime.sampling import verify
 from runtime.speculative import DecodeConfig, Drafter, append_tokens, padded, prefill, row_generators
-from runtime.text import IncrementalDecoder, find_stop
+from runtime.text import IncrementalDecoder, cut_at_stop
 
 POLICIES = ("exact", "throughput")
 PROBE_EVERY = 32  # a row that stopped drafting because acceptance fell low drafts again after this many steps
@@ -242,7 +242,7 @@ class Scheduler:
                timeout: float | None = None, sink: Callable[[Event], None] | None = None) -> Handle:
         """Queue one request (a prompt string, or chat messages with ``chat``); validated here, so a bad one raises
         RequestError at once. ``timeout``: seconds from now after which it finishes with reason "timeout"."""
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        if isinstance(seed, list):  # the generator takes one seed per prompt; a request is one prompt
             raise RequestError(f"seed: expected an integer >= 0 or None, received {seed!r}")
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
@@ -431,13 +431,10 @@ class Scheduler:
             row.handle.send(Event(piece, new))
 
     def _apply_stops(self, row: _Row, piece: str) -> str:
-        if not row.stops or not piece:
-            return piece
-        at = find_stop(row.text + piece, row.stops, len(row.text))
-        if at < 0:
-            return piece
-        row.finished = "stop"
-        return (row.text + piece)[:at][len(row.text):]
+        piece, stopped = cut_at_stop(row.text, piece, row.stops)
+        if stopped:
+            row.finished = "stop"
+        return piece
 
     # --- admission and retirement ---------------------------------------------------------------------------------
 

@@ -129,6 +129,15 @@ class IncrementalDecoder:
         return full[len(self.text):]
 
 
+def cut_at_stop(before: str, piece: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """The part of ``piece`` (new text after ``before``) that comes before the earliest stop string, and whether
+    one matched; a match may straddle the two."""
+    if not stops or not piece:
+        return piece, False
+    at = find_stop(before + piece, stops, len(before))
+    return (piece, False) if at < 0 else ((before + piece)[:at][len(before):], True)
+
+
 def find_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int:
     """Index where the earliest stop string starts in ``text``, looking only where a new match can be; -1 if none."""
     best = -1
