@@ -211,7 +211,11 @@ def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, mod
     if not checkpoint.gguf_file:
         raise BuildError(f"quant gguf keeps a GGUF file's own quantized blocks, but {checkpoint.source} is not a "
                          ".gguf file; choose int4 or int8")
-    decoder = gguf_weights.apply(graph.from_transformers(model), checkpoint.folder / checkpoint.gguf_file)
+    if spec.block_size not in (16, gguf_weights.BLOCK):
+        raise BuildError(f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
+                         f"16); block_size {spec.block_size} would quantize them again")
+    decoder = gguf_weights.apply(graph.from_transformers(model), checkpoint.folder / checkpoint.gguf_file,
+                                 spec.block_size)
     graph.build(decoder, dst, spec.accuracy_level)
 
 

@@ -31,9 +31,15 @@ PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up"
          "down": ("ffn_down",)}
 
 
-def apply(decoder: Decoder, gguf_path: Path) -> Decoder:
+def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK) -> Decoder:
     """``decoder`` (from the dequantized model) with every linear layer the file holds in a faithful type replaced by
-    its blocks as they are in the file. Works for a truncated decoder too (its first layers)."""
+    its blocks as they are in the file. Works for a truncated decoder too (its first layers).
+
+    ``block`` 16 writes each 32-block as two 16-blocks with the same scale (still exact): MatMulNBits with int8
+    activations (accuracy level 4) quantizes the activations per weight block, so halving the block halves the
+    span each activation scale covers."""
+    if block not in (16, BLOCK):
+        raise ValueError(f"GGUF blocks are {BLOCK} wide; they can be written as {BLOCK} or 16, not {block}")
     import gguf
     reader = gguf.GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
@@ -46,13 +52,13 @@ def apply(decoder: Decoder, gguf_path: Path) -> Decoder:
                 blocks = [None] * len(names)
             if all(b is not None for b in blocks):
                 old = getattr(layer, part)
-                setattr(layer, part, Linear(quant=_stack(blocks), bias=old.bias))
+                setattr(layer, part, Linear(quant=split(_stack(blocks), block), bias=old.bias))
             else:
                 requantized += [n for n, b in zip(names, blocks) if b is None]
     head = tensors.get("output.weight") or tensors.get("token_embd.weight")
     head_blocks = _blocks(head, decoder, "output") if head is not None else None
     if head_blocks is not None and head_blocks.n == decoder.vocab:
-        decoder.head = Linear(quant=head_blocks)
+        decoder.head = Linear(quant=split(head_blocks, block))
     elif head is not None:
         requantized.append(head.name)
     if requantized:
@@ -85,6 +91,24 @@ def _blocks(tensor, decoder: Decoder, stem: str) -> BlockQuant | None:
         heads = decoder.heads if stem == "attn_q" else decoder.kv_heads
         quant = _unpermute(quant, heads)
     return quant
+
+
+def split(quant: BlockQuant, block: int) -> BlockQuant:
+    """The same weights in blocks of ``block`` (a divisor of quant.block): each block's elements are contiguous in
+    ``packed``, so a block splits by a reshape; every part keeps its block's scale and zero point. Offsets stay per
+    original block (their width is K / offsets' columns)."""
+    if block == quant.block:
+        return quant
+    parts = quant.block // block
+    n, blocks = quant.n, quant.k // quant.block
+    packed = quant.packed.reshape(n, blocks * parts, -1)
+    scales = np.repeat(quant.scales, parts, axis=1)
+    zero_points = quant.zero_points
+    if zero_points is not None:
+        if quant.bits != 4 or zero_points.any():
+            raise ValueError("only all-zero 4-bit zero points (Q4_1) are split")
+        zero_points = np.zeros((n, (blocks * parts + 1) // 2), np.uint8)
+    return BlockQuant(quant.bits, block, quant.k, n, np.ascontiguousarray(packed), scales, zero_points, quant.offsets)
 
 
 def _half(pairs: np.ndarray) -> np.ndarray:

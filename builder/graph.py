@@ -48,8 +48,8 @@ class BlockQuant:
 
     Shapes (N outputs, K inputs, block b): ``packed`` uint8 [N, K/b, b*bits/8] (two 4-bit values a byte, low nibble
     first); ``scales`` float32 [N, K/b]; ``zero_points`` uint8 packed like ONNX Runtime's quantizer writes them, or
-    None; ``offsets`` float32 [N, K/b] or None: a per-block additive term (GGUF Q4_1's m), so that
-    w[n, k] = scale * (q - zero_point) + offset, applied as blocksum(x) @ offsets^T.
+    None; ``offsets`` float32 [N, K/b'] or None, b' a multiple of b: a per-block additive term (GGUF Q4_1's m), so
+    that w[n, k] = scale * (q - zero_point) + offset, applied as blocksum(x) @ offsets^T.
     """
 
     bits: int
@@ -282,8 +282,10 @@ def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None
 
 
 def _block_offsets(g: _Graph, name: str, x: str, q: BlockQuant, y: str, out: str | None) -> str:
-    """y + blocksum(x) @ offsets^T: the per-block additive term of GGUF Q4_1 (w = d*q + m), exact in fp32."""
-    shape = g.const(name + ".block_shape", np.array([0, 0, q.k // q.block, q.block], dtype=np.int64))
+    """y + blocksum(x) @ offsets^T: the per-block additive term of GGUF Q4_1 (w = d*q + m), exact in fp32. Offsets
+    may span wider blocks than the weights (gguf_weights.split)."""
+    blocks = q.offsets.shape[1]
+    shape = g.const(name + ".block_shape", np.array([0, 0, blocks, q.k // blocks], dtype=np.int64))
     (blocks,) = g.op("Reshape", [x, shape])
     (sums,) = g.op("ReduceSum", [blocks, g.const(name + ".axis", np.array([-1], dtype=np.int64))], keepdims=0)
     (corr,) = g.op("MatMul", [sums, g.const(name + ".offsets", np.ascontiguousarray(q.offsets.T, np.float32))])

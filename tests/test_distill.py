@@ -192,3 +192,55 @@ def test_recipe_errors_name_the_problem(tmp_path):
         recipe_from({"target": "t", "draft": "d", "distill": {"epochs": 3}}, "p.yaml")
     with pytest.raises(DistillError, match="must name the target"):
         recipe_from({"target": "t", "distill": {}}, "p.yaml")
+
+
+def _engine_and_model(learnable_target, tmp_path):
+    from builder import checkpoint as ckpt
+    from builder.distill.continuations import target_engine
+    checkpoint = ckpt.resolve(str(learnable_target[0]))
+    model = checkpoint.load_model()
+    return target_engine(model, checkpoint, tmp_path, "fp32", 4, max_context=96, threads=1), model
+
+
+def test_engine_continuations_and_teacher_rows_match_torch(learnable_target, tmp_path):
+    """The ONNX engine's continuous batches (rows joining and leaving) give torch's greedy continuations and the
+    teacher rows torch's teacher-forced pass gives, at every position, prompt positions included."""
+    import copy
+
+    from builder.distill.continuations import Job, generate, generate_with_engine
+    from builder.distill.distributions import teacher
+    engine, model = _engine_and_model(learnable_target, tmp_path)
+    assert engine is not None
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 300) for _ in range(rng.randint(2, 12))] for _ in range(11)]
+    made = generate_with_engine(engine, [Job(p) for p in prompts], 10, top_k=8, eos_ids=[2], batch_size=4)
+    reference = generate(model, prompts, 10, eos_ids=[2], pad_id=0, batch_size=1)
+    assert [s.continuation for s in made] == [s.continuation for s in reference]
+    forced = copy.deepcopy(reference)
+    teacher(model, forced, 8)
+    for ours, theirs in zip(made, forced):
+        assert ours.top_probs.shape == (len(ours.ids) - 1, 8) and ours.rows_from == 0
+        np.testing.assert_allclose(ours.top_probs, theirs.top_probs, atol=1e-4)
+        assert (ours.top_ids[:, 0] == theirs.top_ids[:, 0]).all()
+    # a further sample of a prompt: the same continuation, rows for the continuation only
+    tails = generate_with_engine(engine, [Job(p, prompt_rows=False) for p in prompts], 10, top_k=8, eos_ids=[2],
+                                 batch_size=4)
+    for tail, full in zip(tails, made):
+        assert tail.continuation == full.continuation and tail.rows_from == len(tail.prompt) - 1
+        np.testing.assert_allclose(tail.top_probs, full.top_probs[tail.rows_from:], atol=1e-5)
+
+
+def test_engine_sampled_continuations_are_seeded_and_stop_at_the_deadline(learnable_target, tmp_path):
+    import time
+
+    from builder.distill.continuations import Job, generate_with_engine
+    engine, _ = _engine_and_model(learnable_target, tmp_path)
+    jobs = [Job([5, 6, 7], 1.0)] * 6
+    one = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], seed=1, batch_size=3)
+    again = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], seed=1, batch_size=3)
+    other = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], seed=2, batch_size=3)
+    assert [s.continuation for s in one] == [s.continuation for s in again]
+    assert [s.continuation for s in one] != [s.continuation for s in other]
+    assert len({tuple(s.continuation) for s in one}) > 1 and all(len(s.continuation) == 12 for s in one)
+    late = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], batch_size=2, deadline=time.perf_counter())
+    assert len(late) == 1  # past the deadline only the first job runs

@@ -169,15 +169,18 @@ def _write_gguf(model, path, types: dict[str, str]):
     {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
      "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q4_0"},
 ], ids=["q4_1", "q4_0+q8_0"])
-def test_gguf_blocks_become_matmulnbits_exactly(tmp_path, types):
+@pytest.mark.parametrize("block", [32, 16])
+def test_gguf_blocks_become_matmulnbits_exactly(tmp_path, types, block):
     """Block layout, nibble order, llama.cpp's q/k row order, fused projections and Q4_1's offsets: with fp32
-    activations (accuracy level 0) the engine computes exactly the model the file holds."""
+    activations (accuracy level 0) the engine computes exactly the model the file holds, in the file's 32-wide
+    blocks or split into 16-wide ones."""
     import torch
     model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf")
+    decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf", block)
     assert not decoder.notes
     assert all(layer.qkv.quant is not None and layer.down.quant is not None for layer in decoder.layers)
+    assert {layer.down.quant.block for layer in decoder.layers} == {decoder.head.quant.block} == {block}
     assert decoder.head.quant is not None  # the tied head from token_embd's blocks
     graph.build(decoder, tmp_path / "g.onnx", accuracy_level=0)
     ops = _op_counts(tmp_path / "g.onnx")

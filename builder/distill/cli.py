@@ -14,7 +14,8 @@ from runtime.bundle import SpecError
 from runtime.presets import load_preset
 
 RECIPE_KEYS = ("init", "prompts", "minutes", "max_new_tokens", "temperature", "loss", "draft_vocab",
-               "samples_per_prompt", "sample_temperature", "generate_share", "heldout", "lr", "seed")
+               "samples_per_prompt", "sample_temperature", "generate_share", "heldout", "lr", "seed", "teacher_engine",
+               "generate_batch")
 
 
 def recipe_from(config: dict, path) -> tuple[str, str, dict]:
@@ -56,6 +57,12 @@ def recipe_from(config: dict, path) -> tuple[str, str, dict]:
               help="Temperature of the extra continuations.")
 @click.option("--generate-share", type=float, default=0.4, show_default=True,
               help="Share of the budget (after loading) for generating continuations; training gets the rest.")
+@click.option("--teacher-engine", type=click.Choice(["auto", "gguf", "fp32", "torch"]), default="auto",
+              show_default=True,
+              help="What continues the prompts and gives the teacher rows: the target's fused ONNX engine (auto: the "
+                   "GGUF file's own blocks for a .gguf target, else fp32) in continuous batches, or torch.")
+@click.option("--generate-batch", type=int, default=32, show_default=True,
+              help="Rows the ONNX engine continues at once.")
 @click.option("--heldout", type=float, default=0.1, show_default=True, help="Share of prompts held out.")
 @click.option("--lr", type=float, default=5e-4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -64,13 +71,14 @@ def recipe_from(config: dict, path) -> tuple[str, str, dict]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab,
-            samples_per_prompt, sample_temperature, generate_share, heldout, lr, seed, threads, force, as_json):
+            samples_per_prompt, sample_temperature, generate_share, teacher_engine, generate_batch, heldout, lr, seed,
+            threads, force, as_json):
     """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
     from builder.checkpoint import CheckpointError
     options = dict(init=init, prompts=prompts, minutes=minutes, max_new_tokens=max_new_tokens, temperature=temperature,
                    loss=loss, draft_vocab=draft_vocab, samples_per_prompt=samples_per_prompt,
                    sample_temperature=sample_temperature, generate_share=generate_share, heldout=heldout, lr=lr,
-                   seed=seed)
+                   seed=seed, teacher_engine=teacher_engine, generate_batch=generate_batch)
     if config_path is not None:
         try:
             recipe_target, recipe_out, recipe = recipe_from(load_preset(config_path), config_path)

@@ -1,10 +1,15 @@
-"""Stage 1: the target continues every prompt (torch ``generate``, left-padded batches of similar length)."""
+"""Stage 1: the target continues every prompt: with its ONNX engine in continuous batches (teacher rows from the same
+calls), or with torch ``generate`` (left-padded batches of similar length) where no fused engine can be built."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from builder.distill.corpus import Sample
 
@@ -56,3 +61,124 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
             done[i] = Sample(list(prompts[i]), continuation)
         advance(len(rows))
     return [done[i] for i in sorted(done)]
+
+
+@dataclass
+class Job:
+    """One continuation to make: a prompt, the temperature to continue it at (0: greedy), and whether the prompt's
+    own positions get teacher rows (once per prompt is enough: further samples of it would only repeat them)."""
+
+    prompt: list[int]
+    temperature: float = 0.0
+    prompt_rows: bool = True
+
+
+@dataclass
+class _Row:
+    job: int
+    prompt: list[int]
+    temperature: float
+    rows_from: int = 0
+    continuation: list[int] = field(default_factory=list)
+    top_ids: list = field(default_factory=list)
+    top_probs: list = field(default_factory=list)
+
+
+def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k: int, eos_ids: list[int],
+                         seed: int = 0, batch_size: int = 32, deadline: float = math.inf,
+                         advance: Callable[[int], None] = lambda n: None) -> list[Sample]:
+    """Continue every job's prompt with the target's ONNX engine (``runtime.engine.FusedEngine``), filling each
+    sample's teacher rows from the same calls: no second teacher pass.
+
+    Continuous batching: up to ``batch_size`` rows step together one token a call; a finished row leaves and a
+    waiting prompt (prefilled alone, with logits for its positions) joins. On 2 cores a batch of 32 GGUF-target rows
+    makes ~390 tokens/s against ~100 for torch's ``generate`` (and ~10 ms a token for one row). Stops admitting at
+    ``deadline`` (the first job always runs) and finishes the rows already running; returns the samples made, in job
+    order.
+    """
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+    waiting = deque(range(len(jobs)))
+    rows: list[_Row] = []
+    cache = None
+    done: dict[int, Sample] = {}
+    eos = set(eos_ids)
+    while True:
+        while waiting and len(rows) < batch_size and (not (done or rows) or time.perf_counter() < deadline):
+            i = waiting.popleft()
+            job = jobs[i]
+            row = _Row(i, list(job.prompt), job.temperature, 0 if job.prompt_rows else len(job.prompt) - 1)
+            one = engine.new_cache(1)
+            if row.rows_from:  # the prompt without its head rows, then its last token scored alone
+                engine.prefill(one, np.array([row.prompt[:-1]], np.int64))
+            logits = torch.from_numpy(engine.forward(one, np.array([row.prompt[row.rows_from:]], np.int64))[0])
+            _keep(row, *_top(logits, top_k))
+            row.continuation.append(int(_choose(logits[-1:], [row.temperature], generator)[0]))
+            rows.append(row)
+            cache = one if cache is None else engine.join(cache, one)
+        live = [b for b, r in enumerate(rows) if r.continuation[-1] not in eos and len(r.continuation) < max_new_tokens]
+        if len(live) < len(rows):
+            for b in sorted(set(range(len(rows))) - set(live)):
+                r = rows[b]
+                done[r.job] = Sample(r.prompt, r.continuation, np.concatenate(r.top_ids), np.concatenate(r.top_probs),
+                                     r.rows_from)
+            advance(len(rows) - len(live))
+            rows = [rows[b] for b in live]
+            cache = engine.select(cache, np.array(live, np.int64)) if rows else None
+        if not rows:
+            if waiting and time.perf_counter() < deadline:
+                continue
+            return [done[i] for i in sorted(done)]
+        tokens = np.array([[r.continuation[-1]] for r in rows], np.int64)
+        logits = torch.from_numpy(engine.forward(cache, tokens)[:, 0])
+        ids, probs = _top(logits, top_k)
+        chosen = _choose(logits, [r.temperature for r in rows], generator)
+        for b, r in enumerate(rows):
+            _keep(r, ids[b: b + 1], probs[b: b + 1])
+            r.continuation.append(int(chosen[b]))
+
+
+def _top(logits, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The teacher rows of ``logits`` [N, V]: top-k ids and probabilities at temperature 1."""
+    import torch
+    values, index = torch.softmax(logits, dim=-1).topk(min(top_k, logits.shape[-1]), dim=-1)
+    return index.numpy().astype(np.int64), values.numpy().astype(np.float32)
+
+
+def _keep(row: _Row, ids: np.ndarray, probs: np.ndarray) -> None:
+    row.top_ids.append(ids)
+    row.top_probs.append(probs)
+
+
+def _choose(logits, temperatures: list[float], generator):
+    """Each row's next token: argmax at temperature 0, else a draw from softmax(logits / T) by inverting its CDF
+    (one uniform a row; torch.multinomial costs ~1 ms a 49k-wide row here)."""
+    import torch
+    temps = torch.tensor(temperatures, dtype=torch.float32)[:, None]
+    greedy = logits.argmax(dim=-1)
+    if not (temps > 0).any():
+        return greedy
+    cdf = torch.softmax(logits / temps.clamp(min=1e-6), dim=-1).cumsum(dim=-1)
+    u = torch.rand(len(logits), 1, generator=generator) * cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, u).clamp(max=logits.shape[-1] - 1)[:, 0]
+    return torch.where(temps[:, 0] > 0, drawn, greedy)
+
+
+def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, max_context: int, threads: int = 0):
+    """The target as the fused ONNX engine the bundle will run (quant ``gguf``: the file's own blocks; otherwise
+    fp32), written into ``folder``; None where the fused graph cannot express the model (then torch generates)."""
+    from builder import gguf_weights, graph
+    from runtime.engine import FusedEngine
+    try:
+        decoder = graph.from_transformers(model)
+    except graph.GraphError:
+        return None
+    path = folder / "target.onnx"
+    if quant == "gguf" and checkpoint.gguf_file:
+        decoder = gguf_weights.apply(decoder, checkpoint.folder / checkpoint.gguf_file)
+        graph.build(decoder, path, accuracy_level)
+    else:
+        graph.build(decoder, path)
+    info = graph.info_of(decoder)
+    return FusedEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                       vocab_size=info.vocab_size, max_context=max_context, threads=threads)

@@ -32,8 +32,9 @@ class Sample:
 
     prompt: list[int]
     continuation: list[int]
-    top_ids: np.ndarray | None = None  # [L-1, K] int64: the target's top-k next tokens at positions 0..L-2
-    top_probs: np.ndarray | None = None  # [L-1, K] float32: their probabilities (temperature 1)
+    top_ids: np.ndarray | None = None  # [L-1-rows_from, K] int64: the target's top-k next tokens at rows_from..L-2
+    top_probs: np.ndarray | None = None  # [L-1-rows_from, K] float32: their probabilities (temperature 1)
+    rows_from: int = 0  # the first position with a teacher row (a prompt's rows are kept once, not per sample)
 
     @property
     def ids(self) -> list[int]:

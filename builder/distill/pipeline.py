@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
-from builder.distill.continuations import eos_ids_of, generate
+from builder.distill.continuations import Job, eos_ids_of, generate, generate_with_engine, target_engine
 from builder.distill.corpus import DistillError, encode, load_prompts, split_prompts
 from builder.distill.distributions import teacher
 from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary
@@ -20,7 +21,8 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
                   top_k: int = 32, lr: float = 5e-4, batch_prompts: int = 16, tokens_per_batch: int = 1024,
                   max_steps: int | None = None, max_prompt_tokens: int = 256, chat: bool | None = None,
                   generate_share: float = 0.4, samples_per_prompt: int = 1, sample_temperature: float = 1.0,
-                  train_prompt_positions: bool = True, force: bool = False, console=None, quiet: bool = False) -> dict:
+                  train_prompt_positions: bool = True, teacher_engine: str = "auto", accuracy_level: int = 4,
+                  generate_batch: int = 32, force: bool = False, console=None, quiet: bool = False) -> dict:
     """Distil a draft for ``target`` into the Hugging Face folder ``out``; returns the report (also written to
     ``out/distill_report.json``).
 
@@ -31,6 +33,10 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     ``samples_per_prompt`` > 1 adds continuations sampled at ``sample_temperature`` after the first pass (while the
     generation share lasts): a small corpus then yields more distinct target text, so the draft overfits less (one
     greedy continuation per prompt of the 208 shipped ones gave 0.98 top-1 on training prompts, 0.28 held out).
+
+    ``teacher_engine``: what generates the continuations and the teacher rows. ``auto`` is the fused ONNX engine the
+    bundle's target will be (a GGUF file's own blocks, or fp32), in continuous batches of ``generate_batch`` rows,
+    ~4x torch's ``generate`` here and with the teacher rows from the same calls; ``torch`` is transformers.
     """
     import torch
     from rich.console import Console
@@ -45,6 +51,10 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     if samples_per_prompt < 1 or sample_temperature <= 0:
         raise DistillError(f"--samples-per-prompt must be >= 1 and --sample-temperature > 0, received "
                            f"{samples_per_prompt} and {sample_temperature}")
+    if teacher_engine not in ("auto", "gguf", "fp32", "torch"):
+        raise DistillError(f"--teacher-engine must be auto, gguf, fp32 or torch, received {teacher_engine!r}")
+    if generate_batch < 1:
+        raise DistillError(f"--generate-batch must be >= 1, received {generate_batch}")
     if not 0 < generate_share < 1:
         raise DistillError(f"--generate-share must be in (0, 1), received {generate_share}")
     console = console or Console(stderr=True, quiet=quiet)
@@ -66,30 +76,34 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     train_ids = [encode(tokenizer, p, chat, max_prompt_tokens) for p in train_prompts]
     held_ids = [encode(tokenizer, p, chat, max_prompt_tokens) for p in held_prompts]
 
-    with _progress(console, quiet) as progress:
+    with tempfile.TemporaryDirectory(prefix="draftsmith-teacher-") as work, _progress(console, quiet) as progress:
         t0 = time.perf_counter()
-        task = progress.add_task("target: held-out continuations", total=len(held_ids))
-        held = generate(target_model, held_ids, max_new_tokens, temperature=0.0, seed=seed, eos_ids=eos, pad_id=pad,
-                        batch_size=batch_prompts, advance=lambda n: progress.advance(task, n))
-        gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
-        task = progress.add_task("target: training continuations", total=len(train_ids))
-        samples = generate(target_model, train_ids, max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos,
-                           pad_id=pad, batch_size=batch_prompts, deadline=gen_deadline,
-                           advance=lambda n: progress.advance(task, n))
-        for extra in range(1, samples_per_prompt):
-            if time.perf_counter() > gen_deadline:
-                break
-            task = progress.add_task(f"target: sampled continuations {extra + 1}", total=len(train_ids))
-            samples += generate(target_model, train_ids, max_new_tokens, temperature=sample_temperature,
-                                seed=seed + extra, eos_ids=eos, pad_id=pad, batch_size=batch_prompts,
-                                deadline=gen_deadline, advance=lambda n, t=task: progress.advance(t, n))
+        engine = None
+        if teacher_engine != "torch":
+            quant = teacher_engine if teacher_engine != "auto" else ("gguf" if checkpoint.gguf_file else "fp32")
+            engine = target_engine(target_model, checkpoint, Path(work), quant, accuracy_level,
+                                   max_prompt_tokens + max_new_tokens + 8, threads)
+            timings["engine"] = round(time.perf_counter() - t0, 1)
+            say(f"teacher: the target's fused ONNX engine ({quant})" if engine else
+                "teacher: the fused graph cannot express this target; torch generates")
+        t0 = time.perf_counter()
+        if engine is not None:
+            samples, held = _engine_continuations(engine, progress, train_ids, held_ids, deadline, generate_share,
+                                                  max_new_tokens, temperature, samples_per_prompt,
+                                                  sample_temperature, top_k, eos, seed, generate_batch)
+            timings["generate"] = round(time.perf_counter() - t0, 1)
+            del engine
+        else:
+            samples, held = _torch_continuations(target_model, progress, train_ids, held_ids, deadline,
+                                                 generate_share, max_new_tokens, temperature, samples_per_prompt,
+                                                 sample_temperature, eos, pad, seed, batch_prompts)
+            timings["generate"] = round(time.perf_counter() - t0, 1)
+            t0 = time.perf_counter()
+            task = progress.add_task("target: teacher distributions", total=len(samples))
+            teacher(target_model, samples, top_k, tokens_per_batch, advance=lambda n: progress.advance(task, n))
+            timings["teacher"] = round(time.perf_counter() - t0, 1)
         if not samples:
             raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
-        timings["generate"] = round(time.perf_counter() - t0, 1)
-        t0 = time.perf_counter()
-        task = progress.add_task("target: teacher distributions", total=len(samples))
-        teacher(target_model, samples, top_k, tokens_per_batch, advance=lambda n: progress.advance(task, n))
-        timings["teacher"] = round(time.perf_counter() - t0, 1)
 
         draft = init_draft(target_model, init)
         del target_model
@@ -140,7 +154,7 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         "heldout_tokens": sum(len(s.continuation) for s in held),
         "max_new_tokens": max_new_tokens, "generation_temperature": temperature, "top_k": top_k,
         "samples_per_prompt": samples_per_prompt, "sample_temperature": sample_temperature,
-        "generate_share": generate_share,
+        "generate_share": generate_share, "teacher_engine": teacher_engine,
         "draft_layers": draft.config.num_hidden_layers,
         "draft_vocab": int(len(kept)) if kept is not None else 0,
         "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
@@ -151,6 +165,45 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     say(f"saved the draft to {out} ({timings['total']:.0f} s in all); build with: "
         f"build-engines --target {target} --draft {out}")
     return report
+
+
+def _engine_continuations(engine, progress, train_ids, held_ids, deadline, generate_share, max_new_tokens,
+                          temperature, samples_per_prompt, sample_temperature, top_k, eos, seed, batch):
+    """(training samples, held-out samples) from the ONNX engine, teacher rows included; the extra sampled
+    continuations come pass after pass, so the deadline cuts the last pass, never a prompt's first one, and only the
+    first carries the prompt's own rows."""
+    task = progress.add_task("target: held-out continuations", total=len(held_ids))
+    held = generate_with_engine(engine, [Job(p) for p in held_ids], max_new_tokens, top_k=top_k, eos_ids=eos,
+                                seed=seed, batch_size=batch, advance=lambda n: progress.advance(task, n))
+    gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
+    jobs = [Job(p, temperature) for p in train_ids]
+    jobs += [Job(p, sample_temperature, prompt_rows=False) for _ in range(1, samples_per_prompt) for p in train_ids]
+    task = progress.add_task("target: training continuations", total=len(jobs))
+    samples = generate_with_engine(engine, jobs, max_new_tokens, top_k=top_k, eos_ids=eos, seed=seed + 1,
+                                   batch_size=batch, deadline=gen_deadline,
+                                   advance=lambda n: progress.advance(task, n))
+    return samples, held
+
+
+def _torch_continuations(model, progress, train_ids, held_ids, deadline, generate_share, max_new_tokens, temperature,
+                         samples_per_prompt, sample_temperature, eos, pad, seed, batch):
+    """(training samples, held-out samples) from torch's ``generate``; the teacher rows come after, in one pass."""
+    task = progress.add_task("target: held-out continuations", total=len(held_ids))
+    held = generate(model, held_ids, max_new_tokens, temperature=0.0, seed=seed, eos_ids=eos, pad_id=pad,
+                    batch_size=batch, advance=lambda n: progress.advance(task, n))
+    gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
+    task = progress.add_task("target: training continuations", total=len(train_ids))
+    samples = generate(model, train_ids, max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos,
+                       pad_id=pad, batch_size=batch, deadline=gen_deadline,
+                       advance=lambda n: progress.advance(task, n))
+    for extra in range(1, samples_per_prompt):
+        if time.perf_counter() > gen_deadline:
+            break
+        task = progress.add_task(f"target: sampled continuations {extra + 1}", total=len(train_ids))
+        samples += generate(model, train_ids, max_new_tokens, temperature=sample_temperature, seed=seed + extra,
+                            eos_ids=eos, pad_id=pad, batch_size=batch, deadline=gen_deadline,
+                            advance=lambda n, t=task: progress.advance(t, n))
+    return samples, held
 
 
 def _progress(console, quiet: bool):

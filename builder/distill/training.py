@@ -70,13 +70,14 @@ def _loss(draft, batch: list[Sample], loss: str, kept, remap, prompt_positions: 
     for r, s in enumerate(batch):
         n = len(s.ids) - 1
         first = 0 if (prompt_positions and loss == "kl") else len(s.prompt) - 1
-        rows.append(hidden[r, first:n])
         if loss == "kl":
-            targets_ids.append(torch.from_numpy(s.top_ids[first:n]))
-            targets_probs.append(torch.from_numpy(s.top_probs[first:n]))
+            first = max(first, s.rows_from)
+            targets_ids.append(torch.from_numpy(s.top_ids[first - s.rows_from: n - s.rows_from]))
+            targets_probs.append(torch.from_numpy(s.top_probs[first - s.rows_from: n - s.rows_from]))
         else:
             targets_ids.append(torch.tensor(s.ids[first + 1: n + 1])[:, None])
             targets_probs.append(torch.ones(n - first, 1))
+        rows.append(hidden[r, first:n])
     h = torch.cat(rows)
     t_ids, t_probs = torch.cat(targets_ids), torch.cat(targets_probs)
     if remap is not None:
