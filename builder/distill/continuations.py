@@ -113,7 +113,9 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
             if row.rows_from:  # the prompt without its head rows, then its last token scored alone
                 engine.prefill(one, np.array([row.prompt[:-1]], np.int64))
             logits = torch.from_numpy(engine.forward(one, np.array([row.prompt[row.rows_from:]], np.int64))[0])
-            _keep(row, *_top(logits, top_k))
+            ids, probs = _top(logits, top_k)
+            row.top_ids.append(ids)
+            row.top_probs.append(probs)
             row.continuation.append(int(_choose(logits[-1:], [row.temperature], generator)[0]))
             rows.append(row)
             cache = one if cache is None else engine.join(cache, one)
@@ -135,7 +137,8 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
         ids, probs = _top(logits, top_k)
         chosen = _choose(logits, [r.temperature for r in rows], generator)
         for b, r in enumerate(rows):
-            _keep(r, ids[b: b + 1], probs[b: b + 1])
+            r.top_ids.append(ids[b: b + 1])
+            r.top_probs.append(probs[b: b + 1])
             r.continuation.append(int(chosen[b]))
 
 
@@ -144,11 +147,6 @@ def _top(logits, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     import torch
     values, index = torch.softmax(logits, dim=-1).topk(min(top_k, logits.shape[-1]), dim=-1)
     return index.numpy().astype(np.int64), values.numpy().astype(np.float32)
-
-
-def _keep(row: _Row, ids: np.ndarray, probs: np.ndarray) -> None:
-    row.top_ids.append(ids)
-    row.top_probs.append(probs)
 
 
 def _choose(logits, temperatures: list[float], generator):

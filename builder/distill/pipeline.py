@@ -91,17 +91,17 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
             samples, held = _engine_continuations(engine, progress, train_ids, held_ids, deadline, generate_share,
                                                   max_new_tokens, temperature, samples_per_prompt,
                                                   sample_temperature, top_k, eos, seed, generate_batch)
-            timings["generate"] = round(time.perf_counter() - t0, 1)
-            del engine
         else:
             samples, held = _torch_continuations(target_model, progress, train_ids, held_ids, deadline,
                                                  generate_share, max_new_tokens, temperature, samples_per_prompt,
                                                  sample_temperature, eos, pad, seed, batch_prompts)
-            timings["generate"] = round(time.perf_counter() - t0, 1)
+        timings["generate"] = round(time.perf_counter() - t0, 1)
+        if engine is None:
             t0 = time.perf_counter()
             task = progress.add_task("target: teacher distributions", total=len(samples))
             teacher(target_model, samples, top_k, tokens_per_batch, advance=lambda n: progress.advance(task, n))
             timings["teacher"] = round(time.perf_counter() - t0, 1)
+        engine = None  # its session's memory goes before training
         if not samples:
             raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
 
@@ -150,7 +150,7 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         "prompts": str(prompts) if prompts else "builtin:distill_prompts.txt",
         "train_prompts": len(samples), "heldout_prompts": len(held),
         "train_tokens": sum(len(s.continuation) for s in samples),
-        "train_positions": sum(len(s.ids) - 1 for s in samples),
+        "train_positions": sum(len(s.ids) - 1 - s.rows_from for s in samples),  # positions with teacher rows
         "heldout_tokens": sum(len(s.continuation) for s in held),
         "max_new_tokens": max_new_tokens, "generation_temperature": temperature, "top_k": top_k,
         "samples_per_prompt": samples_per_prompt, "sample_temperature": sample_temperature,
