@@ -223,12 +223,12 @@ def run_transformers(manifest: Manifest, bundle: Path, workloads: dict[str, list
         target_ckpt, draft_ckpt = _target_and_draft(manifest, bundle, consent)
         with contextlib.redirect_stderr(io.StringIO()):  # GGUF dequantization draws its own tqdm bars
             target = target_ckpt.load_model()
-            assistant, what = transformers_assistant(manifest, target, draft_ckpt)
+            assistant, what = (None, "") if is_feature_draft(manifest) else transformers_assistant(
+                manifest, target, draft_ckpt)
     except PeerError as err:
         return [_skip("transformers", str(err))]
     except Exception as err:  # a peer failing must not sink the bench
         return [_skip("transformers", f"could not load the checkpoints: {type(err).__name__}: {err}")]
-    assistant.eval()
     eos = list(eos_ids) or None
 
     def generator(assisted: bool):
@@ -245,11 +245,19 @@ def run_transformers(manifest: Manifest, bundle: Path, workloads: dict[str, list
     rows = []
     for workload, prompts in workloads.items():
         k = best_k.get(workload) or manifest.default_k
-        assistant.generation_config.num_assistant_tokens = k
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-        rows += _timed_rows("transformers", workload, prompts, {"plain": generator(False), "assisted": generator(True)},
-                            k, progress, assisted={"assistant": what})
+        modes = {"plain": generator(False)}
+        if assistant is not None:  # a feature draft is no language model transformers could assist with
+            assistant.eval()
+            assistant.generation_config.num_assistant_tokens = k
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            modes["assisted"] = generator(True)
+        rows += _timed_rows("transformers", workload, prompts, modes, k, progress, assisted={"assistant": what})
     return rows
+
+
+def is_feature_draft(manifest: Manifest) -> bool:
+    """The bundle's draft reads the target's hidden states (runtime/features.py): peers get no draft mode."""
+    return "features" in manifest.draft.input_names
 
 
 # --- llama.cpp ------------------------------------------------------------------------------------------------------
@@ -476,7 +484,9 @@ def genai_graphs(manifest: Manifest, bundle: Path, consent: dict, progress=None)
     graphs = {p: genai_graph(target_hf, p) for p in ("fp32", "int4")}
     draft_precision = "fp32" if manifest.draft.quant == "fp32" else "int4"
     layers = _self_layers(manifest)
-    if draft_ckpt is not None:
+    if is_feature_draft(manifest):
+        graphs["draft"], graphs["draft_what"] = None, ""  # no peer can run a draft reading our hidden states
+    elif draft_ckpt is not None:
         graphs["draft"] = genai_graph(hf_folder(draft_ckpt, manifest.draft.source_sha256), draft_precision)
         graphs["draft_what"] = f"the draft checkpoint {manifest.spec.draft} ({draft_precision}, full output head)"
     elif layers:
@@ -513,22 +523,25 @@ def run_onnxruntime_genai(manifest: Manifest, bundle: Path, workloads: dict[str,
         name = f"{peer} {precision}"
         try:
             plain = _genai_model(graphs[precision], threads, eos_ids, spinning)
-            spec = _genai_model(speculative_config(graphs[precision], graphs["draft"]), threads, eos_ids, spinning)
+            spec = graphs["draft"] and _genai_model(speculative_config(graphs[precision], graphs["draft"]), threads,
+                                                    eos_ids, spinning)
         except Exception as err:
             rows.append(_skip(name, f"{type(err).__name__}: {err}"))
             continue
         for workload, prompts in workloads.items():
             k = best_k.get(workload) or manifest.default_k
             stats: list[dict] = []
-            modes = {"plain": _genai_generate(plain, max_new_tokens),
-                     "speculative": _genai_generate(spec, max_new_tokens, k, stats)}
+            modes = {"plain": _genai_generate(plain, max_new_tokens)}
+            if spec:
+                modes["speculative"] = _genai_generate(spec, max_new_tokens, k, stats)
             try:
                 mine = _timed_rows(name, workload, prompts, modes, k, progress,
                                    speculative={"draft": graphs["draft_what"]})
             except Exception as err:
                 rows.append(_skip(name, f"{workload}: {type(err).__name__}: {err}"))
                 continue
-            mine[1]["speculative_stats"] = _speculative_summary(stats)
+            if spec:
+                mine[1]["speculative_stats"] = _speculative_summary(stats)
             for row in mine:
                 row["session_options"] = genai_session_options(threads, spinning)
             rows += mine

@@ -127,6 +127,12 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     if draft_ckpt is target_ckpt and not draft_layers:
         draft_info, draft_check, draft_fp32 = target_info, target_check, work / "target.onnx"
         draft_model = target_model
+    elif _is_feature_draft(draft_ckpt):
+        stage("export draft")
+        draft_model = None
+        draft_info, draft_check = _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept,
+                                                        work / "draft.onnx", spec)
+        draft_fp32 = work / "draft.onnx"
     else:
         stage("export draft")
         draft_model = _truncate(target_model, draft_layers) if draft_layers else draft_ckpt.load_model()
@@ -184,6 +190,37 @@ def _draft_vocab(checkpoint):
         return None
     from builder.distill.save import read_draft_vocab
     return read_draft_vocab(checkpoint.folder)
+
+
+def _is_feature_draft(checkpoint) -> bool:
+    from builder.distill.feature_draft import is_feature_draft
+    return not checkpoint.gguf_file and is_feature_draft(checkpoint.folder)
+
+
+def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Path, spec: BuildSpec):
+    """A feature draft (``draftsmith distill --init feature``) as a fused graph over the target's embeddings and
+    head rows, with a ``features`` input, checked against the torch module it was trained as."""
+    from builder.distill import feature_draft as fd
+    from builder.distill.corpus import DistillError
+    if spec.engine_graph != "fused":
+        raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
+    try:
+        cfg, weights = fd.load_feature_weights(draft_ckpt.folder)
+    except DistillError as err:
+        raise BuildError(str(err)) from None
+    if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
+        raise BuildError(f"{draft_ckpt.source} was trained on the hidden states of another target "
+                         f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}")
+    embedding = target_model.get_input_embeddings().weight.detach().float().numpy()
+    head = target_model.get_output_embeddings().weight.detach().float().numpy()
+    head = head[kept] if kept is not None else head
+    if embedding.shape[1] != cfg.hidden:
+        raise BuildError(f"{draft_ckpt.source}: hidden size {cfg.hidden}, the target's is {embedding.shape[1]}")
+    decoder = fd.feature_decoder(cfg, weights, embedding, head)
+    graph.build(decoder, path)
+    info = graph.info_of(decoder)
+    module = fd.module_from(cfg, weights, embedding, head)
+    return info, fd.check_against_torch(path, info, module, target_ckpt.architecture.tolerance)
 
 
 def _export(model, checkpoint, path: Path, spec: BuildSpec):

@@ -14,9 +14,21 @@ def eval_text() -> str:
     return resources.files("builder").joinpath("data/eval.txt").read_text(encoding="utf-8")
 
 
-def logits_of(engine: OnnxEngine, ids: list[int]) -> np.ndarray:
+def logits_of(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = None) -> np.ndarray:
+    """Teacher-forced logits [len(ids), V]. A feature draft scores ids[1:] from the target's hidden states
+    ``features`` [len(ids), H] (pair j: the state after token j with token j+1), so its row j predicts token j+2."""
     cache = engine.new_cache(1)
+    if getattr(engine, "takes_features", False):
+        return engine.forward(cache, np.array([ids[1:]], np.int64), features=features[None, :-1])[0]
     return engine.forward(cache, np.array([ids], np.int64))[0]
+
+
+def hidden_of(engine, ids: list[int]) -> np.ndarray | None:
+    """The target's final hidden states over ids (a feature draft's input), None where the graph has none."""
+    cache = engine.new_cache(1)
+    engine.forward(cache, np.array([ids], np.int64))
+    hidden = cache.extra.get("hidden")
+    return None if hidden is None else hidden[0]
 
 
 def perplexity(logits: np.ndarray, ids: list[int]) -> float:
@@ -32,16 +44,22 @@ def agreement(logits: np.ndarray, reference: np.ndarray) -> float:
 
 
 def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], ids: list[int]) -> dict:
-    """Per engine: agreement with its own fp32 graph and perplexity; plus draft/target greedy agreement."""
+    """Per engine: agreement with its own fp32 graph and perplexity; plus draft/target greedy agreement. A feature
+    draft reads the (quantized) target engine's hidden states, as at run time, and is scored from token 2 on."""
     out = {"eval_tokens": len(ids)}
-    computed = {}
+    computed, scored = {}, {}
+    features = hidden_of(engines["target"], ids) if "target" in engines else None
     for name, engine in engines.items():
-        reference = logits_of(references[name], ids)
-        computed[name] = logits_of(engine, ids)
+        reads = getattr(engine, "takes_features", False)
+        scored[name] = ids[1:] if reads else ids
+        reference = logits_of(references[name], ids, features)
+        computed[name] = logits_of(engine, ids, features)
         out[name] = {"top1_agreement_vs_fp32": agreement(computed[name], reference),
-                     "perplexity": perplexity(computed[name], ids), "fp32_perplexity": perplexity(reference, ids)}
+                     "perplexity": perplexity(computed[name], scored[name]),
+                     "fp32_perplexity": perplexity(reference, scored[name])}
     if "draft" in computed and "target" in computed:
-        out["draft_target_top1_agreement"] = agreement(computed["draft"], computed["target"])
+        skip = len(ids) - len(scored["draft"])
+        out["draft_target_top1_agreement"] = agreement(computed["draft"], computed["target"][skip:])
     return out
 
 

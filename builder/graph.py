@@ -18,6 +18,10 @@ About 10 nodes a layer. The contract (runtime.engine.FusedEngine relies on it)::
              past.{i}.key / past.{i}.value  float32 [B, H_kv, T, D]   a fixed-capacity buffer (T slots)
     outputs  logits                float32 [B, logits_to_keep, V]
              present.{i}.key / present.{i}.value   the same buffer, written in place (bound to the past buffer)
+             hidden                float32 [B, S, H]  the final norm's output at every new position (what the head
+                                                      reads): a feature draft's input, already computed
+    a feature draft also takes
+             features              float32 [B, S, H]  the hidden state before each token (x = [emb, features] @ fc)
 
 GroupQueryAttention writes the new tokens' K/V at slots [len, len + S) of the buffer and attends to slots < len + S,
 rotating by slot position. Rolling back is therefore only a shorter length: the next call overwrites the dead slots.
@@ -100,18 +104,22 @@ class Decoder:
     head: Linear  # N = vocab (may be a reduced draft head)
     sliding_window: int = 0
     notes: list[str] = field(default_factory=list)
+    # a feature draft (builder/distill/feature_draft.py): x = [embedding(token), features] @ feature_fc, float32
+    # [2H, H], where features are the target's final hidden states (its ``hidden`` output) or the draft's own
+    feature_fc: np.ndarray | None = None
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:
     return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
 
 
-def input_names(num_layers: int) -> tuple[str, ...]:
-    return ("input_ids", "seqlens_k", "total_sequence_length", "logits_to_keep", *cache_names(num_layers, "past"))
+def input_names(num_layers: int, features: bool = False) -> tuple[str, ...]:
+    return ("input_ids", "seqlens_k", "total_sequence_length", "logits_to_keep", *cache_names(num_layers, "past"),
+            *(("features",) if features else ()))
 
 
 def output_names(num_layers: int) -> tuple[str, ...]:
-    return ("logits", *cache_names(num_layers, "present"))
+    return ("logits", *cache_names(num_layers, "present"), "hidden")
 
 
 # --- from a transformers model --------------------------------------------------------------------------------------
@@ -197,6 +205,9 @@ def build(decoder: Decoder, path: Path, accuracy_level: int = 4) -> tuple[tuple[
     g.const("sin_cache", sin)
     g.const("embedding", decoder.embedding.astype(np.float32))
     (x,) = g.op("Gather", ["embedding", "input_ids"], name="embed")
+    if decoder.feature_fc is not None:
+        (both,) = g.op("Concat", [x, "features"], name="embed_features", axis=-1)
+        (x,) = g.op("MatMul", [both, g.const("feature_fc", decoder.feature_fc.astype(np.float32))], name="fc")
     residual, pending = x, None  # pending: the block output still to be added to the residual stream
     for i, layer in enumerate(decoder.layers):
         normed, residual = _norm(g, f"layers.{i}.attn_norm", layer.attn_norm, residual, pending, decoder.eps)
@@ -217,7 +228,7 @@ def build(decoder: Decoder, path: Path, accuracy_level: int = 4) -> tuple[tuple[
         (silu,) = g.op("Mul", [gate, sig])
         (act,) = g.op("Mul", [silu, up])
         pending = _linear(g, f"layers.{i}.down", act, layer.down)
-    normed, _ = _norm(g, "final_norm", decoder.final_norm, residual, pending, decoder.eps)
+    normed, _ = _norm(g, "final_norm", decoder.final_norm, residual, pending, decoder.eps, out="hidden")
     # only the last logits_to_keep positions reach the head (0 in a prefill whose logits nobody reads)
     (new,) = g.op("Shape", ["input_ids"], start=1, end=2)
     (start,) = g.op("Sub", [new, "logits_to_keep"])
@@ -231,8 +242,12 @@ def build(decoder: Decoder, path: Path, accuracy_level: int = 4) -> tuple[tuple[
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
               helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1])]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "past")]
+    features = decoder.feature_fc is not None
+    if features:
+        inputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", "new", decoder.hidden]))
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "kept", decoder.vocab])]
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "present")]
+    outputs.append(helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "new", decoder.hidden]))
     graph = helper.make_graph(g.nodes, "draftsmith_fused_decoder", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)],
                               producer_name="draftsmith")
@@ -240,7 +255,7 @@ def build(decoder: Decoder, path: Path, accuracy_level: int = 4) -> tuple[tuple[
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, str(path), save_as_external_data=model.ByteSize() > 1_800_000_000,
                     location=path.name + ".data")
-    return input_names(layers), output_names(layers)
+    return input_names(layers, features), output_names(layers)
 
 
 def _rotary_tables(head_dim: int, theta: float, positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -250,16 +265,19 @@ def _rotary_tables(head_dim: int, theta: float, positions: int) -> tuple[np.ndar
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def _norm(g: _Graph, name: str, weight: np.ndarray, residual: str, pending: str | None, eps: float):
+def _norm(g: _Graph, name: str, weight: np.ndarray, residual: str, pending: str | None, eps: float,
+          out: str = ""):
     """RMSNorm of residual (+ pending, added into the residual stream first); returns (normed, new residual)."""
     gamma = g.const(name + ".weight", weight.astype(np.float32))
+    normed = out or name + "/normed"
     if pending is None:
-        (out,) = g.op("SimplifiedLayerNormalization", [residual, gamma], name=name, axis=-1, epsilon=eps,
-                      stash_type=1)
-        return out, residual
-    out, _, _, total = g.op("SkipSimplifiedLayerNormalization", [pending, residual, gamma], 4, domain=MS, name=name,
-                            epsilon=eps)
-    return out, total
+        g.op("SimplifiedLayerNormalization", [residual, gamma], [normed], name=name, axis=-1, epsilon=eps,
+             stash_type=1)
+        return normed, residual
+    total = name + "/sum"
+    g.op("SkipSimplifiedLayerNormalization", [pending, residual, gamma], [normed, "", "", total], domain=MS,
+         name=name, epsilon=eps)
+    return normed, total
 
 
 def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None) -> str:
@@ -299,7 +317,8 @@ def info_of(decoder: Decoder):
     from builder.export import GraphInfo
     layers = len(decoder.layers)
     return GraphInfo(num_layers=layers, num_kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
-                     vocab_size=decoder.vocab, input_names=input_names(layers), output_names=output_names(layers),
+                     vocab_size=decoder.vocab, input_names=input_names(layers, decoder.feature_fc is not None),
+                     output_names=output_names(layers),
                      graph="fused")
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from runtime.bundle import DRAFTERS, BundleError, Manifest, load_manifest, read_onnx, read_verified
 from runtime.engine import Engine, MappedVocabEngine, engine_class, make_session, providers_for
 from runtime.errors import RequestError
+from runtime.features import FeatureDrafter
 from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.request import decode_request
@@ -197,10 +198,19 @@ class SpeculativeGenerator:
         if self.draft is None:
             return None
         if kind == "hybrid":
-            return HybridDrafter(ModelDrafter(self.draft, confidence), self.target.vocab_size)
+            return HybridDrafter(self._model_drafter(confidence), self.target.vocab_size)
         if kind == "hybrid_suffix":
             confident = SuffixDrafter(self.target.vocab_size, self.suffix_corpus, HYBRID_SUFFIX)
-            return HybridDrafter(ModelDrafter(self.draft, confidence), self.target.vocab_size, free=confident)
+            return HybridDrafter(self._model_drafter(confidence), self.target.vocab_size, free=confident)
+        return self._model_drafter(confidence)
+
+    def _model_drafter(self, confidence: float) -> Drafter:
+        """The draft engine's drafter: a feature draft (its graph takes the target's hidden states) or a model."""
+        if getattr(self.draft, "takes_features", False):
+            if not getattr(self.target, "has_hidden", False):
+                raise RequestError("this bundle's draft drafts from the target's hidden states, but its target engine "
+                                   "returns none; rebuild the bundle with this Draftsmith")
+            return FeatureDrafter(self.draft, confidence)
         return ModelDrafter(self.draft, confidence)
 
 

@@ -254,8 +254,8 @@ class MappedVocabEngine:
     def new_cache(self, batch: int) -> KVCache:
         return self.engine.new_cache(batch)
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
-        small = self.engine.forward(cache, tokens, valid)
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, **options) -> np.ndarray:
+        small = self.engine.forward(cache, tokens, valid, **options)
         if small.shape[-1] != len(self.kept_ids):
             raise ValueError(f"the draft engine returned {small.shape[-1]} logits per position; its vocabulary map "
                              f"has {len(self.kept_ids)} ids")
@@ -309,6 +309,10 @@ class FusedEngine:
         self.initial_slots, self.min_call_tokens = initial_slots, min_call_tokens
         self.past_names = [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
         self.present_names = [n.replace("past", "present", 1) for n in self.past_names]
+        # graphs since the feature draft: every call's final hidden states (cache.extra["hidden"]); a feature
+        # draft's graph also takes the hidden state before each token
+        self.has_hidden = "hidden" in {o.name for o in self.session.get_outputs()}
+        self.takes_features = "features" in {i.name for i in self.session.get_inputs()}
 
     def new_cache(self, batch: int) -> KVCache:
         slots = min(self.initial_slots, self.max_context)
@@ -324,38 +328,61 @@ class FusedEngine:
         self.forward(cache, tokens, valid, score=False)
 
     def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                score: bool = True) -> np.ndarray:
-        """Append each row's valid tokens (right-padded in ``tokens``) and return logits [B, S, V]."""
+                score: bool = True, features: np.ndarray | None = None) -> np.ndarray:
+        """Append each row's valid tokens (right-padded in ``tokens``) and return logits [B, S, V]; a feature draft
+        also takes ``features`` [B, S, H] (the hidden state before each token). The final hidden states [B, S, H]
+        are left in ``cache.extra["hidden"]`` where the graph returns them."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         counts = tokens.shape[1] * np.ones(len(tokens), np.int64) if valid is None else valid.sum(axis=1)
         asked = tokens.shape[1]
+        if self.takes_features:
+            if features is None or features.shape[:2] != tokens.shape:
+                raise ValueError("a feature draft engine takes features [B, S, H] with its tokens [B, S]")
+            features = np.ascontiguousarray(features, dtype=np.float32)
         if len(tokens) * asked < self.min_call_tokens:  # the kernels see batch x tokens rows: pad only a lone token
             tokens = np.pad(tokens, ((0, 0), (0, self.min_call_tokens - asked)))
+            if features is not None:
+                features = np.pad(features, ((0, 0), (0, self.min_call_tokens - asked), (0, 0)))
         batch, new = tokens.shape
         self._reserve(cache, int(cache.lengths.max()) + new)
         if batch == 1 or new == 1 or not cache.lengths.any():
-            logits = self._run(cache, slice(0, batch), tokens, cache.lengths + new, new if score else 0)
+            logits, hidden = self._run(cache, slice(0, batch), tokens, cache.lengths + new, new if score else 0,
+                                       features)
         else:  # several new tokens on a past: one call per row (the kernel's batch-1 path)
             logits = np.zeros((batch, new if score else 0, self.vocab_size), np.float32)
+            hidden = None
             for b in np.flatnonzero(counts):
                 width = max(int(counts[b]), self.min_call_tokens)
-                logits[b, :width] = self._run(cache, slice(b, b + 1), tokens[b: b + 1, :width],
-                                              cache.lengths[b: b + 1] + width, width if score else 0)[0]
+                part, h = self._run(cache, slice(b, b + 1), tokens[b: b + 1, :width], cache.lengths[b: b + 1] + width,
+                                    width if score else 0, None if features is None else features[b: b + 1, :width])
+                logits[b, :width] = part[0]
+                if h is not None:
+                    hidden = np.zeros((batch, new, h.shape[-1]), np.float32) if hidden is None else hidden
+                    hidden[b, :width] = h[0]
+        if self.has_hidden:
+            cache.extra["hidden"] = None if hidden is None else hidden[:, :asked]
         cache.lengths = cache.lengths + counts
         cache.calls += 1
         return logits[:, :asked]
 
-    def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray, keep: int) -> np.ndarray:
+    def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray, keep: int,
+             features: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """One session call on ``rows`` of the cache; ``totals``: each row's slot count after the call; logits for
-        the last ``keep`` positions."""
+        the last ``keep`` positions, and the hidden states of all new positions (None: the graph has none)."""
         binding = self._binding(cache, rows)
         binding.bind_cpu_input("input_ids", tokens)
         binding.bind_cpu_input("logits_to_keep", np.array([keep], dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", (totals - 1).astype(np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(int(totals.max()), dtype=np.int32))
+        if features is not None:
+            binding.bind_cpu_input("features", features)
         binding.bind_output("logits", "cpu")
+        if self.has_hidden:
+            binding.bind_output("hidden", "cpu")
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()[..., : self.vocab_size]
+        outputs = binding.get_outputs()
+        logits = outputs[0].numpy()[..., : self.vocab_size]
+        return logits, (outputs[1].numpy() if self.has_hidden else None)
 
     def _binding(self, cache: KVCache, rows: slice):
         """An IO binding with past and present bound to the same buffers (rows' views), made once per rows."""
@@ -364,6 +391,8 @@ class FusedEngine:
         if key not in views:
             binding = self.session.io_binding()
             binding.bind_output("logits", "cpu")  # first: get_outputs()[0]
+            if self.has_hidden:
+                binding.bind_output("hidden", "cpu")  # second: get_outputs()[1]
             for past, present, buffer in zip(self.past_names, self.present_names, cache.past):
                 value = self._ort.OrtValue.ortvalue_from_numpy(buffer[rows])
                 binding.bind_ortvalue_input(past, value)

@@ -91,6 +91,11 @@ class HybridDrafter:
         return Proposal([f if p else d for f, d, p in zip(found.tokens, drafted.tokens, pick)],
                         [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)])
 
+    def take_features(self, rows) -> None:
+        """A feature drafter as the model: it pairs every step's target hidden states, whoever drafted."""
+        if hasattr(self.model, "take_features"):
+            self.model.take_features(rows)
+
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
         self.free.settle(accepted, emitted)
         self.model.settle(accepted, emitted)

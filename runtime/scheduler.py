@@ -323,11 +323,13 @@ class Scheduler:
         t0 = time.perf_counter()
         drafts = [self._propose(row) if drafts else ([], []) for row, drafts in zip(self.rows, plan)]
         t1 = time.perf_counter()
-        logits = self._score(drafts, plan)
+        logits, hidden = self._score(drafts, plan)
         t2 = time.perf_counter()
         keep = self.cache.lengths.copy()
         for b, (row, (draft, probs)) in enumerate(zip(self.rows, drafts)):
             n, extra = verify(draft, probs, logits[b], row.config.params, row.rng)
+            if hasattr(row.drafter, "take_features"):
+                row.drafter.take_features(None if hidden[b] is None else [hidden[b]])
             keep[b] -= len(draft) - n
             self._settle(row, draft, n, draft[:n] + [extra], t1 - t0, t2 - t1)
         self.target.rollback(self.cache, keep)
@@ -372,25 +374,26 @@ class Scheduler:
         row.undrafted = 0 if pays or row.undrafted >= PROBE_EVERY else row.undrafted + 1
         return row.undrafted == 0
 
-    def _score(self, drafts: list[tuple[list[int], list]], plan: list[bool]) -> list[np.ndarray]:
-        """Each row's target logits for [last, x_1..x_d]. Rows scored alone (every row in "exact", drafting rows
+    def _score(self, drafts: list[tuple[list[int], list]], plan: list[bool]) -> tuple[list, list]:
+        """Each row's target logits for [last, x_1..x_d], and its hidden states for them (None where the engine
+        returns none: a feature drafter's input). Rows scored alone (every row in "exact", drafting rows
         in "throughput") share a call with one padding column, so a fused engine runs it row by row, the kernels a
         lone request gets; the other rows then take one batched call of one token each."""
         alone = [True] * len(self.rows) if self.policy == "exact" else plan
         out: list = [None] * len(self.rows)
-        if any(alone):
-            chunks = [[row.last] + d if a else [] for row, (d, _), a in zip(self.rows, drafts, alone)]
-            logits = self.target.forward(self.cache, *padded(chunks, extra=1))
-            for b, (chunk, a) in enumerate(zip(chunks, alone)):
-                if a:
+        hidden: list = [None] * len(self.rows)
+        for scored_alone in (True, False):
+            chunks = [[row.last] + d if a == scored_alone else []
+                      for row, (d, _), a in zip(self.rows, drafts, alone)]
+            if not any(chunks):
+                continue
+            logits = self.target.forward(self.cache, *padded(chunks, extra=1 if scored_alone else 0))
+            states = self.cache.extra.get("hidden")
+            for b, chunk in enumerate(chunks):
+                if chunk:
                     out[b] = logits[b, : len(chunk)]
-        if not all(alone):
-            chunks = [[] if a else [row.last] for row, a in zip(self.rows, alone)]
-            logits = self.target.forward(self.cache, *padded(chunks))
-            for b, a in enumerate(alone):
-                if not a:
-                    out[b] = logits[b, :1]
-        return out
+                    hidden[b] = None if states is None else states[b, : len(chunk)]
+        return out, hidden
 
     def _draft_limit(self, row: _Row) -> int:
         budget = row.config.max_new_tokens - len(row.generated) - 1
@@ -450,6 +453,10 @@ class Scheduler:
             if any(len(w.prompt) > 1 for w in taken):
                 prefill(self.target, cache, [w.prompt[:-1] for w in taken])
             rows = [self._row(w) for w in taken]
+            for b, row in enumerate(rows):
+                if hasattr(row.drafter, "take_features"):
+                    states = cache.extra.get("hidden")
+                    row.drafter.take_features(None if states is None else [states[b, : len(row.prompt) - 1]])
         except Exception as err:  # nothing joined yet: the batch in flight is untouched
             for w in taken:
                 w.handle.send(Event(error=Unavailable(f"admission failed: {err}")))

@@ -163,6 +163,13 @@ def prefill(engine: Engine, cache, chunks: list[list[int]]) -> None:
     engine.prefill(cache, tokens, valid)
 
 
+def row_features(cache, counts: list[int]) -> list[np.ndarray] | None:
+    """Each row's final hidden states [counts[b], H] from the target's last call on ``cache`` (None: the engine
+    returns none, or no call was made)."""
+    hidden = cache.extra.get("hidden")
+    return None if hidden is None else [hidden[b, :n] for b, n in enumerate(counts)]
+
+
 def padded(chunks: list[list[int]], extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Per-row chunks right-padded into tokens and valid [B, width + extra] (padding is 0 and not valid)."""
     width = max(1, max(len(c) for c in chunks) + extra)
@@ -237,8 +244,11 @@ class SpeculativeLoop:
         if any(len(r.prompt) > 1 for r in running):
             prefill(self.target, cache, [r.prompt[:-1] for r in running])
         last = [r.prompt[-1] for r in running]
+        feeds_features = hasattr(self.drafter, "take_features")  # a feature drafter reads the target's hidden states
         if self.drafter is not None:
             self.drafter.start([r.prompt for r in running])
+            if feeds_features:
+                self.drafter.take_features(row_features(cache, [len(r.prompt) - 1 for r in running]))
         while running:
             limits = [self._draft_limit(r) for r in running]
             t0 = time.perf_counter()
@@ -250,6 +260,8 @@ class SpeculativeLoop:
             t1 = time.perf_counter()
             logits = self._feed_target(cache, [[tok] + draft for tok, draft in zip(last, proposal.tokens)])
             t2 = time.perf_counter()
+            if feeds_features:
+                self.drafter.take_features(row_features(cache, [len(d) + 1 for d in proposal.tokens]))
             accepted, emitted = [], []
             for b, row in enumerate(running):
                 drafted = proposal.tokens[b]

@@ -37,7 +37,9 @@ def recipe_from(config: dict, path) -> tuple[str, str, dict]:
                    "options (flags given here override them); a folder already distilled is kept unless --force.")
 @click.option("--target", help="Target checkpoint: HF folder, .gguf file or pkg:<package>/<file>.")
 @click.option("--init", "init", default="layers=4", show_default=True,
-              help="layers=N (the target's first N layers, embeddings and head) or a draft checkpoint to start from.")
+              help="layers=N (the target's first N layers, embeddings and head), feature (one layer drafting from "
+                   "the target's own hidden states, EAGLE-style: ONNX teacher engine only) or a draft checkpoint to "
+                   "start from.")
 @click.option("--out", type=click.Path(), help="Folder for the draft (HF format, safetensors).")
 @click.option("--prompts", type=click.Path(), default=None,
               help="Prompt file ('---'-separated blocks or one per line; '@completion' first line: raw text). "
@@ -64,7 +66,8 @@ def recipe_from(config: dict, path) -> tuple[str, str, dict]:
 @click.option("--generate-batch", type=int, default=32, show_default=True,
               help="Rows the ONNX engine continues at once.")
 @click.option("--heldout", type=float, default=0.1, show_default=True, help="Share of prompts held out.")
-@click.option("--lr", type=float, default=5e-4, show_default=True)
+@click.option("--lr", type=float, default=5e-4, show_default=True,
+              help="Peak learning rate of a layers=N draft (a feature draft trains at its own 3e-3).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0: torch's default).")
 @click.option("--force", is_flag=True, help="Replace the draft folder at --out (only a model folder, or an empty one).")
@@ -104,7 +107,11 @@ def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_token
     b, a = report["before"], report["after"]
     click.echo(f"held-out top-1 agreement: {b['top1_agreement']:.3f} -> {a['top1_agreement']:.3f} "
                f"({report['heldout_prompts']} prompts, {report['heldout_tokens']} target tokens)")
-    for k in ("2", "3", "4"):
+    if "chained" in a:  # a feature draft: its chained greedy agreement per draft position
+        click.echo(f"chained greedy agreement per draft position: {b['chained']['per_position']} -> "
+                   f"{a['chained']['per_position']} (expected accepted tokens at k=4: "
+                   f"{b['chained']['mean_accepted']:.2f} -> {a['chained']['mean_accepted']:.2f})")
+    for k in ("2", "3", "4") if "greedy" in a else ():
         click.echo(f"greedy acceptance k={k}: {b['greedy'][k]['acceptance']:.3f} -> {a['greedy'][k]['acceptance']:.3f}"
                    f"  (tokens/step {b['greedy'][k]['tokens_per_step']:.2f} -> {a['greedy'][k]['tokens_per_step']:.2f};"
                    f" per-position alpha {a['greedy'][k]['alpha']})")

@@ -82,10 +82,11 @@ class _Row:
     continuation: list[int] = field(default_factory=list)
     top_ids: list = field(default_factory=list)
     top_probs: list = field(default_factory=list)
+    features: list = field(default_factory=list)  # float16 [n, H] chunks: the target's hidden state per position
 
 
 def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k: int, eos_ids: list[int],
-                         seed: int = 0, batch_size: int = 32, deadline: float = math.inf,
+                         seed: int = 0, batch_size: int = 32, deadline: float = math.inf, features: bool = False,
                          advance: Callable[[int], None] = lambda n: None) -> list[Sample]:
     """Continue every job's prompt with the target's ONNX engine (``runtime.engine.FusedEngine``), filling each
     sample's teacher rows from the same calls: no second teacher pass.
@@ -93,7 +94,8 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
     Continuous batching: up to ``batch_size`` rows step together one token a call; a finished row leaves and a
     waiting prompt (prefilled alone, with logits for its positions) joins. On 2 cores a step of 32 GGUF-target rows
     makes ~390 tokens/s (the default recipe: 222 end to end, prefills included) against ~25-100 for torch's
-    ``generate``. Stops admitting at
+    ``generate``. ``features``: keep the target's final hidden state at every position too (float16; a feature
+    draft's training data, from the calls already made). Stops admitting at
     ``deadline`` (the first job always runs) and finishes the rows already running; returns the samples made, in job
     order.
     """
@@ -112,7 +114,9 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
             one = engine.new_cache(1)
             if row.rows_from:  # the prompt without its head rows, then its last token scored alone
                 engine.prefill(one, np.array([row.prompt[:-1]], np.int64))
+                _keep_features(row, one, features)
             logits = torch.from_numpy(engine.forward(one, np.array([row.prompt[row.rows_from:]], np.int64))[0])
+            _keep_features(row, one, features)
             ids, probs = _top(logits, top_k)
             row.top_ids.append(ids)
             row.top_probs.append(probs)
@@ -124,7 +128,7 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
             for b in sorted(set(range(len(rows))) - set(live)):
                 r = rows[b]
                 done[r.job] = Sample(r.prompt, r.continuation, np.concatenate(r.top_ids), np.concatenate(r.top_probs),
-                                     r.rows_from)
+                                     r.rows_from, np.concatenate(r.features) if features else None)
             advance(len(rows) - len(live))
             rows = [rows[b] for b in live]
             cache = engine.select(cache, np.array(live, np.int64)) if rows else None
@@ -136,10 +140,21 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
         logits = torch.from_numpy(engine.forward(cache, tokens)[:, 0])
         ids, probs = _top(logits, top_k)
         chosen = _choose(logits, [r.temperature for r in rows], generator)
+        hidden = cache.extra.get("hidden") if features else None
         for b, r in enumerate(rows):
             r.top_ids.append(ids[b: b + 1])
             r.top_probs.append(probs[b: b + 1])
             r.continuation.append(int(chosen[b]))
+            if hidden is not None:
+                r.features.append(hidden[b].astype(np.float16))
+
+
+def _keep_features(row: _Row, cache, wanted: bool) -> None:
+    if wanted:
+        hidden = cache.extra.get("hidden")
+        if hidden is None:
+            raise ValueError("this engine's graph returns no hidden states (build it with this Draftsmith)")
+        row.features.append(hidden[0].astype(np.float16))
 
 
 def _top(logits, top_k: int) -> tuple[np.ndarray, np.ndarray]:

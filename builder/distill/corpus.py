@@ -35,6 +35,7 @@ class Sample:
     top_ids: np.ndarray | None = None  # [L-1-rows_from, K] int64: the target's top-k next tokens at rows_from..L-2
     top_probs: np.ndarray | None = None  # [L-1-rows_from, K] float32: their probabilities (temperature 1)
     rows_from: int = 0  # the first position with a teacher row (a prompt's rows are kept once, not per sample)
+    features: np.ndarray | None = None  # [L-1, H] float16: the target's final hidden state at positions 0..L-2
 
     @property
     def ids(self) -> list[int]:

@@ -31,6 +31,8 @@ def clean_config(config, layers: int | None = None):
 
 def check_init(init: str, total: int) -> int:
     """The layer count of ``layers=N`` (0 for a checkpoint path), checked against the target's ``total`` layers."""
+    if init == "feature":  # builder/distill/feature_draft.py: one layer over the target's hidden states
+        return 0
     if not init.startswith("layers="):
         if not init:
             raise DistillError("--init: give layers=N or a draft checkpoint")

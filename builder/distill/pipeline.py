@@ -53,6 +53,10 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
                            f"{samples_per_prompt} and {sample_temperature}")
     if teacher_engine not in ("auto", "gguf", "fp32", "torch"):
         raise DistillError(f"--teacher-engine must be auto, gguf, fp32 or torch, received {teacher_engine!r}")
+    features = init == "feature"
+    if features and teacher_engine == "torch":
+        raise DistillError("--init feature trains on the target engine's hidden states: use --teacher-engine auto, "
+                           "gguf or fp32")
     if generate_batch < 1:
         raise DistillError(f"--generate-batch must be >= 1, received {generate_batch}")
     if not 0 < generate_share < 1:
@@ -86,11 +90,14 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
             timings["engine"] = round(time.perf_counter() - t0, 1)
             say(f"teacher: the target's fused ONNX engine ({quant})" if engine else
                 "teacher: the fused graph cannot express this target; torch generates")
+            if engine is None and features:
+                raise DistillError("--init feature needs the target as a fused ONNX engine, and the fused graph "
+                                   "cannot express this target; use --init layers=N")
         t0 = time.perf_counter()
         if engine is not None:
             samples, held = _engine_continuations(engine, progress, train_ids, held_ids, deadline, generate_share,
                                                   max_new_tokens, temperature, samples_per_prompt,
-                                                  sample_temperature, top_k, eos, seed, generate_batch)
+                                                  sample_temperature, top_k, eos, seed, generate_batch, features)
         else:
             samples, held = _torch_continuations(target_model, progress, train_ids, held_ids, deadline,
                                                  generate_share, max_new_tokens, temperature, samples_per_prompt,
@@ -105,14 +112,23 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         if not samples:
             raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
 
-        draft = init_draft(target_model, init)
-        del target_model
         kept = None
         if draft_vocab:
-            vocab = min(len(tokenizer), draft.get_output_embeddings().weight.shape[0])
+            vocab = min(len(tokenizer), target_model.get_output_embeddings().weight.shape[0])
             if draft_vocab >= vocab:
                 raise DistillError(f"--draft-vocab {draft_vocab} is not smaller than the vocabulary ({vocab})")
             kept = kept_vocabulary(samples, draft_vocab, vocab, eos)
+        if features:
+            return _distill_features(target_model, checkpoint, tokenizer, samples, held, kept, out, force, deadline,
+                                     max_steps, progress, console, say, started, timings, {
+                                         "target": target, "init": init, "seed": seed, "minutes": minutes,
+                                         "prompts": str(prompts) if prompts else "builtin:distill_prompts.txt",
+                                         "max_new_tokens": max_new_tokens, "samples_per_prompt": samples_per_prompt,
+                                         "sample_temperature": sample_temperature,
+                                         "generate_share": generate_share, "teacher_engine": teacher_engine},
+                                     seed, quiet)
+        draft = init_draft(target_model, init)
+        del target_model
         t0 = time.perf_counter()
         before = acceptance(draft, held, kept)
         measure = time.perf_counter() - t0
@@ -167,20 +183,72 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     return report
 
 
+def _distill_features(target_model, checkpoint, tokenizer, samples, held, kept, out, force, deadline, max_steps,
+                      progress, console, say, started, timings, report, seed, quiet) -> dict:
+    """The feature draft (builder/distill/feature_draft.py): trained on the stored hidden states, measured by its
+    chained greedy agreement on the held-out continuations, saved beside a one-layer transformers shell."""
+    from builder.distill import feature_draft as fd
+    draft = fd.init_feature_draft(target_model, kept, checkpoint.sha256())
+    shell_config = target_model.config
+    del target_model
+    t0 = time.perf_counter()
+    before = fd.chained_agreement(draft, held, kept)
+    measure = time.perf_counter() - t0
+    say(f"before: held-out top-1 agreement {before['top1']:.3f}, chained mean accepted {before['mean_accepted']:.2f}")
+    train_deadline = deadline - 2 * measure - 10
+    if max_steps is None and train_deadline <= time.perf_counter():
+        raise DistillError("no time left to train within --minutes; raise it")
+    total = max_steps or max(1, int(train_deadline - time.perf_counter()))
+    task = progress.add_task("feature draft: training", total=total)
+    t0 = time.perf_counter()
+
+    def on_step(step, value, rate):
+        progress.update(task, completed=step if max_steps else min(total, time.perf_counter() - t0),
+                        description=f"feature draft: training (loss {value:.3f})")
+
+    trained = fd.train_feature_draft(draft, samples, deadline=train_deadline, max_steps=max_steps, seed=seed,
+                                     on_step=on_step)
+    progress.update(task, completed=total)
+    progress.stop()
+    timings["train"] = trained["seconds"]
+    after = fd.chained_agreement(draft, held, kept)
+    train_fit = fd.chained_agreement(draft, samples[: len(held)], kept)
+    say(f"after:  held-out top-1 agreement {after['top1']:.3f}, per draft position {after['per_position']}, "
+        f"chained mean accepted at k=4 {after['mean_accepted']:.2f} (training prompts: top-1 {train_fit['top1']:.3f})")
+    timings["total"] = round(time.perf_counter() - started, 1)
+    report.update({
+        "train_prompts": len(samples), "heldout_prompts": len(held),
+        "train_tokens": sum(len(s.continuation) for s in samples),
+        "train_positions": sum(len(s.ids) - 2 for s in samples), "heldout_tokens": sum(len(s.continuation) for s in held),
+        "draft_layers": 1, "draft_kind": "feature",
+        "draft_vocab": int(len(kept)) if kept is not None else 0,
+        "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
+        "before": {"top1_agreement": before["top1"], "chained": before},
+        "after": {"top1_agreement": after["top1"], "chained": after}, "train_top1_after": train_fit["top1"],
+        "training": trained, "seconds": timings})
+    shell = fd.as_transformers(draft, shell_config)
+    publish_draft(shell, tokenizer, out, kept, report, force, also=lambda folder: fd.save_feature_draft(draft, folder))
+    say(f"saved the feature draft to {out} ({timings['total']:.0f} s in all); build with: "
+        f"build-engines --target {report['target']} --draft {out}")
+    return report
+
+
 def _engine_continuations(engine, progress, train_ids, held_ids, deadline, generate_share, max_new_tokens,
-                          temperature, samples_per_prompt, sample_temperature, top_k, eos, seed, batch):
+                          temperature, samples_per_prompt, sample_temperature, top_k, eos, seed, batch,
+                          features=False):
     """(training samples, held-out samples) from the ONNX engine, teacher rows included; the extra sampled
     continuations come pass after pass, so the deadline cuts the last pass, never a prompt's first one, and only the
     first carries the prompt's own rows."""
     task = progress.add_task("target: held-out continuations", total=len(held_ids))
     held = generate_with_engine(engine, [Job(p) for p in held_ids], max_new_tokens, top_k=top_k, eos_ids=eos,
-                                seed=seed, batch_size=batch, advance=lambda n: progress.advance(task, n))
+                                seed=seed, batch_size=batch, features=features,
+                                advance=lambda n: progress.advance(task, n))
     gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
     jobs = [Job(p, temperature) for p in train_ids]
     jobs += [Job(p, sample_temperature, prompt_rows=False) for _ in range(1, samples_per_prompt) for p in train_ids]
     task = progress.add_task("target: training continuations", total=len(jobs))
     samples = generate_with_engine(engine, jobs, max_new_tokens, top_k=top_k, eos_ids=eos, seed=seed + 1,
-                                   batch_size=batch, deadline=gen_deadline,
+                                   batch_size=batch, deadline=gen_deadline, features=features,
                                    advance=lambda n: progress.advance(task, n))
     return samples, held
 

@@ -70,13 +70,15 @@ def check_out(out: Path, force: bool) -> None:
         raise DistillError(str(err)) from None
 
 
-def publish_draft(draft, tokenizer, out: Path, kept, report: dict, force: bool) -> None:
+def publish_draft(draft, tokenizer, out: Path, kept, report: dict, force: bool, also=None) -> None:
     """Write the draft into a hidden folder beside ``out`` and swap it in whole (the builder's staging and publish):
     an interrupted save leaves the previous draft, never a half-written one next to a finished-looking report."""
     from builder.build import BuildError, publish, staging
     try:
         with staging(out, force, draft_problem, "draft folder") as tmp:
             save_draft(draft, tokenizer, tmp, kept, report)
+            if also is not None:  # more files of the draft (a feature draft's own weights), before the swap
+                also(tmp)
             publish(tmp, out)
     except BuildError as err:
         raise DistillError(str(err)) from None
