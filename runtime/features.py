@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.sampling import SamplingParams, next_token, top_probability
-from runtime.speculative import Proposal, padded
+from runtime.sampling import SamplingParams
+from runtime.speculative import Proposal, draw_next, padded
 
 
 class FeatureDrafter:
@@ -71,13 +71,8 @@ class FeatureDrafter:
             for b in range(rows):
                 if not active[b]:
                     continue
-                if self.confidence and tokens[b] and top_probability(logits[b]) < self.confidence:
-                    active[b] = False
-                    continue
-                token, q = next_token(logits[b], params, rngs[b])
-                tokens[b].append(token)
-                probs[b].append(q)
-                if len(tokens[b]) >= limits[b]:
+                token = draw_next(logits[b], tokens[b], probs[b], limits[b], params, rngs[b], self.confidence)
+                if token is None:
                     active[b] = False
                 else:
                     chunks[b], feats[b] = [token], predicted[b][None]

@@ -121,13 +121,8 @@ class ModelDrafter:
             for b in range(rows):
                 if not active[b]:
                     continue
-                if self.confidence and tokens[b] and top_probability(logits[b]) < self.confidence:
-                    active[b] = False  # the draft is unsure: verify what we have
-                    continue
-                token, q = next_token(logits[b], params, rngs[b])
-                tokens[b].append(token)
-                probs[b].append(q)
-                if len(tokens[b]) >= limits[b]:
+                token = draw_next(logits[b], tokens[b], probs[b], limits[b], params, rngs[b], self.confidence)
+                if token is None:
                     active[b] = False
                 else:
                     chunks[b] = [token]
@@ -152,6 +147,19 @@ class ModelDrafter:
     def keep_rows(self, rows: np.ndarray) -> None:
         self.cache = self.engine.select(self.cache, rows)
         self.pending = [self.pending[r] for r in rows]
+
+
+def draw_next(logits: np.ndarray, tokens: list[int], probs: list, limit: int, params: SamplingParams, rng,
+              confidence: float = 0.0) -> int | None:
+    """A draft row's next token from its logits, appended with its q to ``tokens``/``probs``; returns the token to
+    feed the draft next, or None when the row stops: at its limit, or unsure (top probability under ``confidence``,
+    after its first token), when what it has goes to verification."""
+    if confidence and tokens and top_probability(logits) < confidence:
+        return None
+    token, q = next_token(logits, params, rng)
+    tokens.append(token)
+    probs.append(q)
+    return token if len(tokens) < limit else None
 
 
 def prefill(engine: Engine, cache, chunks: list[list[int]]) -> None:

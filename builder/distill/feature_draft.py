@@ -226,6 +226,7 @@ def train_feature_draft(draft, samples: list[Sample], *, deadline: float, max_st
     cosine decay over the budget."""
     import torch
     from builder.distill.corpus import batches
+    from builder.distill.training import set_rate
     usable = [s for s in samples if s.features is not None and len(s.ids) > 2]
     if not usable:
         raise DistillError("no training sample carries target features (the teacher must be the ONNX engine)")
@@ -242,9 +243,7 @@ def train_feature_draft(draft, samples: list[Sample], *, deadline: float, max_st
             if progress >= 1.0:
                 return {"steps": step, "seconds": round(time.perf_counter() - started, 1), "levels": levels,
                         "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None}
-            rate = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-            for group in optimizer.param_groups:
-                group["lr"] = rate
+            rate = set_rate(optimizer, lr, step, progress)
             value, _ = feature_loss(draft, batch, levels, noise)
             optimizer.zero_grad(set_to_none=True)
             value.backward()

@@ -49,9 +49,7 @@ def train(draft, samples: list[Sample], *, deadline: float, max_steps: int | Non
                 draft.eval()
                 return {"steps": step, "seconds": round(time.perf_counter() - started, 1),
                         "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None}
-            rate = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-            for group in optimizer.param_groups:
-                group["lr"] = rate
+            rate = set_rate(optimizer, lr, step, progress)
             value = _loss(draft, batch, loss, kept, remap, train_prompt_positions)
             optimizer.zero_grad(set_to_none=True)
             value.backward()
@@ -60,6 +58,14 @@ def train(draft, samples: list[Sample], *, deadline: float, max_steps: int | Non
             losses.append(float(value.detach()))
             step += 1
             on_step(step, losses[-1], rate)
+
+
+def set_rate(optimizer, lr: float, step: int, progress: float) -> float:
+    """Warm-up over 20 steps, then cosine decay over the budget's ``progress`` (0..1); returns the rate set."""
+    rate = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    return rate
 
 
 def _loss(draft, batch: list[Sample], loss: str, kept, remap, prompt_positions: bool):
