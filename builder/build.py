@@ -211,11 +211,14 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
     if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
         raise BuildError(f"{draft_ckpt.source} was trained on the hidden states of another target "
                          f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}")
+    # every shape and setting must be the target's (the file is data: its numbers size the graph we write)
+    expected = dataclasses.replace(fd.FeatureConfig.of_target(target_model.config), target_sha256=cfg.target_sha256)
+    if cfg != expected:
+        wrong = {k: v for k, v in dataclasses.asdict(cfg).items() if dataclasses.asdict(expected)[k] != v}
+        raise BuildError(f"{draft_ckpt.source}: feature_draft.json does not match the target's config: {wrong}")
     embedding = target_model.get_input_embeddings().weight.detach().float().numpy()
     head = target_model.get_output_embeddings().weight.detach().float().numpy()
     head = head[kept] if kept is not None else head
-    if embedding.shape[1] != cfg.hidden:
-        raise BuildError(f"{draft_ckpt.source}: hidden size {cfg.hidden}, the target's is {embedding.shape[1]}")
     decoder = fd.feature_decoder(cfg, weights, embedding, head)
     graph.build(decoder, path)
     info = graph.info_of(decoder)

@@ -48,7 +48,8 @@ def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], id
     draft reads the (quantized) target engine's hidden states, as at run time, and is scored from token 2 on."""
     out = {"eval_tokens": len(ids)}
     computed, scored = {}, {}
-    features = hidden_of(engines["target"], ids) if "target" in engines else None
+    reads_features = any(getattr(e, "takes_features", False) for e in engines.values())
+    features = hidden_of(engines["target"], ids) if reads_features else None
     for name, engine in engines.items():
         reads = getattr(engine, "takes_features", False)
         scored[name] = ids[1:] if reads else ids

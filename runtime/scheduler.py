@@ -453,9 +453,9 @@ class Scheduler:
             if any(len(w.prompt) > 1 for w in taken):
                 prefill(self.target, cache, [w.prompt[:-1] for w in taken])
             rows = [self._row(w) for w in taken]
+            states = cache.extra.get("hidden")
             for b, row in enumerate(rows):
                 if hasattr(row.drafter, "take_features"):
-                    states = cache.extra.get("hidden")
                     row.drafter.take_features(None if states is None else [states[b, : len(row.prompt) - 1]])
         except Exception as err:  # nothing joined yet: the batch in flight is untouched
             for w in taken:

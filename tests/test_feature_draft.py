@@ -183,12 +183,12 @@ def test_feature_speculative_greedy_equals_target_only(feature_bundle):
 
 def test_a_feature_draft_for_another_target_is_refused(feature_bundle, tmp_path):
     import json
+    import shutil
 
     from builder.build import BuildError, build
     from runtime.bundle import BuildSpec
     manifest = feature_bundle[2]
     draft = tmp_path / "draft"
-    import shutil
     shutil.copytree(manifest.draft.source, draft)
     config = json.loads((draft / "feature_draft.json").read_text())
     config["target_sha256"] = "0" * 64
@@ -197,6 +197,28 @@ def test_a_feature_draft_for_another_target_is_refused(feature_bundle, tmp_path)
                      max_context=128)
     with pytest.raises(BuildError, match="another target"):
         build(spec, tmp_path / "bundle")
+
+
+@pytest.mark.parametrize("change, message", [({"max_positions": 10 ** 12}, "does not match the target"),
+                                             ({"kind": "other"}, "kind"), (None, "kind")])
+def test_a_hostile_feature_draft_config_is_refused(feature_bundle, tmp_path, change, message):
+    """feature_draft.json is data: numbers that would size the graph past the target's (a 10^12-position rotary
+    table), another kind, or no object at all get a clear error before anything is built."""
+    import json
+    import shutil
+
+    from builder.build import BuildError, build
+    from runtime.bundle import BuildSpec
+    manifest = feature_bundle[2]
+    draft = tmp_path / "draft"
+    shutil.copytree(manifest.draft.source, draft)
+    config = json.loads((draft / "feature_draft.json").read_text())
+    (draft / "feature_draft.json").write_text(json.dumps([1] if change is None else {**config, **change}))
+    spec = BuildSpec(target=manifest.spec.target, draft=str(draft), target_quant="fp32", draft_quant="fp32",
+                     max_context=128)
+    with pytest.raises(BuildError, match=message):
+        build(spec, tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()
 
 
 @pytest.mark.parametrize("policy", ["exact", "throughput"])

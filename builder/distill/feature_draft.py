@@ -226,7 +226,7 @@ def train_feature_draft(draft, samples: list[Sample], *, deadline: float, max_st
     cosine decay over the budget."""
     import torch
     from builder.distill.corpus import batches
-    from builder.distill.training import set_rate
+    from builder.distill.training import optimize, set_rate
     usable = [s for s in samples if s.features is not None and len(s.ids) > 2]
     if not usable:
         raise DistillError("no training sample carries target features (the teacher must be the ONNX engine)")
@@ -244,12 +244,7 @@ def train_feature_draft(draft, samples: list[Sample], *, deadline: float, max_st
                 return {"steps": step, "seconds": round(time.perf_counter() - started, 1), "levels": levels,
                         "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None}
             rate = set_rate(optimizer, lr, step, progress)
-            value, _ = feature_loss(draft, batch, levels, noise)
-            optimizer.zero_grad(set_to_none=True)
-            value.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            losses.append(float(value.detach()))
+            losses.append(optimize(optimizer, feature_loss(draft, batch, levels, noise)[0], params))
             step += 1
             on_step(step, losses[-1], rate)
 
@@ -312,7 +307,8 @@ def load_feature_weights(folder: Path) -> tuple[FeatureConfig, dict[str, np.ndar
     folder = Path(folder)
     try:
         data = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-        data.pop("kind", None)
+        if not isinstance(data, dict) or data.pop("kind", None) != "feature":
+            raise ValueError(f"{CONFIG_FILE} must be an object with \"kind\": \"feature\"")
         cfg = FeatureConfig(**data)
         weights = load_file(str(folder / WEIGHTS_FILE))
     except (OSError, ValueError, TypeError) as err:

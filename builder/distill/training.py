@@ -50,12 +50,8 @@ def train(draft, samples: list[Sample], *, deadline: float, max_steps: int | Non
                 return {"steps": step, "seconds": round(time.perf_counter() - started, 1),
                         "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None}
             rate = set_rate(optimizer, lr, step, progress)
-            value = _loss(draft, batch, loss, kept, remap, train_prompt_positions)
-            optimizer.zero_grad(set_to_none=True)
-            value.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            optimizer.step()
-            losses.append(float(value.detach()))
+            losses.append(optimize(optimizer, _loss(draft, batch, loss, kept, remap, train_prompt_positions),
+                                   trainable))
             step += 1
             on_step(step, losses[-1], rate)
 
@@ -66,6 +62,16 @@ def set_rate(optimizer, lr: float, step: int, progress: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = rate
     return rate
+
+
+def optimize(optimizer, value, params) -> float:
+    """One AdamW step on ``value`` with gradients clipped to norm 1; returns the loss."""
+    import torch
+    optimizer.zero_grad(set_to_none=True)
+    value.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return float(value.detach())
 
 
 def _loss(draft, batch: list[Sample], loss: str, kept, remap, prompt_positions: bool):
