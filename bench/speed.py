@@ -135,12 +135,13 @@ class Recorder:
 
 
 def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, max_new_tokens: int,
-           temperature: float, seed: int | None, drafter_kind: str | None = None) -> tuple[list[SequenceRecord], float]:
+           temperature: float, seed: int | None, drafter_kind: str | None = None,
+           confidence: float | None = None) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
     private helpers), recording each step as it is yielded."""
     from runtime.speculative import SpeculativeLoop
     config, _ = generator._config(max_new_tokens, temperature, None, None, seed, k, None, mode, None, None)
-    drafter = generator._drafter(mode, drafter_kind, 0.0)
+    drafter = generator._drafter(mode, drafter_kind, confidence)
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config)
     records = [SequenceRecord() for _ in token_lists]
     counters = [(0, 0)] * len(token_lists)
@@ -163,7 +164,7 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
 
 def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
                   max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None,
-                  drafter_kind: str | None = None) -> list[CellRecord]:
+                  drafter_kind: str | None = None, confidence: float | None = None) -> list[CellRecord]:
     """Measure every (workload, batch, mode, k) cell; ``advance(description)`` is called after each decode."""
     recorder = Recorder(generator)
     cells: list[CellRecord] = []
@@ -175,13 +176,13 @@ def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int
                 cells += mine.values()
                 for mode, k in configs:  # warm-up: first calls allocate, JIT-pick kernels and fill caches
                     decode(generator, token_lists[:batch], mode, k, min(8, max_new_tokens), temperature, seed,
-                           drafter_kind)
+                           drafter_kind, confidence)
                 recorder.take()
                 for at in range(0, len(token_lists), batch):
                     chunk = token_lists[at: at + batch]
                     for mode, k in configs:
                         records, wall = decode(generator, chunk, mode, k, max_new_tokens, temperature, seed,
-                                               drafter_kind)
+                                               drafter_kind, confidence)
                         cell = mine[(mode, k)]
                         cell.sequences += records
                         cell.wall += wall
@@ -281,6 +282,9 @@ def _json_default(value):
               help="What drafts: the draft engine (model), n-gram lookup in the context (prompt_lookup), a suffix trie "
                    "over the context (suffix), or either of those where it matches and the engine elsewhere (hybrid, "
                    "hybrid_suffix). Default: the bundle's drafter.")
+@click.option("--draft-confidence", "confidence", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="After its first token a draft row stops where the draft's top probability is under this, so a "
+                   "larger k drafts further only where the draft is sure (0: never stop). Default: the bundle's.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
 @click.option("--write-k", is_flag=True, help="Store the recommended k as the bundle's default_k.")
@@ -304,7 +308,7 @@ def _json_default(value):
               help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, drafter_kind, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, peer_spinning, device,
+          seed, drafter_kind, confidence, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, peer_spinning, device,
           allow_pickle, trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
@@ -327,6 +331,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     if bad:
         raise click.BadParameter(f"{bad} exceed this bundle's max_k ({generator.max_k})", param_hint="--k")
     drafter_kind = drafter_kind or generator.default_drafter
+    confidence = generator.default_confidence if confidence is None else confidence
     if (device or generator.manifest.spec.device) != "cpu":  # host RAM and host bandwidth say nothing about a GPU
         memory = limit = False
         peers = False if peers is None else peers
@@ -356,7 +361,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     with progress:
         task = progress.add_task("decoding", total=runs)
         cells = run_workloads(generator, workloads, ks, batches, max_new_tokens, temperature, seed, advance=advance,
-                              drafter_kind=drafter_kind)
+                              drafter_kind=drafter_kind, confidence=confidence)
     rows = summarize_cells(cells, temperature)
     best = best_k(rows)
     rec_k, geomean = recommend_k(rows)
@@ -365,7 +370,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         "bundle": str(bundle),
         "settings": {"workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
                      "k": ks, "batch": batches, "temperature": temperature, "max_new_tokens": max_new_tokens,
-                     "threads": threads, "seed": seed, "drafter": drafter_kind, "cpu_count": os.cpu_count(),
+                     "threads": threads, "seed": seed, "drafter": drafter_kind, "draft_confidence": confidence, "cpu_count": os.cpu_count(),
                      "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "bundle_info": {"target_quant": manifest.target.quant, "draft_quant": manifest.draft.quant,
                         "draft": manifest.spec.draft, "target": manifest.spec.target,

@@ -57,6 +57,9 @@ class DefaultGroup(click.Group):
               help="The runtime's default drafter: the draft engine (model), n-gram lookup (prompt_lookup), a suffix "
                    "trie over the context (suffix), or hybrid / hybrid_suffix (lookup or suffix where the context "
                    "matches, the engine elsewhere).")
+@click.option("--draft-confidence", type=float,
+              help="The runtime's default draft confidence: after its first token a draft row stops where the "
+                   "draft's top probability is under this (0: never), so a larger k drafts further only where sure.")
 @click.option("--block-size", type=int, help="Quantization block size (16..256).")
 @click.option("--symmetric/--asymmetric", default=None, help="Symmetric weight quantization.")
 @click.option("--accuracy-level", type=int, help="MatMulNBits accuracy level 0..4 (4: int8 compute, fastest).")

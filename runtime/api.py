@@ -44,6 +44,7 @@ class SpeculativeGenerator:
         self.eos_ids = tuple(eos_ids)
         self.default_k = manifest.default_k if manifest else 4
         self.default_drafter = manifest.spec.drafter if manifest else "model"
+        self.default_confidence = manifest.spec.draft_confidence if manifest else 0.0
         self.max_k = max_k or (manifest.spec.max_k if manifest else 16)
         self.max_context = target.max_context
         self.metrics = MetricsRegistry()
@@ -73,8 +74,8 @@ class SpeculativeGenerator:
                  top_k: int | None = None, top_p: float | None = None, seed: int | list[int | None] | None = None,
                  k: int | None = None, stop: str | list[str] | None = None, chat: bool = False,
                  mode: str = "speculative", adaptive: AdaptiveK | bool | None = None,
-                 fallback: Fallback | bool | None = None, draft_confidence: float = 0.0, drafter: str | None = None,
-                 ) -> Generation | list[Generation]:
+                 fallback: Fallback | bool | None = None, draft_confidence: float | None = None,
+                 drafter: str | None = None) -> Generation | list[Generation]:
         """Generate for one prompt (returns a Generation) or a list (returns a list, in order).
 
         mode "target" decodes target-only (the baseline); drafter "prompt_lookup" drafts by n-gram lookup in the
@@ -118,7 +119,7 @@ class SpeculativeGenerator:
     def _events(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int | list[int | None] | None = None,
                 k: int | None = None, stop=None, chat: bool = False, mode: str = "speculative",
-                adaptive=None, fallback=None, draft_confidence: float = 0.0, drafter: str | None = None,
+                adaptive=None, fallback=None, draft_confidence: float | None = None, drafter: str | None = None,
                 cancelled=None):
         config, stops = self._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
                                      fallback)
@@ -185,8 +186,12 @@ class SpeculativeGenerator:
                                "leaving no room to generate. Shorten the prompt.")
         return ids
 
-    def _drafter(self, mode: str, kind: str | None, confidence: float) -> Drafter | None:
+    def _drafter(self, mode: str, kind: str | None, confidence: float | None) -> Drafter | None:
+        """The drafter of a request: ``kind`` and ``confidence`` (None: the bundle's defaults)."""
         kind = kind or self.default_drafter
+        confidence = self.default_confidence if confidence is None else confidence
+        if not 0 <= confidence < 1:
+            raise RequestError(f"draft_confidence: expected a number in [0, 1), received {confidence!r}")
         if kind not in DRAFTERS:
             raise RequestError(f"drafter must be one of {DRAFTERS}, received {kind!r}")
         if mode == "target":

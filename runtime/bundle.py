@@ -106,6 +106,9 @@ class BuildSpec:
     k: int = 4  # default number of draft tokens per verify step
     max_k: int = 16  # the largest k the runtime accepts for this bundle
     drafter: str = "model"  # the runtime's default drafter (DRAFTERS); a request may pick another
+    # the default draft confidence: after its first token a draft row stops where the draft's top probability falls
+    # under this (0: never), so k > 1 drafts further only where the draft is sure (a request may pick another)
+    draft_confidence: float = 0.0
     block_size: int = 32  # MatMulNBits quantization block size
     symmetric: bool = False  # symmetric (no zero point) weight quantization
     accuracy_level: int = 4  # MatMulNBits compute accuracy: 0 (fp32 activations) .. 4 (int8 activations, fastest)
@@ -132,6 +135,8 @@ class BuildSpec:
         _check(isinstance(self.k, int) and self.k >= 1, "k", "an integer >= 1", self.k)
         _check(isinstance(self.max_k, int) and self.max_k >= self.k, "max_k", f"an integer >= k ({self.k})", self.max_k)
         _check(self.drafter in DRAFTERS, "drafter", f"one of {DRAFTERS}", self.drafter)
+        _check(isinstance(self.draft_confidence, (int, float)) and 0 <= self.draft_confidence < 1,
+               "draft_confidence", "a number in [0, 1)", self.draft_confidence)
         _check(self.block_size in (16, 32, 64, 128, 256), "block_size", "16, 32, 64, 128 or 256", self.block_size)
         _check(self.accuracy_level in (0, 1, 2, 3, 4), "accuracy_level", "0..4", self.accuracy_level)
         _check(self.opset >= 17, "opset", ">= 17", self.opset)

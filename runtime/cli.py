@@ -33,6 +33,9 @@ def main():
               help="Who drafts: the draft engine (model), n-gram lookup (prompt_lookup), a suffix trie over the "
                    "context (suffix), or hybrid / hybrid_suffix (lookup or suffix where the context matches, the "
                    "engine elsewhere). Default: the bundle's drafter.")
+@click.option("--draft-confidence", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="After its first token a draft row stops where the draft's top probability is under this (0: "
+                   "never). Default: the bundle's.")
 @click.option("--chat/--no-chat", default=False, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
@@ -42,8 +45,8 @@ def main():
 @click.option("--device", type=click.Choice(DEVICES), default=None,
               help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
-def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k, adaptive, drafter, chat, stop,
-             stream, no_baseline, threads, draft_threads, device, as_json):
+def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k, adaptive, drafter, draft_confidence,
+             chat, stop, stream, no_baseline, threads, draft_threads, device, as_json):
     """Generate from PROMPT with speculative decoding, then target-only, and print acceptance and speedup."""
     from runtime.api import SpeculativeGenerator
     try:
@@ -53,12 +56,12 @@ def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k,
                        k=k, chat=chat, stop=list(stop), adaptive=adaptive or None)
         generator.generate(prompt, **{**options, "max_new_tokens": 2})  # warm both engines up
         if stream and not as_json:
-            for piece in generator.stream(prompt, drafter=drafter, **options):
+            for piece in generator.stream(prompt, drafter=drafter, draft_confidence=draft_confidence, **options):
                 click.echo(piece, nl=False)
             click.echo()
             result = generator.last_stream
         else:
-            result = generator.generate(prompt, drafter=drafter, **options)
+            result = generator.generate(prompt, drafter=drafter, draft_confidence=draft_confidence, **options)
         baseline = None if no_baseline else generator.generate(prompt, mode="target", **options)
     except (BundleError, RequestError, DeviceError) as err:
         raise click.ClickException(str(err)) from None
@@ -124,8 +127,8 @@ def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, mod
 # Commands other packages own, added when importable: the one place the runtime names them (tests/test_layout.py);
 # their heavy imports happen inside the commands.
 COMMANDS = (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("bench.speed", "bench"),
-            ("bench.profile", "profile"), ("builder.distill.cli", "distill"), ("bench.load", "load"),
-            ("bench.openai_load", "openai_load"))
+            ("bench.profile", "profile"), ("bench.tree", "tree_headroom"), ("builder.distill.cli", "distill"),
+            ("bench.load", "load"), ("bench.openai_load", "openai_load"))
 
 
 def _register_optional() -> None:

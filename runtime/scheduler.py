@@ -149,7 +149,7 @@ class _Waiting:
     stops: tuple[str, ...]
     drafter_kind: str | None
     mode: str
-    draft_confidence: float
+    draft_confidence: float | None  # None: the bundle's
     timeout: float | None
 
 
@@ -238,7 +238,7 @@ class Scheduler:
 
     def submit(self, prompt, *, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None, k: int | None = None,
-               stop=None, mode: str = "speculative", drafter: str | None = None, draft_confidence: float = 0.0,
+               stop=None, mode: str = "speculative", drafter: str | None = None, draft_confidence: float | None = None,
                timeout: float | None = None, sink: Callable[[Event], None] | None = None) -> Handle:
         """Queue one request (a prompt string, or chat messages with ``chat``); validated here, so a bad one raises
         RequestError at once. ``timeout``: seconds from now after which it finishes with reason "timeout"."""

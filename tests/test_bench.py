@@ -214,6 +214,16 @@ def test_recorded_steps_match_the_runtime_counters(generator):
     assert 0 < seq.ttft <= wall
 
 
+def test_the_bench_decodes_with_the_draft_confidence_it_is_given(generator):
+    from bench.speed import decode
+    ids = generator._encode("def add(a, b):", False)
+    (free,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.0)
+    (sure,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.9999)
+    assert max(s[0] for s in free.steps) == 4
+    assert max(s[0] for s in sure.steps) == 1  # after its first token the draft is never that sure
+    assert sure.token_ids == free.token_ids  # greedy: the same output whatever the draft length
+
+
 def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
     from bench.speed import write_default_k
     from runtime.bundle import load_manifest

@@ -6,6 +6,7 @@ import pytest
 
 from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table,
                    run_loop)
+from runtime.errors import RequestError
 from runtime.lookup import PromptLookupDrafter, lookup
 from runtime.sampling import SamplingParams, probabilities
 from runtime.speculative import DecodeConfig, SpeculativeLoop
@@ -85,13 +86,19 @@ def test_the_bundle_names_its_default_drafter(tiny_pair, tmp_path):
     from runtime.speculative import ModelDrafter
     target, draft = tiny_pair
     build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp32", draft_quant="fp32", k=3,
-                    max_context=128, drafter="hybrid"), tmp_path / "b")
+                    max_context=128, drafter="hybrid", draft_confidence=0.6), tmp_path / "b")
     generator = SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1)
     assert generator.default_drafter == "hybrid"
-    assert isinstance(generator._drafter("speculative", None, 0.0), HybridDrafter)
-    assert isinstance(generator._drafter("speculative", "model", 0.0), ModelDrafter)  # a request may override it
+    assert isinstance(generator._drafter("speculative", None, None), HybridDrafter)
+    assert generator._drafter("speculative", None, None).model.confidence == 0.6  # the bundle's confidence
+    model = generator._drafter("speculative", "model", 0.0)  # a request may override both
+    assert isinstance(model, ModelDrafter) and model.confidence == 0.0
+    with pytest.raises(RequestError, match="draft_confidence"):
+        generator.generate("hello", draft_confidence=1.5)
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
     assert generator.generate(prompt, max_new_tokens=20).token_ids == generator.generate(
         prompt, max_new_tokens=20, mode="target").token_ids
     with pytest.raises(SpecError, match="drafter"):
         BuildSpec(target="t", drafter="ngram")
+    with pytest.raises(SpecError, match="draft_confidence"):
+        BuildSpec(target="t", draft_confidence=1.0)
