@@ -308,8 +308,8 @@ def _json_default(value):
               help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, drafter_kind, confidence, json_out, plot_out, write_k, memory, limit, peers, peer_prompts, peer_spinning, device,
-          allow_pickle, trust_remote_code, quiet):
+          seed, drafter_kind, confidence, json_out, plot_out, write_k, memory, limit, peers, peer_prompts,
+          peer_spinning, device, allow_pickle, trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -370,7 +370,8 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         "bundle": str(bundle),
         "settings": {"workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
                      "k": ks, "batch": batches, "temperature": temperature, "max_new_tokens": max_new_tokens,
-                     "threads": threads, "seed": seed, "drafter": drafter_kind, "draft_confidence": confidence, "cpu_count": os.cpu_count(),
+                     "threads": threads, "seed": seed, "drafter": drafter_kind, "draft_confidence": confidence,
+                     "cpu_count": os.cpu_count(),
                      "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "bundle_info": {"target_quant": manifest.target.quant, "draft_quant": manifest.draft.quant,
                         "draft": manifest.spec.draft, "target": manifest.spec.target,

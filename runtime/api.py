@@ -190,7 +190,7 @@ class SpeculativeGenerator:
         """The drafter of a request: ``kind`` and ``confidence`` (None: the bundle's defaults)."""
         kind = kind or self.default_drafter
         confidence = self.default_confidence if confidence is None else confidence
-        if not 0 <= confidence < 1:
+        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < 1:
             raise RequestError(f"draft_confidence: expected a number in [0, 1), received {confidence!r}")
         if kind not in DRAFTERS:
             raise RequestError(f"drafter must be one of {DRAFTERS}, received {kind!r}")
