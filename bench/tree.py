@@ -140,10 +140,18 @@ def _score(session, entry, past_buffers, tokens, past, positions=None, bias=None
         bias = np.zeros((1, 1, len(tokens), total), np.float32) if bias is None else bias
         binding.bind_cpu_input("position_ids", np.array([positions], np.int64))
         binding.bind_cpu_input("attention_bias", bias)
-    for name in ("hidden",) if "hidden" in {o.name for o in session.get_outputs()} else ():
-        binding.bind_output(name, "cpu")
+    if "hidden" in {o.name for o in session.get_outputs()}:
+        binding.bind_output("hidden", "cpu")
     session.run_with_iobinding(binding)
     return binding.get_outputs()[0].numpy()[0]
+
+
+def _prefilled(session, entry, prompt: list[int], slots: int) -> list[np.ndarray]:
+    """Fresh cache buffers holding ``prompt``."""
+    shape = (1, entry.num_kv_heads, slots, entry.head_dim)
+    buffers = [np.zeros(shape, np.float32) for _ in range(2 * entry.num_layers)]
+    _score(session, entry, buffers, prompt, 0)
+    return buffers
 
 
 def tree_attention(root: Path, manifest, threads: int, trials: int = 6) -> dict:
@@ -151,11 +159,12 @@ def tree_attention(root: Path, manifest, threads: int, trials: int = 6) -> dict:
     from runtime.engine import make_session
     entry = manifest.target
     parents = [-1, 0, 1, 2, 0, 4, 1]  # main chain c0..c3 at slots 0..3; a0 <- c0, a1 <- a0, b0 <- c1
-    depth = []
+    paths = []  # each node's path from the root, itself last
     for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
+        paths.append((paths[p] if p >= 0 else []) + [len(paths)])
     rng = np.random.default_rng(0)
     longest, vocab = min(300, manifest.max_context - len(parents)), entry.vocab_size
+    slots = longest + len(parents)
     with tempfile.TemporaryDirectory(prefix="draftsmith-tree-") as tmp:
         tree_path = Path(tmp) / "tree.onnx"
         with_tree_inputs(root / entry.engine, tree_path)
@@ -165,29 +174,18 @@ def tree_attention(root: Path, manifest, threads: int, trials: int = 6) -> dict:
         for _ in range(trials):
             past = int(rng.integers(min(20, longest - 1), longest))
             prompt, nodes = rng.integers(3, vocab, past).tolist(), rng.integers(3, vocab, len(parents)).tolist()
-
-            def fresh(session):
-                buffers = [np.zeros((1, entry.num_kv_heads, longest + len(parents), entry.head_dim), np.float32)
-                           for _ in range(2 * entry.num_layers)]
-                _score(session, entry, buffers, prompt, 0)
-                return buffers
-
             bias = np.full((1, 1, len(parents), past + len(parents)), -np.inf, np.float32)
             bias[..., :past] = 0
-            for i in range(len(parents)):
-                j = i
-                while j >= 0:
-                    bias[0, 0, i, past + j] = 0
-                    j = parents[j]
-            tree = _score(tree_session, entry, fresh(tree_session), nodes, past, [past + d for d in depth], bias)
-            chain = _score(chain_session, entry, fresh(chain_session), nodes[:4], past)
+            for i, path in enumerate(paths):
+                bias[0, 0, i, [past + j for j in path]] = 0
+            positions = [past + len(path) - 1 for path in paths]
+            tree = _score(tree_session, entry, _prefilled(tree_session, entry, prompt, slots), nodes, past,
+                          positions, bias)
+            chain = _score(chain_session, entry, _prefilled(chain_session, entry, prompt, slots), nodes[:4], past)
             main = max(main, float(np.abs(tree[:4] - chain).max()))
-            for leaf in (5, 6):  # the off-chain paths c0 a0 a1 and c0 c1 b0
-                path = [leaf]
-                while parents[path[-1]] >= 0:
-                    path.append(parents[path[-1]])
-                path = path[::-1]
-                alone = _score(chain_session, entry, fresh(chain_session), [nodes[i] for i in path], past)
+            for path in (paths[5], paths[6]):  # the off-chain paths c0 a0 a1 and c0 c1 b0
+                alone = _score(chain_session, entry, _prefilled(chain_session, entry, prompt, slots),
+                               [nodes[i] for i in path], past)
                 rows = [at for at, node in enumerate(path) if node >= 4]  # the off-chain nodes of the path
                 picked = tree[[path[at] for at in rows]]
                 off = max(off, float(np.abs(picked - alone[rows]).max()))

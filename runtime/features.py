@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.sampling import SamplingParams
-from runtime.speculative import Proposal, draw_next, padded
+from runtime.speculative import Proposal, draw_rows, padded
 
 
 class FeatureDrafter:
@@ -67,17 +67,11 @@ class FeatureDrafter:
         logits, predicted = self._feed(chunks, feats)
         self.base = self.cache.lengths.copy()  # the true pairs stay; what follows is rolled back in settle
         while True:
-            chunks, feats = [[] for _ in range(rows)], [None] * rows
-            for b in range(rows):
-                if not active[b]:
-                    continue
-                token = draw_next(logits[b], tokens[b], probs[b], limits[b], params, rngs[b], self.confidence)
-                if token is None:
-                    active[b] = False
-                else:
-                    chunks[b], feats[b] = [token], predicted[b][None]
+            drawn = draw_rows(logits, active, tokens, probs, limits, params, rngs, self.confidence)
             if not any(active):
                 return Proposal(tokens, probs)
+            chunks = [[] if token is None else [token] for token in drawn]
+            feats = [None if token is None else predicted[b][None] for b, token in enumerate(drawn)]
             logits, predicted = self._feed(chunks, feats)
 
     def _feed(self, chunks: list[list[int]], feats: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:

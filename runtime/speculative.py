@@ -117,16 +117,9 @@ class ModelDrafter:
         self.fed_pending = list(active)
         while any(active):
             logits = self._feed(chunks)
-            chunks = [[] for _ in range(rows)]
-            for b in range(rows):
-                if not active[b]:
-                    continue
-                token = draw_next(logits[b], tokens[b], probs[b], limits[b], params, rngs[b], self.confidence)
-                if token is None:
-                    active[b] = False
-                else:
-                    chunks[b] = [token]
-                    self.fed[b] += 1
+            drawn = draw_rows(logits, active, tokens, probs, limits, params, rngs, self.confidence)
+            chunks = [[] if token is None else [token] for token in drawn]
+            self.fed = [fed + (token is not None) for fed, token in zip(self.fed, drawn)]
         return Proposal(tokens, probs)
 
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
@@ -147,6 +140,17 @@ class ModelDrafter:
     def keep_rows(self, rows: np.ndarray) -> None:
         self.cache = self.engine.select(self.cache, rows)
         self.pending = [self.pending[r] for r in rows]
+
+
+def draw_rows(logits: np.ndarray, active: list[bool], tokens: list[list[int]], probs: list[list], limits: list[int],
+              params: SamplingParams, rngs: list, confidence: float = 0.0) -> list[int | None]:
+    """``draw_next`` for every active row of a draft call's logits [B, V]; rows that stop become inactive. Returns
+    each row's token to feed the draft next (None: nothing)."""
+    drawn: list[int | None] = [None] * len(active)
+    for b in np.flatnonzero(active):
+        drawn[b] = draw_next(logits[b], tokens[b], probs[b], limits[b], params, rngs[b], confidence)
+        active[b] = drawn[b] is not None
+    return drawn
 
 
 def draw_next(logits: np.ndarray, tokens: list[int], probs: list, limit: int, params: SamplingParams, rng,
