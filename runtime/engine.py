@@ -344,15 +344,17 @@ class FusedEngine:
             if features is not None:
                 features = np.pad(features, ((0, 0), (0, self.min_call_tokens - asked), (0, 0)))
         batch, new = tokens.shape
-        self._reserve(cache, int(cache.lengths.max()) + new)
         if batch == 1 or new == 1 or not cache.lengths.any():
+            self._reserve(cache, int(cache.lengths.max()) + new)  # every row writes ``new`` slots
             logits, hidden = self._run(cache, slice(0, batch), tokens, cache.lengths + new, new if score else 0,
                                        features)
         else:  # several new tokens on a past: one call per row (the kernel's batch-1 path)
+            widths = np.where(counts > 0, np.maximum(counts, self.min_call_tokens), 0)
+            self._reserve(cache, int((cache.lengths + widths).max()))  # each row its own chunk, not the widest
             logits = np.zeros((batch, new if score else 0, self.vocab_size), np.float32)
             hidden = None
             for b in np.flatnonzero(counts):
-                width = max(int(counts[b]), self.min_call_tokens)
+                width = int(widths[b])
                 part, h = self._run(cache, slice(b, b + 1), tokens[b: b + 1, :width], cache.lengths[b: b + 1] + width,
                                     width if score else 0, None if features is None else features[b: b + 1, :width])
                 logits[b, :width] = part[0]

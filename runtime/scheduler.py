@@ -20,8 +20,8 @@ How a step runs is the policy's choice:
   several), and the int8-activation matmuls of a quantized target turn those last-bit differences into logit
   differences of up to ~1: greedy answers stay greedy, but can part from a lone run's at a near tie.
 
-In "exact", every call has at least two token rows (``min_call_tokens`` 2; see FusedEngine) and a seeded sampled
-row always drafts, so a seeded request's text is the same whatever it runs with. In "throughput", whether a step
+In "exact", each row's target call is the one it would make alone (the engine's own ``min_call_tokens``; see
+FusedEngine) and a seeded sampled row always drafts, so a seeded request's text is the same whatever it runs with. In "throughput", whether a step
 drafts depends on the batch, and a step that drafts uses a row's random stream differently from one that does not:
 seeded requests still sample from exactly the target's distribution, but their text depends on what else runs.
 Each request has its own drafter (its own draft cache), made by the generator as for a lone request.
@@ -127,6 +127,7 @@ class _Row:
     finished: str = ""
     acceptance: float = 0.6  # running estimate of P(a draft token is accepted), for the step policy
     undrafted: int = 0  # steps in a row it did not draft (its own fallback; "exact")
+    error: Exception | None = None  # its own work failed this step: it leaves with this error, the others go on
     stats: RequestStats = field(default_factory=RequestStats)
     started: float = field(default_factory=time.perf_counter)
 
@@ -187,11 +188,11 @@ class CostModel:
     def calibrate(self, target, draft, max_batch: int, max_width: int, past: int = 64, repeats: int = 3) -> None:
         def timed(engine, rows: int, width: int) -> float:
             cache = engine.new_cache(rows)
-            prefill(engine, cache, [[1] * past] * rows)
+            scratch_call(engine, cache, np.ones((rows, past), np.int64))
             best = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
-                engine.forward(cache, np.ones((rows, width), np.int64))
+                scratch_call(engine, cache, np.ones((rows, width), np.int64))
                 best = min(best, time.perf_counter() - start)
                 engine.rollback(cache, cache.lengths - width)
             return best
@@ -221,18 +222,17 @@ class Scheduler:
         self.generator, self.target = generator, generator.target
         self.max_batch, self.max_queue, self.max_wait, self.policy = max_batch, max_queue, max_wait, policy
         self.fallback = fallback
-        for engine in (generator.target, generator.draft):
-            batch_invariant(engine)
         self.rows: list[_Row] = []
         self.cache = self.target.new_cache(0)
         self.waiting: deque[_Waiting] = deque()
         self.costs = CostModel()
         self.counters = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "step_time": 0.0, "engine_time": 0.0,
-                         "admitted": 0, "finished": 0, "cancelled": 0, "timed_out": 0, "refused": 0}
+                         "admitted": 0, "finished": 0, "cancelled": 0, "timed_out": 0, "refused": 0, "failed": 0}
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.faults = 0  # steps whose shared target call failed (every running row failed with it)
 
     # --- the outside ----------------------------------------------------------------------------------------------
 
@@ -307,8 +307,11 @@ class Scheduler:
                     return
             try:
                 self.step()
-            except Exception as err:  # an engine failure: fail what is running, keep serving
-                self._fail_running(Unavailable(f"decoding failed: {err}"))
+            except BaseException as err:  # the shared target call failed (a panic too): fail what runs, keep serving
+                if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                    raise
+                self.faults += 1
+                self._fail_running(Unavailable(f"decoding failed: {err!r}"))
 
     def step(self) -> bool:
         """One step (see the module docstring); False when there was nothing to run."""
@@ -321,17 +324,15 @@ class Scheduler:
         plan = self._plan()
         speculate = any(plan)
         t0 = time.perf_counter()
-        drafts = [self._propose(row) if drafts else ([], []) for row, drafts in zip(self.rows, plan)]
+        drafts = [(isolated(row, self._propose, row) or ([], [])) if drafts else ([], [])
+                  for row, drafts in zip(self.rows, plan)]
         t1 = time.perf_counter()
         logits, hidden = self._score(drafts, plan)
         t2 = time.perf_counter()
         keep = self.cache.lengths.copy()
         for b, (row, (draft, probs)) in enumerate(zip(self.rows, drafts)):
-            n, extra = verify(draft, probs, logits[b], row.config.params, row.rng)
-            if hasattr(row.drafter, "take_features"):
-                row.drafter.take_features(None if hidden[b] is None else [hidden[b]])
-            keep[b] -= len(draft) - n
-            self._settle(row, draft, n, draft[:n] + [extra], t1 - t0, t2 - t1)
+            n = isolated(row, self._accept, row, draft, probs, logits[b], hidden[b], (t1 - t0, t2 - t1))
+            keep[b] -= len(draft) - (n or 0)
         self.target.rollback(self.cache, keep)
         if all(plan) or not any(plan):  # a pure step: rescale its kind's costs by how it ran
             kind = "speculative" if speculate else "batched"
@@ -341,6 +342,14 @@ class Scheduler:
         self._count(len(self.rows), speculate, time.perf_counter() - start, engine_time + t2 - t0)
         self._retire([row.finished for row in self.rows])
         return True
+
+    def _accept(self, row: _Row, draft: list[int], probs: list, logits: np.ndarray, hidden, times) -> int:
+        """One row's acceptance (sampling.verify) and its consequences; returns how many draft tokens it kept."""
+        n, extra = verify(draft, probs, logits, row.config.params, row.rng)
+        if hasattr(row.drafter, "take_features"):
+            row.drafter.take_features(None if hidden is None else [hidden])
+        self._settle(row, draft, n, draft[:n] + [extra], *times)
+        return n
 
     def _count(self, rows: int, speculate: bool, step_time: float, engine_time: float) -> None:
         c = self.counters
@@ -377,8 +386,8 @@ class Scheduler:
     def _score(self, drafts: list[tuple[list[int], list]], plan: list[bool]) -> tuple[list, list]:
         """Each row's target logits for [last, x_1..x_d], and its hidden states for them (None where the engine
         returns none: a feature drafter's input). Rows scored alone (every row in "exact", drafting rows
-        in "throughput") share a call with one padding column, so a fused engine runs it row by row, the kernels a
-        lone request gets; the other rows then take one batched call of one token each."""
+        in "throughput") share a call at least two columns wide, so a fused engine runs it row by row, each row
+        with the kernels a lone request gets; the other rows then take one batched call of one token each."""
         alone = [True] * len(self.rows) if self.policy == "exact" else plan
         out: list = [None] * len(self.rows)
         hidden: list = [None] * len(self.rows)
@@ -387,7 +396,10 @@ class Scheduler:
                       for row, (d, _), a in zip(self.rows, drafts, alone)]
             if not any(chunks):
                 continue
-            logits = self.target.forward(self.cache, *padded(chunks, extra=1 if scored_alone else 0))
+            # two columns make a fused engine run a multi-row batch row by row (the kernels a lone request gets);
+            # a lone row needs no padding beyond the engine's own min_call_tokens
+            width = 2 if scored_alone and len(chunks) > 1 else 1
+            logits = self.target.forward(self.cache, *padded(chunks, min_width=width))
             states = self.cache.extra.get("hidden")
             for b, chunk in enumerate(chunks):
                 if chunk:
@@ -483,13 +495,19 @@ class Scheduler:
         return ""
 
     def _retire(self, reasons: list[str]) -> None:
-        """Rows with a reason leave: each gets its final event; the batch cache keeps the others."""
+        """Rows with a reason, or whose own work failed, leave: each gets its final (or error) event; the batch
+        cache keeps the others."""
+        reasons = ["error" if row.error is not None else reason for row, reason in zip(self.rows, reasons)]
         if not any(reasons):
             return
         keep = []
         for b, (row, reason) in enumerate(zip(self.rows, reasons)):
             if not reason:
                 keep.append(b)
+                continue
+            if reason == "error":
+                self.counters["failed"] += 1
+                row.handle.send(Event(error=row_failure(row.error)))
                 continue
             row.finished = reason
             tail = row.decoder.flush() if reason in ("cancelled", "timeout") else ""
@@ -533,15 +551,36 @@ class Scheduler:
         self._fail_running(error)
 
 
+def scratch_call(engine, cache, tokens: np.ndarray) -> None:
+    """A forward call on made-up tokens, for timing; a feature draft engine gets zero features of its width."""
+    inner = getattr(engine, "engine", engine)
+    if not getattr(inner, "takes_features", False):
+        engine.forward(cache, tokens)
+        return
+    width = next(i.shape[-1] for i in inner.session.get_inputs() if i.name == "features")
+    engine.forward(cache, tokens, features=np.zeros(tokens.shape + (width,), np.float32))
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens one verify of k draft tokens yields when each is accepted with probability ``acceptance``."""
     a = min(acceptance, 0.99)
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def batch_invariant(engine) -> None:
-    """Make a fused engine pad a lone token to two (see FusedEngine: the one-row kernel rounds differently), so a
-    row's logits do not depend on how many rows share its call."""
-    inner = getattr(engine, "engine", engine)
-    if hasattr(inner, "min_call_tokens"):
-        inner.min_call_tokens = max(2, inner.min_call_tokens)
+def isolated(row: _Row, work: Callable, *args):
+    """``work(*args)`` for one row; if it raises, the failure is the row's own (``row.error``: it leaves at the end
+    of the step with that error) and the result is None, so the other rows go on."""
+    if row.error is not None:
+        return None
+    try:
+        return work(*args)
+    except BaseException as err:  # a tokenizer or drafter panic too (pyo3 panics are BaseException)
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        row.error = err
+        return None
+
+
+def row_failure(error: Exception) -> Exception:
+    """What a request whose own decoding failed receives: its RequestError as it is, anything else Unavailable."""
+    return error if isinstance(error, RequestError) else Unavailable(f"decoding this request failed: {error!r}")

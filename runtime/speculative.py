@@ -182,9 +182,10 @@ def row_features(cache, counts: list[int]) -> list[np.ndarray] | None:
     return None if hidden is None else [hidden[b, :n] for b, n in enumerate(counts)]
 
 
-def padded(chunks: list[list[int]], extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row chunks right-padded into tokens and valid [B, width + extra] (padding is 0 and not valid)."""
-    width = max(1, max(len(c) for c in chunks) + extra)
+def padded(chunks: list[list[int]], min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row chunks right-padded into tokens and valid [B, max(min_width, longest chunk)] (padding is 0 and not
+    valid)."""
+    width = max(min_width, max(len(c) for c in chunks))
     tokens = np.zeros((len(chunks), width), np.int64)
     valid = np.zeros((len(chunks), width), np.int64)
     for b, chunk in enumerate(chunks):

@@ -239,3 +239,19 @@ def test_the_scheduler_feeds_the_feature_drafter_as_a_lone_request_does(feature_
         got, alone = handle.result(), gen.generate(prompt, max_new_tokens=20, k=k)
         assert got.token_ids == alone.token_ids
     assert sum(h.result().stats.num_accepted_tokens for h in handles) > 10
+
+
+@pytest.mark.parametrize("policy,fallback", [("throughput", False), ("exact", True)])
+def test_the_cost_model_starts_on_a_feature_draft(feature_bundle, policy, fallback):
+    """--policy throughput and the fallback time the draft at start: a feature draft takes features, which the
+    calibration must give it. Answers stay greedy-exact for the fp32 target."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.scheduler import Scheduler
+    gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
+    scheduler = Scheduler(gen, max_batch=2, policy=policy, fallback=fallback).start()
+    try:
+        assert scheduler.costs.draft > 0 and len(scheduler.costs.verify) >= 2 and scheduler.costs.batch
+        got = scheduler.submit("the quick brown fox", max_new_tokens=12, k=2).result()
+    finally:
+        scheduler.stop()
+    assert got.token_ids == gen.generate("the quick brown fox", max_new_tokens=12, k=2).token_ids

@@ -1,0 +1,109 @@
+"""One request must never fail the others: the real fused engines under the scheduler, near the context limit, with
+rows that draft different k, the cost model on a feature draft, and padding that does not depend on the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine import FusedEngine
+from runtime.scheduler import Scheduler
+
+LINE = "for i in range(10): print(i * i)\n"
+
+
+def prompt_of(generator, tokens: int) -> str:
+    """A prompt string that encodes to exactly ``tokens`` ids (the tiny tokenizer round-trips)."""
+    ids = generator.tokenizer.encode(LINE * 40)[:tokens]
+    text = generator.tokenizer.decode(ids)
+    assert len(generator._encode(text, False)) == tokens
+    return text
+
+
+def drain(scheduler: Scheduler) -> None:
+    while scheduler.step():
+        pass
+
+
+def fused(generator) -> FusedEngine:
+    engine = getattr(generator.target, "engine", generator.target)
+    assert isinstance(engine, FusedEngine)
+    return engine
+
+
+def test_per_row_reservation_counts_each_rows_own_chunk(generator):
+    """Row 0 sits 2 slots below the context and adds one token; row 1 is short and adds five. Each fits; the old
+    reservation (longest row + widest chunk) refused the call."""
+    engine = fused(generator)
+    limit = engine.max_context
+    cache = engine.new_cache(2)
+    engine.forward(cache, np.ones((2, limit - 2), np.int64),
+                   (np.arange(limit - 2)[None, :] < np.array([[limit - 2], [4]])).astype(np.int64))
+    tokens = np.ones((2, 5), np.int64)
+    valid = np.array([[1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    logits = engine.forward(cache, tokens, valid)
+    assert logits.shape[:2] == (2, 5) and list(cache.lengths) == [limit - 1, 9]
+    with pytest.raises(ValueError, match="context"):  # a row that really would overflow is still refused
+        engine.forward(cache, np.ones((2, 5), np.int64), np.array([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]))
+
+
+@pytest.mark.parametrize("policy", ["exact", "throughput"])
+def test_a_request_at_the_context_limit_does_not_fail_one_drafting_k4(generator, policy):
+    near = prompt_of(generator, generator.max_context - 6)
+    scheduler = Scheduler(generator, max_batch=4, policy=policy)
+    if policy == "throughput":
+        scheduler.calibrate()
+    options = [dict(max_new_tokens=64, k=1), dict(max_new_tokens=40, k=4), dict(max_new_tokens=40, k=8)]
+    prompts = [near, "def add(a, b):", "The quick brown"]
+    handles = [scheduler.submit(p, **o) for p, o in zip(prompts, options)]
+    drain(scheduler)
+    results = [h.result() for h in handles]  # raises if any failed
+    assert results[0].finish_reason == "context"
+    for prompt, option, got in zip(prompts, options, results):
+        if policy == "exact":
+            alone = generator.generate(prompt, **option)
+            assert got.token_ids == alone.token_ids
+
+
+def test_a_lone_row_verifies_no_padding_beyond_the_engines_own(generator, monkeypatch):
+    """At k=1 a lone row's verify call is [last, x1]: two tokens, not three."""
+    engine = fused(generator)
+    widths = []
+    original = engine._run
+
+    def spy(cache, rows, tokens, *args, **kwargs):
+        widths.append(tokens.shape[1])
+        return original(cache, rows, tokens, *args, **kwargs)
+
+    scheduler = Scheduler(generator, max_batch=2)
+    handle = scheduler.submit("def add(a, b):", max_new_tokens=12, k=1)
+    scheduler.step()  # admission (the prefill) and a first step
+    monkeypatch.setattr(engine, "_run", spy)
+    drain(scheduler)
+    handle.result()
+    assert widths and max(widths) == 2
+
+
+def test_the_scheduler_leaves_the_engines_settings_alone(generator):
+    engine = fused(generator)
+    before = [getattr(getattr(e, "engine", e), "min_call_tokens", None) for e in (generator.target, generator.draft)]
+    Scheduler(generator, max_batch=2)
+    after = [getattr(getattr(e, "engine", e), "min_call_tokens", None) for e in (generator.target, generator.draft)]
+    assert before == after and engine.min_call_tokens == 1  # the fp32 tiny bundle pads nothing
+
+
+def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypatch):
+    scheduler = Scheduler(generator, max_batch=4)
+    bad = scheduler.submit("def add(a, b):", max_new_tokens=16, k=2)
+    good = scheduler.submit("The quick brown", max_new_tokens=16, k=2)
+    scheduler.step()
+    row = next(r for r in scheduler.rows if r.handle is bad)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("drafter broke")
+
+    monkeypatch.setattr(row.drafter, "propose", broken)
+    drain(scheduler)
+    with pytest.raises(Exception, match="drafter broke"):
+        bad.result()
+    assert good.result().token_ids == generator.generate("The quick brown", max_new_tokens=16, k=2).token_ids
