@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from runtime.chat_template import render_chat_template
+
 
 class Tokenizer:
     """The bundle's tokenizer (tokenizers' fast tokenizer.json) plus its chat template."""
@@ -41,51 +43,8 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(prompt), add_special_tokens=False)
 
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
-    """Render a chat template the way transformers does, in jinja2's immutable sandbox.
-
-    A template comes from a checkpoint or a bundle: hostile data. The sandbox refuses attribute access to internals
-    (``__globals__``, ``__init__``, ...) and calls that mutate, so ``{{ cycler.__init__.__globals__.os }}`` raises
-    instead of reaching the interpreter. The helpers real templates use are there: ``raise_exception``, the
-    ``tojson`` filter, ``strftime_now`` and loop controls (``{% break %}``, ``{% continue %}``).
-    """
-    from jinja2.exceptions import SecurityError, TemplateError
-    try:
-        compiled = _chat_environment().from_string(template)
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-    except SecurityError as err:
-        raise ValueError(f"the chat template tried something the sandbox forbids ({err}); "
-                         "this template is unsafe, replace it") from None
-    except TemplateError as err:
-        raise ValueError(f"the chat template failed to render: {err}") from None
-
-
-def _chat_environment():
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
-    # transformers' tojson: no HTML escaping (jinja2's own filter escapes <, > and &, which changes prompts)
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    from datetime import datetime
-    return datetime.now().strftime(format)
-
-
 def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
-
-
-def _raise(message: str):
-    raise ValueError(message)
 
 
 class IncrementalDecoder:

@@ -105,3 +105,71 @@ def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, tiny_bundle
     seen.clear()
     run_transformers(hostile, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids, allow_pickle=True)
     assert seen and set(seen) == {(True, False)}  # the person running the bench can still say yes
+
+
+# Each would render for minutes or allocate gigabytes without a budget.
+UNBOUNDED = [
+    "{{ 'x' * 10000000000 }}",
+    "{{ 'ab' * 400000 * 400000 }}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% for n in messages %}{% for o in messages %}{{ '' }}{% endfor %}{% endfor %}{% endfor %}",
+    "{{ 'x'|center(1000000000) }}",
+    "{{ 'x'.center(1000000000) }}",
+    "{{ 'x'.ljust(1000000000) }}",
+    "{{ '%*d'|format(1000000000, 1) }}",
+    "{{ '{:>1000000000}'.format(1) }}",
+    "{{ 'x'|indent(1000000000, true) }}",
+    "{% set s = namespace(t='xx') %}{% for i in range(64) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t|length }}",
+    "{% for i in range(99999) %}{% set x = messages|tojson %}{% endfor %}",
+    "{{ ('x' * 60000)|replace('x', 'x' * 60000) }}",
+    "{{ ('x' * 60000).replace('', 'y' * 50000) }}",
+    "{{ [1] * 100000 * 100000 }}",
+    "{{ 10 ** 100000 }}",
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "{{ 1 / 0 }}",
+    "{{ messages + 1 }}",
+    "{{ lipsum(1000000000) }}",
+    "{% for i in range(99999) %}{{ 'y' * 99 }}{% endfor %}{% for i in range(99999) %}{{ 'y' * 99 }}{% endfor %}",
+    "{{ messages[0]['content'] * 99999 }}",
+    "{{ {}|tojson(indent=1000000) }}",
+]
+
+
+@pytest.mark.parametrize("template", UNBOUNDED)
+def test_a_template_that_would_not_end_or_would_fill_memory_is_refused_within_a_second(template):
+    import time
+    messages = [{"role": "user", "content": "x" * 200}] * 200
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="chat template"):
+        render_chat_template(template, messages)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_hostile_render_costs_a_concurrent_good_one_nothing_but_cpu():
+    """A good request renders while another thread's template spins until its budget ends it."""
+    import threading
+    import time
+    spinning = threading.Thread(target=lambda: pytest.raises(ValueError, render_chat_template,
+                                                             UNBOUNDED[2], USER))
+    spinning.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    good = render_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}", USER)
+    took = time.perf_counter() - start
+    spinning.join()
+    assert good == "<user>hi" and took < 0.25
+
+
+def test_templates_are_compiled_once():
+    from runtime import chat_template
+    chat_template._compiled.cache_clear()
+    for _ in range(3):
+        render_chat_template("{{ messages|length }}", USER)
+    assert chat_template._compiled.cache_info().hits == 2
+
+
+def test_a_template_budget_error_through_the_server_is_a_400_for_that_request_only(tmp_path):
+    tokenizer = _bos_tokenizer(tmp_path, "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
+                                         "{% endfor %}")
+    with pytest.raises(ValueError, match="ran past"):
+        tokenizer.encode_chat(USER)

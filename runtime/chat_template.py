@@ -1,0 +1,232 @@
+"""Chat templates rendered as hostile code: jinja2's immutable sandbox, plus a budget of time, size and output.
+
+A template comes from a checkpoint or a bundle, and the messages it loops over from a client. The sandbox keeps a
+template away from the interpreter (``{{ cycler.__init__.__globals__.os }}`` raises) but not from the machine:
+``'x' * 10**10``, two nested loops over ten thousand messages, ``'%*d'|format(10**9, 1)`` or a string doubled in a
+loop render without bound, and a template that hangs would pin a server's worker thread for good. So:
+
+* time: a trace function on the rendering thread, active only in the template's own frames, ends the render past
+  ``TIME_BUDGET`` seconds (every loop of a template is Python code, so it is always reached);
+* size: every operator, call and filter the template makes goes through the sandbox's hooks (filters through a
+  wrapper), which refuse integer arguments and format widths past ``MAX_ARGUMENT`` (widths, repeat counts) and
+  results longer than ``MAX_VALUE``; the trace also looks at the template's variables at every line, for strings
+  grown with ``~``;
+* output: rendered in pieces (``Template.generate``) and stopped past ``MAX_OUTPUT`` characters;
+* every exception the template raises (ZeroDivisionError, TypeError, RecursionError, ...) becomes a ValueError
+  naming it, which a server answers as the request's own 400.
+
+Compiled templates are cached by their text: a server renders the same template for every request.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+
+TIME_BUDGET = 0.5  # seconds a render may take (real templates take well under a millisecond)
+MAX_ARGUMENT = 100_000  # largest integer a template may pass to a call, filter or * (a width, a repeat count)
+MAX_VALUE = 1 << 20  # longest string or collection a template may make (characters or items)
+MAX_OUTPUT = 1 << 22  # characters a render may write
+
+
+class TemplateBudgetError(ValueError):
+    """The template went past its time or size budget."""
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+    """Render a chat template the way transformers does, in the bounded sandbox (see the module docstring).
+
+    The helpers real templates use are there: ``raise_exception``, the ``tojson`` filter, ``strftime_now`` and loop
+    controls (``{% break %}``, ``{% continue %}``). Raises ValueError naming what went wrong.
+    """
+    from jinja2.exceptions import SecurityError
+    try:
+        compiled = _compiled(template)
+        with _Budget():
+            pieces, written = [], 0
+            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           **variables):
+                written += len(piece)
+                if written > MAX_OUTPUT:
+                    raise TemplateBudgetError(f"the chat template wrote more than {MAX_OUTPUT} characters")
+                pieces.append(piece)
+        return "".join(pieces)
+    except TemplateBudgetError as err:
+        raise TemplateBudgetError(f"{err}; it was stopped (a template must render a prompt in well under "
+                                  f"{TIME_BUDGET:g} s)") from None
+    except SecurityError as err:
+        raise ValueError(f"the chat template tried something the sandbox forbids ({err}); "
+                         "this template is unsafe, replace it") from None
+    except ValueError as err:  # raise_exception, or a value the template could not handle
+        raise ValueError(f"the chat template refused the request: {err}") from None
+    except (Exception, RecursionError) as err:  # noqa: BLE001 - any failure of hostile code is the request's own
+        raise ValueError(f"the chat template failed to render: {type(err).__name__}: {err}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    if len(template) > MAX_VALUE:
+        raise TemplateBudgetError(f"the chat template is longer than {MAX_VALUE} characters")
+    return _environment().from_string(template)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
+
+        def wrap_str_format(self, value):  # str.format / format_map, wrapped when the template reads them
+            if getattr(value, "__name__", "") in ("format", "format_map") and isinstance(
+                    getattr(value, "__self__", None), str):
+                _check_brace_format(value.__self__)
+            return super().wrap_str_format(value)
+
+        def call_binop(self, context, op, left, right):
+            _check_arguments((left, right) if op in ("*", "**") else ())
+            if op == "%" and isinstance(left, str):
+                _check_percent_format(left, right)
+            if op == "*" and _multiplies_a_sequence(left, right):
+                _check_size(_length(left if hasattr(left, "__len__") else right) * int(
+                    right if hasattr(left, "__len__") else left))
+            if op == "**" and isinstance(left, (int, float)) and abs(left) > 1 and right > 64:
+                raise TemplateBudgetError(f"the chat template raised {left} to the power {right}")
+            return _checked(super().call_binop(context, op, left, right))
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
+            _check_arguments(args + tuple(kwargs.values()))
+            if getattr(__obj, "__name__", "") == "replace" and isinstance(getattr(__obj, "__self__", None), str):
+                _check_replace(__obj.__self__, *args)
+            return _checked(super().call(__context, __obj, *args, **kwargs))
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals.pop("lipsum", None)  # lipsum(n=10**9) is text without bound, and no chat template needs it
+    env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _bounded_filter(name: str, function):
+    """A filter that checks its arguments and its result (compiled templates call filters directly, not through
+    the sandbox's hooks). jinja2's pass_context & co. markers travel with functools.wraps."""
+
+    @functools.wraps(function)
+    def bounded(*args, **kwargs):
+        values = [a for a in args if not _is_jinja_internal(a)]
+        _check_arguments(values[1:] + list(kwargs.values()))
+        if name == "replace" and len(values) >= 3 and isinstance(values[0], str):
+            _check_replace(*values[:3])
+        if name == "format" and values and isinstance(values[0], str):
+            _check_percent_format(values[0], tuple(values[1:]))
+        return _checked(function(*args, **kwargs))
+
+    return bounded
+
+
+def _is_jinja_internal(value) -> bool:
+    from jinja2.nodes import EvalContext
+    from jinja2.runtime import Context
+    from jinja2 import Environment
+    return isinstance(value, (Context, EvalContext, Environment))
+
+
+def _check_percent_format(text: str, values) -> None:
+    import re
+    widths = [int(w) for w in re.findall(r"%[-+ #0]*(\d+)", text)] + [
+        int(w) for w in re.findall(r"%[-+ #0]*(?:\d+|\*)?\.(\d+)", text)]
+    _check_arguments(widths + list(values if isinstance(values, tuple) else (values,)))
+
+
+def _check_brace_format(text: str) -> None:
+    import re
+    import string
+    try:
+        specs = [spec for _, _, spec, _ in string.Formatter().parse(text) if spec]
+    except ValueError:
+        return  # jinja2's own formatter reports the malformed string
+    _check_arguments([int(n) for spec in specs for n in re.findall(r"\d+", spec)])
+
+
+def _check_arguments(values) -> None:
+    for value in values:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_ARGUMENT:
+            raise TemplateBudgetError(f"the chat template passed {value!r} (the limit is {MAX_ARGUMENT})")
+
+
+def _multiplies_a_sequence(left, right) -> bool:
+    return (hasattr(left, "__len__") and isinstance(right, int)) or (hasattr(right, "__len__") and
+                                                                     isinstance(left, int))
+
+
+def _length(value) -> int:
+    return len(value) if hasattr(value, "__len__") else 0
+
+
+def _check_size(size: int) -> None:
+    if size > MAX_VALUE:
+        raise TemplateBudgetError(f"the chat template made a value of {size} characters or items "
+                                  f"(the limit is {MAX_VALUE})")
+
+
+def _check_replace(text: str, old="", new="", *rest) -> None:
+    if isinstance(old, str) and isinstance(new, str):
+        count = text.count(old) if old else len(text) + 1
+        _check_size(len(text) + count * max(0, len(new) - len(old)))
+
+
+def _checked(value):
+    if isinstance(value, (str, bytes, list, tuple, dict, set)):
+        _check_size(len(value))
+    return value
+
+
+class _Budget:
+    """Trace the rendering thread: in the template's frames only, stop past the time budget or when the
+    template's variables grow past the size budget. An earlier trace function (a debugger, coverage) is restored."""
+
+    def __enter__(self):
+        self.deadline = time.perf_counter() + TIME_BUDGET
+        self.previous = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(self.previous)
+
+    def _call(self, frame, event, arg):
+        if frame.f_code.co_filename == "<template>":
+            return self._line
+        if time.perf_counter() > self.deadline:  # calls into jinja2's runtime count too
+            raise TemplateBudgetError(f"the chat template ran past {TIME_BUDGET:g} s")
+        return None
+
+    def _line(self, frame, event, arg):
+        if time.perf_counter() > self.deadline:
+            raise TemplateBudgetError(f"the chat template ran past {TIME_BUDGET:g} s")
+        _check_size(sum(len(v) for v in frame.f_locals.values() if isinstance(v, (str, list, tuple, dict))))
+        return self._line
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+    # transformers' tojson: no HTML escaping (jinja2's own filter escapes <, > and &, which changes prompts)
+    if isinstance(indent, int) and indent > 64:
+        raise TemplateBudgetError(f"the chat template asked tojson for an indent of {indent}")
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    from datetime import datetime
+    if len(format) > 256:
+        raise TemplateBudgetError("the chat template's strftime format is longer than 256 characters")
+    return datetime.now().strftime(format)
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
