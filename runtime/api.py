@@ -17,7 +17,7 @@ from runtime.errors import RequestError
 from runtime.features import FeatureDrafter
 from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
-from runtime.request import decode_request
+from runtime.request import check_text, decode_request
 from runtime.sampling import SamplingParams
 from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
 from runtime.suffix import HYBRID_SUFFIX, SuffixCorpus, SuffixDrafter
@@ -175,6 +175,7 @@ class SpeculativeGenerator:
                 raise RequestError("chat messages must be a non-empty list of {'role': str, 'content': str}")
         elif not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string")
+        check_text(prompt, "messages" if chat else "prompt")
         try:
             ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
         except ValueError as err:  # no template, or one that fails or breaks the sandbox

@@ -16,6 +16,21 @@ from runtime.bundle import describe
 from runtime.errors import RequestError
 
 Seed = Optional[Union[int, list[Optional[int]]]]  # one for the batch, or one per prompt
+MIN_TEMPERATURE = 1e-5  # smaller positive temperatures decode greedily (as vLLM's sampling epsilon)
+
+
+def check_text(value, field: str, error: type[Exception] = RequestError) -> None:
+    """Text must be valid Unicode: a lone surrogate ("\\ud800", which JSON can carry) cannot be encoded as UTF-8,
+    and a tokenizer or a detokenizer given one fails deep inside; say so at the door instead. ``value``: a string,
+    or chat messages (every string in them)."""
+    texts = [value] if isinstance(value, str) else [v for m in value if isinstance(m, dict) for v in m.values()
+                                                     if isinstance(v, str)]
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise error(f"{field + ': ' if field else ''}not valid Unicode text ({err.reason} at character {err.start}); send UTF-8 "
+                        "without lone surrogates") from None
 
 
 class DecodeRequest(BaseModel):
@@ -38,11 +53,20 @@ class DecodeRequest(BaseModel):
             raise ValueError(f"expected integers >= 0, received {seed}")
         return seed
 
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperatures_are_greedy(cls, temperature):
+        # logits / T overflows to inf (then NaN) for subnormal T; below MIN_TEMPERATURE sampling is greedy anyway
+        return 0.0 if temperature < MIN_TEMPERATURE else temperature
+
     @field_validator("stop")
     @classmethod
     def _stops_are_not_empty(cls, stop):
-        if any(not s for s in ([stop] if isinstance(stop, str) else stop or [])):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        for s in stops:
+            check_text(s, "", ValueError)
         return stop
 
     @property

@@ -246,20 +246,26 @@ class Scheduler:
             raise RequestError(f"seed: expected an integer >= 0 or None, received {seed!r}")
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
+        with self._lock:  # a full queue refuses before any tokenizing or template rendering is spent on it
+            self._check_room()
         config, stops = self.generator._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode,
                                                None, None)
         self.generator._drafter(mode, drafter, draft_confidence)  # an unknown drafter fails here, not in the loop
         ids = self.generator._encode(prompt, chat)
         handle = Handle(next(self._ids), sink)
         with self._lock:
-            if self._stopping:
-                raise Unavailable("the scheduler is stopping")
-            if len(self.waiting) >= self.max_queue:
-                self.counters["refused"] += 1
-                raise Overloaded(f"overloaded: {len(self.waiting)} requests are waiting (the limit); retry later")
+            self._check_room()
             self.waiting.append(_Waiting(handle, ids, config, stops, drafter, mode, draft_confidence, timeout))
             self._lock.notify()
         return handle
+
+    def _check_room(self) -> None:
+        """Under the lock: Unavailable while stopping, Overloaded when the queue is full."""
+        if self._stopping:
+            raise Unavailable("the scheduler is stopping")
+        if len(self.waiting) >= self.max_queue:
+            self.counters["refused"] += 1
+            raise Overloaded(f"overloaded: {len(self.waiting)} requests are waiting (the limit); retry later")
 
     def start(self, calibrate: bool | None = None) -> "Scheduler":
         """Measure the call costs (by default only when the policy or the fallback reads them), then run the loop in

@@ -107,3 +107,29 @@ def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypat
     with pytest.raises(Exception, match="drafter broke"):
         bad.result()
     assert good.result().token_ids == generator.generate("The quick brown", max_new_tokens=16, k=2).token_ids
+
+
+def test_a_full_queue_refuses_before_tokenizing(generator, monkeypatch):
+    from runtime.scheduler import Overloaded
+    scheduler = Scheduler(generator, max_batch=1, max_queue=1)
+    scheduler.submit("def add(a, b):", max_new_tokens=4)
+    calls = []
+    monkeypatch.setattr(generator, "_encode", lambda *a: calls.append(a) or [1, 2])
+    with pytest.raises(Overloaded):
+        scheduler.submit("x" * 10_000, max_new_tokens=4)
+    assert not calls
+
+
+@pytest.mark.parametrize("field", ["prompt", "stop", "messages"])
+def test_a_lone_surrogate_is_a_request_error_naming_the_field(generator, field):
+    from runtime.errors import RequestError
+    scheduler = Scheduler(generator, max_batch=1)
+    options = {"prompt": dict(prompt="ab\ud800c"), "stop": dict(prompt="ok", stop=["\udfff"]),
+               "messages": dict(prompt=[{"role": "user", "content": "hi \ud83d"}], chat=True)}[field]
+    with pytest.raises(RequestError, match=f"{field}: not valid Unicode"):
+        scheduler.submit(options.pop("prompt"), max_new_tokens=4, **options)
+
+
+def test_a_subnormal_temperature_samples_greedily_not_nan(generator):
+    got = generator.generate("def add(a, b):", max_new_tokens=8, temperature=5e-324, seed=1)
+    assert got.token_ids == generator.generate("def add(a, b):", max_new_tokens=8).token_ids
