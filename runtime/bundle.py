@@ -35,11 +35,13 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+MAX_MANIFEST_CHARS = 1 << 24  # a manifest is kilobytes; a larger file is not one this tool wrote
 ONNX_QUANTS = ("fp32", "fp16", "int8", "int4", "gguf")  # builder/quantize.py; gguf: the GGUF file's own blocks
 # The ONNX graph an engine is: "fused" (builder/graph.py: ONNX Runtime's fused CPU operators, GroupQueryAttention over
 # a cache written in place; the CPU default) or "export" (builder/export.py: torch's decoder op by op; any device).
@@ -250,10 +252,14 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
+        if len(text) > MAX_MANIFEST_CHARS:
+            raise BundleError(f"{MANIFEST} is {len(text)} characters long; a manifest is a few kilobytes (the limit is "
+                              f"{MAX_MANIFEST_CHARS}): not a bundle this tool wrote")
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise BundleError(f"{MANIFEST} is not valid JSON ({err}); rebuild the bundle") from None
+        except (json.JSONDecodeError, RecursionError) as err:
+            raise BundleError(f"{MANIFEST} is not valid JSON, or nests too deeply ({type(err).__name__}); "
+                              "rebuild the bundle") from None
         if not isinstance(data, dict):
             raise BundleError(f"{MANIFEST} must hold a JSON object, found {type(data).__name__}")
         version = data.get("schema_version")
@@ -262,6 +268,8 @@ class Manifest:
                               "Rebuild the bundle with this version of build-engines.")
         try:
             return _adapter(cls).validate_json(text)
+        except RecursionError:
+            raise BundleError(f"{MANIFEST} nests too deeply: not a bundle this tool wrote") from None
         except ValidationError as err:
             raise BundleError(f"{MANIFEST} is malformed: {describe(err, cls)}") from None
 
@@ -407,6 +415,8 @@ def load_manifest(root: str | os.PathLike, verify: bool = True) -> Manifest:
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"{root} has no {MANIFEST}: not a bundle, or a build that did not finish. Rebuild it.")
+    if path.stat().st_size > 4 * MAX_MANIFEST_CHARS:
+        raise BundleError(f"{path} is {path.stat().st_size} bytes: not a manifest this tool wrote")
     manifest = Manifest.from_json(bundle_path(root, MANIFEST).read_text(encoding="utf-8"))
     if verify:
         verify_files(root, manifest)
@@ -437,23 +447,85 @@ def read_onnx(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> 
     checked (``read_verified``). Every location must be a file the bundle lists, beside or below the graph."""
     model = read_verified(root, manifest, rel, verify)
     external = {}
-    for location in external_data_locations(model, rel):
+    proto = parse_onnx(model, rel)
+    check_operators(proto, rel)
+    for location in external_data_locations(proto, rel):
         external[location] = read_verified(root, manifest, posixpath.join(posixpath.dirname(rel), location), verify)
     return model, external
 
 
-def external_data_locations(model: bytes, where: str) -> set[str]:
-    """The external-data locations an ONNX graph names, in every tensor it holds (initializers, sparse ones,
-    constants in node attributes, subgraphs, functions); BundleError for one that could leave the graph's folder.
+def parse_onnx(model: bytes, where: str):
+    import onnx
+    from google.protobuf.message import DecodeError
+    try:
+        return onnx.ModelProto.FromString(model)
+    except (DecodeError, RecursionError, ValueError) as err:
+        raise BundleError(f"{where}: not a valid ONNX model ({err}); rebuild the bundle") from None
+
+
+# Operators an engine may use. Standard ONNX operators are allowed but for control flow (a Loop or Scan runs for as
+# long as its graph says); of ONNX Runtime's contrib operators, those decoder graphs are made of.
+DENIED_ONNX_OPS = frozenset({"Loop", "Scan", "If", "SequenceMap"})
+CONTRIB_OPS = frozenset({"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization",
+                         "SimplifiedLayerNormalization", "SkipLayerNormalization", "RotaryEmbedding", "FastGelu",
+                         "Gelu", "BiasGelu", "QuickGelu", "MultiHeadAttention", "GatherBlockQuantized"})
+SHAPE_FROM_INPUT_OPS = {"ConstantOfShape": 0, "Expand": 1}  # op -> the input that gives the output's shape
+MAX_CONSTANT_ELEMENTS = 1 << 26  # a constant-shaped output ONNX Runtime would fold (allocate) while loading
+
+
+def check_operators(proto, where: str) -> None:
+    """BundleError unless every node (graph, subgraphs, functions) is an allowed operator, and no constant shape
+    makes ONNX Runtime allocate more than MAX_CONSTANT_ELEMENTS while it folds constants at load."""
+    import onnx
+    from onnx import numpy_helper
+    constants = {t.name: t for t in proto.graph.initializer}
+    constants.update({n.output[0]: a.t for n in proto.graph.node if n.op_type == "Constant"
+                      for a in n.attribute if a.name == "value" and a.HasField("t")})
+    problems = []
+    for node in _all_nodes(proto):
+        domain = node.domain or ""
+        if domain in ("", "ai.onnx"):
+            if node.op_type in DENIED_ONNX_OPS:
+                problems.append(f"node {node.name!r}: {node.op_type} (control flow) is not allowed in an engine")
+        elif domain == "com.microsoft":
+            if node.op_type not in CONTRIB_OPS:
+                problems.append(f"node {node.name!r}: com.microsoft {node.op_type} is not an operator engines use")
+        else:
+            problems.append(f"node {node.name!r}: operator domain {domain!r} (custom operators are not allowed)")
+        shape_input = SHAPE_FROM_INPUT_OPS.get(node.op_type)
+        if shape_input is not None and len(node.input) > shape_input and node.input[shape_input] in constants:
+            tensor = constants[node.input[shape_input]]
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                dims = numpy_helper.to_array(tensor).astype(np.float64).ravel()
+                if dims.size and float(np.prod(np.maximum(dims, 1))) > MAX_CONSTANT_ELEMENTS:
+                    problems.append(f"node {node.name!r}: {node.op_type} to a constant shape of "
+                                    f"{float(np.prod(dims)):.3g} elements")
+    if problems:
+        raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
+
+
+def _all_nodes(proto):
+    def graph_nodes(graph):
+        for node in graph.node:
+            yield node
+            for attribute in node.attribute:
+                for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                    yield from graph_nodes(sub)
+    yield from graph_nodes(proto.graph)
+    for function in proto.functions:
+        for node in function.node:
+            yield node
+
+
+def external_data_locations(model, where: str) -> set[str]:
+    """The external-data locations an ONNX graph (bytes or a parsed ModelProto) names, in every tensor it holds
+    (initializers, sparse ones, constants in node attributes, subgraphs, functions and their default attributes);
+    BundleError for one that could leave the graph's folder.
 
     Checked here, not left to ONNX Runtime: older releases follow '..' and absolute locations.
     """
     import onnx
-    from google.protobuf.message import DecodeError
-    try:
-        proto = onnx.ModelProto.FromString(model)
-    except (DecodeError, RecursionError, ValueError) as err:
-        raise BundleError(f"{where}: not a valid ONNX model ({err}); rebuild the bundle") from None
+    proto = parse_onnx(model, where) if isinstance(model, bytes) else model
     locations, problems = set(), []
     for kind, owner, tensor in _model_tensors(proto):
         if kind == "node":
@@ -479,6 +551,8 @@ def _model_tensors(model):
     for function in model.functions:
         for node in function.node:
             yield from _node_tensors(node)
+        for attribute in function.attribute_proto:  # a function's default attribute values can hold tensors too
+            yield from _attribute_tensors(attribute, function.name)
     for info in model.training_info:
         yield from _graph_tensors(info.initialization)
         yield from _graph_tensors(info.algorithm)
@@ -498,15 +572,19 @@ def _node_tensors(node):
     if node.op_type == "EPContext":
         yield "node", node.name or node.op_type, None
     for attribute in node.attribute:
-        tensors = [attribute.t] if attribute.HasField("t") else []
-        tensors += list(attribute.tensors)
-        sparse = ([attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else [])
-        for item in sparse + list(attribute.sparse_tensors):
-            tensors += [item.values, item.indices]
-        for tensor in tensors:
-            yield "tensor", node.name, tensor
-        for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-            yield from _graph_tensors(graph)
+        yield from _attribute_tensors(attribute, node.name)
+
+
+def _attribute_tensors(attribute, owner: str):
+    tensors = [attribute.t] if attribute.HasField("t") else []
+    tensors += list(attribute.tensors)
+    sparse = ([attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else [])
+    for item in sparse + list(attribute.sparse_tensors):
+        tensors += [item.values, item.indices]
+    for tensor in tensors:
+        yield "tensor", owner, tensor
+    for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+        yield from _graph_tensors(graph)
 
 
 def write_manifest_atomic(root: Path, manifest: Manifest) -> None:
