@@ -30,84 +30,25 @@ Each request has its own drafter (its own draft cache), made by the generator as
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
 from runtime.api import Generation, SpeculativeGenerator
 from runtime.errors import RequestError
+from runtime.handles import Event, Handle, Overloaded, Unavailable  # noqa: F401 (re-exported)
 from runtime.metrics import RequestStats
 from runtime.sampling import verify
 from runtime.speculative import DecodeConfig, Drafter, append_tokens, padded, prefill, row_generators
+from runtime.step_costs import CostModel, expected_tokens
 from runtime.text import IncrementalDecoder, cut_at_stop
 
 POLICIES = ("exact", "throughput")
 PROBE_EVERY = 32  # a row that stopped drafting because acceptance fell low drafts again after this many steps
-
-
-class Overloaded(RequestError):
-    """The queue is full, or a request waited longer than the scheduler allows: retry later."""
-
-
-class Unavailable(RuntimeError):
-    """Not the request's fault: the engines failed while it ran, or the scheduler is stopping."""
-
-
-@dataclass
-class Event:
-    """What a request receives: text as it is accepted, then exactly one ``final`` (or one ``error``)."""
-
-    piece: str = ""
-    token_ids: list[int] = field(default_factory=list)  # the tokens this event adds
-    final: Generation | None = None
-    error: Exception | None = None
-
-    @property
-    def last(self) -> bool:
-        return self.final is not None or self.error is not None
-
-
-class Handle:
-    """A submitted request: its events, in order, and a way to cancel it (honoured at the next step)."""
-
-    def __init__(self, request_id: int, sink: Callable[[Event], None] | None = None):
-        self.id = request_id
-        self._events: queue.Queue[Event] = queue.Queue()
-        self._sink = sink or self._events.put
-        self._cancelled = threading.Event()
-        self.submitted = time.perf_counter()
-        self.outcome: Event | None = None  # the last event, once read
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def send(self, event: Event) -> None:
-        self._sink(event)
-
-    def __iter__(self) -> Iterator[Event]:
-        """Events until the last one (blocking); only when no ``sink`` was given. Once the last was read, nothing."""
-        while self.outcome is None:
-            event = self._events.get()
-            if event.last:
-                self.outcome = event
-            yield event
-
-    def result(self) -> Generation:
-        """Wait for the final Generation (reading the events that are left); raises the request's error."""
-        for _ in self:
-            pass
-        if self.outcome.error is not None:
-            raise self.outcome.error
-        return self.outcome.final
 
 
 @dataclass
@@ -152,56 +93,6 @@ class _Waiting:
     mode: str
     draft_confidence: float | None  # None: the bundle's
     timeout: float | None
-
-
-class CostModel:
-    """Measured seconds of the calls a step is made of, for choosing how to run it.
-
-    ``batch[B]``: one target call of one token for B rows; ``verify[S]``: one row's target call of S tokens;
-    ``draft``: one draft token for one row. Calibrated once on a scratch cache, then each kind is rescaled by how
-    the steps actually ran (a machine under other load slows everything).
-    """
-
-    def __init__(self):
-        self.batch: dict[int, float] = {}
-        self.verify: dict[int, float] = {}
-        self.draft = 0.0
-        self.scale = {"batched": 1.0, "speculative": 1.0}
-
-    def batch_cost(self, rows: int) -> float:
-        if not self.batch:  # not calibrated
-            return 0.0
-        sizes = sorted(self.batch)
-        return float(np.interp(rows, sizes, [self.batch[s] for s in sizes])) * self.scale["batched"]
-
-    def spec_cost(self, widths: list[int]) -> float:
-        if not self.verify:
-            return 0.0
-        sizes = sorted(self.verify)
-        verify_s = np.interp(widths, sizes, [self.verify[s] for s in sizes])
-        return float(verify_s.sum() + self.draft * (np.asarray(widths) - 1).sum()) * self.scale["speculative"]
-
-    def observe(self, kind: str, predicted: float, measured: float) -> None:
-        if predicted > 0:
-            self.scale[kind] = 0.8 * self.scale[kind] + 0.2 * measured / (predicted / self.scale[kind])
-
-    def calibrate(self, target, draft, max_batch: int, max_width: int, past: int = 64, repeats: int = 3) -> None:
-        def timed(engine, rows: int, width: int) -> float:
-            cache = engine.new_cache(rows)
-            scratch_call(engine, cache, np.ones((rows, past), np.int64))
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                scratch_call(engine, cache, np.ones((rows, width), np.int64))
-                best = min(best, time.perf_counter() - start)
-                engine.rollback(cache, cache.lengths - width)
-            return best
-
-        for rows in sorted({1, 2, 4, max_batch} | {b for b in (8, 16, 32) if b < max_batch}):
-            self.batch[rows] = timed(target, rows, 1)
-        for width in range(1, max_width + 1):
-            self.verify[width] = timed(target, 1, width)
-        self.draft = timed(draft, 1, 1) if draft is not None else 0.0
 
 
 class Scheduler:
@@ -555,22 +446,6 @@ class Scheduler:
         for w in waiting:
             w.handle.send(Event(error=error))
         self._fail_running(error)
-
-
-def scratch_call(engine, cache, tokens: np.ndarray) -> None:
-    """A forward call on made-up tokens, for timing; a feature draft engine gets zero features of its width."""
-    inner = getattr(engine, "engine", engine)
-    if not getattr(inner, "takes_features", False):
-        engine.forward(cache, tokens)
-        return
-    width = next(i.shape[-1] for i in inner.session.get_inputs() if i.name == "features")
-    engine.forward(cache, tokens, features=np.zeros(tokens.shape + (width,), np.float32))
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens one verify of k draft tokens yields when each is accepted with probability ``acceptance``."""
-    a = min(acceptance, 0.99)
-    return (1 - a ** (k + 1)) / (1 - a)
 
 
 def isolated(row: _Row, work: Callable, *args):

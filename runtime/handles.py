@@ -1,0 +1,73 @@
+"""What a request submitted to the scheduler gets back: its events, a handle to read and cancel them, and the two
+errors that are not the request's own fault (runtime/scheduler.py)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from runtime.api import Generation
+from runtime.errors import RequestError
+
+
+class Overloaded(RequestError):
+    """The queue is full, or a request waited longer than the scheduler allows: retry later."""
+
+
+class Unavailable(RuntimeError):
+    """Not the request's fault: the engines failed while it ran, or the scheduler is stopping."""
+
+
+@dataclass
+class Event:
+    """What a request receives: text as it is accepted, then exactly one ``final`` (or one ``error``)."""
+
+    piece: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the tokens this event adds
+    final: Generation | None = None
+    error: Exception | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.final is not None or self.error is not None
+
+
+class Handle:
+    """A submitted request: its events, in order, and a way to cancel it (honoured at the next step)."""
+
+    def __init__(self, request_id: int, sink: Callable[[Event], None] | None = None):
+        self.id = request_id
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._sink = sink or self._events.put
+        self._cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self.outcome: Event | None = None  # the last event, once read
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def send(self, event: Event) -> None:
+        self._sink(event)
+
+    def __iter__(self) -> Iterator[Event]:
+        """Events until the last one (blocking); only when no ``sink`` was given. Once the last was read, nothing."""
+        while self.outcome is None:
+            event = self._events.get()
+            if event.last:
+                self.outcome = event
+            yield event
+
+    def result(self) -> Generation:
+        """Wait for the final Generation (reading the events that are left); raises the request's error."""
+        for _ in self:
+            pass
+        if self.outcome.error is not None:
+            raise self.outcome.error
+        return self.outcome.final
