@@ -57,7 +57,8 @@ class Checkpoint:
         import torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(
-            self.folder, gguf_file=self.gguf_file, dtype=torch.float32, attn_implementation="sdpa",
+            self.folder, gguf_file=self.gguf_file, dtype=torch.float32,
+            attn_implementation=self.architecture.attn_implementation,
             trust_remote_code=self.trust_remote_code, use_safetensors=None if self.gguf_file else
             all(p.suffix == ".safetensors" for p in self.weight_files))
         return model.eval()
@@ -70,6 +71,7 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
         if path.suffix != ".gguf":
             raise CheckpointError(f"{source}: a file must be a .gguf checkpoint; for Hugging Face checkpoints pass "
                                   "the folder that holds config.json")
+        _check_gguf_header(path, source)
         checkpoint = Checkpoint(source, path.parent, path.name, (path,), trust_remote_code)
     else:
         checkpoint = Checkpoint(source, path, None, _weight_files(path, source, allow_pickle), trust_remote_code)
@@ -81,6 +83,16 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
             raise CheckpointError(f"{source}: {err}") from None
         raise CheckpointError(f"{source}: cannot read the model config ({err})") from None
     return checkpoint
+
+
+def _check_gguf_header(path: Path, source: str) -> None:
+    """Refuse a truncated or inconsistent GGUF header before transformers' GGUF reader (which trusts its counts)
+    sees it."""
+    from builder.gguf_header import GGUFHeaderError, check
+    try:
+        check(path)
+    except GGUFHeaderError as err:
+        raise CheckpointError(f"{source}: {err}") from None
 
 
 def _locate(source: str) -> Path:

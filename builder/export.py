@@ -40,6 +40,7 @@ class GraphInfo:
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     graph: str = "export"
+    notes: tuple[str, ...] = ()  # what the graph's build wants the report to say about it (e.g. longrope's switch)
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:
@@ -72,6 +73,7 @@ class _CachedDecoder(torch.nn.Module):
         query = (torch.arange(new_len) + past_len).view(1, 1, -1, 1)
         # A query sees live slots at or before its own; it always sees itself, so padded rows stay finite.
         allowed = (attention_mask.bool()[:, None, None, :] & (slot <= query)) | (slot == query)
+        allowed = self._windowed(allowed, attention_mask, position_ids)
         cache = DynamicCache()
         for i in range(self.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
@@ -81,6 +83,28 @@ class _CachedDecoder(torch.nn.Module):
         for layer in out.cache.layers[: self.num_layers]:
             present += [layer.keys, layer.values]
         return (out.logits, *present)
+
+    def _windowed(self, allowed, attention_mask, position_ids):
+        """A 4-D mask is used as it is, so a sliding window must be in it: a query at position p sees live slots at
+        positions > p - window (transformers' sliding_window_overlay), a slot's position being the number of live
+        slots before it. Models with layer_types take one mask per layer type (Gemma 2/3, Qwen2/3)."""
+        config = self.model.config
+        window = int(getattr(config, "sliding_window", None) or 0)
+        types = getattr(config, "layer_types", None)
+        if not window or not getattr(config, "use_sliding_window", True):
+            return self._for_kernel(allowed)
+        slot_position = (torch.cumsum(attention_mask, -1) - 1)[:, None, None, :]
+        sliding = allowed & ((position_ids[:, None, :, None] - slot_position) < window)
+        if types is None:
+            return self._for_kernel(sliding)
+        return {"full_attention": self._for_kernel(allowed), "sliding_attention": self._for_kernel(sliding)}
+
+    def _for_kernel(self, allowed):
+        """Eager attention (Gemma 2: softcaps) adds the mask to the scores: a boolean one must become additive."""
+        if self.model.config._attn_implementation != "eager":
+            return allowed
+        dtype = self.model.get_input_embeddings().weight.dtype  # float16 in a CUDA export
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def _example(info: GraphInfo, batch=2, past=3, new=4, dtype=torch.float32):

@@ -1,23 +1,50 @@
 """GGUF-faithful weights: a GGUF file's quantized blocks written as ONNX Runtime MatMulNBits, not re-quantized.
 
 Re-quantizing a dequantized Q4_1 file quantizes its weights twice and gives a worse model than the file the user gave
-us (SmolLM2: perplexity 24.4 against 16.7). Each GGUF block type below maps exactly onto MatMulNBits (block 32 along
-K, one row per output), w = scale * (q - zero_point) [+ offset]:
+us (SmolLM2: perplexity 24.4 against 16.7). Each GGUF block type below maps exactly onto MatMulNBits (one row per
+output, blocks along K), w = scale * (q - zero_point) [+ offset], the offset applied as blocksum(x) @ offsets^T
+(builder.graph; offset blocks 16 or 32 wide). MatMulNBits (onnxruntime 1.32) takes 2, 4 or 8 bits, so 5- and 6-bit types
+are stored as 8 bits (on this CPU small layers cost the same at 8 bits; shared/FACTS.md):
 
-    Q8_0  w = d * q,        q int8         -> 8 bits, q + 128, zero point 128 (MatMulNBits' 8-bit default)
-    Q4_0  w = d * (q - 8),  q 0..15        -> 4 bits, zero point 8 (MatMulNBits' 4-bit default)
-    Q4_1  w = d * q + m,    q 0..15        -> 4 bits, zero point 0, plus offsets m: blocksum(x) @ m^T (builder.graph)
+    type  bytes per block (ggml-common.h)                      w                          MatMulNBits form
+    Q8_0  {fp16 d; int8 qs[32]}                                d * q                      8-bit/32
+    Q4_0  {fp16 d; u8 qs[16]}                                  d * (q - 8)                4-bit/32 (zero point 8)
+    Q4_1  {fp16 d, m; u8 qs[16]}                               d * q + m                  4-bit/32, zp 0, offsets m
+    Q5_0  {fp16 d; u8 qh[4]; u8 qs[16]}                        d * (q - 16)               8-bit/32
+    Q5_1  {fp16 d, m; u8 qh[4]; u8 qs[16]}                     d * q + m                  8-bit/32, offsets m
+    Q4_K  {fp16 d, dmin; u8 scales[12]; u8 qs[128]}            d*sc * q - dmin*mn         4-bit/32, zp 0, offsets
+    Q5_K  {fp16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]} d*sc * q - dmin*mn         8-bit/32, offsets
+    Q6_K  {u8 ql[128]; u8 qh[64]; int8 scales[16]; fp16 d}     d*sc * (q - 32)            8-bit/16
+    Q2_K  {u8 scales[16]; u8 qs[64]; fp16 d, dmin}             d*sc * q - dmin*mn, q 0..3 4-bit/16, offsets /16
+    Q3_K  {u8 hmask[32]; u8 qs[64]; u8 scales[12]; fp16 d}     d*(sc-32) * q, q -4..3     4-bit/16
+    IQ4_NL {fp16 d; u8 qs[16]}                                 d * grid[q]                8-bit/32
+    IQ4_XS {fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}  d*(ls-32) * grid[q]        8-bit/32
 
-Other types are dequantized and quantized again by the build's own quantizer; the build report says which tensors
-(``notes``). llama.cpp stores q_proj / k_proj rows permuted for its rotary layout; rows are put back in Hugging Face
-order (whole rows move, so blocks stay intact and the mapping stays exact).
+8-bit values are stored as q - zero_point + 128 under MatMulNBits' default zero point (128), so no 8-bit type needs
+a zero-point input; 4-bit ones whose q - zero_point lies in -8..7 (Q4_0, Q2_K, Q3_K) neither. The K-quants are
+256-wide super-blocks: Q4_K / Q5_K have 8 sub-blocks of 32 with 6-bit scales sc and mins mn packed in ``scales[12]``,
+Q6_K 16 sub-blocks of 16 with int8 scales, Q2_K / Q3_K 16 of 16 with 4-bit / 6-bit ones. IQ4_NL / IQ4_XS index a
+16-entry grid of int8 values (ggml-common.h kvalues_iq4nl), so the grid value is the 8-bit q. Scales d*sc and offsets
+dmin*mn are exact in float32 (an fp16 times a small integer), so with fp32 activations the product is the file's, up
+to summation order.
 
-Block layouts (ggml-common.h): Q8_0 {fp16 d; int8 qs[32]}; Q4_0 {fp16 d; uint8 qs[16]}; Q4_1 {fp16 d, m; uint8
-qs[16]}; a 4-bit block's qs[j] holds element j in its low nibble and element j + 16 in its high nibble.
+Sources relied on: ggml's ``ggml/src/ggml-common.h`` (ggml-org/llama.cpp; structs block_q8_0, block_q4_0,
+block_q4_1, block_q5_0, block_q5_1, block_q2_K ... block_q6_K, block_iq4_nl, block_iq4_xs) and ``ggml-quants.c``
+(dequantize_row_q2_K ... q6_K, iq4_nl, iq4_xs; get_scale_min_k4); the element order was checked against the
+``gguf`` package's ``gguf/quants.py`` (0.19.0) dequantizers, the oracle of tests/test_gguf_types.py.
+
+Projections fused into one MatMulNBits (q|k|v, gate|up) whose parts have different types (Q4_K_M: Q6_K attn_v next
+to Q4_K attn_q/attn_k) are promoted to a common exact form: the widest bits, the smallest block, offsets zero-filled
+for parts without them. Other types (the grid IQ types, TQ*, MXFP4, floats) stay float32 weights dequantized from
+the file (exact, but larger and slower); ``Decoder.notes`` says which tensors. llama.cpp's converter stores q_proj /
+k_proj rows permuted for its rotary layout for Llama-style architectures only (``permuted_qk``); rows are put back in
+Hugging Face order (whole rows move, so blocks stay intact and the mapping stays exact). Every layer is checked against
+the float weights transformers dequantized from the same file before it replaces them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,118 +52,379 @@ import numpy as np
 from builder.graph import BlockQuant, Decoder, Linear
 
 BLOCK = 32
-FAITHFUL_TYPES = ("Q8_0", "Q4_0", "Q4_1")
-# GGUF tensor name stems for the parts of builder.graph.Layer
-PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
-         "down": ("ffn_down",)}
+# GGUF tensor name stems for the parts of builder.graph.Layer, first choice first (Phi-3's converter writes q|k|v as
+# one attn_qkv and gate|up as one ffn_up)
+PARTS = {"qkv": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)), "o": (("attn_output",),),
+         "gate_up": (("ffn_gate", "ffn_up"), ("ffn_up",)), "down": (("ffn_down",),)}
+ROW_CHUNK = 8192  # rows dequantized at a time by the check against the model
 
 
-def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK) -> Decoder:
+@dataclass(frozen=True)
+class _Blocks:
+    """Unpacked blocks: w[n, j*b + i] = scales[n, j] * (q[n, j, i] - zero[n, j]) + offsets[n, (j*b + i) // o].
+
+    ``q`` uint8 [N, K/b, b]; ``zero`` uint8 [N, K/b]; ``scales`` float32 [N, K/b]; ``offsets`` float32 [N, K/o]
+    (o = 16 or 32, a multiple of b) or None; ``bits``: what MatMulNBits needs to store q - zero (4 or 8)."""
+
+    bits: int
+    q: np.ndarray
+    zero: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None = None
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def block(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1] * self.q.shape[2]
+
+
+def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bool = True) -> Decoder:
     """``decoder`` (from the dequantized model) with every linear layer the file holds in a faithful type replaced by
-    its blocks as they are in the file. Works for a truncated decoder too (its first layers).
+    its blocks as they are in the file. Works for a truncated decoder too (its first layers). Each replaced layer is
+    first checked against the decoder's own float weights (which transformers dequantized from the same file): a
+    file whose blocks say something else is refused (ValueError) rather than built.
 
-    ``block`` 16 writes each 32-block as two 16-blocks with the same scale (still exact): MatMulNBits with int8
-    activations (accuracy level 4) quantizes the activations per weight block, so halving the block halves the
-    span each activation scale covers."""
+    Args:
+        block: 16 writes each 32-block as two 16-blocks with the same scale (still exact): MatMulNBits with int8
+            activations (accuracy level 4) quantizes the activations per weight block, so halving the block halves
+            the span each activation scale covers. Q6_K's blocks are 16 wide either way.
+        permuted_qk: whether the file's attn_q / attn_k rows are in llama.cpp's rotary order. llama.cpp's
+            convert_hf_to_gguf.py permutes them in LlamaModel.modify_tensors (Llama, Mistral and the classes built on
+            LlamaModel), not for Qwen2/Qwen3, Gemma 2/3 or Phi-3 (NEOX rotary): the caller knows the architecture
+            (builder.architectures.Architecture.gguf_permuted_qk). Where the check shows the other order, that one
+            is used and ``decoder.notes`` says so (the registry entry is wrong).
+    """
     if block not in (16, BLOCK):
         raise ValueError(f"GGUF blocks are {BLOCK} wide; they can be written as {BLOCK} or 16, not {block}")
-    import gguf
-    reader = gguf.GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
-    requantized = []
+    from builder import gguf_header
+    tensors = gguf_header.read(gguf_path)  # checked, bounded; the data is mapped, not read
+    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    kept, flipped = [], []  # tensor names left as float weights; q/k read in the other row order
     for i, layer in enumerate(decoder.layers):
-        for part, stems in PARTS.items():
+        for part, choices in PARTS.items():
+            stems = next((c for c in choices if all(f"blk.{i}.{s}.weight" in tensors for s in c)), choices[0])
             names = [f"blk.{i}.{stem}.weight" for stem in stems]
-            blocks = [_blocks(tensors[n], decoder, stem) for n, stem in zip(names, stems)]
-            if len({tensors[n].tensor_type for n in names}) > 1:  # e.g. Q4_K_M's Q6_K v next to Q4_K q, k
-                blocks = [None] * len(names)
-            if all(b is not None for b in blocks):
-                old = getattr(layer, part)
-                setattr(layer, part, Linear(quant=split(_stack(blocks), block), bias=old.bias))
-            else:
-                requantized += [n for n, b in zip(names, blocks) if b is None]
+            linear, order = _part(data, tensors, decoder, names, stems, getattr(layer, part), permuted_qk, block)
+            if linear is None:
+                kept += [n for n in names if n not in tensors or tensors[n].kind not in DECODERS]
+                continue
+            setattr(layer, part, linear)
+            flipped += names[:1] if order != permuted_qk else []
     head = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    head_blocks = _blocks(head, decoder, "output") if head is not None else None
-    if head_blocks is not None and head_blocks.n == decoder.vocab:
-        decoder.head = Linear(quant=split(head_blocks, block))
+    head_blocks = _tensor_blocks(data, head, decoder, "output", permuted_qk)
+    if head_blocks is not None and (head_blocks.n, head_blocks.k) == (decoder.vocab, decoder.hidden):
+        error = _mismatch(head.name, head_blocks, decoder.head.weight)
+        if error is not None:
+            raise ValueError(f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
+                             f"file (max |difference| {error:.3g}); the file is inconsistent")
+        decoder.head = Linear(quant=_pack(split(head_blocks, block)))
     elif head is not None:
-        requantized.append(head.name)
-    if requantized:
-        types = sorted({tensors[n].tensor_type.name for n in requantized if n in tensors})
-        decoder.notes.append(f"{len(requantized)} tensors of GGUF types {types} have no exact MatMulNBits form; "
-                             f"they were dequantized and quantized again: {requantized[:4]}...")
+        kept.append(head.name)
+    _note(decoder, tensors, kept, flipped, permuted_qk)
     return decoder
 
 
-def _blocks(tensor, decoder: Decoder, stem: str) -> BlockQuant | None:
-    kind = tensor.tensor_type.name
-    if kind not in FAITHFUL_TYPES:
+def _part(data, tensors: dict, decoder: Decoder, names: list[str], stems: tuple[str, ...], old: Linear,
+          permuted_qk: bool, block: int) -> tuple[Linear | None, bool]:
+    """One fused projection from the file's blocks, checked against ``old`` (the model's float weights), and the q/k
+    row order that matched; (None, _) where a part has no exact form."""
+    orders = (permuted_qk, not permuted_qk) if "attn_q" in stems else (permuted_qk,)
+    for order in orders:
+        blocks = [_tensor_blocks(data, tensors.get(n), decoder, stem, order) for n, stem in zip(names, stems)]
+        if any(b is None for b in blocks):
+            return None, order
+        stacked = _stack(blocks)
+        error = _mismatch(", ".join(names), stacked, old.weight)
+        if error is None:
+            return Linear(quant=_pack(split(stacked, block)), bias=old.bias), order
+    raise ValueError(f"{', '.join(names)}: the file's blocks differ from the weights transformers loaded from the "
+                     f"same file (max |difference| {error:.3g}{', in either q/k row order' if len(orders) > 1 else ''})"
+                     "; the file is inconsistent")
+
+
+def _note(decoder: Decoder, tensors: dict, kept: list[str], flipped: list[str], permuted_qk: bool) -> None:
+    if kept:
+        types = sorted({tensors[n].kind for n in kept if n in tensors})
+        missing = [n for n in kept if n not in tensors]
+        decoder.notes.append(
+            f"{len(kept)} tensors have no exact MatMulNBits form (GGUF types {types}"
+            f"{f', {len(missing)} not in the file' if missing else ''}); they stay float32 weights dequantized from "
+            f"the file (exact, but larger and slower): {kept[:4]}...")
+    if flipped:
+        decoder.notes.append(
+            f"the file's attn_q / attn_k rows are {'not ' if permuted_qk else ''}in llama.cpp's rotary order, unlike "
+            f"what Architecture.gguf_permuted_qk ({permuted_qk}) says for this architecture; they were read in the "
+            f"order that matches the model ({len(flipped)} layers): fix the registry entry")
+
+
+def _mismatch(names: str, blocks: _Blocks, weight: np.ndarray | None) -> float | None:
+    """None if the blocks say what the decoder's float weights [K, N] say (both are the file dequantized in float32:
+    equal up to rounding), else the largest difference. A different shape is an error."""
+    if weight is None:
         return None
-    n, k = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF shapes list ne0 (K, contiguous) first
-    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // BLOCK, -1)
-    scales = _half(raw[:, :, 0:2])
-    if kind == "Q8_0":
-        q = (raw[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        quant = BlockQuant(8, BLOCK, k, n, np.ascontiguousarray(q), scales)
-    else:
-        body = raw[:, :, 2:] if kind == "Q4_0" else raw[:, :, 4:]
-        elements = np.concatenate([body & 0x0F, body >> 4], axis=-1)  # [N, K/32, 32] in order
-        packed = (elements[..., 0::2] | (elements[..., 1::2] << 4)).astype(np.uint8)
-        if kind == "Q4_0":
-            quant = BlockQuant(4, BLOCK, k, n, packed, scales)
-        else:
-            zero = np.zeros((n, (k // BLOCK + 1) // 2), np.uint8)
-            quant = BlockQuant(4, BLOCK, k, n, packed, scales, zero, _half(raw[:, :, 2:4]))
-    if stem in ("attn_q", "attn_k"):
+    if tuple(weight.shape) != (blocks.k, blocks.n):
+        raise ValueError(f"{names}: the GGUF file holds [K={blocks.k}, N={blocks.n}] but the model loaded from it "
+                         f"has {list(weight.shape)}; the file is inconsistent")
+    rows = weight.T
+    for start in range(0, blocks.n, ROW_CHUNK):
+        want = rows[start:start + ROW_CHUNK]
+        error = float(np.abs(_dequantized(blocks, start, start + ROW_CHUNK) - want).max(initial=0.0))
+        if not error <= 1e-5 * max(float(np.abs(want).max(initial=0.0)), 1e-30):
+            return error
+    return None
+
+
+def _dequantized(blocks: _Blocks, start: int, stop: int) -> np.ndarray:
+    """float32 [rows, K] of rows start:stop."""
+    q = blocks.q[start:stop].astype(np.float32) - blocks.zero[start:stop, :, None]
+    w = (q * blocks.scales[start:stop, :, None]).reshape(-1, blocks.k)
+    if blocks.offsets is not None:
+        w += np.repeat(blocks.offsets[start:stop], blocks.k // blocks.offsets.shape[1], axis=1)
+    return w
+
+
+# --- one tensor's blocks ---------------------------------------------------------------------------------------------
+
+def _tensor_blocks(data: np.ndarray, tensor, decoder: Decoder, stem: str, permuted_qk: bool) -> _Blocks | None:
+    """The blocks of ``tensor`` (a gguf_header.TensorInfo; its bytes in ``data``, the mapped file), in Hugging Face
+    row order; None for a missing tensor or a type without an exact form."""
+    if tensor is None or tensor.kind not in DECODERS:
+        return None
+    import gguf
+    elements, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[tensor.kind]]
+    if len(tensor.shape) != 2:
+        raise ValueError(f"{tensor.name}: a {tensor.kind} weight must be 2-D, not shape {list(tensor.shape)}")
+    k, n = tensor.shape  # GGUF shapes list ne0 (K, contiguous) first; the header check made K whole blocks
+    raw = np.asarray(data[tensor.start:tensor.start + tensor.nbytes]).reshape(n, k // elements, size)
+    blocks = DECODERS[tensor.kind](raw)
+    if permuted_qk and stem in ("attn_q", "attn_k"):
         heads = decoder.heads if stem == "attn_q" else decoder.kv_heads
-        quant = _unpermute(quant, heads)
-    return quant
-
-
-def split(quant: BlockQuant, block: int) -> BlockQuant:
-    """The same weights in blocks of ``block`` (a divisor of quant.block): each block's elements are contiguous in
-    ``packed``, so a block splits by a reshape; every part keeps its block's scale and zero point. Offsets stay per
-    original block (their width is K / offsets' columns)."""
-    if block == quant.block:
-        return quant
-    parts = quant.block // block
-    n, blocks = quant.n, quant.k // quant.block
-    packed = quant.packed.reshape(n, blocks * parts, -1)
-    scales = np.repeat(quant.scales, parts, axis=1)
-    zero_points = quant.zero_points
-    if zero_points is not None:
-        if quant.bits != 4 or zero_points.any():
-            raise ValueError("only all-zero 4-bit zero points (Q4_1) are split")
-        zero_points = np.zeros((n, (blocks * parts + 1) // 2), np.uint8)
-    return BlockQuant(quant.bits, block, quant.k, n, np.ascontiguousarray(packed), scales, zero_points, quant.offsets)
+        if n % (2 * heads):
+            raise ValueError(f"{tensor.name}: {n} rows are not {heads} heads of an even size")
+        blocks = _unpermute(blocks, heads)
+    return blocks
 
 
 def _half(pairs: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(pairs).view(np.float16)[..., 0].astype(np.float32)
+    """fp16 values from their two little-endian bytes (the last axis), as float32."""
+    return np.ascontiguousarray(pairs).view("<f2")[..., 0].astype(np.float32)
 
 
-def _unpermute(quant: BlockQuant, heads: int) -> BlockQuant:
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 32 elements] from [..., 16 bytes]: element j in byte j's low nibble, element j + 16 in its high one."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bit(qh: np.ndarray) -> np.ndarray:
+    """[..., 32] bit j of the little-endian 32-bit word in qh [..., 4], as 16 or 0 (Q5_0 / Q5_1's high bit)."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [..., 32], bit j of byte j // 8 at j
+    return bits << 4
+
+
+def _full(shape, value: int) -> np.ndarray:
+    return np.full(shape, value, np.uint8)
+
+
+def _q8_0(raw):
+    q = raw[..., 2:] ^ np.uint8(0x80)  # int8 q + 128 as uint8
+    return _Blocks(8, q, _full(q.shape[:2], 128), _half(raw[..., 0:2]))
+
+
+def _q4_0(raw):
+    q = _nibbles(raw[..., 2:18])
+    return _Blocks(4, q, _full(q.shape[:2], 8), _half(raw[..., 0:2]))
+
+
+def _q4_1(raw):
+    q = _nibbles(raw[..., 4:20])
+    return _Blocks(4, q, _full(q.shape[:2], 0), _half(raw[..., 0:2]), _half(raw[..., 2:4]))
+
+
+def _q5_0(raw):
+    q = _nibbles(raw[..., 6:22]) | _fifth_bit(raw[..., 2:6])
+    return _Blocks(8, q, _full(q.shape[:2], 16), _half(raw[..., 0:2]))
+
+
+def _q5_1(raw):
+    q = _nibbles(raw[..., 8:24]) | _fifth_bit(raw[..., 4:8])
+    return _Blocks(8, q, _full(q.shape[:2], 0), _half(raw[..., 0:2]), _half(raw[..., 2:4]))
+
+
+def _scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 8 six-bit scales and mins from 12 bytes [..., 12] (ggml-quants.c get_scale_min_k4): sub-blocks
+    0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the nibbles of bytes 8-11 (low: scale, high:
+    min), their top 2 bits in the top bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    mins = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K: [N, S, 8, 32] from qs [N, S, 128]: each 32 bytes hold sub-block 2c (low nibbles) and 2c+1
+    (high nibbles)."""
+    chunks = qs.reshape(*qs.shape[:2], 4, 1, 32)
+    return np.concatenate([chunks & 0x0F, chunks >> 4], axis=3).reshape(*qs.shape[:2], 8, 32)
+
+
+def _k_scales(raw, q: np.ndarray, bits: int) -> _Blocks:
+    """Q4_K / Q5_K: d*sc per 32-block, offsets -dmin*mn; q [N, S, 8, 32]."""
+    d, dmin = _half(raw[..., 0:2])[..., None], _half(raw[..., 2:4])[..., None]
+    scales, mins = _scale_min(raw[..., 4:16])
+    n = q.shape[0]
+    q = q.reshape(n, -1, 32)
+    return _Blocks(bits, q, _full(q.shape[:2], 0), (d * scales).reshape(n, -1), (-(dmin * mins)).reshape(n, -1))
+
+
+def _q4_k(raw):
+    return _k_scales(raw, _k_low_nibbles(raw[..., 16:144]), 4)
+
+
+def _q5_k(raw):
+    high = np.unpackbits(raw[..., 16:48, None], axis=-1, bitorder="little")  # [N, S, 32 bytes, 8]: bit s -> sub s
+    return _k_scales(raw, _k_low_nibbles(raw[..., 48:176]) | (np.moveaxis(high, -1, -2) << 4), 8)
+
+
+def _q6_k(raw):
+    """Two halves of 128: in half h, group g (of 32) takes its low 4 bits from ql[64h + 32(g % 2) + i] (low nibble
+    for g < 2, high for g >= 2) and its high 2 bits from bits 2g, 2g+1 of qh[32h + i]; 16 scales of 16 each."""
+    n, s = raw.shape[:2]
+    ql = raw[..., 0:128].reshape(n, s, 2, 1, 2, 32)  # [half, -, g % 2, i]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3).reshape(n, s, 2, 4, 32)  # g = 2 * (nibble) + g % 2
+    qh = raw[..., 128:192].reshape(n, s, 2, 1, 32)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 0x03  # [half, g, i]
+    q = (low | (high << 4)).reshape(n, s * 16, 16)
+    scales = raw[..., 192:208].view(np.int8).astype(np.float32) * _half(raw[..., 208:210])[..., None]
+    return _Blocks(8, q, _full(q.shape[:2], 32), scales.reshape(n, -1))
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's 2-bit values [N, S, 256] from qs [N, S, 64]: in half h (128 values), group g (of 32) is bits
+    2g, 2g+1 of qs[32h + i]."""
+    n, s = qs.shape[:2]
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    return ((qs.reshape(n, s, 2, 1, 32) >> shifts) & 0x03).reshape(n, s, 256)
+
+
+def _q2_k(raw):
+    """{u8 scales[16]; u8 qs[64]; fp16 d, dmin}: w = d*(sc & 15) * q - dmin*(sc >> 4) per 16, q 0..3, stored as
+    q + 8 under the 4-bit default zero point; offsets 16 wide."""
+    n = raw.shape[0]
+    q = _crumbs(raw[..., 16:80]).reshape(n, -1, 16) + np.uint8(8)
+    d, dmin = _half(raw[..., 80:82])[..., None], _half(raw[..., 82:84])[..., None]
+    scales = (d * (raw[..., 0:16] & 0x0F)).reshape(n, -1)
+    return _Blocks(4, q, _full(q.shape[:2], 8), scales, (-(dmin * (raw[..., 0:16] >> 4))).reshape(n, -1))
+
+
+def _q3_k(raw):
+    """{u8 hmask[32]; u8 qs[64]; u8 scales[12]; fp16 d}: w = d*(sc - 32) * q per 16, q = low 2 bits - 4 where the
+    hmask bit (bit j of hmask[i] for value 32j + i) is 0, so q in -4..3, stored as q + 8. The 6-bit scales: low
+    nibbles of bytes 0-7 (subs 0-7), their high nibbles (8-15), top 2 bits from bytes 8-11 (bits 2t: subs 4t + j)."""
+    n, s = raw.shape[:2]
+    high = np.moveaxis(np.unpackbits(raw[..., 0:32, None], axis=-1, bitorder="little"), -1, -2).reshape(n, s, 256)
+    q = (_crumbs(raw[..., 32:96]) + np.uint8(4) + (high << 2)).reshape(n, -1, 16)
+    packed = raw[..., 96:108]
+    low = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    top = np.concatenate([(packed[..., 8:12] >> (2 * t)) & 0x03 for t in range(4)], axis=-1)
+    scales = ((low | (top << 4)).astype(np.float32) - 32) * _half(raw[..., 108:110])[..., None]
+    return _Blocks(4, q, _full(q.shape[:2], 8), scales.reshape(n, -1))
+
+
+# IQ4_NL / IQ4_XS: 4-bit indices into this non-uniform int8 grid (ggml-common.h kvalues_iq4nl); the grid values
+# themselves are 8-bit integers, so w = d * grid[q] is exact at 8 bits
+IQ4_GRID = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+IQ4_STORED = (IQ4_GRID + 128).astype(np.uint8)
+
+
+def _iq4_nl(raw):
+    """{fp16 d; u8 qs[16]} (Q4_0's nibble order): w = d * grid[q]."""
+    q = IQ4_STORED[_nibbles(raw[..., 2:18])]
+    return _Blocks(8, q, _full(q.shape[:2], 128), _half(raw[..., 0:2]))
+
+
+def _iq4_xs(raw):
+    """{fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}: 8 subs of 32 (16 bytes each, Q4_0's nibble order),
+    w = d*(ls - 32) * grid[q], ls 6 bits: the nibbles of scales_l[j] (low: sub 2j, high: 2j + 1) and bits 2s, 2s+1
+    of the little-endian scales_h."""
+    n, s = raw.shape[:2]
+    q = IQ4_STORED[_nibbles(raw[..., 8:136].reshape(n, s, 8, 16))].reshape(n, -1, 32)
+    low = np.stack([raw[..., 4:8] & 0x0F, raw[..., 4:8] >> 4], axis=-1).reshape(n, s, 8)
+    high = raw[..., 2:4].astype(np.uint16)
+    high = ((high[..., 0:1] | (high[..., 1:2] << 8)) >> (2 * np.arange(8, dtype=np.uint16))) & 0x03
+    scales = ((low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32) * _half(raw[..., 0:2])[..., None]
+    return _Blocks(8, q, _full(q.shape[:2], 128), scales.reshape(n, -1))
+
+
+DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,
+            "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+FAITHFUL_TYPES = tuple(DECODERS)
+
+
+# --- reshaping, stacking, packing ------------------------------------------------------------------------------------
+
+def _unpermute(blocks: _Blocks, heads: int) -> _Blocks:
     """Rows back from llama.cpp's rotary order (per head: pairs interleaved) to Hugging Face's (halves)."""
-    head_dim = quant.n // heads
+    head_dim = blocks.n // heads
 
     def rows(a):
         if a is None:
             return None
         return np.ascontiguousarray(a.reshape(heads, head_dim // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
 
-    return BlockQuant(quant.bits, quant.block, quant.k, quant.n, rows(quant.packed), rows(quant.scales),
-                      rows(quant.zero_points), rows(quant.offsets))
+    return _Blocks(blocks.bits, rows(blocks.q), rows(blocks.zero), rows(blocks.scales), rows(blocks.offsets))
 
 
-def _stack(blocks: list[BlockQuant]) -> BlockQuant:
-    """Projections sharing an input, side by side (more outputs, N summed); they must share bits and layout."""
-    first = blocks[0]
-    if len(blocks) == 1:
-        return first
+def split(blocks: _Blocks, block: int) -> _Blocks:
+    """The same weights in blocks of ``block`` where that is smaller (a divisor): each block's elements are
+    contiguous, so a block splits by a reshape; every part keeps its block's scale and zero point."""
+    if block >= blocks.block:
+        return blocks
+    parts = blocks.block // block
+    n = blocks.n
+    return _Blocks(blocks.bits, blocks.q.reshape(n, -1, block), np.repeat(blocks.zero, parts, axis=1),
+                   np.repeat(blocks.scales, parts, axis=1), blocks.offsets)
 
-    def cat(name):
-        parts = [getattr(b, name) for b in blocks]
-        return None if parts[0] is None else np.concatenate(parts)
 
-    return BlockQuant(first.bits, first.block, first.k, sum(b.n for b in blocks), cat("packed"), cat("scales"),
-                      cat("zero_points"), cat("offsets"))
+def _stack(parts: list[_Blocks]) -> _Blocks:
+    """Projections sharing an input, side by side (N summed), in their common exact form: the widest bits, the
+    smallest block, offsets zero-filled for the parts that have none."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.k for p in parts}) > 1:
+        raise ValueError(f"fused projections must share their input width, not {[p.k for p in parts]}")
+    block = min(p.block for p in parts)
+    parts = [split(p, block) for p in parts]
+    offsets = None
+    widths = [p.k // p.offsets.shape[1] for p in parts if p.offsets is not None]
+    if widths:  # the narrowest offset blocks (16: Q2_K) for all; wider ones repeated, none zero
+        width = min(widths)
+        offsets = np.concatenate([np.zeros((p.n, p.k // width), np.float32) if p.offsets is None else
+                                  np.repeat(p.offsets, p.k // p.offsets.shape[1] // width, axis=1) for p in parts])
+    return _Blocks(max(p.bits for p in parts), np.concatenate([p.q for p in parts]),
+                   np.concatenate([p.zero for p in parts]), np.concatenate([p.scales for p in parts]), offsets)
+
+
+def _pack(blocks: _Blocks) -> BlockQuant:
+    """MatMulNBits' layout (contrib op schema, onnxruntime 1.32): B uint8 [N, K/b, b*bits/8], 4-bit values two a
+    byte, low nibble first; zero points uint8 [N, ceil(K/b * bits / 8)] packed the same way, omitted where all are
+    the default 2^(bits-1). 8-bit values are stored as q - zero + 128 (uint8 arithmetic wraps; the true value
+    q - zero lies in [-128, 127] for every type), so they always use the default."""
+    n, k, block = blocks.n, blocks.k, blocks.block
+    q, zero = blocks.q, blocks.zero
+    if blocks.bits == 8:
+        packed = q + (np.uint8(128) - zero)[..., None]
+        return BlockQuant(8, block, k, n, np.ascontiguousarray(packed), blocks.scales, None, blocks.offsets)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    zero_points = None
+    if (zero != 8).any():
+        padded = np.zeros((n, zero.shape[1] + zero.shape[1] % 2), np.uint8)
+        padded[:, :zero.shape[1]] = zero
+        zero_points = np.ascontiguousarray(padded[:, 0::2] | (padded[:, 1::2] << 4))
+    return BlockQuant(4, block, k, n, np.ascontiguousarray(packed), blocks.scales, zero_points, blocks.offsets)

@@ -9,7 +9,15 @@ are made of, written by us from the weights::
         -> MatMul(o) -> SkipSimplifiedLayerNormalization -> MatMul(gate|up) -> Split -> SiLU * up -> MatMul(down)
     -> SkipSimplifiedLayerNormalization -> MatMul(head)
 
-About 10 nodes a layer. The contract (runtime.engine.FusedEngine relies on it)::
+About 10 nodes a layer. Families differ only where builder.architectures says so (its Architecture fields) or their
+config does: Qwen3 and Gemma 3 normalize each head of q and k (Split -> Reshape -> SimplifiedLayerNormalization ->
+Reshape, into GroupQueryAttention's separate q/k/v inputs); Gemma 2/3 add a norm after attention and after the MLP,
+scale the embedding and use GELU (tanh); rotary scaling (linear, llama3, yarn, longrope), partial rotary (Phi-3) and
+per-layer-type bases (Gemma 3) are cos/sin tables GroupQueryAttention takes as inputs; sliding-window layers set its
+local_window_size, Gemma 2's score softcap its softcap and query_pre_attn_scalar its scale. Semantics follow
+transformers 5's modeling_<family>.py and are checked against it (check_against_torch; tests/test_fused_graph.py).
+
+The contract (runtime.engine.FusedEngine relies on it)::
 
     inputs   input_ids             int64 [B, S]      S >= 1 new tokens
              seqlens_k             int32 [B]         live tokens of each row after this call, minus 1
@@ -34,136 +42,15 @@ quantizer) or as blocks already quantized in a GGUF file (builder.gguf_weights),
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from builder.decoder import (ACTIVATIONS, ROPE_KINDS, BlockQuant, Decoder, GraphError, Layer,  # noqa: F401
+                             Linear, RotaryTable, cache_names, from_transformers, input_names,
+                             output_names)
+
 MS = "com.microsoft"
-
-
-class GraphError(ValueError):
-    """The model has a feature the fused graph does not cover; the message says which (use --graph export)."""
-
-
-@dataclass(frozen=True)
-class BlockQuant:
-    """A weight already quantized in blocks along K, ready for MatMulNBits.
-
-    Shapes (N outputs, K inputs, block b): ``packed`` uint8 [N, K/b, b*bits/8] (two 4-bit values a byte, low nibble
-    first); ``scales`` float32 [N, K/b]; ``zero_points`` uint8 packed like ONNX Runtime's quantizer writes them, or
-    None; ``offsets`` float32 [N, K/b'] or None, b' a multiple of b: a per-block additive term (GGUF Q4_1's m), so
-    that w[n, k] = scale * (q - zero_point) + offset, applied as blocksum(x) @ offsets^T.
-    """
-
-    bits: int
-    block: int
-    k: int
-    n: int
-    packed: np.ndarray
-    scales: np.ndarray
-    zero_points: np.ndarray | None = None
-    offsets: np.ndarray | None = None
-
-
-@dataclass
-class Linear:
-    """y = x @ weight + bias. ``weight`` float32 [K, N], or ``quant`` for pre-quantized blocks."""
-
-    weight: np.ndarray | None = None
-    quant: BlockQuant | None = None
-    bias: np.ndarray | None = None
-
-
-@dataclass
-class Layer:
-    attn_norm: np.ndarray
-    qkv: Linear  # q, k and v projections side by side: N = (H + 2 H_kv) * D
-    o: Linear
-    mlp_norm: np.ndarray
-    gate_up: Linear  # gate and up projections side by side: N = 2 * I
-    down: Linear
-
-
-@dataclass
-class Decoder:
-    """Everything the graph needs: shapes, rotary settings and weights."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    eps: float
-    rope_theta: float
-    max_positions: int
-    embedding: np.ndarray  # float32 [V_in, H]
-    layers: list[Layer]
-    final_norm: np.ndarray
-    head: Linear  # N = vocab (may be a reduced draft head)
-    sliding_window: int = 0
-    notes: list[str] = field(default_factory=list)
-    # a feature draft (builder/distill/feature_draft.py): x = [embedding(token), features] @ feature_fc, float32
-    # [2H, H], where features are the target's final hidden states (its ``hidden`` output) or the draft's own
-    feature_fc: np.ndarray | None = None
-
-
-def cache_names(num_layers: int, prefix: str) -> list[str]:
-    return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
-
-
-def input_names(num_layers: int, features: bool = False) -> tuple[str, ...]:
-    return ("input_ids", "seqlens_k", "total_sequence_length", "logits_to_keep", *cache_names(num_layers, "past"),
-            *(("features",) if features else ()))
-
-
-def output_names(num_layers: int) -> tuple[str, ...]:
-    return ("logits", *cache_names(num_layers, "present"), "hidden")
-
-
-# --- from a transformers model --------------------------------------------------------------------------------------
-
-def from_transformers(model) -> Decoder:
-    """The weights of a Llama-family transformers model (Llama, SmolLM2, Mistral, Qwen2) as a Decoder."""
-    config = model.config
-    _check_rope(config)
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    state = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
-    layers = []
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        qkv_bias = [state.get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
-        layers.append(Layer(
-            attn_norm=state[p + "input_layernorm.weight"],
-            qkv=Linear(np.concatenate([state[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).T,
-                       bias=np.concatenate(qkv_bias) if all(b is not None for b in qkv_bias) else None),
-            o=Linear(state[p + "self_attn.o_proj.weight"].T),
-            mlp_norm=state[p + "post_attention_layernorm.weight"],
-            gate_up=Linear(np.concatenate([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]).T),
-            down=Linear(state[p + "mlp.down_proj.weight"].T)))
-    embedding = state["model.embed_tokens.weight"]
-    head = state.get("lm_head.weight", embedding)
-    return Decoder(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   intermediate=config.intermediate_size, vocab=head.shape[0], eps=float(config.rms_norm_eps),
-                   rope_theta=float(_rope_theta(config)), max_positions=int(config.max_position_embeddings),
-                   embedding=embedding, layers=layers, final_norm=state["model.norm.weight"],
-                   head=Linear(np.ascontiguousarray(head.T)),
-                   sliding_window=int(getattr(config, "sliding_window", 0) or 0)
-                   if getattr(config, "use_sliding_window", True) else 0)
-
-
-def _rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-
-
-def _check_rope(config) -> None:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind != "default":
-        raise GraphError(f"rotary scaling {kind!r} is not in the fused graph; build with --graph export")
 
 
 # --- the graph ------------------------------------------------------------------------------------------------------
@@ -200,11 +87,11 @@ def build(decoder: Decoder, path: Path, accuracy_level: int = 4) -> tuple[tuple[
     g = _Graph()
     g.accuracy_level = accuracy_level
     layers = len(decoder.layers)
-    cos, sin = _rotary_tables(decoder.head_dim, decoder.rope_theta, decoder.max_positions)
-    g.const("cos_cache", cos)
-    g.const("sin_cache", sin)
+    rotary = _rotary_inputs(g, decoder)
     g.const("embedding", decoder.embedding.astype(np.float32))
     (x,) = g.op("Gather", ["embedding", "input_ids"], name="embed")
+    if decoder.embed_scale != 1.0:  # float32 like transformers' embed_scale buffer
+        (x,) = g.op("Mul", [x, g.const("embed_scale", np.array(decoder.embed_scale, np.float32))], name="embed_scale")
     if decoder.feature_fc is not None:
         (both,) = g.op("Concat", [x, "features"], name="embed_features", axis=-1)
         (x,) = g.op("MatMul", [both, g.const("feature_fc", decoder.feature_fc.astype(np.float32))], name="fc")
@@ -212,29 +99,36 @@ def build(decoder: Decoder, path: Path, accuracy_level: int = 4) -> tuple[tuple[
     for i, layer in enumerate(decoder.layers):
         normed, residual = _norm(g, f"layers.{i}.attn_norm", layer.attn_norm, residual, pending, decoder.eps)
         qkv = _linear(g, f"layers.{i}.qkv", normed, layer.qkv)
-        attn, _, _ = g.op("GroupQueryAttention",
-                          [qkv, "", "", f"past.{i}.key", f"past.{i}.value", "seqlens_k", "total_sequence_length",
-                           "cos_cache", "sin_cache"],
-                          ["attn_" + str(i), f"present.{i}.key", f"present.{i}.value"], domain=MS,
-                          name=f"layers.{i}.attention", num_heads=decoder.heads, kv_num_heads=decoder.kv_heads,
-                          do_rotary=1, rotary_interleaved=0,
-                          local_window_size=decoder.sliding_window or -1)
-        pending = _linear(g, f"layers.{i}.o", attn, layer.o)
+        if layer.q_norm is not None:
+            qkv = _qk_norm(g, f"layers.{i}", qkv, layer, decoder)
+        pending = _scaled(g, _linear(g, f"layers.{i}.o", _attention(g, i, qkv, layer, decoder, rotary), layer.o),
+                          decoder.residual_scale)
+        if layer.post_attn_norm is not None:
+            pending = _plain_norm(g, f"layers.{i}.post_attn_norm", layer.post_attn_norm, pending, decoder.eps)
         normed, residual = _norm(g, f"layers.{i}.mlp_norm", layer.mlp_norm, residual, pending, decoder.eps)
         gate_up = _linear(g, f"layers.{i}.gate_up", normed, layer.gate_up)
         gate, up = g.op("Split", [gate_up, g.const(f"layers.{i}.split", np.array([decoder.intermediate] * 2))],
                         2, name=f"layers.{i}.split", axis=-1)
-        (sig,) = g.op("Sigmoid", [gate])
-        (silu,) = g.op("Mul", [gate, sig])
-        (act,) = g.op("Mul", [silu, up])
-        pending = _linear(g, f"layers.{i}.down", act, layer.down)
+        pending = _scaled(g, _linear(g, f"layers.{i}.down", _gated(g, decoder.activation, gate, up), layer.down),
+                          decoder.residual_scale)
+        if layer.post_mlp_norm is not None:
+            pending = _plain_norm(g, f"layers.{i}.post_mlp_norm", layer.post_mlp_norm, pending, decoder.eps)
     normed, _ = _norm(g, "final_norm", decoder.final_norm, residual, pending, decoder.eps, out="hidden")
     # only the last logits_to_keep positions reach the head (0 in a prefill whose logits nobody reads)
     (new,) = g.op("Shape", ["input_ids"], start=1, end=2)
     (start,) = g.op("Sub", [new, "logits_to_keep"])
     (kept,) = g.op("Slice", [normed, start, g.const("int64_max", np.array([2 ** 62], np.int64)),
                              g.const("axis_1", np.array([1], np.int64))])
-    (logits,) = [_linear(g, "head", kept, decoder.head, out="logits")]
+    if decoder.final_softcap:  # Gemma: softcap * tanh(logits / softcap)
+        cap = g.const("final_softcap", np.array(decoder.final_softcap, np.float32))
+        (y,) = g.op("Div", [_linear(g, "head", kept, decoder.head), cap])
+        (y,) = g.op("Tanh", [y])
+        g.op("Mul", [y, cap], ["logits"], name="final_softcap")
+    elif decoder.logit_divisor != 1.0:
+        divisor = g.const("logit_divisor", np.array(decoder.logit_divisor, np.float32))
+        g.op("Div", [_linear(g, "head", kept, decoder.head), divisor], ["logits"], name="logit_divisor")
+    else:
+        _linear(g, "head", kept, decoder.head, out="logits")
     dyn = ["batch", "slots"]
     kv_shape = [dyn[0], decoder.kv_heads, dyn[1], decoder.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new"]),
@@ -265,9 +159,106 @@ def _rotary_tables(head_dim: int, theta: float, positions: int) -> tuple[np.ndar
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def _norm(g: _Graph, name: str, weight: np.ndarray, residual: str, pending: str | None, eps: float,
+def _rotary_inputs(g: _Graph, decoder: Decoder) -> dict[str, tuple[str, str]]:
+    """{table key: (cos name, sin name)} for the layers' GroupQueryAttention nodes. A longrope table with a long
+    form is both stacked in one constant, [short; long], of which each call slices the rows of its own factor set
+    (total_sequence_length > switch: long), rows [0, total) only: a copy proportional to the call's context."""
+    tables = decoder.rotary or {"default": RotaryTable(*_rotary_tables(decoder.head_dim, decoder.rope_theta,
+                                                                        decoder.max_positions))}
+    names, used = {}, {layer.rope for layer in decoder.layers}
+    for key, table in tables.items():
+        if key not in used:  # a truncated draft may keep only sliding layers
+            continue
+        cos, sin = f"cos_cache.{key}", f"sin_cache.{key}"
+        if table.long is None:
+            names[key] = (g.const(cos, table.cos), g.const(sin, table.sin))
+            continue
+        rows = table.cos.shape[0]
+        (past,) = g.op("Greater", ["total_sequence_length", g.const(f"rope_switch.{key}",
+                                                                    np.array(table.switch, np.int32))])
+        (start,) = g.op("Mul", [g.op("Cast", [past], to=7)[0], g.const(f"rope_rows.{key}", np.array(rows, np.int64))])
+        (start,) = g.op("Reshape", [start, g.const(f"rope_one.{key}", np.array([1], np.int64))])
+        (total,) = g.op("Cast", ["total_sequence_length"], to=7)
+        (end,) = g.op("Add", [start, total])
+        zero = g.const(f"rope_axis.{key}", np.array([0], np.int64))
+        names[key] = tuple(g.op("Slice", [g.const(n + ".stacked", np.concatenate([short, long])), start, end, zero],
+                                name=n)[0]
+                           for n, short, long in ((cos, table.cos, table.long.cos), (sin, table.sin, table.long.sin)))
+    return names
+
+
+def _attention(g: _Graph, i: int, qkv, layer: Layer, decoder: Decoder, rotary: dict) -> str:
+    """GroupQueryAttention over the packed q|k|v (or the three parts), rotary inside, cache in place.
+
+    local_window_size is transformers' sliding_window as it is: with it onnxruntime 1.32's CPU kernel masks exactly
+    as transformers' sliding_window_overlay (kv > q - window); window - 1 and window + 1 both disagree with torch
+    (tested on tiny models whose window is shorter than the checked sequence)."""
+    window = decoder.sliding_window if layer.window is None else layer.window
+    parts = [qkv, "", ""] if isinstance(qkv, str) else list(qkv)
+    cos, sin = rotary[layer.rope] if layer.rope is not None else ("", "")
+    attrs = {"scale": decoder.attn_scale} if decoder.attn_scale is not None else {}
+    if decoder.attn_softcap:
+        attrs["softcap"] = decoder.attn_softcap
+    g.op("GroupQueryAttention", [*parts, f"past.{i}.key", f"past.{i}.value", "seqlens_k", "total_sequence_length",
+                                 cos, sin],
+         ["attn_" + str(i), f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"layers.{i}.attention",
+         num_heads=decoder.heads, kv_num_heads=decoder.kv_heads, do_rotary=int(layer.rope is not None),
+         rotary_interleaved=0, local_window_size=window if window else -1, **attrs)
+    return "attn_" + str(i)
+
+
+def _qk_norm(g: _Graph, name: str, qkv: str, layer: Layer, decoder: Decoder) -> tuple[str, str, str]:
+    """Per-head RMSNorm of q and of k: SimplifiedLayerNormalization over the last axis of [B, S, heads, D]; returns
+    (q, k, v) for GroupQueryAttention's separate inputs (no Concat back into one packed tensor)."""
+    d, h, kv = decoder.head_dim, decoder.heads, decoder.kv_heads
+    q, k, v = g.op("Split", [qkv, g.const(name + ".qkv_split", np.array([h * d, kv * d, kv * d]))], 3,
+                   name=name + ".qkv_split", axis=-1)
+    per_head = layer.q_norm.shape[0] == d
+    if per_head:
+        heads = g.const(name + ".heads_shape", np.array([0, 0, -1, d], np.int64))
+        flat = g.const(name + ".flat_shape", np.array([0, 0, -1], np.int64))
+    out = []
+    for part, weight, kind in ((q, layer.q_norm, "q_norm"), (k, layer.k_norm, "k_norm")):
+        x = g.op("Reshape", [part, heads])[0] if per_head else part
+        (x,) = g.op("SimplifiedLayerNormalization", [x, g.const(f"{name}.{kind}.weight", weight.astype(np.float32))],
+                    name=f"{name}.{kind}", axis=-1, epsilon=decoder.eps, stash_type=1)
+        out.append(g.op("Reshape", [x, flat])[0] if per_head else x)
+    return out[0], out[1], v
+
+
+def _gated(g: _Graph, activation: str, gate: str, up: str) -> str:
+    """act(gate) * up: SiLU as x * sigmoid(x); GELU's tanh form (gelu_pytorch_tanh) as ONNX Runtime's FastGelu."""
+    if activation == "gelu_tanh":
+        (act,) = g.op("FastGelu", [gate], domain=MS)
+    else:
+        (sig,) = g.op("Sigmoid", [gate])
+        (act,) = g.op("Mul", [gate, sig])
+    (out,) = g.op("Mul", [act, up])
+    return out
+
+
+def _scaled(g: _Graph, x: str, scale: float) -> str:
+    if scale == 1.0:
+        return x
+    (y,) = g.op("Mul", [x, g.const(f"scale_{g.count}", np.array(scale, np.float32))])
+    return y
+
+
+def _plain_norm(g: _Graph, name: str, weight: np.ndarray, x: str, eps: float) -> str:
+    (y,) = g.op("SimplifiedLayerNormalization", [x, g.const(name + ".weight", weight.astype(np.float32))], name=name,
+                axis=-1, epsilon=eps, stash_type=1)
+    return y
+
+
+def _norm(g: _Graph, name: str, weight: np.ndarray | None, residual: str, pending: str | None, eps: float,
           out: str = ""):
-    """RMSNorm of residual (+ pending, added into the residual stream first); returns (normed, new residual)."""
+    """RMSNorm of residual (+ pending, added into the residual stream first); returns (normed, new residual).
+    Without a weight (a block that reads the stream unnormalized) only the addition: (new residual, itself)."""
+    if weight is None:
+        if pending is None:
+            return residual, residual
+        (total,) = g.op("Add", [pending, residual], name=name + "/sum")
+        return total, total
     gamma = g.const(name + ".weight", weight.astype(np.float32))
     normed = out or name + "/normed"
     if pending is None:
@@ -319,14 +310,14 @@ def info_of(decoder: Decoder):
     return GraphInfo(num_layers=layers, num_kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
                      vocab_size=decoder.vocab, input_names=input_names(layers, decoder.feature_fc is not None),
                      output_names=output_names(layers),
-                     graph="fused")
+                     graph="fused", notes=tuple(decoder.notes))
 
 
 def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0) -> dict:
     """The fused engine (through the runtime's own FusedEngine) against torch, on what decoding does with it:
-    a prefill, a verify pass of 7 tokens after a prefill without logits and 3 junk tokens rolled back, a right-padded batch prefill, then a
-    batched one-token step and a batched 3-token verify (which runs row by row). Raises ExportError past
-    ``tolerance`` (builder.export.compare_cases)."""
+    a prefill, a verify pass of 7 tokens after a prefill without logits and 3 junk tokens rolled back, a right-padded
+    batch prefill, then a batched one-token step and a batched 3-token verify (which runs row by row). Raises
+    ExportError past ``tolerance`` (builder.export.compare_cases)."""
     import torch
     from builder.export import compare_cases
     from runtime.engine import FusedEngine

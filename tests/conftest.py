@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from pathlib import Path
@@ -42,10 +43,11 @@ def tiny_config(architecture: str = "LlamaForCausalLM", vocab_size: int = 320, l
     from transformers import AutoConfig
     from builder.architectures import REGISTRY
     arch = REGISTRY[architecture]
-    config = AutoConfig.for_model(
-        arch.model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        bos_token_id=0, eos_token_id=2, pad_token_id=0, **{**arch.tiny_config, **extra})
+    base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+                bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    # extras override; deep copies: transformers fills rope_parameters dicts in place, the registry's must stay
+    config = AutoConfig.for_model(arch.model_type, **copy.deepcopy({**base, **arch.tiny_config, **extra}))
     config.architectures = [architecture]
     return config
 

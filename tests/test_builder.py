@@ -21,6 +21,13 @@ TINY_MODELS = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {"sliding_window": 4096},
     "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": {},
+    "Phi3ForCausalLM": {},  # longrope, partial rotary (the registry's tiny_config)
+    "Gemma2ForCausalLM": {},  # sliding window 4 < the 12 checked tokens, softcaps, eager attention
+    "Gemma3ForCausalLM": {},
+    "SmolLM3ForCausalLM": {},
+    "GraniteForCausalLM": {},
+    "Olmo2ForCausalLM": {},
 }
 
 

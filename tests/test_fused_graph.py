@@ -1,4 +1,4 @@
-"""The fused CPU graph (builder/graph.py), its engine (runtime.engine.FusedEngine) and GGUF-faithful weights."""
+"""The fused CPU graph (builder/graph.py) and its engine (runtime.engine.FusedEngine)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,46 @@ import collections
 import numpy as np
 import pytest
 
-from builder import graph, gguf_weights
+from builder import graph
 from builder.architectures import REGISTRY
 from builder.export import ExportError
 from conftest import make_model, tiny_config
 from runtime.engine import FusedEngine
 
-TINY_MODELS = {"LlamaForCausalLM": {}, "MistralForCausalLM": {"sliding_window": 4096}, "Qwen2ForCausalLM": {}}
+# Rotary scalings on Llama, each changing the angles within the 16 checked positions
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 500000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0],
+                 "long_factor": [2.0] * 8, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+}
+# One tiny model per case: (architecture, config keys over the registry's tiny_config). Windows of 4 tokens are
+# shorter than the checked sequences, so sliding attention is really exercised.
+TINY_MODELS = {
+    "LlamaForCausalLM": ("LlamaForCausalLM", {}),
+    **{f"LlamaForCausalLM-{kind}": ("LlamaForCausalLM", {"rope_parameters": rope}) for kind, rope in ROPES.items()},
+    "MistralForCausalLM": ("MistralForCausalLM", {"sliding_window": 4}),
+    "Qwen2ForCausalLM": ("Qwen2ForCausalLM", {}),
+    "Qwen3ForCausalLM": ("Qwen3ForCausalLM", {}),
+    "Qwen3ForCausalLM-sliding": ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 4,
+                                                      "max_window_layers": 1}),
+    "Phi3ForCausalLM": ("Phi3ForCausalLM", {}),  # longrope, partial rotary 0.5, fused qkv_proj / gate_up_proj
+    "Phi3ForCausalLM-default": ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "default",
+                                                                        "partial_rotary_factor": 0.5}}),
+    "Gemma2ForCausalLM": ("Gemma2ForCausalLM", {}),  # softcaps 50 / 30 (Gemma 2's defaults)
+    "Gemma2ForCausalLM-softcap": ("Gemma2ForCausalLM", {"final_logit_softcapping": 5.0,
+                                                        "attn_logit_softcapping": 2.0}),  # caps that bite
+    "Gemma3ForCausalLM": ("Gemma3ForCausalLM", {}),
+    # transformers' Gemma 3 caps only the logits (it keeps attn_logit_softcapping but never applies it)
+    "Gemma3ForCausalLM-softcap": ("Gemma3ForCausalLM", {"final_logit_softcapping": 5.0,
+                                                        "attn_logit_softcapping": 2.0}),
+    "SmolLM3ForCausalLM": ("SmolLM3ForCausalLM", {}),  # layer 1 of 2 without rotary embedding
+    "GraniteForCausalLM": ("GraniteForCausalLM", {}),
+    "Olmo2ForCausalLM": ("Olmo2ForCausalLM", {}),
+    "LlamaForCausalLM-biases": ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+}
 
 
 def _fused(model, path, accuracy_level: int = 4):
@@ -32,19 +65,115 @@ def _op_counts(path) -> collections.Counter:
     return collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
-@pytest.mark.parametrize("architecture", sorted(TINY_MODELS))
-def test_fused_graph_matches_torch(architecture, tmp_path):
+def _tiny(case: str, tmp_path, seed: int = 5, **extra):
+    architecture, keys = TINY_MODELS[case]
+    return make_model(tmp_path / "m", tiny_config(architecture, **{**keys, **extra}), seed=seed).eval()
+
+
+def test_every_registry_entry_and_rotary_kind_has_a_tiny_model_test():
+    assert {arch for arch, _ in TINY_MODELS.values()} == set(REGISTRY), "add a TINY_MODELS case per registry entry"
+    assert set(ROPES) | {"default"} == set(graph.ROPE_KINDS), "add a ROPES case per rotary kind the graph writes"
+
+
+@pytest.mark.parametrize("case", sorted(TINY_MODELS))
+def test_fused_graph_matches_torch(case, tmp_path):
     """Prefill, verify after rollback, a right-padded batch, a batched step and a batched verify, against torch."""
-    model = make_model(tmp_path / "m", tiny_config(architecture, **TINY_MODELS[architecture]), seed=5).eval()
-    _, info = _fused(model, tmp_path / "model.onnx")
+    architecture = TINY_MODELS[case][0]
+    arch = REGISTRY[architecture]
+    model = _tiny(case, tmp_path)
+    decoder, info = _fused(model, tmp_path / "model.onnx")
     report = graph.check_against_torch(model, tmp_path / "model.onnx", info, REGISTRY[architecture].tolerance)
     assert set(report) == {"prefill", "verify_after_rollback", "right_padded_batch", "batch_row_2", "batched_step",
                            "batched_verify"}
-    assert max(report.values()) < 1e-4
+    assert max(report.values()) < (1e-3 if arch.qk_norm else 1e-4), report  # q/k norms sharpen attention
     ops = _op_counts(tmp_path / "model.onnx")
     assert ops["GroupQueryAttention"] == info.num_layers and "Softmax" not in ops and "Concat" not in ops
     per_layer = (sum(ops.values()) - 6) / info.num_layers  # embedding, final norm, head and its 3-node slice
-    assert per_layer <= 12, ops  # the exported graph has ~86
+    # the exported graph has ~86; q/k norms add 7 nodes, Gemma's sandwich norms 2, a longrope switch and the
+    # softcaps a few shared ones
+    assert per_layer <= 12 + 7 * arch.qk_norm + 2 * arch.sandwich_norms + 4, ops
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_rotary_tables_are_transformers_own(kind, tmp_path):
+    """The tables equal the model's rotary module's cos/sin (so the check above tests the scaling) and differ from
+    unscaled ones within the checked positions."""
+    import torch
+    model = _tiny(f"LlamaForCausalLM-{kind}", tmp_path)
+    table = graph.from_transformers(model, max_context=32).rotary["default"]
+    assert table.cos.shape == (34, 8) and table.long is None  # 32 positions + the padding slot; 64 > 32: short
+    positions = torch.arange(16)[None]
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(torch.zeros(1, 16, 64), positions)
+    assert np.abs(table.cos[:16] - cos[0, :, :8].numpy()).max() < 1e-6
+    assert np.abs(table.sin[:16] - sin[0, :, :8].numpy()).max() < 1e-6
+    plain = graph.RotaryTable(*graph._rotary_tables(16, 10000.0, 16))
+    assert np.abs(table.cos[:16] - plain.cos).max() > 1e-2
+
+
+def test_longrope_switches_factors_per_call_as_transformers_does(tmp_path):
+    """Past original_max_position_embeddings transformers rotates a call's new tokens by the long factors (keys
+    already cached keep the short ones); the graph does the same, picked by total_sequence_length."""
+    import torch
+    model = _tiny("Phi3ForCausalLM", tmp_path, original_max_position_embeddings=8)
+    decoder, info = _fused(model, tmp_path / "model.onnx")
+    table = decoder.rotary["default"]
+    assert table.long is not None and table.switch == 8 and decoder.notes
+    assert np.abs(table.long.cos[:12] - table.cos[:12]).max() > 1e-2
+    assert graph.from_transformers(model, max_context=8).rotary["default"].long is None  # short factors only
+    ids = np.random.default_rng(0).integers(0, 320, (1, 13))
+    engine = _engine(tmp_path / "model.onnx", info)
+    cache, torch_cache = engine.new_cache(1), None
+    for start, end in ((0, 5), (5, 12), (12, 13)):  # totals 5 (short), 12 and 13 (long)
+        with torch.no_grad():
+            out = model(torch.from_numpy(ids[:, start:end]), cache=torch_cache, use_cache=True)
+        torch_cache = out.cache
+        got = engine.forward(cache, ids[:, start:end])
+        assert np.abs(got - out.logits.numpy()).max() < 1e-4, (start, end)
+
+
+def test_layers_without_rotary_embedding_skip_it(tmp_path):
+    decoder = graph.from_transformers(_tiny("SmolLM3ForCausalLM", tmp_path))
+    assert [layer.rope for layer in decoder.layers] == ["default", None]
+
+
+def test_rotary_tables_follow_the_build_context(tmp_path):
+    model = _tiny("Gemma3ForCausalLM", tmp_path)
+    decoder = graph.from_transformers(model, max_context=40)
+    assert set(decoder.rotary) == {"sliding_attention", "full_attention"}
+    assert {t.cos.shape for t in decoder.rotary.values()} == {(42, 8)}
+    assert [layer.window for layer in decoder.layers] == [4, 0]
+    assert [layer.rope for layer in decoder.layers] == ["sliding_attention", "full_attention"]
+    full = graph.from_transformers(model).rotary["full_attention"]
+    assert full.cos.shape == (258, 8) and np.array_equal(full.cos[:42], decoder.rotary["full_attention"].cos)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                                          "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
+                                          "Olmo2ForCausalLM"])
+def test_quantized_targets_keep_greedy_speculation_identical(architecture, quant, tmp_path):
+    """A whole build (fused graph, the build's checks, quantization) of each family with an int4 or int8 target and
+    a 1-layer int4 self-draft that is often wrong: greedy speculative output equals target-only output."""
+    from builder.build import build
+    from conftest import make_tokenizer
+    from runtime.api import SpeculativeGenerator
+    from runtime.bundle import BuildSpec
+    folder = tmp_path / "target"
+    make_tokenizer(folder)
+    make_model(folder, tiny_config(architecture), seed=7)
+    manifest = build(BuildSpec(target=str(folder), draft="self:layers=1", target_quant=quant, draft_quant="int4",
+                               block_size=16, k=3, max_context=96), tmp_path / "bundle")
+    # the tiny Phi-3's longrope switches at 64 < 96 tokens: the build says so
+    longrope = [n for n in manifest.report["engine_notes"]["target"] if "longrope" in n]
+    assert bool(longrope) == (architecture == "Phi3ForCausalLM")
+    generator = SpeculativeGenerator.from_bundle(tmp_path / "bundle", threads=1)
+    drafted = accepted = 0
+    for prompt in ("The quick brown", "def add(a, b):"):
+        spec = generator.generate(prompt, max_new_tokens=24)
+        assert spec.token_ids == generator.generate(prompt, max_new_tokens=24, mode="target").token_ids
+        drafted, accepted = drafted + spec.stats.num_draft_tokens, accepted + spec.stats.num_accepted_tokens
+    assert drafted > accepted  # drafts were rejected and rolled back
 
 
 def test_fused_check_catches_a_wrong_graph(tmp_path):
@@ -56,9 +185,18 @@ def test_fused_check_catches_a_wrong_graph(tmp_path):
 
 
 def test_unsupported_rotary_scaling_is_refused(tmp_path):
-    config = tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    """dynamic NTK recomputes its frequencies from each call's length: no fixed table is right, so it is refused
+    with the reason, the kinds the graph has and what to do."""
+    config = tiny_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     model = make_model(tmp_path / "m", config, seed=1).eval()
-    with pytest.raises(graph.GraphError, match="--graph export"):
+    with pytest.raises(graph.GraphError, match="'dynamic'.*change with the sequence length.*'llama3'.*--graph export"):
+        graph.from_transformers(model)
+
+
+def test_a_rotary_dimension_the_kernel_lacks_is_refused_before_running(tmp_path):
+    model = _tiny("Phi3ForCausalLM-default", tmp_path, partial_rotary_factor=0.25,
+                  rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25})  # 8 of 32 dims rotate
+    with pytest.raises(graph.GraphError, match="rotary dimension of 8.*--graph export"):
         graph.from_transformers(model)
 
 
@@ -118,90 +256,7 @@ def test_rollback_moves_only_lengths_and_the_buffer_grows(tiny_pair, tmp_path):
     assert np.abs(got - again).max() < 1e-5 and want.shape == got[0, 0].shape
 
 
-# --- GGUF-faithful weights ------------------------------------------------------------------------------------------
-
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's rotary row order for q_proj / k_proj (what its converter writes)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(model, path, types: dict[str, str]):
-    """A GGUF file holding the model's linear weights (and head) in the given block types; the model's own weights
-    are replaced by the file's dequantized values, so the model is exactly what the file says."""
-    import gguf
-    import torch
-    from gguf import quants
-    config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            for module_name, stem in names.items():
-                module = getattr(layer.self_attn, module_name, None) or getattr(layer.mlp, module_name)
-                w = module.weight.numpy().astype(np.float32)
-                rows = {"attn_q": heads, "attn_k": kv_heads}.get(stem)
-                stored = _permute(w, rows) if rows else w
-                kind = getattr(gguf.GGMLQuantizationType, types[stem])
-                blocks = quants.quantize(stored, kind)
-                writer.add_tensor(f"blk.{i}.{stem}.weight", blocks, raw_dtype=kind)
-                back = quants.dequantize(blocks, kind).reshape(w.shape)
-                module.weight.copy_(torch.from_numpy(_unpermute(back, rows) if rows else back))
-        embedding = model.model.embed_tokens.weight.numpy().astype(np.float32)
-        kind = getattr(gguf.GGMLQuantizationType, types["token_embd"])
-        blocks = quants.quantize(embedding, kind)
-        writer.add_tensor("token_embd.weight", blocks, raw_dtype=kind)
-        model.model.embed_tokens.weight.copy_(torch.from_numpy(quants.dequantize(blocks, kind).reshape(embedding.shape)))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-@pytest.mark.parametrize("types", [
-    {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
-     "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q8_0"},  # SmolLM2's file
-    {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
-     "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q4_0"},
-], ids=["q4_1", "q4_0+q8_0"])
-@pytest.mark.parametrize("block", [32, 16])
-def test_gguf_blocks_become_matmulnbits_exactly(tmp_path, types, block):
-    """Block layout, nibble order, llama.cpp's q/k row order, fused projections and Q4_1's offsets: with fp32
-    activations (accuracy level 0) the engine computes exactly the model the file holds, in the file's 32-wide
-    blocks or split into 16-wide ones."""
-    import torch
-    model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
-    _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf", block)
-    assert not decoder.notes
-    assert all(layer.qkv.quant is not None and layer.down.quant is not None for layer in decoder.layers)
-    assert {layer.down.quant.block for layer in decoder.layers} == {decoder.head.quant.block} == {block}
-    assert decoder.head.quant is not None  # the tied head from token_embd's blocks
-    graph.build(decoder, tmp_path / "g.onnx", accuracy_level=0)
-    ops = _op_counts(tmp_path / "g.onnx")
-    assert ops["MatMulNBits"] == 4 * len(decoder.layers) + 1
-    assert ("MatMul" in ops) == ("Q4_1" in types.values())  # Q4_1's offsets: blocksum(x) @ m^T
-    engine = _engine(tmp_path / "g.onnx", graph.info_of(decoder))
-    ids = np.random.default_rng(0).integers(0, 320, (1, 16))
-    with torch.no_grad():
-        want = model(torch.from_numpy(ids)).logits.numpy()[0]
-    got = engine.forward(engine.new_cache(1), ids)[0]
-    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
-
-
-def test_gguf_types_without_an_exact_form_are_requantized_and_reported(tmp_path):
-    model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
-    types = dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"], "Q4_1")
-    types.update(ffn_down="Q5_0", token_embd="Q8_0")
-    _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf")
-    assert all(layer.down.quant is None and layer.qkv.quant is not None for layer in decoder.layers)
-    assert decoder.notes and "Q5_0" in decoder.notes[0]
+# GGUF-faithful weights (builder/gguf_weights.py): tests/test_gguf_types.py
 
 
 def test_profile_reports_per_operator_time_and_node_counts(tiny_bundle):
