@@ -82,6 +82,15 @@ class DefaultGroup(click.Group):
 @click.option("--max-batch-size", type=int, help="TensorRT-LLM: sequences decoded together.")
 @click.option("--max-input-len", type=int, help="TensorRT-LLM: longest prompt (default max_seq_len - 1).")
 @click.option("--max-seq-len", type=int, help="TensorRT-LLM: prompt + output tokens (default: the pair's context).")
+@click.option("--kv-cache-dtype", type=click.Choice(["fp8"]),
+              help="TensorRT-LLM: FP8 KV cache (engine flavor: with --target-quant/--draft-quant fp8 or w4a8_awq only, "
+                   "which keep paged context FMHA and so the block reuse the target needs).")
+@click.option("--target-devices", help="TensorRT-LLM --triton-repo: GPU ids of the target's ranks, e.g. 0,1 "
+              "(tp x pp ids; default 0..tp*pp-1).")
+@click.option("--draft-devices", help="TensorRT-LLM --triton-repo: GPU ids of the draft's ranks (default: the "
+              "target's).")
+@click.option("--num-nodes", type=int, default=1, show_default=True,
+              help="TensorRT-LLM --triton-repo: nodes the ranks span (> 1: ranks started up front, participant ids).")
 @click.option("--dry-run", is_flag=True, help="Print the TensorRT-LLM build plan (every command) and build nothing.")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), help="Bundle directory to write.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
@@ -93,7 +102,8 @@ class DefaultGroup(click.Group):
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads for evaluation.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.pass_context
-def main(ctx, config_path, out, force, triton_repo, upstream_models, threads, as_json, dry_run, **flags):
+def main(ctx, config_path, out, force, triton_repo, upstream_models, threads, as_json, dry_run, target_devices,
+         draft_devices, num_nodes, **flags):
     """Export a draft and a target checkpoint to quantized engines and write one bundle."""
     if ctx.meta.get("subcommand"):
         return
@@ -113,16 +123,29 @@ def main(ctx, config_path, out, force, triton_repo, upstream_models, threads, as
     manifest = (_run_trtllm_build(spec, out, force, as_json) if spec.backend == "tensorrt_llm"
                 else _run_build(spec, out, force, threads, as_json))
     if triton_repo is not None:
-        _write_triton_repo(out, triton_repo, force, upstream_models)
+        placement = {"target_devices": _ids(target_devices, "--target-devices"),
+                     "draft_devices": _ids(draft_devices, "--draft-devices"), "num_nodes": num_nodes}
+        _write_triton_repo(out, triton_repo, force, upstream_models, placement)
     if as_json:
         click.echo(json.dumps(_summary(out, manifest), indent=2))
     else:
         _print_summary(out, manifest)
 
 
-def _write_triton_repo(bundle: Path, repo: Path, force: bool, upstream_models: Path | None = None) -> None:
+def _ids(text: str | None, flag: str) -> list[int] | None:
+    """'0,1' -> [0, 1]; None stays None (the default placement)."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise click.UsageError(f"{flag}: expected comma-separated GPU ids such as 0,1, received {text!r}") from None
+
+
+def _write_triton_repo(bundle: Path, repo: Path, force: bool, upstream_models: Path | None = None,
+                       placement: dict | None = None) -> None:
     if load_manifest(bundle, verify=False).spec.backend == "tensorrt_llm":
-        return _write_trtllm_repo(bundle, repo, force, upstream_models)
+        return _write_trtllm_repo(bundle, repo, force, upstream_models, placement or {})
     try:
         from triton_repo.generate import RepositoryError, write_repository
     except ImportError as err:
@@ -134,11 +157,12 @@ def _write_triton_repo(bundle: Path, repo: Path, force: bool, upstream_models: P
     click.echo(f"Triton repository written to {repo}; serve it with `draftsmith serve {repo}`", err=True)
 
 
-def _write_trtllm_repo(bundle: Path, repo: Path, force: bool, upstream_models: Path | None) -> None:
+def _write_trtllm_repo(bundle: Path, repo: Path, force: bool, upstream_models: Path | None,
+                       placement: dict | None = None) -> None:
     from triton_repo.pbtxt import ConfigError
     from triton_repo.trtllm_layouts import write_trtllm_repository
     try:
-        write_trtllm_repository(bundle, repo, upstream_models=upstream_models, overwrite=force)
+        write_trtllm_repository(bundle, repo, upstream_models=upstream_models, overwrite=force, **(placement or {}))
     except (ConfigError, BundleError, ImportError) as err:
         raise click.ClickException(f"bundle built at {bundle}, but the Triton repository failed: {err}") from None
     click.echo(f"Triton repository written to {repo} (TensorRT-LLM layout; see its README.md)", err=True)
@@ -161,6 +185,8 @@ def _run_build(spec, out, force, threads, quiet):
             if current["task"] is not None:
                 progress.update(current["task"], completed=1, total=1)
             current["task"] = progress.add_task(name, total=None)
+            if not console.is_terminal:  # a log shows no bar: a line as each stage starts
+                console.print(f"build-engines: {name} ({time.perf_counter() - current['start']:.0f} s)")
 
         try:
             manifest = build(spec, out, force=force, on_stage=on_stage, threads=threads)

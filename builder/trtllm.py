@@ -1,23 +1,17 @@
-"""Backend tensorrt_llm: the build plan as data, its checks, the fail-fast preflight, and its execution.
+"""Backend tensorrt_llm: versions and flavors, the fail-fast preflight, and the build's execution.
 
 Two flavors, because TensorRT-LLM changed its workflow during 2026:
 
-* ``engine``: per-architecture ``convert_checkpoint.py`` (or ModelOpt's ``examples/quantization/quantize.py``,
-  calibrated on a set built from Draftsmith's own prompt files, so no dataset is downloaded), then ``trtllm-build``
-  for the draft and for the target, the target with ``--speculative_decoding_mode draft_tokens_external
-  --max_draft_len K`` and no logits-gathering flag: ``trtllm-build`` refuses ``--gather_context_logits`` with a
-  draft length > 0 (tests/fixtures/trtllm/trtllm_build.json), so the target verifies the draft's tokens itself
-  (executor ``ExternalDraftTokensConfig``, as Triton's ``tensorrt_llm_bls`` does) instead of returning logits.
-  Released TensorRT-LLM up to 1.3.0rc20 carries it (the 1.3.0rc20 release notes: "This RC version will be the last
-  one supporting the TensorRT backend"; stable 1.2.x carries it).
-* ``llmapi``: ModelOpt post-training quantization of the Hugging Face checkpoints (``mtq.quantize`` +
-  ``export_hf_checkpoint``), then ``LLM(target, speculative_config=DraftTargetDecodingConfig(max_draft_len=K,
-  speculative_model=draft))`` on the PyTorch backend. Every release since 1.0 carries it; after 1.3.0rc20 it is the
-  only one (docs/source/legacy/tensorrt-backend-removal.md).
+* ``engine``: per-architecture ``convert_checkpoint.py`` (builder/trtllm_converters.py) or ModelOpt's
+  ``examples/quantization/quantize.py`` (calibrated on a set built from Draftsmith's own prompt files, so no dataset
+  is downloaded), then ``trtllm-build`` for the draft and for the target, the target with
+  ``--speculative_decoding_mode draft_tokens_external --max_draft_len K``. Released TensorRT-LLM up to 1.3.0rc20
+  carries it (the 1.3.0rc20 release notes: "This RC version will be the last one supporting the TensorRT backend").
+* ``llmapi``: ModelOpt post-training quantization of the Hugging Face checkpoints, then ``LLM(target,
+  speculative_config=DraftTargetDecodingConfig(max_draft_len=K, speculative_model=draft))`` on the PyTorch backend.
+  Every release since 1.0 carries it; after 1.3.0rc20 it is the only one.
 
-The plan is a list of Steps (commands with every argument, or Python calls with every keyword), made by a pure
-function (``make_plan``) so that ``build-engines --dry-run`` prints exactly what a build runs and the tests compare
-it with golden files. Sources for every flag are cited where it is emitted; docs/tensorrt_llm.md has the links.
+The plan itself (a pure function of the spec) is builder/trtllm_plan.py; this module runs it.
 
 Bundle layout written by this backend::
 
@@ -34,221 +28,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from runtime import trtllm_paths
+# The plan lives in builder/trtllm_plan.py; its names stay importable from here (builder.trtllm.make_plan, ...).
+from builder.trtllm_converters import rope_type_of
+from builder.trtllm_plan import (CALIB_DIR, CALIB_FILE, DEFAULT_EXAMPLES, DTYPES, FLAVOR_QUANTS, FLAVORS,  # noqa: F401
+                                 FP8_KV_QUANTS, LLM_API_FILE, MODELOPT_CALIB_SAMPLES, MODELOPT_CONFIGS, QFORMATS,
+                                 WEIGHT_ONLY, PlanInputs, Step, calibration_texts, check_flavor, lengths,
+                                 llm_api_kwargs, make_plan, plan_json, render_plan)
 from runtime.bundle import BuildSpec, Manifest, ModelEntry, SpecError
-from runtime.trtllm_engine import DECODING_TYPE
 
-FLAVORS = ("engine", "llmapi")
 LAST_ENGINE_RELEASE = "1.3.0rc20"  # GitHub release notes of v1.3.0rc20: the last with the TensorRT backend
-# The NGC release container keeps the examples there (tensorrtllm_backend docs and NVIDIA's container layout);
-# override with TRTLLM_EXAMPLES=/path/to/TensorRT-LLM/examples.
-DEFAULT_EXAMPLES = "/app/tensorrt_llm/examples"
 INSTALL_HINT = "pip install 'draftsmith[tensorrt]'"
-
-# Which formats each flavor builds.
-# engine: convert_checkpoint.py --use_weight_only --weight_only_precision {int8,int4} (examples/models/core/llama/
-#   convert_checkpoint.py argparse choices), quantize.py --qformat {fp8,int8_sq,int4_awq,w4a8_awq,...}
-#   (examples/quantization/quantize.py argparse choices).
-# llmapi: the PyTorch backend runs ModelOpt checkpoints in FP8, FP4, W4A16 AWQ, W4A8 AWQ, W4A16/W4A8 GPTQ
-#   (docs/source/features/quantization.md, "Quantization in TensorRT LLM"); INT8 SmoothQuant and INT8/INT4
-#   weight-only are not in that list, so they are refused rather than built into a checkpoint that does not load.
-FLAVOR_QUANTS = {
-    "engine": ("fp16", "bf16", "int8", "int4", "int4_awq", "int8_sq", "w4a8_awq", "fp8"),
-    "llmapi": ("fp16", "bf16", "int4_awq", "w4a8_awq", "fp8"),
-}
-WEIGHT_ONLY = ("int8", "int4")  # convert_checkpoint.py --weight_only_precision
-QFORMATS = ("int4_awq", "int8_sq", "w4a8_awq", "fp8")  # quantize.py --qformat
-# ModelOpt configs (modelopt.torch.quantization), as TensorRT-LLM's own tensorrt_llm/quantization/
-# quantize_by_modelopt.py maps them: quant_cfg_choices() {"fp8": FP8_DEFAULT_CFG, "int4_awq": INT4_AWQ_CFG,
-# "w4a8_awq": W4A8_AWQ_BETA_CFG, ...}.
-MODELOPT_CONFIGS = {"fp8": "FP8_DEFAULT_CFG", "int4_awq": "INT4_AWQ_CFG", "w4a8_awq": "W4A8_AWQ_BETA_CFG"}
-DTYPES = {"bf16": "bfloat16"}  # everything else runs its unquantized part in float16
-# convert_checkpoint.py per architecture (TensorRT-LLM examples/models/core/<family>/; Mistral uses the Llama one).
-CONVERT_SCRIPTS = {
-    "LlamaForCausalLM": "models/core/llama/convert_checkpoint.py",
-    "MistralForCausalLM": "models/core/llama/convert_checkpoint.py",
-    "Qwen2ForCausalLM": "models/core/qwen/convert_checkpoint.py",
-}
-# Calibration: quantize.py's --calib_dataset defaults to the hub dataset cnn_dailymail; a local directory is loaded
-# with datasets.load_dataset(dir, split="train") and its "text" column is used (tensorrt_llm/quantization/
-# quantize_by_modelopt.py get_calib_dataloader; tests/fixtures/trtllm/quantize.json). The plan writes such a folder
-# from the shipped prompt files first, so fp8 / int8_sq / AWQ builds work offline.
-CALIB_DIR = "_work/calibration"
-CALIB_FILE = "train.jsonl"
-MODELOPT_CALIB_SAMPLES = 64  # llmapi flavor: calibration passes over the same texts
-LLM_API_FILE = "llm_api.yaml"
-
 
 
 class TrtllmError(RuntimeError):
     """The TensorRT-LLM build cannot go on; the message says what is missing and how to get it."""
-
-
-# --- the plan --------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Step:
-    """One unit of work: a command (argv) or a Python call (call + kwargs), run inside the bundle directory."""
-
-    role: str  # "target", "draft" or "bundle"
-    name: str  # convert | quantize | build | copy | modelopt | llm_api
-    argv: tuple[str, ...] = ()
-    call: str = ""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    outputs: tuple[str, ...] = ()  # paths (relative to the bundle) the step creates
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {"role": self.role, "name": self.name, "outputs": list(self.outputs)}
-        if self.argv:
-            data["argv"] = list(self.argv)
-        else:
-            data["call"], data["kwargs"] = self.call, self.kwargs
-        return data
-
-    def render(self) -> str:
-        if self.argv:
-            return " \\\n    ".join(_argv_lines(self.argv))
-        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
-        return f"{self.call}({args})"
-
-
-def _argv_lines(argv: tuple[str, ...]) -> list[str]:
-    """Group '--flag value' pairs on one line each, for a readable dry run."""
-    lines, i = [], 0
-    while i < len(argv):
-        token = argv[i]
-        if token.startswith("--") and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            lines.append(f"{shlex.quote(token)} {shlex.quote(argv[i + 1])}")
-            i += 2
-        else:
-            lines.append(shlex.quote(token))
-            i += 1
-    head = lines[0]
-    while len(lines) > 1 and not lines[1].startswith("--"):  # the program and its script stay on line one
-        head += " " + lines.pop(1)
-    return [head] + lines[1:]
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """What make_plan needs beyond the spec; resolved from the checkpoints, or given by a test."""
-
-    sources: dict[str, str]  # role -> checkpoint folder
-    architectures: dict[str, str]  # role -> config.json architecture
-    max_context: int  # the pair's usable context
-    examples_dir: str = DEFAULT_EXAMPLES
-
-
-def lengths(spec: BuildSpec, max_context: int) -> tuple[int, int]:
-    """(max_input_len, max_seq_len) of the engines; raise SpecError when they do not fit the pair."""
-    usable = min(spec.max_context or max_context, max_context)
-    seq = spec.max_seq_len or usable
-    if seq > usable:
-        raise SpecError(f"max_seq_len: expected <= the pair's usable context ({usable}), received {seq}")
-    prompt = spec.max_input_len or seq - 1
-    if not 1 <= prompt < seq:
-        raise SpecError(f"max_input_len: expected 1 .. max_seq_len - 1 ({seq - 1}), received {prompt}")
-    return prompt, seq
-
-
-def check_flavor(spec: BuildSpec, flavor: str) -> None:
-    """Raise SpecError for what this flavor cannot build (collects both roles)."""
-    if flavor not in FLAVORS:
-        raise SpecError(f"trtllm_flavor: expected one of {FLAVORS}, received {flavor!r}")
-    problems = [f"{name}: expected one of {FLAVOR_QUANTS[flavor]} for TensorRT-LLM flavor {flavor!r}, "
-                f"received {getattr(spec, name)!r}"
-                for name in ("target_quant", "draft_quant") if getattr(spec, name) not in FLAVOR_QUANTS[flavor]]
-    if spec.draft.startswith("self:"):
-        problems.append(f"draft: expected a checkpoint path or 'self' for backend tensorrt_llm (a truncated "
-                        f"self-draft is an ONNX-only option), received {spec.draft!r}")
-    if problems:
-        raise SpecError("; ".join(problems))
-
-
-def make_plan(spec: BuildSpec, flavor: str, inputs: PlanInputs) -> list[Step]:
-    """Every step of a TensorRT-LLM build, in order. Pure: no file, no GPU, no tensorrt_llm needed."""
-    check_flavor(spec, flavor)
-    max_input_len, max_seq_len = lengths(spec, inputs.max_context)
-    quants = {"target": spec.target_quant, "draft": spec.draft_quant}
-    steps: list[Step] = []
-    if flavor == "engine":
-        if any(q in QFORMATS for q in quants.values()):
-            steps.append(_calibration_step())
-        for role in ("draft", "target"):
-            steps += _engine_steps(spec, role, quants[role], inputs, max_input_len, max_seq_len)
-    else:
-        for role in ("draft", "target"):
-            steps.append(_hf_step(role, quants[role], inputs.sources[role]))
-        steps.append(_llm_api_step(spec, max_seq_len))
-    return steps
-
-
-def _engine_steps(spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, max_input_len: int,
-                  max_seq_len: int) -> list[Step]:
-    checkpoint = f"_work/{role}.ckpt"
-    dtype = DTYPES.get(quant, "float16")
-    parallel = ("--tp_size", str(spec.tp_size), "--pp_size", str(spec.pp_size))
-    if quant in QFORMATS:
-        # examples/quantization/quantize.py: --model_dir --output_dir --dtype --qformat --calib_dataset --calib_size
-        # --tp_size --pp_size (argparse; tests/fixtures/trtllm/quantize.json).
-        convert = Step(role, "quantize", argv=(
-            "python3", f"{inputs.examples_dir}/quantization/quantize.py", "--model_dir", inputs.sources[role],
-            "--output_dir", checkpoint, "--dtype", dtype, "--qformat", quant, "--calib_dataset", CALIB_DIR,
-            "--calib_size", str(len(calibration_texts())), *parallel), outputs=(checkpoint,))
-    else:
-        architecture = inputs.architectures[role]
-        if architecture not in CONVERT_SCRIPTS:
-            raise SpecError(f"{role}: expected an architecture with a TensorRT-LLM convert_checkpoint.py "
-                            f"({', '.join(sorted(CONVERT_SCRIPTS))}), received {architecture!r}")
-        # examples/models/core/llama/convert_checkpoint.py: --model_dir --output_dir --dtype --tp_size --pp_size
-        # --use_weight_only --weight_only_precision {int8,int4} (draft_target_model/README.md uses the first five).
-        weight_only = ("--use_weight_only", "--weight_only_precision", quant) if quant in WEIGHT_ONLY else ()
-        convert = Step(role, "convert", argv=(
-            "python3", f"{inputs.examples_dir}/{CONVERT_SCRIPTS[architecture]}", "--model_dir", inputs.sources[role],
-            "--output_dir", checkpoint, "--dtype", dtype, *parallel, *weight_only), outputs=(checkpoint,))
-    engine = f"{role}/engine"
-    # trtllm-build flags, from examples/draft_target_model/README.md ("Build draft and target engines"):
-    # --use_paged_context_fmha=enable on both (KV-cache reuse between draft and verify calls), --max_batch_size,
-    # --max_input_len, --max_seq_len, --gemm_plugin=float16 for unquantized fp16 weights; the target gets
-    # --speculative_decoding_mode=draft_tokens_external and --max_draft_len.
-    # No logits flag: build.py raises "Gather context logits is not support with draft len > 0" for
-    # --gather_context_logits (or --gather_all_token_logits) with --max_draft_len > 0, and later builds deprecate
-    # --gather_generation_logits ("Use --output_generation_logits at runtime instead"); the target verifies
-    # draft tokens itself (tests/fixtures/trtllm/trtllm_build.json).
-    gemm = ("--gemm_plugin", dtype) if quant in ("fp16", "bf16", "int8", "int4") else ()
-    speculative = (("--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(spec.max_k))
-                   if role == "target" else ())
-    build = Step(role, "build", argv=(
-        "trtllm-build", "--checkpoint_dir", checkpoint, "--output_dir", engine, *gemm,
-        "--use_paged_context_fmha", "enable", "--max_batch_size", str(spec.max_batch_size),
-        "--max_input_len", str(max_input_len), "--max_seq_len", str(max_seq_len), *speculative), outputs=(engine,))
-    return [convert, build]
-
-
-def _calibration_step() -> Step:
-    return Step("bundle", "calibration", call="builder.trtllm.write_calibration_set",
-                kwargs={"export_dir": CALIB_DIR}, outputs=(f"{CALIB_DIR}/{CALIB_FILE}",))
-
-
-def calibration_texts() -> list[str]:
-    """Calibration texts from the shipped prompt files (builder/data/distill_prompts.txt and eval.txt).
-
-    Why: quantize.py's default calibration set is a hub download; these need no network and are of the kind of
-    text Draftsmith's users run.
-    """
-    from builder import evaluate
-    from builder.distill.corpus import load_prompts
-    paragraphs = [p.strip() for p in evaluate.eval_text().split("\n\n") if p.strip()]
-    return [prompt.text.strip() for prompt in load_prompts()] + paragraphs
 
 
 def write_calibration_set(export_dir: str, root: Path) -> None:
@@ -257,59 +59,6 @@ def write_calibration_set(export_dir: str, root: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"text": text}, ensure_ascii=False) for text in calibration_texts()]
     (folder / CALIB_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def _hf_step(role: str, quant: str, source: str) -> Step:
-    export = f"{role}/hf"
-    if quant not in MODELOPT_CONFIGS:
-        return Step(role, "copy", call="builder.trtllm.copy_checkpoint",
-                    kwargs={"model_dir": source, "export_dir": export}, outputs=(export,))
-    # ModelOpt: modelopt.torch.quantization.quantize(model, config, forward_loop=...) then
-    # modelopt.torch.export.export_hf_checkpoint(model, dtype=..., export_dir=...) (modelopt/torch/export/
-    # unified_export_hf.py), the "unified HF checkpoint" the PyTorch backend loads.
-    return Step(role, "modelopt", call="builder.trtllm.modelopt_quantize",
-                kwargs={"model_dir": source, "export_dir": export, "quant_cfg": MODELOPT_CONFIGS[quant],
-                        "dtype": "float16", "calib_samples": MODELOPT_CALIB_SAMPLES}, outputs=(export,))
-
-
-def llm_api_kwargs(spec: BuildSpec, max_seq_len: int) -> dict[str, Any]:
-    """LLM(...) keywords of an llmapi bundle, paths relative to the bundle (runtime/trtllm_engine.py resolves them).
-
-    Names: tensorrt_llm/llmapi/llm_args.py (BaseLlmArgs: model, tokenizer, dtype, tensor_parallel_size,
-    pipeline_parallel_size, max_batch_size, max_seq_len; TorchLlmArgs: disable_overlap_scheduler).
-    speculative_config is written as from_dict reads it: decoding_type "DraftTarget" (the table key in 1.0-1.2; main
-    accepts it too), max_draft_len, and the draft path (runtime/trtllm_engine.py and the Triton model.yaml pick the
-    field name the release uses). Only current main validates max_draft_len > 0 and a set speculative_model
-    (validate_draft_target_config); 1.0-1.2 have no such validator, so make_plan's own checks (max_k >= k >= 1)
-    stand in for it. disable_overlap_scheduler=True: the draft/target quick start in docs/source/features/
-    speculative-decoding.md passes it (tests/fixtures/trtllm/decoding_types.json).
-    """
-    return {
-        "model": "target/hf",
-        "tokenizer": "tokenizer",
-        "dtype": "bfloat16" if spec.target_quant == "bf16" else "float16",
-        "tensor_parallel_size": spec.tp_size,
-        "pipeline_parallel_size": spec.pp_size,
-        "max_batch_size": spec.max_batch_size,
-        "max_seq_len": max_seq_len,
-        "disable_overlap_scheduler": True,
-        "speculative_config": {"decoding_type": DECODING_TYPE, "max_draft_len": spec.max_k,
-                               "speculative_model": "draft/hf"},
-    }
-
-
-def _llm_api_step(spec: BuildSpec, max_seq_len: int) -> Step:
-    return Step("bundle", "llm_api", call="tensorrt_llm.LLM", kwargs=llm_api_kwargs(spec, max_seq_len),
-                outputs=(LLM_API_FILE,))
-
-
-def render_plan(steps: list[Step], flavor: str) -> str:
-    """The dry-run text: every step, numbered, runnable from the bundle directory."""
-    lines = [f"# TensorRT-LLM {flavor} flavor: {len(steps)} steps, run from the bundle directory"]
-    for number, step in enumerate(steps, 1):
-        lines.append(f"# {number}. {step.role}: {step.name}")
-        lines.append(step.render())
-    return "\n".join(lines) + "\n"
 
 
 # --- versions, flavors and the preflight ----------------------------------------------------------------------------
@@ -357,10 +106,31 @@ def tool_available(name: str) -> bool:
     return shutil.which(name) is not None if name == "trtllm-build" else importlib.util.find_spec(name) is not None
 
 
+def compute_capability(run: Callable = subprocess.run) -> float | None:
+    """The lowest compute capability `nvidia-smi --query-gpu=compute_cap` reports (None when it cannot say)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        listing = run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                      text=True, timeout=30)
+        values = [float(line) for line in (listing.stdout or "").split() if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(values) if listing.returncode == 0 and values else None
+
+
 def preflight(spec: BuildSpec, flavor: str, version: str | None, gpus: int, examples_dir: str,
-              available: Callable[[str], bool] = tool_available) -> None:
-    """Everything a real build needs, checked before any heavy work; raise TrtllmError naming all that is missing."""
+              available: Callable[[str], bool] = tool_available, capability: float | None = None) -> None:
+    """Everything a real build needs, checked before any heavy work; raise TrtllmError naming all that is missing.
+
+    capability: the GPU's compute capability, when known. An FP8 KV cache in an engine needs SM >= 8.9:
+    tensorrt_llm/builder.py build() turns FP8 context FMHA, and with it paged context FMHA, off below that
+    (tests/fixtures/trtllm/paged_context_fmha.json), and the target then cannot load.
+    """
     problems = []
+    if flavor == "engine" and spec.kv_cache_dtype == "fp8" and capability is not None and capability < 8.9:
+        problems.append(f"kv_cache_dtype fp8 needs a GPU of compute capability >= 8.9 (Ada/Hopper) for the engine "
+                        f"flavor; this one reports {capability}: drop --kv-cache-dtype fp8")
     if version is None:
         problems.append(f"TensorRT-LLM is not installed: {INSTALL_HINT} (on a Linux machine with an NVIDIA GPU)")
     if gpus == 0:
@@ -375,8 +145,9 @@ def preflight(spec: BuildSpec, flavor: str, version: str | None, gpus: int, exam
         if not available("trtllm-build"):
             problems.append("trtllm-build is not on PATH (it ships with tensorrt-llm <= 1.3.0rc20)")
         if not Path(examples_dir).is_dir():
-            problems.append(f"TensorRT-LLM examples not found at {examples_dir}: clone the TensorRT-LLM release that "
-                            "matches the installed wheel and set TRTLLM_EXAMPLES=/path/to/TensorRT-LLM/examples")
+            looked = ", ".join(trtllm_paths.candidates("examples"))
+            problems.append(f"TensorRT-LLM examples not found at {examples_dir} (looked in {looked}): set "
+                            "TRTLLM_EXAMPLES=/path/to/TensorRT-LLM/examples of the release that matches the wheel")
     elif any(q in MODELOPT_CONFIGS for q in (spec.target_quant, spec.draft_quant)):
         if not available("modelopt"):
             problems.append("nvidia-modelopt is not installed (ModelOpt quantization): "
@@ -399,12 +170,13 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
     from builder import build as onnx_build
     out = Path(out).absolute()
     stage = on_stage or (lambda name: None)
-    examples_dir = examples_dir or os.environ.get("TRTLLM_EXAMPLES", DEFAULT_EXAMPLES)
+    examples_dir = examples_dir or trtllm_paths.examples_dir()
     version = installed_version() if version is None else version
     flavor = resolve_flavor(spec, version)
     check_flavor(spec, flavor)
     onnx_build.check_output(out, force)
-    preflight(spec, flavor, version, gpu_count() if gpus is None else gpus, examples_dir, available)
+    preflight(spec, flavor, version, gpu_count() if gpus is None else gpus, examples_dir, available,
+              compute_capability() if gpus is None else None)
     stage("resolve")
     spec = dataclasses.replace(spec, trtllm_flavor=flavor)
     target, draft, pair, target_tok = resolve_pair(spec)
@@ -442,9 +214,12 @@ def plan_inputs(target, draft, max_context: int, examples_dir: str) -> PlanInput
         if checkpoint.gguf_file:
             raise SpecError(f"target/draft: expected a Hugging Face folder for backend tensorrt_llm (TensorRT-LLM "
                             f"converts safetensors checkpoints), received the GGUF file {checkpoint.source!r}")
-    return PlanInputs(sources={"target": str(target.folder), "draft": str(draft.folder)},
-                      architectures={"target": target.architecture.name, "draft": draft.architecture.name},
-                      max_context=max_context, examples_dir=examples_dir)
+    pair = {"target": target, "draft": draft}
+    return PlanInputs(sources={role: str(c.folder) for role, c in pair.items()},
+                      architectures={role: c.architecture.name for role, c in pair.items()},
+                      max_context=max_context, examples_dir=examples_dir,
+                      heads={role: getattr(c.config, "num_attention_heads", None) for role, c in pair.items()},
+                      rope_types={role: rope_type_of(c.config) for role, c in pair.items()})
 
 
 def dry_run(spec: BuildSpec, examples_dir: str | None = None, version: str | None = None) -> tuple[str, list[Step]]:
@@ -454,7 +229,7 @@ def dry_run(spec: BuildSpec, examples_dir: str | None = None, version: str | Non
     check_flavor(spec, flavor)
     spec = dataclasses.replace(spec, trtllm_flavor=flavor)
     target, draft, pair, _ = resolve_pair(spec)
-    examples_dir = examples_dir or os.environ.get("TRTLLM_EXAMPLES", DEFAULT_EXAMPLES)
+    examples_dir = examples_dir or trtllm_paths.examples_dir()
     steps = make_plan(spec, flavor, plan_inputs(target, draft, pair.max_context, examples_dir))
     return flavor, steps
 
@@ -544,6 +319,3 @@ def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp
     return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
                     max_context=max_seq_len, eos_token_ids=_eos_ids(target, target_tok), tools=tools, report=report)
 
-
-def plan_json(steps: list[Step], flavor: str) -> str:
-    return json.dumps({"flavor": flavor, "steps": [s.to_dict() for s in steps]}, indent=2)

@@ -5,20 +5,15 @@ Engine flavor (bundles with target/engine and draft/engine):
     ``draft_tokens_external`` engines: the draft engine proposes k tokens (greedy), and the target engine verifies
     them itself in one request carrying them as ``ExternalDraftTokensConfig`` (what Triton's ``tensorrt_llm_bls``
     sends as ``draft_input_ids``). The target returns the accepted draft tokens plus its own next token, so the
-    output is the target's greedy output by construction. It cannot return per-position logits: ``trtllm-build``
-    refuses ``--gather_context_logits`` with ``--max_draft_len > 0`` (tests/fixtures/trtllm/trtllm_build.json), which
-    is why this flavor does not drive ``SpeculativeGenerator`` (that needs target logits for every appended
-    position). Greedy only; sampled requests are refused with the reason.
+    output is the target's greedy output by construction. Both engines open as upstream's draft-target runner opens
+    them (examples/ngram/run_dtm_ngram.py): ModelRunnerCpp in orchestrator mode with ``device_ids``, so a TP/PP > 1
+    engine runs from one process, and with KV-cache block reuse on (the target refuses to load without it).
+    It cannot return per-position logits: ``trtllm-build`` refuses ``--gather_context_logits`` with
+    ``--max_draft_len > 0`` (tests/fixtures/trtllm/trtllm_build.json). Greedy only; sampled requests are refused.
     ``RunnerEngine`` remains the runtime's Engine protocol over a ModelRunnerCpp-like runner, for engines built
     without a draft length and with ``--gather_context_logits`` (tests/test_engine_contract.py checks it).
 
-LLM-API flavor (bundles with llm_api.yaml):
-    ``LlmApiGenerator`` runs ``LLM(target, speculative_config=DraftTargetDecodingConfig(max_draft_len=K,
-    speculative_model=draft))``; TensorRT-LLM drafts and verifies internally. Its ``generate`` takes the same
-    arguments and returns the same ``Generation`` objects as ``SpeculativeGenerator.generate`` for the subset the
-    LLM API exposes (greedy or sampled with temperature/top_k/top_p/seed; no per-request k, no draft statistics).
-    The bundle's llm_api.yaml is data from outside: only the keys in ``LLM_API_KEYS`` pass (never
-    ``trust_remote_code`` or anything that loads code), and every path must stay inside the bundle.
+LLM-API flavor (bundles with llm_api.yaml): runtime/trtllm_llmapi.py (``LlmApiGenerator``, the yaml allow-list).
 
 ``open_generator(bundle)`` picks the right one for any bundle.
 """
@@ -33,59 +28,61 @@ import numpy as np
 
 from runtime.bundle import BundleError, Manifest, load_manifest
 from runtime.engine import KVCache
-
-# speculative_config.decoding_type as written into llm_api.yaml and Triton's model.yaml: the key
-# DecodingBaseConfig.from_dict accepts in 1.0-1.2 ("Draft_Target" raises "Invalid decoding type" there), and a YAML
-# spelling current main accepts too (tests/fixtures/trtllm/decoding_types.json).
-DECODING_TYPE = "DraftTarget"
-INSTALL_HINT = "pip install 'draftsmith[tensorrt]' on a Linux machine with an NVIDIA GPU"
-
-
-class TrtllmUnavailable(RuntimeError):
-    """tensorrt_llm (or a GPU) is missing; the message says what to install."""
-
-
-def require_tensorrt_llm():
-    """Import tensorrt_llm or raise TrtllmUnavailable with the install command."""
-    try:
-        import tensorrt_llm
-    except ImportError as err:
-        raise TrtllmUnavailable(f"this bundle needs TensorRT-LLM, which is not importable here ({err}): "
-                                f"{INSTALL_HINT}") from None
-    return tensorrt_llm
-
+# Shared names and the LLM-API adapter, importable from here as before (runtime.trtllm_engine.llm_api_kwargs, ...).
+from runtime.trtllm_common import (DECODING_TYPE, INSTALL_HINT, TrtllmUnavailable,  # noqa: F401
+                                   require_tensorrt_llm)
+from runtime.trtllm_llmapi import (KV_CACHE_KEYS, LLM_API_KEYS, LLM_API_PATHS, LLM_API_REQUIRED,  # noqa: F401
+                                   SPECULATIVE_KEYS, LlmApiGenerator, draft_target_config, llm_api_kwargs)
 
 # --- engine flavor: the Engine protocol over ModelRunnerCpp ---------------------------------------------------------
 
-def open_runner(engine_dir: Path, max_batch_size: int | None = None, kv_fraction: float = 0.4,
-                block_reuse: bool = True):
-    """ModelRunnerCpp for one engine (tensorrt_llm/runtime/model_runner_cpp.py: from_dir keywords).
+def open_runner(engine_dir: Path, max_batch_size: int | None = None, kv_fraction: float = 0.5,
+                block_reuse: bool = True, devices: list[int] | None = None, orchestrator: bool = True):
+    """ModelRunnerCpp for one engine, as upstream's draft-target runner opens it.
 
-    block_reuse: KV-cache block reuse lets a request that repeats a row's history skip recomputing it; it can change
-    logits by about one BF16 ULP (TensorRT-LLM issue 15503), so exact greedy comparisons turn it off.
+    tensorrt_llm/runtime/model_runner_cpp.py ``from_dir`` keywords; examples/ngram/run_dtm_ngram.py opens the draft
+    and the target with ``is_orchestrator_mode=True`` and ``device_ids=[...]`` (one id per GPU of the engine's
+    tp x pp), which is how a TP>1 engine runs from one Python process: the executor spawns its worker ranks.
+    Block reuse stays on: a draft_tokens_external target refuses to load without it
+    (cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp: "KV cache block reuse must be enabled for
+    speculative decoding target model"; tests/fixtures/trtllm/batch_manager.json). kv_fraction 0.5: the draft-target
+    guide's kv_cache_free_gpu_memory_fraction when draft and target share a GPU.
     """
     require_tensorrt_llm()
     from tensorrt_llm.runtime import ModelRunnerCpp
     kwargs: dict[str, Any] = dict(engine_dir=str(engine_dir), kv_cache_enable_block_reuse=block_reuse,
-                                  kv_cache_free_gpu_memory_fraction=kv_fraction)
+                                  kv_cache_free_gpu_memory_fraction=kv_fraction, is_orchestrator_mode=orchestrator)
+    if devices is not None:
+        kwargs["device_ids"] = [int(d) for d in devices]
     if max_batch_size:
         kwargs["max_batch_size"] = max_batch_size
     return ModelRunnerCpp.from_dir(**kwargs)
 
 
+def executor_of(runner):
+    """The executor a ModelRunnerCpp holds: ``runner.executor`` in the stored model_runner_cpp.py read
+    (tests/fixtures/trtllm/model_runner_cpp.json), ``runner.session`` in older ones."""
+    for name in ("executor", "session"):
+        executor = getattr(runner, name, None)
+        if executor is not None:
+            return executor
+    raise BundleError(f"{type(runner).__name__} has neither .executor nor .session: not a ModelRunnerCpp this "
+                      "adapter knows (tensorrt_llm/runtime/model_runner_cpp.py)")
+
+
 class ExecutorSession:
-    """Greedy requests on one engine through the executor that ModelRunnerCpp holds (``runner.session``).
+    """Greedy requests on one engine through the executor that ModelRunnerCpp holds (``executor_of``).
 
     What ModelRunnerCpp.generate itself does with ``draft_tokens_list`` (tensorrt_llm/runtime/model_runner_cpp.py,
     "Draft-Target-Model speculative decoding"), per row instead of one max_new_tokens for the batch: one
     ``tensorrt_llm.bindings.executor.Request(input_token_ids, max_tokens, pad_id, end_id, sampling_config,
-    output_config, external_draft_tokens_config)`` per row, ``session.enqueue_requests``, then
-    ``session.await_responses()`` until every ``result.is_final``; tokens in ``result.output_token_ids[0]``.
-    Not run here: no GPU.
+    output_config, external_draft_tokens_config)`` per row, ``enqueue_requests``, then ``await_responses()`` until
+    every ``result.is_final``; tokens in ``result.output_token_ids[0]``. Not run here: no GPU.
     """
 
     def __init__(self, runner, end_id: int, pad_id: int):
         self.runner, self.end_id, self.pad_id = runner, end_id, pad_id
+        self.executor = executor_of(runner)
 
     def generate(self, histories: list[list[int]], max_tokens: list[int],
                  drafts: list[list[int]] | None = None) -> list[list[int]]:
@@ -99,10 +96,10 @@ class ExecutorSession:
                 pad_id=self.pad_id, sampling_config=executor.SamplingConfig(top_k=1),
                 output_config=executor.OutputConfig(exclude_input_from_output=True),
                 external_draft_tokens_config=executor.ExternalDraftTokensConfig(draft) if draft else None))
-        ids = self.runner.session.enqueue_requests(requests)
+        ids = self.executor.enqueue_requests(requests)
         done: dict[int, list[int]] = {}
         while len(done) < len(ids):
-            for response in self.runner.session.await_responses():
+            for response in self.executor.await_responses():
                 if response.has_error():
                     raise RuntimeError(f"TensorRT-LLM request failed: {response.error_msg}")
                 if response.result.is_final:
@@ -264,157 +261,22 @@ def _to_numpy(value) -> np.ndarray:
     return np.asarray(value, dtype=np.float32)
 
 
-# --- LLM-API flavor -------------------------------------------------------------------------------------------------
-
-# Keys a bundle's llm_api.yaml may set, each with its check. Anything else is refused, by name: in particular
-# trust_remote_code (consent comes from the person running the command, never from a file), and keys that load code
-# or point outside the bundle (backend, checkpoint_loader, kv_connector_config, logits_post_processors, ...).
-# Names: tensorrt_llm/llmapi/llm_args.py (BaseLlmArgs / TorchLlmArgs).
-LLM_API_PATHS = ("model", "tokenizer")
-LLM_API_KEYS = {
-    "model": "path", "tokenizer": "path", "dtype": ("float16", "bfloat16"), "tensor_parallel_size": "count",
-    "pipeline_parallel_size": "count", "max_batch_size": "count", "max_seq_len": "count",
-    "disable_overlap_scheduler": "bool", "speculative_config": "speculative",
-}
-# decoding_type: "DraftTarget" (what builds write; DecodingBaseConfig.from_dict's key in 1.0-1.2) or
-# "Draft_Target" (bundles written before that fix); the runtime builds DraftTargetDecodingConfig itself.
-SPECULATIVE_KEYS = {"decoding_type": ("DraftTarget", "Draft_Target"), "max_draft_len": "count",
-                    "speculative_model": "path"}
-LLM_API_REQUIRED = ("model", "tokenizer", "speculative_config")
-
-
-def llm_api_kwargs(root: Path, manifest: Manifest) -> dict[str, Any]:
-    """The bundle's llm_api.yaml, checked against the allow-list, with paths resolved inside the bundle.
-
-    Raises BundleError naming every key or value that is refused.
-    """
-    import yaml
-    root = Path(root).resolve()
-    try:
-        data = yaml.safe_load((root / "llm_api.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as err:
-        raise BundleError(f"{root}/llm_api.yaml cannot be read ({err}); rebuild the bundle") from None
-    problems: list[str] = []
-    kwargs = _checked(data, LLM_API_KEYS, LLM_API_REQUIRED, root, "", problems)
-    if isinstance(data, dict) and "speculative_config" in data:
-        kwargs["speculative_config"] = _checked(data["speculative_config"], SPECULATIVE_KEYS,
-                                                tuple(SPECULATIVE_KEYS), root, "speculative_config.", problems)
-    if problems:
-        raise BundleError(f"{root}/llm_api.yaml is refused; rebuild the bundle with build-engines:\n  "
-                          + "\n  ".join(problems))
-    return kwargs
-
-
-def _checked(data: Any, allowed: dict[str, Any], required: tuple[str, ...], root: Path, where: str,
-             problems: list[str]) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        problems.append(f"{where.rstrip('.') or 'the file'}: expected a mapping, received {type(data).__name__}")
-        return {}
-    checked: dict[str, Any] = {}
-    for key, value in data.items():
-        rule = allowed.get(key)
-        if rule is None:
-            problems.append(f"{where}{key}: not a key a bundle may set (allowed: {', '.join(allowed)})"
-                            + ("; trust_remote_code is granted only by the person running the command"
-                               if key == "trust_remote_code" else ""))
-        elif rule != "speculative":
-            ok, result = _check_value(rule, value, root)
-            if ok:
-                checked[key] = result
-            else:
-                problems.append(f"{where}{key}: {result}, received {value!r}")
-    problems.extend(f"{where}{key}: missing" for key in required if key not in data)
-    return checked
-
-
-def _check_value(rule: Any, value: Any, root: Path) -> tuple[bool, Any]:
-    """(True, the value to use) or (False, what was expected)."""
-    if rule == "path":
-        return _inside_bundle(value, root)
-    if rule == "count":
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-        return (True, value) if ok else (False, "expected an integer >= 1")
-    if rule == "bool":
-        return (True, value) if isinstance(value, bool) else (False, "expected true or false")
-    return (True, value) if value in rule else (False, f"expected one of {list(rule)}")
-
-
-def _inside_bundle(value: Any, root: Path) -> tuple[bool, Any]:
-    if not isinstance(value, str) or not value or Path(value).is_absolute():
-        return False, "expected a relative path inside the bundle"
-    path = (root / value).resolve()
-    try:
-        path.relative_to(root)
-    except ValueError:
-        return False, "expected a path inside the bundle (it resolves outside it)"
-    return True, str(path)
-
-
-def draft_target_config(options: dict[str, Any]):
-    """DraftTargetDecodingConfig(max_draft_len=K, speculative_model=draft) for the installed tensorrt_llm.
-
-    tensorrt_llm/llmapi/llm_args.py (tests/fixtures/trtllm/decoding_types.json): current main names the field
-    ``speculative_model`` (alias ``speculative_model_dir``) and validates max_draft_len > 0 and a set
-    speculative_model; the 1.0-1.2 versions read here name it ``speculative_model_dir`` and validate neither, so
-    llm_api_kwargs's checks (max_draft_len >= 1, the draft path inside the bundle) are what guards those releases.
-    """
-    require_tensorrt_llm()
-    from tensorrt_llm.llmapi import DraftTargetDecodingConfig
-    fields = getattr(DraftTargetDecodingConfig, "model_fields", {})
-    key = "speculative_model" if "speculative_model" in fields else "speculative_model_dir"
-    return DraftTargetDecodingConfig(max_draft_len=options["max_draft_len"], **{key: options["speculative_model"]})
-
-
-class LlmApiGenerator:
-    """Draft-target speculative generation inside TensorRT-LLM's LLM API (PyTorch backend)."""
-
-    def __init__(self, manifest: Manifest, llm, eos_ids: tuple[int, ...] = ()):
-        self.manifest, self.llm, self.eos_ids = manifest, llm, tuple(eos_ids)
-        self.default_k = manifest.default_k
-
-    @classmethod
-    def from_bundle(cls, path: str | os.PathLike, verify: bool = True, speculative: bool = True,
-                    **overrides) -> "LlmApiGenerator":
-        """speculative=False: the same target without a draft (the baseline). overrides: LLM keywords from the
-        caller (the person running the command, e.g. ``kv_cache_config``), never from the bundle."""
-        root = Path(path)
-        manifest = load_manifest(root, verify=verify)
-        kwargs = llm_api_kwargs(root, manifest)
-        require_tensorrt_llm()
-        from tensorrt_llm import LLM
-        options = kwargs.pop("speculative_config")
-        if speculative:
-            kwargs["speculative_config"] = draft_target_config(options)
-        # trust_remote_code is never taken from the bundle (llm_api_kwargs refuses it); say False explicitly.
-        return cls(manifest, LLM(**{**kwargs, **overrides, "trust_remote_code": False}), manifest.eos_token_ids)
-
-    def generate(self, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, **unsupported):
-        """Same call and result types as SpeculativeGenerator.generate for what the LLM API exposes."""
-        from runtime.api import Generation
-        from runtime.errors import RequestError
-        given = {k: v for k, v in unsupported.items() if v not in (None, False, "speculative")}
-        if given:
-            raise RequestError(f"LLM-API bundles do not support {sorted(given)} (TensorRT-LLM drafts internally)")
-        from tensorrt_llm import SamplingParams
-        params = {"max_tokens": max_new_tokens, "temperature": temperature}
-        params.update({k: v for k, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None})
-        single = isinstance(prompts, str)
-        outputs = self.llm.generate([prompts] if single else list(prompts), SamplingParams(**params))
-        results = []
-        for output in outputs:  # RequestOutput: prompt_token_ids, outputs[0] (CompletionOutput: text, token_ids)
-            completion = output.outputs[0]
-            reason = {"length": "length"}.get(str(completion.finish_reason), "stop")
-            results.append(Generation(completion.text, list(completion.token_ids), len(output.prompt_token_ids),
-                                      reason))
-        return results[0] if single else results
-
-
 # --- any bundle -----------------------------------------------------------------------------------------------------
 
-def open_generator(path: str | os.PathLike, threads: int = 0, verify: bool = True, block_reuse: bool = True):
+def default_devices(manifest: Manifest) -> list[int]:
+    """GPUs 0 .. tp*pp-1: one per rank of the engine (draft and target share them by default, as the draft-target
+    guide recommends when both fit on the same GPUs)."""
+    return list(range(manifest.spec.tp_size * manifest.spec.pp_size))
+
+
+def open_generator(path: str | os.PathLike, threads: int = 0, verify: bool = True,
+                   target_devices: list[int] | None = None, draft_devices: list[int] | None = None):
     """SpeculativeGenerator for onnxruntime bundles, ExternalDraftGenerator for engine-flavor bundles,
-    LlmApiGenerator for llmapi bundles. block_reuse (engine flavor): KV-cache block reuse (see open_runner)."""
+    LlmApiGenerator for llmapi bundles.
+
+    target_devices / draft_devices (engine flavor): the GPU of each rank (tp x pp ids each; default
+    ``default_devices``), passed as ModelRunnerCpp ``device_ids`` in orchestrator mode.
+    """
     from runtime.api import SpeculativeGenerator
     from runtime.text import Tokenizer
     root = Path(path)
@@ -423,9 +285,16 @@ def open_generator(path: str | os.PathLike, threads: int = 0, verify: bool = Tru
         return SpeculativeGenerator.from_bundle(root, threads=threads, verify=False)
     if manifest.spec.trtllm_flavor == "llmapi":
         return LlmApiGenerator.from_bundle(root, verify=False)
+    world = manifest.spec.tp_size * manifest.spec.pp_size
+    devices = {"target": list(target_devices or default_devices(manifest)),
+               "draft": list(draft_devices or default_devices(manifest))}
+    for role, ids in devices.items():
+        if len(ids) != world or len(set(ids)) != len(ids) or any(not isinstance(d, int) or d < 0 for d in ids):
+            raise BundleError(f"{role}_devices: expected {world} distinct GPU ids (tp_size x pp_size of the "
+                              f"engine), received {ids}")
     tokenizer = Tokenizer(root / "tokenizer")
     eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
     sessions = {entry.role: ExecutorSession(open_runner(root / entry.engine, manifest.spec.max_batch_size,
-                                                        block_reuse=block_reuse), end_id=eos, pad_id=eos)
+                                                        devices=devices[entry.role]), end_id=eos, pad_id=eos)
                 for entry in (manifest.target, manifest.draft)}
     return ExternalDraftGenerator(manifest, sessions["target"], sessions["draft"], tokenizer, manifest.eos_token_ids)

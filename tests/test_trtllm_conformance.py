@@ -203,3 +203,30 @@ def test_quantize_steps_use_known_flags_and_a_local_calibration_set(quant):
             # a local directory, and no name quantize_by_modelopt would send to the hub instead
             assert not any(word in dataset.lower() for word in ("cnn_dailymail", "scienceqa", "science_qa",
                                                                 "pileval"))
+
+
+# --- placement, KV-cache sizing and model.yaml keys against the recorded interface ---------------------------------
+
+LLM_ARGS = json.loads((FIXTURES / "llm_args.json").read_text())
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_placed_layouts_fill_only_placeholders_and_parameters_upstream_has(nodes):
+    from triton_repo.trtllm_launch import placement
+    layout = layouts.EngineLayout.placed("/b/t", "/b/d", "/b/tok", placement(2, num_nodes=nodes),
+                                         max_tokens_in_paged_kv_cache=4096)
+    values = layouts._template_values(layout)
+    for model in ("tensorrt_llm", "tensorrt_llm_draft"):
+        assert set(values[model]) <= set(IBL["tensorrt_llm"]["template_placeholders"]), model
+    for config in layouts.engine_configs(layout).values():
+        if config["name"].startswith("tensorrt_llm") and config["name"] != "tensorrt_llm_bls":
+            assert set(config["parameters"]) <= set(IBL["tensorrt_llm"]["parameter_keys"]), config["name"]
+            assert config["parameters"]["enable_kv_cache_reuse"]["string_value"] == "true"
+
+
+def test_model_yaml_sets_only_llm_fields_and_kv_cache_fields_upstream_has(llmapi_files):
+    import yaml
+    model = yaml.safe_load(llmapi_files["tensorrt_llm/1/model.yaml"])
+    assert set(model) - {"triton_config"} <= set(LLM_ARGS["llm_fields"])
+    assert set(model["kv_cache_config"]) <= set(LLM_ARGS["kv_cache_config_fields"])
+    assert model["kv_cache_config"]["enable_block_reuse"] is True

@@ -165,7 +165,7 @@ def test_external_draft_generator_refuses_sampling_with_the_reason(tiny_bundle):
         spec.generate("hi", temperature=0.7)
 
 
-# --- issue 15.2: a bundle's llm_api.yaml never grants consent or points outside the bundle ----------------------------
+# --- a bundle's llm_api.yaml never grants consent or points outside the bundle ----------------------------------------
 
 HOSTILE_LLM_API = [
     ({"trust_remote_code": True}, "trust_remote_code: not a key a bundle may set"),
@@ -201,8 +201,14 @@ def test_hostile_llm_api_yaml_is_refused_naming_the_key(trt_bundle, tmp_path, ch
     shutil.copytree(trt_bundle, bundle)
     data = yaml.safe_load((bundle / "llm_api.yaml").read_text())
     (bundle / "llm_api.yaml").write_text(yaml.safe_dump({**data, **change}), encoding="utf-8")
-    with pytest.raises(BundleError, match="llm_api.yaml is refused") as err:
+    with pytest.raises(BundleError, match="sha256 differs"):  # read once and hashed: a swapped file is refused
         llm_api_kwargs(bundle, manifest)
+    import dataclasses
+    import hashlib
+    digest = hashlib.sha256((bundle / "llm_api.yaml").read_bytes()).hexdigest()
+    forged = dataclasses.replace(manifest, files={**manifest.files, "llm_api.yaml": digest})  # a consistent forgery
+    with pytest.raises(BundleError, match="llm_api.yaml is refused") as err:
+        llm_api_kwargs(bundle, forged)
     assert message in str(err.value)
 
 

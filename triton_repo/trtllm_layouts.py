@@ -18,9 +18,13 @@ container ships a copy of them.
   exist in the template; the others stay for the models to treat as unset), the draft model is the target's
   config renamed (as the draft-target guide's ``cp -r`` + ``sed``), and the ``1/`` Python files are copied from the
   same folder. Without one, the configs declare the interface recorded from the 1.x-era files
-  (``_PRE_*``, ``_TRT_*``, ``_BLS_*`` below; tests/fixtures/trtllm/inflight_batcher_llm.json lists what each model
-  reads and tests/test_trtllm_conformance.py holds the configs to it), and the ``1/`` folders must be installed
-  from the matching release.
+  (``_PRE_*``, ``_TRT_*``, ``_BLS_*`` in triton_repo/trtllm_interface.py;
+  tests/fixtures/trtllm/inflight_batcher_llm.json lists what each model reads and tests/test_trtllm_conformance.py
+  holds the configs to it), and the ``1/`` folders must be installed from the matching release.
+
+  Placement (triton_repo/trtllm_launch.py): ``gpu_device_ids`` per model from the device lists, or
+  ``participant_ids`` + ``num_nodes`` across nodes, and a ``launch.sh`` running TensorRT-LLM's own
+  launch_triton_server.py (``--multi-model``: orchestrator mode, which two tensorrt_llm models need).
 
 * LLM API (``LlmApiLayout``; all_models/llmapi, every release since 1.0)::
 
@@ -35,135 +39,26 @@ container ships a copy of them.
 
 from __future__ import annotations
 
+import re
 import shutil
 import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_repo.pbtxt import ConfigError, model_config, render
+from triton_repo.pbtxt import ConfigError, model_config, render  # noqa: F401 (model_config: re-exported)
+from triton_repo.trtllm_interface import (UPSTREAM_HINT, _BLS_IN, _BLS_OUT, _POST_IN, _POST_OUT,  # noqa: F401
+                                          _PRE_IN, _PRE_OUT, _TRT_IN, _TRT_OUT, _copied_version_folder, _text,
+                                          _upstream_dir, parameters, tensor, tensors)
+from triton_repo.trtllm_llmapi_layout import (LlmApiLayout, llmapi_config, llmapi_model_yaml,  # noqa: F401
+                                              llmapi_repo_files)
+from triton_repo.trtllm_launch import (Placement, engine_launch_args, launch_script, llmapi_launch_args,
+                                       placement)
 
 DRAFT, TARGET = "tensorrt_llm_draft", "tensorrt_llm"
 ENGINE_MODELS = ("preprocessing", "postprocessing", TARGET, "tensorrt_llm_bls", "ensemble")
 # Python-backend models whose 1/ folder comes from upstream (never from Draftsmith).
 PYTHON_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
-UPSTREAM_HINT = ("a copy of TensorRT-LLM's triton_backend/all_models/inflight_batcher_llm (or all_models/llmapi) "
-                 "of the release your tritonserver container runs; the NGC Triton TRT-LLM container has one")
-
-
-def tensor(name: str, data_type: str, dims: list[int], optional: bool = False, ragged: bool = False,
-           scalar: bool = False) -> dict[str, Any]:
-    """One input/output entry of ModelConfig (JSON form)."""
-    entry: dict[str, Any] = {"name": name, "data_type": data_type, "dims": dims}
-    if scalar:
-        entry["reshape"] = {"shape": []}
-    if optional:
-        entry["optional"] = True
-    if ragged:
-        entry["allow_ragged_batch"] = True
-    return entry
-
-
-def tensors(table: list[tuple[str, str, list[int], str]]) -> list[dict[str, Any]]:
-    """Rows of (name, type, dims, flags): flags 'o' optional, 'r' reshape to a scalar, 'g' ragged batch."""
-    return [tensor(name, "TYPE_" + kind, dims, optional="o" in flags, ragged="g" in flags, scalar="r" in flags)
-            for name, kind, dims, flags in table]
-
-
-def parameters(values: dict[str, Any]) -> dict[str, dict[str, str]]:
-    return {key: {"string_value": _text(value)} for key, value in values.items()}
-
-
-def _text(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-# --- the recorded interface (1.x-era triton_backend/all_models/inflight_batcher_llm/*/config.pbtxt) -----------------
-# Declarations as upstream's templates make them, with the template's ${logits_datatype} as TYPE_FP32 and its
-# prompt-table/encoder data types as TYPE_FP16. Commits read: tests/fixtures/trtllm/inflight_batcher_llm.json.
-
-_V4 = [-1, -1, -1, -1]
-_PRE_IN = [("QUERY", "STRING", [1], ""), ("DECODER_QUERY", "STRING", [1], "o"), ("IMAGE_BYTES", "UINT8", _V4, "o"),
-           ("IMAGE_URL", "STRING", [1], "o"), ("IMAGES", "STRING", [-1], "o"), ("VIDEO_BYTES", "UINT8", _V4, "o"),
-           ("REQUEST_OUTPUT_LEN", "INT32", [1], ""), ("BAD_WORDS_DICT", "STRING", [-1], "o"),
-           ("STOP_WORDS_DICT", "STRING", [-1], "o"), ("EMBEDDING_BIAS_WORDS", "STRING", [-1], "o"),
-           ("EMBEDDING_BIAS_WEIGHTS", "FP32", [-1], "o"), ("END_ID", "INT32", [1], "o"),
-           ("PAD_ID", "INT32", [1], "o"), ("PROMPT_TABLE_EXTRA_ID", "UINT64", [1], "o")]
-_PRE_OUT = [("INPUT_ID", "INT32", [-1], ""), ("REQUEST_INPUT_LEN", "INT32", [1], ""),
-            ("DECODER_INPUT_ID", "INT32", [-1], ""), ("REQUEST_DECODER_INPUT_LEN", "INT32", [1], ""),
-            ("BAD_WORDS_IDS", "INT32", [2, -1], ""), ("STOP_WORDS_IDS", "INT32", [2, -1], ""),
-            ("EMBEDDING_BIAS", "FP32", [-1], ""), ("REQUEST_OUTPUT_LEN", "INT32", [-1], ""),
-            ("OUT_END_ID", "INT32", [1], ""), ("OUT_PAD_ID", "INT32", [1], ""),
-            ("OUT_PROMPT_TABLE_EXTRA_IDS", "UINT64", [-1], ""), ("PIXEL_VALUES", "FP16", _V4, ""),
-            ("ASPECT_RATIO_IDS", "INT64", [-1], ""), ("ASPECT_RATIO_MASK", "INT64", [-1, -1], ""),
-            ("CROSS_ATTENTION_MASK", "INT64", [-1, -1, -1], ""), ("IMAGE_SIZES", "INT64", [-1, 2], ""),
-            ("IS_VIDEO_INPUT", "BOOL", [1], ""), ("ATTENTION_MASK", "INT64", [-1], ""),
-            ("IMAGE_GRID_THW", "INT64", [3], ""), ("VISION_INPUT_ID", "INT32", [-1], "")]
-_POST_IN = [("TOKENS_BATCH", "INT32", [-1, -1], ""), ("SEQUENCE_LENGTH", "INT32", [-1], "")]
-_POST_OUT = [("OUTPUT", "STRING", [-1], "")]
-_SCALAR_OPTIONAL = ["num_return_sequences:INT32", "draft_acceptance_threshold:FP32", "end_id:INT32", "pad_id:INT32",
-                    "beam_width:INT32", "temperature:FP32", "runtime_top_k:INT32", "runtime_top_p:FP32",
-                    "runtime_top_p_min:FP32", "runtime_top_p_decay:FP32", "runtime_top_p_reset_ids:INT32",
-                    "len_penalty:FP32", "early_stopping:BOOL", "repetition_penalty:FP32", "min_tokens:INT32",
-                    "beam_search_diversity_rate:FP32", "presence_penalty:FP32", "frequency_penalty:FP32",
-                    "seed:UINT64", "return_log_probs:BOOL", "return_context_logits:BOOL",
-                    "return_generation_logits:BOOL", "return_perf_metrics:BOOL", "return_num_input_tokens:BOOL",
-                    "return_num_output_tokens:BOOL", "exclude_input_in_output:BOOL", "stop:BOOL", "streaming:BOOL",
-                    "prompt_vocab_size:INT32", "lora_task_id:UINT64"]
-_TRT_IN = ([("input_ids", "INT32", [-1], "go"), ("encoder_input_features", "FP16", [-1, -1], "go"),
-            ("encoder_output_lengths", "INT32", [1], "ro"), ("input_lengths", "INT32", [1], "r"),
-            ("request_output_len", "INT32", [1], "r"), ("draft_input_ids", "INT32", [-1], "og"),
-            ("decoder_input_ids", "INT32", [-1], "og"), ("decoder_input_lengths", "INT32", [1], "or"),
-            ("draft_logits", "FP32", [-1, -1], "og"), ("stop_words_list", "INT32", [2, -1], "og"),
-            ("bad_words_list", "INT32", [2, -1], "og"), ("embedding_bias", "FP32", [-1], "og")]
-           + [(entry.split(":")[0], entry.split(":")[1], [1], "ro") for entry in _SCALAR_OPTIONAL]
-           + [("prompt_embedding_table", "FP16", [-1, -1], "og"), ("prompt_table_extra_ids", "UINT64", [-1], "og"),
-              ("cross_attention_mask", "BOOL", [-1, -1], "og"), ("mrope_rotary_cos_sin", "FP32", [-1], "o"),
-              ("mrope_position_deltas", "INT64", [1], "o"), ("lora_weights", "FP16", [-1, -1], "og"),
-              ("lora_config", "INT32", [-1, 3], "og"), ("context_phase_params", "UINT8", [-1], "og"),
-              ("skip_cross_attn_blocks", "BOOL", [1], "og")]
-           + [(f"retention_token_range_{n}", "INT32", [-1], "og") for n in ("starts", "ends", "priorities",
-                                                                              "durations_ms")]
-           + [("retention_decode_priority", "INT32", [1], "og"), ("retention_decode_duration_ms", "INT32", [1], "og"),
-              ("guided_decoding_guide_type", "STRING", [1], "og"), ("guided_decoding_guide", "STRING", [1], "og"),
-              ("lookahead_window_size", "INT32", [1], "og"), ("lookahead_ngram_size", "INT32", [1], "og"),
-              ("lookahead_verification_set_size", "INT32", [1], "og")])
-_METRICS_OUT = ([("batch_index", "INT32", [1], ""), ("sequence_index", "INT32", [1], "")]
-                + [(n, "INT32", [1], "") for n in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
-                                                   "kv_cache_alloc_total_blocks")]
-                + [(n, "INT64", [1], "") for n in ("arrival_time_ns", "first_scheduled_time_ns",
-                                                   "first_token_time_ns", "last_token_time_ns")]
-                + [("acceptance_rate", "FP32", [1], ""), ("total_accepted_draft_tokens", "INT32", [1], ""),
-                   ("total_draft_tokens", "INT32", [1], ""), ("num_input_tokens", "INT32", [1], ""),
-                   ("num_output_tokens", "INT32", [1], "")])
-_LOGITS_OUT = [("cum_log_probs", "FP32", [-1], ""), ("output_log_probs", "FP32", [-1, -1], ""),
-               ("context_logits", "FP32", [-1, -1], ""), ("generation_logits", "FP32", [-1, -1, -1], "")]
-_TRT_OUT = ([("output_ids", "INT32", [-1, -1], ""), ("sequence_length", "INT32", [-1], "")] + _LOGITS_OUT
-            + _METRICS_OUT[:2] + [("context_phase_params", "UINT8", [-1], "")] + _METRICS_OUT[2:])
-_BLS_IN = ([("text_input", "STRING", [1], ""), ("decoder_text_input", "STRING", [1], "o"),
-            ("image_input", "FP16", [-1, 3, -1, -1], "o"), ("image_bytes_input", "UINT8", _V4, "o"),
-            ("image_url_input", "STRING", [1], "o"), ("video_bytes_input", "UINT8", _V4, "o"),
-            ("max_tokens", "INT32", [1], ""), ("bad_words", "STRING", [-1], "o"), ("stop_words", "STRING", [-1], "o"),
-            ("exclude_input_in_output", "BOOL", [1], "o"), ("end_id", "INT32", [1], "o"),
-            ("pad_id", "INT32", [1], "o"), ("top_k", "INT32", [1], "o"), ("top_p", "FP32", [1], "o"),
-            ("temperature", "FP32", [1], "o"), ("length_penalty", "FP32", [1], "o"),
-            ("repetition_penalty", "FP32", [1], "o"), ("min_tokens", "INT32", [1], "o"),
-            ("presence_penalty", "FP32", [1], "o"), ("frequency_penalty", "FP32", [1], "o"),
-            ("seed", "UINT64", [1], "o")]
-           + [(n, "BOOL", [1], "ro") for n in ("return_log_probs", "return_context_logits",
-                                               "return_generation_logits")]
-           + [("num_return_sequences", "INT32", [1], "ro"), ("beam_width", "INT32", [1], "o"),
-              ("stream", "BOOL", [1], "o"), ("prompt_embedding_table", "FP16", [-1, -1], "o"),
-              ("prompt_vocab_size", "INT32", [1], "o"), ("prompt_table_extra_id", "UINT64", [1], "o"),
-              ("embedding_bias_words", "STRING", [-1], "o"), ("embedding_bias_weights", "FP32", [-1], "o"),
-              ("num_draft_tokens", "INT32", [1], "o"), ("use_draft_logits", "BOOL", [1], "ro"),
-              ("lora_task_id", "UINT64", [1], "ro"), ("lora_weights", "FP16", [-1, -1], "og"),
-              ("lora_config", "INT32", [-1, 3], "og")]
-           + [(n, "BOOL", [1], "ro") for n in ("return_perf_metrics", "return_num_input_tokens",
-                                               "return_num_output_tokens")]
-           + [("guided_decoding_guide_type", "STRING", [1], "o"), ("guided_decoding_guide", "STRING", [1], "o")])
-_BLS_OUT = [("text_output", "STRING", [-1], "")] + _LOGITS_OUT + _METRICS_OUT
-
 
 # --- engine era ------------------------------------------------------------------------------------------------------
 
@@ -176,13 +71,18 @@ class EngineLayout:
     tokenizer_dir: str
     max_batch_size: int = 8
     decoupled: bool = False  # True: streaming responses (tensorrt_llm_bls "stream" input)
-    kv_cache_free_gpu_mem_fraction: float = 0.4  # per model: target and draft share one GPU by default
-    target_gpu_device_ids: str = "0"
+    # Per model, of the GPU memory free when it loads; 0.5: the draft-target guide's value for two models per GPU.
+    kv_cache_free_gpu_mem_fraction: float = 0.5
+    target_gpu_device_ids: str = "0"  # comma list, one id per rank (model_state.cc); "" with participant ids only
     draft_gpu_device_ids: str = "0"
+    target_participant_ids: str = ""  # MPI ranks, multi-node only (processes started up front)
+    draft_participant_ids: str = ""
+    num_nodes: int = 1
+    max_tokens_in_paged_kv_cache: int = 0  # 0: unset (the backend's default, 90% of free memory per model)
     max_queue_delay_microseconds: int = 0
     instance_count: int = 1  # preprocessing, postprocessing and BLS instances
-    # KV-cache block reuse (the draft-target guide turns it on); it can move logits by about one BF16 ULP
-    # (TensorRT-LLM issue 15503), so an exact greedy comparison against target-only output turns it off.
+    # KV-cache block reuse must stay on: a draft_tokens_external target refuses to load without it
+    # (trtGptModelInflightBatching.cpp; tests/fixtures/trtllm/batch_manager.json).
     enable_kv_cache_reuse: bool = True
 
     def __post_init__(self) -> None:
@@ -191,6 +91,27 @@ class EngineLayout:
         if not 0 < self.kv_cache_free_gpu_mem_fraction <= 1:
             raise ConfigError(f"kv_cache_free_gpu_mem_fraction: expected (0, 1], received "
                               f"{self.kv_cache_free_gpu_mem_fraction}")
+        if self.enable_kv_cache_reuse is not True:
+            raise ConfigError("enable_kv_cache_reuse: expected True (TensorRT-LLM's batch manager refuses a "
+                              "draft_tokens_external target without it: \"KV cache block reuse must be enabled for "
+                              f"speculative decoding target model\"), received {self.enable_kv_cache_reuse!r}")
+        if not (self.target_gpu_device_ids or self.target_participant_ids):
+            raise ConfigError("target_gpu_device_ids: expected GPU ids (or participant ids across nodes)")
+
+    @classmethod
+    def placed(cls, target_engine_dir: str, draft_engine_dir: str, tokenizer_dir: str, where: Placement,
+               **options) -> "EngineLayout":
+        """The layout with device / participant ids from a Placement: GPU ids on one node; across nodes, MPI ranks
+        (rank 0 the orchestrator) and num_nodes, the GPUs left to each rank's node."""
+        if where.multi_node:
+            ranks = where.participant_ids()
+            ids = {"target_gpu_device_ids": "", "draft_gpu_device_ids": "",
+                   "target_participant_ids": ",".join(map(str, ranks["target"])),
+                   "draft_participant_ids": ",".join(map(str, ranks["draft"])), "num_nodes": where.num_nodes}
+        else:
+            ids = {"target_gpu_device_ids": where.gpu_device_ids("target"),
+                   "draft_gpu_device_ids": where.gpu_device_ids("draft")}
+        return cls(target_engine_dir, draft_engine_dir, tokenizer_dir, **{**options, **ids})
 
 
 def _batching(layout: EngineLayout) -> dict[str, Any]:
@@ -222,25 +143,30 @@ def postprocessing(layout: EngineLayout) -> dict[str, Any]:
 
 def tensorrt_llm(layout: EngineLayout, role: str) -> dict[str, Any]:
     """The target's or the draft's tensorrt_llm model: one function, so the two cannot drift apart."""
-    name, engine_dir, devices = ((TARGET, layout.target_engine_dir, layout.target_gpu_device_ids) if role == "target"
-                                 else (DRAFT, layout.draft_engine_dir, layout.draft_gpu_device_ids))
     return {
-        "name": name, "backend": "tensorrtllm", "max_batch_size": layout.max_batch_size,
+        "name": TARGET if role == "target" else DRAFT, "backend": "tensorrtllm",
+        "max_batch_size": layout.max_batch_size,
         "model_transaction_policy": {"decoupled": layout.decoupled}, "dynamic_batching": _batching(layout),
         "input": tensors(_TRT_IN), "output": tensors(_TRT_OUT),
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
         # Values: the draft-target guide's fill_template call (max_beam_width 1, inflight_fused_batching,
-        # exclude_input_in_output, enable_kv_cache_reuse); keys left out take the backend's defaults.
-        "parameters": parameters(_trt_values(layout, engine_dir, devices, template=False)),
+        # exclude_input_in_output, enable_kv_cache_reuse, max_tokens_in_paged_kv_cache, gpu_device_ids); keys left
+        # out take the backend's defaults.
+        "parameters": parameters(_trt_values(layout, role, template=False)),
     }
 
 
-def _trt_values(layout: EngineLayout, engine_dir: str, devices: str, template: bool) -> dict[str, Any]:
+def _trt_values(layout: EngineLayout, role: str, template: bool) -> dict[str, Any]:
     """tensorrt_llm parameter values; template=True: keyed by the config template's ${placeholders}."""
+    engine_dir = layout.target_engine_dir if role == "target" else layout.draft_engine_dir
+    placement = {"gpu_device_ids": getattr(layout, f"{role}_gpu_device_ids"),
+                 "participant_ids": getattr(layout, f"{role}_participant_ids"),
+                 "num_nodes": layout.num_nodes if layout.num_nodes > 1 else "",
+                 "max_tokens_in_paged_kv_cache": layout.max_tokens_in_paged_kv_cache or ""}
     values = {"max_beam_width": 1, "batch_scheduler_policy": "guaranteed_no_evict",
               "kv_cache_free_gpu_mem_fraction": layout.kv_cache_free_gpu_mem_fraction,
               "exclude_input_in_output": True, "enable_kv_cache_reuse": layout.enable_kv_cache_reuse,
-              "gpu_device_ids": devices}
+              **{key: value for key, value in placement.items() if value != ""}}
     if template:
         return {**values, "triton_backend": "tensorrtllm", "triton_max_batch_size": layout.max_batch_size,
                 "decoupled_mode": layout.decoupled, "batching_strategy": "inflight_fused_batching",
@@ -344,8 +270,10 @@ def _engine_readme(upstream: bool) -> str:
              "ship upstream's code.")
     return ("# Draftsmith TensorRT-LLM draft-target repository (engine era)\n\n"
             "Entry point: `tensorrt_llm_bls` (text_input, max_tokens, num_draft_tokens; one sequence per request "
-            "when num_draft_tokens > 0). Its speculative path reads the target's and draft's configs over gRPC at "
-            "localhost:8001, so serve with `--grpc-port 8001`.\n" + where + "\n")
+            "when num_draft_tokens > 0; send `stream` too: tensorrt_llm_bls/1/lib/decode.py reads it whenever "
+            "num_draft_tokens is set). Its speculative path reads the target's and draft's configs over gRPC at "
+            "localhost:8001, which launch.sh keeps. Two tensorrt_llm models need orchestrator mode "
+            "(launch_triton_server.py --multi-model), not plain tritonserver.\n" + where + "\n")
 
 
 # --- engine era from upstream's templates (fill_template.py semantics) -------------------------------------------
@@ -360,7 +288,20 @@ def fill_template(text: str, values: dict[str, Any], where: str) -> str:
     if missing:
         raise ConfigError(f"{where}: the template has no ${{{'}, ${'.join(missing)}}}: it is not the "
                           f"inflight_batcher_llm interface this generator fills ({UPSTREAM_HINT})")
-    return string.Template(text).safe_substitute({k: _text(v) for k, v in values.items()})
+    return string.Template(text).safe_substitute({k: _template_text(k, v, where) for k, v in values.items()})
+
+
+def _template_text(key: str, value: Any, where: str) -> str:
+    """A value as it goes into a template's text. Upstream's placeholders sit inside quoted strings, so a value
+    with a quote, a backslash or a control character (a newline) could close the string and add fields of its own
+    (a bundle path is hostile data): refused, never escaped into meaning something else."""
+    text = _text(value)
+    bad = [c for c in text if c in '"\\' or ord(c) < 32 or ord(c) == 127]
+    if bad:
+        raise ConfigError(f"{where}: the value for ${{{key}}} ({text[:80]!r}) has {bad[0]!r}, which config.pbtxt "
+                          "cannot hold inside a string; move the bundle to a path without quotes, backslashes or "
+                          "control characters")
+    return text
 
 
 def _template_values(layout: EngineLayout) -> dict[str, dict[str, Any]]:
@@ -372,8 +313,8 @@ def _template_values(layout: EngineLayout) -> dict[str, dict[str, Any]]:
                           "preprocessing_instance_count": layout.instance_count},
         "postprocessing": {"triton_max_batch_size": layout.max_batch_size, "tokenizer_dir": layout.tokenizer_dir,
                            "skip_special_tokens": True, "postprocessing_instance_count": layout.instance_count},
-        TARGET: _trt_values(layout, layout.target_engine_dir, layout.target_gpu_device_ids, template=True),
-        DRAFT: _trt_values(layout, layout.draft_engine_dir, layout.draft_gpu_device_ids, template=True),
+        TARGET: _trt_values(layout, "target", template=True),
+        DRAFT: _trt_values(layout, "draft", template=True),
         "tensorrt_llm_bls": {"triton_max_batch_size": layout.max_batch_size, "decoupled_mode": layout.decoupled,
                              "bls_instance_count": layout.instance_count, "accumulate_tokens": False,
                              "tensorrt_llm_model_name": TARGET, "tensorrt_llm_draft_model_name": DRAFT,
@@ -404,99 +345,13 @@ def upstream_engine_files(layout: EngineLayout, upstream: str | Path) -> dict[st
         except text_format.ParseError as err:
             raise ConfigError(f"{folder}/config.pbtxt from {source} does not parse after filling ({err}); "
                               f"a placeholder outside a string is not filled by this generator") from None
+        injected = set(config.parameters) - set(re.findall(r'key:\s*"([^"]*)"', text))
+        if injected:  # _template_text refuses what could do this; a second check costs nothing
+            raise ConfigError(f"{folder}/config.pbtxt: filling it added parameters {sorted(injected)}")
         config.name = name
         files[f"{name}/config.pbtxt"] = text_format.MessageToString(config)
         files.update(_copied_version_folder(source / folder, name))
     files["README.md"] = _engine_readme(upstream=True)
-    return files
-
-
-def _upstream_dir(upstream: str | Path, needed: list[str]) -> Path:
-    source = Path(upstream).expanduser().resolve()
-    missing = [rel for rel in needed if not (source / rel).is_file()]
-    if missing:
-        raise ConfigError(f"--upstream-models {source}: missing {', '.join(missing)}; expected {UPSTREAM_HINT}")
-    return source
-
-
-def _copied_version_folder(folder: Path, name: str) -> dict[str, str]:
-    """Text files of ``folder/1`` (model.py, lib/*.py, ...) keyed as they go into the repository."""
-    version = folder / "1"
-    copied = {}
-    for path in sorted(version.rglob("*")) if version.is_dir() else []:
-        if path.is_file() and not path.is_symlink() and "__pycache__" not in path.parts:
-            copied[f"{name}/1/{path.relative_to(version).as_posix()}"] = path.read_text(encoding="utf-8")
-    if not copied:
-        copied[f"{name}/1/.keep"] = ""
-    return copied
-
-
-# --- LLM API ---------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LlmApiLayout:
-    llm_kwargs: dict  # LLM(...) keywords with absolute paths (runtime/trtllm_engine.llm_api_kwargs, checked)
-    max_batch_size: int = 8  # the LLM's own batching (LLM(max_batch_size=...)); Triton's stays 0
-    decoupled: bool = False
-
-
-# all_models/llmapi/tensorrt_llm/config.pbtxt (tests/fixtures/trtllm/llmapi.json for the commit).
-_LLMAPI_SAMPLING = [("best_of", "INT32"), ("temperature", "FP32"), ("top_k", "INT32"), ("top_p", "FP32"),
-                    ("frequency_penalty", "FP32"), ("presence_penalty", "FP32"), ("max_tokens", "INT32")]
-_LLMAPI_IN = ([("text_input", "STRING", [-1], ""), ("streaming", "BOOL", [1], "o")]
-              + [(f"sampling_param_{n}", t, [1], "o") for n, t in _LLMAPI_SAMPLING]
-              + [("sampling_param_stop", "STRING", [-1], "o"), ("sampling_param_seed", "UINT64", [1], "o"),
-                 ("sampling_param_exclude_input_from_output", "BOOL", [1], "o"),
-                 ("sampling_param_return_perf_metrics", "BOOL", [1], "o")]
-              + [(n, "BOOL", [1], "o") for n in ("return_finish_reason", "return_stop_reason",
-                                                 "return_cumulative_logprob", "stop")])
-_LLMAPI_OUT = ([("text_output", "STRING", [-1], ""), ("finish_reason", "STRING", [-1], ""),
-                ("stop_reason", "STRING", [-1], ""), ("cumulative_logprob", "FP32", [-1], "")]
-               + [(n, "INT32", [-1], "") for n in ("kv_cache_reused_block", "kv_cache_missed_block",
-                                                   "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks")]
-               + [("kv_cache_hit_rate", "FP32", [-1], "")]
-               + [(n, "INT64", [1], "") for n in ("arrival_time_ns", "first_scheduled_time_ns",
-                                                  "first_token_time_ns", "last_token_time_ns")]
-               + [("acceptance_rate", "FP32", [1], ""), ("total_accepted_draft_tokens", "INT32", [1], ""),
-                  ("total_draft_tokens", "INT32", [1], "")])
-
-
-def llmapi_config(layout: LlmApiLayout) -> dict[str, Any]:
-    # No max_batch_size and no model_transaction_policy here: upstream's config.pbtxt says they belong in
-    # model.yaml's triton_config, which model.py's auto_complete_config applies.
-    return {"name": "tensorrt_llm", "backend": "python", "input": tensors(_LLMAPI_IN),
-            "output": tensors(_LLMAPI_OUT), "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
-
-
-def llmapi_model_yaml(layout: LlmApiLayout) -> dict[str, Any]:
-    """model.yaml: LLM keywords plus triton_config. speculative_config as from_dict reads it in every release line:
-    decoding_type "DraftTarget", the draft under speculative_model_dir (1.0-1.2's field; current main reads it as
-    an alias: AliasChoices("speculative_model", "speculative_model_dir"))."""
-    from runtime.trtllm_engine import DECODING_TYPE
-    kwargs = dict(layout.llm_kwargs)
-    speculative = dict(kwargs.pop("speculative_config"))
-    return {**kwargs, "backend": "pytorch",
-            "speculative_config": {"decoding_type": DECODING_TYPE, "max_draft_len": speculative["max_draft_len"],
-                                   "speculative_model_dir": speculative["speculative_model"]},
-            "triton_config": {"max_batch_size": 0, "decoupled": layout.decoupled}}
-
-
-def llmapi_repo_files(layout: LlmApiLayout, upstream: str | Path | None = None) -> dict[str, str]:
-    import yaml
-    files = {"tensorrt_llm/1/model.yaml": yaml.safe_dump(llmapi_model_yaml(layout), sort_keys=False)}
-    if upstream is None:
-        files["tensorrt_llm/config.pbtxt"] = render(llmapi_config(layout))
-        files["README.md"] = ("# Draftsmith TensorRT-LLM repository (LLM API)\n\nInstall `tensorrt_llm/1/model.py` "
-                              "and `helpers.py` from TensorRT-LLM's triton_backend/all_models/llmapi/ (same release as "
-                              "the container), or regenerate with --upstream-models pointing at that folder.\n")
-        return files
-    source = _upstream_dir(upstream, ["tensorrt_llm/config.pbtxt", "tensorrt_llm/1/model.py"])
-    files["tensorrt_llm/config.pbtxt"] = (source / "tensorrt_llm" / "config.pbtxt").read_text(encoding="utf-8")
-    copied = _copied_version_folder(source / "tensorrt_llm", "tensorrt_llm")
-    copied.pop("tensorrt_llm/1/model.yaml", None)  # upstream's example; ours replaces it
-    files.update(copied)
-    files["README.md"] = ("# Draftsmith TensorRT-LLM repository (LLM API)\n\n"
-                          "Model files copied from the upstream folder.\n")
     return files
 
 
@@ -517,25 +372,54 @@ def write_repo(files: dict[str, str], root: str | Path, overwrite: bool = False)
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
+        if rel.endswith(".sh"):
+            path.chmod(0o755)
     return root
 
 
 def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decoupled: bool = False,
-                    upstream_models: str | Path | None = None, **options) -> dict[str, str]:
-    """The repository files for a tensorrt_llm bundle, chosen by its flavor; ``upstream_models``: a copy of upstream's
-    inflight_batcher_llm (engine flavor) or llmapi (LLM-API flavor) folder to fill and copy from."""
+                    upstream_models: str | Path | None = None, target_devices=None, draft_devices=None,
+                    num_nodes: int = 1, **options) -> dict[str, str]:
+    """The repository files for a tensorrt_llm bundle, chosen by its flavor, with launch.sh.
+
+    upstream_models: a copy of upstream's inflight_batcher_llm (engine flavor) or llmapi (LLM-API flavor) folder to
+    fill and copy from. target_devices / draft_devices: GPU ids, tp x pp each (default 0 .. tp*pp-1 for both);
+    num_nodes > 1: ranks started up front across nodes (triton_repo/trtllm_launch.py).
+    """
     from runtime.bundle import load_manifest
     root = Path(bundle).absolute()
-    manifest = load_manifest(root, verify=False)
+    manifest = load_manifest(root)  # every file against its sha256: the repository points at what was verified
     if manifest.spec.backend != "tensorrt_llm":
         raise ConfigError(f"{root} is a {manifest.spec.backend} bundle; these layouts are for tensorrt_llm bundles")
     batch = max_batch_size or manifest.spec.max_batch_size
+    where = placement(manifest.spec.tp_size * manifest.spec.pp_size, target_devices, draft_devices, num_nodes)
     if manifest.spec.trtllm_flavor == "llmapi":
         from runtime.trtllm_engine import llm_api_kwargs
-        return llmapi_repo_files(LlmApiLayout(llm_api_kwargs(root, manifest), batch, decoupled), upstream_models)
-    layout = EngineLayout(str(root / manifest.target.engine), str(root / manifest.draft.engine),
-                          str(root / "tokenizer"), batch, decoupled, **options)
-    return upstream_engine_files(layout, upstream_models) if upstream_models else engine_repo_files(layout)
+        files = llmapi_repo_files(LlmApiLayout(llm_api_kwargs(root, manifest), batch, decoupled), upstream_models)
+        args = llmapi_launch_args("$REPO", where.world, num_nodes)
+        explicit = target_devices and not where.multi_node
+        return _with_launch(files, args, where.gpu_device_ids("target") if explicit else "")
+    # The draft-target guide sizes max_tokens_in_paged_kv_cache for its batch; here every sequence of a full batch
+    # at full length, plus the draft tokens the target's engine adds to its max_seq_len (builder.py build()).
+    tokens = batch * (manifest.max_context + manifest.spec.max_k)
+    layout = EngineLayout.placed(str(root / manifest.target.engine), str(root / manifest.draft.engine),
+                                 str(root / "tokenizer"), where, max_batch_size=batch, decoupled=decoupled,
+                                 max_tokens_in_paged_kv_cache=tokens, **options)
+    files = upstream_engine_files(layout, upstream_models) if upstream_models else engine_repo_files(layout)
+    return _with_launch(files, engine_launch_args("$REPO", where))
+
+
+def _with_launch(files: dict[str, str], args: list[str], cuda_visible: str = "") -> dict[str, str]:
+    """launch.sh, and the command in the README."""
+    files = dict(files)
+    files["launch.sh"] = launch_script(args, cuda_visible)
+    shown = " ".join(args).replace("$REPO", "REPO")
+    files["README.md"] += ("\n## Start\n\n    ./launch.sh    # python3 .../launch_triton_server.py " + shown + "\n\n"
+                           "launch.sh finds TensorRT-LLM's launch_triton_server.py in either NVIDIA image "
+                           "(/app/scripts or /app/tensorrt_llm/triton_backend/scripts; TRTLLM_LAUNCH_SCRIPT "
+                           "overrides). Multi-node arguments start the ranks up front: run it under your MPI "
+                           "launcher with one slot per rank.\n")
+    return files
 
 
 def write_trtllm_repository(bundle: str | Path, out: str | Path, upstream_models: str | Path | None = None,

@@ -1,0 +1,175 @@
+"""Runtime adapter for llmapi-flavor tensorrt_llm bundles: the llm_api.yaml allow-list and LlmApiGenerator.
+
+``LlmApiGenerator`` runs ``LLM(target, speculative_config=DraftTargetDecodingConfig(max_draft_len=K,
+speculative_model=draft))``; TensorRT-LLM drafts and verifies internally, on as many GPUs as the yaml's
+tensor/pipeline parallel sizes ask for (the LLM API starts its own workers). The bundle's llm_api.yaml is data from
+outside: only the keys in ``LLM_API_KEYS`` pass (never ``trust_remote_code`` or anything that loads code), and every
+path must stay inside the bundle.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from runtime.bundle import BundleError, Manifest, load_manifest, read_verified
+from runtime.trtllm_common import require_tensorrt_llm
+
+
+# Keys a bundle's llm_api.yaml may set, each with its check. Anything else is refused, by name: in particular
+# trust_remote_code (consent comes from the person running the command, never from a file), and keys that load code
+# or point outside the bundle (backend, checkpoint_loader, kv_connector_config, logits_post_processors, ...).
+# Names: tensorrt_llm/llmapi/llm_args.py (BaseLlmArgs / TorchLlmArgs).
+LLM_API_PATHS = ("model", "tokenizer")
+LLM_API_KEYS = {
+    "model": "path", "tokenizer": "path", "dtype": ("float16", "bfloat16"), "tensor_parallel_size": "count",
+    "pipeline_parallel_size": "count", "max_batch_size": "count", "max_seq_len": "count",
+    "disable_overlap_scheduler": "bool", "kv_cache_config": "nested", "speculative_config": "nested",
+}
+# KvCacheConfig fields a bundle may set (tensorrt_llm/llmapi/llm_args.py: enable_block_reuse, max_tokens,
+# free_gpu_memory_fraction in [0, 1], dtype "auto" or a KV-cache type such as "fp8", "only for the Pytorch backend").
+KV_CACHE_KEYS = {"enable_block_reuse": "bool", "max_tokens": "count", "free_gpu_memory_fraction": "fraction",
+                 "dtype": ("auto", "fp8")}
+# decoding_type: "DraftTarget" (what builds write; DecodingBaseConfig.from_dict's key in 1.0-1.2) or
+# "Draft_Target" (bundles written before that fix); the runtime builds DraftTargetDecodingConfig itself.
+SPECULATIVE_KEYS = {"decoding_type": ("DraftTarget", "Draft_Target"), "max_draft_len": "count",
+                    "speculative_model": "path"}
+LLM_API_REQUIRED = ("model", "tokenizer", "speculative_config")
+
+
+def llm_api_kwargs(root: Path, manifest: Manifest) -> dict[str, Any]:
+    """The bundle's llm_api.yaml, checked against the allow-list, with paths resolved inside the bundle.
+
+    Raises BundleError naming every key or value that is refused.
+    """
+    import yaml
+    root = Path(root).resolve()
+    text = read_verified(root, manifest, "llm_api.yaml").decode("utf-8", errors="replace")  # the bytes hashed
+    try:
+        data = yaml.safe_load(text)
+    except (OSError, yaml.YAMLError, RecursionError) as err:
+        raise BundleError(f"{root}/llm_api.yaml cannot be read ({err}); rebuild the bundle") from None
+    problems: list[str] = []
+    kwargs = _checked(data, LLM_API_KEYS, LLM_API_REQUIRED, root, "", problems)
+    if isinstance(data, dict) and "speculative_config" in data:
+        kwargs["speculative_config"] = _checked(data["speculative_config"], SPECULATIVE_KEYS,
+                                                tuple(SPECULATIVE_KEYS), root, "speculative_config.", problems)
+    if isinstance(data, dict) and "kv_cache_config" in data:
+        kwargs["kv_cache_config"] = _checked(data["kv_cache_config"], KV_CACHE_KEYS, (), root, "kv_cache_config.",
+                                             problems)
+    if problems:
+        raise BundleError(f"{root}/llm_api.yaml is refused; rebuild the bundle with build-engines:\n  "
+                          + "\n  ".join(problems))
+    return kwargs
+
+
+def _checked(data: Any, allowed: dict[str, Any], required: tuple[str, ...], root: Path, where: str,
+             problems: list[str]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        problems.append(f"{where.rstrip('.') or 'the file'}: expected a mapping, received {type(data).__name__}")
+        return {}
+    checked: dict[str, Any] = {}
+    for key, value in data.items():
+        rule = allowed.get(key)
+        if rule is None:
+            problems.append(f"{where}{key}: not a key a bundle may set (allowed: {', '.join(allowed)})"
+                            + ("; trust_remote_code is granted only by the person running the command"
+                               if key == "trust_remote_code" else ""))
+        elif rule != "nested":
+            ok, result = _check_value(rule, value, root)
+            if ok:
+                checked[key] = result
+            else:
+                problems.append(f"{where}{key}: {result}, received {value!r}")
+    problems.extend(f"{where}{key}: missing" for key in required if key not in data)
+    return checked
+
+
+def _check_value(rule: Any, value: Any, root: Path) -> tuple[bool, Any]:
+    """(True, the value to use) or (False, what was expected)."""
+    if rule == "path":
+        return _inside_bundle(value, root)
+    if rule == "count":
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        return (True, value) if ok else (False, "expected an integer >= 1")
+    if rule == "fraction":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+        return (True, value) if ok else (False, "expected a number in [0, 1]")
+    if rule == "bool":
+        return (True, value) if isinstance(value, bool) else (False, "expected true or false")
+    return (True, value) if value in rule else (False, f"expected one of {list(rule)}")
+
+
+def _inside_bundle(value: Any, root: Path) -> tuple[bool, Any]:
+    if not isinstance(value, str) or not value or Path(value).is_absolute():
+        return False, "expected a relative path inside the bundle"
+    path = (root / value).resolve()
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False, "expected a path inside the bundle (it resolves outside it)"
+    return True, str(path)
+
+
+def draft_target_config(options: dict[str, Any]):
+    """DraftTargetDecodingConfig(max_draft_len=K, speculative_model=draft) for the installed tensorrt_llm.
+
+    tensorrt_llm/llmapi/llm_args.py (tests/fixtures/trtllm/decoding_types.json): current main names the field
+    ``speculative_model`` (alias ``speculative_model_dir``) and validates max_draft_len > 0 and a set
+    speculative_model; the 1.0-1.2 versions read here name it ``speculative_model_dir`` and validate neither, so
+    llm_api_kwargs's checks (max_draft_len >= 1, the draft path inside the bundle) are what guards those releases.
+    """
+    require_tensorrt_llm()
+    from tensorrt_llm.llmapi import DraftTargetDecodingConfig
+    fields = getattr(DraftTargetDecodingConfig, "model_fields", {})
+    key = "speculative_model" if "speculative_model" in fields else "speculative_model_dir"
+    return DraftTargetDecodingConfig(max_draft_len=options["max_draft_len"], **{key: options["speculative_model"]})
+
+
+class LlmApiGenerator:
+    """Draft-target speculative generation inside TensorRT-LLM's LLM API (PyTorch backend)."""
+
+    def __init__(self, manifest: Manifest, llm, eos_ids: tuple[int, ...] = ()):
+        self.manifest, self.llm, self.eos_ids = manifest, llm, tuple(eos_ids)
+        self.default_k = manifest.default_k
+
+    @classmethod
+    def from_bundle(cls, path: str | os.PathLike, verify: bool = True, speculative: bool = True,
+                    **overrides) -> "LlmApiGenerator":
+        """speculative=False: the same target without a draft (the baseline). overrides: LLM keywords from the
+        caller (the person running the command, e.g. ``kv_cache_config``), never from the bundle."""
+        root = Path(path)
+        manifest = load_manifest(root, verify=verify)
+        kwargs = llm_api_kwargs(root, manifest)
+        require_tensorrt_llm()
+        from tensorrt_llm import LLM
+        options = kwargs.pop("speculative_config")
+        if speculative:
+            kwargs["speculative_config"] = draft_target_config(options)
+        if "kv_cache_config" in kwargs:  # checked keys only (KV_CACHE_KEYS); LLM takes a KvCacheConfig
+            from tensorrt_llm.llmapi import KvCacheConfig
+            kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
+        # trust_remote_code is never taken from the bundle (llm_api_kwargs refuses it); say False explicitly.
+        return cls(manifest, LLM(**{**kwargs, **overrides, "trust_remote_code": False}), manifest.eos_token_ids)
+
+    def generate(self, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, **unsupported):
+        """Same call and result types as SpeculativeGenerator.generate for what the LLM API exposes."""
+        from runtime.api import Generation
+        from runtime.errors import RequestError
+        given = {k: v for k, v in unsupported.items() if v not in (None, False, "speculative")}
+        if given:
+            raise RequestError(f"LLM-API bundles do not support {sorted(given)} (TensorRT-LLM drafts internally)")
+        from tensorrt_llm import SamplingParams
+        params = {"max_tokens": max_new_tokens, "temperature": temperature}
+        params.update({k: v for k, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None})
+        single = isinstance(prompts, str)
+        outputs = self.llm.generate([prompts] if single else list(prompts), SamplingParams(**params))
+        results = []
+        for output in outputs:  # RequestOutput: prompt_token_ids, outputs[0] (CompletionOutput: text, token_ids)
+            completion = output.outputs[0]
+            reason = {"length": "length"}.get(str(completion.finish_reason), "stop")
+            results.append(Generation(completion.text, list(completion.token_ids), len(output.prompt_token_ids),
+                                      reason))
+        return results[0] if single else results
