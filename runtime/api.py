@@ -11,12 +11,14 @@ from typing import Iterator
 
 import numpy as np
 
-from runtime.bundle import DRAFTERS, BundleError, Manifest, load_manifest, read_onnx, read_verified
+from runtime.bundle import DRAFTERS, BundleError, Manifest, load_manifest, read_verified
 from runtime.engine import Engine, MappedVocabEngine, engine_class, make_session, providers_for
 from runtime.errors import RequestError
 from runtime.features import FeatureDrafter
+from runtime.grammar import GrammarCompiler, parse_response_format
 from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
+from runtime.onnx_checks import read_onnx
 from runtime.request import check_text, decode_request
 from runtime.sampling import SamplingParams
 from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
@@ -33,6 +35,11 @@ class Generation:
     prompt_tokens: int
     finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens), "context" or "cancelled"
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[float] | None = None  # with logprobs: the target's log-probability of each token of token_ids
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the n most likely (token, logprob)
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 class SpeculativeGenerator:
@@ -49,6 +56,7 @@ class SpeculativeGenerator:
         self.max_context = target.max_context
         self.metrics = MetricsRegistry()
         self.suffix_corpus: SuffixCorpus | None = None  # earlier responses for suffix drafters (a server sets one)
+        self._grammars: GrammarCompiler | None = None  # made on the first constrained request
 
     @classmethod
     def from_bundle(cls, path: str | os.PathLike, threads: int = 0, providers: list | None = None,
@@ -75,7 +83,8 @@ class SpeculativeGenerator:
                  k: int | None = None, stop: str | list[str] | None = None, chat: bool = False,
                  mode: str = "speculative", adaptive: AdaptiveK | bool | None = None,
                  fallback: Fallback | bool | None = None, draft_confidence: float | None = None,
-                 drafter: str | None = None) -> Generation | list[Generation]:
+                 drafter: str | None = None, response_format=None, logprobs: int | None = None,
+                 forced_drafts: bool = True) -> Generation | list[Generation]:
         """Generate for one prompt (returns a Generation) or a list (returns a list, in order).
 
         mode "target" decodes target-only (the baseline); drafter "prompt_lookup" drafts by n-gram lookup in the
@@ -83,12 +92,20 @@ class SpeculativeGenerator:
         2-gram match and with the draft engine elsewhere; None: the bundle's default (its spec's drafter). seed: one
         for the batch (each prompt draws its own stream of it) or a list, one per prompt (each prompt samples as it
         would alone with its seed).
+
+        response_format constrains the output: OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
+        "json_schema": {"schema": ...}}``, or ``{"type": "regex", "regex": ...}``, ``{"type": "grammar", "grammar":
+        LARK}``, or a runtime.grammar.Constraint. It masks the target at every verified position and the draft the
+        same way, so the output is exactly what constrained target-only decoding gives (greedy) or samples from
+        (sampled); forced_drafts proposes the tokens the grammar forces without a draft call. logprobs (0-20):
+        each token's log-probability under the target (Generation.logprobs) and the n most likely at each.
         """
         single = isinstance(prompts, str)
         results: dict[int, Generation] = {}
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        k=k, stop=stop, chat=chat, mode=mode, adaptive=adaptive, fallback=fallback,
-                       draft_confidence=draft_confidence, drafter=drafter)
+                       draft_confidence=draft_confidence, drafter=drafter, response_format=response_format,
+                       logprobs=logprobs, forced_drafts=forced_drafts)
         for index, piece, generation in self._events([prompts] if single else list(prompts), **options):
             if generation is not None:
                 results[index] = generation
@@ -120,9 +137,9 @@ class SpeculativeGenerator:
                 top_k: int | None = None, top_p: float | None = None, seed: int | list[int | None] | None = None,
                 k: int | None = None, stop=None, chat: bool = False, mode: str = "speculative",
                 adaptive=None, fallback=None, draft_confidence: float | None = None, drafter: str | None = None,
-                cancelled=None):
+                cancelled=None, response_format=None, logprobs: int | None = None, forced_drafts: bool = True):
         config, stops = self._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
-                                     fallback)
+                                     fallback, response_format, logprobs, forced_drafts)
         token_lists = [self._encode(p, chat) for p in prompts]
         loop = SpeculativeLoop(self.target, self._drafter(mode, drafter, draft_confidence), token_lists, config)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
@@ -143,7 +160,7 @@ class SpeculativeGenerator:
                     row.stats.prompt_tokens = len(row.prompt)
                     self.metrics.add(row.stats)
                     done = Generation(texts[row.index], list(row.generated), len(row.prompt), row.finished,
-                                      row.stats)
+                                      row.stats, row.logprobs, row.top_logprobs)
                 if piece or done is not None:
                     yield row.index, piece, done
 
@@ -153,7 +170,8 @@ class SpeculativeGenerator:
             row.finished = "stop"  # the loop drops finished rows after this step
         return piece
 
-    def _config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback):
+    def _config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback,
+                response_format=None, logprobs=None, forced_drafts: bool = True):
         request = decode_request(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, k=k, stop=stop, mode=mode)
         k = self.default_k if request.k is None else request.k
@@ -165,7 +183,23 @@ class SpeculativeGenerator:
             adaptive = AdaptiveK(min_k=1, max_k=self.max_k)
         if fallback is True:
             fallback = Fallback()
-        return DecodeConfig(max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None, seed), stops
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}] (how many of the most "
+                               f"likely tokens to list at each position), received {logprobs!r}")
+        grammar = self.compile_constraint(response_format)
+        return DecodeConfig(max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None, seed,
+                            grammar=grammar, forced_drafts=forced_drafts and mode == "speculative",
+                            logprobs=logprobs), stops
+
+    def compile_constraint(self, response_format):
+        """The compiled grammar of a response_format (None: unconstrained); RequestError when it cannot compile."""
+        constraint = parse_response_format(response_format)
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.fast.to_str(), self.target.vocab_size, self.eos_ids)
+        return self._grammars.compile(constraint)
 
     def _encode(self, prompt: str | list[dict], chat: bool) -> list[int]:
         """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages (a server's)."""
@@ -265,6 +299,13 @@ def kept_ids(data: bytes, where: str) -> np.ndarray:
     if not isinstance(kept, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in kept):
         raise BundleError(f"{where}: expected an object with a 'kept_ids' list of token ids; rebuild the bundle")
     return np.asarray(kept, dtype=np.int64)
+
+
+def bundle_tokenizer(folder: Path) -> Tokenizer:
+    """The tokenizer in a bundle's ``tokenizer/`` folder (a Triton model's parameter), from the bytes its manifest's
+    sha256 vouch for (load_tokenizer), never from whatever the folder holds when it is read."""
+    root = Path(folder).resolve().parent
+    return load_tokenizer(root, load_manifest(root, verify=False))
 
 
 def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True) -> Tokenizer:

@@ -20,6 +20,8 @@ from runtime.speculative import Proposal, draw_rows, padded
 
 
 class FeatureDrafter:
+    grammars: list | None = None  # per row, the GrammarRow its draws are masked by (set by the loop; None: none)
+
     def __init__(self, engine, confidence: float = 0.0):
         if not getattr(engine, "takes_features", False):
             raise ValueError("the feature drafter needs a feature draft engine (draftsmith distill --init feature)")
@@ -67,7 +69,8 @@ class FeatureDrafter:
         logits, predicted = self._feed(chunks, feats)
         self.base = self.cache.lengths.copy()  # the true pairs stay; what follows is rolled back in settle
         while True:
-            drawn = draw_rows(logits, active, tokens, probs, limits, params, rngs, self.confidence)
+            drawn = draw_rows(logits, active, tokens, probs, limits, params, rngs, self.confidence,
+                              self.grammars)
             if not any(active):
                 return Proposal(tokens, probs)
             chunks = [[] if token is None else [token] for token in drawn]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.sampling import SamplingParams
+from runtime.sampling import SamplingParams, point_masses  # noqa: F401 (suffix.py imports it from here)
 from runtime.speculative import Drafter, ModelDrafter, Proposal
 
 
@@ -26,15 +26,6 @@ def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -
                 if follow:
                     return follow
     return []
-
-
-def point_masses(tokens: list[int], vocab_size: int, params: SamplingParams) -> list[np.ndarray | None]:
-    """q for each proposed token of a model-free drafter: one-hot on the token (None when greedy: argmax matching)."""
-    if params.greedy:
-        return [None] * len(tokens)
-    masses = np.zeros((len(tokens), vocab_size))
-    masses[np.arange(len(tokens)), tokens] = 1.0
-    return list(masses)
 
 
 class PromptLookupDrafter:

@@ -2,19 +2,30 @@
 
 Requests are strict: an unknown field is a 400 (OpenAI's own behaviour), so a client never believes a setting took
 effect when it did not. OpenAI fields we do not implement come in two kinds: harmless ones (``user``, ``metadata``,
-``store``, ...) are accepted and ignored; ones that would change the output (``logprobs``, ``logit_bias``, penalties,
-``tools``, ``echo``, ``best_of`` ...) are accepted only at their neutral value, otherwise a 400 names them.
-Extensions: ``top_k`` (0 or -1: off) and ``num_draft_tokens`` (draft tokens per step, 0: target only).
+``store``, ...) are accepted and ignored; ones that would change the output (``logit_bias``, penalties, ``echo``,
+``best_of`` ...) are accepted only at their neutral value, otherwise a 400 names them.
+
+Structured output (runtime/grammar.py), exact under speculation: ``response_format`` (``json_object``,
+``json_schema``; on completions too, as vLLM), ``tools`` with ``tool_choice`` "required" or a named function (the
+output is constrained to the tool's parameter schema and returned as ``tool_calls``; "auto" is refused: no chat
+template this server renders takes tools, and free-form tool calls are not parsed). ``logprobs``: the target's own
+log-probabilities of the emitted tokens (before temperature, top-k/top-p and the grammar's mask), in streamed chunks
+too. Extensions: ``top_k`` (0 or -1: off), ``num_draft_tokens`` (draft tokens per step, 0: target only) and the
+response formats ``{"type": "regex", "regex": ...}`` and ``{"type": "grammar", "grammar": LARK}``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from runtime.grammar import json_schema
 
 # The scheduler's finish reasons in OpenAI's terms. A timeout (the server's request deadline) truncates the text as a
 # token budget does: "length". "cancelled" is reached only when the client went away, so nobody should see it; if a
@@ -22,6 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "timeout": "length", "cancelled": "abort"}
 
 PROMPT_BYTES_PER_TOKEN = 32  # as the Triton repository: a longer prompt cannot fit the context, refused untokenized
+
+
+MESSAGE_BYTES = 16  # what one chat message counts for beyond its content (its role and the template's markers)
+MAX_BODY_BYTES = 16 << 20  # whatever the context: a body is read whole before it is parsed
 
 
 @dataclass(frozen=True)
@@ -39,7 +54,7 @@ class Limits:
         chosen = {name: value for name, value in given.items() if value}
         prompt_bytes = chosen.get("max_prompt_bytes", PROMPT_BYTES_PER_TOKEN * max_context)
         limits = cls(**{"max_tokens_limit": max_context - 1, "max_prompt_bytes": prompt_bytes,
-                        "max_body_bytes": 4 * prompt_bytes + 65536, **chosen})
+                        "max_body_bytes": min(4 * prompt_bytes + 65536, MAX_BODY_BYTES), **chosen})
         if not 1 <= limits.max_tokens_limit < max_context:
             raise ValueError(f"max_tokens_limit: expected an integer in [1, {max_context - 1}] (the bundle's context "
                              f"is {max_context}), received {limits.max_tokens_limit}")
@@ -50,9 +65,8 @@ class Limits:
 # the only ones accepted (anything else is a 400 naming the field).
 NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1), "echo": (None, False), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-    "logit_bias": (None, {}), "logprobs": (None, False), "top_logprobs": (None, 0), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
+    "logit_bias": (None, {}), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
     "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
 }
 
@@ -86,6 +100,7 @@ class SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     num_draft_tokens: int | None = Field(None, ge=0, description="extension: draft tokens per step; 0: target only")
+    response_format: dict | None = Field(None, description="text, json_object, json_schema (+ regex, grammar)")
     # harmless OpenAI fields, ignored
     user: str | None = None
     # output-changing OpenAI fields, accepted at their neutral value only (NEUTRAL)
@@ -120,7 +135,21 @@ class SamplingRequest(_Strict):
                     temperature=1.0 if self.temperature is None else self.temperature,
                     top_k=self.top_k if self.top_k and self.top_k > 0 else None,
                     top_p=None if self.top_p in (None, 1) else self.top_p, seed=self.seed, stop=self.stop,
-                    k=k or None, mode="target" if k == 0 else "speculative")
+                    k=k or None, mode="target" if k == 0 else "speculative", **self.structure())
+
+    def structure(self) -> dict:
+        """The options of structured output and log-probabilities, only those set."""
+        options = dict(response_format=self.constraint_format(), logprobs=self.logprobs_count)
+        return {key: value for key, value in options.items() if value is not None}
+
+    def constraint_format(self):
+        """What constrains the output (a response_format, or a runtime.grammar.Constraint); None: free text."""
+        return self.response_format
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """None: no log-probabilities; n >= 0: each token's, with the n most likely at each position."""
+        return None
 
     @property
     def max_tokens_value(self) -> int | None:
@@ -144,7 +173,7 @@ class SamplingRequest(_Strict):
         if len(self.stop) > limits.max_stop_words:
             problems.append(("stop", f"{len(self.stop)} stop strings; this server's limit is "
                                      f"{limits.max_stop_words}"))
-        longest = max((len(s.encode()) for s in self.stop), default=0)
+        longest = max((len(s.encode(errors="replace")) for s in self.stop), default=0)
         if longest > limits.max_stop_word_bytes:
             problems.append(("stop", f"a stop string of {longest} bytes; this server's limit is "
                                      f"{limits.max_stop_word_bytes}"))
@@ -160,7 +189,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1, description="OpenAI's default: 16")
     best_of: int | None = None
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5, description="the n most likely tokens at each position (0-5)")
     suffix: str | None = None
 
     prompt_field: ClassVar[str] = "prompt"
@@ -176,7 +205,11 @@ class CompletionRequest(SamplingRequest):
         return prompt
 
     def prompt_bytes(self) -> int:
-        return len(self.prompt.encode())
+        return len(self.prompt.encode(errors="replace"))  # a lone surrogate is refused later, with its own message
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -195,6 +228,62 @@ class ChatMessage(_Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema; absent: no arguments
+    strict: bool | None = None  # every call is constrained to the schema either way
+
+    def parameters_schema(self) -> dict:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _ChosenFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _ChosenFunction
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """A forced function call: ``named`` (the output is that tool's arguments) or any of ``tools`` (the output is
+    ``{"name": ..., "arguments": {...}}``, one of them)."""
+
+    tools: dict[str, dict]  # name: parameter schema
+    named: str | None = None
+
+    def constraint(self):
+        if self.named is not None:
+            return json_schema(self.tools[self.named])
+        return json_schema({"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+             "required": ["name", "arguments"], "additionalProperties": False}
+            for name, schema in self.tools.items()]})
+
+    def calls(self, text: str, call_id: str) -> list["ToolCall"] | None:
+        """The tool call in a constrained answer; None when the answer is incomplete (cut by max_tokens)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.named is not None:
+            name, arguments = self.named, value
+        elif isinstance(value, dict) and set(value) == {"name", "arguments"}:
+            name, arguments = value["name"], value["arguments"]
+        else:
+            return None
+        return [ToolCall(id=call_id, function=FunctionCall(
+            name=name, arguments=json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))))]
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -202,9 +291,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name; wins over max_tokens")
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list | None = None
-    tool_choice: Any = None
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the n most likely (0-20)")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list | None = None
     function_call: Any = None
     response_format: dict | None = None
@@ -223,15 +312,52 @@ class ChatCompletionRequest(SamplingRequest):
 
     prompt_field: ClassVar[str] = "messages"
 
+    @model_validator(mode="after")
+    def _tools_and_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        choice = self.tool_choice
+        if self.tools and choice in (None, "auto"):
+            raise ValueError("tool_choice 'auto' (the default when tools are given) is not supported: this server "
+                             "renders no tools into the chat template and does not parse free-form tool calls. "
+                             "Send tool_choice 'required' or {'type': 'function', 'function': {'name': ...}}: the "
+                             "output is then constrained to the tool's parameters")
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        return self
+
     @property
     def max_tokens_value(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_mode(self) -> "ToolMode | None":
+        """The function call the output must be (None: plain content)."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        tools = {t.function.name: t.function.parameters_schema() for t in self.tools}
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            return ToolMode({name: tools[name]}, named=name)
+        return ToolMode(tools)
+
+    def constraint_format(self):
+        mode = self.tool_mode
+        return self.response_format if mode is None else mode.constraint()
 
     def plain_messages(self) -> list[dict]:
         return [m.plain() for m in self.messages]
 
     def prompt_bytes(self) -> int:
-        return sum(len(m["content"].encode()) for m in self.plain_messages())
+        """Content bytes plus MESSAGE_BYTES a message: ten thousand empty messages are not an empty prompt (each
+        costs the template a turn)."""
+        return sum(len(m["content"].encode(errors="replace")) + MESSAGE_BYTES for m in self.plain_messages())
 
 
 # --- responses ---------------------------------------------------------------------------------------------------
@@ -253,10 +379,58 @@ class _Response(BaseModel):
     model: str
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists over the choice's tokens."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+def token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def chat_logprobs(tokenizer, tokens: list[int], logprobs: list[float], tops: list[list]) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs`` object for tokens and their (target's) log-probabilities."""
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return ChatLogprobs(content=[TokenLogprob(**entry(t, lp), top_logprobs=[TopLogprob(**entry(u, v)) for u, v in top])
+                                 for t, lp, top in zip(tokens, logprobs, tops)])
+
+
+def completion_logprobs(tokenizer, tokens: list[int], logprobs: list[float], tops: list[list], top: int,
+                        offset: int = 0) -> CompletionLogprobs:
+    """OpenAI's completions ``logprobs`` object; ``offset``: the text length before these tokens."""
+    texts = [token_text(tokenizer, t) for t in tokens]
+    offsets = list(offset + np.cumsum([0] + [len(t) for t in texts[:-1]])) if texts else []
+    return CompletionLogprobs(tokens=texts, token_logprobs=list(logprobs), text_offset=[int(o) for o in offsets],
+                              top_logprobs=[{token_text(tokenizer, u): v for u, v in row} for row in tops]
+                              if top else None)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -268,15 +442,38 @@ class Completion(_Response):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int = 0
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _present(self, handler) -> dict:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -292,6 +489,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _present(self, handler) -> dict:
@@ -301,7 +499,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -319,3 +517,59 @@ def new_id(prefix: str) -> str:
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class ResponseShape:
+    """What a request's choices carry besides text: log-probabilities (``logprobs``: None or the top count) and a
+    forced tool call (``tool``: the content is then the call's JSON, returned as ``tool_calls``)."""
+
+    chat: bool
+    tokenizer: Any
+    logprobs: int | None = None
+    tool: ToolMode | None = None
+    call_id: str = ""
+    text_sent: int = 0  # completions' text_offset: characters already streamed
+
+    @classmethod
+    def of(cls, body: SamplingRequest, chat: bool, tokenizer) -> "ResponseShape":
+        return cls(chat, tokenizer, body.logprobs_count, getattr(body, "tool_mode", None), new_id("call"))
+
+    def reason(self, g) -> str:
+        reason = FINISH_REASONS.get(g.finish_reason, "stop")
+        return "tool_calls" if self.tool is not None and reason == "stop" else reason
+
+    def choice(self, g) -> "ChatChoice | CompletionChoice":
+        """The whole answer's choice, from a runtime.api.Generation."""
+        logprobs = self._logprobs(g.token_ids, g.logprobs, g.top_logprobs, 0)
+        if not self.chat:
+            return CompletionChoice(text=g.text, finish_reason=self.reason(g), logprobs=logprobs)
+        calls = self.tool.calls(g.text, self.call_id) if self.tool is not None else None
+        message = (AssistantMessage(content=None, tool_calls=calls) if calls is not None
+                   else AssistantMessage(content=g.text))
+        return ChatChoice(message=message, finish_reason=self.reason(g), logprobs=logprobs)
+
+    def chunk(self, text: str, token_ids: list[int], logprobs, tops, reason: str | None = None,
+              final=None) -> "ChunkChoice | CompletionChoice | None":
+        """A streamed chunk's choice (None: nothing to send). A tool call's arguments are sent whole, with the
+        final chunk (``final``: the Generation)."""
+        lp = self._logprobs(token_ids, logprobs, tops, self.text_sent)
+        self.text_sent += len(text)
+        if not self.chat:
+            return CompletionChoice(text=text, finish_reason=reason, logprobs=lp)
+        if self.tool is None:
+            return ChunkChoice(delta=Delta(content=text or None), finish_reason=reason, logprobs=lp)
+        if final is None:
+            return ChunkChoice(delta=Delta(), logprobs=lp) if lp is not None and lp.content else None
+        calls = self.tool.calls(final.text, self.call_id)
+        delta = (Delta(tool_calls=[ToolCallDelta(**call.model_dump()) for call in calls]) if calls
+                 else Delta(content=final.text or None))
+        return ChunkChoice(delta=delta, finish_reason=reason, logprobs=lp)
+
+    def _logprobs(self, tokens, logprobs, tops, offset: int):
+        if self.logprobs is None or logprobs is None:
+            return None
+        tokens = list(tokens)[: len(logprobs)]
+        if self.chat:
+            return chat_logprobs(self.tokenizer, tokens, logprobs, tops)
+        return completion_logprobs(self.tokenizer, tokens, logprobs, tops, self.logprobs, offset)

@@ -97,6 +97,15 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.shape[-1] - 1))
 
 
+def point_masses(tokens: list[int], vocab_size: int, params: SamplingParams) -> list[np.ndarray | None]:
+    """q for each proposed token of a model-free drafter: one-hot on the token (None when greedy: argmax matching)."""
+    if params.greedy:
+        return [None] * len(tokens)
+    masses = np.zeros((len(tokens), vocab_size))
+    masses[np.arange(len(tokens)), tokens] = 1.0
+    return list(masses)
+
+
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, np.ndarray | None]:
     """Choose one token from logits [V]; returns it and the distribution it came from (None when greedy)."""
     if params.greedy:

@@ -14,14 +14,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from runtime.engine import Engine
 from runtime.errors import RequestError
+from runtime.grammar import constrain, forced_proposals, token_logprobs
 from runtime.metrics import RequestStats
-from runtime.sampling import SamplingParams, next_token, top_probability, verify
+from runtime.sampling import SamplingParams, next_token, point_masses, top_probability, verify
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Row:
     stats: RequestStats = field(default_factory=RequestStats)
     rng: np.random.Generator | None = None
     finished: str = ""
+    grammar: Any = None  # a GrammarRow (runtime/grammar.py) when the output is constrained
+    logprobs: list[float] | None = None  # the target's log-probability of each generated token, when asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def total(self) -> int:
@@ -90,6 +94,8 @@ class Drafter(Protocol):
 class ModelDrafter:
     """A draft model with its own KV cache."""
 
+    grammars: list | None = None  # per row, the GrammarRow its draws are masked by (set by the loop; None: none)
+
     def __init__(self, engine: Engine, confidence: float = 0.0):
         self.engine = engine
         self.confidence = confidence
@@ -106,18 +112,25 @@ class ModelDrafter:
         last = np.maximum(valid.sum(axis=1) - 1, 0)
         return logits[np.arange(len(chunks)), last]
 
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
+    takes_prefixes = True  # propose() continues given draft tokens (grammar-forced ones) instead of starting afresh
+
+    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
+                prefixes: list[list[int]] | None = None) -> Proposal:
+        """Up to limits[b] draft tokens per row; with ``prefixes``, row b's draft starts with prefixes[b] (fixed
+        tokens, point masses: the grammar forces them), fed to the draft model with its pending tokens, and the
+        model drafts on from there."""
         rows = len(limits)
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        probs: list[list] = [[] for _ in range(rows)]
-        active = [limit > 0 for limit in limits]
+        prefixes = prefixes or [[] for _ in range(rows)]
+        tokens: list[list[int]] = [list(p) for p in prefixes]
+        probs: list[list] = [point_masses(p, self.engine.vocab_size, params) for p in prefixes]
+        active = [limit > len(p) for limit, p in zip(limits, prefixes)]
         self.base = self.cache.lengths.copy()
-        self.fed = [0] * rows
-        chunks = [list(p) if a else [] for p, a in zip(self.pending, active)]
+        self.fed = [len(p) if a else 0 for p, a in zip(prefixes, active)]
+        chunks = [list(pending) + list(p) if a else [] for pending, p, a in zip(self.pending, prefixes, active)]
         self.fed_pending = list(active)
         while any(active):
             logits = self._feed(chunks)
-            drawn = draw_rows(logits, active, tokens, probs, limits, params, rngs, self.confidence)
+            drawn = draw_rows(logits, active, tokens, probs, limits, params, rngs, self.confidence, self.grammars)
             chunks = [[] if token is None else [token] for token in drawn]
             self.fed = [fed + (token is not None) for fed, token in zip(self.fed, drawn)]
         return Proposal(tokens, probs)
@@ -143,12 +156,21 @@ class ModelDrafter:
 
 
 def draw_rows(logits: np.ndarray, active: list[bool], tokens: list[list[int]], probs: list[list], limits: list[int],
-              params: SamplingParams, rngs: list, confidence: float = 0.0) -> list[int | None]:
+              params: SamplingParams, rngs: list, confidence: float = 0.0, grammars: list | None = None
+              ) -> list[int | None]:
     """``draw_next`` for every active row of a draft call's logits [B, V]; rows that stop become inactive. Returns
-    each row's token to feed the draft next (None: nothing)."""
+    each row's token to feed the draft next (None: nothing). With ``grammars``, a row that has one draws from its
+    logits masked by the grammar (q is then a law over allowed tokens), and stops where its output is complete."""
     drawn: list[int | None] = [None] * len(active)
     for b in np.flatnonzero(active):
-        drawn[b] = draw_next(logits[b], tokens[b], probs[b], limits[b], params, rngs[b], confidence)
+        row_logits = logits[b]
+        if grammars is not None and grammars[b] is not None:
+            mask = grammars[b].mask_after(tokens[b])
+            if mask is None or not mask.any() or (tokens[b] and grammars[b].stopped):
+                active[b] = False
+                continue
+            row_logits = constrain(row_logits, mask)
+        drawn[b] = draw_next(row_logits, tokens[b], probs[b], limits[b], params, rngs[b], confidence)
         active[b] = drawn[b] is not None
     return drawn
 
@@ -208,6 +230,9 @@ class DecodeConfig:
     adaptive: AdaptiveK | None = None
     fallback: Fallback | None = None
     seed: int | Sequence[int | None] | None = None  # one seed for the batch, or one per row (see row_generators)
+    grammar: Any = None  # a CompiledGrammar (runtime/grammar.py): every row's output must match it
+    forced_drafts: bool = True  # with a grammar: propose the tokens it forces as a draft (no draft call)
+    logprobs: int | None = None  # None: off; n >= 0: each token's log-probability and the n most likely
 
 
 def row_generators(seed: int | Sequence[int | None] | None, rows: int) -> list[np.random.Generator]:
@@ -234,6 +259,11 @@ class SpeculativeLoop:
         self.target, self.drafter, self.config = target, drafter, config
         rngs = row_generators(config.seed, len(prompts))
         self.rows = [Row(i, list(p), rng=rng) for i, (p, rng) in enumerate(zip(prompts, rngs))]
+        self.constrained = config.grammar is not None
+        for row in self.rows:
+            row.grammar = config.grammar.start() if self.constrained else None
+            if config.logprobs is not None:
+                row.logprobs, row.top_logprobs = [], []
         self.k = config.k
         self.recent = deque(maxlen=config.fallback.window if config.fallback else 1)  # 1/0 per recent draft token
         self.fallback_steps_left = 0
@@ -266,7 +296,9 @@ class SpeculativeLoop:
             limits = [self._draft_limit(r) for r in running]
             t0 = time.perf_counter()
             use_draft = self.drafter is not None and not self.in_fallback and any(limits)
-            if use_draft:
+            if self.constrained:
+                proposal = self._propose_constrained(running, limits, use_draft)
+            elif use_draft:
                 proposal = self.drafter.propose(limits, self.config.params, [r.rng for r in running])
             else:
                 proposal = Proposal([[] for _ in running], [[] for _ in running])
@@ -278,9 +310,7 @@ class SpeculativeLoop:
             accepted, emitted = [], []
             for b, row in enumerate(running):
                 drafted = proposal.tokens[b]
-                n, extra = verify(drafted, proposal.probs[b], logits[b, : len(drafted) + 1], self.config.params,
-                                  row.rng)
-                out = drafted[:n] + [extra]
+                n, out = verify_row(row, drafted, proposal.probs[b], logits[b, : len(drafted) + 1], self.config)
                 accepted.append(n)
                 emitted.append(out)
                 self.recent.extend([1] * n + [0] * (len(drafted) > n))
@@ -299,6 +329,7 @@ class SpeculativeLoop:
             step = []
             for b, row in enumerate(running):
                 new = self._append(row, emitted[b])
+                after_append(row, new)
                 row.stats.num_emitted_tokens += len(new)
                 if row.generated and not row.stats.time_to_first_token:
                     row.stats.time_to_first_token = now - start
@@ -314,6 +345,10 @@ class SpeculativeLoop:
                     cache = self.target.select(cache, keep_rows)
                     if self.drafter is not None:
                         self.drafter.keep_rows(keep_rows)
+
+    def _propose_constrained(self, running: list[Row], limits: list[int], use_draft: bool) -> Proposal:
+        return propose_constrained(self.drafter if use_draft else None, [r.grammar for r in running], limits,
+                                   self.config, [r.rng for r in running], self.target.vocab_size)
 
     def _feed_target(self, cache, chunks: list[list[int]]) -> np.ndarray:
         return feed(self.target, cache, chunks)[0]
@@ -345,6 +380,72 @@ class SpeculativeLoop:
 
     def _append(self, row: Row, tokens: list[int]) -> list[int]:
         return append_tokens(row, tokens, self.config, self.target.max_context)
+
+
+def verify_row(row, drafted: list[int], probs: list, logits: np.ndarray, config: DecodeConfig
+               ) -> tuple[int, list[int]]:
+    """``sampling.verify`` for one row (logits [len(drafted) + 1, V]) under its grammar, if any (the target's law
+    masked at every position), recording the target's log-probabilities of what it emits when asked. Returns
+    (accepted draft tokens n, the tokens the step emits)."""
+    scores = logits if row.grammar is None else constrain(logits, row.grammar.verify_masks(drafted))
+    n, extra = verify(drafted, probs, scores, config.params, row.rng)
+    out = drafted[:n] + [extra]
+    if row.grammar is not None:
+        out = out[: row.grammar.commit(n, extra)]
+    if row.logprobs is not None:
+        record_logprobs(row, logits, out, config.logprobs)
+    return n, out
+
+
+def propose_constrained(drafter: Drafter | None, grammars: list, limits: list[int], config: DecodeConfig, rngs: list,
+                        vocab_size: int) -> Proposal:
+    """Drafts under the rows' grammars: the grammar-forced tokens where there are any (point masses, no draft call
+    for those rows), the drafter's masked draws elsewhere (``drafter`` None: no drafting this step), each cut at its
+    first token the grammar refuses (see runtime/grammar.py for why both stay exact)."""
+    rows = len(grammars)
+    forced = forced_proposals(grammars, limits) if config.forced_drafts else [[] for _ in range(rows)]
+    continues = getattr(drafter, "takes_prefixes", False)  # a draft model drafts on after the forced tokens
+    if drafter is not None:
+        give_grammars(drafter, grammars)
+        if continues:
+            inner = drafter.propose(limits, config.params, rngs, prefixes=forced)
+        else:
+            inner = drafter.propose([0 if f else limit for f, limit in zip(forced, limits)], config.params, rngs)
+    else:
+        inner = Proposal([[] for _ in range(rows)], [[] for _ in range(rows)])
+    tokens, probs = [], []
+    for b, grammar in enumerate(grammars):
+        if forced[b] and not continues:
+            drafted, q = forced[b], point_masses(forced[b], vocab_size, config.params)
+        else:
+            drafted, q = inner.tokens[b], inner.probs[b]
+        valid = len(drafted) if grammar is None else grammar.valid_prefix(drafted)
+        tokens.append(list(drafted[:valid]))
+        probs.append(list(q[:valid]))
+    return Proposal(tokens, probs)
+
+
+def give_grammars(drafter, grammars: list) -> None:
+    """Hand the rows' grammars to every model drafter inside ``drafter`` (a hybrid holds one as ``model``)."""
+    for part in (drafter, getattr(drafter, "model", None)):
+        if part is not None and hasattr(part, "grammars"):
+            part.grammars = grammars
+
+
+def record_logprobs(row, logits: np.ndarray, out: list[int], top: int) -> None:
+    """The target's own log-probabilities of a step's emitted tokens (logits [>= len(out), V]: row i scored
+    out[i]), appended to the row's; exact under speculation, since row i is the target's score after out[:i]."""
+    chosen, tops = token_logprobs(logits, out, top)
+    row.logprobs.extend(chosen)
+    row.top_logprobs.extend(tops)
+
+
+def after_append(row, new: list[int]) -> None:
+    """Trim logprobs to the tokens a row took, and end a constrained row whose output is complete."""
+    if row.logprobs is not None and len(row.logprobs) > len(row.generated):
+        del row.logprobs[len(row.generated):], row.top_logprobs[len(row.generated):]
+    if row.grammar is not None and not row.finished and row.grammar.stopped:
+        row.finished = "stop"
 
 
 def append_tokens(row, tokens: list[int], config: DecodeConfig, max_context: int) -> list[int]:

@@ -166,7 +166,7 @@ def test_chat_messages_render_with_the_template(client, reference):
 
 def test_bad_requests_are_400_in_openais_shape(client):
     bad = [dict(n=2), dict(prompt=["one", "two"]), dict(prompt=[1, 2, 3]), dict(max_tokens=10_000),
-           dict(stop=[str(i) for i in range(17)]), dict(temperature=3), dict(extra_body={"logprobs": 2}),
+           dict(stop=[str(i) for i in range(17)]), dict(temperature=3), dict(extra_body={"logprobs": 6}),
            dict(extra_body={"frequency_penalty": 0.5}), dict(extra_body={"no_such_field": 1}),
            dict(prompt="x" * 5000), dict(extra_body={"num_draft_tokens": 99}),
            dict(stream_options={"include_usage": True})]

@@ -30,7 +30,9 @@ written with ``streaming=False`` is not decoupled and serves ``/infer`` (and ref
 Names and dtypes of the ensemble's inputs and outputs follow tensorrtllm_backend's
 ``all_models/inflight_batcher_llm/ensemble/config.pbtxt`` (``text_input`` STRING [1], ``max_tokens`` INT32 [1],
 ``stop_words`` STRING [-1], ``end_id``/``top_k``/``num_draft_tokens`` INT32 [1], ``temperature``/``top_p`` FP32 [1],
-``seed`` UINT64 [1] (older releases: ``random_seed``; both accepted), ``stream`` BOOL [1]; outputs ``text_output``
+``seed`` UINT64 [1] (older releases: ``random_seed``; both accepted), ``stream`` BOOL [1], and the guided-decoding
+inputs of its ``tensorrt_llm/config.pbtxt``, ``guided_decoding_guide_type`` (json, json_schema, regex or ebnf_grammar)
+and ``guided_decoding_guide`` STRING [1] (runtime/grammar.py); outputs ``text_output``
 STRING [-1], ``acceptance_rate`` FP32 [1], ``total_accepted_draft_tokens``/``total_draft_tokens`` INT32 [1]).
 """
 
@@ -144,6 +146,8 @@ OPTIONAL_INPUTS = (
     ("end_id", "TYPE_INT32", [1]),
     ("stream", "TYPE_BOOL", [1]),
     ("num_draft_tokens", "TYPE_INT32", [1]),
+    ("guided_decoding_guide_type", "TYPE_STRING", [1]),
+    ("guided_decoding_guide", "TYPE_STRING", [1]),
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING", [-1]),

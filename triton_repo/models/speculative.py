@@ -325,8 +325,24 @@ class TritonPythonModel:
             raise RequestInvalid("input 'stream': this repository was written without streaming "
                                  "(draftsmith triton-repo --no-streaming); send stream=false or use a streaming one")
         options = dict(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       k=k, stop=stops, mode=mode)
+                       k=k, stop=stops, mode=mode, **self._guide(request))
         return Request(sender, prompt, options, bool(stream) if stream is not None else False)
+
+    def _guide(self, request) -> dict:
+        """Constrained output from tensorrtllm_backend's guided-decoding inputs (runtime/grammar.py trtllm_guide):
+        the schema, regex or grammar is bounded in size before it is decoded, and compiled at submission."""
+        from runtime.errors import RequestError
+        from runtime.grammar import MAX_SOURCE_BYTES, trtllm_guide
+        kind, guide = _optional(request, "guided_decoding_guide_type"), _optional(request, "guided_decoding_guide")
+        if guide is not None and _size(guide) > MAX_SOURCE_BYTES:
+            raise RequestInvalid(f"input 'guided_decoding_guide' is {_size(guide)} bytes; the limit is "
+                                 f"{MAX_SOURCE_BYTES}")
+        try:
+            constraint = trtllm_guide(None if kind is None else _text(kind, "guided_decoding_guide_type"),
+                                      None if guide is None else _text(guide, "guided_decoding_guide"))
+        except RequestError as err:
+            raise RequestInvalid(str(err)) from None
+        return {} if constraint is None else {"response_format": constraint}
 
     def _stop_words(self, values) -> list[str]:
         """The request's stop strings, after their count and sizes are checked (each is searched at every step)."""
