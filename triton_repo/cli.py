@@ -76,30 +76,45 @@ def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay
 @click.option("--pass-env", multiple=True, metavar="NAME",
               help="Pass this environment variable to the server and its models (by default only PATH, locale, "
                    "temporary-folder, thread and device settings are). Repeatable.")
+@click.option("--exit-timeout", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Seconds a stop lets requests in flight finish (tritonserver's --exit-timeout-secs).")
+@click.option("--drain-linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="On SIGTERM: the least seconds before the ports close (tritonserver closes them when signalled; "
+                   "this is the load balancer's time to drop the replica).")
 def serve(repo, host, http_port, grpc_port, metrics_port, timeout, log_verbose, log_file, http_restricted_api,
-          grpc_restricted_protocol, pass_env):
-    """Start a local Triton Inference Server on REPO (the tritonserver of the nvidia-pytriton wheel); Ctrl-C stops."""
+          grpc_restricted_protocol, pass_env, exit_timeout, drain_linger):
+    """Start a local Triton Inference Server on REPO (the tritonserver of the nvidia-pytriton wheel); Ctrl-C stops.
+
+    SIGTERM drains: every model is unloaded (model readiness turns false, new requests are refused before any work)
+    once its requests in flight finish, then after --drain-linger seconds the server exits. Models run in explicit
+    control mode; the model-repository API is restricted (by your --http-restricted-api header if one covers it)."""
     from triton_repo.server import ServerError, start_server
     try:
         server = start_server(repo, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                               timeout=timeout, log_verbose=log_verbose, log_path=log_file,
                               http_restricted_api=http_restricted_api,
-                              grpc_restricted_protocol=grpc_restricted_protocol, pass_env=pass_env, keep_log=True)
+                              grpc_restricted_protocol=grpc_restricted_protocol, pass_env=pass_env, keep_log=True,
+                              exit_timeout=exit_timeout, drainable=True)
     except ServerError as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"HTTP     {server.url}  (POST {server.url}/v2/models/ensemble/generate)")
     click.echo(f"gRPC     {server.grpc_url}")
     click.echo(f"metrics  {server.metrics_url}")
     click.echo(f"log      {server.log_path}")
-    stop = threading.Event()
+    stop, received = threading.Event(), []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda number, _: (received.append(number), stop.set()))
     try:
         while not stop.wait(1.0):
             if server.process.poll() is not None:
                 raise click.ClickException(f"tritonserver exited with {server.process.returncode}:\n"
                                            f"{server.log()[-4000:]}\n(full log: {server.log_path})")
     finally:
-        click.echo("stopping")
-        server.stop()
+        if received[:1] == [signal.SIGTERM]:
+            click.echo(f"SIGTERM: unloading the models as their requests finish; exiting in {drain_linger:g} s "
+                       "at the earliest")
+            server.drain(drain_linger)
+        else:
+            click.echo("stopping")
+            server.stop()
         click.echo(f"log kept at {server.log_path}")
