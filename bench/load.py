@@ -8,7 +8,8 @@ started on loopback and stopped at the end. With ``--url`` an already running se
 
 Each of N client threads sends requests one after another until the duration is over or ``--max-requests`` have been
 sent in all. A request is streamed over a gRPC bidirectional stream (``stream=true``; text arrives piece by piece) with
-probability ``--stream-fraction``, else sent to HTTP ``/v2/models/ensemble/generate``. Prompts of mixed lengths and
+probability ``--stream-fraction``, else sent to HTTP ``/v2/models/ensemble/generate`` (the two clients:
+``bench/triton_clients.py``; the server's memory from /proc: ``bench/procmem.py``). Prompts of mixed lengths and
 mixed parameters (greedy and sampled, top-k/top-p, draft length, max_tokens, stop words) are drawn from a seeded RNG.
 
 Every request sent ends in exactly one of:
@@ -26,8 +27,6 @@ memory of the server (tritonserver and its Python backend stubs, summed from /pr
 from __future__ import annotations
 
 import json
-import os
-import queue
 import random
 import re
 import statistics
@@ -36,11 +35,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import click
+
+from bench.procmem import find_server_pid, rss_bytes, stub_pids  # noqa: F401 - stub_pids: importable here (tests)
+from bench.triton_clients import GrpcStreamClient, Record, http_request
 
 PROMPTS = {  # short, medium, long: mixed prompt lengths
     "short": ["Hi", "def add(a, b):", "The quick brown fox", "SELECT name FROM users", "日本語の"],
@@ -52,90 +53,7 @@ PROMPTS = {  # short, medium, long: mixed prompt lengths
 }
 
 
-# --- the server's memory ----------------------------------------------------------------------------------------
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path("/proc", entry, "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry))
-    return tree
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (tritonserver's Python backend stubs are its children)."""
-    tree, out, todo = _children(), [], [pid]
-    while todo:
-        current = todo.pop()
-        out.append(current)
-        todo.extend(tree.get(current, []))
-    return out
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` and its descendants, in bytes (0 when it is gone)."""
-    total = 0
-    for p in process_tree(pid):
-        try:
-            for line in Path("/proc", str(p), "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
-
-
-def find_server_pid(http_port: int) -> int | None:
-    """The tritonserver process serving HTTP on ``http_port`` (for ``--url``), from /proc."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            args = Path("/proc", entry, "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if args and args[0].endswith(b"tritonserver") and f"--http-port={http_port}".encode() in args:
-            return int(entry)
-    return None
-
-
-def stub_pids(server_pid: int) -> list[int]:
-    """The Python backend stub processes of a tritonserver."""
-    out = []
-    for p in process_tree(server_pid)[1:]:
-        try:
-            if b"triton_python_backend_stub" in Path("/proc", str(p), "cmdline").read_bytes():
-                out.append(p)
-        except OSError:
-            continue
-    return out
-
-
-# --- requests ---------------------------------------------------------------------------------------------------
-
-@dataclass
-class Record:
-    """One request and how it ended."""
-
-    client: int
-    kind: str  # "grpc-stream" or "http"
-    prompt_class: str
-    started: float  # seconds since the load began
-    ended: float = 0.0
-    outcome: str = "lost"  # answered / failed / lost
-    latency: float = 0.0
-    ttft: float | None = None
-    error: str = ""
-    chars: int = 0
-    body: dict = field(default_factory=dict)  # what was sent
-    text: str = ""  # what came back
-
+# --- requests: a seeded mix of lengths and parameters -----------------------------------------------------
 
 def draw_request(rng: random.Random, max_tokens: int, stream: bool) -> tuple[str, dict]:
     """(prompt class, request fields): mixed lengths and parameters, all valid."""
@@ -153,141 +71,6 @@ def draw_request(rng: random.Random, max_tokens: int, stream: bool) -> tuple[str
     if stream and rng.random() < 0.2:
         body["stop_words"] = ["\n\n"]
     return prompt_class, body
-
-
-def well_formed(text, rate, accepted, drafted) -> str:
-    """'' when a final answer is well formed, else what is wrong with it."""
-    if not isinstance(text, str):
-        return f"text_output is {type(text).__name__}, not a string"
-    if not isinstance(rate, (int, float)) or not 0.0 <= float(rate) <= 1.0:
-        return f"acceptance_rate {rate!r} outside [0, 1]"
-    if not isinstance(accepted, int) or not isinstance(drafted, int) or not 0 <= accepted <= drafted:
-        return f"accepted {accepted!r} / drafted {drafted!r} inconsistent"
-    return ""
-
-
-def http_request(url: str, body: dict, timeout: float, record: Record, t0: float) -> None:
-    request = urllib.request.Request(f"{url}/v2/models/ensemble/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    began = time.perf_counter()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            answer = json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        record.outcome, record.error = "failed", f"HTTP {err.code}: {err.read()[:300].decode(errors='replace')}"
-        return
-    except TimeoutError:
-        record.outcome, record.error = "lost", f"no answer in {timeout:.0f} s"
-        return
-    except (urllib.error.URLError, ConnectionError, OSError, ValueError) as err:
-        reason = getattr(err, "reason", err)
-        if isinstance(reason, TimeoutError):
-            record.outcome, record.error = "lost", f"no answer in {timeout:.0f} s"
-        else:
-            record.outcome, record.error = "failed", f"connection: {reason}"
-        return
-    finally:
-        record.ended = time.perf_counter() - t0
-    problem = well_formed(answer.get("text_output"), answer.get("acceptance_rate"),
-                          answer.get("total_accepted_draft_tokens"), answer.get("total_draft_tokens"))
-    record.latency = time.perf_counter() - began
-    record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
-    record.chars = len(answer.get("text_output") or "")
-    record.text = answer.get("text_output") or ""
-
-
-class GrpcStreamClient:
-    """One gRPC bidirectional stream, re-opened after any stream-level error (a server restart, a timeout)."""
-
-    def __init__(self, grpc_url: str):
-        self.grpc_url = grpc_url
-        self.client = None
-        self.results: queue.Queue = queue.Queue()
-
-    def _open(self):
-        import tritonclient.grpc as grpcclient
-        self.results = queue.Queue()
-        results = self.results
-        self.client = grpcclient.InferenceServerClient(self.grpc_url)
-        self.client.start_stream(callback=lambda result, error: results.put((result, error)))
-
-    def close(self):
-        if self.client is not None:
-            try:
-                self.client.stop_stream(cancel_requests=True)
-                self.client.close()
-            except Exception:  # noqa: BLE001 - a broken stream may refuse to close cleanly
-                pass
-            self.client = None
-
-    def request(self, body: dict, timeout: float, record: Record, t0: float) -> None:
-        import numpy as np
-        import tritonclient.grpc as grpcclient
-        began = time.perf_counter()
-        deadline = began + timeout
-        try:
-            if self.client is None:
-                self._open()
-            arrays = {"text_input": (np.array([[body["text_input"].encode()]], dtype=object), "BYTES"),
-                      "max_tokens": (np.array([[body["max_tokens"]]], dtype=np.int32), "INT32"),
-                      "stream": (np.array([[True]], dtype=bool), "BOOL")}
-            for name, dtype, np_type in (("temperature", "FP32", np.float32), ("top_p", "FP32", np.float32),
-                                         ("top_k", "INT32", np.int32), ("num_draft_tokens", "INT32", np.int32),
-                                         ("seed", "UINT64", np.uint64)):
-                if name in body:
-                    arrays[name] = (np.array([[body[name]]], dtype=np_type), dtype)
-            if "stop_words" in body:
-                arrays["stop_words"] = (np.array([[s.encode() for s in body["stop_words"]]], dtype=object), "BYTES")
-            inputs = []
-            for name, (array, dtype) in arrays.items():
-                tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-                tensor.set_data_from_numpy(array)
-                inputs.append(tensor)
-            request_id = uuid.uuid4().hex
-            self.client.async_stream_infer("ensemble", inputs, request_id=request_id,
-                                           enable_empty_final_response=True)
-            text, last = "", None
-            while True:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    raise queue.Empty
-                result, error = self.results.get(timeout=left)
-                if error is not None:
-                    record.outcome, record.error = "failed", f"gRPC: {error}"
-                    if "StatusCode" in str(error) or "Socket closed" in str(error):
-                        self.close()  # the stream itself broke
-                    return
-                response = result.get_response()
-                if response.id and response.id != request_id:
-                    continue  # a late response of an abandoned request
-                piece = result.as_numpy("text_output")
-                if piece is not None:
-                    chunk = piece.reshape(-1)[0]
-                    chunk = chunk.decode("utf-8") if isinstance(chunk, bytes) else chunk
-                    if chunk and record.ttft is None:
-                        record.ttft = time.perf_counter() - began
-                    text += chunk
-                    last = result
-                if response.parameters["triton_final_response"].bool_param:
-                    break
-            if last is not None:
-                rate = float(last.as_numpy("acceptance_rate").reshape(-1)[0])
-                accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
-                drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
-            else:
-                rate = accepted = drafted = None  # no text_output at all: not well formed
-            problem = well_formed(text, rate, accepted, drafted)
-            record.latency = time.perf_counter() - began
-            record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
-            record.chars, record.text = len(text), text
-        except queue.Empty:
-            record.outcome, record.error = "lost", f"no final response in {timeout:.0f} s"
-            self.close()
-        except Exception as err:  # noqa: BLE001 - connection refused, stream closed: the request failed
-            record.outcome, record.error = "failed", f"gRPC: {type(err).__name__}: {err}"
-            self.close()
-        finally:
-            record.ended = time.perf_counter() - t0
 
 
 # --- the load ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """A bundle is what its manifest says and only that, what loads is what was hashed, and replacing a bundle (or a draft,
-or a Triton repository) never loses the user's folder: one test per hostile input or failure point (issue 15, 3-10).
+or a Triton repository) never loses the user's folder: one test per hostile input or failure point.
 """
 
 from __future__ import annotations
@@ -203,20 +203,20 @@ def _tiny_graph_with(tensor_place: str, location: str):
 def test_every_tensor_of_the_graph_is_checked_for_its_data_location(place, location):
     """Not only initializers: constants, subgraphs and functions can hold external data too; ONNX Runtime's
     in-memory address tag would read raw process memory."""
-    from runtime.bundle import external_data_locations
+    from runtime.onnx_checks import external_data_locations
     with pytest.raises(BundleError, match="W.*not a plain file name"):
         external_data_locations(_tiny_graph_with(place, location), "target/model.onnx")
     assert external_data_locations(_tiny_graph_with(place, "model.onnx.data"), "t") == {"model.onnx.data"}
 
 
 def test_an_epcontext_node_is_refused():
-    from runtime.bundle import external_data_locations
+    from runtime.onnx_checks import external_data_locations
     with pytest.raises(BundleError, match="EPContext"):
         external_data_locations(_tiny_graph_with("EPContext", "../engine.bin"), "target/model.onnx")
 
 
 def test_a_graph_that_does_not_parse_is_a_bundle_error():
-    from runtime.bundle import external_data_locations
+    from runtime.onnx_checks import external_data_locations
     with pytest.raises(BundleError, match="not a valid ONNX model"):
         external_data_locations(b"\xff\xff\xff\xff not protobuf", "target/model.onnx")
 
@@ -395,7 +395,7 @@ def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bund
 # --- 8. partial folders of dead builds are removed, and the user is told -------------------------------------------
 
 def test_stale_partial_folders_are_removed_and_live_ones_kept(tiny_pair, tmp_path, caplog):
-    from builder.build import _lock
+    from builder.publish import lock as _lock
     out = tmp_path / "out"
     dead = [tmp_path / ".out.partial-dead0001", tmp_path / ".out.partial-dead0002"]
     for folder in dead:

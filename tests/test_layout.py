@@ -9,6 +9,13 @@
 
 Imports count wherever they are: module level, inside functions, ``importlib.import_module("...")`` and
 ``__import__("...")`` with a literal name.
+
+And no import circle between the project's modules (``test_no_import_circle``). A lazy import inside a function counts
+as an arrow like any other: it only moves the circle from import time to call time, and a circle of modules means
+neither can be read, tested or moved without the other. An arrow goes to the module named (``import a.b.c``,
+``from a.b import c`` where ``c`` is a submodule: ``a/b/c.py``), or to the package's ``__init__.py`` for a name it
+defines or hands on (``from a.b import name``); the package folders Python runs on the way are not arrows, or every
+package that hands on its modules' names would be a circle with each of them.
 """
 
 from __future__ import annotations
@@ -44,6 +51,80 @@ def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
             if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
                 found.append((node.lineno, node.args[0].value))
     return found
+
+
+def module_name(path: Path) -> str:
+    """``builder/distill/save.py`` -> ``builder.distill.save``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(path): path for package in PACKAGES for path in python_files(package)}
+
+
+def arrows(path: Path, modules: dict[str, Path]) -> dict[str, int]:
+    """The project modules ``path`` imports (see the module docstring for which), each with its first line."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found: dict[str, int] = {}
+
+    def add(name: str, line: int) -> None:
+        if name in modules:  # outside modules (numpy, ...) are no arrows; a module importing itself is a circle
+            found.setdefault(name, line)
+
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                add(submodule if submodule in modules else base, node.lineno)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+        elif isinstance(node, ast.Call):
+            for line, name in imported_modules(ast.Module(body=[ast.Expr(node)], type_ignores=[])):
+                add(name, line)
+    return found
+
+
+def import_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with a circle in them (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(node: str) -> None:  # the project has ~100 modules: recursion depth is no concern
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, {}):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, {}):
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
 
 
 def command_table(path: Path, name: str) -> tuple[set[int], list[str]]:
@@ -111,3 +192,35 @@ def test_every_registered_command_exists():
     assert [m for m, _ in COMMANDS] == modules
     for module, attribute in COMMANDS:
         assert isinstance(getattr(importlib.import_module(module), attribute), click.Command), (module, attribute)
+
+
+
+def test_no_import_circle():
+    """No two modules of the project import each other, directly or round a loop, at module level or in a function."""
+    modules = project_modules()
+    graph = {name: arrows(path, modules) for name, path in modules.items()}
+    described = []
+    for circle in import_circles(graph):
+        members = set(circle)
+        ties = [f"{modules[a].relative_to(ROOT)}:{line} -> {b}" for a in circle for b, line in graph[a].items()
+                if b in members]
+        described.append(" ; ".join(ties))
+    assert described == []
+
+
+def test_the_circle_guard_sees_a_lazy_import_and_resolves_relative_ones(tmp_path, monkeypatch):
+    """A circle closed only by an import inside a function, and one through ``from . import``, are both found."""
+    import test_layout
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import thing\n")
+    (package / "b.py").write_text("def thing():\n    from pkg import a\n    return a\n")
+    (package / "c.py").write_text("from . import d\n")
+    (package / "d.py").write_text("from .c import x\n")
+    (package / "e.py").write_text("from pkg.a import thing\n")  # imports the circle, is not in it
+    monkeypatch.setattr(test_layout, "ROOT", tmp_path)
+    modules = {module_name(p): p for p in sorted(package.glob("*.py"))}
+    graph = {name: arrows(path, modules) for name, path in modules.items()}
+    assert graph["pkg.b"] == {"pkg.a": 2} and graph["pkg.c"] == {"pkg.d": 1}
+    assert import_circles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
