@@ -30,15 +30,12 @@ def profile_entry(root: Path, entry, max_context: int, threads: int, past: int =
     runtime's own engine class for the entry's graph. Returns {"calls", "mean_call_ms", "ops": {op: {"ms", "nodes"}},
     "stored_nodes", "optimized_nodes"}: per call, the profiler's kernel time per operator type and how many nodes of
     it ran (after ONNX Runtime's fusions)."""
-    import onnxruntime as ort
-    from runtime.engine import engine_class
+    from runtime.engine import engine_class, make_session, session_options
     with tempfile.TemporaryDirectory(prefix="draftsmith-profile-") as tmp:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
+        options = session_options(threads)  # the runtime's own thread pool and spinning
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "profile")
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = ort.InferenceSession(str(root / entry.engine), options, providers=["CPUExecutionProvider"])
+        session = make_session(root / entry.engine, options=options)
         kwargs = {"min_call_tokens": entry.min_call_tokens} if entry.graph == "fused" else {}
         engine = engine_class(entry.graph)(root / entry.engine, num_layers=entry.num_layers,
                                            num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim,

@@ -29,8 +29,8 @@ from runtime.bundle import DRAFTERS
 from runtime.engine import DEVICES, DeviceError, MappedVocabEngine
 from runtime.prompt_files import parse_prompts
 
-BUILTIN_WORKLOADS = ("code", "chat", "reasoning")
-CHAT_BY_DEFAULT = ("chat", "reasoning")  # through the chat template unless --no-chat; code prompts are completions
+BUILTIN_WORKLOADS = ("code", "chat", "reasoning", "json")  # json: with --response-format prompts/json_event.json
+CHAT_BY_DEFAULT = ("chat", "reasoning", "json")  # through the chat template unless --no-chat; code: completions
 
 
 # --- prompts --------------------------------------------------------------------------------------------------------
@@ -136,11 +136,14 @@ class Recorder:
 
 def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, max_new_tokens: int,
            temperature: float, seed: int | None, drafter_kind: str | None = None,
-           confidence: float | None = None) -> tuple[list[SequenceRecord], float]:
+           confidence: float | None = None, response_format=None,
+           forced_drafts: bool = True) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
-    private helpers), recording each step as it is yielded."""
+    private helpers), recording each step as it is yielded. ``response_format`` constrains every answer (target-only
+    decoding too: the baseline is constrained target-only decoding)."""
     from runtime.speculative import SpeculativeLoop
-    config, _ = generator._config(max_new_tokens, temperature, None, None, seed, k, None, mode, None, None)
+    config, _ = generator._config(max_new_tokens, temperature, None, None, seed, k, None, mode, None, None,
+                                  response_format, None, forced_drafts)
     drafter = generator._drafter(mode, drafter_kind, confidence)
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config)
     records = [SequenceRecord() for _ in token_lists]
@@ -164,8 +167,10 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
 
 def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
                   max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None,
-                  drafter_kind: str | None = None, confidence: float | None = None) -> list[CellRecord]:
+                  drafter_kind: str | None = None, confidence: float | None = None, response_format=None,
+                  forced_drafts: bool = True) -> list[CellRecord]:
     """Measure every (workload, batch, mode, k) cell; ``advance(description)`` is called after each decode."""
+    structure = dict(response_format=response_format, forced_drafts=forced_drafts)
     recorder = Recorder(generator)
     cells: list[CellRecord] = []
     configs = [("target", None)] + [("speculative", k) for k in ks]
@@ -176,13 +181,13 @@ def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int
                 cells += mine.values()
                 for mode, k in configs:  # warm-up: first calls allocate, JIT-pick kernels and fill caches
                     decode(generator, token_lists[:batch], mode, k, min(8, max_new_tokens), temperature, seed,
-                           drafter_kind, confidence)
+                           drafter_kind, confidence, **structure)
                 recorder.take()
                 for at in range(0, len(token_lists), batch):
                     chunk = token_lists[at: at + batch]
                     for mode, k in configs:
                         records, wall = decode(generator, chunk, mode, k, max_new_tokens, temperature, seed,
-                                               drafter_kind, confidence)
+                                               drafter_kind, confidence, **structure)
                         cell = mine[(mode, k)]
                         cell.sequences += records
                         cell.wall += wall
@@ -252,6 +257,19 @@ def write_default_k(bundle: Path, k: int) -> None:
     write_manifest_atomic(bundle, dataclasses.replace(manifest, default_k=k))
 
 
+def read_response_format(generator, path: Path | None):
+    """The response_format in a JSON file (None without one), compiled once here so a bad one fails first."""
+    if path is None:
+        return None
+    from runtime.errors import RequestError
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+        generator.compile_constraint(value)
+    except (ValueError, RequestError) as err:
+        raise click.BadParameter(f"{path}: {err}", param_hint="--response-format") from None
+    return value
+
+
 def _json_default(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -285,6 +303,12 @@ def _json_default(value):
 @click.option("--draft-confidence", "confidence", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="After its first token a draft row stops where the draft's top probability is under this, so a "
                    "larger k drafts further only where the draft is sure (0: never stop). Default: the bundle's.")
+@click.option("--response-format", "response_format_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="A JSON file holding an OpenAI response_format (json_object, json_schema; or regex, "
+                                 "grammar): every answer is constrained, the target-only baseline too "
+                                 "(e.g. bench/prompts/json_event.json with --workload json).")
+@click.option("--forced-drafts/--no-forced-drafts", default=True, show_default=True,
+              help="With --response-format: propose the tokens the grammar forces as drafts, without a draft call.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
 @click.option("--write-k", is_flag=True, help="Store the recommended k as the bundle's default_k.")
@@ -297,9 +321,9 @@ def _json_default(value):
                    "(default: those installed).")
 @click.option("--peer-prompts", type=int, default=4, show_default=True,
               help="Prompts per workload for the peers (they are slow; 0: all).")
-@click.option("--peer-spinning/--no-peer-spinning", default=False, show_default=True,
-              help="Leave ONNX Runtime's thread spinning on in the ONNX Runtime GenAI peer (its default); off, as "
-                   "our engines run, unless given.")
+@click.option("--peer-spinning/--no-peer-spinning", default=True, show_default=True,
+              help="ONNX Runtime's thread spinning in the ONNX Runtime GenAI peer: on is its own default (and, like "
+                   "our engines' shared spinning pool, its best setting on few cores); --no-peer-spinning turns it off.")
 @click.option("--device", type=click.Choice(DEVICES), default=None,
               help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
 @click.option("--allow-pickle", is_flag=True,
@@ -308,8 +332,8 @@ def _json_default(value):
               help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, drafter_kind, confidence, json_out, plot_out, write_k, memory, limit, peers, peer_prompts,
-          peer_spinning, device, allow_pickle, trust_remote_code, quiet):
+          seed, drafter_kind, confidence, response_format_file, forced_drafts, json_out, plot_out, write_k, memory,
+          limit, peers, peer_prompts, peer_spinning, device, allow_pickle, trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -327,6 +351,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, device=device)
     except (BundleError, DeviceError) as err:
         raise click.ClickException(str(err)) from None
+    response_format = read_response_format(generator, response_format_file)
     bad = [k for k in ks if k > generator.max_k]
     if bad:
         raise click.BadParameter(f"{bad} exceed this bundle's max_k ({generator.max_k})", param_hint="--k")
@@ -361,7 +386,8 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     with progress:
         task = progress.add_task("decoding", total=runs)
         cells = run_workloads(generator, workloads, ks, batches, max_new_tokens, temperature, seed, advance=advance,
-                              drafter_kind=drafter_kind, confidence=confidence)
+                              drafter_kind=drafter_kind, confidence=confidence, response_format=response_format,
+                              forced_drafts=forced_drafts)
     rows = summarize_cells(cells, temperature)
     best = best_k(rows)
     rec_k, geomean = recommend_k(rows)
@@ -371,6 +397,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         "settings": {"workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
                      "k": ks, "batch": batches, "temperature": temperature, "max_new_tokens": max_new_tokens,
                      "threads": threads, "seed": seed, "drafter": drafter_kind, "draft_confidence": confidence,
+                     "response_format": response_format, "forced_drafts": forced_drafts,
                      "cpu_count": os.cpu_count(),
                      "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "bundle_info": {"target_quant": manifest.target.quant, "draft_quant": manifest.draft.quant,

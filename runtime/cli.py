@@ -4,6 +4,7 @@ triton-repo, serve)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -109,17 +110,34 @@ def _report(result, baseline) -> dict:
 @click.option("--policy", type=click.Choice(POLICIES), default="exact", show_default=True,
               help="exact: every answer is bit for bit the same request's alone; throughput: batched target-only "
                    "steps when they pay (answers of a quantized target may then part from a lone run's at near ties).")
-def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, model_name, policy):
+@click.option("--drain-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="On SIGTERM: seconds running requests get to finish (keep it under the pod's grace period).")
+@click.option("--drain-linger", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="On SIGTERM: the least seconds new requests get 503 + Retry-After before the port closes (the "
+                   "load balancer's time to see readiness turn false).")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds a request may run before it ends with finish_reason 'length'.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Open connections past which new ones get 503.")
+def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, model_name, policy, drain_timeout,
+                 drain_linger, request_timeout, max_connections):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics), every request on one in-flight batching scheduler."""
+    /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
+    (/health) turns 503, new requests get 503 + Retry-After, running ones finish, then it exits 0."""
     try:
         from runtime.openai_server import serve
     except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here
         raise click.ClickException(f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' "
                                    f"({err})") from None
+    if api_key is None:  # click reads DRAFTSMITH_API_KEY="" as unset; an empty key must not mean "no key"
+        api_key = os.environ.get("DRAFTSMITH_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise click.ClickException("the API key is empty (--api-key or DRAFTSMITH_API_KEY): set a key, or unset it "
+                                   "to serve without one")
     try:
         serve(bundle, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-              threads=threads, model_name=model_name, policy=policy)
+              threads=threads, model_name=model_name, policy=policy, drain_timeout=drain_timeout,
+              drain_linger=drain_linger, request_timeout=request_timeout, max_connections=max_connections)
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None
 
@@ -128,7 +146,7 @@ def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, mod
 # their heavy imports happen inside the commands.
 COMMANDS = (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("bench.speed", "bench"),
             ("bench.profile", "profile"), ("bench.tree", "tree_headroom"), ("builder.distill.cli", "distill"),
-            ("bench.load", "load"), ("bench.openai_load", "openai_load"))
+            ("bench.load", "load"), ("bench.openai_load", "openai_load"), ("triton_repo.deploy", "deploy"))
 
 
 def _register_optional() -> None:

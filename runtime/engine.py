@@ -7,12 +7,14 @@ new position; ``rollback`` forgets the newest live tokens of each row by clearin
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from runtime.sessions import (DEVICES, PROVIDERS, DeviceError, make_session, pool_threads,  # noqa: F401
+                              providers_for, session_options)
 
 
 @dataclass
@@ -53,65 +55,6 @@ class Engine(Protocol):
 
     def join(self, cache: KVCache, other: KVCache) -> KVCache:
         """A cache holding cache's rows, then other's (requests admitted into a running batch)."""
-
-
-# Where the runtime can run an ONNX bundle, and the execution providers for each (tensorrt: TensorRT EP over CUDA)
-PROVIDERS = {"cpu": ["CPUExecutionProvider"],
-             "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-             "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]}
-DEVICES = tuple(PROVIDERS)
-
-
-class DeviceError(RuntimeError):
-    """The requested device has no ONNX Runtime execution provider here; the message says what to install."""
-
-
-def providers_for(device: str, available: list[str] | None = None, device_id: int = 0) -> list:
-    """ONNX Runtime execution providers for ``device``, in priority order (GPU ones with their ``device_id``); CPU
-    last for the ops a GPU provider leaves out. Fails early, with what to install, when onnxruntime here lacks the
-    device's provider."""
-    if device not in PROVIDERS:
-        raise DeviceError(f"device must be one of {DEVICES}, received {device!r}")
-    if available is None:
-        import onnxruntime
-        available = onnxruntime.get_available_providers()
-    missing = [p for p in PROVIDERS[device][:-1] if p not in available]
-    if missing:
-        raise DeviceError(
-            f"device {device!r} needs ONNX Runtime's {' and '.join(missing)}, but this onnxruntime offers only "
-            f"{sorted(available)}. Install the GPU build in place of the CPU one (pip uninstall -y onnxruntime && "
-            "pip install onnxruntime-gpu; CUDA 12 and cuDNN 9 must be present), or run on the CPU with device 'cpu' "
-            "(a CUDA bundle's fp16 engines run there too, more slowly).")
-    return [name if name == "CPUExecutionProvider" else (name, {"device_id": device_id})
-            for name in PROVIDERS[device]]
-
-
-def make_session(model: str | os.PathLike | bytes, threads: int = 0, providers: list | None = None,
-                 external_data: dict[str, bytes] | None = None):
-    """An ONNX Runtime session tuned for two sessions taking turns on few cores.
-
-    ``model`` is a path or the graph's bytes; a bundle's loader passes the bytes it verified, with ``external_data``
-    (each external-data file's bytes by the location the graph names), so what runs is what was hashed.
-    Spinning threads are off: with a draft and a target alternating, spinning made each call 1.6x slower on
-    2 cores (shared/FACTS.md).
-    """
-    import onnxruntime as ort
-    options = ort.SessionOptions()
-    if external_data:  # ONNX Runtime copies them while the session is made
-        if not hasattr(options, "add_external_initializers_from_files_in_memory"):
-            raise RuntimeError(f"onnxruntime {ort.__version__} cannot take a graph's external data from memory; "
-                               "upgrade it (pip install -U onnxruntime; 1.32 can)")
-        names = list(external_data)
-        options.add_external_initializers_from_files_in_memory(
-            names, [external_data[n] for n in names], [len(external_data[n]) for n in names])
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"])
 
 
 def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ class Event:
     token_ids: list[int] = field(default_factory=list)  # the tokens this event adds
     final: Generation | None = None
     error: Exception | None = None
+    logprobs: tuple | None = None  # with logprobs: (tokens, logprobs, top) of the tokens since the last event
 
     @property
     def last(self) -> bool:

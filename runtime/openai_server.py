@@ -28,10 +28,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.api import Generation
+from runtime.drain import Drain, DrainGuard, DrainingServer, scheduler_running
 from runtime.errors import RequestError
-from runtime.openai_protocol import (FINISH_REASONS, AssistantMessage, ChatChoice, ChatCompletion,
-                                     ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Completion,
-                                     CompletionChoice, CompletionRequest, Delta, Limits, SamplingRequest,
+from runtime.request import check_text
+from runtime.openai_protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChunkChoice,
+                                     Completion, CompletionRequest, Delta, Limits, ResponseShape, SamplingRequest,
                                      Usage, error_body, new_id)
 from runtime.scheduler import Event, Overloaded, Scheduler, Unavailable
 
@@ -58,22 +59,30 @@ def overloaded(err: Overloaded) -> APIError:
 
 
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, limits: Limits | None = None,
-               request_timeout: float | None = None) -> FastAPI:
+               request_timeout: float | None = None, drain: Drain | None = None,
+               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
     """The server's app over a started ``scheduler``.
 
     model_name: the one model requests must name; api_key: required as ``Authorization: Bearer KEY`` on every route
     but /health (None: open); limits: per-request bounds (default: from the bundle's context);
-    request_timeout: seconds after which a request ends with finish_reason "length" (None: none).
+    request_timeout: seconds after which a request ends with finish_reason "length" (None: none);
+    allowed_hosts: the Host header names answered (None: any; ``serve`` on loopback: LOOPBACK_HOSTS);
+    drain: graceful shutdown (runtime/drain.py): /health backed by the scheduler's loop and the drain, 503s while
+    draining, /health/live (None: none).
     """
     limits = limits or Limits.for_context(scheduler.generator.max_context)
     app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, allowed_hosts=allowed_hosts)
+    if drain is not None:  # added last: outermost, before the key check (a refusal does no work)
+        app.add_middleware(DrainGuard, drain=drain, ready=lambda: scheduler_running(scheduler))
     _add_error_handlers(app)
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "draftsmith",
             "max_model_len": scheduler.generator.max_context}
 
     @app.get("/health")
     async def health() -> dict:
+        if not scheduler.running:  # the loop died or is stopping: nothing would be served
+            raise APIError(503, "the scheduler is not running", type="server_error", code="unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -99,6 +108,10 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
 
     async def reply(body: SamplingRequest, prompt, chat: bool, request: Request) -> Response:
         _check_model(body.model, model_name)
+        try:
+            check_text(prompt, "messages" if chat else "prompt")
+        except RequestError as err:
+            raise APIError(400, str(err), param="messages" if chat else "prompt") from None
         problems = body.check(limits, body.prompt_bytes())
         if problems:
             raise APIError(400, "; ".join(message for _, message in problems), param=problems[0][0])
@@ -113,7 +126,8 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
             raise APIError(400, str(err)) from None
         except Unavailable as err:
             raise _event_error(err) from None
-        chunks, streaming = _Chunks(chat, model_name, body.include_usage), False
+        shape = ResponseShape.of(body, chat, scheduler.generator.tokenizer)
+        chunks, streaming = _Chunks(chat, model_name, body.include_usage, shape), False
         try:
             first = await bridge.next(request)
             if first is None:
@@ -196,17 +210,16 @@ class _Bridge:
 class _Chunks:
     """One request's response objects: whole, or as server-sent events."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool):
+    def __init__(self, chat: bool, model: str, include_usage: bool, shape: ResponseShape | None = None):
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.shape = shape or ResponseShape(chat, None)  # log-probabilities and tool calls (openai_protocol.py)
 
     def whole(self, g: Generation) -> Completion | ChatCompletion:
-        reason, usage = FINISH_REASONS.get(g.finish_reason, "stop"), Usage.of(g.prompt_tokens, len(g.token_ids))
+        usage = Usage.of(g.prompt_tokens, len(g.token_ids))
         if self.chat:
-            return ChatCompletion(id=self.id, model=self.model, usage=usage, choices=[
-                ChatChoice(message=AssistantMessage(content=g.text), finish_reason=reason)])
-        return Completion(id=self.id, model=self.model, usage=usage,
-                          choices=[CompletionChoice(text=g.text, finish_reason=reason)])
+            return ChatCompletion(id=self.id, model=self.model, usage=usage, choices=[self.shape.choice(g)])
+        return Completion(id=self.id, model=self.model, usage=usage, choices=[self.shape.choice(g)])
 
     async def stream(self, event: Event, bridge: _Bridge) -> AsyncIterator[str]:
         """Chunks from the first event on (the client's disconnect cancels this, see _EventStream)."""
@@ -216,26 +229,33 @@ class _Chunks:
             if event.error is not None:
                 yield _sse(_event_error(event.error).body)
                 break
-            if event.piece:
-                yield self._chunk(event.piece)
+            logprobs = event.logprobs if event.logprobs and event.logprobs[0] else None  # (tokens, logprobs, top)
+            if event.piece or (logprobs and event.final is None):
+                chunk = self._chunk(event.piece, logprobs=logprobs)
+                logprobs = None
+                if chunk:
+                    yield chunk
                 await asyncio.sleep(0)  # let a lost connection be noticed before a burst of queued events is written
             if event.final is not None:
                 g = event.final
-                yield self._chunk("", reason=FINISH_REASONS.get(g.finish_reason, "stop"))
+                yield self._chunk("", reason=self.shape.reason(g), final=g, logprobs=logprobs)
                 if self.include_usage:
                     yield self._usage(Usage.of(g.prompt_tokens, len(g.token_ids)))
                 break
             event = await bridge.queue.get()
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, text: str, reason: str | None = None, role: bool = False) -> str:
-        if self.chat:
-            delta = Delta(role="assistant", content="") if role else Delta(content=text or None)
-            chunk = ChatCompletionChunk(id=self.id, model=self.model,
-                                        choices=[ChunkChoice(delta=delta, finish_reason=reason)])
+    def _chunk(self, text: str, reason: str | None = None, role: bool = False, logprobs=None, final=None) -> str:
+        """One chunk: text (with its tokens' log-probabilities, ``logprobs``: (tokens, logprobs, top)), or the
+        finish (``final``: the Generation); "" when there is nothing to send (a tool call's arguments so far)."""
+        if self.chat and role:
+            choice = ChunkChoice(delta=Delta(role="assistant", content=""))
         else:
-            chunk = Completion(id=self.id, model=self.model,
-                               choices=[CompletionChoice(text=text, finish_reason=reason)])
+            choice = self.shape.chunk(text, *(logprobs or ([], None, None)), reason=reason, final=final)
+        if choice is None:
+            return ""
+        kind = ChatCompletionChunk if self.chat else Completion
+        chunk = kind(id=self.id, model=self.model, choices=[choice])
         return _sse(chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"}))
 
     def _usage(self, usage: Usage) -> str:
@@ -263,18 +283,29 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-class _Guard:
-    """Pure ASGI, before FastAPI parses anything: the API key (every route but /health), then the body's size (read
-    here whole, at most ``max_body_bytes``, and handed on)."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+BODY_SECONDS = 30.0  # a client must send its whole body within this (a slow client holds a connection, not a row)
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+
+class _Guard:
+    """Pure ASGI, before FastAPI parses anything: the Host header (a server on loopback answers only loopback
+    names, so a web page cannot reach it by DNS rebinding), the API key (every route but /health), a POST's
+    Content-Type (application/json: a browser cannot send that cross-site without a preflight this server never
+    grants), then the body's size (read here whole, at most ``max_body_bytes`` within ``BODY_SECONDS``, and
+    handed on)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, allowed_hosts: tuple[str, ...] | None = None):
+        self.app, self.max_body_bytes, self.allowed_hosts = app, max_body_bytes, allowed_hosts
         self.key = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        if self.allowed_hosts is not None and host_name(headers.get(b"host", b"")) not in self.allowed_hosts:
+            error = APIError(421, "this server answers only requests addressed to "
+                             f"{' or '.join(self.allowed_hosts)} (the Host header)", code="misdirected_request")
+            return await error.response()(scope, receive, send)
         if self.key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization")
             if not given or not hmac.compare_digest(given, self.key):
@@ -282,14 +313,23 @@ class _Guard:
                            "Missing API key: send it as the header 'Authorization: Bearer KEY'")
                 error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await error.response()(scope, receive, send)
+        if scope["method"] == "POST" and not headers.get(b"content-type", b"").split(b";")[0].strip().lower() == \
+                b"application/json":
+            error = APIError(415, "send the request body as JSON with the header 'Content-Type: application/json'",
+                             code="unsupported_media_type")
+            return await error.response()(scope, receive, send)
         too_large = APIError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes",
                              param="body", code="request_too_large")
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_body_bytes:
             return await too_large.response()(scope, receive, send)
-        parts, size, more = [], 0, True
+        parts, size, more, deadline = [], 0, True, asyncio.get_running_loop().time() + BODY_SECONDS
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                error = APIError(408, f"the request body did not arrive within {BODY_SECONDS:g} s", code="timeout")
+                return await error.response()(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return
             parts.append(message.get("body", b""))
@@ -303,6 +343,14 @@ class _Guard:
             return pending.pop() if pending else await receive()
 
         await self.app(scope, replay, send)
+
+
+def host_name(header: bytes) -> str:
+    """The host of a Host header, without its port ("[::1]:8000" -> "::1")."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -381,18 +429,31 @@ def metrics_text(scheduler: Scheduler, model_name: str, prefix: str = "draftsmit
 
 def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_batch: int = 8, max_queue: int = 256, threads: int = 0, model_name: str | None = None,
-          log_level: str = "info", policy: str = "exact") -> None:
-    """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted."""
+          log_level: str = "info", policy: str = "exact", drain_timeout: float = 30.0,
+          drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512) -> None:
+    """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
+    SIGTERM drains (runtime/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
+    at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
+    ``request_timeout`` seconds, at most ``max_connections`` connections are open (uvicorn answers 503 past it),
+    idle keep-alive connections close after 5 s, and on loopback only loopback Host names are answered."""
     import uvicorn
 
     from runtime.api import SpeculativeGenerator
+    drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy).start()
     name = model_name or Path(bundle).resolve().name
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)
+    allowed = LOOPBACK_HOSTS if host in LOOPBACK_HOSTS else None
+    app = create_app(scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed,
+                     request_timeout=request_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            limit_concurrency=max_connections, timeout_keep_alive=5)
+    server = DrainingServer(config, drain)
     try:
-        uvicorn.run(create_app(scheduler, name, api_key=api_key), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=5)
+        server.run()
     finally:
         scheduler.stop()
+    if not server.started:
+        raise ValueError(f"the server did not start on {host}:{port} (the log above says why)")

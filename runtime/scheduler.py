@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -42,8 +42,8 @@ from runtime.api import Generation, SpeculativeGenerator
 from runtime.errors import RequestError
 from runtime.handles import Event, Handle, Overloaded, Unavailable  # noqa: F401 (re-exported)
 from runtime.metrics import RequestStats
-from runtime.sampling import verify
-from runtime.speculative import DecodeConfig, Drafter, append_tokens, padded, prefill, row_generators
+from runtime.speculative import (DecodeConfig, Drafter, after_append, append_tokens, padded, prefill,
+                                 propose_constrained, row_generators, verify_row)
 from runtime.step_costs import CostModel, expected_tokens
 from runtime.text import IncrementalDecoder, cut_at_stop
 
@@ -71,6 +71,18 @@ class _Row:
     error: Exception | None = None  # its own work failed this step: it leaves with this error, the others go on
     stats: RequestStats = field(default_factory=RequestStats)
     started: float = field(default_factory=time.perf_counter)
+    grammar: Any = None  # a GrammarRow when the output is constrained (runtime/grammar.py)
+    logprobs: list[float] | None = None  # with logprobs: the target's, one per generated token
+    top_logprobs: list | None = None
+    logprobs_sent: int = 0  # generated tokens whose log-probabilities went out in events
+    proposed: bool = False  # a constrained row's drafter proposed this step (it settles, else it observes)
+
+    def take_logprobs(self) -> tuple | None:
+        """(tokens, logprobs, top) not sent in an event yet (None without logprobs)."""
+        if self.logprobs is None:
+            return None
+        sent, self.logprobs_sent = self.logprobs_sent, len(self.logprobs)
+        return self.generated[sent:len(self.logprobs)], self.logprobs[sent:], self.top_logprobs[sent:]
 
     @property
     def last(self) -> int:
@@ -130,9 +142,12 @@ class Scheduler:
     def submit(self, prompt, *, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None, k: int | None = None,
                stop=None, mode: str = "speculative", drafter: str | None = None, draft_confidence: float | None = None,
-               timeout: float | None = None, sink: Callable[[Event], None] | None = None) -> Handle:
+               timeout: float | None = None, sink: Callable[[Event], None] | None = None, response_format=None,
+               logprobs: int | None = None) -> Handle:
         """Queue one request (a prompt string, or chat messages with ``chat``); validated here, so a bad one raises
-        RequestError at once. ``timeout``: seconds from now after which it finishes with reason "timeout"."""
+        RequestError at once. ``timeout``: seconds from now after which it finishes with reason "timeout".
+        response_format and logprobs: as SpeculativeGenerator.generate's (the schema is compiled here, before the
+        request queues)."""
         if isinstance(seed, list):  # the generator takes one seed per prompt; a request is one prompt
             raise RequestError(f"seed: expected an integer >= 0 or None, received {seed!r}")
         if timeout is not None and not timeout > 0:
@@ -140,7 +155,7 @@ class Scheduler:
         with self._lock:  # a full queue refuses before any tokenizing or template rendering is spent on it
             self._check_room()
         config, stops = self.generator._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode,
-                                               None, None)
+                                               None, None, response_format, logprobs)
         self.generator._drafter(mode, drafter, draft_confidence)  # an unknown drafter fails here, not in the loop
         ids = self.generator._encode(prompt, chat)
         handle = Handle(next(self._ids), sink)
@@ -183,6 +198,12 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         return bool(self.rows or self.waiting)
+
+    @property
+    def running(self) -> bool:
+        """Its loop thread is alive and not stopping: what a server's readiness reports (a dead loop serves
+        nothing)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def stats(self) -> dict:
         """Counters, and per step: mean rows, seconds, and the seconds outside engine calls (the overhead)."""
@@ -242,10 +263,10 @@ class Scheduler:
 
     def _accept(self, row: _Row, draft: list[int], probs: list, logits: np.ndarray, hidden, times) -> int:
         """One row's acceptance (sampling.verify) and its consequences; returns how many draft tokens it kept."""
-        n, extra = verify(draft, probs, logits, row.config.params, row.rng)
+        n, out = verify_row(row, draft, probs, logits, row.config)  # under its grammar; its logprobs recorded
         if hasattr(row.drafter, "take_features"):
             row.drafter.take_features(None if hidden is None else [hidden])
-        self._settle(row, draft, n, draft[:n] + [extra], *times)
+        self._settle(row, draft, n, out, *times)
         return n
 
     def _count(self, rows: int, speculate: bool, step_time: float, engine_time: float) -> None:
@@ -313,22 +334,29 @@ class Scheduler:
         limit = self._draft_limit(row) if row.drafter is not None else 0
         if not limit:
             return [], []
-        proposal = row.drafter.propose([limit], row.config.params, [row.rng])
+        if row.grammar is not None:  # grammar-forced tokens, then masked draws (runtime/speculative.py)
+            row.proposed = True
+            proposal = propose_constrained(row.drafter, [row.grammar], [limit], row.config, [row.rng],
+                                           self.target.vocab_size)
+        else:
+            proposal = row.drafter.propose([limit], row.config.params, [row.rng])
         return proposal.tokens[0], proposal.probs[0]
 
     def _settle(self, row: _Row, draft: list[int], accepted: int, out: list[int], draft_time: float,
                 verify_time: float) -> None:
         """After verification: the row's drafter, acceptance estimate, stats, tokens and text."""
         if row.drafter is not None:
-            if draft:
+            if row.proposed if row.grammar is not None else draft:
                 row.drafter.settle([accepted], [out])
-                row.acceptance = 0.8 * row.acceptance + 0.2 * accepted / len(draft)
+                row.acceptance = 0.8 * row.acceptance + 0.2 * accepted / max(1, len(draft))
             else:
                 row.drafter.observe([out])
+            row.proposed = False
         row.stats.record_step(len(draft), accepted, 0, fallback=False)
         row.stats.draft_time += draft_time
         row.stats.verify_time += verify_time
         new = append_tokens(row, out, row.config, self.target.max_context)
+        after_append(row, new)  # a constrained row ends where its output is complete
         row.stats.num_emitted_tokens += len(new)
         now = time.perf_counter()
         if new and not row.stats.time_to_first_token:
@@ -340,7 +368,7 @@ class Scheduler:
         piece = self._apply_stops(row, piece)
         row.text += piece
         if piece:
-            row.handle.send(Event(piece, new))
+            row.handle.send(Event(piece, new, logprobs=row.take_logprobs()))
 
     def _apply_stops(self, row: _Row, piece: str) -> str:
         piece, stopped = cut_at_stop(row.text, piece, row.stops)
@@ -381,8 +409,13 @@ class Scheduler:
             drafter.start([w.prompt])
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
-        return _Row(w.handle, w.prompt, w.config, w.stops, drafter, rng, IncrementalDecoder(self.generator.tokenizer),
-                    deadline)
+        row = _Row(w.handle, w.prompt, w.config, w.stops, drafter, rng, IncrementalDecoder(self.generator.tokenizer),
+                   deadline)
+        if w.config.grammar is not None:
+            row.grammar = w.config.grammar.start()
+        if w.config.logprobs is not None:
+            row.logprobs, row.top_logprobs = [], []
+        return row
 
     def _interrupted(self, row: _Row) -> str:
         if row.handle.cancelled:
@@ -414,7 +447,8 @@ class Scheduler:
             key = {"cancelled": "cancelled", "timeout": "timed_out"}.get(reason, "finished")
             self.counters[key] += 1
             row.handle.send(Event(tail, [], final=Generation(row.text, list(row.generated), len(row.prompt), reason,
-                                                             row.stats)))
+                                                             row.stats, row.logprobs, row.top_logprobs),
+                                  logprobs=row.take_logprobs()))
         self.rows = [self.rows[b] for b in keep]
         self.cache = self.target.select(self.cache, np.array(keep, dtype=np.int64))
 

@@ -348,7 +348,7 @@ def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tin
 
 
 def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle, tiny_pair, tmp_path, monkeypatch):
-    """The issue's case: a bundle built with relative sources, benched from another folder, skipped transformers."""
+    """A bundle built with relative sources and benched from another folder once skipped transformers."""
     pytest.importorskip("transformers")
     import dataclasses
     from bench.peers import run_transformers

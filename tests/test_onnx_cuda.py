@@ -1,4 +1,4 @@
-"""ONNX Runtime on CUDA (issue 7, item 5): fp16/int4 engines built with --device cuda, and provider selection.
+"""ONNX Runtime on CUDA: fp16/int4 engines built with --device cuda, and provider selection.
 
 No GPU here: the builds, the graphs' types, the numerics (the fp16 engines run on the CPU through ONNX Runtime's
 inserted casts), the IO-binding path the GPU uses (bound to the CPU) and the provider errors are tested on any

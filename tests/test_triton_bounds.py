@@ -1,4 +1,4 @@
-"""The server survives its clients (issue 15, items 11-14), against one real tritonserver.
+"""The server survives its clients, against one real tritonserver.
 
 Bounds before work, hostile requests batched together with good ones, cancellation that frees a row, seeded
 requests that sample the same text whatever they are batched with, an environment without the caller's secrets,

@@ -20,13 +20,13 @@ class RequestInvalid(ValueError):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from runtime.text import Tokenizer
+        from runtime.api import bundle_tokenizer
         config = json.loads(args["model_config"])
         parameters = config["parameters"]
         folder = Path(parameters["tokenizer"]["string_value"])
         if not folder.is_absolute():
             folder = Path(args.get("model_repository") or Path(__file__).resolve().parents[1]) / folder
-        self.tokenizer = Tokenizer(folder)
+        self.tokenizer = bundle_tokenizer(folder)  # its files' verified bytes
         self.vocab_size = self.tokenizer.vocab_size
         try:
             self.max_output_ids = int(parameters["max_output_ids"]["string_value"])

@@ -46,12 +46,12 @@ def _error(message: str):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from runtime.text import Tokenizer
+        from runtime.api import bundle_tokenizer
         config = json.loads(args["model_config"])
         folder = Path(_param(config, "tokenizer"))
         if not folder.is_absolute():
             folder = _model_dir(args) / folder
-        self.tokenizer = Tokenizer(folder)
+        self.tokenizer = bundle_tokenizer(folder)  # its files' verified bytes
         self.max_context = int(_param(config, "max_context"))
         self.max_tokens_limit = int(_param(config, "max_tokens_limit"))
         self.max_prompt_bytes = int(_param(config, "max_prompt_bytes"))
