@@ -31,6 +31,7 @@ def profile_entry(root: Path, entry, max_context: int, threads: int, past: int =
     "stored_nodes", "optimized_nodes"}: per call, the profiler's kernel time per operator type and how many nodes of
     it ran (after ONNX Runtime's fusions)."""
     from runtime.engine import engine_class, make_session, session_options
+    from runtime.step_costs import scratch_call
     with tempfile.TemporaryDirectory(prefix="draftsmith-profile-") as tmp:
         options = session_options(threads)  # the runtime's own thread pool and spinning
         options.enable_profiling = True
@@ -43,9 +44,9 @@ def profile_entry(root: Path, entry, max_context: int, threads: int, past: int =
                                            **kwargs)
         cache = engine.new_cache(1)
         rng = np.random.default_rng(0)
-        engine.forward(cache, rng.integers(0, min(entry.vocab_size, 1000), (1, past)))
-        for _ in range(calls):
-            engine.forward(cache, np.zeros((1, new), np.int64))
+        scratch_call(engine, cache, rng.integers(0, min(entry.vocab_size, 1000), (1, past)))  # features if a
+        for _ in range(calls):  # feature draft takes them (zeros of its width)
+            scratch_call(engine, cache, np.zeros((1, new), np.int64))
             engine.rollback(cache, np.array([past]))
         events = json.loads(Path(session.end_profiling()).read_text())
     return {**_summarize(events), "past": past, "new_tokens": new,

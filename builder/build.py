@@ -1,38 +1,33 @@
 """The build pipeline: checkpoint -> pair check -> export -> quantize -> evaluate -> bundle.
 
 Everything is written into a hidden ``.NAME.partial-*`` folder beside the output and renamed into place at the very
-end, after manifest.json (the last file written) and an fsync of every file. An interrupted build leaves at most that
-hidden folder, which no loader takes for a bundle and the next build removes (``staging``); replacing a bundle sets
-the old one aside in ``.NAME.old-*`` first, which the next build puts back if the swap did not finish (``publish``).
+end, after manifest.json (the last file written) and an fsync of every file (``builder.publish``: staging, publish and
+recovery after a killed run, shared with the distiller's drafts).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import json
 import logging
 import math
-import os
-import re
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
 from builder import checkpoint as ckpt
 from builder import evaluate, export, gguf_weights, graph, pairing, quantize
+from builder import publish as publishing
 from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
 
 log = logging.getLogger(__name__)
 Stage = Callable[[str], None]
-Replaceable = Callable[[Path], "str | None"]  # why a folder may not be replaced (None: it may)
 VOCAB_MAP = "draft_vocab.json"  # a reduced-vocabulary draft head's kept token ids (draft folder and bundle alike)
 TOOLS = ("draftsmith", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "gguf", "tokenizers")
 
@@ -56,21 +51,7 @@ def bundle_problem(folder: Path) -> str | None:
     return None
 
 
-def check_output(out: Path, force: bool, replaceable: Replaceable = bundle_problem, what: str = "bundle") -> None:
-    """Refuse an existing ``out`` unless ``force``, and even then anything ``replaceable`` finds a reason against:
-    --force replaces a previous result, never an arbitrary folder."""
-    if not (out.exists() or out.is_symlink()) or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
-        return  # nothing there, or an empty folder: nothing to lose
-    if not force:
-        raise BuildError(f"{out} already exists; pass --force to replace it (the old {what} stays until the new "
-                         "one is complete)")
-    if out.is_symlink() or not out.is_dir():
-        raise BuildError(f"{out} exists and is not a directory (or is a symbolic link); --force replaces only a "
-                         f"{what} folder. Choose another output path.")
-    problem = replaceable(out)
-    if problem:
-        raise BuildError(f"{out} is not a {what} ({problem}); --force replaces only a {what} or an empty folder, so "
-                         "nothing was touched. Choose another output path, or move that folder away yourself.")
+BUNDLE = publishing.Kind("bundle", bundle_problem, BuildError)
 
 
 def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage | None = None,
@@ -123,7 +104,8 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     kept = _draft_vocab(draft_ckpt) if draft_ckpt is not target_ckpt else None  # a reduced-vocabulary draft head
     stage("export target")
     target_model = target_ckpt.load_model()
-    target_info, target_check = _export(target_model, target_ckpt, work / "target.onnx", spec)
+    rows = max(pair.max_context, 64)  # positions the graphs' rotary tables cover (the export check uses 64)
+    target_info, target_check = _export(target_model, target_ckpt, work / "target.onnx", spec, rows)
     if draft_ckpt is target_ckpt and not draft_layers:
         draft_info, draft_check, draft_fp32 = target_info, target_check, work / "target.onnx"
         draft_model = target_model
@@ -139,13 +121,15 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
         if kept is not None:
             from builder.distill.draft import reduce_head
             draft_model = reduce_head(draft_model, kept)
-        draft_info, draft_check = _export(draft_model, draft_ckpt, work / "draft.onnx", spec)
+        draft_info, draft_check = _export(draft_model, draft_ckpt, work / "draft.onnx", spec, rows)
         draft_fp32 = work / "draft.onnx"
     stage("quantize")
-    _quantize(work / "target.onnx", tmp / "target" / "model.onnx", spec.target_quant, spec, target_ckpt,
-              target_model)
-    _quantize(draft_fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec,
-              target_ckpt if draft_layers else draft_ckpt, draft_model)
+    engine_notes = {"target": _quantize(work / "target.onnx", tmp / "target" / "model.onnx", spec.target_quant,
+                                        spec, target_ckpt, target_model, rows),
+                    "draft": _quantize(draft_fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec,
+                                       target_ckpt if draft_layers else draft_ckpt, draft_model, rows)}
+    for role, info in (("target", target_info), ("draft", draft_info)):  # the fp32 graph's own notes come first
+        engine_notes[role] = list(dict.fromkeys([*info.notes, *engine_notes[role]]))
     del target_model, draft_model
     stage("evaluate")
     ids = target_tok(evaluate.eval_text())["input_ids"][: min(512, pair.max_context)]
@@ -166,6 +150,7 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
             report["draft"][key] = value if math.isfinite(value) else None
     report["export_check_max_abs_logit_diff"] = {"target": target_check, "draft": draft_check}
     report["pair_notes"] = list(pair.notes)
+    report["engine_notes"] = engine_notes  # e.g. GGUF tensors kept as float weights (no exact MatMulNBits form)
     del engines, references
     shutil.rmtree(work)
     stage("tokenizer")
@@ -206,13 +191,14 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
         raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
     try:
         cfg, weights = fd.load_feature_weights(draft_ckpt.folder)
+        own = fd.FeatureConfig.of_target(target_model.config)  # refuses a target a feature draft cannot follow
     except DistillError as err:
         raise BuildError(str(err)) from None
     if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
         raise BuildError(f"{draft_ckpt.source} was trained on the hidden states of another target "
                          f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}")
     # every shape and setting must be the target's (the file is data: its numbers size the graph we write)
-    expected = dataclasses.replace(fd.FeatureConfig.of_target(target_model.config), target_sha256=cfg.target_sha256)
+    expected = dataclasses.replace(own, target_sha256=cfg.target_sha256)
     if cfg != expected:
         wrong = {k: v for k, v in dataclasses.asdict(cfg).items() if dataclasses.asdict(expected)[k] != v}
         raise BuildError(f"{draft_ckpt.source}: feature_draft.json does not match the target's config: {wrong}")
@@ -226,11 +212,12 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
     return info, fd.check_against_torch(path, info, module, target_ckpt.architecture.tolerance)
 
 
-def _export(model, checkpoint, path: Path, spec: BuildSpec):
-    """The fp32 (fp16 on cuda) graph of ``model`` at ``path``, checked against torch: (GraphInfo, check report)."""
+def _export(model, checkpoint, path: Path, spec: BuildSpec, context: int | None = None):
+    """The fp32 (fp16 on cuda) graph of ``model`` at ``path``, checked against torch: (GraphInfo, check report).
+    ``context``: the most tokens a sequence holds (sizes the fused graph's rotary tables; None: the model's own)."""
     if spec.engine_graph == "fused":
         try:
-            decoder = graph.from_transformers(model)
+            decoder = graph.from_transformers(model, context)
         except graph.GraphError as err:
             raise BuildError(f"{checkpoint.source}: {err}") from None
         graph.build(decoder, path)
@@ -241,30 +228,33 @@ def _export(model, checkpoint, path: Path, spec: BuildSpec):
     return info, check
 
 
-def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, model) -> None:
+def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, model,
+              context: int | None = None) -> list[str]:
     """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
     the GGUF file's own blocks (builder.gguf_weights); ``model``: the loaded model ``src`` came from, whose weights
-    are those of ``checkpoint``."""
+    are those of ``checkpoint``. Returns what the engine's graph notes about itself (quant gguf: tensors the
+    file holds in a type without an exact MatMulNBits form)."""
     if quant != "gguf":
         quantize.quantize(src, dst, quant, spec.block_size, spec.symmetric, spec.accuracy_level)
-        return
+        return []
     if not checkpoint.gguf_file:
         raise BuildError(f"quant gguf keeps a GGUF file's own quantized blocks, but {checkpoint.source} is not a "
                          ".gguf file; choose int4 or int8")
     if spec.block_size not in (16, gguf_weights.BLOCK):
         raise BuildError(f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
                          f"16); block_size {spec.block_size} would quantize them again")
-    decoder = gguf_weights.apply(graph.from_transformers(model), checkpoint.folder / checkpoint.gguf_file,
-                                 spec.block_size)
+    decoder = gguf_weights.apply(graph.from_transformers(model, context), checkpoint.folder / checkpoint.gguf_file,
+                                 spec.block_size, permuted_qk=checkpoint.architecture.gguf_permuted_qk)
     graph.build(decoder, dst, spec.accuracy_level)
+    return list(decoder.notes)
 
 
 def _truncate(model, layers: int):
-    """The target's first ``layers`` decoder layers with its embeddings, final norm and head (shared weights)."""
-    import copy
+    """The target's first ``layers`` decoder layers with its embeddings, final norm and head (shared weights); a
+    per-layer config list (Gemma 3's ``layer_types``: sliding or full attention) is cut to match."""
+    from builder.distill.draft import clean_config
     draft = _shallow(model)
-    draft.config = copy.deepcopy(model.config)
-    draft.config.num_hidden_layers = layers
+    draft.config = clean_config(model.config, layers)
     draft.model = _shallow(model.model)
     draft.model.layers = model.model.layers[:layers]
     draft.model.config = draft.config
@@ -331,142 +321,20 @@ def _finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
     complete = dataclasses.replace(manifest, files=hash_tree(tmp))
     (tmp / MANIFEST).write_text(complete.to_json(), encoding="utf-8")
     load_manifest(tmp, verify=True)
-    publish(tmp, out)
+    publishing.publish(tmp, out)
     return complete
 
 
-# --- publishing: a result appears at ``out`` whole, and a crash at any point loses nothing -------------------------
+# --- publishing (``builder.publish``, which the distiller's drafts share), with the bundle's kind -------------------
 
-@contextmanager
-def staging(out: Path, force: bool, replaceable: Replaceable = bundle_problem, what: str = "bundle") -> Iterator[Path]:
-    """A new hidden folder beside ``out`` to write a result into; removed on the way out unless ``publish`` moved it.
-
-    While it exists this process holds a lock on it (flock, released by the kernel if the process dies), which is
-    how a later run tells a live build's folder from a dead one's. Before making it, under the parent folder's lock:
-    a swap a killed run left half done is undone and stale partial folders are removed (``recover``, which says so),
-    and ``out`` is checked again (``check_output``).
-    """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out.parent, blocking=True):
-        recover(out)
-        check_output(out, force, replaceable, what)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        held = _lock(tmp, blocking=False)
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is read by servers running as other users
-        yield tmp
-    finally:
-        if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-        os.close(held)
+def check_output(out: Path, force: bool) -> None:
+    """Refuse an existing ``out`` unless ``force`` and it is a bundle (``builder.publish.check_output``)."""
+    publishing.check_output(out, force, BUNDLE)
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Move the finished folder ``tmp`` to ``out``, replacing what is there, recoverably.
-
-    Files and folders are fsynced first. An existing ``out`` is renamed into ``.NAME.old-*``, then ``tmp`` to
-    ``out``, then the old one is deleted. If the second rename fails the old one is put back at once; if the process
-    dies between the renames, the next ``staging`` for ``out`` puts it back (``recover``).
-    """
-    _fsync_tree(tmp)
-    with _locked(out.parent, blocking=True):
-        old = None
-        try:
-            if out.exists() or out.is_symlink():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-                os.rename(out, old / out.name)
-                _fsync_dir(out.parent)
-            os.rename(tmp, out)
-        except BaseException:
-            if old is not None:
-                if (old / out.name).exists() and not (out.exists() or out.is_symlink()):
-                    os.rename(old / out.name, out)
-                shutil.rmtree(old, ignore_errors=True)
-            raise
-        _fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def recover(out: Path) -> None:
-    """Undo what killed runs left beside ``out``, saying what was done (call under the parent folder's lock).
-
-    A ``.NAME.old-*`` folder is the previous ``out`` set aside by a replace: put back when ``out`` is missing (the
-    process died between the renames), deleted otherwise (it died after them). A ``.NAME.partial-*`` folder no live
-    process holds (see ``staging``) is a dead build's and is deleted.
-    """
-    for old in _leftovers(out, "old"):
-        previous = old / out.name
-        if not (out.exists() or out.is_symlink()) and previous.is_dir():
-            os.rename(previous, out)
-            _fsync_dir(out.parent)
-            log.warning("put %s back from %s: a replace was interrupted between its two renames", out, old.name)
-        else:
-            log.warning("removed %s, the leftover of a replace of %s that had finished", old.name, out)
-        shutil.rmtree(old, ignore_errors=True)
-    for partial in _leftovers(out, "partial"):
-        try:
-            held = _lock(partial, blocking=False)
-        except BlockingIOError:
-            continue  # a live build is writing it
-        try:
-            size = sum(p.stat().st_size for p in partial.rglob("*") if p.is_file() and not p.is_symlink())
-            shutil.rmtree(partial, ignore_errors=True)
-        finally:
-            os.close(held)
-        log.warning("removed %s (%.1f MB), left by a build of %s that was killed or ran out of memory",
-                    partial.name, size / 1e6, out)
-
-
-def _leftovers(out: Path, kind: str) -> list[Path]:
-    """The real folders beside ``out`` named as ``tempfile.mkdtemp`` names our ``.NAME.{kind}-*`` ones."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.{kind}-[A-Za-z0-9_]{{8}}")
-    if not out.parent.is_dir():
-        return []
-    return sorted(p for p in out.parent.iterdir()
-                  if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
-
-
-def _lock(folder: Path, blocking: bool) -> int:
-    """An open descriptor of ``folder`` holding an exclusive flock on it; BlockingIOError if another holds it."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-@contextmanager
-def _locked(folder: Path, blocking: bool) -> Iterator[None]:
-    fd = _lock(folder, blocking)
-    try:
-        yield
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file and folder below ``root`` (and ``root``): a rename must not land before the data."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(folder, name)
-            if not os.path.islink(path):
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        _fsync_dir(Path(folder))
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def staging(out: Path, force: bool):
+    """A hidden folder beside ``out`` to write a bundle into (``builder.publish.staging``)."""
+    return publishing.staging(out, force, BUNDLE)
 
 
 @contextmanager

@@ -30,10 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.api import Generation
 from runtime.drain import Drain, DrainGuard, DrainingServer, scheduler_running
 from runtime.errors import RequestError
+from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
+from runtime.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
+                                      ResponseShape, Usage, error_body, new_id)
 from runtime.request import check_text
-from runtime.openai_protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChunkChoice,
-                                     Completion, CompletionRequest, Delta, Limits, ResponseShape, SamplingRequest,
-                                     Usage, error_body, new_id)
 from runtime.scheduler import Event, Overloaded, Scheduler, Unavailable
 
 log = logging.getLogger("draftsmith.openai")

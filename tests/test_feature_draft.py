@@ -255,3 +255,10 @@ def test_the_cost_model_starts_on_a_feature_draft(feature_bundle, policy, fallba
     finally:
         scheduler.stop()
     assert got.token_ids == gen.generate("the quick brown fox", max_new_tokens=12, k=2).token_ids
+
+
+def test_profile_runs_a_feature_draft_bundle(feature_bundle):
+    """draftsmith profile feeds a feature draft the features input it takes (zeros of its width)."""
+    from bench.profile import profile_bundle
+    report = profile_bundle(feature_bundle[0], threads=1, past=8, new=2, calls=3)
+    assert report["draft"]["calls"] == 3 and report["draft"]["mean_call_ms"] > 0

@@ -14,6 +14,48 @@ import numpy as np
 from builder.distill.corpus import Sample
 
 
+@dataclass
+class Heartbeat:
+    """An ``advance(n)`` callback for a long stage that also says how far it got, at least once every ``every``
+    seconds, where no progress bar is seen (a log, not a terminal: ``say`` is None on a terminal).
+
+    The stage calls it with the items just finished, and with 0 between them (every engine step) so a line comes on
+    time even while no item finishes. Time left is the rate so far applied to what remains, or the time to the
+    stage's ``deadline`` if that comes first (generation stops admitting there).
+    """
+
+    what: str
+    total: int
+    say: Callable[[str], None] | None
+    advance: Callable[[int], None] = lambda n: None
+    deadline: float = math.inf
+    every: float = 60.0
+    clock: Callable[[], float] = time.perf_counter
+    done: int = 0
+
+    def __post_init__(self) -> None:
+        self.started = self.last = self.clock()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if n:
+            self.advance(n)
+        now = self.clock()
+        if self.say is not None and now - self.last >= self.every:
+            self.last = now
+            self.say(self.line(now))
+
+    def line(self, now: float) -> str:
+        """``what: done/total (share), elapsed, about N s left``."""
+        elapsed = now - self.started
+        left = max(0.0, self.deadline - now) if self.deadline < math.inf else math.inf
+        if self.done:
+            left = min(left, elapsed / self.done * max(0, self.total - self.done))
+        share = f" ({self.done / self.total:.0%})" if self.total else ""
+        remaining = f"about {left:.0f} s left" if left < math.inf else "time left not known yet"
+        return f"{self.what}: {self.done}/{self.total}{share}, {elapsed:.0f} s, {remaining}"
+
+
 def eos_ids_of(model, tokenizer) -> list[int]:
     ids = set()
     for value in (getattr(model.config, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)
@@ -147,6 +189,7 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
             r.continuation.append(int(chosen[b]))
             if hidden is not None:
                 r.features.append(hidden[b].astype(np.float16))
+        advance(0)  # a step, no row finished: lets a Heartbeat report on time
 
 
 def _keep_features(row: _Row, cache, wanted: bool) -> None:
@@ -184,7 +227,7 @@ def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, ma
     from builder import gguf_weights, graph
     from runtime.engine import FusedEngine
     try:
-        decoder = graph.from_transformers(model)
+        decoder = graph.from_transformers(model, max_context)  # rotary tables for this many tokens
     except graph.GraphError:
         return None
     path = folder / "target.onnx"

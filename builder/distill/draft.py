@@ -29,6 +29,20 @@ def clean_config(config, layers: int | None = None):
     return config
 
 
+def output_transform(config) -> str | None:
+    """What ``config``'s model does to head @ hidden before the softmax, or None. The trainers score a draft as
+    hidden @ head (training.py, feature_draft.py) and teach the target's law as softmax(head @ hidden): a capped or
+    scaled output would make both wrong."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        return f"final_logit_softcapping {cap}"
+    for key in ("logit_scale", "logits_scaling"):
+        value = getattr(config, key, None)
+        if value not in (None, 1, 1.0):
+            return f"{key} {value}"
+    return None
+
+
 def check_init(init: str, total: int) -> int:
     """The layer count of ``layers=N`` (0 for a checkpoint path), checked against the target's ``total`` layers."""
     if init == "feature":  # builder/distill/feature_draft.py: one layer over the target's hidden states

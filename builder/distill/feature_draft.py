@@ -50,14 +50,41 @@ class FeatureConfig:
 
     @classmethod
     def of_target(cls, config, target_sha256: str = "") -> "FeatureConfig":
+        """The draft layer's shapes for ``config`` (a transformers config). The layer is always a plain Llama-style
+        one (RMSNorm, SiLU MLP, default rotary, full attention) whatever the target's family: it is the draft's own
+        model, trained and run with the same tables, and only its sizes come from the target."""
+        check_target(config)
         heads = config.num_attention_heads
-        from builder.graph import _rope_theta
         return cls(hidden=config.hidden_size, heads=heads,
                    kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    intermediate=config.intermediate_size, eps=float(config.rms_norm_eps),
-                   rope_theta=float(_rope_theta(config)), max_positions=int(config.max_position_embeddings),
+                   rope_theta=float(draft_rope_theta(config)), max_positions=int(config.max_position_embeddings),
                    target_sha256=target_sha256)
+
+
+def draft_rope_theta(config) -> float:
+    """The base of the draft layer's rotary table. Its layer attends to the whole context, so where the target has
+    one rotary setting per layer type (Gemma 3: ``rope_parameters`` {"sliding_attention": ..., "full_attention":
+    ...}) it takes the full-attention layers' base; a target's rotary scaling (llama3, yarn, longrope) is not copied:
+    the draft is trained at short lengths with the plain table, and runs with the same one."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    elif params and all(isinstance(v, dict) for v in params.values()):
+        params = next(iter(params.values()))
+    return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+
+
+def check_target(config) -> None:
+    """Refuse a target whose next-token logits are not its head times its final hidden state (what the draft is
+    trained against and what it predicts): a capped or scaled output (Gemma 2's final_logit_softcapping, Cohere's
+    logit_scale, Granite's logits_scaling)."""
+    from builder.distill.draft import output_transform
+    problem = output_transform(config)
+    if problem:
+        raise DistillError(f"a feature draft needs a target whose logits are its head times its final hidden state; "
+                           f"this one has {problem}. Use --init layers=N or an int4 self-draft (--draft self)")
 
 
 def _module():
@@ -149,7 +176,10 @@ def init_feature_draft(target_model, kept: np.ndarray | None, target_sha256: str
     head = state.get("lm_head.weight", embedding)
     if kept is not None:
         head = head[torch.as_tensor(kept)]
-    gamma = state["model.norm.weight"]
+    if getattr(target_model.get_output_embeddings(), "bias", None) is not None:
+        raise DistillError("a feature draft needs a target whose output head has no bias (the draft's logits are "
+                           "its head rows times its predicted feature); use --init layers=N")
+    gamma = effective_norm_weight(target_model.model.norm, cfg.hidden, cfg.eps)
     h = cfg.hidden
     fc = torch.cat([torch.randn(h, h, generator=torch.Generator().manual_seed(1)) * (0.5 / math.sqrt(h)),
                     torch.eye(h)], dim=1)  # the layer starts from the feature itself, plus a little of the token
@@ -158,6 +188,15 @@ def init_feature_draft(target_model, kept: np.ndarray | None, target_sha256: str
                        1.0 / gamma.abs().clamp(min=1e-3)])
     draft.input_scale.copy_(scale)
     return draft
+
+
+def effective_norm_weight(norm, hidden: int, eps: float):
+    """The per-channel scale an RMSNorm module applies, whatever its convention (Llama: x * w; Gemma: x * (1 + w)):
+    its output for an input of all ones (RMS 1) times sqrt(1 + eps)."""
+    import torch
+    with torch.no_grad():
+        out = norm(torch.ones(1, 1, hidden, dtype=torch.float32))
+    return (out.reshape(hidden).double() * math.sqrt(1.0 + eps)).float()
 
 
 # --- training ---------------------------------------------------------------------------------------------------------
@@ -338,15 +377,27 @@ def feature_decoder(cfg: FeatureConfig, weights: dict[str, np.ndarray], embeddin
                    feature_fc=np.ascontiguousarray(w["fc"].T))
 
 
+def shell_config(cfg: FeatureConfig, target_config):
+    """A one-layer Llama config of the draft's shapes, with the target's vocabulary, special token ids and context:
+    a Llama layer is what the draft's layer is (feature_decoder), whatever the target's family."""
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=target_config.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                       num_hidden_layers=1, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                       head_dim=cfg.head_dim, rms_norm_eps=cfg.eps, max_position_embeddings=cfg.max_positions,
+                       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                       tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+                       **{key: getattr(target_config, key, None) for key in ("bos_token_id", "eos_token_id",
+                                                                             "pad_token_id")})
+
+
 def as_transformers(draft, target_config):
-    """The draft's layer, final norm and the target's embeddings as a one-layer transformers model: the folder is
-    then an ordinary checkpoint for pairing, hashing and the builder's loaders; the fc and kind live beside it."""
+    """The draft's layer, final norm and the target's embeddings as a one-layer Llama model (``shell_config``): the
+    folder is then an ordinary checkpoint for pairing, hashing and the builder's loaders; the fc and kind live beside
+    it."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from builder.distill.draft import clean_config
-    config = clean_config(target_config, 1)
+    from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    shell = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    shell = LlamaForCausalLM(shell_config(draft.cfg, target_config))
     names = {"model.layers.0.input_layernorm.weight": "attn_norm",
              "model.layers.0.post_attention_layernorm.weight": "mlp_norm", "model.norm.weight": "final_norm",
              **{f"model.layers.0.self_attn.{x}_proj.weight": x for x in "qkvo"},
@@ -355,8 +406,8 @@ def as_transformers(draft, target_config):
     state["model.embed_tokens.weight"] = draft.embedding.clone()
     missing, _ = shell.load_state_dict(state, strict=False)
     missing = [m for m in missing if m != "lm_head.weight" and not m.endswith("rotary_emb.inv_freq")]
-    if missing or any(k.endswith("bias") for k in shell.state_dict() if "layers.0" in k):
-        raise DistillError(f"the feature draft needs a Llama-style layer without biases; missing {missing[:4]}")
+    if missing:
+        raise DistillError(f"the feature draft's Llama shell has weights the draft lacks: {missing[:4]}")
     return shell
 
 

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from pathlib import Path
 
-from builder.distill.continuations import Job, eos_ids_of, generate, generate_with_engine, target_engine
+from builder.distill.continuations import Heartbeat, Job, eos_ids_of, generate, generate_with_engine, target_engine
 from builder.distill.corpus import DistillError, encode, load_prompts, split_prompts
 from builder.distill.distributions import teacher
-from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary
+from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary, output_transform
 from builder.distill.evaluation import acceptance
 from builder.distill.save import check_out, publish_draft
 from builder.distill.training import train
 
+
+
+def check_target(config, init: str) -> int:
+    """Everything ``init`` needs of the target's ``config``, checked before anything slow runs; returns what
+    ``check_init`` does (the layer count of ``layers=N``, else 0)."""
+    layers = check_init(init, config.num_hidden_layers)
+    if init == "feature":
+        from builder.distill.feature_draft import FeatureConfig  # torch-free until a feature draft is asked for
+        FeatureConfig.of_target(config)  # refuses what a feature draft cannot follow
+    elif output_transform(config):
+        raise DistillError(f"--init {init}: the target's logits are not its head times its final hidden state "
+                           f"({output_transform(config)}), which the trainer assumes; use an int4 self-draft "
+                           "(build-engines --draft self)")
+    return layers
 
 def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Path | None = None,
                   minutes: float = 15.0, max_new_tokens: int = 64, seed: int = 0, threads: int = 0,
@@ -71,7 +86,7 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     say(f"distill: {len(corpus)} prompts ({len(train_prompts)} train, {len(held_prompts)} held out) from "
         f"{prompts or 'the shipped corpus'}")
     checkpoint = ckpt.resolve(target)
-    check_init(init, checkpoint.config.num_hidden_layers)
+    check_target(checkpoint.config, init)
     tokenizer = checkpoint.load_tokenizer()
     target_model = checkpoint.load_model()
     timings = {"load": round(time.perf_counter() - started, 1)}
@@ -105,8 +120,8 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         timings["generate"] = round(time.perf_counter() - t0, 1)
         if engine is None:
             t0 = time.perf_counter()
-            task = progress.add_task("target: teacher distributions", total=len(samples))
-            teacher(target_model, samples, top_k, tokens_per_batch, advance=lambda n: progress.advance(task, n))
+            teacher(target_model, samples, top_k, tokens_per_batch,
+                    advance=_task(progress, "target: teacher distributions", len(samples)))
             timings["teacher"] = round(time.perf_counter() - t0, 1)
         engine = None  # its session's memory goes before training
         if not samples:
@@ -202,9 +217,16 @@ def _distill_features(target_model, checkpoint, tokenizer, samples, held, kept, 
     task = progress.add_task("feature draft: training", total=total)
     t0 = time.perf_counter()
 
+    last_line = [time.perf_counter()]
+
     def on_step(step, value, rate):
         progress.update(task, completed=step if max_steps else min(total, time.perf_counter() - t0),
                         description=f"feature draft: training (loss {value:.3f})")
+        if not console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
+            last_line[0] = time.perf_counter()
+            left = "" if max_steps else f", about {max(0.0, train_deadline - time.perf_counter()):.0f} s left"
+            say(f"feature draft: training step {step}, loss {value:.4f}, lr {rate:.2e}, "
+                f"{time.perf_counter() - t0:.0f} s{left}")
 
     trained = fd.train_feature_draft(draft, samples, deadline=train_deadline, max_steps=max_steps, seed=seed,
                                      on_step=on_step)
@@ -239,39 +261,44 @@ def _engine_continuations(engine, progress, train_ids, held_ids, deadline, gener
     """(training samples, held-out samples) from the ONNX engine, teacher rows included; the extra sampled
     continuations come pass after pass, so the deadline cuts the last pass, never a prompt's first one, and only the
     first carries the prompt's own rows."""
-    task = progress.add_task("target: held-out continuations", total=len(held_ids))
     held = generate_with_engine(engine, [Job(p) for p in held_ids], max_new_tokens, top_k=top_k, eos_ids=eos,
                                 seed=seed, batch_size=batch, features=features,
-                                advance=lambda n: progress.advance(task, n))
+                                advance=_task(progress, "target: held-out continuations", len(held_ids)))
     gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
     jobs = [Job(p, temperature) for p in train_ids]
     jobs += [Job(p, sample_temperature, prompt_rows=False) for _ in range(1, samples_per_prompt) for p in train_ids]
-    task = progress.add_task("target: training continuations", total=len(jobs))
     samples = generate_with_engine(engine, jobs, max_new_tokens, top_k=top_k, eos_ids=eos, seed=seed + 1,
                                    batch_size=batch, deadline=gen_deadline, features=features,
-                                   advance=lambda n: progress.advance(task, n))
+                                   advance=_task(progress, "target: training continuations", len(jobs),
+                                                 gen_deadline))
     return samples, held
 
 
 def _torch_continuations(model, progress, train_ids, held_ids, deadline, generate_share, max_new_tokens, temperature,
                          samples_per_prompt, sample_temperature, eos, pad, seed, batch):
     """(training samples, held-out samples) from torch's ``generate``; the teacher rows come after, in one pass."""
-    task = progress.add_task("target: held-out continuations", total=len(held_ids))
     held = generate(model, held_ids, max_new_tokens, temperature=0.0, seed=seed, eos_ids=eos, pad_id=pad,
-                    batch_size=batch, advance=lambda n: progress.advance(task, n))
+                    batch_size=batch, advance=_task(progress, "target: held-out continuations", len(held_ids)))
     gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
-    task = progress.add_task("target: training continuations", total=len(train_ids))
     samples = generate(model, train_ids, max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos,
                        pad_id=pad, batch_size=batch, deadline=gen_deadline,
-                       advance=lambda n: progress.advance(task, n))
+                       advance=_task(progress, "target: training continuations", len(train_ids), gen_deadline))
     for extra in range(1, samples_per_prompt):
         if time.perf_counter() > gen_deadline:
             break
-        task = progress.add_task(f"target: sampled continuations {extra + 1}", total=len(train_ids))
         samples += generate(model, train_ids, max_new_tokens, temperature=sample_temperature, seed=seed + extra,
                             eos_ids=eos, pad_id=pad, batch_size=batch, deadline=gen_deadline,
-                            advance=lambda n, t=task: progress.advance(t, n))
+                            advance=_task(progress, f"target: sampled continuations {extra + 1}", len(train_ids),
+                                          gen_deadline))
     return samples, held
+
+
+def _task(progress, what: str, total: int, deadline: float = math.inf) -> Heartbeat:
+    """A bar for a stage of ``total`` items on a terminal; in a log, where no bar shows, a line a minute."""
+    task = progress.add_task(what, total=total)
+    console = progress.console
+    return Heartbeat(what, total, None if console.is_terminal else console.print,
+                     lambda n: progress.advance(task, n), deadline)
 
 
 def _progress(console, quiet: bool):

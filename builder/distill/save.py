@@ -1,5 +1,5 @@
 """Stage 5: the draft saved as a Hugging Face folder (safetensors + the target's tokenizer, the kept ids of a reduced
-head, the report), staged beside its place and swapped in whole, as the builder publishes bundles.
+head, the report), staged beside its place and swapped in whole (``builder.publish``, as bundles are).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from builder import publish as publishing
 from builder.distill.corpus import DistillError
 
 VOCAB_FILE = "draft_vocab.json"
@@ -62,23 +63,19 @@ def draft_problem(folder: Path) -> str | None:
     return None
 
 
+DRAFT = publishing.Kind("draft folder", draft_problem, DistillError)
+
+
 def check_out(out: Path, force: bool) -> None:
-    from builder.build import BuildError, check_output
-    try:
-        check_output(out, force, draft_problem, "draft folder")
-    except BuildError as err:
-        raise DistillError(str(err)) from None
+    """Refuse an existing ``out`` unless ``force`` and it is a draft folder (``builder.publish.check_output``)."""
+    publishing.check_output(out, force, DRAFT)
 
 
 def publish_draft(draft, tokenizer, out: Path, kept, report: dict, force: bool, also=None) -> None:
-    """Write the draft into a hidden folder beside ``out`` and swap it in whole (the builder's staging and publish):
+    """Write the draft into a hidden folder beside ``out`` and swap it in whole (``builder.publish``, as bundles are):
     an interrupted save leaves the previous draft, never a half-written one next to a finished-looking report."""
-    from builder.build import BuildError, publish, staging
-    try:
-        with staging(out, force, draft_problem, "draft folder") as tmp:
-            save_draft(draft, tokenizer, tmp, kept, report)
-            if also is not None:  # more files of the draft (a feature draft's own weights), before the swap
-                also(tmp)
-            publish(tmp, out)
-    except BuildError as err:
-        raise DistillError(str(err)) from None
+    with publishing.staging(out, force, DRAFT) as tmp:
+        save_draft(draft, tokenizer, tmp, kept, report)
+        if also is not None:  # more files of the draft (a feature draft's own weights), before the swap
+            also(tmp)
+        publishing.publish(tmp, out)
