@@ -1,5 +1,7 @@
 """Stop a replica mid-load and account for every request: the check behind a Kubernetes rolling update.
 
+Longer than most modules: the two replicas, the balancer, the clients and the accounting are one experiment.
+
 Two ``draftsmith serve-openai`` processes serve one bundle; clients (bench/openai_load.py's ``run_one`` and
 ``mixed_spec``) send streamed requests spread over both through ``Balancer``, which does what a Service's endpoints
 do: round-robin over the replicas in rotation, a replica leaving it when its readiness probe (``GET /health``) says

@@ -2,6 +2,9 @@
 run, over a k sweep and prompt workloads; compare with Leviathan et al.'s prediction, the memory bandwidth bound and
 peers; recommend (and optionally store) the bundle's default k.
 
+Longer than most modules: the command, its sweep and the report's JSON are one flow (the report math is
+bench/stats.py, the tables bench/report.py, the peers bench/peers/); splitting it would scatter one measurement.
+
 How a measurement runs: for each workload and batch size, the prompts are taken a batch at a time and each batch is
 decoded target-only and then with every k, back to back (interleaved, so slow drifts of a shared machine hit every
 configuration alike), after one untimed warm-up per configuration. The engines' ``forward`` and their ONNX Runtime

@@ -1,5 +1,8 @@
 """An OpenAI-compatible HTTP server over the in-flight batching Scheduler: FastAPI routes, run by uvicorn.
 
+Longer than most modules: routes, the ASGI guard and the stream bridge are one server; request bodies are
+runtime/openai_protocol.py, responses runtime/openai_responses.py, shutdown runtime/drain.py.
+
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``: server-sent events in OpenAI's
 chunk shapes, ending in ``data: [DONE]``), ``GET /v1/models[/{model}]``, ``GET /health`` (no key) and
 ``GET /metrics`` (Prometheus text). Request bodies: runtime/openai_protocol.py.

@@ -1,5 +1,8 @@
 """In-flight batching: one loop owns the engines and, at every step, admits, decodes and retires requests.
 
+Longer than most modules: the step (plan, propose, score, accept, settle) and admission/retirement are one
+loop; its call costs are runtime/step_costs.py, what a request gets back runtime/handles.py.
+
 A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
 (2) waiting requests are admitted first come first served up to ``max_batch`` rows: each prompt is prefilled in a
 cache of its own, which then joins the running batch; (3) every row advances once; (4) each row accepts with its own

@@ -1,5 +1,8 @@
 """The draft-then-verify loop over engines, for a batch of sequences.
 
+Longer than most modules: the loop and the model drafter share the per-row bookkeeping of one step (drafters
+that need no model are runtime/lookup.py, runtime/suffix.py, runtime/features.py).
+
 Per step: the drafter proposes d_b <= k tokens for each running row b; the target scores [last, x_1..x_d] for all
 rows in one call; sampling.verify keeps n_b accepted tokens and adds one recovered or bonus token; both caches roll
 back past the rejected slots. Rows finish independently (EOS, budget, context, or the caller's stop) and leave the

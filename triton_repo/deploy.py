@@ -1,5 +1,8 @@
 """``draftsmith deploy kubernetes BUNDLE --out DIR``: plain Kubernetes manifests (kustomize-ready) serving a bundle.
 
+Longer than most modules: one manifest set (Deployment, Service, PDB, HPA and their sizing) is one subject;
+the drain it relies on is runtime/drain.py and triton_repo/server.py.
+
 Written for either server: ``openai`` (``draftsmith serve-openai``) or ``triton`` (``draftsmith serve`` on a
 repository an init container writes with ``draftsmith triton-repo``; for a tensorrt_llm bundle, tritonserver under
 mpirun in NVIDIA's Triton TRT-LLM image). What each manifest takes from the bundle and from a measurement:

@@ -1,5 +1,8 @@
 """A feature-level draft (EAGLE-style): one decoder layer that drafts from the target's own final hidden states.
 
+Longer than most modules: the feature draft's model, its training and its graph are one draft kind, kept
+together so the three stay in step.
+
 At draft position i it reads [embedding(token_{i+1}), f_i], where f_i is the target's final hidden state after
 token i (the vector its head reads, which every target call already computes and the fused graph returns as
 ``hidden``), and predicts f_{i+1}; the target's own head rows over the kept vocabulary turn that into next-token
