@@ -15,12 +15,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from fakes import DraftCounts, LENGTH, rate_bound, total_variation, tv_bound
-from runtime.engine import KVCache, live_keep_mask, stack_rows
+from fakes import LENGTH, DraftCounts, TokenCache, rate_bound, total_variation, tv_bound
+from runtime.engine import KVCache
 from runtime.sampling import probabilities
 
 
-class PrefixEngine:
+class PrefixEngine(TokenCache):
     """Logits after a live prefix x_1..x_t: ``scale`` * a normal vector seeded by (seed, the prefix), plus
     ``bias[x_t]`` (a bigram table: a target that follows a path, for model-free drafters), plus ``base``'s logits
     (a draft that partly agrees with its target)."""
@@ -44,9 +44,6 @@ class PrefixEngine:
             logits = logits + self.base.logits_after(prefix)
         return logits
 
-    def new_cache(self, batch: int) -> KVCache:
-        return KVCache([np.zeros((batch, 0), np.int64)], np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64))
-
     def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
         valid = np.ones_like(tokens) if valid is None else valid
         live = [self.live_tokens(cache, b) for b in range(len(tokens))]
@@ -63,21 +60,6 @@ class PrefixEngine:
         cache.calls += 1
         self.calls += 1
         return out
-
-    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
-        cache.mask = live_keep_mask(cache.mask, keep)
-        cache.lengths = np.minimum(cache.lengths, keep)
-
-    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
-        return KVCache([cache.past[0][rows]], cache.mask[rows], cache.lengths[rows], cache.calls)
-
-    def join(self, cache: KVCache, other: KVCache) -> KVCache:
-        past, mask = stack_rows(cache.past, cache.mask, other.past, other.mask, time_axis=1)
-        return KVCache(past, mask, np.concatenate([cache.lengths, other.lengths]), cache.calls)
-
-    @staticmethod
-    def live_tokens(cache: KVCache, row: int) -> list[int]:
-        return [int(t) for t, m in zip(cache.past[0][row], cache.mask[row]) if m]
 
 
 def exact_joint(law, context: list[int], vocab: int, length: int = LENGTH) -> np.ndarray:
