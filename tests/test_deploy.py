@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from fakes import fake_gpu_runner
 import yaml
 from click.testing import CliRunner
 
@@ -35,15 +37,6 @@ def cached_schemas():
     kv_utils.schema_contents = original
 
 
-def _fake_gpu_runner(step, root: Path) -> None:
-    """Stands in for the GPU steps of a TensorRT-LLM build: each output folder gets a config.json."""
-    from builder import trtllm
-    if step.call in ("builder.trtllm.copy_checkpoint", "tensorrt_llm.LLM", "builder.trtllm.write_calibration_set"):
-        trtllm.run_step(step, root)
-        return
-    for output in step.outputs:
-        (root / output).mkdir(parents=True, exist_ok=True)
-        (root / output / "config.json").write_text(json.dumps(step.to_dict()), encoding="utf-8")
 
 
 @pytest.fixture(scope="module", params=["engine", "llmapi"])
@@ -56,7 +49,7 @@ def trt_bundle(request, tiny_pair, tmp_path_factory) -> Path:
                      max_context=128, backend="tensorrt_llm", device="cuda", trtllm_flavor=request.param,
                      tp_size=2, pp_size=2)
     out = tmp_path_factory.mktemp("trt-deploy") / "bundle"
-    trtllm.build(spec, out, runner=_fake_gpu_runner, version="1.2.1", gpus=4, examples_dir=str(out.parent),
+    trtllm.build(spec, out, runner=fake_gpu_runner, version="1.2.1", gpus=4, examples_dir=str(out.parent),
                  available=lambda name: True)
     return out
 

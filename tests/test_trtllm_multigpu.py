@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from fakes import fake_gpu_runner
+
 pytest.importorskip("tritonclient.grpc")
 
 from builder import trtllm  # noqa: E402
@@ -83,13 +85,6 @@ def test_smollm2_tp2_is_refused_with_the_tp_sizes_its_9_heads_allow():
 
 # --- repositories -----------------------------------------------------------------------------------------------------
 
-def fake_gpu_runner(step, root: Path) -> None:
-    if step.call in ("builder.trtllm.copy_checkpoint", "tensorrt_llm.LLM", "builder.trtllm.write_calibration_set"):
-        trtllm.run_step(step, root)
-        return
-    for output in step.outputs:
-        (root / output).mkdir(parents=True, exist_ok=True)
-        (root / output / "config.json").write_text(json.dumps(step.to_dict()), encoding="utf-8")
 
 
 def _tp2_bundle(flavor: str, tiny_pair, factory) -> Path:

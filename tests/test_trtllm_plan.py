@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fakes import fake_gpu_runner
+
 from builder import trtllm
 from runtime.bundle import BuildSpec, SpecError, load_manifest
 
@@ -180,14 +182,6 @@ def test_more_parallel_ranks_than_gpus_fails_fast(tmp_path):
 
 # --- the pipeline, with the GPU steps replaced -----------------------------------------------------------------------
 
-def fake_gpu_runner(step, root: Path) -> None:
-    """Stands in for convert/quantize/trtllm-build/ModelOpt: writes each step's outputs; runs the CPU-only steps."""
-    if step.call in ("builder.trtllm.copy_checkpoint", "tensorrt_llm.LLM", "builder.trtllm.write_calibration_set"):
-        trtllm.run_step(step, root)
-        return
-    for output in step.outputs:
-        (root / output).mkdir(parents=True, exist_ok=True)
-        (root / output / "config.json").write_text(json.dumps(step.to_dict()), encoding="utf-8")
 
 
 @pytest.mark.parametrize("flavor,quants", [("engine", ("int8", "int4")), ("engine", ("fp8", "int4_awq")),

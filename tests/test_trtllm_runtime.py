@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from fakes import fake_gpu_runner
 
 from builder import trtllm
 from runtime.bundle import BuildSpec, load_manifest
@@ -15,13 +16,6 @@ from runtime.bundle import BuildSpec, load_manifest
 NO_TRTLLM = importlib.util.find_spec("tensorrt_llm") is None
 
 
-def fake_gpu_runner(step, root: Path) -> None:
-    if step.call in ("builder.trtllm.copy_checkpoint", "tensorrt_llm.LLM", "builder.trtllm.write_calibration_set"):
-        trtllm.run_step(step, root)
-        return
-    for output in step.outputs:
-        (root / output).mkdir(parents=True, exist_ok=True)
-        (root / output / "config.json").write_text(json.dumps(step.to_dict()), encoding="utf-8")
 
 
 @pytest.fixture(scope="module", params=["engine", "llmapi"])
