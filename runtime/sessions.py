@@ -56,10 +56,10 @@ def session_options(threads: int = 0):
     """
     import onnxruntime as ort
     options = ort.SessionOptions()
-    options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if os.environ.get(POOL_ENV, "global") == "session" and not _pool:
+        options.inter_op_num_threads = 1  # thread counts on a session are refused (warned) under a global pool
         options.intra_op_num_threads = threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")

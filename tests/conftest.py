@@ -144,3 +144,13 @@ def smollm2_bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "bundle"
     build(from_dict(BuildSpec, preset), out)
     return out
+
+
+def has_tritonserver() -> bool:
+    """Whether nvidia-pytriton's tritonserver binary is installed (the Triton tests skip without it)."""
+    from triton_repo.server import ServerError, tritonserver_paths
+    try:
+        tritonserver_paths()
+        return True
+    except ServerError:
+        return False

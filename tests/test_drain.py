@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from conftest import has_tritonserver  # noqa: E402
 from runtime.drain import Drain  # noqa: E402 - after the skips: it needs uvicorn
 
 
@@ -75,17 +76,8 @@ def test_sigterm_under_load_loses_no_request(tiny_bundle, tmp_path):
     assert run["sigterm_to_exit_s"] < 15
 
 
-def _has_tritonserver() -> bool:
-    from triton_repo.server import ServerError, tritonserver_paths
-    try:
-        tritonserver_paths()
-        return True
-    except ServerError:
-        return False
-
-
 @pytest.mark.triton
-@pytest.mark.skipif(not _has_tritonserver(), reason="needs nvidia-pytriton's tritonserver")
+@pytest.mark.skipif(not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver")
 def test_triton_sigterm_unloads_then_exits_without_losing_a_request(tiny_bundle, generator, tmp_path):
     """``draftsmith serve`` under load, SIGTERM: the requests running finish in full (the runtime's own greedy text),
     the ensemble's readiness turns false at once, later requests are refused before any work, the command exits 0."""

@@ -20,17 +20,10 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
-def _has_tritonserver() -> bool:
-    from triton_repo.server import ServerError, tritonserver_paths
-    try:
-        tritonserver_paths()
-        return True
-    except ServerError:
-        return False
-
+from conftest import has_tritonserver  # noqa: E402
 
 pytestmark = [pytest.mark.triton,
-              pytest.mark.skipif(not _has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
+              pytest.mark.skipif(not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
                                  "(pip install --no-deps nvidia-pytriton)")]
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding keeps", "for i in range(10):",
