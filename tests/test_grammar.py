@@ -474,7 +474,8 @@ def test_scheduled_constrained_requests_equal_their_lone_runs(generator):
 def triton(tiny_bundle, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
     import test_triton_server as helpers
-    if not helpers._has_tritonserver():
+    from conftest import has_tritonserver
+    if not has_tritonserver():
         pytest.skip("needs nvidia-pytriton's tritonserver")
     handle = helpers._serve(tiny_bundle, tmp_path_factory.mktemp("triton-guided") / "repo", max_batch_size=4)
     yield helpers, handle

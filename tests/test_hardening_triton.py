@@ -25,10 +25,11 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
-from test_triton_server import Stream, _has_tritonserver, grpc_inputs, http_generate  # noqa: E402
+from conftest import has_tritonserver  # noqa: E402
+from test_triton_server import Stream, grpc_inputs, http_generate  # noqa: E402
 
 pytestmark = [pytest.mark.triton,
-              pytest.mark.skipif(not _has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
+              pytest.mark.skipif(not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
                                  "(pip install --no-deps nvidia-pytriton)")]
 
 PROMPT = "def add(a, b):"

@@ -25,10 +25,10 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
-from test_triton_server import _has_tritonserver  # noqa: E402
+from conftest import has_tritonserver  # noqa: E402
 
 pytestmark = [pytest.mark.triton,
-              pytest.mark.skipif(not _has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
+              pytest.mark.skipif(not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
                                  "(pip install --no-deps nvidia-pytriton)")]
 
 LONG = 120  # max_tokens_limit of this server; the tiny bundle's context is 128
