@@ -22,7 +22,7 @@ def render_table(console, report: dict) -> None:
     for r in report["results"]:
         spec = r["mode"] == "speculative"
         mark = "*" if spec and best.get(r["workload"]) == (r["batch"], r["k"]) else ""
-        table.add_row(r["workload"], str(r["batch"]), f"{r['k']}{mark}" if spec else "target",
+        table.add_row(r["workload"], str(r["batch"]), f"{r['k']}{mark}" if spec else r["mode"],
                       _fmt(r["acceptance_rate"]) if spec else "", _fmt(r["alpha"]) if spec else "",
                       _fmt(r["mean_acceptance_length"]) if spec else "", _fmt(r["tokens_per_second"], ".1f"),
                       _fmt(r["ttft_mean"] * 1e3, ".0f"), _fmt(r["latency_p50"] * 1e3, ".1f"),

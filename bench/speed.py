@@ -15,6 +15,8 @@ prefill, and the loop's own work outside the engines. The report math lives in `
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 import math
@@ -145,6 +147,10 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
     private helpers), recording each step as it is yielded. ``response_format`` constrains every answer (target-only
     decoding too: the baseline is constrained target-only decoding)."""
     from runtime.speculative import SpeculativeLoop
+    if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
+        with unpadded(generator.target):
+            return decode(generator, token_lists, "target", k, max_new_tokens, temperature, seed, drafter_kind,
+                          confidence, response_format, forced_drafts)
     config, _ = generator._config(max_new_tokens, temperature, None, None, seed, k, None, mode, None, None,
                                   response_format, None, forced_drafts)
     drafter = generator._drafter(mode, drafter_kind, confidence)
@@ -168,6 +174,23 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
     return records, time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def unpadded(engine):
+    """The engine's one-token calls unpadded (``min_call_tokens`` 1) for the duration."""
+    saved = engine.min_call_tokens
+    engine.min_call_tokens = 1
+    try:
+        yield engine
+    finally:
+        engine.min_call_tokens = saved
+
+
+def pads(engine) -> bool:
+    """Whether the target pads its one-token calls for exactness: then target-only decoding is measured twice,
+    padded (what speculation is identical to) and plain (the speedup's baseline)."""
+    return getattr(engine, "min_call_tokens", 1) > 1
+
+
 def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
                   max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None,
                   drafter_kind: str | None = None, confidence: float | None = None, response_format=None,
@@ -176,7 +199,8 @@ def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int
     structure = dict(response_format=response_format, forced_drafts=forced_drafts)
     recorder = Recorder(generator)
     cells: list[CellRecord] = []
-    configs = [("target", None)] + [("speculative", k) for k in ks]
+    configs = [("target", None)] + ([("plain", None)] if pads(generator.target) else []) + \
+        [("speculative", k) for k in ks]
     try:
         for name, token_lists in workloads.items():
             for batch in batches:
@@ -196,21 +220,29 @@ def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int
                         cell.wall += wall
                         cell.calls += recorder.take()
                         if advance:
-                            advance(f"{name} b={batch} " + ("target" if k is None else f"k={k}"))
+                            advance(f"{name} b={batch} " + (mode if k is None else f"k={k}"))
     finally:
         recorder.close()
     return cells
 
 
 def summarize_cells(cells: list[CellRecord], temperature: float) -> list[dict]:
-    """One row per cell; speculative rows get speedup against the target-only cell of the same workload/batch."""
-    baselines = {(c.workload, c.batch): c for c in cells if c.mode == "target"}
+    """One row per cell. Speedups are over plain target-only decoding of the same workload/batch (unpadded; the
+    padded target-only cell where the target does not pad), identity is against the padded target-only cell: the
+    decoding speculation promises to equal. ``speedup_over_padded`` keeps the ratio to the padded cell."""
+    padded = {(c.workload, c.batch): c for c in cells if c.mode == "target"}
+    plain = {(c.workload, c.batch): c for c in cells if c.mode == "plain"}
     rows = []
     for cell in cells:
-        base = baselines.get((cell.workload, cell.batch))
-        row = summarize(cell, base)
-        if cell.mode == "target":
+        key = (cell.workload, cell.batch)
+        row = summarize(cell, plain.get(key) or padded.get(key))
+        if key in plain and cell.mode != "plain":
+            row["speedup_over_padded"] = summarize(cell, padded[key])["speedup"]
+        if cell.mode == "speculative" and key in plain:
+            row["identical_to_target"] = summarize(cell, padded[key])["identical_to_target"]
+        if cell.mode in ("target", "plain") and key not in plain:
             row["speedup"] = 1.0
+        if cell.mode in ("target", "plain"):
             row["identical_to_target"] = None
         if temperature > 0:
             row["identical_to_target"] = None  # sampled outputs differ by design
@@ -283,6 +315,9 @@ def _json_default(value):
 
 # --- the command ----------------------------------------------------------------------------------------------------
 
+PEER_NAMES = ("transformers", "llama.cpp", "onnxruntime-genai")  # the peers rows are named by (--peer)
+
+
 @click.command("bench")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--workload", "workload_specs", multiple=True, default=("code", "chat", "reasoning"), show_default=True,
@@ -322,6 +357,9 @@ def _json_default(value):
 @click.option("--peers/--no-peers", default=None,
               help="Run the peers (transformers, llama.cpp, ONNX Runtime GenAI) on the same prompts "
                    "(default: those installed).")
+@click.option("--peer", "peer_names", multiple=True, type=click.Choice(PEER_NAMES),
+              help="Run only these peers (repeatable; default: every installed one). A GGUF target's "
+                   "transformers and ONNX Runtime GenAI peers parse the file for minutes: --peer llama.cpp skips them.")
 @click.option("--peer-prompts", type=int, default=4, show_default=True,
               help="Prompts per workload for the peers (they are slow; 0: all).")
 @click.option("--peer-spinning/--no-peer-spinning", default=True, show_default=True,
@@ -336,7 +374,7 @@ def _json_default(value):
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
           seed, drafter_kind, confidence, response_format_file, forced_drafts, json_out, plot_out, write_k, memory,
-          limit, peers, peer_prompts, peer_spinning, device, allow_pickle, trust_remote_code, quiet):
+          limit, peers, peer_names, peer_prompts, peer_spinning, device, allow_pickle, trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -441,7 +479,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         report["peers"] = _run_peers(Path(bundle), manifest, peer_workloads, best, max_new_tokens, threads,
                                      temperature, console, quiet, required=bool(peers),
                                      consent={"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code},
-                                     ours=ours, spinning=peer_spinning)
+                                     ours=ours, spinning=peer_spinning, only=peer_names)
         report["peers_reference"] = {w: {key: v for key, v in r.items() if key != "token_ids"} for w, r in ours.items()}
         report["settings"]["peer_prompts"] = peer_prompts
         report["settings"]["peer_spinning"] = peer_spinning
@@ -483,9 +521,10 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
         target = subset("target", workload, None)
         if not target:
             continue
+        plain = subset("plain", workload, None) or target  # peers are compared with our plain decoding
         k = best.get(workload, {}).get("k")
         spec = subset("speculative", workload, k) if k else None
-        out[workload] = {"prompts": len(target), "target_tokens_per_second": rate(target),
+        out[workload] = {"prompts": len(target), "target_tokens_per_second": rate(plain),
                          "token_ids": [list(seq.token_ids) for seq in target], "k": k,
                          "speculative_tokens_per_second": rate(spec) if spec else None,
                          "speculative_identical_to_ours": (sum(a.token_ids == b.token_ids for a, b in zip(spec, target))
@@ -494,7 +533,7 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
 
 
 def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet,
-               required, consent: dict, ours: dict[str, dict], spinning: bool = False) -> list:
+               required, consent: dict, ours: dict[str, dict], spinning: bool = False, only=()) -> list:
     from bench.peers import compare_with_ours, run_llama_cpp, run_onnxruntime_genai, run_transformers
     if temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
@@ -508,10 +547,15 @@ def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads,
         status.start()
     eos = manifest.eos_token_ids
     try:
-        rows = run_transformers(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent)
-        rows += run_llama_cpp(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note)
-        rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent,
-                                      spinning=spinning)
+        wanted = set(only or PEER_NAMES)
+        rows = []
+        if "transformers" in wanted:
+            rows += run_transformers(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent)
+        if "llama.cpp" in wanted:
+            rows += run_llama_cpp(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note)
+        if "onnxruntime-genai" in wanted:
+            rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note,
+                                          **consent, spinning=spinning)
     finally:
         if status:
             status.stop()

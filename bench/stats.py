@@ -64,7 +64,7 @@ class CellRecord:
 
     workload: str
     batch: int
-    mode: str  # "target" or "speculative"
+    mode: str  # "target", "plain" (target-only with unpadded one-token calls) or "speculative"
     k: int | None
     sequences: list[SequenceRecord] = field(default_factory=list)
     calls: list[EngineCall] = field(default_factory=list)

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import numpy as np
 
+from runtime.attention_classes import class_points
 from runtime.bundle import DRAFTERS, BundleError, Manifest, load_manifest, read_verified
 from runtime.engine import Engine, MappedVocabEngine, engine_class, make_session, providers_for
 from runtime.errors import RequestError
@@ -272,12 +273,13 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
     for entry in (manifest.target, manifest.draft):
         if entry.role not in roles:
             continue
-        model, external = read_onnx(root, manifest, entry.engine, verify)
+        model, external, attention = read_onnx(root, manifest, entry.engine, verify)
         session = make_session(model, threads if entry.role == "target" or draft_threads is None else draft_threads,
                                providers, external)
         del model, external  # the session holds its own copy: free ours before the next engine is read
         device_options = ({"cache_device": cache_device, "device_id": device_id} if entry.graph == "export"
-                          else {"min_call_tokens": entry.min_call_tokens})
+                          else {"min_call_tokens": entry.min_call_tokens,
+                                "class_points": _class_points(entry, attention, manifest.max_context)})
         engine = engine_class(entry.graph)(
             root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
             head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
@@ -288,6 +290,14 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
         engine.vocab_size = min(engine.vocab_size, tokenizer_vocab)
         engines[entry.role] = engine
     return engines
+
+
+def _class_points(entry, attention: tuple, max_context: int) -> tuple[int, ...]:
+    """Where the target's calls are cut so that each token is scored as target-only decoding scores it (a draft
+    need not be exact; runtime.attention_classes)."""
+    if entry.role != "target":
+        return ()
+    return class_points(attention, entry.head_dim, max_context + entry.min_call_tokens + 1)
 
 
 def kept_ids(data: bytes, where: str) -> np.ndarray:

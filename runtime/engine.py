@@ -241,12 +241,17 @@ class FusedEngine:
     apart by up to ~2 after 30 layers; calls of 2 or more rows agree bit for bit whatever their number. A quantized
     target therefore always takes the many-row kernel, so a verify call scores each token exactly as target-only
     decoding does (tests/test_fused_graph.py).
+
+    ``class_points``: call totals across which GroupQueryAttention rounds a token's scores otherwise (head dim > 128;
+    runtime.attention_classes). Calls are cut so that each token is scored at a total in the class of its position +
+    ``min_call_tokens``, the total target-only decoding scores it at, whatever the call, batch or prefill.
     """
 
     def __init__(self, path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
                  max_context: int, threads: int = 0, providers: list | None = None, session=None,
-                 initial_slots: int = 256, min_call_tokens: int = 1):
+                 initial_slots: int = 256, min_call_tokens: int = 1, class_points: tuple[int, ...] = ()):
         self.session = session or make_session(path, threads, providers)
+        self.class_points = np.asarray(class_points, np.int64)  # runtime.attention_classes: calls are cut there
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.vocab_size, self.max_context = vocab_size, max_context
         self.initial_slots, self.min_call_tokens = initial_slots, min_call_tokens
@@ -282,33 +287,68 @@ class FusedEngine:
             if features is None or features.shape[:2] != tokens.shape:
                 raise ValueError("a feature draft engine takes features [B, S, H] with its tokens [B, S]")
             features = np.ascontiguousarray(features, dtype=np.float32)
-        if len(tokens) * asked < self.min_call_tokens:  # the kernels see batch x tokens rows: pad only a lone token
+        if len(tokens) * asked < self.min_call_tokens or self._step_crosses_a_point(cache, asked):
+            # the kernels see batch x tokens rows: pad a lone token (or a step a point would part from target-only)
             tokens = np.pad(tokens, ((0, 0), (0, self.min_call_tokens - asked)))
             if features is not None:
                 features = np.pad(features, ((0, 0), (0, self.min_call_tokens - asked), (0, 0)))
         batch, new = tokens.shape
-        if batch == 1 or new == 1 or not cache.lengths.any():
+        one_call = batch == 1 or new == 1 or not cache.lengths.any()
+        if one_call and not (len(self.class_points) and new > 1):
             self._reserve(cache, int(cache.lengths.max()) + new)  # every row writes ``new`` slots
             logits, hidden = self._run(cache, slice(0, batch), tokens, cache.lengths + new, new if score else 0,
                                        features)
-        else:  # several new tokens on a past: one call per row (the kernel's batch-1 path)
-            widths = np.where(counts > 0, np.maximum(counts, self.min_call_tokens), 0)
+        else:  # one call per row (several new tokens on a past: the kernel's batch-1 path; or cut at class points)
+            widths = np.where(counts > 0, counts + self.min_call_tokens - 1, 0)  # a cut's last call may pad
             self._reserve(cache, int((cache.lengths + widths).max()))  # each row its own chunk, not the widest
             logits = np.zeros((batch, new if score else 0, self.vocab_size), np.float32)
             hidden = None
             for b in np.flatnonzero(counts):
-                width = int(widths[b])
-                part, h = self._run(cache, slice(b, b + 1), tokens[b: b + 1, :width], cache.lengths[b: b + 1] + width,
-                                    width if score else 0, None if features is None else features[b: b + 1, :width])
-                logits[b, :width] = part[0]
+                part, h = self._row(cache, b, tokens[b, :counts[b]], score,
+                                    None if features is None else features[b, :counts[b]])
+                logits[b, :counts[b]] = part
                 if h is not None:
                     hidden = np.zeros((batch, new, h.shape[-1]), np.float32) if hidden is None else hidden
-                    hidden[b, :width] = h[0]
+                    hidden[b, :counts[b]] = h
         if self.has_hidden:
             cache.extra["hidden"] = None if hidden is None else hidden[:, :asked]
         cache.lengths = cache.lengths + counts
         cache.calls += 1
         return logits[:, :asked]
+
+    def _row(self, cache: KVCache, b: int, tokens: np.ndarray, score: bool, features: np.ndarray | None):
+        """Row ``b``'s ``tokens`` [n] in calls cut where a class point parts them (``_segments``), each right-padded
+        to ``min_call_tokens``: logits [n, V] (or [0, V]) and hidden states [n, H] (None: the graph has none)."""
+        start, m = int(cache.lengths[b]), self.min_call_tokens
+        logits, hidden = [], []
+        for a, z in self._segments(start, len(tokens)):
+            width = max(z - a, m)
+            chunk = np.pad(tokens[a:z], (0, width - (z - a)))[None]
+            feats = None if features is None else np.pad(features[a:z], ((0, width - (z - a)), (0, 0)))[None]
+            part, h = self._run(cache, slice(b, b + 1), chunk, np.array([start + a + width]),
+                                width if score else 0, feats)
+            logits.append(part[0, : z - a])
+            if h is not None:
+                hidden.append(h[0, : z - a])
+        return np.concatenate(logits), (np.concatenate(hidden) if hidden else None)
+
+    def _segments(self, start: int, count: int) -> list[tuple[int, int]]:
+        """[a, z) ranges of ``count`` new tokens after ``start`` live ones such that every token's call total lies in
+        the class target-only decoding scores it in (position + ``min_call_tokens``; runtime.attention_classes)."""
+        if not len(self.class_points):
+            return [(0, count)]
+        classes = np.searchsorted(self.class_points, start + np.arange(count) + self.min_call_tokens)
+        cuts = (np.flatnonzero(np.diff(classes)) + 1).tolist()
+        return list(zip([0, *cuts], [*cuts, count]))
+
+    def _step_crosses_a_point(self, cache: KVCache, asked: int) -> bool:
+        """A batched one-token step is scored at each row's length + 1; padding it to ``min_call_tokens`` gives
+        target-only's total, needed where a class point lies between the two."""
+        if asked != 1 or self.min_call_tokens < 2 or not len(self.class_points) or not cache.lengths.any():
+            return False
+        ends = cache.lengths + 1
+        return bool((np.searchsorted(self.class_points, ends) !=
+                     np.searchsorted(self.class_points, ends + self.min_call_tokens - 1)).any())
 
     def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray, keep: int,
              features: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.attention_classes import attention_settings
 from runtime.bundle import BundleError, Manifest, path_problem, read_verified
 
 # An external-data location names a file beside the graph; this charset keeps ONNX Runtime's in-memory address tag
@@ -17,16 +18,17 @@ from runtime.bundle import BundleError, Manifest, path_problem, read_verified
 _LOCATION_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
-def read_onnx(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> tuple[bytes, dict[str, bytes]]:
+def read_onnx(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> tuple[bytes, dict[str, bytes], tuple]:
     """An ONNX engine's graph and its external-data files by the location the graph names, each read once and
-    checked (``read_verified``). Every location must be a file the bundle lists, beside or below the graph."""
+    checked (``read_verified``), and its attention settings (runtime.attention_classes). Every location must be a
+    file the bundle lists, beside or below the graph."""
     model = read_verified(root, manifest, rel, verify)
     external = {}
     proto = parse_onnx(model, rel)
     check_operators(proto, rel)
     for location in external_data_locations(proto, rel):
         external[location] = read_verified(root, manifest, posixpath.join(posixpath.dirname(rel), location), verify)
-    return model, external
+    return model, external, attention_settings(proto)
 
 
 def parse_onnx(model: bytes, where: str):

@@ -482,3 +482,42 @@ def test_the_plot_puts_every_peer_next_to_us(tmp_path):
     plot({**report, "peers": [], "peers_reference": {}}, tmp_path / "without.png")
     assert matplotlib.image.imread(str(tmp_path / "with.png")).shape[1] > \
         matplotlib.image.imread(str(tmp_path / "without.png")).shape[1]  # a third panel: the peers' tokens/s
+
+
+def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypatch):
+    """--peer llama.cpp: a GGUF target's transformers and GenAI peers would parse the file for minutes."""
+    import bench.peers
+    from rich.console import Console
+    from bench.speed import _run_peers
+    called = []
+    for name in ("run_transformers", "run_llama_cpp", "run_onnxruntime_genai"):
+        monkeypatch.setattr(bench.peers, name, lambda *a, _n=name, **k: called.append(_n) or [])
+    _run_peers(tiny_bundle, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, 4, 1, 0.0, Console(), True,
+               required=True, consent={}, ours={}, only=("llama.cpp",))
+    assert called == ["run_llama_cpp"]
+    called.clear()
+    _run_peers(tiny_bundle, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, 4, 1, 0.0, Console(), True,
+               required=True, consent={}, ours={})
+    assert called == ["run_transformers", "run_llama_cpp", "run_onnxruntime_genai"]
+
+
+def test_a_padding_target_is_also_measured_plain_and_speedups_are_over_plain(generator, monkeypatch):
+    """Exactness pads a quantized target's one-token calls to two; a user's plain decoder does not, so the speedup's
+    baseline is target-only decoding unpadded ("plain"), identity still the padded target-only output."""
+    from bench.speed import decode, run_workloads, summarize_cells
+    monkeypatch.setattr(generator.target, "min_call_tokens", 2)
+    ids = generator._encode("def add(a, b):", False)
+    widths, run = [], generator.target._run
+    monkeypatch.setattr(generator.target, "_run", lambda cache, rows, tokens, *a: widths.append(tokens.shape[1])
+                        or run(cache, rows, tokens, *a))
+    decode(generator, [ids], "plain", None, 6, 0.0, 0)
+    plain, widths[:] = set(widths[1:]), []  # after the prompt's prefill
+    decode(generator, [ids], "target", None, 6, 0.0, 0)
+    assert plain == {1} and set(widths[1:]) == {2} and generator.target.min_call_tokens == 2  # restored
+    cells = run_workloads(generator, {"w": [ids]}, [2], [1], 6, 0.0)
+    rows = {r["mode"]: r for r in summarize_cells(cells, 0.0)}
+    assert set(rows) == {"target", "plain", "speculative"} and rows["plain"]["speedup"] == 1.0
+    spec = rows["speculative"]
+    assert spec["speedup"] == pytest.approx(spec["tokens_per_second"] / rows["plain"]["tokens_per_second"])
+    assert spec["speedup_over_padded"] == pytest.approx(spec["tokens_per_second"] / rows["target"]["tokens_per_second"])
+    assert spec["identical_to_target"] == 1.0
