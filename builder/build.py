@@ -132,7 +132,9 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
         engine_notes[role] = list(dict.fromkeys([*info.notes, *engine_notes[role]]))
     del target_model, draft_model
     stage("evaluate")
-    ids = target_tok(evaluate.eval_text())["input_ids"][: min(512, pair.max_context)]
+    windows = evaluate.eval_windows(target_tok(evaluate.eval_set_text())["input_ids"], pair.max_context,
+                                    spec.eval_tokens)
+    ids = [t for window in windows for t in window]
     engines = {role: evaluate.engine_for(tmp / role / "model.onnx", info, pair.max_context, threads)
                for role, info in (("target", target_info), ("draft", draft_info))}
     references = {role: evaluate.engine_for(path, info, pair.max_context, threads)
@@ -142,7 +144,7 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
         from runtime.engine import MappedVocabEngine
         for group in (engines, references):
             group["draft"] = MappedVocabEngine(group["draft"], kept, target_info.vocab_size)
-    report = evaluate.report(engines, references, ids)
+    report = evaluate.report(engines, references, windows)
     if kept is not None:
         report["draft_vocab"] = {"kept_ids": len(kept), "eval_coverage": float(np.isin(ids[1:], kept).mean())}
         for key in ("perplexity", "fp32_perplexity"):  # infinite when an eval token is outside the kept ids

@@ -64,6 +64,8 @@ class DefaultGroup(click.Group):
 @click.option("--symmetric/--asymmetric", default=None, help="Symmetric weight quantization.")
 @click.option("--accuracy-level", type=int, help="MatMulNBits accuracy level 0..4 (4: int8 compute, fastest).")
 @click.option("--max-context", type=int, help="Cap the context (default: the pair's usable maximum).")
+@click.option("--eval-tokens", type=int,
+              help="Tokens of the evaluation set the build report scores (default 0: all, ~25,000; fewer is faster).")
 @click.option("--opset", type=int, help="ONNX opset.")
 @click.option("--graph", type=click.Choice(["fused", "export"]),
               help="Engine graph: fused (ONNX Runtime's fused CPU operators; the CPU default) or export (torch's "

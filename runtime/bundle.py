@@ -114,6 +114,7 @@ class BuildSpec:
     accuracy_level: int = 4  # MatMulNBits compute accuracy: 0 (fp32 activations) .. 4 (int8 activations, fastest)
     opset: int = 18
     max_context: int = 0  # 0: the usable maximum of the pair
+    eval_tokens: int = 0  # tokens of the evaluation set the build report scores (0: all, ~25,000)
     graph: str = ""  # GRAPHS: the fused CPU graph or the torch export; "": fused on cpu, export on cuda
     backend: str = "onnxruntime"
     device: str = "cpu"
@@ -143,6 +144,8 @@ class BuildSpec:
         _check(self.opset >= 17, "opset", ">= 17", self.opset)
         _check(isinstance(self.max_context, int) and self.max_context >= 0, "max_context", "an integer >= 0",
                self.max_context)
+        _check(isinstance(self.eval_tokens, int) and self.eval_tokens >= 0, "eval_tokens", "an integer >= 0",
+               self.eval_tokens)
         _check(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)
         _check(self.graph in GRAPH_CHOICES, "graph", f"one of {GRAPH_CHOICES}", self.graph)
         if self.graph == "fused":

@@ -119,8 +119,11 @@ def _report(result, baseline) -> dict:
               help="Seconds a request may run before it ends with finish_reason 'length'.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
               help="Open connections past which new ones get 503.")
+@click.option("--max-rows-per-client", type=click.IntRange(min=1), default=None,
+              help="Rows one client address may hold at once (default: no cap; free rows always go first to the "
+                   "clients holding the fewest).")
 def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, model_name, policy, drain_timeout,
-                 drain_linger, request_timeout, max_connections):
+                 drain_linger, request_timeout, max_connections, max_rows_per_client):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
     (/health) turns 503, new requests get 503 + Retry-After, running ones finish, then it exits 0."""
@@ -137,7 +140,8 @@ def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, mod
     try:
         serve(bundle, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
               threads=threads, model_name=model_name, policy=policy, drain_timeout=drain_timeout,
-              drain_linger=drain_linger, request_timeout=request_timeout, max_connections=max_connections)
+              drain_linger=drain_linger, request_timeout=request_timeout, max_connections=max_connections,
+              max_rows_per_client=max_rows_per_client)
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None
 

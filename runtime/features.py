@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.sampling import SamplingParams
+from runtime.sampling import SamplingParams, point_masses
 from runtime.speculative import Proposal, draw_rows, padded
 
 
@@ -53,12 +53,19 @@ class FeatureDrafter:
         parts = [f for f in self.features[b] if len(f)]
         return np.concatenate(parts) if parts else None
 
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
+    takes_prefixes = True  # propose() drafts on after given tokens (grammar-forced ones), as ModelDrafter does
+
+    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
+                prefixes: list[list[int]] | None = None) -> Proposal:
+        """Up to limits[b] draft tokens per row; with ``prefixes``, row b's draft starts with prefixes[b] (point
+        masses: the grammar forces them), each fed through the chain with the draft's own predicted feature, as a
+        drawn token would be, and the draft draws on from there."""
         rows = len(limits)
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        probs: list[list] = [[] for _ in range(rows)]
+        prefixes = prefixes or [[] for _ in range(rows)]
+        tokens: list[list[int]] = [list(p) for p in prefixes]
+        probs: list[list] = [point_masses(p, self.engine.vocab_size, params) for p in prefixes]
         pending = [self._pending(b) for b in range(rows)]
-        active = [limit > 0 and pending[b] is not None and len(pending[b]) == len(self.tokens[b])
+        active = [limit > len(prefixes[b]) and pending[b] is not None and len(pending[b]) == len(self.tokens[b])
                   for b, limit in enumerate(limits)]
         self.fed = list(active)
         self.base = self.cache.lengths.copy()
@@ -68,14 +75,20 @@ class FeatureDrafter:
         feats = [pending[b] if a else None for b, a in enumerate(active)]
         logits, predicted = self._feed(chunks, feats)
         self.base = self.cache.lengths.copy()  # the true pairs stay; what follows is rolled back in settle
+        step = 0
         while True:
-            drawn = draw_rows(logits, active, tokens, probs, limits, params, rngs, self.confidence,
+            forcing = [a and step < len(prefixes[b]) for b, a in enumerate(active)]
+            drawing = [a and not f for a, f in zip(active, forcing)]
+            drawn = draw_rows(logits, drawing, tokens, probs, limits, params, rngs, self.confidence,
                               self.grammars)
+            nexts = [prefixes[b][step] if forcing[b] else drawn[b] for b in range(rows)]
+            active = [a and token is not None for a, token in zip(active, nexts)]
             if not any(active):
                 return Proposal(tokens, probs)
-            chunks = [[] if token is None else [token] for token in drawn]
-            feats = [None if token is None else predicted[b][None] for b, token in enumerate(drawn)]
+            chunks = [[token] if a else [] for token, a in zip(nexts, active)]
+            feats = [predicted[b][None] if a else None for b, a in enumerate(active)]
             logits, predicted = self._feed(chunks, feats)
+            step += 1
 
     def _feed(self, chunks: list[list[int]], feats: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
         """One draft call; returns each row's logits [B, V] and predicted hidden state [B, H] at its last token."""

@@ -73,10 +73,21 @@ class HybridDrafter:
         self.model.start(prompts)
         self.free.start(prompts)
 
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
-        found = self.free.propose(limits, params, rngs)
+    @property
+    def takes_prefixes(self) -> bool:
+        """Grammar-forced tokens: the model drafts on after them (when it can)."""
+        return getattr(self.model, "takes_prefixes", False)
+
+    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
+                prefixes: list[list[int]] | None = None) -> Proposal:
+        """A row with a prefix (grammar-forced tokens) goes to the model, which drafts on after it; the others
+        look up first."""
+        prefixes = prefixes or [[] for _ in limits]
+        found = self.free.propose([0 if p else limit for p, limit in zip(prefixes, limits)], params, rngs)
         pick = [bool(t) for t in found.tokens]  # rows with a match take the lookup's proposal
-        drafted = self.model.propose([0 if p else limit for p, limit in zip(pick, limits)], params, rngs)
+        model_limits = [0 if p else limit for p, limit in zip(pick, limits)]
+        drafted = (self.model.propose(model_limits, params, rngs, prefixes=prefixes) if any(prefixes)
+                   else self.model.propose(model_limits, params, rngs))
         self.looked_up += sum(pick)
         self.proposed += sum(1 for limit in limits if limit > 0)
         return Proposal([f if p else d for f, d, p in zip(found.tokens, drafted.tokens, pick)],

@@ -122,7 +122,7 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         options = body.options(default_max_tokens=limits.max_tokens_limit)
         try:  # off the event loop: it tokenizes (and renders the chat template)
             handle = await asyncio.to_thread(scheduler.submit, prompt, chat=chat, timeout=request_timeout,
-                                             sink=bridge.put, **options)
+                                             sink=bridge.put, client=_client_of(request), **options)
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:
@@ -149,6 +149,11 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         return JSONResponse(chunks.whole(generation).model_dump(mode="json"))
 
     return app
+
+
+def _client_of(request: Request) -> str:
+    """Whom the scheduler shares rows among: the peer's address (never a header a client could set)."""
+    return request.client.host if request.client else ""
 
 
 def _check_model(model: str, served: str) -> None:
@@ -433,7 +438,8 @@ def metrics_text(scheduler: Scheduler, model_name: str, prefix: str = "draftsmit
 def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_batch: int = 8, max_queue: int = 256, threads: int = 0, model_name: str | None = None,
           log_level: str = "info", policy: str = "exact", drain_timeout: float = 30.0,
-          drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512) -> None:
+          drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512,
+          max_rows_per_client: int | None = None) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
@@ -444,7 +450,8 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
     from runtime.api import SpeculativeGenerator
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
-    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy).start()
+    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy,
+                          max_rows_per_client=max_rows_per_client).start()
     name = model_name or Path(bundle).resolve().name
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)

@@ -4,7 +4,8 @@ Longer than most modules: the step (plan, propose, score, accept, settle) and ad
 loop; its call costs are runtime/step_costs.py, what a request gets back runtime/handles.py.
 
 A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
-(2) waiting requests are admitted first come first served up to ``max_batch`` rows: each prompt is prefilled in a
+(2) waiting requests are admitted up to ``max_batch`` rows, first come first served among the clients holding
+the fewest rows (``_take``): each prompt is prefilled in a
 cache of its own, which then joins the running batch; (3) every row advances once; (4) each row accepts with its own
 sampling parameters, k and random generator (sampling.verify), its text and stop strings advance, and finished rows
 leave, their cache rows freed. New requests therefore start at the next step, whatever else is running.
@@ -32,6 +33,7 @@ Each request has its own drafter (its own draft cache), made by the generator as
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -77,6 +79,7 @@ class _Row:
     grammar: Any = None  # a GrammarRow when the output is constrained (runtime/grammar.py)
     logprobs: list[float] | None = None  # with logprobs: the target's, one per generated token
     top_logprobs: list | None = None
+    client: str = ""  # who sent it (_Waiting.client)
     logprobs_sent: int = 0  # generated tokens whose log-probabilities went out in events
     proposed: bool = False  # a constrained row's drafter proposed this step (it settles, else it observes)
 
@@ -108,6 +111,7 @@ class _Waiting:
     mode: str
     draft_confidence: float | None  # None: the bundle's
     timeout: float | None
+    client: str = ""  # who sent it (the server: the peer's address); admission shares rows among clients
 
 
 class Scheduler:
@@ -120,7 +124,8 @@ class Scheduler:
     """
 
     def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
-                 max_wait: float = 60.0, policy: str = "exact", fallback: bool = False):
+                 max_wait: float = 60.0, policy: str = "exact", fallback: bool = False,
+                 max_rows_per_client: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
         if max_batch < 1 or max_queue < 1:
@@ -128,6 +133,9 @@ class Scheduler:
         self.generator, self.target = generator, generator.target
         self.max_batch, self.max_queue, self.max_wait, self.policy = max_batch, max_queue, max_wait, policy
         self.fallback = fallback
+        if max_rows_per_client is not None and max_rows_per_client < 1:
+            raise ValueError("max_rows_per_client must be >= 1 (or None: no cap)")
+        self.max_rows_per_client = max_rows_per_client
         self.rows: list[_Row] = []
         self.cache = self.target.new_cache(0)
         self.waiting: deque[_Waiting] = deque()
@@ -146,11 +154,12 @@ class Scheduler:
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None, k: int | None = None,
                stop=None, mode: str = "speculative", drafter: str | None = None, draft_confidence: float | None = None,
                timeout: float | None = None, sink: Callable[[Event], None] | None = None, response_format=None,
-               logprobs: int | None = None) -> Handle:
+               logprobs: int | None = None, client: str = "") -> Handle:
         """Queue one request (a prompt string, or chat messages with ``chat``); validated here, so a bad one raises
         RequestError at once. ``timeout``: seconds from now after which it finishes with reason "timeout".
         response_format and logprobs: as SpeculativeGenerator.generate's (the schema is compiled here, before the
-        request queues)."""
+        request queues). ``client``: who sent it; a free row goes to the waiting request whose client holds the
+        fewest rows (first come first served among equals), and none beyond ``max_rows_per_client``."""
         if isinstance(seed, list):  # the generator takes one seed per prompt; a request is one prompt
             raise RequestError(f"seed: expected an integer >= 0 or None, received {seed!r}")
         if timeout is not None and not timeout > 0:
@@ -164,7 +173,8 @@ class Scheduler:
         handle = Handle(next(self._ids), sink)
         with self._lock:
             self._check_room()
-            self.waiting.append(_Waiting(handle, ids, config, stops, drafter, mode, draft_confidence, timeout))
+            self.waiting.append(_Waiting(handle, ids, config, stops, drafter, mode, draft_confidence, timeout,
+                                         client))
             self._lock.notify()
         return handle
 
@@ -382,9 +392,9 @@ class Scheduler:
     # --- admission and retirement ---------------------------------------------------------------------------------
 
     def _admit(self) -> float:
-        """Admit waiting requests FIFO into free rows; returns the seconds spent prefilling."""
+        """Admit waiting requests into free rows (``_take``); returns the seconds spent prefilling."""
         with self._lock:
-            taken = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
+            taken = self._take(self.max_batch - len(self.rows))
         if not taken:
             return 0.0
         start = time.perf_counter()
@@ -406,6 +416,24 @@ class Scheduler:
         self.counters["admitted"] += len(taken)
         return time.perf_counter() - start
 
+    def _take(self, free: int) -> list[_Waiting]:
+        """Under the lock: up to ``free`` waiting requests, each time the oldest of the clients holding the fewest
+        rows, none of a client at ``max_rows_per_client``: one client's burst cannot keep the others' requests out
+        of the rows (they get the next free ones), yet alone it may use them all (without a cap)."""
+        held = collections.Counter(row.client for row in self.rows)
+        taken = []
+        while len(taken) < free:
+            ready = [w for w in self.waiting
+                     if self.max_rows_per_client is None or held[w.client] < self.max_rows_per_client]
+            if not ready:
+                break
+            fewest = min(held[w.client] for w in ready)
+            pick = next(w for w in ready if held[w.client] == fewest)
+            self.waiting.remove(pick)
+            held[pick.client] += 1
+            taken.append(pick)
+        return taken
+
     def _row(self, w: _Waiting) -> _Row:
         drafter = self.generator._drafter(w.mode, w.drafter_kind, w.draft_confidence)
         if drafter is not None:
@@ -413,7 +441,7 @@ class Scheduler:
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
         row = _Row(w.handle, w.prompt, w.config, w.stops, drafter, rng, IncrementalDecoder(self.generator.tokenizer),
-                   deadline)
+                   deadline, client=w.client)
         if w.config.grammar is not None:
             row.grammar = w.config.grammar.start()
         if w.config.logprobs is not None:

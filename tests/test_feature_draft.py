@@ -262,3 +262,25 @@ def test_profile_runs_a_feature_draft_bundle(feature_bundle):
     from bench.profile import profile_bundle
     report = profile_bundle(feature_bundle[0], threads=1, past=8, new=2, calls=3)
     assert report["draft"]["calls"] == 3 and report["draft"]["mean_call_ms"] > 0
+
+
+def test_the_feature_drafter_drafts_on_after_grammar_forced_tokens():
+    """A grammar's forced tokens go through the draft's chain like drawn ones (its own predicted features), and the
+    draft draws on from there with the law that chain gives: q after forced [2, 1] is chained[1]'s."""
+    from runtime.lookup import HybridDrafter
+    params = SamplingParams(1.0)
+    first, by_feature, chained = random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4)
+    drafter = FeatureDrafter(FakeFeatureDraft(first, by_feature, chained))
+    drafter.start([[3, 0]])
+    drafter.take_features([states(np.array([3]), 1.0)])  # the prefill's state after 3 pairs with 0
+    out = drafter.propose([4], params, [np.random.default_rng(0)], prefixes=[[2, 1]])
+    tokens, probs = out.tokens[0], out.probs[0]
+    assert tokens[:2] == [2, 1] and len(tokens) == 4 and drafter.calls == 4  # the true pair, 2, 1, the 3rd token
+    assert probs[0][2] == 1.0 and probs[1][1] == 1.0
+    assert np.allclose(probs[2], probabilities(chained[1], params))
+    assert np.allclose(probs[3], probabilities(chained[tokens[2]], params))
+    hybrid = HybridDrafter(FeatureDrafter(FakeFeatureDraft(first, by_feature, chained)), VOCAB)
+    assert hybrid.takes_prefixes
+    hybrid.start([[3, 0]])
+    hybrid.take_features([states(np.array([3]), 1.0)])
+    assert hybrid.propose([3], params, [np.random.default_rng(0)], prefixes=[[2]]).tokens[0][0] == 2

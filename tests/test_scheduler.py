@@ -221,3 +221,28 @@ def test_fallback_stops_drafting_for_a_row_whose_drafts_fail_and_keeps_its_answe
         drafted[fallback] = result.stats.num_draft_tokens
     assert drafted[True] < drafted[False] / 3  # it stopped, and probed again now and then
     assert drafted[True] > 4
+
+
+def test_free_rows_go_first_to_the_clients_holding_the_fewest(generator):
+    """One client's burst queued first does not keep another client's request out of the rows."""
+    scheduler = Scheduler(generator, max_batch=2)
+    burst = [scheduler.submit(PROMPTS[i % 3], max_new_tokens=30, client="a") for i in range(4)]
+    other = scheduler.submit(PROMPTS[1], max_new_tokens=30, client="b")
+    scheduler.step()
+    assert sorted(row.client for row in scheduler.rows) == ["a", "b"]  # not the burst's first two
+    drain(scheduler)
+    assert other.result().token_ids == generator.generate(PROMPTS[1], max_new_tokens=30).token_ids
+    assert all(h.result().finish_reason in ("length", "stop") for h in burst)
+
+
+def test_a_client_at_its_row_cap_waits_while_rows_stay_free(generator):
+    scheduler = Scheduler(generator, max_batch=3, max_rows_per_client=1)
+    first = scheduler.submit(PROMPTS[0], max_new_tokens=6, client="a")
+    second = scheduler.submit(PROMPTS[1], max_new_tokens=6, client="a")
+    scheduler.step()
+    assert [row.client for row in scheduler.rows] == ["a"] and len(scheduler.waiting) == 1
+    drain(scheduler)
+    assert first.result().finish_reason and second.result().token_ids == generator.generate(
+        PROMPTS[1], max_new_tokens=6).token_ids
+    with pytest.raises(ValueError, match="max_rows_per_client"):
+        Scheduler(generator, max_rows_per_client=0)
