@@ -50,6 +50,7 @@ class Spec:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     cancel_after: int = 0  # close the stream after this many text chunks (0: read it to the end)
+    num_draft_tokens: int | None = None  # the server's draft length for this request (None: its own)
 
     @property
     def deterministic(self) -> bool:
@@ -63,7 +64,7 @@ class Spec:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
             body["prompt"] = self.prompt
-        for name in ("top_p", "seed"):
+        for name in ("top_p", "seed", "num_draft_tokens"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
         if self.stop:
@@ -83,18 +84,31 @@ class Outcome:
 
 
 def mixed_spec(index: int, seed: int, max_tokens: int, cancel_fraction: float,
-               prompts: tuple[str, ...] = PROMPTS) -> Spec:
-    """Request ``index`` of a run: the same index and seed always give the same settings."""
+               prompts: tuple[str, ...] = PROMPTS, max_draft_tokens: int = 0, long_prompt: str = "",
+               long_fraction: float = 0.0) -> Spec:
+    """Request ``index`` of a run: the same index and seed always give the same settings. With
+    ``max_draft_tokens``, half the requests pick num_draft_tokens in 1..it; with ``long_prompt``, a
+    ``long_fraction`` of them send it (a prompt near the context limit)."""
     rng = random.Random(seed * 1_000_003 + index)
     kind = rng.random()
     temperature, top_p, sample_seed = (0.0, None, None) if kind < 0.5 else (0.8, 0.95, None)
     if 0.5 <= kind < 0.8:
         sample_seed = rng.randrange(1 << 16)
-    return Spec(prompt=rng.choice(prompts), max_tokens=max(1, rng.choice([max_tokens // 4, max_tokens // 2,
-                                                                               max_tokens])),
+    prompt = rng.choice(prompts)
+    if long_prompt and rng.random() < long_fraction:
+        prompt = long_prompt
+    return Spec(prompt=prompt, max_tokens=max(1, rng.choice([max_tokens // 4, max_tokens // 2, max_tokens])),
                 temperature=temperature, top_p=top_p, seed=sample_seed,
                 stop=(rng.choice(STOPS),) if rng.random() < 0.25 else (),
-                cancel_after=rng.randint(1, 3) if rng.random() < cancel_fraction else 0)
+                cancel_after=rng.randint(1, 3) if rng.random() < cancel_fraction else 0,
+                num_draft_tokens=rng.randint(1, max_draft_tokens) if max_draft_tokens and rng.random() < 0.5
+                else None)
+
+
+def long_prompt_of(tokens: int) -> str:
+    """A prompt of roughly ``tokens`` tokens for a BPE vocabulary (varied English words, about one token each)."""
+    words = ("the sea is calm and the sky is clear so we walk on the sand and talk about the day").split()
+    return " ".join(words[i % len(words)] for i in range(tokens))
 
 
 def run_one(client: httpx.Client, base: str, spec: Spec, model: str, chat: bool) -> Outcome:
@@ -148,7 +162,8 @@ def run_one(client: httpx.Client, base: str, spec: Spec, model: str, chat: bool)
 def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: int | None = None, *,
              model: str | None = None, chat: bool = False, max_tokens: int = 64, cancel_fraction: float = 0.1,
              prompts: tuple[str, ...] = PROMPTS, seed: int = 0, api_key: str | None = None, pid: int | None = None,
-             check_identical: bool = False, timeout: float = 300.0) -> dict:
+             check_identical: bool = False, timeout: float = 300.0, max_draft_tokens: int = 0,
+             long_prompt_tokens: int = 0, long_fraction: float = 0.1, check_limit: int = 0) -> dict:
     """Drive ``url`` (a server's base, with or without /v1) with ``clients`` concurrent streams; see the module
     docstring. Returns the report as a dict (counts, latency percentiles in seconds, tokens/s, RSS in MiB)."""
     if clients < 1 or duration <= 0 or (max_requests is not None and max_requests < 1):
@@ -158,6 +173,7 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
     model = model or _first_model(base, headers, timeout)
     outcomes: list[Outcome] = []
     lock, counter = threading.Lock(), iter(range(max_requests or 1 << 62))
+    long_text = long_prompt_of(long_prompt_tokens) if long_prompt_tokens else ""
     rss = _RssSampler(pid)
     start = time.perf_counter()
 
@@ -168,8 +184,9 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
                     index = next(counter, None)
                 if index is None:
                     return
-                outcome = run_one(client, base, mixed_spec(index, seed, max_tokens, cancel_fraction, prompts),
-                                  model, chat)
+                spec = mixed_spec(index, seed, max_tokens, cancel_fraction, prompts, max_draft_tokens, long_text,
+                                  long_fraction)
+                outcome = run_one(client, base, spec, model, chat)
                 with lock:
                     outcomes.append(outcome)
 
@@ -183,9 +200,13 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
     report = _summary(outcomes, elapsed)
     report.update(url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens)
     if rss.samples:
-        report["server_rss_mib"] = {"start": rss.samples[0], "peak": max(rss.samples), "end": rss.samples[-1]}
+        values = [v for _, v in rss.samples]
+        settled = [v for t, v in rss.samples if t >= 60.0] or values[-1:]
+        report["server_rss_mib"] = {"start": values[0], "peak": max(values), "end": values[-1],
+                                    "at_first_minute": settled[0], "peak_after_first_minute": max(settled),
+                                    "growth_after_first_minute": max(settled) / settled[0] - 1}
     if check_identical:
-        report["identical"] = _check_identical(outcomes, base, model, chat, headers, timeout)
+        report["identical"] = _check_identical(outcomes, base, model, chat, headers, timeout, check_limit)
     return report
 
 
@@ -201,9 +222,14 @@ def _summary(outcomes: list[Outcome], elapsed: float) -> dict:
 
 
 def _check_identical(outcomes: list[Outcome], base: str, model: str, chat: bool, headers: dict,
-                     timeout: float) -> dict:
-    """Run each distinct deterministic answered request alone, one at a time, and compare the texts."""
+                     timeout: float, limit: int = 0) -> dict:
+    """Run each distinct deterministic answered request alone, one at a time, and compare the texts. ``limit``
+    (0: none) bounds the distinct requests run alone, taken evenly over the run; every answer of those is checked."""
     answered = [o for o in outcomes if o.status == "answered" and o.spec.deterministic]
+    distinct = list(dict.fromkeys(replace(o.spec, cancel_after=0) for o in answered))
+    if limit and len(distinct) > limit:
+        kept = {distinct[i] for i in np.linspace(0, len(distinct) - 1, limit).round().astype(int)}
+        answered = [o for o in answered if replace(o.spec, cancel_after=0) in kept]
     alone: dict[Spec, Outcome] = {}
     with httpx.Client(headers=headers, timeout=timeout) as client:
         for o in answered:
@@ -211,7 +237,8 @@ def _check_identical(outcomes: list[Outcome], base: str, model: str, chat: bool,
             if spec not in alone:
                 alone[spec] = run_one(client, base, spec, model, chat)
     mismatches = [o for o in answered if alone[replace(o.spec, cancel_after=0)].text != o.text]
-    return {"checked": len(answered), "distinct": len(alone), "mismatches": len(mismatches),
+    return {"checked": len(answered), "distinct": len(alone), "distinct_in_run": len(distinct),
+            "mismatches": len(mismatches),
             "examples": [{**asdict(o.spec), "under_load": o.text, "alone": alone[replace(o.spec, cancel_after=0)].text}
                          for o in mismatches[:3]]}
 
@@ -241,8 +268,9 @@ class _RssSampler:
     """The server's resident memory (MiB) from /proc every half second, while the load runs (Linux)."""
 
     def __init__(self, pid: int | None, every: float = 0.5):
-        self.samples: list[float] = []
+        self.samples: list[tuple[float, float]] = []  # (seconds since start, MiB)
         self._stop = threading.Event()
+        self._start = time.perf_counter()
         if pid is None:
             return
         self._status = Path(f"/proc/{pid}/status")
@@ -255,7 +283,7 @@ class _RssSampler:
         while True:
             try:
                 line = next(ln for ln in self._status.read_text().splitlines() if ln.startswith("VmRSS:"))
-                self.samples.append(int(line.split()[1]) / 1024)
+                self.samples.append((time.perf_counter() - self._start, int(line.split()[1]) / 1024))
             except (OSError, StopIteration):
                 return
             if self._stop.wait(every):
@@ -282,14 +310,23 @@ class _RssSampler:
 @click.option("--pid", type=int, default=None, help="The server's process id, to report its RSS.")
 @click.option("--check-identical", is_flag=True,
               help="Afterwards, run each greedy or seeded request alone and count answers that differ.")
+@click.option("--check-limit", type=int, default=0, show_default=True,
+              help="With --check-identical: run at most this many distinct requests alone (0: all).")
+@click.option("--max-draft-tokens", type=int, default=0, show_default=True,
+              help="Half the requests send num_draft_tokens in 1..this (0: none do).")
+@click.option("--long-prompt-tokens", type=int, default=0, show_default=True,
+              help="Some requests send a prompt of about this many tokens (e.g. near the context limit).")
+@click.option("--long-fraction", type=float, default=0.1, show_default=True,
+              help="With --long-prompt-tokens: the fraction of requests that send it.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def openai_load(url, clients, duration, max_requests, max_tokens, cancel_fraction, chat, model, api_key, pid,
-                check_identical, seed, as_json):
+                check_identical, check_limit, max_draft_tokens, long_prompt_tokens, long_fraction, seed, as_json):
     """Load the OpenAI-compatible server at URL with concurrent streaming clients and report what came back."""
     report = run_load(url, clients=clients, duration=duration, max_requests=max_requests, model=model, chat=chat,
                       max_tokens=max_tokens, cancel_fraction=cancel_fraction, seed=seed, api_key=api_key, pid=pid,
-                      check_identical=check_identical)
+                      check_identical=check_identical, check_limit=check_limit, max_draft_tokens=max_draft_tokens,
+                      long_prompt_tokens=long_prompt_tokens, long_fraction=long_fraction)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -301,7 +338,8 @@ def openai_load(url, clients, duration, max_requests, max_tokens, cancel_fractio
         click.echo(f"{label}: p50 {p['p50']:.3f} s, p95 {p['p95']:.3f} s, p99 {p['p99']:.3f} s")
     if "server_rss_mib" in report:
         r = report["server_rss_mib"]
-        click.echo(f"server RSS: {r['start']:.0f} MiB at start, {r['peak']:.0f} peak, {r['end']:.0f} at the end")
+        click.echo(f"server RSS: {r['start']:.0f} MiB at start, {r['peak']:.0f} peak, {r['end']:.0f} at the end; "
+                   f"{100 * r['growth_after_first_minute']:+.1f}% after the first minute")
     if "identical" in report:
         i = report["identical"]
         click.echo(f"identical to alone: {i['checked'] - i['mismatches']}/{i['checked']} "

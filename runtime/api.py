@@ -198,9 +198,14 @@ class SpeculativeGenerator:
         constraint = parse_response_format(response_format)
         if constraint is None:
             return None
+        return self.grammar_compiler().compile(constraint)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The grammar compiler over this bundle's tokenizer, made once (llguidance reads the vocabulary: ~3 s for
+        SmolLM2's 49,152 tokens; a server makes it at start so no request waits for it)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer.fast.to_str(), self.target.vocab_size, self.eos_ids)
-        return self._grammars.compile(constraint)
+        return self._grammars
 
     def _encode(self, prompt: str | list[dict], chat: bool) -> list[int]:
         """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages (a server's)."""

@@ -64,8 +64,9 @@ def token_text(tokenizer, token: int) -> str:
 def chat_logprobs(tokenizer, tokens: list[int], logprobs: list[float], tops: list[list]) -> ChatLogprobs:
     """OpenAI's chat ``logprobs`` object for tokens and their (target's) log-probabilities."""
     def entry(token: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token) if hasattr(tokenizer, "token_bytes") else None
         text = token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(raw if raw is not None else text.encode())}
 
     return ChatLogprobs(content=[TokenLogprob(**entry(t, lp), top_logprobs=[TopLogprob(**entry(u, v)) for u, v in top])
                                  for t, lp, top in zip(tokens, logprobs, tops)])

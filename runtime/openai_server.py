@@ -151,6 +151,15 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     return app
 
 
+def _prepare_grammars(generator) -> None:
+    """Make the grammar compiler before serving, so the first response_format request does not wait for it; a
+    server without llguidance still serves unconstrained requests (constrained ones then get the reason)."""
+    try:
+        generator.grammar_compiler()
+    except ImportError as err:
+        log.warning("structured output is unavailable: %s (pip install llguidance)", err)
+
+
 def _client_of(request: Request) -> str:
     """Whom the scheduler shares rows among: the peer's address (never a header a client could set)."""
     return request.client.host if request.client else ""
@@ -450,6 +459,7 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
     from runtime.api import SpeculativeGenerator
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+    _prepare_grammars(generator)
     scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy,
                           max_rows_per_client=max_rows_per_client).start()
     name = model_name or Path(bundle).resolve().name

@@ -29,6 +29,14 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.fast.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes: one may end inside a UTF-8 character, which ``decode`` shows as U+FFFD (OpenAI's
+        logprobs carry them as ``bytes`` for that reason). llguidance reads them from the vocabulary, once."""
+        if getattr(self, "_raw", None) is None:
+            import llguidance
+            self._raw = llguidance.LLTokenizer(self.fast.to_str())
+        return self._raw.decode_bytes([int(token)])
+
     def apply_chat_template(self, prompt: str | list[dict]) -> str:
         """Render a user message (or a list of messages) with the model's chat template, ready for generation."""
         if not self.chat_template:

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from fakes import BigramEngine, pair_frequencies, random_table
+from fakes import BigramEngine, DraftCounts, pair_frequencies, random_table
 from runtime.engine import MappedVocabEngine
 from runtime.sampling import SamplingParams, probabilities
 from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
@@ -48,10 +48,13 @@ def test_a_head_of_the_wrong_width_is_refused():
 
 
 def sample_pairs_reduced(target_table, params, n: int, k: int, seed: int) -> np.ndarray:
+    """First-two-token frequencies; 3 new tokens so a first step at k=2 drafts two (at 2 it could draft one)."""
     loop = SpeculativeLoop(BigramEngine(target_table), ModelDrafter(reduced_draft()), [[0]] * n,
-                           DecodeConfig(2, k, params, seed=seed))
+                           DecodeConfig(3, k, params, seed=seed))
     for _ in loop.run():
         pass
+    counts = DraftCounts.of(loop.rows)
+    assert k < 2 or counts.multi_token_steps_decided_both_ways()  # two-token drafts, accepted and rejected
     return pair_frequencies(loop.rows, VOCAB)
 
 

@@ -143,3 +143,12 @@ def test_bad_logprobs_requests_are_400s(served):
         served.chat.completions.create(model="tiny", messages=MESSAGES, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         served.chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=21)
+
+
+def test_token_bytes_are_the_tokens_own_even_inside_a_character(generator):
+    """An emoji spans several byte tokens: each decodes alone to U+FFFD, its bytes rebuild the text exactly."""
+    tokenizer = generator.tokenizer
+    text = "naïve 😀 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # the case the bytes field exists for

@@ -292,3 +292,17 @@ def test_load_driver_against_the_server(served):
     assert report["answered"] + report["cancelled"] == 6 and report["answered"] >= 1
     assert report["identical"]["mismatches"] == 0 and report["identical"]["checked"] >= 1
     assert report["output_tokens"] > 0 and report["ttft_s"]["p50"] > 0
+
+
+def test_load_driver_sends_draft_lengths_and_long_prompts(served):
+    """The soak's mix: num_draft_tokens up to a maximum and prompts near the context limit, checked alone too."""
+    from bench.openai_load import long_prompt_of, mixed_spec, run_load
+    specs = [mixed_spec(i, 1, 16, 0.0, max_draft_tokens=8, long_prompt="L", long_fraction=0.5) for i in range(40)]
+    assert {s.num_draft_tokens for s in specs} - {None} <= set(range(1, 9)) and any(s.num_draft_tokens for s in specs)
+    assert any(s.prompt == "L" for s in specs) and any(s.prompt != "L" for s in specs)
+    assert len(long_prompt_of(50).split()) == 50
+    report = run_load(served.url, clients=3, duration=60, max_requests=9, max_tokens=12, cancel_fraction=0.0,
+                      check_identical=True, check_limit=4, max_draft_tokens=6, long_prompt_tokens=100,
+                      long_fraction=0.4, seed=5)
+    assert report["sent"] == 9 and report["lost"] == 0 and report["failed"] == 0
+    assert report["identical"]["mismatches"] == 0 and report["identical"]["distinct"] <= 4

@@ -22,7 +22,8 @@ def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[li
         return [skip("llama.cpp", "the bundle's target is not a GGUF file")]
     if importlib.util.find_spec("llama_cpp") is None:
         return [skip("llama.cpp", "llama_cpp is not installed (pip install llama-cpp-python diskcache; it builds "
-                                   "from source, ~7 minutes on 2 cores)")]
+                                   "from source, ~7 minutes on 2 cores; on a CPU with AMX see docs/benchmarks.md "
+                                   "for CMAKE_ARGS)")]
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
