@@ -124,10 +124,12 @@ class LoadResult:
     rss: list = field(default_factory=list)  # [{"requests": n, "rss_mb": x}]
     errors: dict = field(default_factory=dict)  # first message -> count
     records: list = field(default_factory=list)
+    origin: float = 0.0  # the time.perf_counter() reading the records' started/ended are seconds after
 
     def summary(self) -> dict:
         out = asdict(self)
         out.pop("records")
+        out.pop("origin")
         return out
 
 
@@ -210,7 +212,7 @@ def run_load(endpoints: Endpoints, clients: int = 4, duration: float = 10.0, max
         failed=sum(r.outcome == "failed" for r in done), lost=sum(r.outcome == "lost" for r in done),
         wall_s=round(wall, 2), latency_s=dist(latencies), ttft_s=dist(ttfts), tokens=tokens,
         tokens_per_s=None if tokens is None else round(tokens / wall, 1),
-        requests_per_s=round(len(answered) / wall, 2), rss=rss, errors=errors, records=done)
+        requests_per_s=round(len(answered) / wall, 2), rss=rss, errors=errors, records=done, origin=t0)
 
 
 def deterministic(body: dict) -> bool:

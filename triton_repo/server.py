@@ -118,11 +118,12 @@ class TritonServer:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return _answers_200(f"{self.url}/v2/health/ready")
+
+    def serving(self) -> bool:
+        """Ready, and the metrics endpoint up too: tritonserver starts its metrics service after the HTTP one, so
+        a client that reads /metrics right after /v2/health/ready can still be refused (seen on a busy machine)."""
+        return self.ready() and _answers_200(self.metrics_url)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
@@ -211,6 +212,14 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def check_restriction(spec: str, flag: str) -> str:
@@ -321,7 +330,7 @@ def start_server(repo: str | os.PathLike, *, host: str = "127.0.0.1", http_port:
             why = _log_errors(server.log())
             server.stop()
             raise ServerError(f"tritonserver exited with {process.returncode}:\n{why}\n(full log: {log_path})")
-        if server.ready():
+        if server.serving():
             return server
         time.sleep(0.5)
     why = _log_errors(server.log())
