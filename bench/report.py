@@ -16,7 +16,7 @@ def render_table(console, report: dict) -> None:
     from rich.table import Table
     table = Table(title=f"draftsmith bench: {report['bundle']}", show_lines=False, pad_edge=False)
     for name in ("workload", "b", "k", "accept", "α", "len", "tok/s", "TTFT ms", "p50 ms", "p95 ms", "speedup",
-                 "predicted", "c", "same"):
+                 "paired (95%)", "predicted", "c", "same"):
         table.add_column(name, justify="left" if name == "workload" else "right")
     best = {w: (r["batch"], r["k"]) for w, r in report["best_k"].items()}
     for r in report["results"]:
@@ -26,11 +26,18 @@ def render_table(console, report: dict) -> None:
                       _fmt(r["acceptance_rate"]) if spec else "", _fmt(r["alpha"]) if spec else "",
                       _fmt(r["mean_acceptance_length"]) if spec else "", _fmt(r["tokens_per_second"], ".1f"),
                       _fmt(r["ttft_mean"] * 1e3, ".0f"), _fmt(r["latency_p50"] * 1e3, ".1f"),
-                      _fmt(r["latency_p95"] * 1e3, ".1f"), _fmt(r["speedup"]) + "x",
+                      _fmt(r["latency_p95"] * 1e3, ".1f"), _fmt(r["speedup"]) + "x", _paired(r) if spec else "",
                       (_fmt(r["predicted_speedup"]) + "x") if spec else "", _fmt(r["c"]) if spec else "",
                       _fmt(r["identical_to_target"], ".0%", "") if spec else "")
     console.print(table)
     render_peers_table(console, report)
+
+
+def _paired(row: dict) -> str:
+    """The geometric mean of the per-prompt paired ratios and its bootstrap interval."""
+    interval = row.get("speedup_interval")
+    text = _fmt(row.get("paired_speedup")) + "x"
+    return text + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
 
 
 def render_peers_table(console, report: dict) -> None:

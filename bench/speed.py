@@ -142,7 +142,7 @@ class Recorder:
 def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, max_new_tokens: int,
            temperature: float, seed: int | None, drafter_kind: str | None = None,
            confidence: float | None = None, response_format=None,
-           forced_drafts: bool = True) -> tuple[list[SequenceRecord], float]:
+           forced_drafts: bool = True, top_p: float | None = None) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
     private helpers), recording each step as it is yielded. ``response_format`` constrains every answer (target-only
     decoding too: the baseline is constrained target-only decoding)."""
@@ -150,8 +150,8 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
         with unpadded(generator.target):
             return decode(generator, token_lists, "target", k, max_new_tokens, temperature, seed, drafter_kind,
-                          confidence, response_format, forced_drafts)
-    config, _ = generator._config(max_new_tokens, temperature, None, None, seed, k, None, mode, None, None,
+                          confidence, response_format, forced_drafts, top_p)
+    config, _ = generator._config(max_new_tokens, temperature, None, top_p, seed, k, None, mode, None, None,
                                   response_format, None, forced_drafts)
     drafter = generator._drafter(mode, drafter_kind, confidence)
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config)
@@ -194,9 +194,9 @@ def pads(engine) -> bool:
 def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
                   max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None,
                   drafter_kind: str | None = None, confidence: float | None = None, response_format=None,
-                  forced_drafts: bool = True) -> list[CellRecord]:
+                  forced_drafts: bool = True, top_p: float | None = None) -> list[CellRecord]:
     """Measure every (workload, batch, mode, k) cell; ``advance(description)`` is called after each decode."""
-    structure = dict(response_format=response_format, forced_drafts=forced_drafts)
+    structure = dict(response_format=response_format, forced_drafts=forced_drafts, top_p=top_p)
     recorder = Recorder(generator)
     cells: list[CellRecord] = []
     configs = [("target", None)] + ([("plain", None)] if pads(generator.target) else []) + \
@@ -210,9 +210,10 @@ def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int
                     decode(generator, token_lists[:batch], mode, k, min(8, max_new_tokens), temperature, seed,
                            drafter_kind, confidence, **structure)
                 recorder.take()
-                for at in range(0, len(token_lists), batch):
+                for turn, at in enumerate(range(0, len(token_lists), batch)):
                     chunk = token_lists[at: at + batch]
-                    for mode, k in configs:
+                    shift = turn % len(configs)  # rotated: no configuration always runs first or after another
+                    for mode, k in configs[shift:] + configs[:shift]:
                         records, wall = decode(generator, chunk, mode, k, max_new_tokens, temperature, seed,
                                                drafter_kind, confidence, **structure)
                         cell = mine[(mode, k)]
@@ -315,7 +316,7 @@ def _json_default(value):
 
 # --- the command ----------------------------------------------------------------------------------------------------
 
-PEER_NAMES = ("transformers", "llama.cpp", "onnxruntime-genai")  # the peers rows are named by (--peer)
+PEER_NAMES = ("transformers", "llama.cpp", "onnxruntime-genai", "openvino")  # the peers rows are named by (--peer)
 
 
 @click.command("bench")
@@ -328,6 +329,7 @@ PEER_NAMES = ("transformers", "llama.cpp", "onnxruntime-genai")  # the peers row
 @click.option("--batch", "batch_values", multiple=True, default=("1",), show_default=True,
               help="Batch sizes (comma list or repeated).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=float, default=None, help="Nucleus sampling for every row (with --temperature > 0).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--prompts", "prompt_limit", type=int, default=0, help="Use the first N prompts of each workload (0: all).")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
@@ -372,8 +374,8 @@ PEER_NAMES = ("transformers", "llama.cpp", "onnxruntime-genai")  # the peers row
 @click.option("--trust-remote-code", is_flag=True,
               help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_tokens, prompt_limit, threads, chat,
-          seed, drafter_kind, confidence, response_format_file, forced_drafts, json_out, plot_out, write_k, memory,
+def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, max_new_tokens, prompt_limit, threads,
+          chat, seed, drafter_kind, confidence, response_format_file, forced_drafts, json_out, plot_out, write_k, memory,
           limit, peers, peer_names, peer_prompts, peer_spinning, device, allow_pickle, trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
@@ -428,7 +430,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         task = progress.add_task("decoding", total=runs)
         cells = run_workloads(generator, workloads, ks, batches, max_new_tokens, temperature, seed, advance=advance,
                               drafter_kind=drafter_kind, confidence=confidence, response_format=response_format,
-                              forced_drafts=forced_drafts)
+                              forced_drafts=forced_drafts, top_p=top_p)
     rows = summarize_cells(cells, temperature)
     best = best_k(rows)
     rec_k, geomean = recommend_k(rows)
@@ -436,7 +438,8 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
     report = {
         "bundle": str(bundle),
         "settings": {"workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
-                     "k": ks, "batch": batches, "temperature": temperature, "max_new_tokens": max_new_tokens,
+                     "k": ks, "batch": batches, "temperature": temperature, "top_p": top_p,
+                     "max_new_tokens": max_new_tokens,
                      "threads": threads, "seed": seed, "drafter": drafter_kind, "draft_confidence": confidence,
                      "response_format": response_format, "forced_drafts": forced_drafts,
                      "cpu_count": os.cpu_count(),
@@ -497,7 +500,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, max_new_t
         console.print(f"plot written to {plot_out}")
 
 
-PEER_MODULES = ("transformers", "llama_cpp", "onnxruntime_genai")
+PEER_MODULES = ("transformers", "llama_cpp", "onnxruntime_genai", "openvino_genai")
 
 
 def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: dict[str, dict]) -> dict[str, dict]:
@@ -534,7 +537,7 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
 
 def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet,
                required, consent: dict, ours: dict[str, dict], spinning: bool = False, only=()) -> list:
-    from bench.peers import compare_with_ours, run_llama_cpp, run_onnxruntime_genai, run_transformers
+    from bench.peers import compare_with_ours, run_llama_cpp, run_onnxruntime_genai, run_openvino, run_transformers
     if temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
     import importlib.util
@@ -556,6 +559,8 @@ def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads,
         if "onnxruntime-genai" in wanted:
             rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note,
                                           **consent, spinning=spinning)
+        if "openvino" in wanted:
+            rows += run_openvino(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note)
     finally:
         if status:
             status.stop()

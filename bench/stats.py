@@ -19,6 +19,10 @@ Definitions (one *cell* = one workload x batch size x mode x k, summed over its 
 - **c** (draft/target cost ratio): mean seconds of one draft decode call (the draft engine's ``forward``, prompt
   prefill calls excluded) / mean seconds of one target verify call (the target's ``forward`` after the prefill),
   both measured in the same speculative run; shown for reference.
+- **paired speedup**: per prompt, its tokens/s in this cell over its tokens/s in the baseline cell (the same prompt,
+  same batch position: a paired ratio, so prompts of different lengths and acceptance do not mix), summarized by
+  the geometric mean and a 95% bootstrap interval over prompts (2,000 resamples, fixed seed). ``best_k`` picks the
+  smallest k whose interval overlaps the fastest k's: a longer draft must be measurably faster to be chosen.
 - **predicted speedup** (Leviathan et al. 2023, eq. 1, priced with the measured costs): E[tokens per step] /
   (n·T_draft + T_verify), where E[tokens per step] = (1 - a^(k+1)) / (1 - a) from the measured alpha, n is the
   mean number of draft calls a step made (measured: lookup steps make none, a step after full acceptance may make
@@ -176,6 +180,34 @@ def call_costs(calls: list[EngineCall]) -> dict:
     }
 
 
+def sequence_seconds(sequence: SequenceRecord) -> float:
+    """The wall-clock seconds a sequence's loop spent until its last token (its steps' gaps, prefill included)."""
+    return sum(s[3] for s in sequence.steps)
+
+
+def paired_ratios(cell: CellRecord, baseline: CellRecord) -> list[float]:
+    """Per prompt: tokens/s in ``cell`` over tokens/s in ``baseline`` (prompts in the same order in both)."""
+    ratios = []
+    for mine, base in zip(cell.sequences, baseline.sequences):
+        spent, base_spent = sequence_seconds(mine), sequence_seconds(base)
+        if spent > 0 and base_spent > 0 and mine.emitted and base.emitted:
+            ratios.append((mine.emitted / spent) / (base.emitted / base_spent))
+    return ratios
+
+
+def bootstrap_interval(ratios: list[float], resamples: int = 2000, level: float = 0.95,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of the geometric mean of ``ratios`` (None for fewer than two)."""
+    if len(ratios) < 2:
+        return None
+    import numpy as np
+    logs = np.log(np.asarray(ratios))
+    picks = np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))
+    means = np.exp(logs[picks].mean(axis=1))
+    tail = (1.0 - level) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))
+
+
 def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
     """Every figure of one cell; ``baseline`` is the target-only cell of the same workload and batch (for speedup)."""
     steps = [s for seq in cell.sequences for s in seq.steps]
@@ -207,6 +239,9 @@ def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
         base = baseline.wall and sum(s.emitted for s in baseline.sequences) / baseline.wall
         out["speedup"] = out["tokens_per_second"] / base if base else 0.0
         out["verify_vs_target_step"] = costs["verify_call_seconds"] / target_step if target_step else 0.0
+        ratios = paired_ratios(cell, baseline)
+        out["paired_speedup"] = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+        out["speedup_interval"] = bootstrap_interval(ratios)
         if len(baseline.sequences) == len(cell.sequences):
             same = [a.token_ids == b.token_ids for a, b in zip(cell.sequences, baseline.sequences)]
             out["identical_to_target"] = sum(same) / len(same) if same else None
@@ -214,17 +249,20 @@ def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
 
 
 def best_k(rows: list[dict]) -> dict[str, dict]:
-    """Per workload: the speculative row with the highest measured speedup at the smallest batch measured.
-
-    Ties go to the smaller k (less draft work for the same speed). Returns {workload: row}.
-    """
+    """Per workload, at the smallest batch measured: the smallest k whose speedup interval overlaps the interval of
+    the k with the highest measured speedup (that k itself where rows carry no intervals; ties go to the smaller
+    k): a longer draft is chosen only when it is measurably faster. Returns {workload: row}."""
     best: dict[str, dict] = {}
     spec = [r for r in rows if r["mode"] == "speculative" and r.get("speedup") is not None]
     for workload in dict.fromkeys(r["workload"] for r in spec):
         mine = [r for r in spec if r["workload"] == workload]
         batch = min(r["batch"] for r in mine)
-        mine = [r for r in mine if r["batch"] == batch]
-        best[workload] = max(mine, key=lambda r: (r["speedup"], -r["k"]))
+        mine = sorted((r for r in mine if r["batch"] == batch), key=lambda r: r["k"])
+        fastest = max(mine, key=lambda r: (r["speedup"], -r["k"]))
+        top = fastest.get("speedup_interval")
+        best[workload] = next((r for r in mine if top and r.get("speedup_interval")
+                               and r["speedup_interval"][1] >= top[0] and r["speedup_interval"][0] <= top[1]),
+                              fastest)
     return best
 
 

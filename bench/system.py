@@ -18,14 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.metrics import peak_rss_bytes
+
 
 # --- memory ---------------------------------------------------------------------------------------------------------
-
-def _peak_rss_bytes() -> int:
-    import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) * (1 if sys.platform == "darwin" else 1024)  # Linux reports KiB, macOS bytes
-
 
 def _current_rss_bytes() -> int:
     try:
@@ -50,7 +46,7 @@ def _child(bundle: str, mode: str, threads: int, tokens: int, k: int | None, pro
     generator = SpeculativeGenerator(manifest, engines["target"], engines.get("draft"), tokenizer,
                                      manifest.eos_token_ids)
     loaded = _current_rss_bytes()
-    load_peak = _peak_rss_bytes()
+    load_peak = peak_rss_bytes()
     reset = _reset_peak()  # so the decode peak is not the loading transient (ORT holds a model twice while loading)
     generator.generate(prompt, max_new_tokens=tokens, k=k, mode=mode)
     decode_peak = _vm_hwm() if reset else None

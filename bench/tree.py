@@ -43,7 +43,7 @@ class _TopRecorder:
         logits = self.engine.forward(cache, tokens, valid, **options)
         self.seconds += time.perf_counter() - start
         self.calls += 1
-        last = int(valid[0].sum()) - 1 if valid is not None else tokens.shape[1] - 1
+        last = 0 if options.get("last") else int(valid[0].sum()) - 1 if valid is not None else tokens.shape[1] - 1
         self.tops.append(np.argsort(-logits[0, last])[: self.n].tolist())
         return logits
 

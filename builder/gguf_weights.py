@@ -92,9 +92,12 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
     file whose blocks say something else is refused (ValueError) rather than built.
 
     Args:
-        block: 16 writes each 32-block as two 16-blocks with the same scale (still exact): MatMulNBits with int8
-            activations (accuracy level 4) quantizes the activations per weight block, so halving the block halves
-            the span each activation scale covers. Q6_K's blocks are 16 wide either way.
+        block: 16 writes each 32-block of the layers as two 16-blocks with the same scale (still exact):
+            MatMulNBits with int8 activations (accuracy level 4) quantizes the activations per weight block, so
+            halving the block halves the span each activation scale covers. Q6_K's blocks are 16 wide either way.
+            The head keeps the file's blocks: it reads the final hidden state alone, and on Gemma 3 270M halving its
+            blocks moved top-1 agreement by 0.001 over 27,485 tokens (0.9535 → 0.9547) while its call, bandwidth-
+            bound on a 262,144-row 8-bit matrix, grew ~15%.
         permuted_qk: whether the file's attn_q / attn_k rows are in llama.cpp's rotary order. llama.cpp's
             convert_hf_to_gguf.py permutes them in LlamaModel.modify_tensors (Llama, Mistral and the classes built on
             LlamaModel), not for Qwen2/Qwen3, Gemma 2/3 or Phi-3 (NEOX rotary): the caller knows the architecture
@@ -124,7 +127,7 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
         if error is not None:
             raise ValueError(f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
                              f"file (max |difference| {error:.3g}); the file is inconsistent")
-        decoder.head = Linear(quant=_pack(split(head_blocks, block)))
+        decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
     elif head is not None:
         kept.append(head.name)
     _note(decoder, tensors, kept, flipped, permuted_qk)

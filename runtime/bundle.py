@@ -1,5 +1,8 @@
 """The engine bundle: its schema, its manifest and its verified loader.
 
+Longer than most modules: the schema and the rules for what a bundle may name and hold are one contract, read and
+written here only.
+
 A bundle is one directory::
 
     manifest.json          schema version, the frozen BuildSpec, one ModelEntry per engine, sha256 of every file

@@ -1,4 +1,7 @@
-"""The engine interface the decoding loop talks to, and its ONNX Runtime implementation.
+"""The engine interface the decoding loop talks to, and its ONNX Runtime implementations.
+
+Longer than most modules: the interface, its two implementations (the exported graph's and the fused graph's) and
+the reduced-vocabulary wrapper are one contract; the fused engine's rules for cutting calls make up most of it.
 
 An engine owns no sequence state; a KVCache does. ``forward`` appends S slots per row and returns logits for every
 new position; ``rollback`` forgets the newest live tokens of each row by clearing their slots in the attention mask
@@ -13,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from runtime.metrics import available_memory_bytes
 from runtime.sessions import (DEVICES, PROVIDERS, DeviceError, make_session, pool_threads,  # noqa: F401
                               providers_for, session_options)
 
@@ -191,6 +195,7 @@ class MappedVocabEngine:
         if int(kept.max()) >= vocab_size:
             raise ValueError(f"kept id {int(kept.max())} is outside the vocabulary ({vocab_size} tokens)")
         self.engine, self.kept_ids = engine, kept
+        self.scores_last = getattr(engine, "scores_last", False)
         self.vocab_size = vocab_size  # may be lowered to the tokenizer's vocabulary, like any engine's
         self.max_context = engine.max_context
 
@@ -259,8 +264,12 @@ class FusedEngine:
         self.present_names = [n.replace("past", "present", 1) for n in self.past_names]
         # graphs since the feature draft: every call's final hidden states (cache.extra["hidden"]); a feature
         # draft's graph also takes the hidden state before each token
-        self.has_hidden = "hidden" in {o.name for o in self.session.get_outputs()}
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        self.has_hidden = "hidden" in outputs
         self.takes_features = "features" in {i.name for i in self.session.get_inputs()}
+        self.head_width = outputs["logits"].shape[-1]  # the graph's own head (a reduced draft head: its rows)
+        self.hidden_width = outputs["hidden"].shape[-1] if self.has_hidden else 0
+        self._outputs: dict = {}
 
     def new_cache(self, batch: int) -> KVCache:
         slots = min(self.initial_slots, self.max_context)
@@ -271,18 +280,62 @@ class FusedEngine:
         shape = (batch, self.num_kv_heads, slots, self.head_dim)
         return [np.zeros(shape, np.float32) for _ in self.past_names]
 
+    def reserved_cache(self, rows: int) -> KVCache:
+        """An empty batch cache whose buffers already hold ``rows`` rows of the whole context, written once so the
+        memory is taken now (a server's KV cache, reserved at start as vLLM and TensorRT-LLM do): no request then
+        makes the process grow, and rows join (``add_rows``), prefill in place (``prefill_row``) and leave
+        (``select``) without a copy of the batch."""
+        shape = (rows, self.num_kv_heads, self.max_context + self.min_call_tokens, self.head_dim)
+        need = len(self.past_names) * int(np.prod(shape)) * 4
+        available = available_memory_bytes()
+        if available is not None and need > available:
+            raise MemoryError(f"the batch's KV cache ({rows} rows of {self.max_context} tokens) needs "
+                              f"{need / 2**30:.2f} GiB and {available / 2**30:.2f} GiB is available: lower the batch "
+                              "(--max-batch) or build the bundle with a shorter --max-context")
+        return KVCache([np.full(shape, 0.0, np.float32) for _ in self.past_names], np.zeros((0, 0), np.int64),
+                       np.zeros(0, np.int64), extra={"views": {}})
+
+    def add_rows(self, cache: KVCache, count: int) -> KVCache:
+        """``cache`` with ``count`` empty rows after its own, in its buffers (grown only past their capacity)."""
+        rows = cache.past[0].shape[0]
+        if cache.batch + count > rows:
+            self._grow(cache, 1 << (cache.batch + count - 1).bit_length(), cache.past[0].shape[2])
+        return KVCache(cache.past, np.zeros((cache.batch + count, 0), np.int64),
+                       np.concatenate([cache.lengths, np.zeros(count, np.int64)]), cache.calls, extra=cache.extra)
+
+    def prefill_row(self, cache: KVCache, row: int, tokens) -> np.ndarray | None:
+        """Prefill the empty row ``row`` of a batch cache in place, without its head: the calls a lone request's
+        prefill makes (the same kernels, cut at the same class points), whatever else the batch holds. Returns the
+        final hidden states [n, H] (None: the graph returns none, or no tokens)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if cache.lengths[row] != 0:
+            raise ValueError(f"row {row} is not empty ({int(cache.lengths[row])} tokens)")
+        if not len(tokens):
+            return None
+        self._reserve(cache, len(tokens) + self.min_call_tokens - 1)
+        _, hidden = self._row(cache, row, tokens, score=False, features=None)
+        cache.lengths = cache.lengths.copy()
+        cache.lengths[row] = len(tokens)
+        cache.calls += 1
+        return hidden
+
     def prefill(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
         """``forward`` without the output head: a prompt's logits are not read (its last token is fed again)."""
         self.forward(cache, tokens, valid, score=False)
 
+    scores_last = True  # forward(last=True): the head runs only where a row's last token is
+
     def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                score: bool = True, features: np.ndarray | None = None) -> np.ndarray:
-        """Append each row's valid tokens (right-padded in ``tokens``) and return logits [B, S, V]; a feature draft
-        also takes ``features`` [B, S, H] (the hidden state before each token). The final hidden states [B, S, H]
-        are left in ``cache.extra["hidden"]`` where the graph returns them."""
+                score: bool = True, features: np.ndarray | None = None, last: bool = False) -> np.ndarray:
+        """Append each row's valid tokens (right-padded in ``tokens``) and return logits [B, S, V]; with ``last``,
+        [B, 1, V] at each row's last valid token only (a drafter reads nothing else: the head, and for a reduced
+        one its expansion to the vocabulary, then cost one position, not a whole prompt's). A feature draft also
+        takes ``features`` [B, S, H] (the hidden state before each token). The final hidden states [B, S, H] are
+        left in ``cache.extra["hidden"]`` where the graph returns them."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         counts = tokens.shape[1] * np.ones(len(tokens), np.int64) if valid is None else valid.sum(axis=1)
         asked = tokens.shape[1]
+        last = last and score
         if self.takes_features:
             if features is None or features.shape[:2] != tokens.shape:
                 raise ValueError("a feature draft engine takes features [B, S, H] with its tokens [B, S]")
@@ -296,17 +349,21 @@ class FusedEngine:
         one_call = batch == 1 or new == 1 or not cache.lengths.any()
         if one_call and not (len(self.class_points) and new > 1):
             self._reserve(cache, int(cache.lengths.max()) + new)  # every row writes ``new`` slots
-            logits, hidden = self._run(cache, slice(0, batch), tokens, cache.lengths + new, new if score else 0,
-                                       features)
+            # the head sees the last ``keep`` positions: all, none, or from the earliest row's last token on
+            keep = (new - int(counts[counts > 0].min(initial=new)) + 1) if last else (new if score else 0)
+            logits, hidden = self._run(cache, slice(0, batch), tokens, cache.lengths + new, keep, features)
+            if last:
+                at = np.clip(counts - 1 - (new - keep), 0, keep - 1)
+                logits = logits[np.arange(batch), at][:, None]
         else:  # one call per row (several new tokens on a past: the kernel's batch-1 path; or cut at class points)
             widths = np.where(counts > 0, counts + self.min_call_tokens - 1, 0)  # a cut's last call may pad
             self._reserve(cache, int((cache.lengths + widths).max()))  # each row its own chunk, not the widest
-            logits = np.zeros((batch, new if score else 0, self.vocab_size), np.float32)
+            logits = np.zeros((batch, 1 if last else new if score else 0, self.vocab_size), np.float32)
             hidden = None
             for b in np.flatnonzero(counts):
                 part, h = self._row(cache, b, tokens[b, :counts[b]], score,
-                                    None if features is None else features[b, :counts[b]])
-                logits[b, :counts[b]] = part
+                                    None if features is None else features[b, :counts[b]], last)
+                logits[b, :len(part)] = part
                 if h is not None:
                     hidden = np.zeros((batch, new, h.shape[-1]), np.float32) if hidden is None else hidden
                     hidden[b, :counts[b]] = h
@@ -314,20 +371,23 @@ class FusedEngine:
             cache.extra["hidden"] = None if hidden is None else hidden[:, :asked]
         cache.lengths = cache.lengths + counts
         cache.calls += 1
-        return logits[:, :asked]
+        return logits if last else logits[:, :asked]
 
-    def _row(self, cache: KVCache, b: int, tokens: np.ndarray, score: bool, features: np.ndarray | None):
+    def _row(self, cache: KVCache, b: int, tokens: np.ndarray, score: bool, features: np.ndarray | None,
+             last: bool = False):
         """Row ``b``'s ``tokens`` [n] in calls cut where a class point parts them (``_segments``), each right-padded
-        to ``min_call_tokens``: logits [n, V] (or [0, V]) and hidden states [n, H] (None: the graph has none)."""
+        to ``min_call_tokens``: logits [n, V] (or [0, V]; [1, V] at the last token with ``last``) and hidden states
+        [n, H] (None: the graph has none)."""
         start, m = int(cache.lengths[b]), self.min_call_tokens
         logits, hidden = [], []
-        for a, z in self._segments(start, len(tokens)):
+        segments = self._segments(start, len(tokens))
+        for a, z in segments:
             width = max(z - a, m)
             chunk = np.pad(tokens[a:z], (0, width - (z - a)))[None]
             feats = None if features is None else np.pad(features[a:z], ((0, width - (z - a)), (0, 0)))[None]
-            part, h = self._run(cache, slice(b, b + 1), chunk, np.array([start + a + width]),
-                                width if score else 0, feats)
-            logits.append(part[0, : z - a])
+            keep = (width - (z - a) + 1 if z == segments[-1][1] else 0) if last else (width if score else 0)
+            part, h = self._run(cache, slice(b, b + 1), chunk, np.array([start + a + width]), keep, feats)
+            logits.append(part[0, :1] if last else part[0, : z - a])
             if h is not None:
                 hidden.append(h[0, : z - a])
         return np.concatenate(logits), (np.concatenate(hidden) if hidden else None)
@@ -361,13 +421,33 @@ class FusedEngine:
         binding.bind_cpu_input("total_sequence_length", np.array(int(totals.max()), dtype=np.int32))
         if features is not None:
             binding.bind_cpu_input("features", features)
-        binding.bind_output("logits", "cpu")
-        if self.has_hidden:
-            binding.bind_output("hidden", "cpu")
+        outputs = self._output_values(tokens.shape, keep)
+        for name, value in outputs.items():
+            binding.bind_ortvalue_output(name, value)
         self.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        logits = outputs[0].numpy()[..., : self.vocab_size]
-        return logits, (outputs[1].numpy() if self.has_hidden else None)
+        # copies: the buffers are bound again by the next call of this shape
+        logits = np.array(outputs["logits"].numpy()[..., : self.vocab_size])
+        return logits, (np.array(outputs["hidden"].numpy()) if self.has_hidden else None)
+
+    OUTPUT_CACHE = 64  # output shapes whose buffers are kept: a decode step's few (batch, tokens) shapes
+
+    def _output_values(self, shape: tuple[int, int], keep: int) -> dict:
+        """The logits (and hidden-state) outputs for a call of ``shape`` tokens keeping ``keep`` positions, made
+        once per shape and bound again each call: reading them back needs no wrapper for each of the graph's ~60
+        bound outputs (IOBinding.get_outputs), and ONNX Runtime allocates nothing for a shape seen before."""
+        key = (shape[0], shape[1], keep)
+        values = self._outputs.get(key)
+        if values is None:
+            ort = self._ort
+            values = {"logits": ort.OrtValue.ortvalue_from_shape_and_type((shape[0], keep, self.head_width),
+                                                                          np.float32)}
+            if self.has_hidden:
+                values["hidden"] = ort.OrtValue.ortvalue_from_shape_and_type((*shape, self.hidden_width),
+                                                                             np.float32)
+            if len(self._outputs) >= self.OUTPUT_CACHE:
+                self._outputs.pop(next(iter(self._outputs)))
+            self._outputs[key] = values
+        return values
 
     def _binding(self, cache: KVCache, rows: slice):
         """An IO binding with past and present bound to the same buffers (rows' views), made once per rows."""
@@ -410,7 +490,7 @@ class FusedEngine:
         and the bindings stay valid: a server retires requests every few steps); otherwise new buffers trimmed to
         what the rows use (at least ``initial_slots``). Either way the old cache must not be used again."""
         rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) and bool((np.diff(rows) > 0).all()):
+        if not len(rows) or bool((np.diff(rows) > 0).all()):  # in order (or none): the buffers stay
             for i, r in enumerate(rows):
                 if i != r:
                     used = int(cache.lengths[r])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.sampling import SamplingParams, point_masses
-from runtime.speculative import Proposal, draw_rows, padded
+from runtime.speculative import Proposal, draw_rows, last_logits, padded
 
 
 class FeatureDrafter:
@@ -98,11 +98,10 @@ class FeatureDrafter:
         for b, f in enumerate(feats):
             if f is not None:
                 features[b, : len(f)] = f
-        logits = self.engine.forward(self.cache, ids, valid, features=features)
+        logits = last_logits(self.engine, self.cache, chunks, features=features)
         self.calls += 1
         last = np.maximum(valid.sum(axis=1) - 1, 0)
-        picked = np.arange(len(chunks))
-        return logits[picked, last], self.cache.extra["hidden"][picked, last]
+        return logits, self.cache.extra["hidden"][np.arange(len(chunks)), last]
 
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
         self.engine.rollback(self.cache, self.base)

@@ -213,3 +213,30 @@ class MetricsRegistry:
                                                  buckets=[(floatToGoString(b), c) for b, c in histogram.cumulative()]))
         return out
 
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. On Linux from VmHWM, which belongs to the program now running:
+    getrusage's ru_maxrss is kept across exec, so a child started by a large parent would report the parent's size."""
+    import resource
+    import sys
+    from pathlib import Path
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)  # Linux reports KiB, macOS bytes
+
+
+def available_memory_bytes() -> int | None:
+    """The memory the system can give without swapping (Linux's MemAvailable); None where it cannot be read."""
+    from pathlib import Path
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.is_file():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None

@@ -39,49 +39,62 @@ class SamplingParams:
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """logits [..., V] -> processed distribution [..., V] (float64). Used identically for p and q."""
-    scaled = logits.astype(np.float64) / params.temperature
+    """logits [..., V] -> processed distribution [..., V] (float32, normalized in float64 sums). Used identically
+    for p and q. Few passes over the vocabulary, in float32 (a step samples from several 49k-wide rows, and this
+    glue is a share of every sampled step): the max is subtracted before dividing by the temperature, so a small
+    temperature does not lose the logits' differences; with top-p only the nucleus is written into a zeroed row."""
+    scaled = np.asarray(logits, dtype=np.float32)
+    scaled = (scaled - scaled.max(axis=-1, keepdims=True)) / np.float32(params.temperature)
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -params.top_k, axis=-1)[..., -params.top_k, None]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    scaled -= scaled.max(axis=-1, keepdims=True)
-    probs = np.exp(scaled)
-    probs /= probs.sum(axis=-1, keepdims=True)
+        scaled[scaled < kth] = -np.inf
+    probs = np.exp(scaled, out=scaled)
+    probs /= probs.sum(axis=-1, keepdims=True, dtype=np.float64).astype(np.float32)
     if params.top_p is not None and params.top_p < 1.0:
         flat = probs.reshape(-1, probs.shape[-1])
-        keep = np.stack([nucleus(row, params.top_p) for row in flat]).reshape(probs.shape)
-        probs = np.where(keep, probs, 0.0)
-        probs /= probs.sum(axis=-1, keepdims=True)
+        out = np.zeros_like(flat)
+        for b, row in enumerate(flat):
+            kept = nucleus_ids(row, params.top_p)
+            out[b, kept] = row[kept] / row[kept].sum(dtype=np.float64)
+        probs = out.reshape(probs.shape)
     return probs
 
 
-NUCLEUS_CANDIDATES = 1024  # sort only this many of the most likely tokens when they hold the nucleus (a full sort of
-# a 49k vocabulary costs ~5 ms a row; a model's nucleus is almost always far smaller)
+NUCLEUS_CANDIDATES = 1024  # sort at most this many of the most likely tokens when they hold the nucleus (a full sort
+# of a 49k vocabulary costs ~5 ms a row; a model's nucleus is almost always far smaller)
+NUCLEUS_STEP = 1e-3  # candidates: tokens within this factor of the most likely one, widened by it while they fall short
 
 
 def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """The top-p set of one distribution [V] as a mask: tokens in descending probability (ties: lower id first)
-    while the mass strictly above them is below top_p. The same set as sorting the whole vocabulary: the top
-    candidates are sorted alone when the set ends at a probability above every token left out of them."""
+    """The top-p set of one distribution [V] as a mask (``nucleus_ids``)."""
+    keep = np.zeros(probs.shape[-1], dtype=bool)
+    keep[nucleus_ids(probs, top_p)] = True
+    return keep
+
+
+def nucleus_ids(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The top-p set of one distribution [V]: tokens in descending probability (ties: lower id first) while the
+    mass strictly above them is below top_p. The same set as sorting the whole vocabulary: only the tokens at or
+    above a threshold are sorted, and every token below it is less likely than all of them, so once the sorted ones
+    reach top_p the set ends among them (else the threshold drops and the sort is redone)."""
     size = probs.shape[-1]
-    if size > 2 * NUCLEUS_CANDIDATES:
-        candidates = np.argpartition(-probs, NUCLEUS_CANDIDATES)[:NUCLEUS_CANDIDATES]
+    threshold = float(probs.max()) * NUCLEUS_STEP
+    while threshold > 0.0:
+        candidates = np.flatnonzero(probs >= threshold)
+        if len(candidates) > NUCLEUS_CANDIDATES:
+            break  # a flat distribution: sort it all
         order = candidates[np.lexsort((candidates, -probs[candidates]))]
         kept = _kept(probs[order], top_p)
-        outside = probs[candidates].min()
-        if kept < len(order) and probs[order[kept - 1]] > outside:
-            keep = np.zeros(size, dtype=bool)
-            keep[order[:kept]] = True
-            return keep
+        if kept < len(order) or len(order) == size:
+            return order[:kept]
+        threshold *= NUCLEUS_STEP
     order = np.argsort(-probs, kind="stable")
-    keep = np.zeros(size, dtype=bool)
-    keep[order[: _kept(probs[order], top_p)]] = True
-    return keep
+    return order[: _kept(probs[order], top_p)]
 
 
 def _kept(sorted_probs: np.ndarray, top_p: float) -> int:
     """How many of the sorted probabilities the nucleus keeps (at least one)."""
-    before = np.cumsum(sorted_probs) - sorted_probs  # mass strictly above each token
+    before = np.cumsum(sorted_probs, dtype=np.float64) - sorted_probs  # mass strictly above each token
     return max(1, int(np.count_nonzero(before < top_p)))
 
 
@@ -92,9 +105,11 @@ def top_probability(logits: np.ndarray) -> float:
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF draw from one distribution [V]."""
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.shape[-1] - 1))
+    """Inverse-CDF draw from one distribution [V], over its support (float64 sums: a float32 running sum would
+    drop the smallest probabilities near its end)."""
+    support = np.flatnonzero(probs > 0)
+    cdf = np.cumsum(probs[support].astype(np.float64))
+    return int(support[min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(support) - 1)])
 
 
 def point_masses(tokens: list[int], vocab_size: int, params: SamplingParams) -> list[np.ndarray | None]:
@@ -128,13 +143,12 @@ def verify(draft_tokens: list[int], draft_probs: list[np.ndarray | None], target
             if choices[i] != token:
                 return i, int(choices[i])  # recovered token: the target's own choice
         return len(draft_tokens), int(choices[len(draft_tokens)])  # bonus token
-    target_probs = probabilities(target_logits, params)
-    for i, token in enumerate(draft_tokens):
-        p, q = target_probs[i], draft_probs[i]
+    for i, token in enumerate(draft_tokens):  # p_i only for the positions reached (up to the first rejection)
+        p, q = probabilities(target_logits[i], params), draft_probs[i]
         if rng.random() * q[token] < p[token]:  # u < p/q without dividing by q
             continue  # accepted token
         residual = np.maximum(p - q, 0.0)
         if residual.sum() <= 0.0:  # only when p == q up to rounding; then p itself is the right law
             residual = p
         return i, sample(residual, rng)  # recovered token
-    return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)  # bonus token
+    return len(draft_tokens), sample(probabilities(target_logits[len(draft_tokens)], params), rng)  # bonus token

@@ -5,8 +5,8 @@ loop; its call costs are runtime/step_costs.py, what a request gets back runtime
 
 A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
 (2) waiting requests are admitted up to ``max_batch`` rows, first come first served among the clients holding
-the fewest rows (``_take``): each prompt is prefilled in a
-cache of its own, which then joins the running batch; (3) every row advances once; (4) each row accepts with its own
+the fewest rows (``_take``): each prompt is prefilled in a row of its own in the batch cache, which a fused engine
+reserves for ``max_batch`` rows of the whole context at start (the server's memory does not grow with its load); (3) every row advances once; (4) each row accepts with its own
 sampling parameters, k and random generator (sampling.verify), its text and stop strings advance, and finished rows
 leave, their cache rows freed. New requests therefore start at the next step, whatever else is running.
 
@@ -137,7 +137,7 @@ class Scheduler:
             raise ValueError("max_rows_per_client must be >= 1 (or None: no cap)")
         self.max_rows_per_client = max_rows_per_client
         self.rows: list[_Row] = []
-        self.cache = self.target.new_cache(0)
+        self.cache = self._batch_cache()
         self.waiting: deque[_Waiting] = deque()
         self.costs = CostModel()
         self.counters = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "step_time": 0.0, "engine_time": 0.0,
@@ -398,23 +398,41 @@ class Scheduler:
         if not taken:
             return 0.0
         start = time.perf_counter()
+        running = len(self.rows)
         try:
-            cache = self.target.new_cache(len(taken))
-            if any(len(w.prompt) > 1 for w in taken):
-                prefill(self.target, cache, [w.prompt[:-1] for w in taken])
             rows = [self._row(w) for w in taken]
-            states = cache.extra.get("hidden")
-            for b, row in enumerate(rows):
+            if hasattr(self.target, "prefill_row"):
+                states = self._prefill_in_place(taken)
+            else:
+                states = self._prefill_and_join(taken)
+            for row, state in zip(rows, states):
                 if hasattr(row.drafter, "take_features"):
-                    row.drafter.take_features(None if states is None else [states[b, : len(row.prompt) - 1]])
-        except Exception as err:  # nothing joined yet: the batch in flight is untouched
+                    row.drafter.take_features(None if state is None else [state])
+        except Exception as err:  # the running rows' cache is untouched; the admitted ones leave it again
+            if self.cache.batch > running:
+                self.cache = self.target.select(self.cache, np.arange(running))
             for w in taken:
                 w.handle.send(Event(error=Unavailable(f"admission failed: {err}")))
             return time.perf_counter() - start
-        self.cache = self.target.join(self.cache, cache)
         self.rows.extend(rows)
         self.counters["admitted"] += len(taken)
         return time.perf_counter() - start
+
+    def _prefill_in_place(self, taken: list[_Waiting]) -> list:
+        """Each admitted prompt (but its last token) prefilled in a row of its own in the batch cache, with the
+        calls it would get alone; its final hidden states (None: none)."""
+        first = self.cache.batch
+        self.cache = self.target.add_rows(self.cache, len(taken))
+        return [self.target.prefill_row(self.cache, first + i, w.prompt[:-1]) for i, w in enumerate(taken)]
+
+    def _prefill_and_join(self, taken: list[_Waiting]) -> list:
+        """The admitted prompts prefilled in a cache of their own, which then joins the batch's."""
+        cache = self.target.new_cache(len(taken))
+        if any(len(w.prompt) > 1 for w in taken):
+            prefill(self.target, cache, [w.prompt[:-1] for w in taken])
+        states = cache.extra.get("hidden")
+        self.cache = self.target.join(self.cache, cache)
+        return [None if states is None else states[b, : len(w.prompt) - 1] for b, w in enumerate(taken)]
 
     def _take(self, free: int) -> list[_Waiting]:
         """Under the lock: up to ``free`` waiting requests, each time the oldest of the clients holding the fewest
@@ -503,7 +521,14 @@ class Scheduler:
         for row in self.rows:
             row.handle.send(Event(error=error))
         self.rows = []
-        self.cache = self.target.new_cache(0)
+        self.cache = self._batch_cache()
+
+    def _batch_cache(self):
+        """The running batch's cache. An engine that can (FusedEngine) reserves ``max_batch`` rows of the whole
+        context once, so the server holds its KV cache from the start and no request makes it grow; rows are then
+        prefilled in place (``_prefill_in_place``). Others start empty and grow by joining."""
+        reserve = getattr(self.target, "reserved_cache", None)
+        return reserve(self.max_batch) if reserve is not None else self.target.new_cache(0)
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:

@@ -110,10 +110,8 @@ class ModelDrafter:
 
     def _feed(self, chunks: list[list[int]]) -> np.ndarray:
         """Feed one chunk per row; returns the logits after each row's last token [B, V] (junk for empty rows)."""
-        logits, valid = feed(self.engine, self.cache, chunks)
         self.calls += 1
-        last = np.maximum(valid.sum(axis=1) - 1, 0)
-        return logits[np.arange(len(chunks)), last]
+        return last_logits(self.engine, self.cache, chunks)
 
     takes_prefixes = True  # propose() continues given draft tokens (grammar-forced ones) instead of starting afresh
 
@@ -216,6 +214,16 @@ def padded(chunks: list[list[int]], min_width: int = 1) -> tuple[np.ndarray, np.
     for b, chunk in enumerate(chunks):
         tokens[b, : len(chunk)], valid[b, : len(chunk)] = chunk, 1
     return tokens, valid
+
+
+def last_logits(engine: Engine, cache, chunks: list[list[int]], **options) -> np.ndarray:
+    """Feed per-row chunks in one call; the logits after each row's last token [B, V] (junk for empty rows). An
+    engine that ``scores_last`` runs its head there alone (a drafter reads nothing else)."""
+    tokens, valid = padded(chunks)
+    if getattr(engine, "scores_last", False):
+        return engine.forward(cache, tokens, valid, last=True, **options)[:, 0]
+    logits = engine.forward(cache, tokens, valid, **options)
+    return logits[np.arange(len(chunks)), np.maximum(valid.sum(axis=1) - 1, 0)]
 
 
 def feed(engine: Engine, cache, chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

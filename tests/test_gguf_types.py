@@ -206,8 +206,8 @@ def test_gguf_blocks_become_matmulnbits_exactly(tmp_path, types, block):
     decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf", block)
     assert not decoder.notes
     assert all(layer.qkv.quant is not None and layer.down.quant is not None for layer in decoder.layers)
-    assert {layer.down.quant.block for layer in decoder.layers} == {decoder.head.quant.block} == {block}
-    assert decoder.head.quant is not None  # the tied head from token_embd's blocks
+    assert {layer.down.quant.block for layer in decoder.layers} == {block}
+    assert decoder.head.quant is not None and decoder.head.quant.block == 32  # the tied head keeps the file's blocks
     assert ("MatMul" in _ops_after_build(decoder, tmp_path)) == ("Q4_1" in types.values())  # Q4_1's offsets
     assert _check_model_is_the_file(model, decoder, tmp_path) < 1e-4
 
@@ -232,7 +232,7 @@ def test_mixed_type_files_are_built_exactly_and_nothing_is_requantized(tmp_path,
     assert not decoder.notes  # nothing left as float, nothing quantized again
     qkv = decoder.layers[0].qkv.quant
     assert (qkv.bits, qkv.block) == (8, 16 if {types["attn_q"], types["attn_v"]} & set(SIXTEEN_WIDE) else block)
-    assert decoder.head.quant.block == (16 if types["token_embd"] == "Q6_K" else block)
+    assert decoder.head.quant.block == (16 if types["token_embd"] == "Q6_K" else 32)  # the head keeps the file's
     assert _check_model_is_the_file(model, decoder, tmp_path) < 1e-4
 
 

@@ -99,7 +99,7 @@ def test_sampled_constrained_speculation_follows_the_constrained_target(compiler
     loop = loop_for(compiler, REGEX, [[ids(compiler, "a")[0]]] * n, SAMPLED, drafter=drafter, forced=forced)
     rows = run(loop)
     law = exact_law(compiler, REGEX, random_table(257, 1), ids(compiler, "a")[0], SAMPLED)
-    assert abs(sum(law.values()) - 1) < 1e-9 and len(law) > 20
+    assert abs(sum(law.values()) - 1) < 1e-6 and len(law) > 20  # float32 laws: products sum to 1 within ~1e-7
     outcomes = sorted(law)
     index = {o: i for i, o in enumerate(outcomes)}
     observed = np.zeros(len(outcomes))

@@ -224,3 +224,19 @@ def test_the_circle_guard_sees_a_lazy_import_and_resolves_relative_ones(tmp_path
     graph = {name: arrows(path, modules) for name, path in modules.items()}
     assert graph["pkg.b"] == {"pkg.a": 2} and graph["pkg.c"] == {"pkg.d": 1}
     assert import_circles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+LONG_MODULE = 450  # lines; a longer module says why at its top
+
+
+def test_every_long_module_says_why_at_its_top():
+    """A module over LONG_MODULE lines states, in its docstring, why it is one module ("Longer than most
+    modules: ..."); tests are exempt."""
+    unexplained = []
+    for package in PACKAGES + ("scripts",):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            if text.count("\n") > LONG_MODULE and "Longer than most modules" not in (ast.get_docstring(
+                    ast.parse(text)) or ""):
+                unexplained.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert unexplained == []

@@ -133,3 +133,28 @@ def test_a_lone_surrogate_is_a_request_error_naming_the_field(generator, field):
 def test_a_subnormal_temperature_samples_greedily_not_nan(generator):
     got = generator.generate("def add(a, b):", max_new_tokens=8, temperature=5e-324, seed=1)
     assert got.token_ids == generator.generate("def add(a, b):", max_new_tokens=8).token_ids
+
+
+def test_the_batch_cache_is_reserved_once_and_requests_never_grow_it(generator):
+    """The scheduler reserves max_batch rows of the whole context at start (written, so the memory is taken then);
+    prompts near the limit and short ones join, prefill in place and leave, and the buffers are never replaced,
+    while every answer stays what it is alone (a row's prefill makes the calls a lone request's does)."""
+    engine = fused(generator)
+    scheduler = Scheduler(generator, max_batch=3)
+    buffers = [id(b) for b in scheduler.cache.past]
+    assert scheduler.cache.past[0].shape[0] == 3 and scheduler.cache.past[0].shape[2] >= engine.max_context
+    near = prompt_of(generator, generator.max_context - 12)
+    prompts = [near, "def add(a, b):", near, "The quick brown", "x", near]
+    handles = [scheduler.submit(p, max_new_tokens=24, k=1 + i % 3) for i, p in enumerate(prompts)]
+    while scheduler.step():
+        assert [id(b) for b in scheduler.cache.past] == buffers
+    for i, (prompt, handle) in enumerate(zip(prompts, handles)):
+        assert handle.result().token_ids == generator.generate(prompt, max_new_tokens=24, k=1 + i % 3).token_ids
+    assert scheduler.cache.batch == 0 and [id(b) for b in scheduler.cache.past] == buffers
+
+
+def test_a_batch_cache_larger_than_the_memory_is_refused_at_start_by_name(generator, monkeypatch):
+    import runtime.engine
+    monkeypatch.setattr(runtime.engine, "available_memory_bytes", lambda: 1 << 20)
+    with pytest.raises(MemoryError, match="--max-batch"):
+        Scheduler(generator, max_batch=64)

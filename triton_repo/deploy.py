@@ -148,10 +148,10 @@ def measure(bundle: str | os.PathLike, threads: int, max_batch: int, policy: str
 
 def _measure_here(bundle: str, threads: int, max_batch: int, policy: str) -> dict:
     """The child's side of ``measure``."""
-    import resource
     import time
     start = time.perf_counter()
     from runtime.api import SpeculativeGenerator
+    from runtime.metrics import peak_rss_bytes
     from runtime.scheduler import Scheduler
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     scheduler = Scheduler(generator, max_batch=max_batch, policy=policy).start()
@@ -159,8 +159,7 @@ def _measure_here(bundle: str, threads: int, max_batch: int, policy: str) -> dic
     scheduler.stop()
     generator.generate("The quick brown fox", max_new_tokens=4)  # warm-up
     result = generator.generate("The quick brown fox", max_new_tokens=32)
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"load_s": round(load_s, 2), "rss_mib": round(peak_kib / 1024, 1),
+    return {"load_s": round(load_s, 2), "rss_mib": round(peak_rss_bytes() / 2**20, 1),
             "tokens_per_s": round(result.stats.tokens_per_second, 1)}
 
 

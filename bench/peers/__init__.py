@@ -4,13 +4,14 @@ draftsmith[peers]``; each peer is skipped, with the reason, when it is not insta
 - **transformers**: plain ``generate`` and assisted generation with the bundle's draft (torch, fp32);
 - **llama.cpp** (llama-cpp-python) on the bundle's GGUF source file as it is: plain decoding, and its prompt-lookup
   drafting (``LlamaPromptLookupDecoding``, the only drafter the Python bindings ship);
+- **OpenVINO GenAI** on the bundle's GGUF source file, read directly: plain decoding and its prompt lookup;
 - **ONNX Runtime GenAI**: its own model-builder graphs of the same weights (fp32 and int4), plain, and its
   speculative decoding (``GeneratorParams.set_speculative_options``) with the bundle's draft built by the same
   builder. Graphs are cached under ``~/.cache/draftsmith/peers/<sha256 of the source weights>/`` (or
   ``$DRAFTSMITH_PEERS_CACHE``).
 
-One module a peer (``transformers_peer``, ``llama_cpp_peer``, ``genai_peer``) over what they share (``common``:
-the sources, our reference, the timed rows); this face hands their names on, so ``bench.peers.run_llama_cpp`` and
+One module a peer (``transformers_peer``, ``llama_cpp_peer``, ``genai_peer``, ``openvino_peer``) over what they
+share (``common``: the sources, our reference, the timed rows); this face hands their names on, so ``bench.peers.run_llama_cpp`` and
 the rest import from here. A new peer: a ``run_<peer>(manifest, bundle, workloads, best_k, max_new_tokens, threads,
 eos_ids, progress)`` returning rows, made with ``common.timed_rows``, and its call in ``bench/speed.py``.
 
@@ -30,9 +31,10 @@ from bench.peers.common import (PeerError, compare_with_ours, is_feature_draft, 
 from bench.peers.genai_peer import (BUILDER_TIMEOUT_S, CACHE_ENV, cache_root, genai_graph, genai_graphs,
                                     genai_session_options, hf_folder, run_onnxruntime_genai, speculative_config)
 from bench.peers.llama_cpp_peer import run_llama_cpp
+from bench.peers.openvino_peer import run_openvino
 from bench.peers.transformers_peer import run_transformers, transformers_assistant
 
 __all__ = ["BUILDER_TIMEOUT_S", "CACHE_ENV", "PeerError", "cache_root", "compare_with_ours", "genai_graph",
            "genai_graphs", "genai_session_options", "hf_folder", "is_feature_draft", "locate_checkpoint",
-           "run_llama_cpp", "run_onnxruntime_genai", "run_transformers", "source_candidates", "speculative_config",
-           "strip_eos", "transformers_assistant"]
+           "run_llama_cpp", "run_onnxruntime_genai", "run_openvino", "run_transformers", "source_candidates",
+           "speculative_config", "strip_eos", "transformers_assistant"]
