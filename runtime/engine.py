@@ -430,6 +430,7 @@ class FusedEngine:
         return logits, (np.array(outputs["hidden"].numpy()) if self.has_hidden else None)
 
     OUTPUT_CACHE = 64  # output shapes whose buffers are kept: a decode step's few (batch, tokens) shapes
+    CACHED_TOKENS = 16  # calls of more tokens a row (prefills) get buffers of their own, not kept
 
     def _output_values(self, shape: tuple[int, int], keep: int) -> dict:
         """The logits (and hidden-state) outputs for a call of ``shape`` tokens keeping ``keep`` positions, made
@@ -444,9 +445,10 @@ class FusedEngine:
             if self.has_hidden:
                 values["hidden"] = ort.OrtValue.ortvalue_from_shape_and_type((*shape, self.hidden_width),
                                                                              np.float32)
-            if len(self._outputs) >= self.OUTPUT_CACHE:
-                self._outputs.pop(next(iter(self._outputs)))
-            self._outputs[key] = values
+            if shape[1] <= self.CACHED_TOKENS:
+                if len(self._outputs) >= self.OUTPUT_CACHE:
+                    self._outputs.pop(next(iter(self._outputs)))
+                self._outputs[key] = values
         return values
 
     def _binding(self, cache: KVCache, rows: slice):
