@@ -79,6 +79,11 @@ def render_summary(console, report: dict) -> None:
         console.print(f"recommended default k over {', '.join(report['best_k'])}: [bold]{rec['k']}[/] "
                       f"(geometric-mean speedup {rec['geomean_speedup']:.2f}x); bundle default now {rec['bundle_default_k']}"
                       + (" [written]" if rec.get("written") else ""))
+    quality = report.get("quality")
+    if quality:
+        scores = ", ".join(f"{name} {value:.2f}" if isinstance(value, float) else f"{name}: {value}"
+                           for name, value in quality.items() if name != "eval_tokens")
+        console.print(f"quality, perplexity on {quality['eval_tokens']} tokens of the evaluation set: {scores}")
     where = report.get("where_time_goes")
     if where:
         for w in where:

@@ -362,6 +362,10 @@ PEER_NAMES = ("transformers", "llama.cpp", "onnxruntime-genai", "openvino")  # t
 @click.option("--peer", "peer_names", multiple=True, type=click.Choice(PEER_NAMES),
               help="Run only these peers (repeatable; default: every installed one). A GGUF target's "
                    "transformers and ONNX Runtime GenAI peers parse the file for minutes: --peer llama.cpp skips them.")
+@click.option("--quality/--no-quality", default=False, show_default=True,
+              help="Perplexity on the evaluation set beside the speed: ours, and llama.cpp's on the same GGUF file.")
+@click.option("--quality-tokens", type=int, default=0, show_default=True,
+              help="With --quality: score only the first N tokens of the set (0: all, ~28,000).")
 @click.option("--peer-prompts", type=int, default=4, show_default=True,
               help="Prompts per workload for the peers (they are slow; 0: all).")
 @click.option("--peer-spinning/--no-peer-spinning", default=True, show_default=True,
@@ -376,7 +380,8 @@ PEER_NAMES = ("transformers", "llama.cpp", "onnxruntime-genai", "openvino")  # t
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, max_new_tokens, prompt_limit, threads,
           chat, seed, drafter_kind, confidence, response_format_file, forced_drafts, json_out, plot_out, write_k, memory,
-          limit, peers, peer_names, peer_prompts, peer_spinning, device, allow_pickle, trust_remote_code, quiet):
+          limit, peers, peer_names, quality, quality_tokens, peer_prompts, peer_spinning, device, allow_pickle,
+          trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -486,6 +491,10 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, ma
         report["peers_reference"] = {w: {key: v for key, v in r.items() if key != "token_ids"} for w, r in ours.items()}
         report["settings"]["peer_prompts"] = peer_prompts
         report["settings"]["peer_spinning"] = peer_spinning
+    if quality:
+        report["quality"] = quality_report(generator, Path(bundle), threads, peers is not False and
+                                           (not peer_names or "llama.cpp" in peer_names), quality_tokens)
+        save(False)
     if write_k and rec_k is not None:
         write_default_k(Path(bundle), rec_k)
         report["recommended_k"]["written"] = True
@@ -532,6 +541,18 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
                          "speculative_tokens_per_second": rate(spec) if spec else None,
                          "speculative_identical_to_ours": (sum(a.token_ids == b.token_ids for a, b in zip(spec, target))
                                                            / len(target)) if spec else None}
+    return out
+
+
+def quality_report(generator, bundle: Path, threads: int, with_llama_cpp: bool, tokens: int) -> dict:
+    """Perplexity on the evaluation set (bench/quality.py): ours, and llama.cpp's on the same file where it runs."""
+    from bench import quality
+    windows = quality.windows(generator, tokens)
+    out = {"eval_tokens": sum(len(w) for w in windows), "draftsmith": quality.ours(generator, windows)}
+    if with_llama_cpp:
+        from bench.peers import llama_cpp_perplexity
+        row = llama_cpp_perplexity(generator.manifest, bundle, windows, threads)
+        out["llama.cpp"] = row.get("perplexity", row.get("skipped"))
     return out
 
 

@@ -5,6 +5,7 @@ Speed is measured by the bench, never asserted here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -580,3 +581,20 @@ def test_paired_ratios_and_their_bootstrap_interval_choose_the_smallest_k_that_o
     assert best_k(rows)["code"]["k"] == 2
     row = summarize(fast, base)
     assert row["paired_speedup"] == pytest.approx(2.0) and row["speedup_interval"] == (2.0, 2.0)
+
+
+def test_quality_scores_our_target_and_llama_cpp_on_the_same_windows(tiny_bundle, smollm2_bundle):
+    """Perplexity on the evaluation set's windows: ours from the target engine (the build report's figure for the
+    same windows), llama.cpp's on the GGUF file when it is installed; both finite and close on the same file."""
+    from bench import quality
+    from bench.peers import llama_cpp_perplexity
+    from runtime.api import SpeculativeGenerator
+    real = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
+    windows = quality.windows(real, 600)
+    assert [len(w) for w in windows] == [512, 88]
+    ours = quality.ours(real, windows)
+    assert 5 < ours < 60  # SmolLM2 on English about code (the full set: ~17)
+    assert quality.perplexity(lambda ids: np.zeros((len(ids), 7)), [[1, 2, 3]]) == pytest.approx(7.0)
+    if importlib.util.find_spec("llama_cpp") is not None:
+        row = llama_cpp_perplexity(_on_smollm2_gguf(tiny_bundle), tiny_bundle, windows, 1)
+        assert abs(row["perplexity"] / ours - 1) < 0.1, (row, ours)

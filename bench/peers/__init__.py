@@ -30,11 +30,11 @@ from bench.peers.common import (PeerError, compare_with_ours, is_feature_draft, 
                                 strip_eos)
 from bench.peers.genai_peer import (BUILDER_TIMEOUT_S, CACHE_ENV, cache_root, genai_graph, genai_graphs,
                                     genai_session_options, hf_folder, run_onnxruntime_genai, speculative_config)
-from bench.peers.llama_cpp_peer import run_llama_cpp
+from bench.peers.llama_cpp_peer import llama_cpp_perplexity, run_llama_cpp
 from bench.peers.openvino_peer import run_openvino
 from bench.peers.transformers_peer import run_transformers, transformers_assistant
 
 __all__ = ["BUILDER_TIMEOUT_S", "CACHE_ENV", "PeerError", "cache_root", "compare_with_ours", "genai_graph",
-           "genai_graphs", "genai_session_options", "hf_folder", "is_feature_draft", "locate_checkpoint",
-           "run_llama_cpp", "run_onnxruntime_genai", "run_openvino", "run_transformers", "source_candidates",
-           "speculative_config", "strip_eos", "transformers_assistant"]
+           "genai_graphs", "genai_session_options", "hf_folder", "is_feature_draft", "llama_cpp_perplexity",
+           "locate_checkpoint", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino", "run_transformers",
+           "source_candidates", "speculative_config", "strip_eos", "transformers_assistant"]

@@ -61,3 +61,26 @@ def _llama_generate(llm, max_new_tokens: int, eos: set[int]):
                 break
         return out
     return generate
+
+
+def llama_cpp_perplexity(manifest: Manifest, bundle: Path, windows: list[list[int]], threads: int) -> dict:
+    """llama.cpp's perplexity on the GGUF file over ``windows`` (bench.quality's, the same token ids as ours):
+    ``logits_all`` keeps every position's logits; each window is evaluated from an empty cache. Returns
+    {"peer", "perplexity"} or a skip row."""
+    if not manifest.spec.target.endswith(".gguf") or importlib.util.find_spec("llama_cpp") is None:
+        return skip("llama.cpp", "no GGUF target, or llama_cpp is not installed")
+    from bench.quality import perplexity
+    from llama_cpp import Llama
+    try:
+        checkpoint = locate_checkpoint(manifest.target, bundle)
+    except PeerError as err:
+        return skip("llama.cpp", str(err))
+    width = max(len(w) for w in windows)
+    llm = Llama(model_path=str(checkpoint.folder / checkpoint.gguf_file), n_ctx=width, n_batch=width,
+                n_threads=threads or None, n_threads_batch=threads or None, logits_all=True, verbose=False)
+
+    def logits_of(ids):
+        llm.reset()
+        llm.eval(ids)
+        return llm._scores[: len(ids)]  # logits of every evaluated position (logits_all)
+    return {"peer": "llama.cpp", "perplexity": perplexity(logits_of, windows)}
