@@ -24,6 +24,7 @@ import numpy as np
 from builder import checkpoint as ckpt
 from builder import evaluate, export, gguf_weights, graph, pairing, quantize
 from builder import publish as publishing
+from builder.progress import Heartbeat
 from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,9 @@ BUNDLE = publishing.Kind("bundle", bundle_problem, BuildError)
 
 
 def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage | None = None,
-          threads: int = 0) -> Manifest:
-    """Build a bundle at ``out`` from ``spec``; returns its manifest. ``on_stage(name)`` is called as each starts."""
+          threads: int = 0, say: Callable[[str], None] | None = None) -> Manifest:
+    """Build a bundle at ``out`` from ``spec``; returns its manifest. ``on_stage(name)`` is called as each starts;
+    ``say(line)``, where no progress bar shows, gets a line a minute from the long evaluation stage."""
     out = Path(out).absolute()
     stage = on_stage or (lambda name: None)
     if spec.backend != "onnxruntime":
@@ -66,7 +68,7 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
     with staging(out, force) as tmp, _disk_errors(out):
         stage("resolve")
         target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
-        manifest = _build_into(tmp, spec, target_ckpt, draft_ckpt, draft_layers, stage, threads)
+        manifest = _build_into(tmp, spec, target_ckpt, draft_ckpt, draft_layers, stage, threads, say)
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
         return _finish(tmp, manifest, out, stage)
 
@@ -95,7 +97,7 @@ def _positive_int(text: str, what: str) -> int:
 
 
 def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, stage: Stage,
-                threads: int) -> Manifest:
+                threads: int, say: Callable[[str], None] | None = None) -> Manifest:
     stage("pair")
     target_tok = target_ckpt.load_tokenizer()
     draft_tok = target_tok if draft_ckpt is target_ckpt else draft_ckpt.load_tokenizer()
@@ -144,7 +146,7 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
         from runtime.engine import MappedVocabEngine
         for group in (engines, references):
             group["draft"] = MappedVocabEngine(group["draft"], kept, target_info.vocab_size)
-    report = evaluate.report(engines, references, windows)
+    report = evaluate.report(engines, references, windows, Heartbeat("evaluate: windows", len(windows), say))
     if kept is not None:
         report["draft_vocab"] = {"kept_ids": len(kept), "eval_coverage": float(np.isin(ids[1:], kept).mean())}
         for key in ("perplexity", "fp32_perplexity"):  # infinite when an eval token is outside the kept ids

@@ -191,7 +191,8 @@ def _run_build(spec, out, force, threads, quiet):
                 console.print(f"build-engines: {name} ({time.perf_counter() - current['start']:.0f} s)")
 
         try:
-            manifest = build(spec, out, force=force, on_stage=on_stage, threads=threads)
+            manifest = build(spec, out, force=force, on_stage=on_stage, threads=threads,
+                             say=None if console.is_terminal else lambda line: console.print(f"build-engines: {line}"))
         except (BuildError, CheckpointError, PairingError, ExportError, SpecError, ValueError) as err:
             raise click.ClickException(str(err)) from None
         if current["task"] is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -51,10 +52,11 @@ def hidden_of(engine, ids: list[int]) -> np.ndarray | None:
     return None if hidden is None else hidden[0]
 
 
-def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], windows: list[list[int]]) -> dict:
+def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], windows: list[list[int]],
+           advance: Callable[[int], None] = lambda n: None) -> dict:
     """Per engine: agreement with its own fp32 graph and perplexity over every window; plus draft/target greedy
     agreement. A feature draft reads the (quantized) target engine's hidden states, as at run time, and is scored
-    from each window's second token on."""
+    from each window's second token on. ``advance(1)`` after each window (a build's progress line)."""
     sums = {name: {"nll": 0.0, "fp32_nll": 0.0, "scored": 0, "agree": 0, "rows": 0} for name in engines}
     pair = [0, 0]  # draft/target argmax agreements, rows
     reads_features = any(getattr(e, "takes_features", False) for e in engines.values())
@@ -76,6 +78,7 @@ def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], wi
             skip = len(computed["target"]) - len(computed["draft"])
             pair[0] += int((computed["draft"].argmax(-1) == computed["target"][skip:].argmax(-1)).sum())
             pair[1] += len(computed["draft"])
+        advance(1)
     out = {"eval_tokens": sum(len(ids) for ids in windows), "eval_windows": len(windows)}
     for name, total in sums.items():
         out[name] = {"top1_agreement_vs_fp32": total["agree"] / max(total["rows"], 1),

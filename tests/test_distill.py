@@ -244,3 +244,45 @@ def test_engine_sampled_continuations_are_seeded_and_stop_at_the_deadline(learna
     assert len({tuple(s.continuation) for s in one}) > 1 and all(len(s.continuation) == 12 for s in one)
     late = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], batch_size=2, deadline=time.perf_counter())
     assert len(late) == 1  # past the deadline only the first job runs
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_users_message(learnable_target):
+    from transformers import AutoTokenizer
+
+    from builder.distill.self_prompts import user_turn_prefix
+    tokenizer = AutoTokenizer.from_pretrained(learnable_target[0])
+    prefix = user_turn_prefix(tokenizer)
+    assert tokenizer.decode(prefix) == "<|im_start|>user\n"
+    tokenizer.chat_template = None  # a base model: no user turn to complete
+    assert user_turn_prefix(tokenizer) is None
+
+
+def test_self_prompts_keep_finished_distinct_queries_only(learnable_target, tmp_path, monkeypatch):
+    """The target's own queries (Magpie): sampled from the user-turn prefix by the engine; a query cut off at the
+    token limit, one under three words, and one already known (in any case or spacing) are dropped."""
+    from transformers import AutoTokenizer
+
+    from builder.distill import self_prompts as sp
+    from builder.distill.corpus import Prompt, Sample
+    tokenizer = AutoTokenizer.from_pretrained(learnable_target[0])
+    engine, _ = _engine_and_model(learnable_target, tmp_path)
+    real = sp.generate_with_engine(engine, [sp.Job(sp.user_turn_prefix(tokenizer), 1.0, prompt_rows=False)] * 3, 6,
+                                   top_k=1, eos_ids=[2], seed=0, batch_size=2)
+    assert len(real) == 3 and all(s.prompt == sp.user_turn_prefix(tokenizer) for s in real)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    texts = ["def add(a, b): return a + b", "the quick brown", "The  QUICK brown", "lazy dog", "Lazy dog jumps",
+             "for i in range(10): print(i)", "def add(a, b): return a + b"]
+    finished = [True, True, True, True, True, False, True]
+    made = [Sample([1], tokenizer(t, add_special_tokens=False)["input_ids"] + ([end] if f else []))
+            for t, f in zip(texts, finished)]
+    asked = {}
+
+    def fake_generate(engine, jobs, max_tokens, **kw):
+        asked.update(jobs=len(jobs), prefix=jobs[0].prompt, eos=kw["eos_ids"])
+        return made
+    monkeypatch.setattr(sp, "generate_with_engine", fake_generate)
+    kept = sp.self_prompts(engine, tokenizer, 7, eos_ids=[end], seed=0, known=[Prompt("lazy  DOG jumps")])
+    assert [p.text for p in kept] == ["def add(a, b): return a + b", "the quick brown"]
+    assert asked == {"jobs": 7, "prefix": sp.user_turn_prefix(tokenizer), "eos": [end]}
+    tokenizer.chat_template = None
+    assert sp.self_prompts(engine, tokenizer, 6, eos_ids=[end], seed=0, known=[]) == []

@@ -88,3 +88,25 @@ def test_the_distill_pipeline_prints_generation_lines_into_a_log(monkeypatch):
     terminal = Console(file=io.StringIO(), force_terminal=True)
     with pipeline._progress(terminal, quiet=False) as progress:
         assert pipeline._task(progress, "x", 1).say is None
+
+
+def test_the_builds_evaluation_says_how_far_it_got(tiny_pair, tmp_path, monkeypatch):
+    """build-engines in a log: the evaluation stage (minutes on a large vocabulary) reports its windows through
+    a Heartbeat; with a clock that moves 61 s each time it is read, a line comes for every window."""
+    import functools
+
+    import builder.build
+    from builder.progress import Heartbeat
+    from runtime.bundle import BuildSpec
+    ticks = iter(range(0, 100_000, 61))
+    monkeypatch.setattr(builder.build, "Heartbeat",
+                        functools.partial(Heartbeat, clock=lambda: float(next(ticks))))
+    lines = []
+    target, draft = tiny_pair
+    manifest = builder.build.build(BuildSpec(target=str(target), draft=str(draft), k=2, max_context=128,
+                                             target_quant="fp32", draft_quant="fp32", eval_tokens=300),
+                                   tmp_path / "b", say=lines.append)
+    windows = manifest.report["eval_windows"]
+    assert windows >= 2 and len(lines) == windows
+    assert all(re.fullmatch(r"evaluate: windows: \d+/\d+ \(\d+%\), \d+ s, about \d+ s left", x) for x in lines)
+    assert lines[-1].startswith(f"evaluate: windows: {windows}/{windows} (100%)")

@@ -15,7 +15,7 @@ from runtime.presets import load_preset
 
 RECIPE_KEYS = ("init", "prompts", "minutes", "max_new_tokens", "temperature", "loss", "draft_vocab",
                "samples_per_prompt", "sample_temperature", "generate_share", "heldout", "lr", "seed", "teacher_engine",
-               "generate_batch")
+               "generate_batch", "self_prompts")
 
 
 def recipe_from(config: dict, path) -> tuple[str, str, dict]:
@@ -65,6 +65,9 @@ def recipe_from(config: dict, path) -> tuple[str, str, dict]:
                    "GGUF file's own blocks for a .gguf target, else fp32) in continuous batches, or torch.")
 @click.option("--generate-batch", type=int, default=32, show_default=True,
               help="Rows the ONNX engine continues at once.")
+@click.option("--self-prompts", type=int, default=0, show_default=True,
+              help="Have the target write N user queries from its chat template's user-turn prefix (Magpie) and "
+                   "train on them too (chat models; the held-out prompts stay the shipped ones).")
 @click.option("--heldout", type=float, default=0.1, show_default=True, help="Share of prompts held out.")
 @click.option("--lr", type=float, default=5e-4, show_default=True,
               help="Peak learning rate of a layers=N draft (a feature draft trains at its own 3e-3).")
@@ -74,14 +77,15 @@ def recipe_from(config: dict, path) -> tuple[str, str, dict]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab,
-            samples_per_prompt, sample_temperature, generate_share, teacher_engine, generate_batch, heldout, lr, seed,
-            threads, force, as_json):
+            samples_per_prompt, sample_temperature, generate_share, teacher_engine, generate_batch, self_prompts, heldout,
+            lr, seed, threads, force, as_json):
     """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
     from builder.checkpoint import CheckpointError
     options = dict(init=init, prompts=prompts, minutes=minutes, max_new_tokens=max_new_tokens, temperature=temperature,
                    loss=loss, draft_vocab=draft_vocab, samples_per_prompt=samples_per_prompt,
                    sample_temperature=sample_temperature, generate_share=generate_share, heldout=heldout, lr=lr,
-                   seed=seed, teacher_engine=teacher_engine, generate_batch=generate_batch)
+                   seed=seed, teacher_engine=teacher_engine, generate_batch=generate_batch,
+                   self_prompts=self_prompts)
     if config_path is not None:
         try:
             recipe_target, recipe_out, recipe = recipe_from(load_preset(config_path), config_path)

@@ -13,6 +13,7 @@ from builder.distill.distributions import teacher
 from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary, output_transform
 from builder.distill.evaluation import acceptance
 from builder.distill.save import check_out, publish_draft
+from builder.distill.self_prompts import self_prompts as sample_self_prompts
 from builder.distill.training import train
 
 
@@ -37,7 +38,8 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
                   max_steps: int | None = None, max_prompt_tokens: int = 256, chat: bool | None = None,
                   generate_share: float = 0.4, samples_per_prompt: int = 1, sample_temperature: float = 1.0,
                   train_prompt_positions: bool = True, teacher_engine: str = "auto", accuracy_level: int = 4,
-                  generate_batch: int = 32, force: bool = False, console=None, quiet: bool = False) -> dict:
+                  generate_batch: int = 32, self_prompts: int = 0, force: bool = False, console=None,
+                  quiet: bool = False) -> dict:
     """Distil a draft for ``target`` into the Hugging Face folder ``out``; returns the report (also written to
     ``out/distill_report.json``).
 
@@ -52,6 +54,10 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     ``teacher_engine``: what generates the continuations and the teacher rows. ``auto`` is the fused ONNX engine the
     bundle's target will be (a GGUF file's own blocks, or fp32), in continuous batches of ``generate_batch`` rows,
     ~4x torch's ``generate`` here and with the teacher rows from the same calls; ``torch`` is transformers.
+
+    ``self_prompts`` > 0: before the continuations, the target samples that many user queries from its chat
+    template's user-turn prefix (builder/distill/self_prompts.py, the Magpie method); the distinct, finished ones join
+    the training prompts (the held-out prompts stay the shipped ones).
     """
     import torch
     from rich.console import Console
@@ -72,6 +78,10 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
     if features and teacher_engine == "torch":
         raise DistillError("--init feature trains on the target engine's hidden states: use --teacher-engine auto, "
                            "gguf or fp32")
+    if self_prompts < 0:
+        raise DistillError(f"--self-prompts must be >= 0, received {self_prompts}")
+    if self_prompts and teacher_engine == "torch":
+        raise DistillError("--self-prompts samples with the target's ONNX engine: use --teacher-engine auto")
     if generate_batch < 1:
         raise DistillError(f"--generate-batch must be >= 1, received {generate_batch}")
     if not 0 < generate_share < 1:
@@ -108,6 +118,18 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
             if engine is None and features:
                 raise DistillError("--init feature needs the target as a fused ONNX engine, and the fused graph "
                                    "cannot express this target; use --init layers=N")
+        made = []
+        if self_prompts and engine is not None:
+            t0 = time.perf_counter()
+            share = 0.25 * generate_share * max(0.0, deadline - t0)  # a quarter of the generation share at most
+            made = sample_self_prompts(engine, tokenizer, self_prompts, eos_ids=eos, seed=seed + 7, known=corpus,
+                                       batch_size=generate_batch, deadline=t0 + share,
+                                       advance=_task(progress, "target: writing its own prompts", self_prompts,
+                                                     t0 + share))
+            train_ids += [encode(tokenizer, p, chat, max_prompt_tokens) for p in made]
+            timings["self_prompts"] = round(time.perf_counter() - t0, 1)
+            say(f"self-prompts: {len(made)} distinct user queries kept of {self_prompts} asked for"
+                + ("" if made else " (no chat template, or none finished: a base model has no user turn)"))
         t0 = time.perf_counter()
         if engine is not None:
             samples, held = _engine_continuations(engine, progress, train_ids, held_ids, deadline, generate_share,
@@ -140,7 +162,8 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
                                          "prompts": str(prompts) if prompts else "builtin:distill_prompts.txt",
                                          "max_new_tokens": max_new_tokens, "samples_per_prompt": samples_per_prompt,
                                          "sample_temperature": sample_temperature,
-                                         "generate_share": generate_share, "teacher_engine": teacher_engine},
+                                         "generate_share": generate_share, "teacher_engine": teacher_engine,
+                                         "self_prompts": self_prompts, "self_prompts_kept": len(made)},
                                      seed, quiet)
         draft = init_draft(target_model, init)
         del target_model
@@ -186,6 +209,7 @@ def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Pat
         "max_new_tokens": max_new_tokens, "generation_temperature": temperature, "top_k": top_k,
         "samples_per_prompt": samples_per_prompt, "sample_temperature": sample_temperature,
         "generate_share": generate_share, "teacher_engine": teacher_engine,
+        "self_prompts": self_prompts, "self_prompts_kept": len(made),
         "draft_layers": draft.config.num_hidden_layers,
         "draft_vocab": int(len(kept)) if kept is not None else 0,
         "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
