@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -111,6 +112,17 @@ def long_prompt_of(tokens: int) -> str:
     return " ".join(words[i % len(words)] for i in range(tokens))
 
 
+def sse_lines(response):
+    """A server-sent event stream's lines, split only where the protocol splits them (CR, LF, CRLF): httpx's
+    ``iter_lines`` also splits at U+2028, U+0085 and the like, which a JSON string may carry raw."""
+    buffer = ""
+    for text in response.iter_text():
+        *lines, buffer = re.split(r"\r\n|\r|\n", buffer + text)
+        yield from lines
+    if buffer:
+        yield buffer
+
+
 def run_one(client: httpx.Client, base: str, spec: Spec, model: str, chat: bool) -> Outcome:
     """Send one streamed request and read it (to the end, or to ``spec.cancel_after`` chunks)."""
     out = Outcome(spec)
@@ -124,7 +136,7 @@ def run_one(client: httpx.Client, base: str, spec: Spec, model: str, chat: bool)
                 out.status, out.error = "failed", f"HTTP {response.status_code}: {_message(response.text)}"
                 return out
             chunks = 0
-            for line in response.iter_lines():
+            for line in sse_lines(response):
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":

@@ -492,7 +492,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, ma
         report["settings"]["peer_prompts"] = peer_prompts
         report["settings"]["peer_spinning"] = peer_spinning
     if quality:
-        report["quality"] = quality_report(generator, Path(bundle), threads, peers is not False and
+        report["quality"] = quality_report(Path(bundle), threads, device, peers is not False and
                                            (not peer_names or "llama.cpp" in peer_names), quality_tokens)
         save(False)
     if write_k and rec_k is not None:
@@ -544,9 +544,12 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
     return out
 
 
-def quality_report(generator, bundle: Path, threads: int, with_llama_cpp: bool, tokens: int) -> dict:
-    """Perplexity on the evaluation set (bench/quality.py): ours, and llama.cpp's on the same file where it runs."""
+def quality_report(bundle: Path, threads: int, device, with_llama_cpp: bool, tokens: int) -> dict:
+    """Perplexity on the evaluation set (bench/quality.py): ours, and llama.cpp's on the same file where it runs.
+    The bundle is opened again here: the speed runs' engines were freed before the peers ran."""
     from bench import quality
+    from runtime.api import SpeculativeGenerator
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, device=device)
     windows = quality.windows(generator, tokens)
     out = {"eval_tokens": sum(len(w) for w in windows), "draftsmith": quality.ours(generator, windows)}
     if with_llama_cpp:

@@ -280,8 +280,13 @@ class _Chunks:
         return _sse(kind(id=self.id, model=self.model, choices=[], usage=usage).model_dump(mode="json"))
 
 
+# Characters JSON may carry raw that many line readers (Python's str.splitlines, so httpx's iter_lines) take for line
+# breaks: escaped, an event's data stays on one line for every client (json.dumps already escapes the C0 controls).
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)}\n\n"
 
 
 class _EventStream(StreamingResponse):

@@ -252,9 +252,9 @@ def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
     result = CliRunner().invoke(main, [
         "bench", str(copy), "--workload", "code", "--workload", str(prompts), "--k", "1,2", "--prompts", "2",
         "--max-new-tokens", "6", "--threads", "1", "--no-peers", "--json", str(out), "--plot", str(png),
-        "--write-k", "--quiet"], catch_exceptions=False)
+        "--write-k", "--quality", "--quality-tokens", "300", "--quiet"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    assert "best k for code" in result.output
+    assert "best k for code" in result.output and "quality, perplexity on 300 tokens" in result.output
     report = json.loads(out.read_text())
     rows = report["results"]
     assert {(r["workload"], r["mode"], r["k"]) for r in rows} == {
@@ -266,6 +266,7 @@ def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
             assert 0 <= r["acceptance_rate"] <= 1 and 0 <= r["alpha"] <= 1 and r["predicted_speedup"] > 0
             assert r["identical_to_target"] == 1.0  # greedy: the same tokens as target-only
     assert set(report["best_k"]) == {"code", "mine"}
+    assert report["quality"]["eval_tokens"] == 300 and 1 < report["quality"]["draftsmith"] < math.inf
     k = report["recommended_k"]["k"]
     from runtime.bundle import load_manifest
     assert load_manifest(copy, verify=True).default_k == k and report["recommended_k"]["written"]

@@ -306,3 +306,22 @@ def test_load_driver_sends_draft_lengths_and_long_prompts(served):
                       long_fraction=0.4, seed=5)
     assert report["sent"] == 9 and report["lost"] == 0 and report["failed"] == 0
     assert report["identical"]["mismatches"] == 0 and report["identical"]["distinct"] <= 4
+
+
+def test_an_events_data_stays_on_one_line_for_every_line_reader():
+    """Text may hold U+2028, U+2029 or U+0085, which JSON carries raw and str.splitlines (so httpx's iter_lines)
+    takes for line breaks: the server escapes them, and the load tool splits only at CR/LF (a drain run lost a
+    request to a chunk cut at U+2028 before this)."""
+    import json
+
+    from bench.openai_load import sse_lines
+    from runtime.openai_server import _sse
+    text = "a\u2028b\u2029c\x85d\x1ce \u00e9"
+    event = _sse({"text": text})
+    assert len(event.splitlines()) == 2 and json.loads(event.splitlines()[0][len("data: "):]) == {"text": text}
+
+    class Chunks:
+        def iter_text(self):
+            yield from ['data: {"t":"x\u2028', 'y"}\r', '\ndata: [DO', "NE]\n\n"]
+    lines = [line for line in sse_lines(Chunks()) if line]
+    assert lines == ['data: {"t":"x\u2028y"}', "data: [DONE]"]
