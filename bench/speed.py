@@ -229,8 +229,10 @@ def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int
 
 def summarize_cells(cells: list[CellRecord], temperature: float) -> list[dict]:
     """One row per cell. Speedups are over plain target-only decoding of the same workload/batch (unpadded; the
-    padded target-only cell where the target does not pad), identity is against the padded target-only cell: the
-    decoding speculation promises to equal. ``speedup_over_padded`` keeps the ratio to the padded cell."""
+    padded target-only cell where the target does not pad), identity is against the padded target-only cell of batch
+    1 where measured (each prompt decoded alone: what speculation promises to equal at any batch; a batched
+    target-only run calls the target with other shapes, so it may part from it on near ties), else of the same batch.
+    ``speedup_over_padded`` keeps the ratio to the padded cell."""
     padded = {(c.workload, c.batch): c for c in cells if c.mode == "target"}
     plain = {(c.workload, c.batch): c for c in cells if c.mode == "plain"}
     rows = []
@@ -240,7 +242,8 @@ def summarize_cells(cells: list[CellRecord], temperature: float) -> list[dict]:
         if key in plain and cell.mode != "plain":
             row["speedup_over_padded"] = summarize(cell, padded[key])["speedup"]
         if cell.mode == "speculative" and key in plain:
-            row["identical_to_target"] = summarize(cell, padded[key])["identical_to_target"]
+            alone = padded.get((cell.workload, 1), padded[key])
+            row["identical_to_target"] = summarize(cell, alone)["identical_to_target"]
         if cell.mode in ("target", "plain") and key not in plain:
             row["speedup"] = 1.0
         if cell.mode in ("target", "plain"):

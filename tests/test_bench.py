@@ -599,3 +599,22 @@ def test_quality_scores_our_target_and_llama_cpp_on_the_same_windows(tiny_bundle
     if importlib.util.find_spec("llama_cpp") is not None:
         row = llama_cpp_perplexity(_on_smollm2_gguf(tiny_bundle), tiny_bundle, windows, 1)
         assert abs(row["perplexity"] / ours - 1) < 0.1, (row, ours)
+
+
+def test_a_batched_speculative_run_is_judged_against_each_prompt_alone(generator, monkeypatch):
+    """At batch > 1 identity is against the padded target-only run of batch 1 (each prompt alone: what speculation
+    promises), not the batched target-only run, whose calls have other shapes; without a batch-1 run, the same batch."""
+    import dataclasses
+
+    from bench.speed import run_workloads, summarize_cells
+    monkeypatch.setattr(generator.target, "min_call_tokens", 2)
+    ids = [generator._encode(p, False) for p in ("def add(a, b):", "The quick brown fox")]
+    cells = run_workloads(generator, {"w": ids}, [2], [1, 2], 6, 0.0)
+    batched_target = next(c for c in cells if c.mode == "target" and c.batch == 2)
+    batched_target.sequences = [dataclasses.replace(s, token_ids=s.token_ids[:-1] + [-1])
+                                for s in batched_target.sequences]  # as if the batched run parted on a near tie
+    spec = {r["batch"]: r for r in summarize_cells(cells, 0.0) if r["mode"] == "speculative"}
+    assert spec[1]["identical_to_target"] == 1.0 and spec[2]["identical_to_target"] == 1.0
+    only_batched = [c for c in cells if c.batch == 2]
+    row = next(r for r in summarize_cells(only_batched, 0.0) if r["mode"] == "speculative")
+    assert row["identical_to_target"] == 0.0
