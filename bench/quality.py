@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from builder.evaluate import eval_set_text, eval_windows
+from builder.evaluate import eval_set_text, eval_windows, logits_of, nll_sum
 
 
 def windows(generator, limit: int = 0) -> list[list[int]]:
@@ -20,21 +20,13 @@ def windows(generator, limit: int = 0) -> list[list[int]]:
     return eval_windows(ids, generator.target.max_context, limit)
 
 
-def perplexity(logits_of, windows_ids: list[list[int]]) -> float:
-    """exp(mean next-token NLL) over every window, ``logits_of(ids) -> [len(ids), V]`` (float64 sums)."""
-    nll, scored = 0.0, 0
-    for ids in windows_ids:
-        logits = np.asarray(logits_of(ids), dtype=np.float64)[:-1]
-        logits -= logits.max(axis=-1, keepdims=True)
-        log_probs = logits[np.arange(len(ids) - 1), ids[1:]] - np.log(np.exp(logits).sum(axis=-1))
-        nll -= float(log_probs.sum())
-        scored += len(ids) - 1
+def perplexity(logits_of_ids, windows_ids: list[list[int]]) -> float:
+    """exp(mean next-token NLL) over every window, ``logits_of_ids(ids) -> [len(ids), V]`` (the build report's sums)."""
+    nll = sum(nll_sum(np.asarray(logits_of_ids(ids), dtype=np.float32), ids) for ids in windows_ids)
+    scored = sum(len(ids) - 1 for ids in windows_ids)
     return float(np.exp(nll / max(scored, 1)))
 
 
 def ours(generator, windows_ids: list[list[int]]) -> float:
-    """Our target engine's perplexity, teacher-forced window by window (as target-only decoding computes it)."""
-    def logits_of(ids):
-        cache = generator.target.new_cache(1)
-        return generator.target.forward(cache, np.array([ids], np.int64))[0]
-    return perplexity(logits_of, windows_ids)
+    """Our target engine's perplexity, teacher-forced window by window (``builder.evaluate.logits_of``)."""
+    return perplexity(lambda ids: logits_of(generator.target, ids), windows_ids)

@@ -68,8 +68,8 @@ def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], wi
             reference = logits_of(references[name], ids, features)
             computed[name] = logits_of(engine, ids, features)
             total = sums[name]
-            total["nll"] += _nll_sum(computed[name], scored)
-            total["fp32_nll"] += _nll_sum(reference, scored)
+            total["nll"] += nll_sum(computed[name], scored)
+            total["fp32_nll"] += nll_sum(reference, scored)
             total["scored"] += len(scored) - 1
             total["agree"] += int((computed[name].argmax(-1) == reference.argmax(-1)).sum())
             total["rows"] += len(reference)
@@ -89,7 +89,7 @@ def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], wi
     return out
 
 
-def _nll_sum(logits: np.ndarray, ids: list[int]) -> float:
+def nll_sum(logits: np.ndarray, ids: list[int]) -> float:
     """The summed negative log-likelihood of each next token (float64 sums: 25,000 terms)."""
     shifted = logits[:-1] - logits[:-1].max(axis=-1, keepdims=True)
     log_probs = shifted[np.arange(len(ids) - 1), ids[1:]] - np.log(np.exp(shifted).sum(axis=-1))
