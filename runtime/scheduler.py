@@ -479,11 +479,10 @@ class Scheduler:
         reasons = ["error" if row.error is not None else reason for row, reason in zip(self.rows, reasons)]
         if not any(reasons):
             return
-        keep = []
-        for b, (row, reason) in enumerate(zip(self.rows, reasons)):
-            if not reason:
-                keep.append(b)
-                continue
+        keep = [b for b, reason in enumerate(reasons) if not reason]
+        leaving = [(row, reason) for row, reason in zip(self.rows, reasons) if reason]
+        self.rows = [self.rows[b] for b in keep]  # first, so stats() never counts a row as both ended and running
+        for row, reason in leaving:
             if reason == "error":
                 self.counters["failed"] += 1
                 row.handle.send(Event(error=row_failure(row.error)))
@@ -498,7 +497,6 @@ class Scheduler:
             row.handle.send(Event(tail, [], final=Generation(row.text, list(row.generated), len(row.prompt), reason,
                                                              row.stats, row.logprobs, row.top_logprobs),
                                   logprobs=row.take_logprobs()))
-        self.rows = [self.rows[b] for b in keep]
         self.cache = self.target.select(self.cache, np.array(keep, dtype=np.int64))
 
     def _refuse_stale(self) -> None:
