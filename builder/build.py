@@ -324,7 +324,7 @@ def _finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
     stage("manifest")
     complete = dataclasses.replace(manifest, files=hash_tree(tmp))
     (tmp / MANIFEST).write_text(complete.to_json(), encoding="utf-8")
-    load_manifest(tmp, verify=True)
+    load_manifest(tmp, verify=True, staging=True)
     publishing.publish(tmp, out)
     return complete
 

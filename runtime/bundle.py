@@ -42,6 +42,9 @@ from pydantic.dataclasses import dataclass
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+# a build's staging folder (builder/publish.py: ".NAME.partial-*"): complete-looking between its manifest and the
+# rename that publishes it, and never a bundle to load
+STAGING_NAME = re.compile(r"^\..+\.partial-[^/]+$")
 MAX_MANIFEST_CHARS = 1 << 24  # a manifest is kilobytes; a larger file is not one this tool wrote
 ONNX_QUANTS = ("fp32", "fp16", "int8", "int4", "gguf")  # builder/quantize.py; gguf: the GGUF file's own blocks
 # The ONNX graph an engine is: "fused" (builder/graph.py: ONNX Runtime's fused CPU operators, GroupQueryAttention over
@@ -403,8 +406,9 @@ def verify_files(root: Path, manifest: Manifest) -> None:
         raise BundleError(f"bundle {root} failed verification; rebuild it or copy it again:\n  " + "\n  ".join(problems))
 
 
-def load_manifest(root: str | os.PathLike, verify: bool = True) -> Manifest:
-    """Read a bundle's manifest and (by default) check every file against its sha256."""
+def load_manifest(root: str | os.PathLike, verify: bool = True, staging: bool = False) -> Manifest:
+    """Read a bundle's manifest and (by default) check every file against its sha256. A build's staging folder is
+    refused unless ``staging`` (the build checking its own before publishing it)."""
     root = Path(root)
     if not root.is_dir():
         set_aside = [p / root.name for p in root.parent.glob(".*.old-*")
@@ -414,6 +418,9 @@ def load_manifest(root: str | os.PathLike, verify: bool = True) -> Manifest:
                               f"{set_aside[0]}: run build-engines on {root} again (it puts it back first), or move it "
                               "back yourself.")
         raise BundleError(f"no bundle at {root}: not a directory. Build one with `build-engines --out {root}`.")
+    if STAGING_NAME.match(root.name) and not staging:
+        raise BundleError(f"{root} is a build's staging folder, not a bundle: the build that wrote it was interrupted "
+                          f"or is still running. Load the bundle it was publishing, or rebuild it.")
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"{root} has no {MANIFEST}: not a bundle, or a build that did not finish. Rebuild it.")

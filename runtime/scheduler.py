@@ -516,9 +516,9 @@ class Scheduler:
                                                      f"free row (the limit is {self.max_wait:g} s); retry later")))
 
     def _fail_running(self, error: Exception) -> None:
-        for row in self.rows:
+        failed, self.rows = self.rows, []  # gone from stats() before their clients hear of it
+        for row in failed:
             row.handle.send(Event(error=error))
-        self.rows = []
         self.cache = self._batch_cache()
 
     def _batch_cache(self):

@@ -299,6 +299,15 @@ def _prepared_partial(tiny_bundle: Path, out: Path) -> Path:
     return tmp
 
 
+def test_a_finished_staging_folder_is_not_a_bundle_until_it_is_published(tiny_bundle, tmp_path):
+    """Between its manifest and the rename a build's staging folder holds every file: a kill there must still not
+    leave something a loader takes (the random-kill test in test_faults hit this window)."""
+    tmp = _prepared_partial(tiny_bundle, tmp_path / "out")
+    with pytest.raises(BundleError, match="staging folder, not a bundle"):
+        load_manifest(tmp)
+    assert load_manifest(tmp, staging=True).report["generation"] == "new"  # what the build checks before publishing
+
+
 def test_a_failed_second_rename_puts_the_old_bundle_back(tiny_bundle, tmp_path, monkeypatch):
     from builder import build as builder_build
     out = copy_of(tiny_bundle, tmp_path / "out")
