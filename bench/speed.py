@@ -423,7 +423,8 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, ma
         if not workloads[name]:
             raise click.ClickException(f"workload {name}: no prompt leaves room for {max_new_tokens} new tokens")
     started = time.time()
-    runs = sum(math.ceil(len(t) / b) for t in workloads.values() for b in batches) * (1 + len(ks))
+    configs = 1 + int(bool(pads(generator.target))) + len(ks)  # target-only, plain where it pads, each k
+    runs = sum(math.ceil(len(t) / b) for t in workloads.values() for b in batches) * configs
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, disable=quiet, transient=False)
     done = [0]
