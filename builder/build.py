@@ -283,15 +283,15 @@ def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: Bui
                       num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                       vocab_size=info.vocab_size, max_context=max_context, input_names=info.input_names,
                       output_names=info.output_names, size_bytes=size, graph=info.graph,
-                      min_call_tokens=_min_call_tokens(role, info.graph, quant, spec),
+                      min_call_tokens=_min_call_tokens(role, info.graph),
                       source_resolved=str(checkpoint.folder.joinpath(checkpoint.gguf_file or "").resolve()))
 
 
-def _min_call_tokens(role: str, graph_kind: str, quant: str, spec: BuildSpec) -> int:
-    """2 where the target's one-token calls would take MatMulNBits' one-row int8 kernel (runtime.engine.FusedEngine:
-    its rounding differs from the many-row kernel a verify call takes); 1 elsewhere (a draft need not be exact)."""
-    int8_activations = quant in ("int8", "int4", "gguf") and spec.accuracy_level == 4
-    return 2 if role == "target" and graph_kind == "fused" and int8_activations else 1
+def _min_call_tokens(role: str, graph_kind: str) -> int:
+    """2 for a fused target: a one-token call takes other kernels than a verify call on every CPU measured
+    (MatMulNBits' one-row int8 kernel, GroupQueryAttention's one-query SGEMM; runtime.engine.FusedEngine), so its
+    one-token calls are padded to two; 1 elsewhere (a draft need not be exact)."""
+    return 2 if role == "target" and graph_kind == "fused" else 1
 
 
 def _eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:

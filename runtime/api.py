@@ -282,9 +282,11 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
         session = make_session(model, threads if entry.role == "target" or draft_threads is None else draft_threads,
                                providers, external)
         del model, external  # the session holds its own copy: free ours before the next engine is read
+        min_call_tokens = _min_call_tokens(entry)
         device_options = ({"cache_device": cache_device, "device_id": device_id} if entry.graph == "export"
-                          else {"min_call_tokens": entry.min_call_tokens,
-                                "class_points": _class_points(entry, attention, manifest.max_context)})
+                          else {"min_call_tokens": min_call_tokens,
+                                "class_points": _class_points(entry, attention, manifest.max_context,
+                                                              min_call_tokens)})
         engine = engine_class(entry.graph)(
             root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
             head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
@@ -293,16 +295,50 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
             kept = kept_ids(read_verified(root, manifest, entry.vocab_map, verify), entry.vocab_map)
             engine = MappedVocabEngine(engine, kept, manifest.target.vocab_size)
         engine.vocab_size = min(engine.vocab_size, tokenizer_vocab)
+        if entry.role == "target" and entry.graph == "fused" and "CPUExecutionProvider" == _first(providers):
+            check_call_shapes(engine, root)
         engines[entry.role] = engine
     return engines
 
 
-def _class_points(entry, attention: tuple, max_context: int) -> tuple[int, ...]:
+def _min_call_tokens(entry) -> int:
+    """A fused target's calls are at least two tokens wide on every CPU (one-token calls take other kernels:
+    runtime.engine.FusedEngine), also where an older bundle's manifest says 1; a draft need not be exact."""
+    return max(entry.min_call_tokens, 2) if entry.role == "target" and entry.graph == "fused" else \
+        entry.min_call_tokens
+
+
+def _class_points(entry, attention: tuple, max_context: int, min_call_tokens: int) -> tuple[int, ...]:
     """Where the target's calls are cut so that each token is scored as target-only decoding scores it (a draft
     need not be exact; runtime.attention_classes)."""
     if entry.role != "target":
         return ()
-    return class_points(attention, entry.head_dim, max_context + entry.min_call_tokens + 1)
+    return class_points(attention, entry.head_dim, max_context + min_call_tokens + 1)
+
+
+def _first(providers: list) -> str:
+    first = providers[0] if providers else "CPUExecutionProvider"
+    return first[0] if isinstance(first, tuple) else first
+
+
+_warned: set[str] = set()
+
+
+def check_call_shapes(engine, root: Path) -> None:
+    """The exactness the runtime promises, checked on this CPU before a bundle serves: where a verify call or a
+    batched step scores a token otherwise than target-only decoding, the target runs one token a call (exact, and
+    slower than target-only), and the process says so once, naming the bundle and the call shape."""
+    import logging
+    differing = engine.call_shape_mismatch(engine.vocab_size)
+    if differing is None:
+        return
+    engine.one_token_calls = True
+    if str(root) not in _warned:
+        _warned.add(str(root))
+        logging.getLogger("draftsmith").warning(
+            "bundle %s: on this CPU %s scores a token otherwise than target-only decoding, so speculative output "
+            "could differ from the target's own; the target now verifies one token a call (exact, but speculation "
+            "will not pay). Please report the CPU (lscpu) and onnxruntime version.", root, differing)
 
 
 def kept_ids(data: bytes, where: str) -> np.ndarray:

@@ -48,7 +48,8 @@ class Engine(Protocol):
 
     def new_cache(self, batch: int) -> KVCache: ...
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
+                exact: bool = True) -> np.ndarray:
         """Append tokens [B, S] (valid [B, S] marks real tokens; padding is 0) and return logits [B, S, V]."""
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
@@ -90,7 +91,8 @@ class OnnxEngine:
         return KVCache(self._to_device([empty] * (2 * self.num_layers)), np.zeros((batch, 0), np.int64),
                        np.zeros(batch, np.int64))
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
+                exact: bool = True) -> np.ndarray:
         """One call; the present tensors stay OrtValues and are fed back as the next past without a copy."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         valid = np.ones_like(tokens) if valid is None else valid.astype(np.int64)
@@ -241,15 +243,21 @@ class FusedEngine:
     GroupQueryAttention on CPU takes several new tokens on a past only at batch 1, so such a call over a batch runs
     row by row, each on a view of its own rows of the same buffers (no copy).
 
-    ``min_call_tokens`` 2 pads one-token calls to two. MatMulNBits with int8 activations (accuracy level 4) computes
-    one row by another kernel than several rows, and its activation rounding turns that ~1e-7 difference into logits
-    apart by up to ~2 after 30 layers; calls of 2 or more rows agree bit for bit whatever their number. A quantized
-    target therefore always takes the many-row kernel, so a verify call scores each token exactly as target-only
-    decoding does (tests/test_fused_graph.py).
+    ``min_call_tokens`` 2 pads one-token calls to two. A call of one token takes other kernels than a call of
+    several, on every CPU measured: MatMulNBits with int8 activations (accuracy level 4) computes one row by another
+    kernel than several rows, whose activation rounding turns that ~1e-7 difference into logits apart by up to ~2
+    after 30 layers, and GroupQueryAttention's one-query SGEMM rounds otherwise at every head dim. A target
+    therefore always takes the many-token kernels, so a verify call scores each token exactly as target-only decoding
+    does (tests/test_fused_graph.py). A batched one-token step is padded too (and so runs row by row) unless the
+    caller asks for ``exact=False``.
 
     ``class_points``: call totals across which GroupQueryAttention rounds a token's scores otherwise (head dim > 128;
-    runtime.attention_classes). Calls are cut so that each token is scored at a total in the class of its position +
-    ``min_call_tokens``, the total target-only decoding scores it at, whatever the call, batch or prefill.
+    runtime.attention_classes measures them on this CPU). Calls are cut so that each token is scored at a total in
+    the class of its position + ``min_call_tokens``, the total target-only decoding scores it at, whatever the call,
+    batch or prefill.
+
+    ``one_token_calls``: the exact form where the load-time check (``call_shape_mismatch``) found this CPU scoring
+    a token otherwise in a verify call: every scored call then runs one token at a time, as target-only does.
     """
 
     def __init__(self, path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
@@ -260,6 +268,7 @@ class FusedEngine:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.vocab_size, self.max_context = vocab_size, max_context
         self.initial_slots, self.min_call_tokens = initial_slots, min_call_tokens
+        self.one_token_calls = False  # the exact form: set where call_shape_mismatch found a difference
         self.past_names = [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
         self.present_names = [n.replace("past", "present", 1) for n in self.past_names]
         # graphs since the feature draft: every call's final hidden states (cache.extra["hidden"]); a feature
@@ -326,12 +335,15 @@ class FusedEngine:
     scores_last = True  # forward(last=True): the head runs only where a row's last token is
 
     def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                score: bool = True, features: np.ndarray | None = None, last: bool = False) -> np.ndarray:
+                score: bool = True, features: np.ndarray | None = None, last: bool = False,
+                exact: bool = True) -> np.ndarray:
         """Append each row's valid tokens (right-padded in ``tokens``) and return logits [B, S, V]; with ``last``,
         [B, 1, V] at each row's last valid token only (a drafter reads nothing else: the head, and for a reduced
         one its expansion to the vocabulary, then cost one position, not a whole prompt's). A feature draft also
         takes ``features`` [B, S, H] (the hidden state before each token). The final hidden states [B, S, H] are
-        left in ``cache.extra["hidden"]`` where the graph returns them."""
+        left in ``cache.extra["hidden"]`` where the graph returns them. ``exact=False`` lets a batched one-token
+        step run as one batched call (one query row per head: other kernels than a lone row's, so its logits can
+        differ from target-only's in the last bits; the scheduler's "throughput" policy asks for it)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         counts = tokens.shape[1] * np.ones(len(tokens), np.int64) if valid is None else valid.sum(axis=1)
         asked = tokens.shape[1]
@@ -340,8 +352,11 @@ class FusedEngine:
             if features is None or features.shape[:2] != tokens.shape:
                 raise ValueError("a feature draft engine takes features [B, S, H] with its tokens [B, S]")
             features = np.ascontiguousarray(features, dtype=np.float32)
-        if len(tokens) * asked < self.min_call_tokens or self._step_crosses_a_point(cache, asked):
-            # the kernels see batch x tokens rows: pad a lone token (or a step a point would part from target-only)
+        if self.one_token_calls and score and asked > 1:
+            return self._one_token_at_a_time(cache, tokens, valid, features, last)
+        if asked < self.min_call_tokens and (exact or len(tokens) * asked < self.min_call_tokens):
+            # a lone token, or each row's one token of a batched step, padded: the kernels target-only decoding
+            # takes (a batched step then runs row by row: GroupQueryAttention takes one new token a row at batch > 1)
             tokens = np.pad(tokens, ((0, 0), (0, self.min_call_tokens - asked)))
             if features is not None:
                 features = np.pad(features, ((0, 0), (0, self.min_call_tokens - asked), (0, 0)))
@@ -401,14 +416,49 @@ class FusedEngine:
         cuts = (np.flatnonzero(np.diff(classes)) + 1).tolist()
         return list(zip([0, *cuts], [*cuts, count]))
 
-    def _step_crosses_a_point(self, cache: KVCache, asked: int) -> bool:
-        """A batched one-token step is scored at each row's length + 1; padding it to ``min_call_tokens`` gives
-        target-only's total, needed where a class point lies between the two."""
-        if asked != 1 or self.min_call_tokens < 2 or not len(self.class_points) or not cache.lengths.any():
-            return False
-        ends = cache.lengths + 1
-        return bool((np.searchsorted(self.class_points, ends) !=
-                     np.searchsorted(self.class_points, ends + self.min_call_tokens - 1)).any())
+    def _one_token_at_a_time(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None,
+                             features: np.ndarray | None, last: bool) -> np.ndarray:
+        """``forward`` as one call per column: the exact form where the load-time check (``call_shape_mismatch``)
+        found a verify call scoring a token otherwise than target-only decoding, whose calls are one token wide."""
+        counts = tokens.shape[1] * np.ones(len(tokens), np.int64) if valid is None else valid.sum(axis=1)
+        logits, hidden = [], []
+        for j in range(tokens.shape[1]):
+            column = None if valid is None else valid[:, j:j + 1]
+            logits.append(self.forward(cache, tokens[:, j:j + 1], column,
+                                       features=None if features is None else features[:, j:j + 1]))
+            hidden.append(cache.extra.get("hidden"))
+        out = np.concatenate(logits, axis=1)
+        if self.has_hidden:
+            cache.extra["hidden"] = np.concatenate(hidden, axis=1)
+        return out[np.arange(len(out)), np.maximum(counts - 1, 0)][:, None] if last else out
+
+    def call_shape_mismatch(self, vocab: int, seed: int = 0) -> str | None:
+        """Whether this CPU scores a token alike under every call shape the runtime uses, checked on the engine
+        itself (ONNX Runtime picks kernels by ISA and matrix size, so this cannot be known from elsewhere): one
+        token a call (target-only), inside verify calls, and in a batched step. None when all agree bit for bit;
+        else the call shape that differed. Over the first 12 positions (class points are measured apart)."""
+        length = min(12, self.max_context - self.min_call_tokens)
+        if length < 8:
+            return None
+        tokens = np.random.default_rng(seed).integers(0, vocab, (2, length))
+        reference = self._scored(tokens[:1], [1] * (length - 4))
+        shapes = {"a verify call of 4 tokens": lambda: self._scored(tokens[:1], [4, length - 8]),
+                  "a verify call of 2 tokens": lambda: self._scored(tokens[:1], [2] * ((length - 4) // 2)),
+                  "a batched one-token step": lambda: self._scored(tokens, [1] * (length - 4))[:1]}
+        for name, scores in shapes.items():
+            if not np.array_equal(scores(), reference):
+                return name
+        return None
+
+    def _scored(self, tokens: np.ndarray, widths: list[int]) -> np.ndarray:
+        """Logits of ``tokens`` [B, n] past a prefill of 4, fed in calls of ``widths`` tokens."""
+        cache = self.new_cache(len(tokens))
+        self.prefill(cache, tokens[:, :4])
+        at, out = 4, []
+        for width in widths:
+            out.append(self.forward(cache, tokens[:, at:at + width]))
+            at += width
+        return np.concatenate(out, axis=1)
 
     def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray, keep: int,
              features: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:

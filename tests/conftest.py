@@ -5,11 +5,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# measured class points (runtime.attention_classes) go to a folder of this run's, not the user's cache
+os.environ.setdefault("DRAFTSMITH_CACHE_DIR", tempfile.mkdtemp(prefix="draftsmith-test-cache-"))
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. ",
@@ -154,3 +157,17 @@ def has_tritonserver() -> bool:
         return True
     except ServerError:
         return False
+
+
+@pytest.fixture(scope="session")
+def wide_head_int4(tmp_path_factory):
+    """A tiny Gemma 3 with head dim 256 as a fused int4 graph (int8 activations: a target with min_call_tokens 2)."""
+    from builder import graph
+    from builder.quantize import quantize
+    folder = tmp_path_factory.mktemp("wide")
+    model = make_model(folder / "m", tiny_config("Gemma3ForCausalLM", head_dim=256, num_key_value_heads=1,
+                                                 max_position_embeddings=512), seed=3).eval()
+    decoder = graph.from_transformers(model, 200)
+    graph.build(decoder, folder / "fp32.onnx", 4)
+    quantize(folder / "fp32.onnx", folder / "int4.onnx", "int4", 32, False, 4)
+    return folder / "int4.onnx", graph.info_of(decoder)

@@ -45,7 +45,8 @@ class BigramEngine(TokenCache):
         self.calls = 0
         self.tokens_fed = 0
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
+                exact: bool = True) -> np.ndarray:
         valid = np.ones_like(tokens) if valid is None else valid
         cache.past = [np.concatenate([cache.past[0], tokens], axis=1)]
         cache.mask = np.concatenate([cache.mask, valid.astype(np.int64)], axis=1)

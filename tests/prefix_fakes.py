@@ -44,7 +44,8 @@ class PrefixEngine(TokenCache):
             logits = logits + self.base.logits_after(prefix)
         return logits
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
+                exact: bool = True) -> np.ndarray:
         valid = np.ones_like(tokens) if valid is None else valid
         live = [self.live_tokens(cache, b) for b in range(len(tokens))]
         out = np.zeros(tokens.shape + (self.vocab_size,))

@@ -23,7 +23,8 @@ VOCAB = 5
 class HiddenBigram(BigramEngine):
     """A bigram target whose 'hidden state' after token a is one-hot(a) with a last flag 1 (came from the target)."""
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
+                exact: bool = True) -> np.ndarray:
         logits = super().forward(cache, tokens, valid)
         cache.extra["hidden"] = states(tokens, 1.0)
         return logits
