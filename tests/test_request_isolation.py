@@ -89,7 +89,7 @@ def test_the_scheduler_leaves_the_engines_settings_alone(generator):
     before = [getattr(getattr(e, "engine", e), "min_call_tokens", None) for e in (generator.target, generator.draft)]
     Scheduler(generator, max_batch=2)
     after = [getattr(getattr(e, "engine", e), "min_call_tokens", None) for e in (generator.target, generator.draft)]
-    assert before == after and engine.min_call_tokens == 1  # the fp32 tiny bundle pads nothing
+    assert before == after and engine.min_call_tokens == 2  # a fused target pads one-token calls at every precision
 
 
 def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypatch):
