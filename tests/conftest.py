@@ -170,4 +170,5 @@ def wide_head_int4(tmp_path_factory):
     decoder = graph.from_transformers(model, 200)
     graph.build(decoder, folder / "fp32.onnx", 4)
     quantize(folder / "fp32.onnx", folder / "int4.onnx", "int4", 32, False, 4)
+    quantize(folder / "fp32.onnx", folder / "int8.onnx", "int8", 32, False, 4)
     return folder / "int4.onnx", graph.info_of(decoder)

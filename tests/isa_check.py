@@ -1,6 +1,6 @@
 """The exactness checks of tests/test_attention_classes.py as one script without torch, so that
-tests/test_isa_emulation.py can run it under an emulated CPU (qemu-user): ``python isa_check.py GRAPH INFO_JSON``
-prints one JSON line {"points": ..., "failures": [...]}."""
+tests/test_isa_emulation.py can run it under an emulated CPU (qemu-user): ``python isa_check.py INFO_JSON GRAPH...``
+(fused graphs of one model: fp32, int8, int4) prints one JSON line {"points": ..., "failures": [...]}."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def last_logits(engine, tokens, prefill: int, step: int) -> np.ndarray:
 
 
 def engine_failures(path: Path, info: dict) -> tuple[list[int], list[str]]:
-    """Verify calls across this CPU's points, a batched step, and the load-time check, on a fused int4 graph."""
+    """Verify calls across this CPU's points, a batched step, and the load-time check, on one fused graph."""
     import onnx
     settings = attention_settings(onnx.load(str(path), load_external_data=False))
     points = class_points(settings, info["head_dim"], 203)
@@ -70,14 +70,17 @@ def engine_failures(path: Path, info: dict) -> tuple[list[int], list[str]]:
 
 
 def main() -> None:
-    path, info = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    info, graphs = json.loads(Path(sys.argv[1]).read_text()), [Path(p) for p in sys.argv[2:]]
     failures = []
     for head_dim in (64, 256):
         failures += probe_failures(head_dim, ((("do_rotary", 1), ("kv_num_heads", 1), ("local_window_size", -1),
                                                ("num_heads", 4), ("rotary_interleaved", 0),
                                                ("scale", head_dim ** -0.5)),))
-    points, more = engine_failures(path, info)
-    print(json.dumps({"points": [int(p) for p in points], "failures": failures + more}))
+    points = []
+    for path in graphs:
+        points, more = engine_failures(path, info)
+        failures += [f"{path.name}: {failure}" for failure in more]
+    print(json.dumps({"points": [int(p) for p in points], "failures": failures}))
 
 
 if __name__ == "__main__":

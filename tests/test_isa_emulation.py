@@ -27,7 +27,8 @@ def test_the_exactness_checks_hold_on_an_emulated_avx2_cpu(cpu, wide_head_int4, 
     described.write_text(json.dumps({"num_layers": info.num_layers, "num_kv_heads": info.num_kv_heads,
                                      "head_dim": info.head_dim, "vocab_size": info.vocab_size}))
     script = Path(__file__).with_name("isa_check.py")
-    done = subprocess.run([QEMU, "-cpu", cpu, sys.executable, str(script), str(path), str(described)],
+    graphs = [str(path.with_name(f"{quant}.onnx")) for quant in ("fp32", "int8", "int4")]
+    done = subprocess.run([QEMU, "-cpu", cpu, sys.executable, str(script), str(described), *graphs],
                           capture_output=True, text=True, timeout=900,
                           # qemu-user shows the host's /proc/cpuinfo, which keys the kept points: keep none
                           env={**os.environ, "DRAFTSMITH_CACHE_DIR": "off"})
