@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -62,11 +63,12 @@ def attention_settings(proto) -> tuple[tuple, ...]:
 def class_points(settings: tuple[tuple, ...], head_dim: int, max_total: int) -> tuple[int, ...]:
     """Totals t (2 <= t <= max_total) at which some layer scores a query with total t + 1 otherwise than with t, on
     this CPU: from the cache file where this CPU's points were measured that far, else measured (and kept)."""
-    points: set[int] = set()
-    for attributes in settings:
-        for seed in SEEDS:
-            points.update(_points_of(dict(attributes), head_dim, max_total, seed))
-    return tuple(sorted(points))
+    from concurrent.futures import ThreadPoolExecutor
+    jobs = [(dict(attributes), seed) for attributes in settings for seed in SEEDS]
+    # a one-head probe runs on the calling thread: the settings (Gemma 3: global and sliding) measure side by side
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        found = pool.map(lambda job: _points_of(job[0], head_dim, max_total, job[1]), jobs)
+        return tuple(sorted({point for points in found for point in points}))
 
 
 def _points_of(attributes: dict, head_dim: int, max_total: int, seed: int) -> list[int]:
@@ -241,11 +243,19 @@ def _read_cache() -> dict:
             and all(isinstance(p, int) for p in v["points"]) and isinstance(v.get("measured_to"), int)}
 
 
+_cache_lock = threading.Lock()  # settings measured side by side add their entries one at a time
+
+
 def _write_cache(key: str, entry: dict) -> None:
     """Add ``entry`` under ``key``, written whole to a temporary file and renamed (a reader never sees half)."""
     path = cache_file()
     if path is None:
         return
+    with _cache_lock:
+        _replace_cache(path, key, entry)
+
+
+def _replace_cache(path: Path, key: str, entry: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_cache()

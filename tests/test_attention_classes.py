@@ -64,13 +64,14 @@ def test_rotary_windows_and_head_counts_do_not_move_the_points():
 def test_measured_points_are_kept_per_cpu_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv(attention_classes.CACHE_ENV, str(tmp_path))
     class_points.cache_clear()
-    first = class_points(settings_of(256), 256, 700)
+    both = settings_of(256) + settings_of(256, window=512)  # measured side by side, each kept
+    first = class_points(both, 256, 700)
     kept = json.loads((tmp_path / "attention-classes.json").read_text())
-    assert [entry["measured_to"] for entry in kept.values()] == [700]
+    assert [entry["measured_to"] for entry in kept.values()] == [700, 700]
     assert all(key.startswith(attention_classes.cpu_fingerprint()) for key in kept)
     class_points.cache_clear()
     monkeypatch.setattr(attention_classes, "measure", lambda *a, **k: pytest.fail("measured again"))
-    assert class_points(settings_of(256), 256, 600) == tuple(p for p in first if p <= 600)
+    assert class_points(both, 256, 600) == tuple(p for p in first if p <= 600)
     class_points.cache_clear()
 
 
