@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from builder import checkpoint as ckpt
-from builder import evaluate, export, gguf_weights, graph, pairing, quantize
+from builder import evaluate, export, gguf_weights, graph, memory, pairing, quantize
 from builder import publish as publishing
 from builder.progress import Heartbeat
 from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
@@ -68,9 +68,20 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
     with staging(out, force) as tmp, _disk_errors(out):
         stage("resolve")
         target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
-        manifest = _build_into(tmp, spec, target_ckpt, draft_ckpt, draft_layers, stage, threads, say)
+        try:
+            memory.refuse_if_too_large(_memory_needed(target_ckpt, draft_ckpt, draft_layers), "this build")
+            with memory.Watchdog(tmp):
+                manifest = _build_into(tmp, spec, target_ckpt, draft_ckpt, draft_layers, stage, threads, say)
+        except memory.BuildMemoryError as err:
+            raise BuildError(str(err)) from None
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
         return _finish(tmp, manifest, out, stage)
+
+
+def _memory_needed(target_ckpt, draft_ckpt, draft_layers: int) -> memory.Estimate:
+    """The build's estimated peak (builder.memory): a self-draft shares the target's weights."""
+    separate = draft_ckpt is not target_ckpt and not _is_feature_draft(draft_ckpt)
+    return memory.estimate(target_ckpt.config, draft_ckpt.config if separate else None)
 
 
 def _resolve(spec: BuildSpec):
@@ -139,9 +150,10 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     ids = [t for window in windows for t in window]
     engines = {role: evaluate.engine_for(tmp / role / "model.onnx", info, pair.max_context, threads)
                for role, info in (("target", target_info), ("draft", draft_info))}
-    references = {role: evaluate.engine_for(path, info, pair.max_context, threads)
-                  for role, path, info in (("target", work / "target.onnx", target_info),
-                                           ("draft", draft_fp32, draft_info))}
+    references = {"target": evaluate.engine_for(work / "target.onnx", target_info, pair.max_context, threads)}
+    # a self-draft's fp32 graph is the target's: one session for both (a second would hold its weights again)
+    references["draft"] = (references["target"] if draft_fp32 == work / "target.onnx" and draft_info is target_info
+                           else evaluate.engine_for(draft_fp32, draft_info, pair.max_context, threads))
     if kept is not None:  # compare and score the draft over the full vocabulary (q = 0 outside the kept ids)
         from runtime.engine import MappedVocabEngine
         for group in (engines, references):

@@ -1,0 +1,70 @@
+"""Build memory (builder.memory, builder.graph): the weights go to the engine's external data as they are made, a
+build that cannot fit is refused before any weight is read, and running out mid-build ends it with a message and no
+bundle, never the kernel's OOM killer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_model, tiny_config
+
+
+@pytest.mark.parametrize("architecture,tied", [("LlamaForCausalLM", True), ("LlamaForCausalLM", False),
+                                               ("Qwen3ForCausalLM", False), ("Gemma3ForCausalLM", True)])
+def test_the_parameter_count_from_a_config_is_the_models(architecture, tied, tmp_path):
+    from builder.memory import parameter_count
+    extra = {"tie_word_embeddings": tied} if architecture.startswith("Llama") or architecture.startswith("Qwen") else {}
+    model = make_model(tmp_path / "m", tiny_config(architecture, **extra), seed=0)
+    counted = sum(p.numel() for p in model.parameters())
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    # the estimate counts two norms a layer and the final one; q/k norms (Qwen 3, Gemma 3) are a rounding error
+    assert abs(parameter_count(model.config) - counted) <= norms
+
+
+def test_a_graph_streamed_to_external_data_computes_what_the_one_file_graph_does(tmp_path, monkeypatch):
+    from builder import graph
+    from runtime.engine import FusedEngine
+    model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
+    decoder = graph.from_transformers(model, 64)
+    graph.build(decoder, tmp_path / "one.onnx")
+    monkeypatch.setattr(graph, "INLINE_UP_TO_BYTES", 0)
+    graph.build(decoder, tmp_path / "two.onnx")
+    assert not (tmp_path / "one.onnx.data").exists() and (tmp_path / "two.onnx.data").stat().st_size > 0
+    assert (tmp_path / "two.onnx").stat().st_size < 64 << 10  # the graph file holds no weight
+    info = graph.info_of(decoder)
+    outs = []
+    for name in ("one.onnx", "two.onnx"):
+        engine = FusedEngine(tmp_path / name, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                             head_dim=info.head_dim, vocab_size=info.vocab_size, max_context=64, threads=1,
+                             min_call_tokens=2)
+        cache = engine.new_cache(1)
+        outs.append(engine.forward(cache, np.array([[1, 5, 7, 9, 11]])))
+    assert np.array_equal(*outs)
+
+
+def test_a_build_that_cannot_fit_is_refused_before_any_weight_is_read(tiny_pair, tmp_path, monkeypatch):
+    from builder import memory
+    from builder.build import BuildError, build
+    from runtime.bundle import BuildSpec
+    monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 20)
+    stages = []
+    out = tmp_path / "b"
+    with pytest.raises(BuildError, match=r"needs ~\d+\.\d GiB .* and 0\.1 GiB is free"):
+        build(BuildSpec(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), max_context=128), out,
+              on_stage=stages.append)
+    assert stages == ["resolve"] and not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_running_out_mid_build_stops_it_with_a_message_and_no_bundle(tiny_pair, tmp_path, monkeypatch):
+    from builder import memory
+    from builder.build import BuildError, build
+    from runtime.bundle import BuildSpec
+    # the refusal's and the watchdog's first readings: plenty; then a few with 1 MiB left; then plenty again
+    readings = iter([1 << 40, 1 << 40, 1 << 20, 1 << 20, 1 << 20])
+    monkeypatch.setattr(memory, "available_bytes", lambda: next(readings, 1 << 40))
+    monkeypatch.setattr(memory, "BYTES_PER_PARAMETER", 0.0)
+    out = tmp_path / "b"
+    with pytest.raises(BuildError, match="less than 384 MiB of memory was left .* Nothing was published"):
+        build(BuildSpec(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), max_context=128), out)
+    assert not out.exists() and not list(tmp_path.iterdir())
