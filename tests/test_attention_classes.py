@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 
+from isa_check import last_logits
 from runtime import attention_classes
 from runtime.attention_classes import AttentionProbe, attention_settings, class_points, measure
 from runtime.engine import FusedEngine
@@ -93,16 +94,6 @@ def _engine(path, info, points=None) -> FusedEngine:
                        class_points=points)
 
 
-def _last_logits(engine, tokens, prefill: int, step: int) -> np.ndarray:
-    cache = engine.new_cache(1)
-    engine.prefill(cache, np.array([tokens[:prefill]]))
-    i, out = prefill, None
-    while i < len(tokens):
-        out = engine.forward(cache, np.array([tokens[i:i + step]]))
-        i += step
-    return out[0, -1]
-
-
 def test_calls_of_any_shape_score_a_token_as_target_only(wide_head_int4):
     """Prefills and verify calls of every width, across this CPU's first point where it has one (64 or beyond:
     the sequences run to 69 and 140)."""
@@ -111,9 +102,9 @@ def test_calls_of_any_shape_score_a_token_as_target_only(wide_head_int4):
     for length, shapes in ((69, ((6, 2), (7, 2), (5, 3), (6, 3), (6, 4), (60, 5), (62, 7))),
                            (140, ((100, 8), (127, 13), (129, 11)))):
         tokens = np.random.default_rng(length).integers(3, 300, length).tolist()
-        reference = _last_logits(engine, tokens, 6, 1)  # target-only: one token a call (padded to two)
+        reference = last_logits(engine, tokens, 6, 1)  # target-only: one token a call (padded to two)
         for prefill, step in shapes:
-            assert np.array_equal(_last_logits(engine, tokens, prefill, step), reference), (length, prefill, step)
+            assert np.array_equal(last_logits(engine, tokens, prefill, step), reference), (length, prefill, step)
 
 
 @pytest.mark.parametrize("length", [63, 64, 100])
@@ -124,7 +115,7 @@ def test_a_batched_step_scores_as_target_only(wide_head_int4, length):
     engine = _engine(path, info)
     rng = np.random.default_rng(length)
     rows = [rng.integers(3, 300, length + 1).tolist(), rng.integers(3, 300, length + 1).tolist()]
-    alone = [_last_logits(engine, row, length, 1) for row in rows]
+    alone = [last_logits(engine, row, length, 1) for row in rows]
     cache = engine.new_cache(2)
     engine.prefill(cache, np.array([row[:length] for row in rows]))
     batched = engine.forward(cache, np.array([[row[length]] for row in rows]))
@@ -137,9 +128,9 @@ def test_the_load_time_check_passes_here_and_its_exact_form_matches_target_only(
     engine = _engine(path, info)
     assert engine.call_shape_mismatch(info.vocab_size) is None
     tokens = np.random.default_rng(5).integers(3, 300, 20).tolist()
-    reference = _last_logits(engine, tokens, 6, 1)
+    reference = last_logits(engine, tokens, 6, 1)
     engine.one_token_calls = True  # the form a CPU that fails the check gets: verify calls one token at a time
-    assert np.array_equal(_last_logits(engine, tokens, 6, 7), reference)
+    assert np.array_equal(last_logits(engine, tokens, 6, 7), reference)
 
 
 def test_a_failed_check_switches_to_the_exact_form_and_says_so_once(caplog, tmp_path):
