@@ -209,8 +209,20 @@ class _Budget:
     def _line(self, frame, event, arg):
         if time.perf_counter() > self.deadline:
             raise TemplateBudgetError(f"the chat template ran past {TIME_BUDGET:g} s")
-        _check_size(sum(len(v) for v in frame.f_locals.values() if isinstance(v, (str, list, tuple, dict))))
+        _check_size(sum(_size(v) for v in frame.f_locals.values()))
         return self._line
+
+
+def _size(value) -> int:
+    """A template variable's length; a ``namespace()``'s is its attributes' (``{% set ns.s = ns.s ~ ns.s %}``
+    grows a string the frame's own variables never show)."""
+    if isinstance(value, (str, list, tuple, dict)):
+        return len(value)
+    from jinja2.utils import Namespace
+    if isinstance(value, Namespace):
+        attributes = object.__getattribute__(value, "_Namespace__attrs")
+        return sum(len(v) for v in attributes.values() if isinstance(v, (str, list, tuple, dict)))
+    return 0
 
 
 def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):

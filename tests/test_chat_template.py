@@ -173,3 +173,12 @@ def test_a_template_budget_error_through_the_server_is_a_400_for_that_request_on
                                          "{% endfor %}")
     with pytest.raises(ValueError, match="ran past"):
         tokenizer.encode_chat(USER)
+
+
+def test_a_string_grown_through_a_namespace_is_stopped_by_the_size_budget():
+    """``{% set ns.t = ns.t ~ ns.t %}`` keeps the string in a namespace, which the frame's variables never show: it
+    must be stopped by its size at ~2M characters, not by the time budget after growing to hundreds of MB."""
+    template = ("{% set s = namespace(t='xx') %}{% for i in range(64) %}{% set s.t = s.t ~ s.t %}{% endfor %}"
+                "{{ s.t|length }}")
+    with pytest.raises(ValueError, match="characters or items"):
+        render_chat_template(template, [{"role": "user", "content": "hi"}])
