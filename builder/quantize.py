@@ -22,10 +22,11 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = 32, symmetric: 
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     if quant in ("fp32", "fp16"):
-        shutil.copyfile(src, dst)
         data = src.with_name(src.name + ".data")
-        if data.exists():
-            shutil.copyfile(data, dst.with_name(dst.name + ".data"))
+        if not data.exists():
+            shutil.copyfile(src, dst)
+            return
+        _copy_with_external_data(src, dst, data)
         return
     if quant not in BITS:
         raise ValueError(f"unknown quantization {quant!r}; choose fp32 (CPU), fp16 (CUDA), int8 or int4")
@@ -40,3 +41,17 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = 32, symmetric: 
     quantizer.process()
     large = quantizer.model.model.ByteSize() > 1_800_000_000
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=large)
+
+
+def _copy_with_external_data(src: Path, dst: Path, data: Path) -> None:
+    """``src`` and its external data as ``dst`` + ``dst``.data, the graph's locations renamed to match."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+    model = onnx.load(str(src), load_external_data=False)
+    for tensor in model.graph.initializer:
+        if uses_external_data(tensor):
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = dst.name + ".data"
+    shutil.copyfile(data, dst.with_name(dst.name + ".data"))
+    onnx.save_model(model, str(dst))
