@@ -65,19 +65,17 @@ def estimate(target_config, draft_config=None) -> Estimate:
 
 
 def available_bytes() -> int | None:
-    """What this process may still take: Linux's MemAvailable, capped by a cgroup's memory.max where one is set."""
-    found = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found = int(line.split()[1]) * 1024
-    except OSError:
+    """What this process may still take: Linux's MemAvailable (runtime.metrics), capped by a cgroup's memory.max
+    where one is set."""
+    from runtime.metrics import available_memory_bytes
+    found = available_memory_bytes()
+    if found is None:
         return None
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         current = int(Path("/sys/fs/cgroup/memory.current").read_text())
         if limit != "max":
-            found = min(found if found is not None else 1 << 62, int(limit) - current)
+            found = min(found, int(limit) - current)
     except (OSError, ValueError):
         pass
     return found

@@ -42,7 +42,7 @@ import numpy as np
 
 ATTENTION_ATTRIBUTES = ("num_heads", "kv_num_heads", "do_rotary", "rotary_interleaved", "local_window_size", "scale",
                         "softcap")
-SEEDS = (0,)  # random data: the draw that showed every point of the Gemma 3 settings (a second added none)
+SEEDS = (0,)  # the probe's random draw (a focused probe shows every point with one)
 DENSE_LIMIT = 1024  # every total compared with the next up to here (~0.3 s)
 SAMPLES = 256  # beyond it: the predicted points and this many other totals checked
 CACHE_ENV = "DRAFTSMITH_CACHE_DIR"  # where measured points are kept ("off": not kept)
@@ -155,15 +155,15 @@ class AttentionProbe:
         """The first new token's output; the new keys and values are the buffers' own rows (written back as they
         are), so the past stays the same pattern whatever was probed before."""
         return score(self.session, self.binding, self.query, self.keys[0, :, past:past + width],
-                     past, width, self.values[0, :, past:past + width])
+                     self.values[0, :, past:past + width], past, width)
 
 
-def score(session, binding, query, new, past: int, width: int, values: np.ndarray | None = None) -> np.ndarray:
-    """The output of the first of ``width`` new tokens after ``past`` slots (past and present share the buffers, as
-    in runtime.engine.FusedEngine); ``new`` gives their keys and, without ``values``, their values."""
+def score(session, binding, query, keys, values, past: int, width: int) -> np.ndarray:
+    """The output of the first of ``width`` new tokens (``keys``, ``values``) after ``past`` slots (past and present
+    share the buffers, as in runtime.engine.FusedEngine)."""
     binding.bind_cpu_input("query", np.ascontiguousarray(query[:, :width]))
-    binding.bind_cpu_input("key", np.ascontiguousarray(new[:, :width]))
-    binding.bind_cpu_input("value", np.ascontiguousarray((new if values is None else values)[:, :width]))
+    binding.bind_cpu_input("key", np.ascontiguousarray(keys[:, :width]))
+    binding.bind_cpu_input("value", np.ascontiguousarray(values[:, :width]))
     binding.bind_cpu_input("seqlens_k", np.array([past + width - 1], np.int32))
     binding.bind_cpu_input("total_sequence_length", np.array(past + width, np.int32))
     binding.bind_output("output", "cpu")  # rebound: its shape follows the width
@@ -197,6 +197,7 @@ def probe_model(attributes: dict, head_dim: int, positions: int) -> bytes:
     return model.SerializeToString()
 
 
+@lru_cache(maxsize=1)
 def cpu_fingerprint() -> str:
     """What MLAS chooses its kernels by: the CPU's vendor, model and ISA flags, and the onnxruntime version."""
     import platform
