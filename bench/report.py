@@ -59,7 +59,7 @@ def render_peers_table(console, report: dict) -> None:
                           _fmt(ours["speculative_tokens_per_second"], ".1f"), _fmt(vs) + "x", _fmt(vs) + "x",
                           _fmt(ours.get("speculative_identical_to_ours"), ".0%", ""))
     for p in sorted(rows, key=lambda r: (r["workload"], r["peer"])):
-        table.add_row(p["peer"], p["workload"], p["mode"], "" if p["k"] is None else str(p["k"]),
+        table.add_row(p["peer"], p["workload"], p["mode"], "" if p.get("k") is None else str(p["k"]),
                       _fmt(p["tokens_per_second"], ".1f"), _fmt(p.get("speedup")) + "x",
                       _fmt(p.get("speedup_vs_ours_target")) + "x", _fmt(p.get("identical_to_ours"), ".0%", ""))
     console.print(table)

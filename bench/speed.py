@@ -15,7 +15,6 @@ prefill, and the loop's own work outside the engines. The report math lives in `
 
 from __future__ import annotations
 
-import contextlib
 
 import dataclasses
 import json
@@ -31,7 +30,7 @@ from bench.report import plot, render_summary, render_table
 from bench.stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k, summarize,
                          where_time_goes)
 from runtime.bundle import DRAFTERS
-from runtime.engine import DEVICES, DeviceError, MappedVocabEngine
+from runtime.engine import DEVICES, DeviceError, MappedVocabEngine, unpadded
 from runtime.prompt_files import parse_prompts
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning", "json")  # json: with --response-format prompts/json_event.json
@@ -174,17 +173,6 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
     return records, time.perf_counter() - start
 
 
-@contextlib.contextmanager
-def unpadded(engine):
-    """The engine's one-token calls unpadded (``min_call_tokens`` 1) for the duration."""
-    saved = engine.min_call_tokens
-    engine.min_call_tokens = 1
-    try:
-        yield engine
-    finally:
-        engine.min_call_tokens = saved
-
-
 def pads(engine) -> bool:
     """Whether the target pads its one-token calls for exactness: then target-only decoding is measured twice,
     padded (what speculation is identical to) and plain (the speedup's baseline)."""
@@ -319,7 +307,7 @@ def _json_default(value):
 
 # --- the command ----------------------------------------------------------------------------------------------------
 
-PEER_NAMES = ("transformers", "llama.cpp", "onnxruntime-genai", "openvino")  # the peers rows are named by (--peer)
+PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-genai", "openvino")  # the peers rows are named by (--peer)
 
 
 @click.command("bench")
@@ -497,7 +485,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, ma
         report["settings"]["peer_spinning"] = peer_spinning
     if quality:
         report["quality"] = quality_report(Path(bundle), threads, device, peers is not False and
-                                           (not peer_names or "llama.cpp" in peer_names), quality_tokens)
+                                           (not peer_names or "llama-cpp-python" in peer_names), quality_tokens)
         save(False)
     if write_k and rec_k is not None:
         write_default_k(Path(bundle), rec_k)
@@ -516,6 +504,21 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, ma
 PEER_MODULES = ("transformers", "llama_cpp", "onnxruntime_genai", "openvino_genai")
 
 
+def _after_first(steps: list[tuple]) -> list[tuple]:
+    """The steps after the one that emitted a sequence's first token (its gap holds the prompt's prefill)."""
+    first = next((i for i, (_, _, new, _) in enumerate(steps) if new), len(steps))
+    return steps[first + 1:]
+
+
+def _prompt_texts(bundle: Path, workloads: dict[str, list[list[int]]]) -> dict[str, list[str]]:
+    """The prompts as text (a tool that takes text tokenizes them again): our token ids decoded by the bundle's
+    tokenizer, special tokens (a chat template's) kept."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(Path(bundle) / "tokenizer" / "tokenizer.json"))
+    return {w: [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] for w, prompts in
+            workloads.items()}
+
+
 def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: dict[str, dict]) -> dict[str, dict]:
     """Our own figures over exactly the prompts the peers decode (the first ``counts[w]`` of each workload), from the
     batch-1 cells: target-only tok/s and greedy ids, and speculative tok/s at the workload's best k.
@@ -532,6 +535,11 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
         seconds = sum(gap for seq in sequences for *_, gap in seq.steps)
         return sum(seq.emitted for seq in sequences) / seconds if seconds else None
 
+    def decode_rate(sequences):  # after each sequence's first token (llama.cpp's tools print this rate)
+        later = [step for seq in sequences for step in _after_first(seq.steps)]
+        seconds = sum(gap for *_, gap in later)
+        return sum(new for _, _, new, _ in later) / seconds if seconds else None
+
     out = {}
     for workload in counts:
         target = subset("target", workload, None)
@@ -541,6 +549,8 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
         k = best.get(workload, {}).get("k")
         spec = subset("speculative", workload, k) if k else None
         out[workload] = {"prompts": len(target), "target_tokens_per_second": rate(plain),
+                         "target_decode_tokens_per_second": decode_rate(plain),
+                         "speculative_decode_tokens_per_second": decode_rate(spec) if spec else None,
                          "token_ids": [list(seq.token_ids) for seq in target], "k": k,
                          "speculative_tokens_per_second": rate(spec) if spec else None,
                          "speculative_identical_to_ours": (sum(a.token_ids == b.token_ids for a, b in zip(spec, target))
@@ -559,7 +569,7 @@ def quality_report(bundle: Path, threads: int, device, with_llama_cpp: bool, tok
     if with_llama_cpp:
         from bench.peers import llama_cpp_perplexity
         row = llama_cpp_perplexity(generator.manifest, bundle, windows, threads)
-        out["llama.cpp"] = row.get("perplexity", row.get("skipped"))
+        out["llama-cpp-python"] = row.get("perplexity", row.get("skipped"))
     return out
 
 
@@ -569,7 +579,8 @@ def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads,
     if temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
     import importlib.util
-    if not required and all(importlib.util.find_spec(m) is None for m in PEER_MODULES):
+    from bench.peers.llama_cpp_tools import PLAIN_TOOL, tool
+    if not required and all(importlib.util.find_spec(m) is None for m in PEER_MODULES) and not tool(PLAIN_TOOL):
         return [{"peer": "all", "skipped": "no peer installed (pip install draftsmith[peers])"}]
     ks = {w: r["k"] for w, r in best.items()}
     status = console.status("peers: loading") if not quiet else None
@@ -582,7 +593,11 @@ def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads,
         rows = []
         if "transformers" in wanted:
             rows += run_transformers(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent)
-        if "llama.cpp" in wanted:
+        if "llama.cpp" in wanted:  # its own C++ tools, as users run them
+            from bench.peers.llama_cpp_tools import run_llama_cpp_tools
+            rows += run_llama_cpp_tools(manifest, bundle, _prompt_texts(bundle, workloads), max_new_tokens,
+                                        threads, note)
+        if "llama-cpp-python" in wanted:
             rows += run_llama_cpp(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note)
         if "onnxruntime-genai" in wanted:
             rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note,

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from builder import checkpoint as ckpt
-from builder import evaluate, export, gguf_weights, graph, memory, pairing, quantize
+from builder import evaluate, export, gguf_stream, gguf_weights, graph, memory, pairing, quantize
 from builder import publish as publishing
 from builder.progress import Heartbeat
 from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
@@ -69,7 +69,8 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
         stage("resolve")
         target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
         try:
-            memory.refuse_if_too_large(_memory_needed(target_ckpt, draft_ckpt, draft_layers), "this build")
+            memory.refuse_if_too_large(_memory_needed(spec, target_ckpt, draft_ckpt), "this build")
+            memory.allocate_large_blocks_apart()
             with memory.Watchdog(tmp):
                 manifest = _build_into(tmp, spec, target_ckpt, draft_ckpt, draft_layers, stage, threads, say)
         except memory.BuildMemoryError as err:
@@ -78,10 +79,12 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
         return _finish(tmp, manifest, out, stage)
 
 
-def _memory_needed(target_ckpt, draft_ckpt, draft_layers: int) -> memory.Estimate:
+def _memory_needed(spec: BuildSpec, target_ckpt, draft_ckpt) -> memory.Estimate:
     """The build's estimated peak (builder.memory): a self-draft shares the target's weights."""
     separate = draft_ckpt is not target_ckpt and not _is_feature_draft(draft_ckpt)
-    return memory.estimate(target_ckpt.config, draft_ckpt.config if separate else None)
+    streamed = all(gguf_stream.supported(c, spec.engine_graph) for c in ((target_ckpt, draft_ckpt) if separate
+                                                                         else (target_ckpt,)))
+    return memory.estimate(target_ckpt.config, draft_ckpt.config if separate else None, streamed)
 
 
 def _resolve(spec: BuildSpec):
@@ -115,56 +118,79 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     pair = pairing.pair(target_tok, draft_tok, target_ckpt, draft_ckpt, spec.max_context)
     work = tmp / "_work"
     kept = _draft_vocab(draft_ckpt) if draft_ckpt is not target_ckpt else None  # a reduced-vocabulary draft head
-    stage("export target")
-    target_model = target_ckpt.load_model()
     rows = max(pair.max_context, 64)  # positions the graphs' rotary tables cover (the export check uses 64)
-    target_info, target_check = _export(target_model, target_ckpt, work / "target.onnx", spec, rows)
+    stage("export target")
+    target_model = _Model(target_ckpt, spec, rows)
+    self_fp32 = draft_ckpt is target_ckpt and not draft_layers and spec.draft_quant != "gguf"  # quantized from it
+    target_ref = _reference_path(work, "target", target_model, spec.target_quant, spec)
+    target_info, target_check = _export(target_model, target_ckpt, work / "target.onnx", spec,
+                                        full=self_fp32 or target_ref == work / "target.onnx")
+    memory.release()  # the torch check's session and arrays
+    stage("quantize target")
+    engine_notes = {"target": _quantize(work / "target.onnx", tmp / "target" / "model.onnx", spec.target_quant,
+                                        spec, target_ckpt, target_model, reference=target_ref)}
+    memory.release()
+    stage("export draft")
     if draft_ckpt is target_ckpt and not draft_layers:
         draft_info, draft_check, draft_fp32 = target_info, target_check, work / "target.onnx"
         draft_model = target_model
+        draft_ref = target_ref if spec.draft_quant == spec.target_quant else draft_fp32
     elif _is_feature_draft(draft_ckpt):
-        stage("export draft")
         draft_model = None
         draft_info, draft_check = _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept,
                                                         work / "draft.onnx", spec)
-        draft_fp32 = work / "draft.onnx"
+        draft_fp32 = draft_ref = work / "draft.onnx"
     else:
-        stage("export draft")
-        draft_model = _truncate(target_model, draft_layers) if draft_layers else draft_ckpt.load_model()
-        if kept is not None:
-            from builder.distill.draft import reduce_head
-            draft_model = reduce_head(draft_model, kept)
-        draft_info, draft_check = _export(draft_model, draft_ckpt, work / "draft.onnx", spec, rows)
+        if draft_layers:
+            draft_model = target_model
+        else:
+            del target_model  # a separate draft: the target's weights are written; free them first
+            memory.release()
+            draft_model = _Model(draft_ckpt, spec, rows, kept)
         draft_fp32 = work / "draft.onnx"
-    stage("quantize")
-    engine_notes = {"target": _quantize(work / "target.onnx", tmp / "target" / "model.onnx", spec.target_quant,
-                                        spec, target_ckpt, target_model, rows),
-                    "draft": _quantize(draft_fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec,
-                                       target_ckpt if draft_layers else draft_ckpt, draft_model, rows)}
+        draft_ref = _reference_path(work, "draft", draft_model, spec.draft_quant, spec)
+        draft_info, draft_check = _export(draft_model, draft_ckpt, draft_fp32, spec, draft_layers,
+                                          full=draft_ref == draft_fp32)
+    memory.release()
+    stage("quantize draft")
+    engine_notes["draft"] = _quantize(draft_fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec,
+                                      target_ckpt if draft_layers else draft_ckpt, draft_model, draft_layers,
+                                      reference=None if draft_ref == target_ref else draft_ref)
     for role, info in (("target", target_info), ("draft", draft_info)):  # the fp32 graph's own notes come first
         engine_notes[role] = list(dict.fromkeys([*info.notes, *engine_notes[role]]))
-    del target_model, draft_model
+    target_model = draft_model = None
+    memory.release()
     stage("evaluate")
     windows = evaluate.eval_windows(target_tok(evaluate.eval_set_text())["input_ids"], pair.max_context,
                                     spec.eval_tokens)
     ids = [t for window in windows for t in window]
-    engines = {role: evaluate.engine_for(tmp / role / "model.onnx", info, pair.max_context, threads)
+    def opener(path: Path, info, mapped: bool = False):  # a session opened when the evaluation reaches it
+        def open_engine():
+            engine = evaluate.engine_for(path, info, pair.max_context, threads)
+            if mapped:  # compare and score the draft over the full vocabulary (q = 0 outside the kept ids)
+                from runtime.engine import MappedVocabEngine
+                engine = MappedVocabEngine(engine, kept, target_info.vocab_size)
+            return engine
+        return open_engine
+
+    engines = {role: opener(tmp / role / "model.onnx", info, role == "draft" and kept is not None)
                for role, info in (("target", target_info), ("draft", draft_info))}
-    references = {"target": evaluate.engine_for(work / "target.onnx", target_info, pair.max_context, threads)}
-    # a self-draft's fp32 graph is the target's: one session for both (a second would hold its weights again)
-    references["draft"] = (references["target"] if draft_fp32 == work / "target.onnx" and draft_info is target_info
-                           else evaluate.engine_for(draft_fp32, draft_info, pair.max_context, threads))
-    if kept is not None:  # compare and score the draft over the full vocabulary (q = 0 outside the kept ids)
-        from runtime.engine import MappedVocabEngine
-        for group in (engines, references):
-            group["draft"] = MappedVocabEngine(group["draft"], kept, target_info.vocab_size)
-    report = evaluate.report(engines, references, windows, Heartbeat("evaluate: windows", len(windows), say))
+    references = {"target": opener(target_ref, target_info)}
+    # a self-draft's fp32 graph is the target's: scored once for both
+    references["draft"] = (references["target"] if draft_ref == target_ref and draft_info is target_info
+                           else opener(draft_ref, draft_info, kept is not None))
+    passes = evaluate.sessions(engines, references) * len(windows)
+    report = evaluate.report(engines, references, windows, Heartbeat("evaluate: windows", passes, say),
+                             feature_roles=("draft",) if _is_feature_draft(draft_ckpt) else ())
     if kept is not None:
         report["draft_vocab"] = {"kept_ids": len(kept), "eval_coverage": float(np.isin(ids[1:], kept).mean())}
         for key in ("perplexity", "fp32_perplexity"):  # infinite when an eval token is outside the kept ids
             value = report["draft"][key]
             report["draft"][key] = value if math.isfinite(value) else None
     report["export_check_max_abs_logit_diff"] = {"target": target_check, "draft": draft_check}
+    report["references"] = {role: ("the file's blocks in fp32 arithmetic (MatMulNBits accuracy level 0)"
+                                   if ref.name.endswith(".reference.onnx") or ref.parent.name == role else
+                                   "the fp32 graph") for role, ref in (("target", target_ref), ("draft", draft_ref))}
     report["pair_notes"] = list(pair.notes)
     report["engine_notes"] = engine_notes  # e.g. GGUF tensors kept as float weights (no exact MatMulNBits form)
     del engines, references
@@ -207,7 +233,7 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
         raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
     try:
         cfg, weights = fd.load_feature_weights(draft_ckpt.folder)
-        own = fd.FeatureConfig.of_target(target_model.config)  # refuses a target a feature draft cannot follow
+        own = fd.FeatureConfig.of_target(target_ckpt.config)  # refuses a target a feature draft cannot follow
     except DistillError as err:
         raise BuildError(str(err)) from None
     if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
@@ -218,8 +244,7 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
     if cfg != expected:
         wrong = {k: v for k, v in dataclasses.asdict(cfg).items() if dataclasses.asdict(expected)[k] != v}
         raise BuildError(f"{draft_ckpt.source}: feature_draft.json does not match the target's config: {wrong}")
-    embedding = target_model.get_input_embeddings().weight.detach().float().numpy()
-    head = target_model.get_output_embeddings().weight.detach().float().numpy()
+    embedding, head = target_model.embedding_and_head()
     head = head[kept] if kept is not None else head
     decoder = fd.feature_decoder(cfg, weights, embedding, head)
     graph.build(decoder, path)
@@ -228,28 +253,96 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
     return info, fd.check_against_torch(path, info, module, target_ckpt.architecture.tolerance)
 
 
-def _export(model, checkpoint, path: Path, spec: BuildSpec, context: int | None = None):
-    """The fp32 (fp16 on cuda) graph of ``model`` at ``path``, checked against torch: (GraphInfo, check report).
-    ``context``: the most tokens a sequence holds (sizes the fused graph's rotary tables; None: the model's own)."""
+class _Model:
+    """What a role's graphs are made from: a GGUF file read layer by layer (builder.gguf_stream: memory follows one
+    layer) where the fused graph is written, else the transformers model loaded whole."""
+
+    def __init__(self, checkpoint, spec: BuildSpec, context: int, kept=None):
+        self.checkpoint, self.context = checkpoint, context
+        self.streamed = (gguf_stream.Streamed(checkpoint, context)
+                         if gguf_stream.supported(checkpoint, spec.engine_graph) else None)
+        self.whole = None
+        if self.streamed is None:
+            self.whole = checkpoint.load_model()
+            if kept is not None:  # a reduced-vocabulary draft head
+                from builder.distill.draft import reduce_head
+                self.whole = reduce_head(self.whole, kept)
+
+    def torch_model(self, layers: int = 0):
+        """The transformers model of the first ``layers`` layers (0: all; streamed: at most its reference's)."""
+        if self.streamed is not None:
+            model = self.streamed.reference
+            have = model.config.num_hidden_layers
+            return _truncate(model, layers) if layers and layers < have else model
+        return _truncate(self.whole, layers) if layers else self.whole
+
+    def decoder(self, layers: int = 0):
+        """The fused graph's Decoder of the first ``layers`` layers (0: all)."""
+        if self.streamed is not None:
+            return self.streamed.decoder(layers or None)
+        return graph.from_transformers(self.torch_model(layers), self.context)
+
+    def embedding_and_head(self) -> tuple[np.ndarray, np.ndarray]:
+        """float32 [V, H] each (a feature draft reads the target's)."""
+        model = self.torch_model()
+        return (model.get_input_embeddings().weight.detach().float().numpy(),
+                model.get_output_embeddings().weight.detach().float().numpy())
+
+
+def _reference_path(work: Path, role: str, model: _Model, quant: str, spec: BuildSpec) -> Path:
+    """What the build report scores ``role``'s engine against. A GGUF file's own blocks (quant gguf, read layer by
+    layer): the same blocks computed in fp32 (MatMulNBits at accuracy level 0 dequantizes each block to the float32
+    weights the fp32 graph holds: max |logit difference| 6e-5 and the same argmax on a 512-token Qwen2.5-Coder-0.5B
+    window), whose session holds the file's bytes, not 4 bytes a parameter (6.2 GB for a 1.5B model). Else the fp32
+    graph."""
+    if quant == "gguf" and model is not None and model.streamed is not None and spec.engine_graph == "fused":
+        # accuracy level 0: the engine is itself that reference
+        return work.parent / role / "model.onnx" if spec.accuracy_level == 0 else work / f"{role}.reference.onnx"
+    return work / f"{role}.onnx"
+
+
+def _export(model: _Model, checkpoint, path: Path, spec: BuildSpec, layers: int = 0, full: bool = True):
+    """The fp32 (fp16 on cuda) graph of ``model``'s first ``layers`` layers (0: all) at ``path``, checked against
+    torch: (GraphInfo, check report). A streamed GGUF model is checked on its first layers, whose graph is written
+    beside ``path`` by the same lazy path (builder.gguf_stream); ``full`` False writes only that (nothing reads the
+    whole fp32 graph: the engine is the file's blocks and its reference the same blocks in fp32)."""
     if spec.engine_graph == "fused":
         try:
-            decoder = graph.from_transformers(model, context)
+            decoder = model.decoder(layers)
+            if full:
+                graph.build(decoder, path)
         except graph.GraphError as err:
             raise BuildError(f"{checkpoint.source}: {err}") from None
-        graph.build(decoder, path)
+        reference = model.torch_model(layers)
+        checked = reference.config.num_hidden_layers
+        if checked == len(decoder.layers) and full:
+            info = graph.info_of(decoder)
+            return info, graph.check_against_torch(reference, path, info, checkpoint.architecture.tolerance)
+        decoder.notes.append(f"read from the GGUF file layer by layer; checked against transformers on its first "
+                             f"{checked} layers with the embedding and head (the build report scores every layer)")
         info = graph.info_of(decoder)
-        return info, graph.check_against_torch(model, path, info, checkpoint.architecture.tolerance)
-    info = export.export_decoder(model, path, spec.opset, export.GRAPH_DTYPES[spec.device])
-    check = export.check_against_torch(model, path, info, checkpoint.architecture.tolerance)
+        check_path = path.with_name(path.stem + ".check.onnx")
+        partial = model.decoder(checked)
+        graph.build(partial, check_path)
+        report = graph.check_against_torch(reference, check_path, graph.info_of(partial),
+                                           checkpoint.architecture.tolerance)
+        for stale in check_path.parent.glob(check_path.name + "*"):
+            stale.unlink()
+        return info, report
+    whole = model.torch_model(layers)
+    info = export.export_decoder(whole, path, spec.opset, export.GRAPH_DTYPES[spec.device])
+    check = export.check_against_torch(whole, path, info, checkpoint.architecture.tolerance)
     return info, check
 
 
-def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, model,
-              context: int | None = None) -> list[str]:
+def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, model: _Model | None,
+              layers: int = 0, reference: Path | None = None) -> list[str]:
     """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
-    the GGUF file's own blocks (builder.gguf_weights); ``model``: the loaded model ``src`` came from, whose weights
-    are those of ``checkpoint``. Returns what the engine's graph notes about itself (quant gguf: tensors the
-    file holds in a type without an exact MatMulNBits form)."""
+    the GGUF file's own blocks (builder.gguf_weights); ``model``: what ``src`` came from (its first ``layers``
+    layers; 0: all), whose weights are those of ``checkpoint``. Returns what the engine's graph notes about itself
+    (quant gguf: tensors the file holds in a type without an exact MatMulNBits form). ``reference`` (quant gguf, a
+    path other than ``src``): the same blocks are also written there at accuracy level 0 (fp32 arithmetic), what
+    the build report scores the engine against."""
     if quant != "gguf":
         quantize.quantize(src, dst, quant, spec.block_size, spec.symmetric, spec.accuracy_level)
         return []
@@ -259,10 +352,18 @@ def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, mod
     if spec.block_size not in (16, gguf_weights.BLOCK):
         raise BuildError(f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
                          f"16); block_size {spec.block_size} would quantize them again")
-    decoder = gguf_weights.apply(graph.from_transformers(model, context), checkpoint.folder / checkpoint.gguf_file,
-                                 spec.block_size, permuted_qk=checkpoint.architecture.gguf_permuted_qk)
+    def blocks():
+        return gguf_weights.apply(model.decoder(layers), checkpoint.folder / checkpoint.gguf_file,
+                                  spec.block_size, permuted_qk=checkpoint.architecture.gguf_permuted_qk)
+
+    decoder = blocks()
     graph.build(decoder, dst, spec.accuracy_level)
-    return list(decoder.notes)
+    notes = list(decoder.notes)
+    if reference is not None and reference not in (src, dst):
+        del decoder  # its head and embedding blocks: the reference makes its own
+        memory.release()
+        graph.build(blocks(), reference, 0)
+    return notes
 
 
 def _truncate(model, layers: int):

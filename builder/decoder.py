@@ -6,7 +6,9 @@ builder/gguf_weights.py swaps its float linear layers for a GGUF file's own bloc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -63,6 +65,39 @@ class Layer:
     window: int | None = None  # tokens a query sees, itself included (transformers' sliding_window); None: Decoder's
 
 
+class LazyLayers(Sequence):
+    """Layers made when asked for, one at a time, and not kept: a graph is written holding one layer's weights, not
+    the model's (builder.gguf_stream reads a GGUF file this way). ``ropes``: each layer's rotary key, known without
+    making the layer (the graph's rotary inputs need them first). ``map(fn)``: the same layers, each passed through
+    ``fn(i, layer)`` when made (a GGUF file's own blocks replacing float weights)."""
+
+    def __init__(self, make: Callable[[int], "Layer"], ropes: Sequence[str | None]):
+        self.make, self.ropes = make, tuple(ropes)
+
+    def __len__(self) -> int:
+        return len(self.ropes)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            kept = range(len(self))[index]
+            if kept.step != 1 or kept.start != 0:
+                raise IndexError("lazy layers slice to a prefix only (a truncated draft)")
+            return LazyLayers(self.make, self.ropes[:len(kept)])
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return self.make(index % len(self))
+
+    def map(self, fn: Callable[[int, "Layer"], "Layer"]) -> "LazyLayers":
+        make = self.make
+        return LazyLayers(lambda i: fn(i, make(i)), self.ropes)
+
+
+def rope_keys(layers: Sequence["Layer"]) -> set[str | None]:
+    """The rotary tables the layers use (without making lazy ones)."""
+    ropes = getattr(layers, "ropes", None)
+    return set(ropes) if ropes is not None else {layer.rope for layer in layers}
+
+
 @dataclass
 class RotaryTable:
     """cos and sin of position x frequency, float32 [positions, rotary_dim / 2], the attention scaling applied.
@@ -90,7 +125,7 @@ class Decoder:
     rope_theta: float
     max_positions: int
     embedding: np.ndarray  # float32 [V_in, H]
-    layers: list[Layer]
+    layers: Sequence[Layer]  # a list, or LazyLayers made one at a time
     final_norm: np.ndarray
     head: Linear  # N = vocab (may be a reduced draft head)
     sliding_window: int = 0  # tokens a query sees, itself included, in every layer without its own window; 0: all
@@ -107,6 +142,9 @@ class Decoder:
     final_softcap: float = 0.0  # Gemma 2/3: the same on the logits
     residual_scale: float = 1.0  # Granite: each block's output times residual_multiplier before its residual add
     logit_divisor: float = 1.0  # Granite: logits / logits_scaling
+    # the embedding in a GGUF file's own blocks (builder.gguf_weights): a GatherBlockQuantized of the token rows
+    # (+ their blocks' offsets) instead of a float32 table, exact to the file; ``embedding`` then only says its shape
+    embedding_quant: BlockQuant | None = None
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:
@@ -142,9 +180,8 @@ def from_transformers(model, max_context: int | None = None) -> Decoder:
     positions = int(max_context or config.max_position_embeddings) + 2  # one-token calls may be padded to two
     rotary, notes = _rotary_of(model, positions)
     state = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
-    norm = (lambda w: np.float32(1.0) + w) if arch.norm_plus_one else (lambda w: w)  # Gemma: x * (1 + weight)
-    layers = [_layer_of(state, f"model.layers.{i}.", arch, norm, *_attention_of(config, i, rotary))
-              for i in range(config.num_hidden_layers)]
+    norm = norm_of(arch)
+    layers = [layer_of(state, i, arch, *attention_of(config, i, rotary)) for i in range(config.num_hidden_layers)]
     embedding = state["model.embed_tokens.weight"]
     head = state.get("lm_head.weight", embedding)
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
@@ -161,7 +198,7 @@ def from_transformers(model, max_context: int | None = None) -> Decoder:
                    intermediate=config.intermediate_size, vocab=head.shape[0], eps=float(config.rms_norm_eps),
                    rope_theta=float(_rope_theta(config)), max_positions=positions,
                    embedding=embedding, layers=layers, final_norm=norm(state["model.norm.weight"]),
-                   head=Linear(np.ascontiguousarray(head.T)), notes=notes, rotary=rotary,
+                   head=Linear(head.T), notes=notes, rotary=rotary,  # a view: written in row chunks
                    embed_scale=_embed_scale(model, arch), activation=ACTIVATIONS[activation], attn_scale=attn_scale,
                    attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0) * arch.attn_softcap,
                    final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
@@ -180,8 +217,15 @@ def _embed_scale(model, arch) -> float:
     return float(embeddings.embed_scale.to(embeddings.weight.dtype))
 
 
-def _layer_of(state: dict, p: str, arch, norm, rope: str | None, window: int) -> Layer:
-    """Layer ``p`` (a state-dict prefix) of an architecture whose names and norms the registry entry gives."""
+def norm_of(arch) -> Callable[[np.ndarray], np.ndarray]:
+    """What the graph's RMSNorm weight is, given transformers' (Gemma scales by 1 + weight)."""
+    return (lambda w: np.float32(1.0) + w) if arch.norm_plus_one else (lambda w: w)
+
+
+def layer_of(state: dict, i: int, arch, rope: str | None, window: int) -> Layer:
+    """Layer ``i`` from a state dict with transformers' names (``model.layers.{i}.``; only that layer's entries
+    are read) of an architecture whose names and norms the registry entry gives."""
+    p, norm = f"model.layers.{i}.", norm_of(arch)
     sandwich = arch.sandwich_norms
     optional = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"} if arch.qk_norm else {}
     if sandwich:
@@ -206,7 +250,7 @@ def _stacked_bias(state: dict, prefix: str, parts: tuple[str, ...]) -> np.ndarra
     return np.concatenate(biases) if all(b is not None for b in biases) else None
 
 
-def _attention_of(config, i: int, rotary: dict) -> tuple[str | None, int]:
+def attention_of(config, i: int, rotary: dict) -> tuple[str | None, int]:
     """(rotary table key, sliding window) of layer ``i``: layer_types name each layer's kind (Gemma, Qwen); without
     them a sliding_window applies to every layer (Mistral, Phi-3)."""
     types = getattr(config, "layer_types", None)

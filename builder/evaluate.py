@@ -38,62 +38,101 @@ def eval_windows(ids: list[int], max_context: int, limit: int = 0) -> list[list[
 def logits_of(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = None) -> np.ndarray:
     """Teacher-forced logits [len(ids), V]. A feature draft scores ids[1:] from the target's hidden states
     ``features`` [len(ids), H] (pair j: the state after token j with token j+1), so its row j predicts token j+2."""
+    return _forward(engine, ids, features)[0]
+
+
+def _forward(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = None):
+    """(teacher-forced logits, the final hidden states [len(ids), H] or None where the graph has none)."""
     cache = engine.new_cache(1)
     if getattr(engine, "takes_features", False):
-        return engine.forward(cache, np.array([ids[1:]], np.int64), features=features[None, :-1])[0]
-    return engine.forward(cache, np.array([ids], np.int64))[0]
-
-
-def hidden_of(engine, ids: list[int]) -> np.ndarray | None:
-    """The target's final hidden states over ids (a feature draft's input), None where the graph has none."""
-    cache = engine.new_cache(1)
-    engine.forward(cache, np.array([ids], np.int64))
+        logits = engine.forward(cache, np.array([ids[1:]], np.int64), features=features[None, :-1])[0]
+    else:
+        logits = engine.forward(cache, np.array([ids], np.int64))[0]
     hidden = cache.extra.get("hidden")
-    return None if hidden is None else hidden[0]
+    return logits, None if hidden is None else hidden[0]
 
 
-def report(engines: dict[str, OnnxEngine], references: dict[str, OnnxEngine], windows: list[list[int]],
-           advance: Callable[[int], None] = lambda n: None) -> dict:
+Opener = Callable[[], OnnxEngine]
+
+
+def sessions(engines: dict[str, Opener], references: dict[str, Opener]) -> int:
+    """How many sessions ``report`` opens (each over every window): a reference shared by two roles runs once."""
+    return len(engines) + len({id(opener) for opener in references.values()})
+
+
+def report(engines: dict[str, Opener], references: dict[str, Opener], windows: list[list[int]],
+           advance: Callable[[int], None] = lambda n: None, feature_roles: tuple[str, ...] = ()) -> dict:
     """Per engine: agreement with its own fp32 graph and perplexity over every window; plus draft/target greedy
     agreement. A feature draft reads the (quantized) target engine's hidden states, as at run time, and is scored
-    from each window's second token on. ``advance(1)`` after each window (a build's progress line)."""
-    sums = {name: {"nll": 0.0, "fp32_nll": 0.0, "scored": 0, "agree": 0, "rows": 0} for name in engines}
-    pair = [0, 0]  # draft/target argmax agreements, rows
-    reads_features = any(getattr(e, "takes_features", False) for e in engines.values())
-    for ids in windows:
-        features = hidden_of(engines["target"], ids) if reads_features else None
-        computed = {}
-        for name, engine in engines.items():
-            scored = ids[1:] if getattr(engine, "takes_features", False) else ids
-            reference = logits_of(references[name], ids, features)
-            computed[name] = logits_of(engine, ids, features)
-            total = sums[name]
-            total["nll"] += nll_sum(computed[name], scored)
-            total["fp32_nll"] += nll_sum(reference, scored)
-            total["scored"] += len(scored) - 1
-            total["agree"] += int((computed[name].argmax(-1) == reference.argmax(-1)).sum())
-            total["rows"] += len(reference)
-            del reference
-        if "draft" in computed and "target" in computed:
-            skip = len(computed["target"]) - len(computed["draft"])
-            pair[0] += int((computed["draft"].argmax(-1) == computed["target"][skip:].argmax(-1)).sum())
-            pair[1] += len(computed["draft"])
-        advance(1)
+    from each window's second token on (``feature_roles``: the roles whose engines read them).
+
+    ``engines`` and ``references`` open a session when called: one is open at a time (an fp32 1.5B graph's session
+    alone holds 6 GB), run over every window, and closed; only each window's argmax and summed NLL are kept. The same
+    reference opener under two roles (a self-draft's fp32 graph is the target's) runs once. ``advance(1)`` after
+    each window of each session (a build's progress line; ``sessions`` counts them)."""
+    roles = sorted(engines, key=lambda role: role != "target")  # the target first: its hidden states feed drafts
+    features = None
+    scores, done = {}, {}
+    for role in roles:
+        given = features if role in feature_roles else None
+        engine_scores, hidden = _score(engines[role], windows, given,
+                                       want_hidden=role == "target" and bool(feature_roles), advance=advance)
+        features = hidden if role == "target" else features
+        key = id(references[role])
+        if key not in done:
+            done[key], _ = _score(references[role], windows, given, advance=advance)
+        scores[role] = (engine_scores, done[key])
     out = {"eval_tokens": sum(len(ids) for ids in windows), "eval_windows": len(windows)}
-    for name, total in sums.items():
-        out[name] = {"top1_agreement_vs_fp32": total["agree"] / max(total["rows"], 1),
-                     "perplexity": float(np.exp(total["nll"] / max(total["scored"], 1))),
-                     "fp32_perplexity": float(np.exp(total["fp32_nll"] / max(total["scored"], 1)))}
-    if pair[1]:
-        out["draft_target_top1_agreement"] = pair[0] / pair[1]
+    for role, (own, fp32) in scores.items():
+        rows = sum(len(a) for a in fp32["argmax"])
+        agree = sum(int((a == b).sum()) for a, b in zip(own["argmax"], fp32["argmax"]))
+        out[role] = {"top1_agreement_vs_fp32": agree / max(rows, 1),
+                     "perplexity": float(np.exp(own["nll"] / max(own["scored"], 1))),
+                     "fp32_perplexity": float(np.exp(fp32["nll"] / max(fp32["scored"], 1)))}
+    if "draft" in scores and "target" in scores:
+        pairs = [(d, t[len(t) - len(d):]) for d, t in zip(scores["draft"][0]["argmax"], scores["target"][0]["argmax"])]
+        rows = sum(len(d) for d, _ in pairs)
+        if rows:
+            out["draft_target_top1_agreement"] = sum(int((d == t).sum()) for d, t in pairs) / rows
     return out
 
 
+def _score(opener: Opener, windows: list[list[int]], features: list | None, want_hidden: bool = False,
+           advance: Callable[[int], None] = lambda n: None) -> tuple[dict, list | None]:
+    """One session over every window: {"argmax": [per window], "nll": summed, "scored": tokens}, and (target) each
+    window's final hidden states."""
+    engine = opener()
+    takes_features = getattr(engine, "takes_features", False)
+    result = {"argmax": [], "nll": 0.0, "scored": 0}
+    hidden = [] if want_hidden else None
+    for w, ids in enumerate(windows):
+        scored = ids[1:] if takes_features else ids
+        logits, state = _forward(engine, ids, None if features is None else features[w])
+        result["argmax"].append(logits.argmax(-1))
+        result["nll"] += nll_sum(logits, scored)
+        result["scored"] += len(scored) - 1
+        del logits
+        if hidden is not None:
+            hidden.append(state)
+        advance(1)
+    del engine
+    from builder.memory import release
+    release()  # the next session starts from what this one held
+    return result, hidden
+
+
+NLL_ROWS = 64  # rows of logits a log-softmax works on at once (151,936-token vocabularies: 39 MB, not 311)
+
+
 def nll_sum(logits: np.ndarray, ids: list[int]) -> float:
-    """The summed negative log-likelihood of each next token (float64 sums: 25,000 terms)."""
-    shifted = logits[:-1] - logits[:-1].max(axis=-1, keepdims=True)
-    log_probs = shifted[np.arange(len(ids) - 1), ids[1:]] - np.log(np.exp(shifted).sum(axis=-1))
-    return float(-log_probs.astype(np.float64).sum())
+    """The summed negative log-likelihood of each next token (float64 sums: 25,000 terms), NLL_ROWS rows at a time."""
+    total = 0.0
+    for start in range(0, len(ids) - 1, NLL_ROWS):
+        rows = logits[start:min(start + NLL_ROWS, len(ids) - 1)]
+        shifted = rows - rows.max(axis=-1, keepdims=True)
+        picked = shifted[np.arange(len(rows)), ids[start + 1:start + 1 + len(rows)]]
+        total -= float((picked - np.log(np.exp(shifted).sum(axis=-1))).astype(np.float64).sum())
+    return total
 
 
 def engine_for(path: Path, info, max_context: int, threads: int = 0) -> OnnxEngine:

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.graph import BlockQuant, Decoder, Linear
+from builder.graph import BlockQuant, Decoder, LazyLayers, Linear
 
 BLOCK = 32
 # GGUF tensor name stems for the parts of builder.graph.Layer, first choice first (Phi-3's converter writes q|k|v as
@@ -108,18 +108,26 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
         raise ValueError(f"GGUF blocks are {BLOCK} wide; they can be written as {BLOCK} or 16, not {block}")
     from builder import gguf_header
     tensors = gguf_header.read(gguf_path)  # checked, bounded; the data is mapped, not read
-    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    kept, flipped = [], []  # tensor names left as float weights; q/k read in the other row order
-    for i, layer in enumerate(decoder.layers):
-        for part, choices in PARTS.items():
-            stems = next((c for c in choices if all(f"blk.{i}.{s}.weight" in tensors for s in c)), choices[0])
-            names = [f"blk.{i}.{stem}.weight" for stem in stems]
+    data = FileBytes(gguf_path)
+    kept = [n for i in range(len(decoder.layers)) for names, _ in _layer_parts(tensors, i).values() for n in names
+            if n not in tensors or tensors[n].kind not in DECODERS]  # left as float weights
+
+    def with_blocks(i: int, layer):
+        for part, (names, stems) in _layer_parts(tensors, i).items():
             linear, order = _part(data, tensors, decoder, names, stems, getattr(layer, part), permuted_qk, block)
-            if linear is None:
-                kept += [n for n in names if n not in tensors or tensors[n].kind not in DECODERS]
-                continue
-            setattr(layer, part, linear)
-            flipped += names[:1] if order != permuted_qk else []
+            if linear is not None:
+                setattr(layer, part, linear)
+            if linear is not None and order != permuted_qk and not any(FLIPPED in n for n in decoder.notes):
+                decoder.notes.append(
+                    f"the file's attn_q / attn_k rows are {'not ' if permuted_qk else ''}{FLIPPED}, unlike what "
+                    f"Architecture.gguf_permuted_qk ({permuted_qk}) says for this architecture; they were read in "
+                    "the order that matches the model: fix the registry entry")
+        return layer
+
+    if isinstance(decoder.layers, LazyLayers):  # made as the graph is written, one layer at a time
+        decoder.layers = decoder.layers.map(with_blocks)
+    else:
+        decoder.layers = [with_blocks(i, layer) for i, layer in enumerate(decoder.layers)]
     head = tensors.get("output.weight") or tensors.get("token_embd.weight")
     head_blocks = _tensor_blocks(data, head, decoder, "output", permuted_qk)
     if head_blocks is not None and (head_blocks.n, head_blocks.k) == (decoder.vocab, decoder.hidden):
@@ -130,8 +138,61 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
         decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
     elif head is not None:
         kept.append(head.name)
-    _note(decoder, tensors, kept, flipped, permuted_qk)
+    _embedding(decoder, data, tensors, permuted_qk)
+    _note(decoder, tensors, kept)
     return decoder
+
+
+def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool) -> None:
+    """The embedding as the file's own blocks (GatherBlockQuantized, builder.graph), checked like every layer against
+    the float table transformers dequantized from the same file; it stays float32 where the file's type has no
+    exact form or the table's shape is not the file's."""
+    tensor = tensors.get("token_embd.weight")
+    blocks = _tensor_blocks(data, tensor, decoder, "token_embd", permuted_qk)
+    if blocks is None or (blocks.n, blocks.k) != tuple(decoder.embedding.shape) or blocks.block < 16:
+        return
+    error = _mismatch(tensor.name, blocks, decoder.embedding.T)
+    if error is not None:
+        raise ValueError(f"{tensor.name}: the file's blocks differ from the embedding transformers loaded from the "
+                         f"same file (max |difference| {error:.3g}); the file is inconsistent")
+    decoder.embedding_quant = _pack(blocks)
+
+
+FLIPPED = "in llama.cpp's rotary order"
+
+
+class FileBytes:
+    """A file's bytes read when sliced (``pread``), not mapped: every page a mapping touches stays in the process's
+    resident set until it is unmapped, so reading a 1.1 GB file through one made a build's RSS grow by the file
+    (twice where two mappings read it), although none of it was still needed."""
+
+    def __init__(self, path: Path):
+        import os
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        import os
+        length = span.stop - span.start
+        chunk = os.pread(self._fd, length, span.start)
+        if len(chunk) != length:
+            raise ValueError(f"the file ends inside a tensor (bytes {span.start}..{span.stop})")
+        return np.frombuffer(chunk, np.uint8)
+
+    def __del__(self):
+        import os
+        try:
+            os.close(self._fd)
+        except (AttributeError, OSError):
+            pass
+
+
+def _layer_parts(tensors: dict, i: int) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    """{Layer field: (GGUF tensor names, their stems)} of layer ``i``, the first naming the file holds."""
+    parts = {}
+    for part, choices in PARTS.items():
+        stems = next((c for c in choices if all(f"blk.{i}.{s}.weight" in tensors for s in c)), choices[0])
+        parts[part] = ([f"blk.{i}.{stem}.weight" for stem in stems], stems)
+    return parts
 
 
 def _part(data, tensors: dict, decoder: Decoder, names: list[str], stems: tuple[str, ...], old: Linear,
@@ -152,7 +213,7 @@ def _part(data, tensors: dict, decoder: Decoder, names: list[str], stems: tuple[
                      "; the file is inconsistent")
 
 
-def _note(decoder: Decoder, tensors: dict, kept: list[str], flipped: list[str], permuted_qk: bool) -> None:
+def _note(decoder: Decoder, tensors: dict, kept: list[str]) -> None:
     if kept:
         types = sorted({tensors[n].kind for n in kept if n in tensors})
         missing = [n for n in kept if n not in tensors]
@@ -160,11 +221,6 @@ def _note(decoder: Decoder, tensors: dict, kept: list[str], flipped: list[str], 
             f"{len(kept)} tensors have no exact MatMulNBits form (GGUF types {types}"
             f"{f', {len(missing)} not in the file' if missing else ''}); they stay float32 weights dequantized from "
             f"the file (exact, but larger and slower): {kept[:4]}...")
-    if flipped:
-        decoder.notes.append(
-            f"the file's attn_q / attn_k rows are {'not ' if permuted_qk else ''}in llama.cpp's rotary order, unlike "
-            f"what Architecture.gguf_permuted_qk ({permuted_qk}) says for this architecture; they were read in the "
-            f"order that matches the model ({len(flipped)} layers): fix the registry entry")
 
 
 def _mismatch(names: str, blocks: _Blocks, weight: np.ndarray | None) -> float | None:
@@ -205,14 +261,36 @@ def _tensor_blocks(data: np.ndarray, tensor, decoder: Decoder, stem: str, permut
     if len(tensor.shape) != 2:
         raise ValueError(f"{tensor.name}: a {tensor.kind} weight must be 2-D, not shape {list(tensor.shape)}")
     k, n = tensor.shape  # GGUF shapes list ne0 (K, contiguous) first; the header check made K whole blocks
-    raw = np.asarray(data[tensor.start:tensor.start + tensor.nbytes]).reshape(n, k // elements, size)
-    blocks = DECODERS[tensor.kind](raw)
+    blocks = _decoded_rows(data, tensor, n, k // elements, size)
     if permuted_qk and stem in ("attn_q", "attn_k"):
         heads = decoder.heads if stem == "attn_q" else decoder.kv_heads
         if n % (2 * heads):
             raise ValueError(f"{tensor.name}: {n} rows are not {heads} heads of an even size")
         blocks = _unpermute(blocks, heads)
     return blocks
+
+
+DECODE_ROWS = 8192  # rows read and unpacked at a time (a 151,936-row table's unpacking temporaries: 1/19 of them)
+
+
+def _decoded_rows(data, tensor, n: int, blocks: int, size: int) -> _Blocks:
+    """The tensor's blocks, read and unpacked DECODE_ROWS rows at a time into arrays made once: unpacking a whole
+    embedding at once made temporaries of several times its size (Q5_0's bit planes), a build's peak."""
+    row_bytes = blocks * size
+    out = None
+    for start in range(0, n, DECODE_ROWS):
+        rows = min(DECODE_ROWS, n - start)
+        offset = tensor.start + start * row_bytes
+        part = DECODERS[tensor.kind](np.asarray(data[offset:offset + rows * row_bytes]).reshape(rows, blocks, size))
+        if out is None:
+            if rows == n:
+                return part
+            out = {key: None if value is None else np.empty((n, *value.shape[1:]), value.dtype)
+                   for key, value in vars(part).items() if key != "bits"}
+        for key, array in out.items():
+            if array is not None:
+                array[start:start + rows] = getattr(part, key)
+    return _Blocks(part.bits, **out)
 
 
 def _half(pairs: np.ndarray) -> np.ndarray:

@@ -47,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from builder.decoder import (ACTIVATIONS, ROPE_KINDS, BlockQuant, Decoder, GraphError, Layer,  # noqa: F401
-                             Linear, RotaryTable, cache_names, from_transformers, input_names,
-                             output_names)
+                             LazyLayers, Linear, RotaryTable, cache_names, from_transformers, input_names,
+                             output_names, rope_keys)
 
 MS = "com.microsoft"
 
@@ -57,7 +57,10 @@ MS = "com.microsoft"
 
 EXTERNAL_FROM_BYTES = 1024  # an initializer this large is written to the external-data file as it is made
 ALIGN_FROM_BYTES, ALIGNMENT = 1 << 16, 4096  # large ones start on a page (ONNX Runtime can map them)
-INLINE_UP_TO_BYTES = 512 << 20  # a graph with less external data is folded back into one file
+# a graph with less external data is folded back into one file (small bundles keep one-file engines); folding reads
+# the data back and writes it again (~3x its size at once: a 380 MB draft engine added 1.4 GB to a build's peak)
+INLINE_UP_TO_BYTES = 128 << 20
+CHUNK_BYTES = 64 << 20  # a view (not contiguous) is copied this much at a time as it is written
 
 
 class _Graph:
@@ -72,10 +75,11 @@ class _Graph:
         self.data, self.location = data, location
 
     def const(self, name: str, array: np.ndarray) -> str:
+        """``array`` as an initializer; a large one may be a view in any order (a transposed head): it is written
+        in row chunks, never copied whole."""
         from onnx import numpy_helper
-        array = np.ascontiguousarray(array)
         if self.data is None or array.nbytes < EXTERNAL_FROM_BYTES:
-            self.inits.append(numpy_helper.from_array(array, name))
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         else:
             self.inits.append(self._external(name, array))
         return name
@@ -87,7 +91,10 @@ class _Graph:
         if array.nbytes >= ALIGN_FROM_BYTES and offset % ALIGNMENT:
             self.data.write(bytes(ALIGNMENT - offset % ALIGNMENT))
             offset = self.data.tell()
-        array.astype(array.dtype.newbyteorder("<"), copy=False).tofile(self.data)
+        rows = max(1, CHUNK_BYTES // max(array[:1].nbytes, 1)) if array.ndim else 1
+        for start in range(0, max(len(array), 1) if array.ndim else 1, rows):
+            part = array[start:start + rows] if array.ndim else array
+            np.ascontiguousarray(part).astype(array.dtype.newbyteorder("<"), copy=False).tofile(self.data)
         tensor = TensorProto()
         tensor.name = name
         tensor.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
@@ -138,8 +145,11 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
     g.accuracy_level = accuracy_level
     layers = len(decoder.layers)
     rotary = _rotary_inputs(g, decoder)
-    g.const("embedding", decoder.embedding.astype(np.float32))
-    (x,) = g.op("Gather", ["embedding", "input_ids"], name="embed")
+    if decoder.embedding_quant is not None:
+        x = _gathered_blocks(g, "embedding", decoder.embedding_quant)
+    else:
+        g.const("embedding", np.asarray(decoder.embedding, np.float32))  # no copy of a float32 array
+        (x,) = g.op("Gather", ["embedding", "input_ids"], name="embed")
     if decoder.embed_scale != 1.0:  # float32 like transformers' embed_scale buffer
         (x,) = g.op("Mul", [x, g.const("embed_scale", np.array(decoder.embed_scale, np.float32))], name="embed_scale")
     if decoder.feature_fc is not None:
@@ -214,7 +224,7 @@ def _rotary_inputs(g: _Graph, decoder: Decoder) -> dict[str, tuple[str, str]]:
     (total_sequence_length > switch: long), rows [0, total) only: a copy proportional to the call's context."""
     tables = decoder.rotary or {"default": RotaryTable(*_rotary_tables(decoder.head_dim, decoder.rope_theta,
                                                                         decoder.max_positions))}
-    names, used = {}, {layer.rope for layer in decoder.layers}
+    names, used = {}, rope_keys(decoder.layers)
     for key, table in tables.items():
         if key not in used:  # a truncated draft may keep only sliding layers
             continue
@@ -324,7 +334,7 @@ def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None
     """x @ W (+ offsets correction) (+ bias) as MatMul or MatMulNBits."""
     outs = [out] if out and linear.bias is None and (linear.quant is None or linear.quant.offsets is None) else 1
     if linear.quant is None:
-        (y,) = g.op("MatMul", [x, g.const(name + ".weight", linear.weight.astype(np.float32))], outs, name=name)
+        (y,) = g.op("MatMul", [x, g.const(name + ".weight", np.asarray(linear.weight, np.float32))], outs, name=name)
     else:
         q = linear.quant
         inputs = [x, g.const(name + ".qweight", q.packed), g.const(name + ".scales", q.scales.astype(np.float32))]
@@ -337,6 +347,39 @@ def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None
     if linear.bias is not None:
         (y,) = g.op("Add", [y, g.const(name + ".bias", linear.bias.astype(np.float32))], [out] if out else 1)
     return y
+
+
+def _gathered_blocks(g: _Graph, name: str, q: BlockQuant) -> str:
+    """The rows ``input_ids`` picks from a table kept in blocks (a GGUF file's token_embd): GatherBlockQuantized
+    (onnxruntime contrib op: (q - zero point) * scale per block along the row), then each block's offset added
+    (K-quants' -dmin*min; Q4_1's m). The table stays 4 or 8 bits a value: for a 151,936 x 1536 Q4_K embedding
+    175 MB instead of 933 MB in float32."""
+    data = q.packed.reshape(q.n, -1)  # [V, K * bits / 8], MatMulNBits' layout flattened: the same row order
+    zero = _gather_zero_points(q)
+    (x,) = g.op("GatherBlockQuantized", [g.const(name + ".qweight", data), "input_ids",
+                                         g.const(name + ".scales", q.scales.astype(np.float32)),
+                                         g.const(name + ".zero_points", zero)],
+                domain=MS, name=name, gather_axis=0, quantize_axis=1, block_size=q.block, bits=q.bits)
+    if q.offsets is None:
+        return x
+    width = q.k // q.offsets.shape[1]
+    (off,) = g.op("Gather", [g.const(name + ".offsets", q.offsets.astype(np.float32)), "input_ids"])
+    (off,) = g.op("Unsqueeze", [off, g.const(name + ".last_axis", np.array([-1], np.int64))])
+    (blocks,) = g.op("Reshape", [x, g.const(name + ".block_shape", np.array([0, 0, -1, width], np.int64))])
+    (summed,) = g.op("Add", [blocks, off])
+    (x,) = g.op("Reshape", [summed, g.const(name + ".row_shape", np.array([0, 0, q.k], np.int64))])
+    return x
+
+
+def _gather_zero_points(q: BlockQuant) -> np.ndarray:
+    """GatherBlockQuantized's zero points, always given: 8-bit values are stored around 128 (builder.gguf_weights'
+    packing), 4-bit ones around their own zero points (8 where the packing left them out), two a byte."""
+    blocks = q.k // q.block
+    if q.bits == 8:
+        return np.full((q.n, blocks), 128, np.uint8)
+    if q.zero_points is not None:
+        return q.zero_points
+    return np.full((q.n, (blocks + 1) // 2), 0x88, np.uint8)
 
 
 def _block_offsets(g: _Graph, name: str, x: str, q: BlockQuant, y: str, out: str | None) -> str:

@@ -22,6 +22,13 @@ from pathlib import Path
 # fp32 reference graph's session, the quantized engines and the build report's logits alive together): 10.5 on
 # Qwen2.5-Coder-0.5B (7.72 GB peak, 630M parameters; 2026-12-03, onnxruntime 1.32, docs/building.md), rounded up.
 BYTES_PER_PARAMETER = 12.0
+# A GGUF file read layer by layer (builder.gguf_stream) and scored one session at a time: the peak follows the
+# largest model alone, not the pair, and within it the embedding and head, held in float32 twice while the graph is
+# checked against torch (the truncated transformers model, the check graph's session), over one layer and the
+# engines' sessions. Measured 2026-12-03 (docs/building.md, "Build memory"): Qwen2.5-Coder-1.5B + 0.5B 5.64 GB,
+# the 0.5B alone ~4 GB; this estimate says 7.5 and 4.4 GB, and 19.6 GB for a 7B-class Q4_K_M model (Qwen2.5-7B).
+STREAMED_EMBEDDING_BYTES = 10.0  # per element of the embedding and the (untied) head
+STREAMED_BYTES_PER_PARAMETER = 1.0  # per parameter: a layer at a time, the engines' sessions
 BASE_BYTES = 1 << 30  # the interpreter, torch, onnxruntime and transformers themselves
 RESERVE_BYTES = 384 << 20  # the watchdog stops a build when less than this is left
 POLL_SECONDS = 0.2
@@ -38,6 +45,13 @@ class BuildMemoryError(BaseException):
 class Estimate:
     parameters: int  # target + draft (a self-draft counts once)
     peak_bytes: int
+    streamed: bool = False  # read layer by layer (builder.gguf_stream)
+
+    def basis(self) -> str:
+        if self.streamed:
+            return (f"read layer by layer: {STREAMED_EMBEDDING_BYTES:g} bytes per embedding/head element and "
+                    f"{STREAMED_BYTES_PER_PARAMETER:g} per parameter of the larger model, measured")
+        return f"measured {BYTES_PER_PARAMETER:g} bytes per parameter of both models"
 
     def text(self) -> str:
         return f"~{self.peak_bytes / 2**30:.1f} GiB for {self.parameters / 1e9:.2f}B parameters"
@@ -59,9 +73,23 @@ def parameter_count(config) -> int:
     return vocab * hidden * (1 if tied else 2) + layers * (attention + mlp + 2 * hidden) + hidden
 
 
-def estimate(target_config, draft_config=None) -> Estimate:
-    parameters = parameter_count(target_config) + (parameter_count(draft_config) if draft_config is not None else 0)
-    return Estimate(parameters, int(BASE_BYTES + BYTES_PER_PARAMETER * parameters))
+def embedding_elements(config) -> int:
+    """Elements of the embedding and, where untied, the head."""
+    text = getattr(config, "text_config", None) or config
+    tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", True)))
+    return int(text.vocab_size) * int(text.hidden_size) * (1 if tied else 2)
+
+
+def estimate(target_config, draft_config=None, streamed: bool = False) -> Estimate:
+    """The peak of a build of ``target_config`` (and a separate ``draft_config``); ``streamed``: both read layer by
+    layer (the largest model counts alone), else loaded whole (both count)."""
+    counts = [parameter_count(c) for c in (target_config, draft_config) if c is not None]
+    if streamed:
+        largest = max((c for c in (target_config, draft_config) if c is not None), key=parameter_count)
+        peak = (BASE_BYTES + STREAMED_EMBEDDING_BYTES * embedding_elements(largest)
+                + STREAMED_BYTES_PER_PARAMETER * parameter_count(largest))
+        return Estimate(sum(counts), int(peak), True)
+    return Estimate(sum(counts), int(BASE_BYTES + BYTES_PER_PARAMETER * sum(counts)))
 
 
 def available_bytes() -> int | None:
@@ -86,7 +114,7 @@ def refuse_if_too_large(needed: Estimate, what: str) -> None:
     free = available_bytes()
     if free is not None and needed.peak_bytes > free:
         raise BuildMemoryError(
-            f"{what} needs {needed.text()} (measured {BYTES_PER_PARAMETER:.0f} bytes per parameter) and "
+            f"{what} needs {needed.text()} ({needed.basis()}) and "
             f"{free / 2**30:.1f} GiB is free: free memory, build on a larger machine, or build the draft and the "
             "target apart (a smaller draft, e.g. --draft self:layers=N)")
 
@@ -149,3 +177,31 @@ def _peak_rss() -> int:
     except OSError:
         pass
     return 0
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_FROM_BYTES = 1 << 20
+
+
+def allocate_large_blocks_apart() -> None:
+    """Have glibc map every allocation of 1 MiB or more on its own, returned to the system when freed: its default
+    threshold rises to 32 MB as large blocks are freed, after which a layer's arrays come from the heap, whose freed
+    space stays in RSS (a build's peak is its sum of transients, not its largest)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_FROM_BYTES)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def release() -> None:
+    """Give freed memory back to the system between stages: a collection (the lazy layers' closures form reference
+    cycles that hold a model's weights until one runs) and glibc's ``malloc_trim`` (arrays under its mmap threshold,
+    which rises to 32 MB as large blocks are freed, come from the heap and stay in RSS until trimmed)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

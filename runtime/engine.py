@@ -10,6 +10,7 @@ new position; ``rollback`` forgets the newest live tokens of each row by clearin
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -581,3 +582,17 @@ def engine_class(graph: str):
     if graph not in ENGINES:
         raise ValueError(f"unknown engine graph {graph!r}; this Draftsmith runs {sorted(ENGINES)}")
     return ENGINES[graph]
+
+
+@contextlib.contextmanager
+def unpadded(engine):
+    """The engine's one-token calls unpadded (``min_call_tokens`` 1) for the duration: plain target-only decoding,
+    what a user's decoder runs and every printed speedup is over (the padded run is exactness's reference only)."""
+    saved = getattr(engine, "min_call_tokens", 1)
+    if hasattr(engine, "min_call_tokens"):
+        engine.min_call_tokens = 1
+    try:
+        yield engine
+    finally:
+        if hasattr(engine, "min_call_tokens"):
+            engine.min_call_tokens = saved

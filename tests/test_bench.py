@@ -307,7 +307,7 @@ def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
     compare_with_ours(rows, {"w": {"target_tokens_per_second": 100.0, "token_ids": [ours, ours]}}, generator.eos_ids)
     assert all(r["identical_to_ours"] == 1.0 for r in rows)  # fp32 torch and our fp32 engines agree, greedy
     skipped = run_llama_cpp(generator.manifest, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1)
-    assert skipped[0]["peer"] == "llama.cpp" and "skipped" in skipped[0]  # the tiny pair is not GGUF
+    assert skipped[0]["peer"] == "llama-cpp-python" and "skipped" in skipped[0]  # the tiny pair is not GGUF
 
 
 # --- peers: sources, comparison, ONNX Runtime GenAI, llama.cpp -------------------------------------------------------
@@ -449,8 +449,8 @@ def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
                                    source_resolved=""))
     ids = [1, 567, 8512, 28, 197, 198]
     rows = run_llama_cpp(manifest, tiny_bundle, {"w": [ids]}, {"w": 2}, 6, 1, (2,))
-    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("llama.cpp", "plain", None),
-                                                              ("llama.cpp", "prompt-lookup", 2)], rows
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("llama-cpp-python", "plain", None),
+                                                              ("llama-cpp-python", "prompt-lookup", 2)], rows
     assert all(0 < r["tokens"] <= 6 and r["tokens_per_second"] > 0 for r in rows)
 
 
@@ -523,20 +523,25 @@ def test_the_plot_puts_every_peer_next_to_us(tmp_path):
 
 
 def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypatch):
-    """--peer llama.cpp: a GGUF target's transformers and GenAI peers would parse the file for minutes."""
+    """--peer llama.cpp: a GGUF target's transformers and GenAI peers would parse the file for minutes. The name
+    llama.cpp is its own tools; llama-cpp-python its bindings."""
     import bench.peers
+    import bench.peers.llama_cpp_tools as tools
     from rich.console import Console
     from bench.speed import _run_peers
     called = []
     for name in ("run_transformers", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"):
         monkeypatch.setattr(bench.peers, name, lambda *a, _n=name, **k: called.append(_n) or [])
+    texts = []
+    monkeypatch.setattr(tools, "run_llama_cpp_tools",
+                        lambda m, b, prompts, *a, **k: texts.append(prompts) or called.append("tools") or [])
     _run_peers(tiny_bundle, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, 4, 1, 0.0, Console(), True,
                required=True, consent={}, ours={}, only=("llama.cpp",))
-    assert called == ["run_llama_cpp"]
+    assert called == ["tools"] and list(texts[0]) == ["w"] and isinstance(texts[0]["w"][0], str)  # prompts as text
     called.clear()
     _run_peers(tiny_bundle, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, 4, 1, 0.0, Console(), True,
                required=True, consent={}, ours={})
-    assert called == ["run_transformers", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"]
+    assert called == ["run_transformers", "tools", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"]
 
 
 def test_a_padding_target_is_also_measured_plain_and_speedups_are_over_plain(generator, monkeypatch):
@@ -619,3 +624,43 @@ def test_a_batched_speculative_run_is_judged_against_each_prompt_alone(generator
     only_batched = [c for c in cells if c.batch == 2]
     row = next(r for r in summarize_cells(only_batched, 0.0) if r["mode"] == "speculative")
     assert row["identical_to_target"] == 0.0
+
+
+# --- llama.cpp's own tools (bench/peers/llama_cpp_tools.py) ----------------------------------------------------------
+
+COMPLETION_LOG = """0.01.291.137 I common_perf_print:        load time =     607.11 ms
+0.01.291.162 I common_perf_print: prompt eval time =      79.22 ms /     4 tokens (   19.81 ms per token,    50.49 tokens per second)
+0.01.291.164 I common_perf_print:        eval time =     150.64 ms /     7 runs   (   21.52 ms per token,    46.47 tokens per second)
+0.01.291.164 I common_perf_print:       total time =     232.71 ms /    11 tokens
+"""
+SPECULATIVE_LOG = """0.04.492.515 I encoded    4 tokens in    0.151 seconds, speed:   26.549 t/s
+0.04.492.550 I decoded   20 tokens in    1.382 seconds, speed:   14.473 t/s
+0.04.492.738 I accept    = 87.500%
+0.04.493.041 I common_perf_print: prompt eval time =    1082.20 ms /    25 tokens (   43.29 ms per token,    23.10 tokens per second)
+0.04.493.073 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+"""
+
+
+def test_llama_cpp_tool_logs_are_read_as_their_own_figures():
+    """The figures the tools print (this llama.cpp's wording): llama-completion's prompt pass gives the first token,
+    each eval run one more; llama-speculative-simple's 'decoded' line excludes the prompt's encoding."""
+    from bench.peers.llama_cpp_tools import PeerError, _row, parse
+    plain = parse(COMPLETION_LOG, plain=True)
+    assert plain["new_tokens"] == 8 and plain["decode_tokens"] == 7
+    assert plain["ttft_seconds"] == pytest.approx(0.07922) and plain["decode_seconds"] == pytest.approx(0.15064)
+    spec = parse(SPECULATIVE_LOG, plain=False)
+    assert (spec["new_tokens"], spec["decode_seconds"], spec["ttft_seconds"]) == (20, 1.382, 0.151)
+    assert spec["accept"] == pytest.approx(0.875)
+    row = _row("code", "plain", [plain, plain])
+    assert row["decode_tokens_per_second"] == pytest.approx(7 / 0.15064)
+    assert row["tokens_per_second"] == pytest.approx(16 / (2 * (0.07922 + 0.15064)))
+    with pytest.raises(PeerError, match="eval time"):
+        parse("no perf lines at all", plain=True)
+
+
+def test_llama_cpp_tools_are_skipped_by_name_when_absent(generator, tiny_bundle, monkeypatch, tmp_path):
+    from bench.peers import llama_cpp_tools
+    monkeypatch.setenv(llama_cpp_tools.BIN_ENV, str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    rows = llama_cpp_tools.run_llama_cpp_tools(generator.manifest, tiny_bundle, {"w": ["def f():"]}, 4, 1)
+    assert rows[0]["peer"] == "llama.cpp" and "llama-completion not found" in rows[0]["skipped"]

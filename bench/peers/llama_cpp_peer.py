@@ -1,4 +1,4 @@
-"""llama.cpp as a peer (llama-cpp-python) on the bundle's GGUF source file as it is: plain decoding and its
+"""llama.cpp through its Python bindings (llama-cpp-python, peer ``llama-cpp-python``) on the bundle's GGUF source file as it is: plain decoding and its
 prompt-lookup drafting (``LlamaPromptLookupDecoding``, the only drafter the Python bindings ship)."""
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from typing import Callable
 from bench.peers.common import PeerError, locate_checkpoint, skip, timed_rows
 from runtime.bundle import Manifest
 
+PEER = "llama-cpp-python"  # llama.cpp's own tools are the peer "llama.cpp" (bench.peers.llama_cpp_tools)
+
+
 def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[list[int]]], best_k: dict[str, int],
                   max_new_tokens: int, threads: int, eos_ids: tuple[int, ...] = (),
                   progress: Callable[[str], None] | None = None) -> list[dict]:
@@ -19,9 +22,9 @@ def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[li
     the only one it ships is ``LlamaPromptLookupDecoding``. llama.cpp's own draft-model speculation (a second model
     in ``common/speculative``) is not exposed by the bindings, so there is no llama.cpp row with a draft model."""
     if not manifest.spec.target.endswith(".gguf"):
-        return [skip("llama.cpp", "the bundle's target is not a GGUF file")]
+        return [skip(PEER, "the bundle's target is not a GGUF file")]
     if importlib.util.find_spec("llama_cpp") is None:
-        return [skip("llama.cpp", "llama_cpp is not installed (pip install llama-cpp-python diskcache; it builds "
+        return [skip(PEER, "llama_cpp is not installed (pip install llama-cpp-python diskcache; it builds "
                                    "from source, ~7 minutes on 2 cores; on a CPU with AMX see docs/benchmarks.md "
                                    "for CMAKE_ARGS)")]
     try:
@@ -30,7 +33,7 @@ def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[li
         checkpoint = locate_checkpoint(manifest.target, bundle)
         path = str(checkpoint.folder / checkpoint.gguf_file)
     except (PeerError, ImportError) as err:
-        return [skip("llama.cpp", str(err))]
+        return [skip(PEER, str(err))]
     longest = max(len(p) for prompts in workloads.values() for p in prompts)
     rows = []
     for workload, prompts in workloads.items():
@@ -39,7 +42,7 @@ def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[li
         for mode, draft in models.items():
             llm = Llama(model_path=path, n_threads=threads or None, n_threads_batch=threads or None,
                         n_ctx=longest + max_new_tokens + 8, draft_model=draft, verbose=False)
-            rows += timed_rows("llama.cpp", workload, prompts,
+            rows += timed_rows(PEER, workload, prompts,
                                 {mode: _llama_generate(llm, max_new_tokens, set(eos_ids) | {llm.token_eos()})},
                                 k, progress)
             del llm
@@ -68,13 +71,13 @@ def llama_cpp_perplexity(manifest: Manifest, bundle: Path, windows: list[list[in
     ``logits_all`` keeps every position's logits; each window is evaluated from an empty cache. Returns
     {"peer", "perplexity"} or a skip row."""
     if not manifest.spec.target.endswith(".gguf") or importlib.util.find_spec("llama_cpp") is None:
-        return skip("llama.cpp", "no GGUF target, or llama_cpp is not installed")
+        return skip(PEER, "no GGUF target, or llama_cpp is not installed")
     from bench.quality import perplexity
     from llama_cpp import Llama
     try:
         checkpoint = locate_checkpoint(manifest.target, bundle)
     except PeerError as err:
-        return skip("llama.cpp", str(err))
+        return skip(PEER, str(err))
     width = max(len(w) for w in windows)
     llm = Llama(model_path=str(checkpoint.folder / checkpoint.gguf_file), n_ctx=width, n_batch=width,
                 n_threads=threads or None, n_threads_batch=threads or None, logits_all=True, verbose=False)
@@ -83,4 +86,4 @@ def llama_cpp_perplexity(manifest: Manifest, bundle: Path, windows: list[list[in
         llm.reset()
         llm.eval(ids)
         return llm._scores[: len(ids)]  # logits of every evaluated position (logits_all)
-    return {"peer": "llama.cpp", "perplexity": perplexity(logits_of, windows)}
+    return {"peer": PEER, "perplexity": perplexity(logits_of, windows)}

