@@ -11,6 +11,7 @@ bundle is left), and where the build is inside one long call that cannot be inte
 from __future__ import annotations
 
 import os
+import _thread
 import shutil
 import signal
 import sys
@@ -160,7 +161,9 @@ class Watchdog:
                 continue
             if not self.tripped:
                 self.tripped = True
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+                # the handler runs in the main thread at its next bytecode, as for a real signal, but nothing is sent
+                # to the process: a real SIGUSR2 crashed the interpreter where OpenVINO's threads had run before
+                _thread.interrupt_main(signal.SIGUSR2)
                 continue
             critical = critical + 1 if free < self.reserve // 3 else 0
             if critical * POLL_SECONDS >= EXIT_AFTER_SECONDS:  # the signal was not acted on; memory still going
