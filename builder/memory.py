@@ -143,7 +143,9 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join()
         if self._previous is not None:
-            signal.signal(signal.SIGUSR2, self._previous)
+            signal.signal(signal.SIGUSR2, self._previous)  # an interrupt still pending now finds no handler
+        if self.tripped and exc[0] is None:  # it ran out, but the build went on: the handler's exception was
+            raise BuildMemoryError(self.message())  # raised inside a finalizer (gc), which swallows it
 
     def _raise(self, *_):
         raise BuildMemoryError(self.message())
