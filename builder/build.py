@@ -3,6 +3,10 @@
 Everything is written into a hidden ``.NAME.partial-*`` folder beside the output and renamed into place at the very
 end, after manifest.json (the last file written) and an fsync of every file (``builder.publish``: staging, publish and
 recovery after a killed run, shared with the distiller's drafts).
+
+Longer than most modules: it is the one place the stages meet (which model each role's graphs come from, whole or
+read layer by layer, and what each engine is scored against), so the order in which memory is taken and given back
+reads in one file.
 """
 
 from __future__ import annotations

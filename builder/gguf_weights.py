@@ -40,6 +40,9 @@ the file (exact, but larger and slower); ``Decoder.notes`` says which tensors. l
 k_proj rows permuted for its rotary layout for Llama-style architectures only (``permuted_qk``); rows are put back in
 Hugging Face order (whole rows move, so blocks stay intact and the mapping stays exact). Every layer is checked against
 the float weights transformers dequantized from the same file before it replaces them.
+
+Longer than most modules: one decoder per GGUF block type, each a few lines against ggml's layout, and the packing
+they share; split apart they would only import one another.
 """
 
 from __future__ import annotations
