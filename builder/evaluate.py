@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from builder.memory import release
 from runtime.engine import OnnxEngine, engine_class
 
 
@@ -116,7 +117,6 @@ def _score(opener: Opener, windows: list[list[int]], features: list | None, want
             hidden.append(state)
         advance(1)
     del engine
-    from builder.memory import release
     release()  # the next session starts from what this one held
     return result, hidden
 
