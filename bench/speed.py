@@ -145,14 +145,14 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
     private helpers), recording each step as it is yielded. ``response_format`` constrains every answer (target-only
     decoding too: the baseline is constrained target-only decoding)."""
-    from runtime.speculative import SpeculativeLoop
+    from runtime.decoding.loop import SpeculativeLoop
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
         with unpadded(generator.target):
             return decode(generator, token_lists, "target", k, max_new_tokens, temperature, seed, drafter_kind,
                           confidence, response_format, forced_drafts, top_p)
-    config, _ = generator._config(max_new_tokens, temperature, None, top_p, seed, k, None, mode, None, None,
+    config, _ = generator.decode_config(max_new_tokens, temperature, None, top_p, seed, k, None, mode, None, None,
                                   response_format, None, forced_drafts)
-    drafter = generator._drafter(mode, drafter_kind, confidence)
+    drafter = generator.new_drafter(mode, drafter_kind, confidence)
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config)
     records = [SequenceRecord() for _ in token_lists]
     counters = [(0, 0)] * len(token_lists)
@@ -407,7 +407,7 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, ma
         use_chat = chat if chat is not None else (name in CHAT_BY_DEFAULT and bool(generator.tokenizer.chat_template))
         chat_used[name] = use_chat
         room = generator.max_context - max_new_tokens
-        workloads[name] = [ids for ids in (generator._encode(p, use_chat) for p in prompts) if len(ids) < room]
+        workloads[name] = [ids for ids in (generator.encode_prompt(p, use_chat) for p in prompts) if len(ids) < room]
         if not workloads[name]:
             raise click.ClickException(f"workload {name}: no prompt leaves room for {max_new_tokens} new tokens")
     started = time.time()

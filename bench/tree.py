@@ -213,7 +213,7 @@ def tree_headroom(bundle, workload_specs, prompt_limit, max_new_tokens, threads,
     names = [part.strip() for spec in workload_specs for part in spec.split(",") if part.strip()]
     for name, prompts in (load_workload(n) for n in names):
         chat = name in CHAT_BY_DEFAULT and bool(generator.tokenizer.chat_template)
-        ids = [generator._encode(p, chat) for p in prompts[: prompt_limit or None]]
+        ids = [generator.encode_prompt(p, chat) for p in prompts[: prompt_limit or None]]
         found = coverage(generator, ids, max_new_tokens)
         found["depth1_tree"] = depth1_tree(costs, found["hit_top_1_to_4"], found["draft_call_ms"])
         report["workloads"][name] = found

@@ -12,18 +12,19 @@ from typing import Iterator
 import numpy as np
 
 from runtime.attention_classes import class_points
-from runtime.bundle import DRAFTERS, BundleError, Manifest, load_manifest, read_verified
+from runtime.bundle import BundleError, Manifest, load_manifest, read_verified
+from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.drafters.base import Drafter
+from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
+from runtime.drafters.suffix import SuffixCorpus
 from runtime.engine import Engine, MappedVocabEngine, engine_class, make_session, providers_for
 from runtime.errors import RequestError
-from runtime.features import FeatureDrafter
 from runtime.grammar import GrammarCompiler, parse_response_format
-from runtime.lookup import HybridDrafter, PromptLookupDrafter
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.onnx_checks import read_onnx
 from runtime.request import check_text, decode_request
 from runtime.sampling import SamplingParams
-from runtime.speculative import AdaptiveK, DecodeConfig, Drafter, Fallback, ModelDrafter, SpeculativeLoop
-from runtime.suffix import HYBRID_SUFFIX, SuffixCorpus, SuffixDrafter
 from runtime.text import IncrementalDecoder, Tokenizer, cut_at_stop
 
 
@@ -139,10 +140,10 @@ class SpeculativeGenerator:
                 k: int | None = None, stop=None, chat: bool = False, mode: str = "speculative",
                 adaptive=None, fallback=None, draft_confidence: float | None = None, drafter: str | None = None,
                 cancelled=None, response_format=None, logprobs: int | None = None, forced_drafts: bool = True):
-        config, stops = self._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
+        config, stops = self.decode_config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
                                      fallback, response_format, logprobs, forced_drafts)
-        token_lists = [self._encode(p, chat) for p in prompts]
-        loop = SpeculativeLoop(self.target, self._drafter(mode, drafter, draft_confidence), token_lists, config)
+        token_lists = [self.encode_prompt(p, chat) for p in prompts]
+        loop = SpeculativeLoop(self.target, self.new_drafter(mode, drafter, draft_confidence), token_lists, config)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
         decoders = [IncrementalDecoder(self.tokenizer) for _ in prompts]
         texts = [""] * len(prompts)
@@ -171,7 +172,7 @@ class SpeculativeGenerator:
             row.finished = "stop"  # the loop drops finished rows after this step
         return piece
 
-    def _config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback,
+    def decode_config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback,
                 response_format=None, logprobs=None, forced_drafts: bool = True):
         request = decode_request(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, k=k, stop=stop, mode=mode)
@@ -207,7 +208,7 @@ class SpeculativeGenerator:
             self._grammars = GrammarCompiler(self.tokenizer.fast.to_str(), self.target.vocab_size, self.eos_ids)
         return self._grammars
 
-    def _encode(self, prompt: str | list[dict], chat: bool) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict], chat: bool) -> list[int]:
         """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages (a server's)."""
         if chat and isinstance(prompt, list):
             if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -227,38 +228,19 @@ class SpeculativeGenerator:
                                "leaving no room to generate. Shorten the prompt.")
         return ids
 
-    def _drafter(self, mode: str, kind: str | None, confidence: float | None) -> Drafter | None:
-        """The drafter of a request: ``kind`` and ``confidence`` (None: the bundle's defaults)."""
+    def new_drafter(self, mode: str, kind: str | None, confidence: float | None) -> Drafter | None:
+        """A new drafter for one request: ``kind`` (runtime/drafters/registry.py) and ``confidence`` (None: the
+        bundle's defaults); None in mode "target", or when the kind needs the draft engine and there is none."""
         kind = kind or self.default_drafter
         confidence = self.default_confidence if confidence is None else confidence
         if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < 1:
             raise RequestError(f"draft_confidence: expected a number in [0, 1), received {confidence!r}")
-        if kind not in DRAFTERS:
-            raise RequestError(f"drafter must be one of {DRAFTERS}, received {kind!r}")
+        drafter_kind(kind)  # an unknown kind fails in any mode
         if mode == "target":
             return None
-        if kind == "prompt_lookup":
-            return PromptLookupDrafter(self.target.vocab_size)
-        if kind == "suffix":
-            return SuffixDrafter(self.target.vocab_size, self.suffix_corpus)
-        if self.draft is None:
-            return None
-        if kind == "hybrid":
-            return HybridDrafter(self._model_drafter(confidence), self.target.vocab_size)
-        if kind == "hybrid_suffix":
-            confident = SuffixDrafter(self.target.vocab_size, self.suffix_corpus, HYBRID_SUFFIX)
-            return HybridDrafter(self._model_drafter(confidence), self.target.vocab_size, free=confident)
-        return self._model_drafter(confidence)
-
-    def _model_drafter(self, confidence: float) -> Drafter:
-        """The draft engine's drafter: a feature draft (its graph takes the target's hidden states) or a model."""
-        if getattr(self.draft, "takes_features", False):
-            if not getattr(self.target, "has_hidden", False):
-                raise RequestError("this bundle's draft drafts from the target's hidden states, but its target engine "
-                                   "returns none; rebuild the bundle with this Draftsmith")
-            return FeatureDrafter(self.draft, confidence)
-        return ModelDrafter(self.draft, confidence)
-
+        return make_drafter(kind, DraftSources(self.target.vocab_size, self.draft,
+                                               getattr(self.target, "has_hidden", False), self.suffix_corpus,
+                                               confidence))
 
 
 def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("target", "draft"), threads: int = 0,

@@ -40,6 +40,8 @@ from typing import Any
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
+from runtime.drafters.registry import DRAFTERS
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 # a build's staging folder (builder/publish.py: ".NAME.partial-*"): complete-looking between its manifest and the
@@ -60,11 +62,8 @@ ONNX_DEVICE_QUANTS = {"cpu": ("fp32", "int8", "int4", "gguf"), "cuda": ("fp16", 
 TRTLLM_QUANTS = ("fp16", "bf16", "int8", "int4", "int4_awq", "int8_sq", "w4a8_awq", "fp8")
 QUANTS = ONNX_QUANTS + tuple(q for q in TRTLLM_QUANTS if q not in ONNX_QUANTS)
 BACKENDS = ("onnxruntime", "tensorrt_llm")
-# Who proposes draft tokens at run time: the draft engine, n-gram lookup in the context (no model), lookup where the
-# context has a 2-gram match and the draft engine elsewhere, suffix-trie drafting over the context (runtime/suffix.py),
-# or suffix drafting where it is confident and the draft engine elsewhere. The bundle records its default; requests may
-# override it.
-DRAFTERS = ("model", "prompt_lookup", "hybrid", "suffix", "hybrid_suffix")
+# Who proposes draft tokens at run time: DRAFTERS (runtime/drafters/registry.py). The bundle records its default;
+# requests may override it.
 TRTLLM_FLAVORS = ("", "engine", "llmapi")  # "": chosen from the installed tensorrt_llm version at build time
 
 

@@ -38,17 +38,18 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from runtime.api import Generation, SpeculativeGenerator
+from runtime.decoding.calls import prefill
+from runtime.decoding.config import DecodeConfig, row_generators
+from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, decode_step
+from runtime.drafters.base import Drafter
 from runtime.errors import RequestError
 from runtime.handles import Event, Handle, Overloaded, Unavailable  # noqa: F401 (re-exported)
-from runtime.metrics import RequestStats
-from runtime.speculative import (DecodeConfig, Drafter, after_append, append_tokens, padded, prefill,
-                                 propose_constrained, row_generators, verify_row)
 from runtime.step_costs import CostModel, expected_tokens
 from runtime.text import IncrementalDecoder, cut_at_stop
 
@@ -56,32 +57,20 @@ POLICIES = ("exact", "throughput")
 PROBE_EVERY = 32  # a row that stopped drafting because acceptance fell low drafts again after this many steps
 
 
-@dataclass
-class _Row:
-    """A running request."""
+@dataclass(kw_only=True)
+class _Row(DecodeRow):
+    """A running request: the decode step's row, plus what serving it needs."""
 
     handle: Handle
-    prompt: list[int]
-    config: DecodeConfig
     stops: tuple[str, ...]
     drafter: Drafter | None
-    rng: np.random.Generator
     decoder: IncrementalDecoder
     deadline: float | None
-    generated: list[int] = field(default_factory=list)
     text: str = ""
-    finished: str = ""
     acceptance: float = 0.6  # running estimate of P(a draft token is accepted), for the step policy
     undrafted: int = 0  # steps in a row it did not draft (its own fallback; "exact")
-    error: Exception | None = None  # its own work failed this step: it leaves with this error, the others go on
-    stats: RequestStats = field(default_factory=RequestStats)
-    started: float = field(default_factory=time.perf_counter)
-    grammar: Any = None  # a GrammarRow when the output is constrained (runtime/grammar.py)
-    logprobs: list[float] | None = None  # with logprobs: the target's, one per generated token
-    top_logprobs: list | None = None
     client: str = ""  # who sent it (_Waiting.client)
     logprobs_sent: int = 0  # generated tokens whose log-probabilities went out in events
-    proposed: bool = False  # a constrained row's drafter proposed this step (it settles, else it observes)
 
     def take_logprobs(self) -> tuple | None:
         """(tokens, logprobs, top) not sent in an event yet (None without logprobs)."""
@@ -89,10 +78,6 @@ class _Row:
             return None
         sent, self.logprobs_sent = self.logprobs_sent, len(self.logprobs)
         return self.generated[sent:len(self.logprobs)], self.logprobs[sent:], self.top_logprobs[sent:]
-
-    @property
-    def last(self) -> int:
-        return self.generated[-1] if self.generated else self.prompt[-1]
 
     @property
     def pinned(self) -> bool:
@@ -166,10 +151,10 @@ class Scheduler:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
         with self._lock:  # a full queue refuses before any tokenizing or template rendering is spent on it
             self._check_room()
-        config, stops = self.generator._config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode,
+        config, stops = self.generator.decode_config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode,
                                                None, None, response_format, logprobs)
-        self.generator._drafter(mode, drafter, draft_confidence)  # an unknown drafter fails here, not in the loop
-        ids = self.generator._encode(prompt, chat)
+        self.generator.new_drafter(mode, drafter, draft_confidence)  # an unknown drafter fails here, not in the loop
+        ids = self.generator.encode_prompt(prompt, chat)
         handle = Handle(next(self._ids), sink)
         with self._lock:
             self._check_room()
@@ -253,34 +238,21 @@ class Scheduler:
         if not self.rows:
             return False
         plan = self._plan()
-        speculate = any(plan)
-        t0 = time.perf_counter()
-        drafts = [(isolated(row, self._propose, row) or ([], [])) if drafts else ([], [])
-                  for row, drafts in zip(self.rows, plan)]
-        t1 = time.perf_counter()
-        logits, hidden = self._score(drafts, plan)
-        t2 = time.perf_counter()
-        keep = self.cache.lengths.copy()
-        for b, (row, (draft, probs)) in enumerate(zip(self.rows, drafts)):
-            n = isolated(row, self._accept, row, draft, probs, logits[b], hidden[b], (t1 - t0, t2 - t1))
-            keep[b] -= len(draft) - (n or 0)
-        self.target.rollback(self.cache, keep)
-        if all(plan) or not any(plan):  # a pure step: rescale its kind's costs by how it ran
+        speculate = any(plan.drafting)
+        groups = [DraftGroup(row.drafter, [b]) for b, row in enumerate(self.rows)]
+        result = decode_step(self.target, self.cache, self.rows, groups, plan, isolate=isolated)
+        for b, row in enumerate(self.rows):
+            isolated([row], self._after_step, row, plan.drafting[b], result.drafted[b], result.accepted[b],
+                     result.new[b])
+        seconds = result.draft_time + result.verify_time
+        if all(plan.drafting) or not speculate:  # a pure step: rescale its kind's costs by how it ran
             kind = "speculative" if speculate else "batched"
-            predicted = (self.costs.spec_cost([len(d) + 1 for d, _ in drafts]) if speculate
+            predicted = (self.costs.spec_cost([d + 1 for d in result.drafted]) if speculate
                          else self.costs.batch_cost(len(self.rows)))
-            self.costs.observe(kind, predicted, t2 - t0)
-        self._count(len(self.rows), speculate, time.perf_counter() - start, engine_time + t2 - t0)
+            self.costs.observe(kind, predicted, seconds)
+        self._count(len(self.rows), speculate, time.perf_counter() - start, engine_time + seconds)
         self._retire([row.finished for row in self.rows])
         return True
-
-    def _accept(self, row: _Row, draft: list[int], probs: list, logits: np.ndarray, hidden, times) -> int:
-        """One row's acceptance (sampling.verify) and its consequences; returns how many draft tokens it kept."""
-        n, out = verify_row(row, draft, probs, logits, row.config)  # under its grammar; its logprobs recorded
-        if hasattr(row.drafter, "take_features"):
-            row.drafter.take_features(None if hidden is None else [hidden])
-        self._settle(row, draft, n, out, *times)
-        return n
 
     def _count(self, rows: int, speculate: bool, step_time: float, engine_time: float) -> None:
         c = self.counters
@@ -290,7 +262,16 @@ class Scheduler:
         c["step_time"] += step_time
         c["engine_time"] += engine_time
 
-    def _plan(self) -> list[bool]:
+    def _plan(self) -> StepPlan:
+        """This step's plan: which rows draft and how far (``_drafting``), and which call scores them ("exact":
+        every row with the kernels it gets alone; "throughput": the drafting rows so, the others in one batched
+        call)."""
+        drafting = self._drafting()
+        limits = [self._draft_limit(row) if d else 0 for row, d in zip(self.rows, drafting)]
+        alone = [True] * len(self.rows) if self.policy == "exact" else drafting
+        return StepPlan(limits, drafting, alone)
+
+    def _drafting(self) -> list[bool]:
         """Which rows draft this step. "exact": each row by itself (its own calls either way). "throughput": all
         that can or none, by whether drafting gives more tokens per second than one batched call."""
         able = [row.drafter is not None and self._draft_limit(row) > 0 for row in self.rows]
@@ -314,68 +295,15 @@ class Scheduler:
         row.undrafted = 0 if pays or row.undrafted >= PROBE_EVERY else row.undrafted + 1
         return row.undrafted == 0
 
-    def _score(self, drafts: list[tuple[list[int], list]], plan: list[bool]) -> tuple[list, list]:
-        """Each row's target logits for [last, x_1..x_d], and its hidden states for them (None where the engine
-        returns none: a feature drafter's input). Rows scored alone (every row in "exact", drafting rows
-        in "throughput") share a call at least two columns wide, so a fused engine runs it row by row, each row
-        with the kernels a lone request gets; the other rows then take one batched call of one token each."""
-        alone = [True] * len(self.rows) if self.policy == "exact" else plan
-        out: list = [None] * len(self.rows)
-        hidden: list = [None] * len(self.rows)
-        for scored_alone in (True, False):
-            chunks = [[row.last] + d if a == scored_alone else []
-                      for row, (d, _), a in zip(self.rows, drafts, alone)]
-            if not any(chunks):
-                continue
-            # two columns make a fused engine run a multi-row batch row by row (the kernels a lone request gets);
-            # a lone row needs no padding beyond the engine's own min_call_tokens
-            width = 2 if scored_alone and len(chunks) > 1 else 1
-            # rows not scored alone take one batched call ("throughput": exact=False, the batched kernels)
-            logits = self.target.forward(self.cache, *padded(chunks, min_width=width), exact=scored_alone)
-            states = self.cache.extra.get("hidden")
-            for b, chunk in enumerate(chunks):
-                if chunk:
-                    out[b] = logits[b, : len(chunk)]
-                    hidden[b] = None if states is None else states[b, : len(chunk)]
-        return out, hidden
-
     def _draft_limit(self, row: _Row) -> int:
         budget = row.config.max_new_tokens - len(row.generated) - 1
         context = self.target.max_context - len(row.prompt) - len(row.generated)
         return max(0, min(row.config.k, budget, context))
 
-    def _propose(self, row: _Row) -> tuple[list[int], list]:
-        limit = self._draft_limit(row) if row.drafter is not None else 0
-        if not limit:
-            return [], []
-        if row.grammar is not None:  # grammar-forced tokens, then masked draws (runtime/speculative.py)
-            row.proposed = True
-            proposal = propose_constrained(row.drafter, [row.grammar], [limit], row.config, [row.rng],
-                                           self.target.vocab_size)
-        else:
-            proposal = row.drafter.propose([limit], row.config.params, [row.rng])
-        return proposal.tokens[0], proposal.probs[0]
-
-    def _settle(self, row: _Row, draft: list[int], accepted: int, out: list[int], draft_time: float,
-                verify_time: float) -> None:
-        """After verification: the row's drafter, acceptance estimate, stats, tokens and text."""
-        if row.drafter is not None:
-            if row.proposed if row.grammar is not None else draft:
-                row.drafter.settle([accepted], [out])
-                row.acceptance = 0.8 * row.acceptance + 0.2 * accepted / max(1, len(draft))
-            else:
-                row.drafter.observe([out])
-            row.proposed = False
-        row.stats.record_step(len(draft), accepted, 0, fallback=False)
-        row.stats.draft_time += draft_time
-        row.stats.verify_time += verify_time
-        new = append_tokens(row, out, row.config, self.target.max_context)
-        after_append(row, new)  # a constrained row ends where its output is complete
-        row.stats.num_emitted_tokens += len(new)
-        now = time.perf_counter()
-        if new and not row.stats.time_to_first_token:
-            row.stats.time_to_first_token = now - row.started
-        row.stats.total_time = now - row.started
+    def _after_step(self, row: _Row, drafting: bool, drafted: int, accepted: int, new: list[int]) -> None:
+        """A row's acceptance estimate (from steps that drafted), then its text and the event its client gets."""
+        if drafting and (drafted or row.grammar is not None):
+            row.acceptance = 0.8 * row.acceptance + 0.2 * accepted / max(1, drafted)
         piece = row.decoder.push(new) if new else ""
         if row.finished:
             piece += row.decoder.flush()
@@ -407,7 +335,7 @@ class Scheduler:
             else:
                 states = self._prefill_and_join(taken)
             for row, state in zip(rows, states):
-                if hasattr(row.drafter, "take_features"):
+                if row.drafter is not None:
                     row.drafter.take_features(None if state is None else [state])
         except Exception as err:  # the running rows' cache is untouched; the admitted ones leave it again
             if self.cache.batch > running:
@@ -454,18 +382,13 @@ class Scheduler:
         return taken
 
     def _row(self, w: _Waiting) -> _Row:
-        drafter = self.generator._drafter(w.mode, w.drafter_kind, w.draft_confidence)
+        drafter = self.generator.new_drafter(w.mode, w.drafter_kind, w.draft_confidence)
         if drafter is not None:
             drafter.start([w.prompt])
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
-        row = _Row(w.handle, w.prompt, w.config, w.stops, drafter, rng, IncrementalDecoder(self.generator.tokenizer),
-                   deadline, client=w.client)
-        if w.config.grammar is not None:
-            row.grammar = w.config.grammar.start()
-        if w.config.logprobs is not None:
-            row.logprobs, row.top_logprobs = [], []
-        return row
+        return _Row(handle=w.handle, prompt=w.prompt, config=w.config, stops=w.stops, drafter=drafter, rng=rng,
+                    decoder=IncrementalDecoder(self.generator.tokenizer), deadline=deadline, client=w.client)
 
     def _interrupted(self, row: _Row) -> str:
         if row.handle.cancelled:
@@ -537,17 +460,19 @@ class Scheduler:
         self._fail_running(error)
 
 
-def isolated(row: _Row, work: Callable, *args):
-    """``work(*args)`` for one row; if it raises, the failure is the row's own (``row.error``: it leaves at the end
-    of the step with that error) and the result is None, so the other rows go on."""
-    if row.error is not None:
+def isolated(rows: list[DecodeRow], work: Callable, *args):
+    """``work(*args)`` for some rows' own work (one request's here); if it raises, the failure is theirs
+    (``row.error``: each leaves at the end of the step with that error) and the result is None, so the other rows go
+    on."""
+    if any(row.error is not None for row in rows):
         return None
     try:
         return work(*args)
     except BaseException as err:  # a tokenizer or drafter panic too (pyo3 panics are BaseException)
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        row.error = err
+        for row in rows:
+            row.error = err
         return None
 
 

@@ -194,7 +194,7 @@ def test_bandwidth_bound():
 
 def test_recorded_steps_match_the_runtime_counters(generator):
     from bench.speed import Recorder, decode
-    ids = generator._encode("def add(a, b):", False)
+    ids = generator.encode_prompt("def add(a, b):", False)
     reference = generator.generate("def add(a, b):", max_new_tokens=12, k=3)
     recorder = Recorder(generator)
     try:
@@ -217,7 +217,7 @@ def test_recorded_steps_match_the_runtime_counters(generator):
 
 def test_the_bench_decodes_with_the_draft_confidence_it_is_given(generator):
     from bench.speed import decode
-    ids = generator._encode("def add(a, b):", False)
+    ids = generator.encode_prompt("def add(a, b):", False)
     (free,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.0)
     (sure,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.9999)
     assert max(s[0] for s in free.steps) == 4
@@ -287,7 +287,7 @@ def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
 
 def test_prompt_lookup_drafter_is_measured_too(generator):
     from bench.speed import decode
-    ids = generator._encode("def add(a, b):\n    return a + b\ndef add(a, b):", False)
+    ids = generator.encode_prompt("def add(a, b):\n    return a + b\ndef add(a, b):", False)
     (spec,), _ = decode(generator, [ids], "speculative", 2, 10, 0.0, 0, "prompt_lookup")
     (base,), _ = decode(generator, [ids], "target", None, 10, 0.0, 0)
     assert spec.token_ids == base.token_ids
@@ -297,7 +297,7 @@ def test_prompt_lookup_drafter_is_measured_too(generator):
 def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
     pytest.importorskip("transformers")
     from bench.peers import compare_with_ours, run_llama_cpp, run_transformers
-    ids = generator._encode("def add(a, b):", False)
+    ids = generator.encode_prompt("def add(a, b):", False)
     rows = run_transformers(generator.manifest, tiny_bundle, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "plain", None),
                                                               ("transformers", "assisted", 2)], rows
@@ -365,7 +365,7 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
         draft=dataclasses.replace(manifest.draft, source="models/draft", source_resolved=""))
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    ids = generator._encode("def add(a, b):", False)
+    ids = generator.encode_prompt("def add(a, b):", False)
     rows = run_transformers(relative, project / "bundles" / "tiny", {"w": [ids]}, {"w": 2}, 3, 1, generator.eos_ids)
     assert [r["mode"] for r in rows] == ["plain", "assisted"], rows
 
@@ -407,7 +407,7 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
     import subprocess
     from bench import peers as bench_peers
     monkeypatch.setenv(bench_peers.CACHE_ENV, str(tmp_path / "cache"))
-    prompts = [generator._encode("def add(a, b):", False), generator._encode("The quick brown fox", False)]
+    prompts = [generator.encode_prompt("def add(a, b):", False), generator.encode_prompt("The quick brown fox", False)]
     rows = bench_peers.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
                                              generator.eos_ids)
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
@@ -549,7 +549,7 @@ def test_a_padding_target_is_also_measured_plain_and_speedups_are_over_plain(gen
     baseline is target-only decoding unpadded ("plain"), identity still the padded target-only output."""
     from bench.speed import decode, run_workloads, summarize_cells
     monkeypatch.setattr(generator.target, "min_call_tokens", 2)
-    ids = generator._encode("def add(a, b):", False)
+    ids = generator.encode_prompt("def add(a, b):", False)
     widths, run = [], generator.target._run
     monkeypatch.setattr(generator.target, "_run", lambda cache, rows, tokens, *a: widths.append(tokens.shape[1])
                         or run(cache, rows, tokens, *a))
@@ -614,7 +614,7 @@ def test_a_batched_speculative_run_is_judged_against_each_prompt_alone(generator
 
     from bench.speed import run_workloads, summarize_cells
     monkeypatch.setattr(generator.target, "min_call_tokens", 2)
-    ids = [generator._encode(p, False) for p in ("def add(a, b):", "The quick brown fox")]
+    ids = [generator.encode_prompt(p, False) for p in ("def add(a, b):", "The quick brown fox")]
     cells = run_workloads(generator, {"w": ids}, [2], [1, 2], 6, 0.0)
     batched_target = next(c for c in cells if c.mode == "target" and c.batch == 2)
     batched_target.sequences = [dataclasses.replace(s, token_ids=s.token_ids[:-1] + [-1])

@@ -99,7 +99,7 @@ def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, tiny_bundle
     from fakes import consent_spy
     from bench.peers import run_transformers
     hostile, seen = consent_spy(monkeypatch, generator.manifest)
-    ids = generator._encode("def add(a, b):", False)
+    ids = generator.encode_prompt("def add(a, b):", False)
     rows = run_transformers(hostile, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids)
     assert "skipped" in rows[0] and seen and set(seen) == {(False, False)}
     seen.clear()

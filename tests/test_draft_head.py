@@ -12,7 +12,9 @@ import pytest
 from fakes import BigramEngine, DraftCounts, pair_frequencies, random_table
 from runtime.engine import MappedVocabEngine
 from runtime.sampling import SamplingParams, probabilities
-from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.drafters.model import ModelDrafter
 from test_sampling import CASES, VOCAB, exact_pairs, total_variation
 
 KEPT = np.array([0, 2, 3])  # tokens 1 and 4 are outside the draft's head
@@ -129,7 +131,7 @@ def test_a_reduced_head_draft_builds_and_decodes_like_the_target(tiny_pair, tmp_
     from bench.speed import Recorder, decode  # the bench times the draft's ONNX Runtime part through the map too
     recorder = Recorder(generator)
     try:
-        decode(generator, [generator._encode("def add(a, b):", False)], "speculative", 3, 8, 0.0, 0)
+        decode(generator, [generator.encode_prompt("def add(a, b):", False)], "speculative", 3, 8, 0.0, 0)
         calls = recorder.take()
     finally:
         recorder.close()

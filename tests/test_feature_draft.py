@@ -10,9 +10,10 @@ import pytest
 
 from fakes import LENGTH, BigramEngine, assert_follows_target, random_table, run_loop
 from runtime.engine import KVCache
-from runtime.features import FeatureDrafter
+from runtime.drafters.feature import FeatureDrafter
 from runtime.sampling import SamplingParams, probabilities
-from runtime.speculative import DecodeConfig, SpeculativeLoop
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
 from test_distill import learnable_target  # noqa: F401  (a module fixture)
 
 # --- the drafter's bookkeeping against fakes with a known law ----------------------------------------------------
@@ -268,7 +269,7 @@ def test_profile_runs_a_feature_draft_bundle(feature_bundle):
 def test_the_feature_drafter_drafts_on_after_grammar_forced_tokens():
     """A grammar's forced tokens go through the draft's chain like drawn ones (its own predicted features), and the
     draft draws on from there with the law that chain gives: q after forced [2, 1] is chained[1]'s."""
-    from runtime.lookup import HybridDrafter
+    from runtime.drafters.hybrid import HybridDrafter
     params = SamplingParams(1.0)
     first, by_feature, chained = random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4)
     drafter = FeatureDrafter(FakeFeatureDraft(first, by_feature, chained))

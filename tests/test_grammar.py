@@ -12,9 +12,11 @@ from fakes import BigramEngine, DraftCounts, random_table, total_variation, tv_b
 from runtime.errors import RequestError
 from runtime.grammar import (MAX_DEPTH, MAX_SOURCE_BYTES, Constraint, GrammarCompiler, constrain, json_schema,
                              parse_response_format)
-from runtime.lookup import PromptLookupDrafter
+from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams, probabilities
-from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.drafters.model import ModelDrafter
 
 EOS = 0  # the byte tokenizer's only special token; ids 1..256 are the bytes (ByteLevel alphabet order)
 SAMPLED = SamplingParams(temperature=1.0)
@@ -118,7 +120,7 @@ def test_sampled_constrained_speculation_follows_the_constrained_target(compiler
 
 def test_an_unmasked_target_fails_the_law_test(compiler, monkeypatch):
     """The check above can fail: verifying against the unconstrained target leaves the grammar."""
-    monkeypatch.setattr("runtime.speculative.constrain", lambda logits, masks: logits)
+    monkeypatch.setattr("runtime.decoding.step.constrain", lambda logits, masks: logits)
     loop = loop_for(compiler, REGEX, [[ids(compiler, "a")[0]]] * 200, SAMPLED, forced=False)
     with pytest.raises((AssertionError, RuntimeError, RequestError)):
         rows = run(loop)

@@ -9,7 +9,9 @@ import pytest
 from fakes import BigramEngine, random_table
 from runtime.errors import RequestError
 from runtime.sampling import SamplingParams
-from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.drafters.model import ModelDrafter
 
 PROMPTS = ["The quick brown", "def add(a, b):", "Speculative decoding"]
 

@@ -7,9 +7,10 @@ import pytest
 from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table,
                    run_loop)
 from runtime.errors import RequestError
-from runtime.lookup import PromptLookupDrafter, lookup
+from runtime.drafters.lookup import PromptLookupDrafter, lookup
 from runtime.sampling import SamplingParams, probabilities
-from runtime.speculative import DecodeConfig, SpeculativeLoop
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
 
 
 @pytest.mark.parametrize("history, k, expected", [
@@ -53,8 +54,8 @@ def test_prompt_lookup_greedy_equals_target_only(generator):
 def test_hybrid_sampling_follows_the_target_distribution_from_both_sources():
     """Rows with a 2-gram match draft by lookup (point mass), the others with the draft model (its own q); sampling
     stays exact for both kinds of rows (20,000 sequences of 4 tokens of each kind, the first step drafting 3)."""
-    from runtime.lookup import HybridDrafter
-    from runtime.speculative import ModelDrafter
+    from runtime.drafters.hybrid import HybridDrafter
+    from runtime.drafters.model import ModelDrafter
     vocab, table, draft_table = 4, copying_table(4, 5, [0, 1, 2, 3, 0]), random_table(4, 9)
     params = SamplingParams(1.0)
     repetitive, fresh = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3]  # the first always matches "0 1"; the second cannot
@@ -82,16 +83,16 @@ def test_the_bundle_names_its_default_drafter(tiny_pair, tmp_path):
     from builder.build import build
     from runtime.api import SpeculativeGenerator
     from runtime.bundle import BuildSpec, SpecError
-    from runtime.lookup import HybridDrafter
-    from runtime.speculative import ModelDrafter
+    from runtime.drafters.hybrid import HybridDrafter
+    from runtime.drafters.model import ModelDrafter
     target, draft = tiny_pair
     build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp32", draft_quant="fp32", k=3,
                     max_context=128, drafter="hybrid", draft_confidence=0.6), tmp_path / "b")
     generator = SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1)
     assert generator.default_drafter == "hybrid"
-    assert isinstance(generator._drafter("speculative", None, None), HybridDrafter)
-    assert generator._drafter("speculative", None, None).model.confidence == 0.6  # the bundle's confidence
-    model = generator._drafter("speculative", "model", 0.0)  # a request may override both
+    assert isinstance(generator.new_drafter("speculative", None, None), HybridDrafter)
+    assert generator.new_drafter("speculative", None, None).model.confidence == 0.6  # the bundle's confidence
+    model = generator.new_drafter("speculative", "model", 0.0)  # a request may override both
     assert isinstance(model, ModelDrafter) and model.confidence == 0.0
     with pytest.raises(RequestError, match="draft_confidence"):
         generator.generate("hello", draft_confidence=1.5)

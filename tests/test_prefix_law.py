@@ -10,10 +10,13 @@ import pytest
 
 from fakes import LENGTH, copying_table, run_loop
 from prefix_fakes import PrefixEngine, assert_follows_prefix_target, target_law
-from runtime.lookup import HybridDrafter, PromptLookupDrafter
+from runtime.drafters.hybrid import HybridDrafter
+from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams, probabilities
-from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
-from runtime.suffix import SuffixDrafter
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.drafters.model import ModelDrafter
+from runtime.drafters.suffix import SuffixDrafter
 
 VOCAB = 5
 N = 12000

@@ -16,7 +16,7 @@ def prompt_of(generator, tokens: int) -> str:
     """A prompt string that encodes to exactly ``tokens`` ids (the tiny tokenizer round-trips)."""
     ids = generator.tokenizer.encode(LINE * 40)[:tokens]
     text = generator.tokenizer.decode(ids)
-    assert len(generator._encode(text, False)) == tokens
+    assert len(generator.encode_prompt(text, False)) == tokens
     return text
 
 

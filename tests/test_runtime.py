@@ -14,7 +14,9 @@ from fakes import BigramEngine, random_table
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
 from runtime.sampling import SamplingParams
-from runtime.speculative import AdaptiveK, DecodeConfig, Fallback, ModelDrafter, SpeculativeLoop
+from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.drafters.model import ModelDrafter
 
 PROMPTS = ["The quick brown", "def add(a, b):\n    return", "x", "Speculative decoding keeps the target's output"]
 

@@ -10,7 +10,9 @@ from fakes import (LENGTH, BigramEngine, assert_follows_target, exact_prefixes, 
 from runtime import sampling
 from runtime.errors import RequestError
 from runtime.sampling import SamplingParams, probabilities, verify
-from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.drafters.model import ModelDrafter
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0)
@@ -131,7 +133,7 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(monkeypatch):
             return i, sampling.sample(target_probs[i], rng)
         return len(tokens), sampling.sample(target_probs[len(tokens)], rng)
 
-    monkeypatch.setattr("runtime.speculative.verify", wrong_verify)
+    monkeypatch.setattr("runtime.decoding.step.verify", wrong_verify)
     params = SamplingParams(1.0)
     target_table, draft_table = random_table(VOCAB, 1), random_table(VOCAB, 2)
     loop, first = run_model_drafter(target_table, draft_table, params, N, k=3, seed=7)

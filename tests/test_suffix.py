@@ -9,10 +9,13 @@ import pytest
 
 from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table,
                    run_loop)
-from runtime.lookup import HybridDrafter, lookup
+from runtime.drafters.hybrid import HybridDrafter
+from runtime.drafters.lookup import lookup
 from runtime.sampling import SamplingParams, probabilities
-from runtime.speculative import DecodeConfig, ModelDrafter, SpeculativeLoop
-from runtime.suffix import EDGE, HYBRID_SUFFIX, SuffixConfig, SuffixCorpus, SuffixDrafter, SuffixTrie
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.drafters.model import ModelDrafter
+from runtime.drafters.suffix import EDGE, HYBRID_SUFFIX, SuffixConfig, SuffixCorpus, SuffixDrafter, SuffixTrie
 
 GREEDY = SamplingParams()
 # "2 0" occurred three times, always followed by 1; then 3 twice and 2 once (the latest): the majority is "1 3 2"
@@ -169,13 +172,13 @@ def test_the_generator_and_bench_build_suffix_drafters(generator):
     from runtime.bundle import DRAFTERS, BuildSpec
     assert {"suffix", "hybrid_suffix"} <= set(DRAFTERS)
     assert BuildSpec(target="t", drafter="suffix").drafter == "suffix"
-    assert isinstance(generator._drafter("speculative", "suffix", 0.0), SuffixDrafter)
-    hybrid = generator._drafter("speculative", "hybrid_suffix", 0.0)
+    assert isinstance(generator.new_drafter("speculative", "suffix", 0.0), SuffixDrafter)
+    hybrid = generator.new_drafter("speculative", "hybrid_suffix", 0.0)
     assert isinstance(hybrid, HybridDrafter) and isinstance(hybrid.free, SuffixDrafter)
     assert hybrid.free.config == HYBRID_SUFFIX
     choices = next(p for p in bench.params if p.name == "drafter_kind").type.choices
     assert "suffix" in choices and "hybrid_suffix" in choices
-    ids = [generator._encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n", False)]
+    ids = [generator.encode_prompt("def add(a, b):\n    return a + b\n\ndef add(a, b):\n", False)]
     records, _ = decode(generator, ids, "speculative", 4, 24, 0.0, 0, "suffix")
     plain, _ = decode(generator, ids, "target", None, 24, 0.0, 0, "suffix")
     assert records[0].token_ids == plain[0].token_ids

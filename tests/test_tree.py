@@ -31,7 +31,7 @@ def test_tree_attention_keeps_the_main_chain_exact(bundle, request):
 
 
 def test_coverage_top1_is_the_greedy_acceptance_at_k1(generator):
-    ids = [generator._encode(p, False) for p in ("def add(a, b):\n    return", "The quick brown fox")]
+    ids = [generator.encode_prompt(p, False) for p in ("def add(a, b):\n    return", "The quick brown fox")]
     found = coverage(generator, ids, 24)
     hits = found["hit_top_1_to_4"]
     assert found["steps"] > 0 and hits == sorted(hits) and found["draft_call_ms"] > 0

@@ -336,7 +336,7 @@ def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, gene
     assert delta(before, after, "draftsmith_requests_total") == 1
     cancelled_steps = delta(before, after, "draftsmith_sequence_steps_total") - other.stats.num_steps
     assert 1 <= cancelled_steps < full.stats.num_steps // 2
-    prefills = sum(len(generator._encode(p, False)) > 1 for p in (cancelled_prompt, other_prompt))  # one per row
+    prefills = sum(len(generator.encode_prompt(p, False)) > 1 for p in (cancelled_prompt, other_prompt))  # one per row
     assert delta(before, after, "draftsmith_target_calls_total") == other.stats.num_steps + prefills
     finals = [line for line in server.log().splitlines() if "request cancelled by its client" in line]
     assert finals and "final response" in finals[-1], server.log()[-2000:]

@@ -153,5 +153,5 @@ def timed_rows(peer: str, workload: str, prompts: list[list[int]], modes: dict[s
 
 
 def is_feature_draft(manifest: Manifest) -> bool:
-    """The bundle's draft reads the target's hidden states (runtime/features.py): peers get no draft mode."""
+    """The bundle's draft reads the target's hidden states (runtime/drafters/feature.py): peers get no draft mode."""
     return "features" in manifest.draft.input_names

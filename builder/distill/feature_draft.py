@@ -17,7 +17,7 @@ computed from the stored features with the same head (no teacher rows needed).
 
 Saved as ``feature_draft.safetensors`` + ``feature_draft.json`` (shapes, the kept ids, the target it was trained on)
 in the draft folder; ``build-engines`` writes it as a fused graph with a ``features`` input (builder.graph) and the
-runtime drives it with runtime.features.FeatureDrafter.
+runtime drives it with runtime.drafters.feature.FeatureDrafter.
 """
 
 from __future__ import annotations

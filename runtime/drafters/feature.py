@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.decoding.calls import last_logits, padded
+from runtime.drafters.base import Drafter, Proposal
+from runtime.drafters.model import draw_rows
 from runtime.sampling import SamplingParams, point_masses
-from runtime.speculative import Proposal, draw_rows, last_logits, padded
 
 
-class FeatureDrafter:
-    grammars: list | None = None  # per row, the GrammarRow its draws are masked by (set by the loop; None: none)
+class FeatureDrafter(Drafter):
+    grammars: list | None = None  # per row, the GrammarRow its draws are masked by (None: none)
+    reads_features = True
+    takes_prefixes = True  # propose() drafts on after given tokens (grammar-forced ones), as ModelDrafter does
 
     def __init__(self, engine, confidence: float = 0.0):
         if not getattr(engine, "takes_features", False):
@@ -53,7 +57,8 @@ class FeatureDrafter:
         parts = [f for f in self.features[b] if len(f)]
         return np.concatenate(parts) if parts else None
 
-    takes_prefixes = True  # propose() drafts on after given tokens (grammar-forced ones), as ModelDrafter does
+    def constrain_rows(self, grammars: list) -> None:
+        self.grammars = grammars
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list,
                 prefixes: list[list[int]] | None = None) -> Proposal:

@@ -2,7 +2,7 @@
 
 The idea of SuffixDecoding (Oliaro et al. 2024): index every substring of the context in a suffix trie that counts
 occurrences, find the deepest node that matches the end of the text and has been continued before, and follow its
-most frequent continuation for as long as that continuation stays frequent. Against prompt lookup (runtime/lookup.py,
+most frequent continuation for as long as that continuation stays frequent. Against prompt lookup (runtime/drafters/lookup.py,
 the latest match of the last 1-3 tokens) it matches up to ``depth`` tokens, sees every earlier occurrence instead of
 one, and sizes each draft by evidence instead of always proposing k tokens.
 
@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.lookup import point_masses
-from runtime.sampling import SamplingParams
-from runtime.speculative import Proposal
+from runtime.drafters.base import Drafter, Proposal
+from runtime.sampling import SamplingParams, point_masses
 
 DEPTH = 16  # longest substring the trie counts: match plus draft
 EDGE = 1 << 32  # edges are keyed node * EDGE + token: one flat dict instead of one per node
@@ -233,7 +232,7 @@ class _Row:
                     self.generation)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Drafts from a suffix trie of each row's prompt and text, and from an optional shared ``SuffixCorpus``.
 
     Per row and step it proposes the continuation with the higher score of the two sources; with ``min_score`` it

@@ -1,59 +1,19 @@
-"""Prompt-lookup drafting: propose the tokens that followed the latest earlier occurrence of the last n tokens.
-
-No draft model: proposals cost microseconds, so any acceptance is profit. Strong when the output copies its input
-(code edits, retrieval-augmented answers), useless for free text. A proposal is a point mass (q(x) = 1), so the
-acceptance rule stays exact: accept with probability p(x), else sample from norm(max(0, p - q)).
-"""
+"""The hybrid drafter: a model-free drafter where it finds a proposal, the draft model elsewhere."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from runtime.sampling import SamplingParams, point_masses  # noqa: F401 (suffix.py imports it from here)
-from runtime.speculative import Drafter, ModelDrafter, Proposal
+from runtime.drafters.base import Drafter, Proposal
+from runtime.drafters.lookup import PromptLookupDrafter
+from runtime.drafters.model import ModelDrafter
+from runtime.sampling import SamplingParams
 
 
-def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to k tokens following the most recent earlier match of the longest suffix n-gram (n = max..min)."""
-    if k <= 0:
-        return []
-    size = len(history)
-    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        suffix = history[size - n:]
-        for start in range(size - n - 1, -1, -1):  # latest match first, never the suffix itself
-            if history[start: start + n] == suffix:
-                follow = history[start + n: start + n + k]
-                if follow:
-                    return follow
-    return []
-
-
-class PromptLookupDrafter:
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
-        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
-
-    def start(self, prompts: list[list[int]]) -> None:
-        self.history = [list(p) for p in prompts]
-
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
-        tokens = [lookup(h, limit, self.max_ngram, self.min_ngram) for h, limit in zip(self.history, limits)]
-        return Proposal(tokens, [point_masses(t, self.vocab_size, params) for t in tokens])
-
-    def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
-        self.observe(emitted)
-
-    def observe(self, emitted: list[list[int]]) -> None:
-        for history, out in zip(self.history, emitted):
-            history.extend(out)
-
-    def keep_rows(self, rows: np.ndarray) -> None:
-        self.history = [self.history[r] for r in rows]
-
-
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """A model-free drafter where it proposes, the draft model elsewhere, chosen per row and per step. The free
     drafter is prompt lookup with an n-gram match of at least ``min_ngram`` tokens unless ``free`` gives another
-    (runtime/suffix.py's, with a minimum score: the ``hybrid_suffix`` drafter).
+    (runtime/drafters/suffix.py's, with a minimum score: the ``hybrid_suffix`` drafter).
 
     Why: a lookup proposal costs nothing, and where the text repeats its context it is accepted as often as the
     model's; where there is no match the model still drafts. Each row's proposal comes from one source with its own q
@@ -76,7 +36,14 @@ class HybridDrafter:
     @property
     def takes_prefixes(self) -> bool:
         """Grammar-forced tokens: the model drafts on after them (when it can)."""
-        return getattr(self.model, "takes_prefixes", False)
+        return self.model.takes_prefixes
+
+    @property
+    def reads_features(self) -> bool:
+        return self.model.reads_features
+
+    def constrain_rows(self, grammars: list) -> None:
+        self.model.constrain_rows(grammars)
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list,
                 prefixes: list[list[int]] | None = None) -> Proposal:
@@ -95,8 +62,7 @@ class HybridDrafter:
 
     def take_features(self, rows) -> None:
         """A feature drafter as the model: it pairs every step's target hidden states, whoever drafted."""
-        if hasattr(self.model, "take_features"):
-            self.model.take_features(rows)
+        self.model.take_features(rows)
 
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
         self.free.settle(accepted, emitted)

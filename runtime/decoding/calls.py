@@ -1,0 +1,51 @@
+"""Feeding per-row chunks of different lengths to an engine in one call: the padding every caller shares (the
+decode step, the drafters, the bench)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.engine import Engine
+
+
+def prefill(engine: Engine, cache, chunks: list[list[int]]) -> None:
+    """Feed prompts whose logits nobody reads; an engine with a ``prefill`` skips its output head for them."""
+    if not hasattr(engine, "prefill"):
+        feed(engine, cache, chunks)
+        return
+    tokens, valid = padded(chunks)
+    engine.prefill(cache, tokens, valid)
+
+
+def row_features(cache, counts: list[int]) -> list[np.ndarray] | None:
+    """Each row's final hidden states [counts[b], H] from the target's last call on ``cache`` (None: the engine
+    returns none, or no call was made)."""
+    hidden = cache.extra.get("hidden")
+    return None if hidden is None else [hidden[b, :n] for b, n in enumerate(counts)]
+
+
+def padded(chunks: list[list[int]], min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row chunks right-padded into tokens and valid [B, max(min_width, longest chunk)] (padding is 0 and not
+    valid)."""
+    width = max(min_width, max(len(c) for c in chunks))
+    tokens = np.zeros((len(chunks), width), np.int64)
+    valid = np.zeros((len(chunks), width), np.int64)
+    for b, chunk in enumerate(chunks):
+        tokens[b, : len(chunk)], valid[b, : len(chunk)] = chunk, 1
+    return tokens, valid
+
+
+def last_logits(engine: Engine, cache, chunks: list[list[int]], **options) -> np.ndarray:
+    """Feed per-row chunks in one call; the logits after each row's last token [B, V] (junk for empty rows). An
+    engine that ``scores_last`` runs its head there alone (a drafter reads nothing else)."""
+    tokens, valid = padded(chunks)
+    if getattr(engine, "scores_last", False):
+        return engine.forward(cache, tokens, valid, last=True, **options)[:, 0]
+    logits = engine.forward(cache, tokens, valid, **options)
+    return logits[np.arange(len(chunks)), np.maximum(valid.sum(axis=1) - 1, 0)]
+
+
+def feed(engine: Engine, cache, chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """One forward call over per-row chunks of different lengths, right-padded; padding slots stay masked."""
+    tokens, valid = padded(chunks)
+    return engine.forward(cache, tokens, valid), valid

@@ -1,0 +1,112 @@
+"""The draft-then-verify loop over engines, for a batch of sequences run to completion (the Python API's).
+
+Per step: the drafter proposes d_b <= k tokens for each running row b; the target scores [last, x_1..x_d] for all
+rows in one call; sampling.verify keeps n_b accepted tokens and adds one recovered or bonus token; both caches roll
+back past the rejected slots (runtime/decoding/step.py executes it, the scheduler's step too). Rows finish
+independently (EOS, budget, context, or the caller's stop) and leave the batch. Target-only decoding is the same loop
+with d = 0 (no drafter calls). What is this loop's own: the batch-wide adaptive k and fallback that plan each step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterator
+
+import numpy as np
+
+from runtime.decoding.calls import prefill
+from runtime.decoding.config import DecodeConfig, row_generators
+from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, decode_step
+from runtime.drafters.base import Drafter
+from runtime.engine import Engine
+
+
+class SpeculativeLoop:
+    """Runs a batch to completion; ``run`` yields after every step the tokens each row emitted."""
+
+    def __init__(self, target: Engine, drafter: Drafter | None, prompts: list[list[int]], config: DecodeConfig):
+        self.target, self.drafter, self.config = target, drafter, config
+        rngs = row_generators(config.seed, len(prompts))
+        self.rows = [DecodeRow(index=i, prompt=list(p), config=config, rng=rng)
+                     for i, (p, rng) in enumerate(zip(prompts, rngs))]
+        self.k = config.k
+        self.recent = deque(maxlen=config.fallback.window if config.fallback else 1)  # 1/0 per recent draft token
+        self.fallback_steps_left = 0
+        self.on_fallback = None  # callback(bool) when fallback state changes
+
+    def finish(self, index: int, reason: str) -> None:
+        """Stop a row from outside (e.g. a stop string matched)."""
+        for row in self.rows:
+            if row.index == index and not row.finished:
+                row.finished = reason
+
+    @property
+    def in_fallback(self) -> bool:
+        return self.fallback_steps_left > 0
+
+    def run(self) -> Iterator[list[tuple[DecodeRow, list[int]]]]:
+        start = time.perf_counter()
+        running = self.rows
+        for row in running:
+            row.started = start
+        cache = self.target.new_cache(len(running))
+        self._prefill(cache, running)
+        while running:
+            plan = self._plan(running)
+            result = decode_step(self.target, cache, running, [DraftGroup(self.drafter, list(range(len(running))))],
+                                 plan)
+            self._learn(result, plan)
+            yield [(row, new) for row, new in zip(running, result.new)]
+            keep_rows = np.array([b for b, r in enumerate(running) if not r.finished], dtype=np.int64)
+            if len(keep_rows) < len(running):
+                running = [running[b] for b in keep_rows]
+                if running:
+                    cache = self.target.select(cache, keep_rows)
+                    if self.drafter is not None:
+                        self.drafter.keep_rows(keep_rows)
+
+    def _prefill(self, cache, rows: list[DecodeRow]) -> None:
+        """Everything but each prompt's last token (the first step feeds that one); the drafter sees the prompts
+        and the prefill's hidden states."""
+        if any(len(r.prompt) > 1 for r in rows):
+            prefill(self.target, cache, [r.prompt[:-1] for r in rows])
+        if self.drafter is not None:
+            self.drafter.start([r.prompt for r in rows])
+            hidden = cache.extra.get("hidden")
+            self.drafter.take_features(None if hidden is None
+                                       else [hidden[b, : len(r.prompt) - 1] for b, r in enumerate(rows)])
+
+    def _plan(self, rows: list[DecodeRow]) -> StepPlan:
+        """Every row drafts up to k (within its budget and the context) unless the batch is in fallback."""
+        limits = [self._draft_limit(r) for r in rows]
+        drafting = self.drafter is not None and not self.in_fallback and any(limits)
+        return StepPlan(limits, [drafting], fallback=self.in_fallback)
+
+    def _draft_limit(self, row: DecodeRow) -> int:
+        """Draft tokens worth proposing: k, but never past the budget or the context."""
+        budget = self.config.max_new_tokens - len(row.generated) - 1
+        context = self.target.max_context - row.total
+        return max(0, min(self.k, budget, context))
+
+    def _learn(self, result: StepResult, plan: StepPlan) -> None:
+        """The rolling acceptance (fallback) and adaptive k from what the step achieved."""
+        for drafted, n in zip(result.drafted, result.accepted):
+            self.recent.extend([1] * n + [0] * (drafted > n))
+        fallback = self.config.fallback
+        if fallback:
+            if self.in_fallback:
+                self.fallback_steps_left -= 1
+                if self.fallback_steps_left == 0:
+                    self.recent.clear()  # re-probe: judge the draft afresh
+                    self._notify(False)
+            elif len(self.recent) == self.recent.maxlen and np.mean(self.recent) < fallback.threshold:
+                self.fallback_steps_left = fallback.probe_every
+                self._notify(True)
+        if self.config.adaptive and plan.drafting[0]:
+            full = all(n == d and d for n, d in zip(result.accepted, result.drafted))
+            self.k = self.config.adaptive.next(self.k, full)
+
+    def _notify(self, state: bool) -> None:
+        if self.on_fallback:
+            self.on_fallback(state)

@@ -1,0 +1,279 @@
+"""The decode step, once: what every loop (SpeculativeLoop for a batch run to completion, the Scheduler for in-flight
+batching) runs after it has decided the step's plan.
+
+A plan (``StepPlan``) says which rows draft and how far, and which target call scores them; ``decode_step`` executes
+it: each drafter proposes for its rows, the target scores every row's [last, x_1..x_d], each row accepts
+(sampling.verify, under its grammar), the drafters are told what happened, the target cache rolls back past the
+rejected slots, and each row books its tokens and stats. Deciding (the loops' planners) is kept apart from executing
+(here), as vLLM keeps ``schedule()`` apart from its model runner.
+
+Invariant between steps, per row: the target cache holds every token but the last emitted one (``DecodeRow.last``),
+which the next step feeds first; a drafter's cache lags by its own pending tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from runtime.decoding.calls import feed, padded
+from runtime.decoding.config import DecodeConfig
+from runtime.drafters.base import Drafter, Proposal
+from runtime.grammar import constrain, forced_proposals, token_logprobs
+from runtime.metrics import RequestStats
+from runtime.sampling import point_masses, verify
+
+
+@dataclass(kw_only=True)
+class DecodeRow:
+    """One running sequence, whichever loop runs it (the scheduler's request row extends it)."""
+
+    prompt: list[int]
+    config: DecodeConfig
+    rng: np.random.Generator | None = None
+    index: int = 0  # position in the caller's batch
+    generated: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    finished: str = ""
+    grammar: Any = None  # a GrammarRow (runtime/grammar.py) when the output is constrained
+    logprobs: list[float] | None = None  # the target's log-probability of each generated token, when asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    started: float = field(default_factory=time.perf_counter)  # time to first token counts from here
+    error: BaseException | None = None  # its own work failed (a scheduler row then leaves with it)
+
+    def __post_init__(self) -> None:
+        if self.config.grammar is not None and self.grammar is None:
+            self.grammar = self.config.grammar.start()
+        if self.config.logprobs is not None and self.logprobs is None:
+            self.logprobs, self.top_logprobs = [], []
+
+    @property
+    def total(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def last(self) -> int:
+        """The token the next step feeds the target first."""
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
+
+@dataclass
+class DraftGroup:
+    """Rows one drafter serves: all of a batch (SpeculativeLoop), or one request's row (the scheduler)."""
+
+    drafter: Drafter | None
+    rows: list[int]  # positions in the step's rows
+
+
+@dataclass
+class StepPlan:
+    """One step, decided before it runs."""
+
+    limits: list[int]  # per row: draft tokens it may propose (0: none)
+    drafting: list[bool]  # per group: its drafter is called (else it observes what its rows emit)
+    alone: list[bool] | None = None  # per row: scored with the kernels it would get alone; None: one call as is
+    fallback: bool = False  # the step runs target-only because acceptance fell (recorded in the rows' stats)
+
+
+@dataclass
+class StepResult:
+    drafted: list[int]  # per row: draft tokens proposed
+    accepted: list[int]  # per row: draft tokens kept
+    new: list[list[int]]  # per row: tokens it took this step (after EOS, budget, context and grammar)
+    draft_time: float
+    verify_time: float
+
+
+def run_directly(rows: list[DecodeRow], work: Callable, *args):
+    """The default isolation: none (a failure ends the whole step)."""
+    return work(*args)
+
+
+def decode_step(target, cache, rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan,
+                isolate: Callable = run_directly) -> StepResult:
+    """Execute ``plan`` over ``rows`` (see the module docstring). ``isolate(rows, work, *args)`` runs one group's or
+    one row's own work; a scheduler passes one that turns a failure into those rows' error (None result) so the
+    others go on."""
+    t0 = time.perf_counter()
+    proposals = propose(rows, groups, plan, target.vocab_size, isolate)
+    t1 = time.perf_counter()
+    logits, hidden = score(target, cache, [[row.last] + draft for row, (draft, _) in zip(rows, proposals)],
+                           plan.alone)
+    t2 = time.perf_counter()
+    verdicts = [isolate([row], verify_row, row, draft, probs, logits[b])
+                for b, (row, (draft, probs)) in enumerate(zip(rows, proposals))]
+    accepted = [verdict[0] if verdict else 0 for verdict in verdicts]
+    emitted = [verdict[1] if verdict else [] for verdict in verdicts]
+    for group, drafting in zip(groups, plan.drafting):
+        if group.drafter is not None:
+            isolate([rows[b] for b in group.rows], inform, group, drafting, hidden, accepted, emitted)
+    keep = cache.lengths - np.array([len(draft) - n for (draft, _), n in zip(proposals, accepted)])
+    target.rollback(cache, keep)
+    new = [book(row, len(draft), n, out, plan.fallback, t1 - t0, t2 - t1, target.max_context)
+           for row, (draft, _), n, out in zip(rows, proposals, accepted, emitted)]
+    return StepResult([len(draft) for draft, _ in proposals], accepted, new, t1 - t0, t2 - t1)
+
+
+def propose(rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan, vocab_size: int,
+            isolate: Callable) -> list[tuple[list[int], list]]:
+    """Each row's draft tokens and their q: one ``propose`` call per drafting group (constrained rows get the
+    grammar's forced tokens too, even from a group that does not draft this step)."""
+    out: list[tuple[list[int], list]] = [([], [])] * len(rows)
+    for group, drafting in zip(groups, plan.drafting):
+        members = [rows[b] for b in group.rows]
+        limits = [plan.limits[b] for b in group.rows]
+        proposal = isolate(members, propose_group, group.drafter if drafting else None, members, limits,
+                           vocab_size)
+        for i, b in enumerate(group.rows):
+            if proposal is not None:
+                out[b] = (proposal.tokens[i], proposal.probs[i])
+    return out
+
+
+def propose_group(drafter: Drafter | None, rows: list[DecodeRow], limits: list[int], vocab_size: int) -> Proposal:
+    config = rows[0].config
+    if any(row.grammar is not None for row in rows):
+        return propose_constrained(drafter, [row.grammar for row in rows], limits, config,
+                                   [row.rng for row in rows], vocab_size)
+    if drafter is None or not any(limits):
+        return Proposal.empty(len(rows))
+    return drafter.propose(limits, config.params, [row.rng for row in rows])
+
+
+def score(target, cache, chunks: list[list[int]], alone: list[bool] | None = None) -> tuple[list, list]:
+    """Each row's target logits for its chunk [last, x_1..x_d], and its hidden states for them (None where the
+    engine returns none: a feature drafter's input).
+
+    ``alone`` None: one call for the batch as it is. Otherwise rows scored alone share a call at least two columns
+    wide, so a fused engine runs it row by row, each row with the kernels a lone request gets; the other rows then
+    take one batched call of one token each (``exact=False``: the batched kernels)."""
+    if alone is None:
+        logits = feed(target, cache, chunks)[0]
+        return slices(logits, cache.extra.get("hidden"), chunks)
+    out: list = [None] * len(chunks)
+    hidden: list = [None] * len(chunks)
+    for scored_alone in (True, False):
+        part = [chunk if a == scored_alone else [] for chunk, a in zip(chunks, alone)]
+        if not any(part):
+            continue
+        width = 2 if scored_alone and len(part) > 1 else 1  # a lone row needs no padding beyond min_call_tokens
+        logits = target.forward(cache, *padded(part, min_width=width), exact=scored_alone)
+        got, states = slices(logits, cache.extra.get("hidden"), part)
+        for b, chunk in enumerate(part):
+            if chunk:
+                out[b], hidden[b] = got[b], states[b]
+    return out, hidden
+
+
+def slices(logits: np.ndarray, states: np.ndarray | None, chunks: list[list[int]]) -> tuple[list, list]:
+    """Per row, the logits and hidden states of its chunk's positions."""
+    return ([logits[b, : len(chunk)] for b, chunk in enumerate(chunks)],
+            [None if states is None else states[b, : len(chunk)] for b, chunk in enumerate(chunks)])
+
+
+def inform(group: DraftGroup, drafted: bool, hidden: list, accepted: list[int], emitted: list[list[int]]) -> None:
+    """Tell a group's drafter what the step did: the target's hidden states of the call, then ``settle`` when it
+    proposed this step, else ``observe``."""
+    states = [hidden[b] for b in group.rows]
+    group.drafter.take_features(None if any(h is None for h in states) else states)
+    if drafted:
+        group.drafter.settle([accepted[b] for b in group.rows], [emitted[b] for b in group.rows])
+    else:
+        group.drafter.observe([emitted[b] for b in group.rows])
+
+
+def book(row: DecodeRow, drafted: int, accepted: int, out: list[int], fallback: bool, draft_time: float,
+         verify_time: float, max_context: int) -> list[int]:
+    """A row's stats and tokens after its verification; returns the tokens it took."""
+    if row.error is not None:
+        return []
+    row.stats.record_step(drafted, accepted, 0, fallback=fallback)
+    row.stats.draft_time += draft_time
+    row.stats.verify_time += verify_time
+    new = append_tokens(row, out, row.config, max_context)
+    after_append(row, new)
+    row.stats.num_emitted_tokens += len(new)
+    now = time.perf_counter()
+    if new and not row.stats.time_to_first_token:
+        row.stats.time_to_first_token = now - row.started
+    row.stats.total_time = now - row.started
+    return new
+
+
+def verify_row(row, drafted: list[int], probs: list, logits: np.ndarray) -> tuple[int, list[int]]:
+    """``sampling.verify`` for one row (logits [len(drafted) + 1, V]) under its grammar, if any (the target's law
+    masked at every position), recording the target's log-probabilities of what it emits when asked. Returns
+    (accepted draft tokens n, the tokens the step emits)."""
+    scores = logits if row.grammar is None else constrain(logits, row.grammar.verify_masks(drafted))
+    n, extra = verify(drafted, probs, scores, row.config.params, row.rng)
+    out = drafted[:n] + [extra]
+    if row.grammar is not None:
+        out = out[: row.grammar.commit(n, extra)]
+    if row.logprobs is not None:
+        record_logprobs(row, logits, out, row.config.logprobs)
+    return n, out
+
+
+def propose_constrained(drafter: Drafter | None, grammars: list, limits: list[int], config: DecodeConfig, rngs: list,
+                        vocab_size: int) -> Proposal:
+    """Drafts under the rows' grammars: the grammar-forced tokens where there are any (point masses, no draft call
+    for those rows), the drafter's masked draws elsewhere (``drafter`` None: no drafting this step), each cut at its
+    first token the grammar refuses (see runtime/grammar.py for why both stay exact)."""
+    rows = len(grammars)
+    forced = forced_proposals(grammars, limits) if config.forced_drafts else [[] for _ in range(rows)]
+    continues = drafter is not None and drafter.takes_prefixes  # a draft model drafts on after the forced tokens
+    if drafter is not None:
+        drafter.constrain_rows(grammars)
+        if continues:
+            inner = drafter.propose(limits, config.params, rngs, prefixes=forced)
+        else:
+            inner = drafter.propose([0 if f else limit for f, limit in zip(forced, limits)], config.params, rngs)
+    else:
+        inner = Proposal.empty(rows)
+    tokens, probs = [], []
+    for b, grammar in enumerate(grammars):
+        if forced[b] and not continues:
+            drafted, q = forced[b], point_masses(forced[b], vocab_size, config.params)
+        else:
+            drafted, q = inner.tokens[b], inner.probs[b]
+        valid = len(drafted) if grammar is None else grammar.valid_prefix(drafted)
+        tokens.append(list(drafted[:valid]))
+        probs.append(list(q[:valid]))
+    return Proposal(tokens, probs)
+
+
+def record_logprobs(row, logits: np.ndarray, out: list[int], top: int) -> None:
+    """The target's own log-probabilities of a step's emitted tokens (logits [>= len(out), V]: row i scored
+    out[i]), appended to the row's; exact under speculation, since row i is the target's score after out[:i]."""
+    chosen, tops = token_logprobs(logits, out, top)
+    row.logprobs.extend(chosen)
+    row.top_logprobs.extend(tops)
+
+
+def after_append(row, new: list[int]) -> None:
+    """Trim logprobs to the tokens a row took, and end a constrained row whose output is complete."""
+    if row.logprobs is not None and len(row.logprobs) > len(row.generated):
+        del row.logprobs[len(row.generated):], row.top_logprobs[len(row.generated):]
+    if row.grammar is not None and not row.finished and row.grammar.stopped:
+        row.finished = "stop"
+
+
+def append_tokens(row, tokens: list[int], config: DecodeConfig, max_context: int) -> list[int]:
+    """Add emitted tokens to a row (its ``prompt``, ``generated`` and ``finished``), stopping at EOS, the budget and
+    the context; returns the tokens it took."""
+    new = []
+    for token in tokens:
+        if row.finished:
+            break
+        row.generated.append(token)
+        new.append(token)
+        if token in config.eos_ids:
+            row.finished = "stop"
+        elif len(row.generated) >= config.max_new_tokens:
+            row.finished = "length"
+        elif len(row.prompt) + len(row.generated) >= max_context:
+            row.finished = "context"
+    return new

@@ -1,0 +1,66 @@
+"""The drafter contract: what the decode step (runtime/decoding/step.py) asks of every drafter.
+
+One base class instead of a Protocol plus probes: every capability a drafter may have is declared here with the
+default a drafter without it gets, so the step calls each hook unconditionally and a new drafter overrides only what
+it does (llama.cpp's common_speculative and vLLM's proposer interface work the same way).
+
+Per step, for the rows one drafter serves: ``propose`` up to limits[b] tokens per row (with their draft
+probabilities q, or point masses for model-free drafters, so rejection sampling stays exact); the target scores
+them; ``take_features`` hands over the target's hidden states of that call; then either ``settle`` (the drafter
+proposed this step) or ``observe`` (it did not); ``keep_rows`` when rows leave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]  # per row: x_1..x_d
+    probs: list[list[np.ndarray | None]]  # per row: q_1..q_d (None when greedy)
+
+    @classmethod
+    def empty(cls, rows: int) -> "Proposal":
+        """No draft tokens for any of ``rows`` rows."""
+        return cls([[] for _ in range(rows)], [[] for _ in range(rows)])
+
+
+class Drafter:
+    """Base of every drafter; the hooks after the first five are optional capabilities with their defaults."""
+
+    reads_features = False  # take_features receives the target's final hidden states (a feature draft)
+    takes_prefixes = False  # propose(prefixes=...) drafts on after given tokens (grammar-forced ones)
+
+    def start(self, prompts: list[list[int]]) -> None:
+        """Take the prompts; the drafter sees every prompt token."""
+        raise NotImplementedError
+
+    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
+                prefixes: list[list[int]] | None = None) -> Proposal:
+        """Up to limits[b] tokens for each row; ``prefixes`` only where ``takes_prefixes``."""
+        raise NotImplementedError
+
+    def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
+        """After verification: row b kept accepted[b] draft tokens; emitted[b] is everything it emitted."""
+        raise NotImplementedError
+
+    def observe(self, emitted: list[list[int]]) -> None:
+        """A step ran without drafting (fallback, or no room to draft): remember what it emitted."""
+        raise NotImplementedError
+
+    def keep_rows(self, rows: np.ndarray) -> None:
+        """Drop finished rows."""
+        raise NotImplementedError
+
+    def take_features(self, rows: list[np.ndarray] | None) -> None:
+        """The target's hidden states [n_b, H] of the tokens its last call fed, per row (None: the engine returns
+        none). Called after the prefill and after every target call; ignored unless ``reads_features``."""
+
+    def constrain_rows(self, grammars: list) -> None:
+        """Per row, the GrammarRow its draws must be masked by (None: unconstrained). Model-free drafters propose
+        text, which the step cuts at the grammar's first refusal, so they ignore it."""

@@ -1,0 +1,89 @@
+"""Every drafter by name: the one table the bundle schema (``spec.drafter``), the Python API, the servers and the
+CLIs read. Adding a drafter is one module in runtime/drafters/ and one entry here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from runtime.drafters.base import Drafter
+from runtime.drafters.feature import FeatureDrafter
+from runtime.drafters.hybrid import HybridDrafter
+from runtime.drafters.lookup import PromptLookupDrafter
+from runtime.drafters.model import ModelDrafter
+from runtime.drafters.suffix import HYBRID_SUFFIX, SuffixCorpus, SuffixDrafter
+from runtime.errors import RequestError
+
+
+@dataclass(frozen=True)
+class DraftSources:
+    """What a drafter may be made from for one request."""
+
+    vocab_size: int  # the target's
+    draft: object | None  # the bundle's draft engine (None: it has none)
+    target_has_hidden: bool  # the target engine returns its final hidden states (a feature draft's input)
+    suffix_corpus: SuffixCorpus | None  # earlier responses a server shares among suffix drafters
+    confidence: float  # a model drafter stops a row's draft when its top probability falls below this
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    summary: str
+    uses_draft_engine: bool  # without the bundle's draft engine the request decodes target-only
+    make: Callable[[DraftSources], Drafter]
+
+
+def model_drafter(sources: DraftSources) -> Drafter:
+    """The draft engine's drafter: a feature draft (its graph takes the target's hidden states) or a model."""
+    if getattr(sources.draft, "takes_features", False):  # an engine's graph, not a drafter capability
+        if not sources.target_has_hidden:
+            raise RequestError("this bundle's draft drafts from the target's hidden states, but its target engine "
+                               "returns none; rebuild the bundle with this Draftsmith")
+        return FeatureDrafter(sources.draft, sources.confidence)
+    return ModelDrafter(sources.draft, sources.confidence)
+
+
+def _suffix(sources: DraftSources) -> Drafter:
+    return SuffixDrafter(sources.vocab_size, sources.suffix_corpus)
+
+
+def _hybrid(sources: DraftSources) -> Drafter:
+    return HybridDrafter(model_drafter(sources), sources.vocab_size)
+
+
+def _hybrid_suffix(sources: DraftSources) -> Drafter:
+    confident = SuffixDrafter(sources.vocab_size, sources.suffix_corpus, HYBRID_SUFFIX)
+    return HybridDrafter(model_drafter(sources), sources.vocab_size, free=confident)
+
+
+REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in (
+    DrafterKind("model", "the bundle's draft engine (a draft model, or a feature draft over the target's hidden "
+                "states)", True, model_drafter),
+    DrafterKind("prompt_lookup", "n-gram lookup in the prompt and the text so far (no draft engine)", False,
+                lambda sources: PromptLookupDrafter(sources.vocab_size)),
+    DrafterKind("hybrid", "prompt lookup where the context has a 2-gram match, the draft engine elsewhere", True,
+                _hybrid),
+    DrafterKind("suffix", "a suffix trie of the prompt, the text and a server's earlier responses (no draft engine)",
+                False, _suffix),
+    DrafterKind("hybrid_suffix", "the suffix drafter where it is sure, the draft engine elsewhere", True,
+                _hybrid_suffix),
+)}
+DRAFTERS = tuple(REGISTRY)  # the names, in the order help texts list them
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    """The registered kind ``name``; RequestError (a client's mistake) for an unknown one."""
+    kind = REGISTRY.get(name)
+    if kind is None:
+        raise RequestError(f"drafter must be one of {DRAFTERS}, received {name!r}")
+    return kind
+
+
+def make_drafter(name: str, sources: DraftSources) -> Drafter | None:
+    """A new drafter of kind ``name`` for one request; None when it needs a draft engine and the bundle has none
+    (the request then decodes target-only). RequestError for an unknown name."""
+    kind = drafter_kind(name)
+    if kind.uses_draft_engine and sources.draft is None:
+        return None
+    return kind.make(sources)
