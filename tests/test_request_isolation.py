@@ -114,7 +114,7 @@ def test_a_full_queue_refuses_before_tokenizing(generator, monkeypatch):
     scheduler = Scheduler(generator, max_batch=1, max_queue=1)
     scheduler.submit("def add(a, b):", max_new_tokens=4)
     calls = []
-    monkeypatch.setattr(generator, "_encode", lambda *a: calls.append(a) or [1, 2])
+    monkeypatch.setattr(generator, "encode_prompt", lambda *a: calls.append(a) or [1, 2])
     with pytest.raises(Overloaded):
         scheduler.submit("x" * 10_000, max_new_tokens=4)
     assert not calls

@@ -1,0 +1,101 @@
+"""The drafter contract (runtime/drafters/base.py) and registry (runtime/drafters/registry.py): every capability is
+declared on the base class and called unconditionally, never probed; every name the bundle schema, the API and the
+CLIs accept is a registered kind that makes a drafter."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.drafters.base import Drafter
+from runtime.drafters.registry import DRAFTERS, REGISTRY, DraftSources, make_drafter
+from runtime.errors import RequestError
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("bench", "builder", "runtime", "triton_repo")
+CAPABILITIES = {name for name in vars(Drafter) if not name.startswith("_")} | {"grammars"}
+
+
+def capability_probes(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every ``hasattr(x, "name")`` / ``getattr(x, "name", ...)`` of a drafter capability."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in CAPABILITIES):
+            found.append((node.lineno, node.args[1].value))
+    return found
+
+
+def test_no_drafter_capability_is_probed():
+    probes = [f"{path.relative_to(ROOT)}:{line} probes {name!r}"
+              for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+              for line, name in capability_probes(path.read_text(encoding="utf-8"))]
+    assert probes == [], "declare the capability on runtime.drafters.base.Drafter and call it:\n" + "\n".join(probes)
+
+
+def test_the_guard_sees_a_probe():
+    assert capability_probes('if hasattr(d, "take_features"):\n    pass\nx = getattr(d, "takes_prefixes", False)') \
+        == [(1, "take_features"), (3, "takes_prefixes")]
+    assert capability_probes('getattr(engine, "takes_features", False)') == []  # an engine's, not a drafter's
+
+
+class _Engine:
+    vocab_size = 16
+    takes_features = False
+
+
+def sources(draft=None, has_hidden=False) -> DraftSources:
+    return DraftSources(16, draft, has_hidden, None, 0.0)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_registered_kind_makes_a_drafter_that_implements_the_contract(name):
+    drafter = make_drafter(name, sources(draft=_Engine()))
+    assert isinstance(drafter, Drafter)
+    required = ("start", "propose", "settle", "observe", "keep_rows")
+    assert all(getattr(type(drafter), method) is not getattr(Drafter, method) for method in required)
+    drafter.take_features(None)  # optional hooks exist on every drafter
+    drafter.constrain_rows([None])
+
+
+def test_a_kind_that_needs_the_draft_engine_gives_none_without_one_and_an_unknown_kind_is_refused():
+    assert [name for name in DRAFTERS if make_drafter(name, sources()) is None] \
+        == [name for name, kind in REGISTRY.items() if kind.uses_draft_engine]
+    with pytest.raises(RequestError, match="drafter must be one of"):
+        make_drafter("medusa", sources())
+
+
+def test_a_feature_draft_needs_a_target_that_returns_hidden_states():
+    class FeatureEngine(_Engine):
+        takes_features = True
+
+    with pytest.raises(RequestError, match="hidden states"):
+        make_drafter("model", sources(draft=FeatureEngine()))
+    assert make_drafter("hybrid", sources(draft=FeatureEngine(), has_hidden=True)).reads_features
+
+
+def test_the_schema_and_the_clis_read_the_registry():
+    import click
+
+    from bench.speed import bench
+    from builder.cli import main as build_engines
+    from runtime.bundle import DRAFTERS as SCHEMA
+    from runtime.cli import generate
+    assert SCHEMA == tuple(REGISTRY)
+    for command in (generate, build_engines, bench):
+        choices = [p.type.choices for p in command.params if p.name in ("drafter", "drafter_kind")]
+        assert choices and all(isinstance(c, (list, tuple)) for c in choices)
+        assert [tuple(c) for c in choices] == [DRAFTERS], command.name
+    assert isinstance(generate, click.Command)
+
+
+def test_prompt_lookup_through_the_registry_proposes_point_masses():
+    from runtime.sampling import SamplingParams
+    drafter = make_drafter("prompt_lookup", sources())
+    drafter.start([[1, 2, 3, 1, 2]])
+    proposal = drafter.propose([2], SamplingParams(), [np.random.default_rng(0)])
+    assert proposal.tokens == [[3, 1]]
