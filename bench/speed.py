@@ -29,7 +29,8 @@ import click
 from bench.report import plot, render_summary, render_table
 from bench.stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k, summarize,
                          where_time_goes)
-from runtime.bundle import DRAFTERS
+from runtime.drafters.registry import DRAFTERS
+from runtime.request import decode_request
 from runtime.engine import DEVICES, DeviceError, MappedVocabEngine, unpadded
 from runtime.prompt_files import parse_prompts
 
@@ -143,15 +144,16 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
            confidence: float | None = None, response_format=None,
            forced_drafts: bool = True, top_p: float | None = None) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
-    private helpers), recording each step as it is yielded. ``response_format`` constrains every answer (target-only
+    public steps: decode_config, new_drafter), recording each step as it is yielded. ``response_format`` constrains every answer (target-only
     decoding too: the baseline is constrained target-only decoding)."""
     from runtime.decoding.loop import SpeculativeLoop
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
         with unpadded(generator.target):
             return decode(generator, token_lists, "target", k, max_new_tokens, temperature, seed, drafter_kind,
                           confidence, response_format, forced_drafts, top_p)
-    config, _ = generator.decode_config(max_new_tokens, temperature, None, top_p, seed, k, None, mode, None, None,
-                                  response_format, None, forced_drafts)
+    request = decode_request(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, k=k,
+                             mode=mode, response_format=response_format, forced_drafts=forced_drafts)
+    config, _ = generator.decode_config(request)
     drafter = generator.new_drafter(mode, drafter_kind, confidence)
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config)
     records = [SequenceRecord() for _ in token_lists]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from runtime.bundle import DRAFTERS, QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
+from runtime.bundle import QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
+from runtime.drafters.registry import DRAFTERS
 from runtime.presets import load_preset
 
 

@@ -23,7 +23,7 @@ from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, parse_response_format
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.onnx_checks import read_onnx
-from runtime.request import check_text, decode_request
+from runtime.request import DecodeRequest, check_text, decode_request
 from runtime.sampling import SamplingParams
 from runtime.text import IncrementalDecoder, Tokenizer, cut_at_stop
 
@@ -39,9 +39,6 @@ class Generation:
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[float] | None = None  # with logprobs: the target's log-probability of each token of token_ids
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the n most likely (token, logprob)
-
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 class SpeculativeGenerator:
@@ -80,14 +77,14 @@ class SpeculativeGenerator:
 
     # --- requests -------------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | list[int | None] | None = None,
-                 k: int | None = None, stop: str | list[str] | None = None, chat: bool = False,
-                 mode: str = "speculative", adaptive: AdaptiveK | bool | None = None,
-                 fallback: Fallback | bool | None = None, draft_confidence: float | None = None,
-                 drafter: str | None = None, response_format=None, logprobs: int | None = None,
-                 forced_drafts: bool = True) -> Generation | list[Generation]:
-        """Generate for one prompt (returns a Generation) or a list (returns a list, in order).
+    def generate(self, prompts: str | list[str], request: DecodeRequest | None = None, *, chat: bool = False,
+                 **options) -> Generation | list[Generation]:
+        """Generate for one prompt (returns a Generation) or a list (returns a list, in order), with ``chat``
+        through the bundle's chat template.
+
+        What to generate and how is a ``runtime.request.DecodeRequest`` (``request``) or its fields as keywords
+        (``options``), validated once: max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, drafter,
+        draft_confidence, response_format, logprobs, adaptive, fallback, forced_drafts.
 
         mode "target" decodes target-only (the baseline); drafter "prompt_lookup" drafts by n-gram lookup in the
         prompt and the text so far instead of running the draft engine, "hybrid" by lookup where the context has a
@@ -97,53 +94,48 @@ class SpeculativeGenerator:
 
         response_format constrains the output: OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
         "json_schema": {"schema": ...}}``, or ``{"type": "regex", "regex": ...}``, ``{"type": "grammar", "grammar":
-        LARK}``, or a runtime.grammar.Constraint. It masks the target at every verified position and the draft the
-        same way, so the output is exactly what constrained target-only decoding gives (greedy) or samples from
-        (sampled); forced_drafts proposes the tokens the grammar forces without a draft call. logprobs (0-20):
+        LARK}``, or a runtime.decoding.grammar.Constraint. It masks the target at every verified position and the
+        draft the same way, so the output is exactly what constrained target-only decoding gives (greedy) or samples
+        from (sampled); forced_drafts proposes the tokens the grammar forces without a draft call. logprobs (0-20):
         each token's log-probability under the target (Generation.logprobs) and the n most likely at each.
         """
         single = isinstance(prompts, str)
         results: dict[int, Generation] = {}
-        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       k=k, stop=stop, chat=chat, mode=mode, adaptive=adaptive, fallback=fallback,
-                       draft_confidence=draft_confidence, drafter=drafter, response_format=response_format,
-                       logprobs=logprobs, forced_drafts=forced_drafts)
-        for index, piece, generation in self._events([prompts] if single else list(prompts), **options):
+        for index, _, generation in self._events([prompts] if single else list(prompts), request, chat, None,
+                                                 options):
             if generation is not None:
                 results[index] = generation
         ordered = [results[i] for i in sorted(results)]
         return ordered[0] if single else ordered
 
-    def stream(self, prompt: str, **kwargs) -> Iterator[str]:
-        """Yield text as tokens are accepted; the pieces concatenate to generate(prompt, **kwargs).text."""
+    def stream(self, prompt: str, request: DecodeRequest | None = None, *, chat: bool = False,
+               **options) -> Iterator[str]:
+        """Yield text as tokens are accepted; the pieces concatenate to generate(prompt, ...).text."""
         self.last_stream: Generation | None = None
-        for _, piece, generation in self._events([prompt], **kwargs):
+        for _, piece, generation in self._events([prompt], request, chat, None, options):
             if piece:
                 yield piece
             if generation is not None:
                 self.last_stream = generation
 
-    def stream_batch(self, prompts: list[str], cancelled=None, **kwargs
-                     ) -> Iterator[tuple[int, str, Generation | None]]:
+    def stream_batch(self, prompts: list[str], request: DecodeRequest | None = None, *, chat: bool = False,
+                     cancelled=None, **options) -> Iterator[tuple[int, str, Generation | None]]:
         """Yield (prompt index, text piece, final Generation or None) as each sequence advances.
 
         ``cancelled(index) -> bool`` is asked after every step for each running sequence: a true answer finishes it
         at once (finish reason "cancelled"; its cache row is freed before the next step). ``seed`` may be a list,
         one seed per prompt: each sequence then samples as it would alone with that seed.
         """
-        yield from self._events(list(prompts), cancelled=cancelled, **kwargs)
+        yield from self._events(list(prompts), request, chat, cancelled, options)
 
     # --- the work -------------------------------------------------------------------------------------------------
 
-    def _events(self, prompts: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
-                top_k: int | None = None, top_p: float | None = None, seed: int | list[int | None] | None = None,
-                k: int | None = None, stop=None, chat: bool = False, mode: str = "speculative",
-                adaptive=None, fallback=None, draft_confidence: float | None = None, drafter: str | None = None,
-                cancelled=None, response_format=None, logprobs: int | None = None, forced_drafts: bool = True):
-        config, stops = self.decode_config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive,
-                                     fallback, response_format, logprobs, forced_drafts)
+    def _events(self, prompts: list[str], request: DecodeRequest | None, chat: bool, cancelled, options: dict):
+        request = merged_request(request, options)
+        config, stops = self.decode_config(request)
         token_lists = [self.encode_prompt(p, chat) for p in prompts]
-        loop = SpeculativeLoop(self.target, self.new_drafter(mode, drafter, draft_confidence), token_lists, config)
+        drafter = self.new_drafter(request.mode, request.drafter, request.draft_confidence)
+        loop = SpeculativeLoop(self.target, drafter, token_lists, config)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
         decoders = [IncrementalDecoder(self.tokenizer) for _ in prompts]
         texts = [""] * len(prompts)
@@ -172,27 +164,20 @@ class SpeculativeGenerator:
             row.finished = "stop"  # the loop drops finished rows after this step
         return piece
 
-    def decode_config(self, max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, adaptive, fallback,
-                response_format=None, logprobs=None, forced_drafts: bool = True):
-        request = decode_request(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed, k=k, stop=stop, mode=mode)
+    def decode_config(self, request: DecodeRequest) -> tuple[DecodeConfig, tuple[str, ...]]:
+        """A validated request as this bundle decodes it (its default k, k within its max_k, the response format
+        compiled over its tokenizer), and its stop strings."""
         k = self.default_k if request.k is None else request.k
         if k > self.max_k:
             raise RequestError(f"k: expected an integer in [1, {self.max_k}] for this bundle, received {k!r}")
         params = SamplingParams(request.temperature, request.top_k, request.top_p)
-        max_new_tokens, seed, stops = request.max_new_tokens, request.seed, request.stops
-        if adaptive is True:
-            adaptive = AdaptiveK(min_k=1, max_k=self.max_k)
-        if fallback is True:
-            fallback = Fallback()
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise RequestError(f"logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}] (how many of the most "
-                               f"likely tokens to list at each position), received {logprobs!r}")
-        grammar = self.compile_constraint(response_format)
-        return DecodeConfig(max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None, seed,
-                            grammar=grammar, forced_drafts=forced_drafts and mode == "speculative",
-                            logprobs=logprobs), stops
+        adaptive = AdaptiveK(min_k=1, max_k=self.max_k) if request.adaptive is True else request.adaptive
+        fallback = Fallback() if request.fallback is True else request.fallback
+        grammar = self.compile_constraint(request.response_format)
+        return DecodeConfig(request.max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None,
+                            request.seed, grammar=grammar,
+                            forced_drafts=request.forced_drafts and request.mode == "speculative",
+                            logprobs=request.logprobs), request.stops
 
     def compile_constraint(self, response_format):
         """The compiled grammar of a response_format (None: unconstrained); RequestError when it cannot compile."""
@@ -229,18 +214,27 @@ class SpeculativeGenerator:
         return ids
 
     def new_drafter(self, mode: str, kind: str | None, confidence: float | None) -> Drafter | None:
-        """A new drafter for one request: ``kind`` (runtime/drafters/registry.py) and ``confidence`` (None: the
-        bundle's defaults); None in mode "target", or when the kind needs the draft engine and there is none."""
+        """A new drafter for one request (a DecodeRequest's mode, drafter and draft_confidence; None: the bundle's
+        defaults); None in mode "target", or when the kind needs the draft engine and there is none."""
         kind = kind or self.default_drafter
         confidence = self.default_confidence if confidence is None else confidence
-        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < 1:
-            raise RequestError(f"draft_confidence: expected a number in [0, 1), received {confidence!r}")
         drafter_kind(kind)  # an unknown kind fails in any mode
         if mode == "target":
             return None
         return make_drafter(kind, DraftSources(self.target.vocab_size, self.draft,
                                                getattr(self.target, "has_hidden", False), self.suffix_corpus,
                                                confidence))
+
+
+def merged_request(request: DecodeRequest | None, options: dict) -> DecodeRequest:
+    """``request`` with ``options`` on top, validated (RequestError naming every wrong field); options alone when
+    there is no request."""
+    if request is None:
+        return decode_request(**options)
+    if not isinstance(request, DecodeRequest):
+        raise RequestError(f"request: expected a runtime.request.DecodeRequest, received {type(request).__name__}")
+    given = {name: getattr(request, name) for name in request.model_fields_set}
+    return decode_request(**{**given, **options}) if options else request
 
 
 def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("target", "draft"), threads: int = 0,

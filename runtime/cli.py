@@ -9,7 +9,8 @@ import sys
 
 import click
 
-from runtime.bundle import DRAFTERS, BundleError
+from runtime.bundle import BundleError
+from runtime.drafters.registry import DRAFTERS
 from runtime.engine import DEVICES, DeviceError, unpadded
 from runtime.errors import RequestError
 from runtime.scheduler import POLICIES

@@ -1,22 +1,26 @@
-"""The decoding settings one request may carry, validated in one place for the API, the CLI and both servers.
+"""The decoding settings one request may carry, validated once into one typed object (``DecodeRequest``) that every
+entry point passes down: the Python API, the CLI, the scheduler, the OpenAI server and the Triton model.
 
 A pydantic model (strict types, frozen, unknown keys refused), so every caller gets the same rules and the same
 messages, naming the field, what was expected and what was received. The bounds that depend on the bundle (k up to
-its ``max_k``) are checked by the generator on top.
+its ``max_k``, a drafter that needs its draft engine) and compiling a response format are the generator's, on top.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from runtime.bundle import describe
+from runtime.decoding.config import AdaptiveK, Fallback
+from runtime.drafters.registry import DRAFTERS
 from runtime.errors import RequestError
 
 Seed = Optional[Union[int, list[Optional[int]]]]  # one for the batch, or one per prompt
 MIN_TEMPERATURE = 1e-5  # smaller positive temperatures decode greedily (as vLLM's sampling epsilon)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 def check_text(value, field: str, error: type[Exception] = RequestError) -> None:
@@ -34,7 +38,9 @@ def check_text(value, field: str, error: type[Exception] = RequestError) -> None
 
 
 class DecodeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+    """What to generate and how; ``decode_request`` makes one (or says every field that is wrong)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)  # 0: greedy
@@ -44,6 +50,22 @@ class DecodeRequest(BaseModel):
     k: Optional[int] = Field(None, ge=1)  # draft tokens per step; None: the bundle's default
     stop: Union[str, list[str], None] = None
     mode: Literal["speculative", "target"] = "speculative"
+    drafter: Optional[str] = None  # a name in DRAFTERS; None: the bundle's
+    draft_confidence: Optional[float] = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)  # None: the bundle's
+    # OpenAI's {"type": "json_object" | "json_schema" | ...} or a runtime.decoding.grammar.Constraint; compiled by the
+    # generator (its tokenizer's grammar compiler), which refuses what it cannot compile
+    response_format: Any = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the n most likely tokens at each position
+    adaptive: Union[bool, AdaptiveK, None] = None  # True: AdaptiveK up to the bundle's max_k
+    fallback: Union[bool, Fallback, None] = None  # True: Fallback()
+    forced_drafts: bool = True  # with a response_format: propose the tokens it forces without a draft call
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_is_registered(cls, drafter):
+        if drafter is not None and drafter not in DRAFTERS:
+            raise ValueError(f"expected one of {DRAFTERS}, received {drafter!r}")
+        return drafter
 
     @field_validator("seed")
     @classmethod

@@ -43,12 +43,13 @@ from typing import Callable
 
 import numpy as np
 
-from runtime.api import Generation, SpeculativeGenerator
+from runtime.api import Generation, SpeculativeGenerator, merged_request
 from runtime.decoding.calls import prefill
 from runtime.decoding.config import DecodeConfig, row_generators
 from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, decode_step
 from runtime.drafters.base import Drafter
 from runtime.errors import RequestError
+from runtime.request import DecodeRequest
 from runtime.handles import Event, Handle, Overloaded, Unavailable  # noqa: F401 (re-exported)
 from runtime.step_costs import CostModel, expected_tokens
 from runtime.text import IncrementalDecoder, cut_at_stop
@@ -92,9 +93,7 @@ class _Waiting:
     prompt: list[int]
     config: DecodeConfig
     stops: tuple[str, ...]
-    drafter_kind: str | None
-    mode: str
-    draft_confidence: float | None  # None: the bundle's
+    request: DecodeRequest  # its mode, drafter and draft_confidence make its drafter at admission
     timeout: float | None
     client: str = ""  # who sent it (the server: the peer's address); admission shares rows among clients
 
@@ -135,31 +134,33 @@ class Scheduler:
 
     # --- the outside ----------------------------------------------------------------------------------------------
 
-    def submit(self, prompt, *, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None, k: int | None = None,
-               stop=None, mode: str = "speculative", drafter: str | None = None, draft_confidence: float | None = None,
-               timeout: float | None = None, sink: Callable[[Event], None] | None = None, response_format=None,
-               logprobs: int | None = None, client: str = "") -> Handle:
-        """Queue one request (a prompt string, or chat messages with ``chat``); validated here, so a bad one raises
-        RequestError at once. ``timeout``: seconds from now after which it finishes with reason "timeout".
-        response_format and logprobs: as SpeculativeGenerator.generate's (the schema is compiled here, before the
-        request queues). ``client``: who sent it; a free row goes to the waiting request whose client holds the
-        fewest rows (first come first served among equals), and none beyond ``max_rows_per_client``."""
-        if isinstance(seed, list):  # the generator takes one seed per prompt; a request is one prompt
-            raise RequestError(f"seed: expected an integer >= 0 or None, received {seed!r}")
+    def submit(self, prompt, request: DecodeRequest | None = None, *, chat: bool = False,
+               timeout: float | None = None, sink: Callable[[Event], None] | None = None, client: str = "",
+               **options) -> Handle:
+        """Queue one request (a prompt string, or chat messages with ``chat``); what to generate is a DecodeRequest
+        (``request``, or its fields as keywords, as SpeculativeGenerator.generate takes them), validated here, so a
+        bad one raises RequestError at once (its response format is compiled here too, before it queues).
+        ``timeout``: seconds from now after which it finishes with reason "timeout". ``client``: who sent it; a
+        free row goes to the waiting request whose client holds the fewest rows (first come first served among
+        equals), and none beyond ``max_rows_per_client``."""
+        request = merged_request(request, options)
+        if isinstance(request.seed, list):  # the generator takes one seed per prompt; a request is one prompt
+            raise RequestError(f"seed: expected an integer >= 0 or None, received {request.seed!r}")
+        if request.adaptive or request.fallback:
+            raise RequestError("adaptive and fallback are the Python API's batch options; the scheduler decides "
+                               "per row whether a row drafts (its fallback=True)")
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
         with self._lock:  # a full queue refuses before any tokenizing or template rendering is spent on it
             self._check_room()
-        config, stops = self.generator.decode_config(max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode,
-                                               None, None, response_format, logprobs)
-        self.generator.new_drafter(mode, drafter, draft_confidence)  # an unknown drafter fails here, not in the loop
+        config, stops = self.generator.decode_config(request)
+        # an unknown drafter fails here, not in the loop
+        self.generator.new_drafter(request.mode, request.drafter, request.draft_confidence)
         ids = self.generator.encode_prompt(prompt, chat)
         handle = Handle(next(self._ids), sink)
         with self._lock:
             self._check_room()
-            self.waiting.append(_Waiting(handle, ids, config, stops, drafter, mode, draft_confidence, timeout,
-                                         client))
+            self.waiting.append(_Waiting(handle, ids, config, stops, request, timeout, client))
             self._lock.notify()
         return handle
 
@@ -382,7 +383,7 @@ class Scheduler:
         return taken
 
     def _row(self, w: _Waiting) -> _Row:
-        drafter = self.generator.new_drafter(w.mode, w.drafter_kind, w.draft_confidence)
+        drafter = self.generator.new_drafter(w.request.mode, w.request.drafter, w.request.draft_confidence)
         if drafter is not None:
             drafter.start([w.prompt])
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
