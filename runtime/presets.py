@@ -25,7 +25,7 @@ class PresetKeys:
     """A preset's keys that are not BuildSpec fields."""
 
     out: str | None = None  # the bundle folder build-engines writes when --out is not given
-    distill: dict[str, Any] | None = None  # `draftsmith distill --config` options (builder/distill/cli.py)
+    distill: dict[str, Any] | None = None  # `draftsmith distill --config` options (builder/distill/recipe.py)
     schema_version: Literal[1] = PRESET_SCHEMA_VERSION  # absent in older presets: the same schema
 
 

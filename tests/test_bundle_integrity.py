@@ -495,18 +495,19 @@ def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, 
         raise KeyboardInterrupt("killed while saving")
     monkeypatch.setattr(save, "save_draft", save_then_die)  # publish_draft calls it there
     with pytest.raises(KeyboardInterrupt):
-        distill.distill_draft(str(tiny_pair[0]), "layers=1", old_draft, prompts=tmp_path / "prompts.txt",
-                              max_new_tokens=4, max_steps=1, force=True, quiet=True)
+        distill.distill_draft(distill.DistillRecipe(init="layers=1", prompts=tmp_path / "prompts.txt",
+                                                    max_new_tokens=4, max_steps=1),
+                              str(tiny_pair[0]), old_draft, force=True, quiet=True)
     assert {p.name: p.read_bytes() for p in old_draft.iterdir()} == before  # untouched: no new weights, old report
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "prompts.txt"]
 
 
 def test_distill_force_refuses_a_folder_that_is_not_a_draft(tiny_pair, tmp_path):
-    from builder.distill import DistillError, distill_draft
+    from builder.distill import DistillError, DistillRecipe, distill_draft
     out = tmp_path / "work"
     before = _user_folder(out)
     with pytest.raises(DistillError, match="is not a draft folder .*nothing was touched"):
-        distill_draft(str(tiny_pair[0]), "layers=1", out, max_steps=1, force=True, quiet=True)
+        distill_draft(DistillRecipe(init="layers=1", max_steps=1), str(tiny_pair[0]), out, force=True, quiet=True)
     assert _contents(out) == before
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -39,12 +40,13 @@ def learnable_target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def distilled(learnable_target, tmp_path_factory):
     import torch
-    from builder.distill import distill_draft
+    from builder.distill import DistillRecipe, distill_draft
     torch.set_num_threads(1)  # seeded and single-threaded: the same numbers every run
     target, prompts = learnable_target
     out = tmp_path_factory.mktemp("distilled") / "draft"
-    report = distill_draft(str(target), "layers=1", out, prompts=prompts, max_new_tokens=24, max_steps=250,
-                           seed=0, lr=3e-3, heldout=0.2, tokens_per_batch=512, quiet=True)
+    recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=24, max_steps=250, seed=0, lr=3e-3,
+                           heldout=0.2, tokens_per_batch=512)
+    report = distill_draft(recipe, str(target), out, quiet=True)
     return out, report
 
 
@@ -70,10 +72,10 @@ def test_distilled_draft_is_a_loadable_hf_folder(distilled):
 
 
 def test_reduced_vocabulary_distillation_saves_the_kept_ids(learnable_target, tmp_path):
-    from builder.distill import distill_draft, read_draft_vocab
+    from builder.distill import DistillRecipe, distill_draft, read_draft_vocab
     target, prompts = learnable_target
-    report = distill_draft(str(target), "layers=1", tmp_path / "d", prompts=prompts, max_new_tokens=8, max_steps=3,
-                           seed=0, draft_vocab=64, quiet=True)
+    recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=8, max_steps=3, seed=0, draft_vocab=64)
+    report = distill_draft(recipe, str(target), tmp_path / "d", quiet=True)
     kept = read_draft_vocab(tmp_path / "d")
     assert len(kept) == report["draft_vocab"] == 64 and list(kept) == sorted(kept)
     assert 2 in kept  # the EOS id is always kept
@@ -120,11 +122,11 @@ def test_prompt_file_blocks_and_completion_mark(tmp_path):
 
 
 def test_bad_init_is_refused(learnable_target, tmp_path):
-    from builder.distill import DistillError, distill_draft
+    from builder.distill import DistillError, DistillRecipe, distill_draft
     target, prompts = learnable_target
     with pytest.raises(DistillError, match="layers"):
-        distill_draft(str(target), "layers=2", tmp_path / "d", prompts=prompts, max_new_tokens=2, max_steps=1,
-                      quiet=True)
+        distill_draft(DistillRecipe(init="layers=2", prompts=prompts, max_new_tokens=2, max_steps=1), str(target),
+                      tmp_path / "d", quiet=True)
 
 
 def test_distill_command_is_registered():
@@ -137,17 +139,18 @@ def test_distill_command_is_registered():
 
 
 def test_extra_sampled_continuations_add_distinct_training_text(learnable_target, tmp_path):
-    from builder.distill import DistillError, distill_draft
+    from builder.distill import DistillError, DistillRecipe, distill_draft
     target, prompts = learnable_target
-    one = distill_draft(str(target), "layers=1", tmp_path / "one", prompts=prompts, max_new_tokens=8, max_steps=1,
-                        seed=0, quiet=True)
-    three = distill_draft(str(target), "layers=1", tmp_path / "three", prompts=prompts, max_new_tokens=8,
-                          max_steps=1, seed=0, samples_per_prompt=3, sample_temperature=1.0, quiet=True)
+    recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=8, max_steps=1, seed=0)
+    one = distill_draft(recipe, str(target), tmp_path / "one", quiet=True)
+    three = distill_draft(dataclasses.replace(recipe, samples_per_prompt=3, sample_temperature=1.0), str(target),
+                          tmp_path / "three", quiet=True)
     assert three["train_prompts"] == 3 * one["train_prompts"]
     assert three["train_tokens"] > 2 * one["train_tokens"]
     assert three["heldout_tokens"] == one["heldout_tokens"]  # held-out prompts stay greedy and unseen
     with pytest.raises(DistillError, match="samples-per-prompt"):
-        distill_draft(str(target), "layers=1", tmp_path / "bad", prompts=prompts, samples_per_prompt=0, quiet=True)
+        distill_draft(DistillRecipe(init="layers=1", prompts=prompts, samples_per_prompt=0), str(target),
+                      tmp_path / "bad", quiet=True)
 
 
 def test_preset_recipe_distils_once_then_builds(learnable_target, tmp_path):
@@ -182,6 +185,35 @@ def test_preset_recipe_distils_once_then_builds(learnable_target, tmp_path):
     assert built.exit_code == 0, built.output
     manifest = load_manifest(tmp_path / "b")
     assert manifest.draft.source == str(draft) and manifest.draft.num_layers == 1
+
+
+def test_the_commands_flags_are_the_recipes_keys_with_its_defaults():
+    """The command builds its recipe from its flags and overrides a preset's recipe with the flags given: both hold
+    only if the flags are RECIPE_KEYS and each flag's default is the recipe field's."""
+    from builder.distill import RECIPE_KEYS, DistillRecipe, distill
+    fields = {f.name: f.default for f in dataclasses.fields(DistillRecipe)}
+    flags = {p.name: p.default for p in distill.params}
+    assert set(RECIPE_KEYS) <= set(fields)
+    assert set(RECIPE_KEYS) == set(flags) - {"config_path", "target", "out", "threads", "force", "as_json"}
+    assert {key: flags[key] for key in RECIPE_KEYS} == {key: fields[key] for key in RECIPE_KEYS}
+
+
+def test_a_preset_builds_a_recipe_and_flags_override_it():
+    from builder.distill import DistillError, DistillRecipe, recipe_from
+    target, out, recipe = recipe_from({"target": "t", "draft": "d", "distill": {"init": "feature", "minutes": 20,
+                                                                               "draft_vocab": 8192}}, "p.yaml")
+    assert (target, out) == ("t", "d")
+    assert recipe == DistillRecipe(init="feature", minutes=20, draft_vocab=8192)
+    assert recipe.overridden({"minutes": 5, "max_steps": 3}) == DistillRecipe(init="feature", minutes=5,
+                                                                              draft_vocab=8192)  # RECIPE_KEYS only
+    for bad, match in ((dict(draft_vocab=-1), "draft-vocab"), (dict(samples_per_prompt=0), "samples-per-prompt"),
+                       (dict(teacher_engine="tpu"), "teacher-engine"), (dict(init="feature", teacher_engine="torch"),
+                                                                        "hidden states"),
+                       (dict(self_prompts=-1), "self-prompts"), (dict(generate_batch=0), "generate-batch"),
+                       (dict(generate_share=1.0), "generate-share")):
+        with pytest.raises(DistillError, match=match):
+            DistillRecipe(**bad).check()
+    DistillRecipe().check()
 
 
 def test_recipe_errors_name_the_problem(tmp_path):

@@ -78,13 +78,14 @@ def test_feature_config_reads_per_layer_type_rotary_and_norm_conventions():
 @pytest.mark.parametrize("init", ["feature", "layers=1"])
 def test_a_capped_output_is_refused_before_anything_slow(init, tmp_path):
     """Gemma 2 caps its logits (final_logit_softcapping): the trainers' softmax(head @ hidden) is not its law."""
-    from builder.distill import DistillError, distill_draft
+    from builder.distill import DistillError, DistillRecipe, distill_draft
     target = tmp_path / "gemma2"
     make_tokenizer(target)
     make_model(target, tiny_config("Gemma2ForCausalLM", final_logit_softcapping=30.0), seed=1)
     (tmp_path / "prompts.txt").write_text("one\ntwo\nthree\n", encoding="utf-8")
     with pytest.raises(DistillError, match="final_logit_softcapping 30.0"):
-        distill_draft(str(target), init, tmp_path / "d", prompts=tmp_path / "prompts.txt", max_steps=1, quiet=True)
+        distill_draft(DistillRecipe(init=init, prompts=tmp_path / "prompts.txt", max_steps=1), str(target),
+                      tmp_path / "d", quiet=True)
     assert not (tmp_path / "d").exists()
 
 
@@ -97,7 +98,7 @@ def test_a_feature_draft_for_gemma3_builds_and_stays_exact(tmp_path):
     import torch
 
     from builder.build import build
-    from builder.distill import distill_draft
+    from builder.distill import DistillRecipe, distill_draft
     from runtime.bundle import BuildSpec
     torch.set_num_threads(1)
     target = tiny_target(tmp_path, "Gemma3ForCausalLM")
@@ -105,8 +106,9 @@ def test_a_feature_draft_for_gemma3_builds_and_stays_exact(tmp_path):
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "add", "return", "print"]
     (tmp_path / "prompts.txt").write_text("\n".join(" ".join(rng.choice(words, 5)) for _ in range(40)),
                                           encoding="utf-8")
-    report = distill_draft(str(target), "feature", tmp_path / "draft", prompts=tmp_path / "prompts.txt",
-                           max_new_tokens=12, max_steps=30, seed=0, heldout=0.2, draft_vocab=100, quiet=True)
+    recipe = DistillRecipe(init="feature", prompts=tmp_path / "prompts.txt", max_new_tokens=12, max_steps=30, seed=0,
+                           heldout=0.2, draft_vocab=100)
+    report = distill_draft(recipe, str(target), tmp_path / "draft", quiet=True)
     assert report["draft_kind"] == "feature"
     shell = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert shell["architectures"] == ["LlamaForCausalLM"] and shell["num_hidden_layers"] == 1

@@ -131,7 +131,7 @@ def feature_bundle(learnable_target, tmp_path_factory):  # noqa: F811
     import torch
 
     from builder.build import build
-    from builder.distill import distill_draft
+    from builder.distill import DistillRecipe, distill_draft
     from runtime.bundle import BuildSpec
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(1)
@@ -146,8 +146,9 @@ def feature_bundle(learnable_target, tmp_path_factory):  # noqa: F811
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (source / name).is_file():
             (target / name).write_bytes((source / name).read_bytes())
-    report = distill_draft(str(target), "feature", root / "draft", prompts=prompts, max_new_tokens=24, max_steps=150,
-                           seed=0, heldout=0.2, draft_vocab=200, quiet=True)
+    recipe = DistillRecipe(init="feature", prompts=prompts, max_new_tokens=24, max_steps=150, seed=0, heldout=0.2,
+                           draft_vocab=200)
+    report = distill_draft(recipe, str(target), root / "draft", quiet=True)
     spec = BuildSpec(target=str(target), draft=str(root / "draft"), target_quant="fp32", draft_quant="fp32", k=3,
                      max_context=128)
     manifest = build(spec, root / "bundle")

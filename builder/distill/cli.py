@@ -1,4 +1,5 @@
-"""``draftsmith distill``: a thin command over ``distill_draft``, and the presets' ``distill:`` recipes."""
+"""``draftsmith distill``: a thin command over ``distill_draft``; its flags and a preset's ``distill:`` block build
+the ``DistillRecipe`` (builder/distill/recipe.py)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,12 @@ import click
 
 from builder.distill.corpus import DistillError
 from builder.distill.pipeline import distill_draft
+from builder.distill.recipe import RECIPE_KEYS, DistillRecipe, recipe_from
 from builder.distill.save import REPORT_FILE, is_distilled
 from runtime.bundle import SpecError
 from runtime.presets import load_preset
 
-RECIPE_KEYS = ("init", "prompts", "minutes", "max_new_tokens", "temperature", "loss", "draft_vocab",
-               "samples_per_prompt", "sample_temperature", "generate_share", "heldout", "lr", "seed", "teacher_engine",
-               "generate_batch", "self_prompts")
-
-
-def recipe_from(config: dict, path) -> tuple[str, str, dict]:
-    """(target, out, options) of a preset's ``distill:`` recipe: the draft folder is the preset's ``draft``."""
-    recipe = config.get("distill")
-    if not isinstance(recipe, dict):
-        raise DistillError(f"{path} has no 'distill:' recipe (a mapping of draftsmith distill options)")
-    unknown = sorted(set(recipe) - set(RECIPE_KEYS))
-    if unknown:
-        raise DistillError(f"{path}: unknown distill option(s) {unknown}; known: {list(RECIPE_KEYS)}")
-    if not config.get("target") or not config.get("draft"):
-        raise DistillError(f"{path} must name the target and, as 'draft', the folder the recipe distils into")
-    return str(config["target"]), str(config["draft"]), dict(recipe)
+__all__ = ["RECIPE_KEYS", "distill", "recipe_from"]
 
 
 @click.command("distill")
@@ -76,24 +63,18 @@ def recipe_from(config: dict, path) -> tuple[str, str, dict]:
 @click.option("--force", is_flag=True, help="Replace the draft folder at --out (only a model folder, or an empty one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab,
-            samples_per_prompt, sample_temperature, generate_share, teacher_engine, generate_batch, self_prompts, heldout,
-            lr, seed, threads, force, as_json):
+def distill(ctx, config_path, target, out, threads, force, as_json, **flags):
     """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
     from builder.checkpoint import CheckpointError
-    options = dict(init=init, prompts=prompts, minutes=minutes, max_new_tokens=max_new_tokens, temperature=temperature,
-                   loss=loss, draft_vocab=draft_vocab, samples_per_prompt=samples_per_prompt,
-                   sample_temperature=sample_temperature, generate_share=generate_share, heldout=heldout, lr=lr,
-                   seed=seed, teacher_engine=teacher_engine, generate_batch=generate_batch,
-                   self_prompts=self_prompts)
+    recipe = DistillRecipe(**flags)  # the flags are RECIPE_KEYS, with the recipe's defaults
     if config_path is not None:
         try:
-            recipe_target, recipe_out, recipe = recipe_from(load_preset(config_path), config_path)
+            recipe_target, recipe_out, preset = recipe_from(load_preset(config_path), config_path)
         except (DistillError, SpecError) as err:
             raise click.ClickException(str(err)) from None
-        given = {name for name in ctx.params
+        given = {name: flags[name] for name in flags
                  if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
-        options.update({k: v for k, v in recipe.items() if k not in given})  # flags override the recipe
+        recipe = preset.overridden(given)  # flags override the recipe
         target, out = target or recipe_target, out or recipe_out
         if is_distilled(Path(out)) and not force:
             click.echo(f"{out} already holds a distilled draft ({REPORT_FILE}); keeping it (--force redoes it)",
@@ -102,7 +83,7 @@ def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_token
     if not target or not out:
         raise click.UsageError("give --target and --out, or --config PRESET with a 'distill:' recipe")
     try:
-        report = distill_draft(target, options.pop("init"), out, threads=threads, force=force, **options)
+        report = distill_draft(recipe, target, out, threads=threads, force=force)
     except (DistillError, CheckpointError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:

@@ -1,10 +1,15 @@
-"""``distill_draft``: the stages in order, under one wall-clock budget, with progress and the report."""
+"""``distill_draft``: the stages in order, under one wall-clock budget, with progress and the report.
+
+Each stage is a step of its own below, in the order ``distill_draft`` runs them; ``_Run`` carries the recipe, the
+budget and the timings from one to the next, ``_Target`` the loaded target.
+"""
 
 from __future__ import annotations
 
 import math
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.distill.continuations import Heartbeat, Job, eos_ids_of, generate, generate_with_engine, target_engine
@@ -12,10 +17,10 @@ from builder.distill.corpus import DistillError, encode, load_prompts, split_pro
 from builder.distill.distributions import teacher
 from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary, output_transform
 from builder.distill.evaluation import acceptance
+from builder.distill.recipe import DistillRecipe
 from builder.distill.save import check_out, publish_draft
 from builder.distill.self_prompts import self_prompts as sample_self_prompts
 from builder.distill.training import train
-
 
 
 def check_target(config, init: str) -> int:
@@ -31,289 +36,361 @@ def check_target(config, init: str) -> int:
                            "(build-engines --draft self)")
     return layers
 
-def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Path | None = None,
-                  minutes: float = 15.0, max_new_tokens: int = 64, seed: int = 0, threads: int = 0,
-                  draft_vocab: int = 0, loss: str = "kl", temperature: float = 0.0, heldout: float = 0.1,
-                  top_k: int = 32, lr: float = 5e-4, batch_prompts: int = 16, tokens_per_batch: int = 1024,
-                  max_steps: int | None = None, max_prompt_tokens: int = 256, chat: bool | None = None,
-                  generate_share: float = 0.4, samples_per_prompt: int = 1, sample_temperature: float = 1.0,
-                  train_prompt_positions: bool = True, teacher_engine: str = "auto", accuracy_level: int = 4,
-                  generate_batch: int = 32, self_prompts: int = 0, force: bool = False, console=None,
-                  quiet: bool = False) -> dict:
-    """Distil a draft for ``target`` into the Hugging Face folder ``out``; returns the report (also written to
-    ``out/distill_report.json``).
 
-    ``minutes`` is the whole budget: after loading the target, generation may use ``generate_share`` of what is left
-    (at least one batch), training the rest less a reserve for the final measurement. ``max_steps`` (tests) bounds
-    training by steps instead of time.
+@dataclass
+class _Run:
+    """One distillation's recipe, what is not recipe, and the timings, handed from step to step."""
 
-    ``samples_per_prompt`` > 1 adds continuations sampled at ``sample_temperature`` after the first pass (while the
-    generation share lasts): a small corpus then yields more distinct target text, so the draft overfits less (one
-    greedy continuation per prompt of the 208 shipped ones gave 0.98 top-1 on training prompts, 0.28 held out).
+    recipe: DistillRecipe
+    target: str
+    out: Path
+    force: bool
+    threads: int
+    console: object
+    started: float
+    timings: dict = field(default_factory=dict)
 
-    ``teacher_engine``: what generates the continuations and the teacher rows. ``auto`` is the fused ONNX engine the
-    bundle's target will be (a GGUF file's own blocks, or fp32), in continuous batches of ``generate_batch`` rows,
-    ~4x torch's ``generate`` here and with the teacher rows from the same calls; ``torch`` is transformers.
+    @property
+    def deadline(self) -> float:
+        """When the whole budget (``minutes``) is spent."""
+        return self.started + self.recipe.minutes * 60
 
-    ``self_prompts`` > 0: before the continuations, the target samples that many user queries from its chat
-    template's user-turn prefix (builder/distill/self_prompts.py, the Magpie method); the distinct, finished ones join
-    the training prompts (the held-out prompts stay the shipped ones).
+    def say(self, text: str) -> None:
+        self.console.print(text)
+
+    def lap(self, name: str, since: float) -> None:
+        """The seconds since ``since``, as the report's timing ``name``."""
+        self.timings[name] = round(time.perf_counter() - since, 1)
+
+
+@dataclass
+class _Target:
+    """The loaded target; ``model`` is dropped once a draft is made from it, so training has its memory."""
+
+    checkpoint: object
+    tokenizer: object
+    model: object
+    eos: list[int]
+    pad: int
+
+
+def distill_draft(recipe: DistillRecipe, target: str, out: str | Path, *, threads: int = 0, force: bool = False,
+                  console=None, quiet: bool = False) -> dict:
+    """Distil a draft for ``target`` by ``recipe`` into the Hugging Face folder ``out``; returns the report (also
+    written to ``out/distill_report.json``).
+
+    ``threads``: torch's (0: its default, and the teacher engine's); ``force``: replace the draft folder at ``out``
+    (only a draft folder); ``console``: a rich console for progress and lines (default: stderr's, silent with
+    ``quiet``). The recipe says what the budget covers (``DistillRecipe``).
     """
     import torch
     from rich.console import Console
-
-    from builder import checkpoint as ckpt
     started = time.perf_counter()
-    deadline = started + minutes * 60
     out = Path(out).absolute()
     check_out(out, force)
-    if draft_vocab < 0:
-        raise DistillError(f"--draft-vocab must be >= 0, received {draft_vocab}")
-    if samples_per_prompt < 1 or sample_temperature <= 0:
-        raise DistillError(f"--samples-per-prompt must be >= 1 and --sample-temperature > 0, received "
-                           f"{samples_per_prompt} and {sample_temperature}")
-    if teacher_engine not in ("auto", "gguf", "fp32", "torch"):
-        raise DistillError(f"--teacher-engine must be auto, gguf, fp32 or torch, received {teacher_engine!r}")
-    features = init == "feature"
-    if features and teacher_engine == "torch":
-        raise DistillError("--init feature trains on the target engine's hidden states: use --teacher-engine auto, "
-                           "gguf or fp32")
-    if self_prompts < 0:
-        raise DistillError(f"--self-prompts must be >= 0, received {self_prompts}")
-    if self_prompts and teacher_engine == "torch":
-        raise DistillError("--self-prompts samples with the target's ONNX engine: use --teacher-engine auto")
-    if generate_batch < 1:
-        raise DistillError(f"--generate-batch must be >= 1, received {generate_batch}")
-    if not 0 < generate_share < 1:
-        raise DistillError(f"--generate-share must be in (0, 1), received {generate_share}")
+    recipe.check()
     console = console or Console(stderr=True, quiet=quiet)
     if threads:
         torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    say = console.print
-    corpus = load_prompts(prompts)
-    train_prompts, held_prompts = split_prompts(corpus, heldout, seed)
-    say(f"distill: {len(corpus)} prompts ({len(train_prompts)} train, {len(held_prompts)} held out) from "
-        f"{prompts or 'the shipped corpus'}")
-    checkpoint = ckpt.resolve(target)
-    check_target(checkpoint.config, init)
-    tokenizer = checkpoint.load_tokenizer()
-    target_model = checkpoint.load_model()
-    timings = {"load": round(time.perf_counter() - started, 1)}
-    eos = eos_ids_of(target_model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    train_ids = [encode(tokenizer, p, chat, max_prompt_tokens) for p in train_prompts]
-    held_ids = [encode(tokenizer, p, chat, max_prompt_tokens) for p in held_prompts]
-
+    torch.manual_seed(recipe.seed)
+    run = _Run(recipe, target, out, force, threads, console, started)
+    corpus, train_prompts, held_prompts = _read_prompts(run)
+    loaded = _load_target(run)
+    train_ids, held_ids = _encoded(run, loaded, train_prompts), _encoded(run, loaded, held_prompts)
     with tempfile.TemporaryDirectory(prefix="draftsmith-teacher-") as work, _progress(console, quiet) as progress:
-        t0 = time.perf_counter()
-        engine = None
-        if teacher_engine != "torch":
-            quant = teacher_engine if teacher_engine != "auto" else ("gguf" if checkpoint.gguf_file else "fp32")
-            engine = target_engine(target_model, checkpoint, Path(work), quant, accuracy_level,
-                                   max_prompt_tokens + max_new_tokens + 8, threads)
-            timings["engine"] = round(time.perf_counter() - t0, 1)
-            say(f"teacher: the target's fused ONNX engine ({quant})" if engine else
-                "teacher: the fused graph cannot express this target; torch generates")
-            if engine is None and features:
-                raise DistillError("--init feature needs the target as a fused ONNX engine, and the fused graph "
-                                   "cannot express this target; use --init layers=N")
-        made = []
-        if self_prompts and engine is not None:
-            t0 = time.perf_counter()
-            share = 0.25 * generate_share * max(0.0, deadline - t0)  # a quarter of the generation share at most
-            made = sample_self_prompts(engine, tokenizer, self_prompts, eos_ids=eos, seed=seed + 7, known=corpus,
-                                       batch_size=generate_batch, deadline=t0 + share,
-                                       advance=_task(progress, "target: writing its own prompts", self_prompts,
-                                                     t0 + share))
-            train_ids += [encode(tokenizer, p, chat, max_prompt_tokens) for p in made]
-            timings["self_prompts"] = round(time.perf_counter() - t0, 1)
-            say(f"self-prompts: {len(made)} distinct user queries kept of {self_prompts} asked for"
-                + ("" if made else " (no chat template, or none finished: a base model has no user turn)"))
-        t0 = time.perf_counter()
-        if engine is not None:
-            samples, held = _engine_continuations(engine, progress, train_ids, held_ids, deadline, generate_share,
-                                                  max_new_tokens, temperature, samples_per_prompt,
-                                                  sample_temperature, top_k, eos, seed, generate_batch, features)
-        else:
-            samples, held = _torch_continuations(target_model, progress, train_ids, held_ids, deadline,
-                                                 generate_share, max_new_tokens, temperature, samples_per_prompt,
-                                                 sample_temperature, eos, pad, seed, batch_prompts)
-        timings["generate"] = round(time.perf_counter() - t0, 1)
-        if engine is None:
-            t0 = time.perf_counter()
-            teacher(target_model, samples, top_k, tokens_per_batch,
-                    advance=_task(progress, "target: teacher distributions", len(samples)))
-            timings["teacher"] = round(time.perf_counter() - t0, 1)
+        engine = _teacher_engine(run, loaded, Path(work))
+        made, made_ids = _write_own_prompts(run, loaded, engine, corpus, progress)
+        samples, held = _continue_prompts(run, loaded, engine, progress, train_ids + made_ids, held_ids)
         engine = None  # its session's memory goes before training
-        if not samples:
-            raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
+        kept = _choose_vocabulary(run, loaded, samples)
+        if recipe.features:
+            return _distill_features(run, loaded, samples, held, kept, progress, len(made))
+        draft, before, trained = _train_layers(run, loaded, samples, held, kept, progress)
+    return _publish_layers(run, loaded.tokenizer, draft, samples, held, kept, before, trained, len(made))
 
-        kept = None
-        if draft_vocab:
-            vocab = min(len(tokenizer), target_model.get_output_embeddings().weight.shape[0])
-            if draft_vocab >= vocab:
-                raise DistillError(f"--draft-vocab {draft_vocab} is not smaller than the vocabulary ({vocab})")
-            kept = kept_vocabulary(samples, draft_vocab, vocab, eos)
-        if features:
-            return _distill_features(target_model, checkpoint, tokenizer, samples, held, kept, out, force, deadline,
-                                     max_steps, progress, console, say, started, timings, {
-                                         "target": target, "init": init, "seed": seed, "minutes": minutes,
-                                         "prompts": str(prompts) if prompts else "builtin:distill_prompts.txt",
-                                         "max_new_tokens": max_new_tokens, "samples_per_prompt": samples_per_prompt,
-                                         "sample_temperature": sample_temperature,
-                                         "generate_share": generate_share, "teacher_engine": teacher_engine,
-                                         "self_prompts": self_prompts, "self_prompts_kept": len(made)},
-                                     seed, quiet)
-        draft = init_draft(target_model, init)
-        del target_model
+
+def _read_prompts(run: _Run):
+    """(corpus, training prompts, held-out prompts), read before the target loads so a bad file fails at once."""
+    recipe = run.recipe
+    corpus = load_prompts(recipe.prompts)
+    train_prompts, held_prompts = split_prompts(corpus, recipe.heldout, recipe.seed)
+    run.say(f"distill: {len(corpus)} prompts ({len(train_prompts)} train, {len(held_prompts)} held out) from "
+            f"{recipe.prompts or 'the shipped corpus'}")
+    return corpus, train_prompts, held_prompts
+
+
+def _load_target(run: _Run) -> _Target:
+    """The target, checked against ``init`` from its config alone before its weights load (minutes for a large
+    one); its end-of-sequence ids and the padding id torch's batches use."""
+    from builder import checkpoint as ckpt
+    checkpoint = ckpt.resolve(run.target)
+    check_target(checkpoint.config, run.recipe.init)
+    tokenizer = checkpoint.load_tokenizer()
+    model = checkpoint.load_model()
+    run.lap("load", run.started)
+    eos = eos_ids_of(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    return _Target(checkpoint, tokenizer, model, eos, pad)
+
+
+def _encoded(run: _Run, target: _Target, prompts) -> list[list[int]]:
+    """The prompts' token ids as the runtime will see them (chat template or raw text, cut to the last tokens)."""
+    return [encode(target.tokenizer, p, run.recipe.chat, run.recipe.max_prompt_tokens) for p in prompts]
+
+
+def _teacher_engine(run: _Run, target: _Target, work: Path):
+    """The target as the fused ONNX engine the bundle will run, which continues the prompts and gives the teacher
+    rows in the same calls; None where torch does (asked for, or the fused graph cannot express the target, which
+    a feature draft cannot do without: it learns from the engine's hidden states)."""
+    recipe = run.recipe
+    if recipe.teacher_engine == "torch":
+        return None
+    t0 = time.perf_counter()
+    quant = recipe.teacher_engine if recipe.teacher_engine != "auto" else (
+        "gguf" if target.checkpoint.gguf_file else "fp32")
+    engine = target_engine(target.model, target.checkpoint, work, quant, recipe.accuracy_level,
+                           recipe.max_prompt_tokens + recipe.max_new_tokens + 8, run.threads)
+    run.lap("engine", t0)
+    run.say(f"teacher: the target's fused ONNX engine ({quant})" if engine else
+            "teacher: the fused graph cannot express this target; torch generates")
+    if engine is None and recipe.features:
+        raise DistillError("--init feature needs the target as a fused ONNX engine, and the fused graph "
+                           "cannot express this target; use --init layers=N")
+    return engine
+
+
+def _write_own_prompts(run: _Run, target: _Target, engine, corpus, progress):
+    """(prompts, their ids): the user queries the target writes itself (``self_prompts``, the Magpie method) in a
+    quarter of the generation share at most, the distinct finished ones; none unless asked for and the ONNX engine
+    runs (it samples them)."""
+    recipe = run.recipe
+    if not recipe.self_prompts or engine is None:
+        return [], []
+    t0 = time.perf_counter()
+    share = 0.25 * recipe.generate_share * max(0.0, run.deadline - t0)  # a quarter of the generation share at most
+    made = sample_self_prompts(engine, target.tokenizer, recipe.self_prompts, eos_ids=target.eos, seed=recipe.seed + 7,
+                               known=corpus, batch_size=recipe.generate_batch, deadline=t0 + share,
+                               advance=_task(progress, "target: writing its own prompts", recipe.self_prompts,
+                                             t0 + share))
+    made_ids = _encoded(run, target, made)
+    run.lap("self_prompts", t0)
+    run.say(f"self-prompts: {len(made)} distinct user queries kept of {recipe.self_prompts} asked for"
+            + ("" if made else " (no chat template, or none finished: a base model has no user turn)"))
+    return made, made_ids
+
+
+def _continue_prompts(run: _Run, target: _Target, engine, progress, train_ids, held_ids):
+    """(training samples, held-out samples), each with the target's teacher rows: from the ONNX engine's own calls,
+    or torch's ``generate`` and then one teacher-forced pass. Refuses a budget that left no training sample."""
+    recipe = run.recipe
+    t0 = time.perf_counter()
+    if engine is not None:
+        samples, held = _engine_continuations(run, target, engine, progress, train_ids, held_ids)
+    else:
+        samples, held = _torch_continuations(run, target, progress, train_ids, held_ids)
+    run.lap("generate", t0)
+    if engine is None:
         t0 = time.perf_counter()
-        before = acceptance(draft, held, kept)
-        measure = time.perf_counter() - t0
-        say(f"before: held-out top-1 agreement {before.top1:.3f}, greedy acceptance "
+        teacher(target.model, samples, recipe.top_k, recipe.tokens_per_batch,
+                advance=_task(progress, "target: teacher distributions", len(samples)))
+        run.lap("teacher", t0)
+    if not samples:
+        raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
+    return samples, held
+
+
+def _choose_vocabulary(run: _Run, target: _Target, samples):
+    """The token ids a reduced draft head keeps (``draft_vocab``: the most frequent in the continuations, EOS
+    always); None for the full head."""
+    size = run.recipe.draft_vocab
+    if not size:
+        return None
+    vocab = min(len(target.tokenizer), target.model.get_output_embeddings().weight.shape[0])
+    if size >= vocab:
+        raise DistillError(f"--draft-vocab {size} is not smaller than the vocabulary ({vocab})")
+    return kept_vocabulary(samples, size, vocab, target.eos)
+
+
+def _train_layers(run: _Run, target: _Target, samples, held, kept, progress):
+    """(draft, its acceptance before training, the training's record): a layers=N or given draft, measured on the
+    held-out continuations first (that measurement's time, again, is kept back for the one after), then trained until
+    the budget's end."""
+    recipe = run.recipe
+    draft = init_draft(target.model, recipe.init)
+    target.model = None  # the draft holds copies: the target's weights go before training
+    t0 = time.perf_counter()
+    before = acceptance(draft, held, kept)
+    measure = time.perf_counter() - t0
+    run.say(f"before: held-out top-1 agreement {before.top1:.3f}, greedy acceptance "
             + ", ".join(f"k={k} {before.greedy[k]['acceptance']:.3f}" for k in (2, 4)))
-        train_deadline = deadline - 1.5 * measure - 5
-        if max_steps is None and train_deadline <= time.perf_counter():
-            raise DistillError(f"no time left to train within --minutes {minutes}; raise it")
-        total = max_steps or max(1, int(train_deadline - time.perf_counter()))
-        task = progress.add_task("draft: training", total=total)
-        t0 = time.perf_counter()
+    train_deadline = run.deadline - 1.5 * measure - 5
+    if recipe.max_steps is None and train_deadline <= time.perf_counter():
+        raise DistillError(f"no time left to train within --minutes {recipe.minutes}; raise it")
+    on_step, done = _training_bar(run, progress, "draft: training", train_deadline, lambda step, value, rate, s: (
+        f"training: step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s"))
+    trained = train(draft, samples, deadline=train_deadline, max_steps=recipe.max_steps, lr=recipe.lr, loss=recipe.loss,
+                    kept=kept, tokens_per_batch=recipe.tokens_per_batch, seed=recipe.seed,
+                    train_prompt_positions=recipe.train_prompt_positions, on_step=on_step)
+    done()
+    run.timings["train"] = trained["seconds"]
+    return draft, before, trained
 
-        last_line = [time.perf_counter()]
 
-        def on_step(step, value, rate):
-            done = step if max_steps else min(total, time.perf_counter() - t0)
-            progress.update(task, completed=done, description=f"draft: training (loss {value:.3f})")
-            if not console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
-                last_line[0] = time.perf_counter()
-                say(f"training: step {step}, loss {value:.4f}, lr {rate:.2e}, {time.perf_counter() - t0:.0f} s")
-
-        trained = train(draft, samples, deadline=train_deadline, max_steps=max_steps, lr=lr, loss=loss, kept=kept,
-                        tokens_per_batch=tokens_per_batch, seed=seed, train_prompt_positions=train_prompt_positions,
-                        on_step=on_step)
-        progress.update(task, completed=total)
-    timings["train"] = trained["seconds"]
+def _publish_layers(run: _Run, tokenizer, draft, samples, held, kept, before, trained: dict,
+                    self_prompts_kept: int) -> dict:
+    """Measure the trained draft (held out, and on as many training prompts for the overfit), write it with its
+    report and say how to build with it."""
     after = acceptance(draft, held, kept)
     train_fit = acceptance(draft, samples[: len(held)], kept, ks=(4,))
-    say(f"after:  held-out top-1 agreement {after.top1:.3f}, greedy acceptance "
-        + ", ".join(f"k={k} {after.greedy[k]['acceptance']:.3f}" for k in (2, 4))
-        + f" (training prompts: top-1 {train_fit.top1:.3f})")
-    timings["total"] = round(time.perf_counter() - started, 1)
+    run.say(f"after:  held-out top-1 agreement {after.top1:.3f}, greedy acceptance "
+            + ", ".join(f"k={k} {after.greedy[k]['acceptance']:.3f}" for k in (2, 4))
+            + f" (training prompts: top-1 {train_fit.top1:.3f})")
+    run.lap("total", run.started)
+    recipe = run.recipe
     report = {
-        "target": target, "init": init, "loss": loss, "seed": seed, "minutes": minutes,
-        "prompts": str(prompts) if prompts else "builtin:distill_prompts.txt",
-        "train_prompts": len(samples), "heldout_prompts": len(held),
+        "target": run.target, "init": recipe.init, "loss": recipe.loss, "seed": recipe.seed, "minutes": recipe.minutes,
+        "prompts": recipe.prompts_name, "train_prompts": len(samples), "heldout_prompts": len(held),
         "train_tokens": sum(len(s.continuation) for s in samples),
         "train_positions": sum(len(s.ids) - 1 - s.rows_from for s in samples),  # positions with teacher rows
         "heldout_tokens": sum(len(s.continuation) for s in held),
-        "max_new_tokens": max_new_tokens, "generation_temperature": temperature, "top_k": top_k,
-        "samples_per_prompt": samples_per_prompt, "sample_temperature": sample_temperature,
-        "generate_share": generate_share, "teacher_engine": teacher_engine,
-        "self_prompts": self_prompts, "self_prompts_kept": len(made),
+        "max_new_tokens": recipe.max_new_tokens, "generation_temperature": recipe.temperature, "top_k": recipe.top_k,
+        "samples_per_prompt": recipe.samples_per_prompt, "sample_temperature": recipe.sample_temperature,
+        "generate_share": recipe.generate_share, "teacher_engine": recipe.teacher_engine,
+        "self_prompts": recipe.self_prompts, "self_prompts_kept": self_prompts_kept,
         "draft_layers": draft.config.num_hidden_layers,
         "draft_vocab": int(len(kept)) if kept is not None else 0,
         "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
         "before": before.to_dict(), "after": after.to_dict(), "train_top1_after": round(train_fit.top1, 4),
-        "training": trained, "seconds": timings,
+        "training": trained, "seconds": run.timings,
     }
-    publish_draft(draft, tokenizer, out, kept, report, force)
-    say(f"saved the draft to {out} ({timings['total']:.0f} s in all); build with: "
-        f"build-engines --target {target} --draft {out}")
+    publish_draft(draft, tokenizer, run.out, kept, report, run.force)
+    run.say(f"saved the draft to {run.out} ({run.timings['total']:.0f} s in all); build with: "
+            f"build-engines --target {run.target} --draft {run.out}")
     return report
 
 
-def _distill_features(target_model, checkpoint, tokenizer, samples, held, kept, out, force, deadline, max_steps,
-                      progress, console, say, started, timings, report, seed, quiet) -> dict:
+def _distill_features(run: _Run, target: _Target, samples, held, kept, progress, self_prompts_kept: int) -> dict:
     """The feature draft (builder/distill/feature_draft.py): trained on the stored hidden states, measured by its
     chained greedy agreement on the held-out continuations, saved beside a one-layer transformers shell."""
     from builder.distill import feature_draft as fd
-    draft = fd.init_feature_draft(target_model, kept, checkpoint.sha256())
-    shell_config = target_model.config
-    del target_model
+    recipe = run.recipe
+    draft = fd.init_feature_draft(target.model, kept, target.checkpoint.sha256())
+    shell_config = target.model.config
+    target.model = None  # the feature draft holds copies of the rows it needs
     t0 = time.perf_counter()
     before = fd.chained_agreement(draft, held, kept)
     measure = time.perf_counter() - t0
-    say(f"before: held-out top-1 agreement {before['top1']:.3f}, chained mean accepted {before['mean_accepted']:.2f}")
-    train_deadline = deadline - 2 * measure - 10
-    if max_steps is None and train_deadline <= time.perf_counter():
+    run.say(f"before: held-out top-1 agreement {before['top1']:.3f}, chained mean accepted "
+            f"{before['mean_accepted']:.2f}")
+    train_deadline = run.deadline - 2 * measure - 10
+    if recipe.max_steps is None and train_deadline <= time.perf_counter():
         raise DistillError("no time left to train within --minutes; raise it")
-    total = max_steps or max(1, int(train_deadline - time.perf_counter()))
-    task = progress.add_task("feature draft: training", total=total)
-    t0 = time.perf_counter()
-
-    last_line = [time.perf_counter()]
-
-    def on_step(step, value, rate):
-        progress.update(task, completed=step if max_steps else min(total, time.perf_counter() - t0),
-                        description=f"feature draft: training (loss {value:.3f})")
-        if not console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
-            last_line[0] = time.perf_counter()
-            left = "" if max_steps else f", about {max(0.0, train_deadline - time.perf_counter()):.0f} s left"
-            say(f"feature draft: training step {step}, loss {value:.4f}, lr {rate:.2e}, "
-                f"{time.perf_counter() - t0:.0f} s{left}")
-
-    trained = fd.train_feature_draft(draft, samples, deadline=train_deadline, max_steps=max_steps, seed=seed,
-                                     on_step=on_step)
-    progress.update(task, completed=total)
+    left = (lambda: "") if recipe.max_steps else (
+        lambda: f", about {max(0.0, train_deadline - time.perf_counter()):.0f} s left")
+    on_step, done = _training_bar(run, progress, "feature draft: training", train_deadline,
+                                  lambda step, value, rate, s: (f"feature draft: training step {step}, loss "
+                                                                f"{value:.4f}, lr {rate:.2e}, {s:.0f} s{left()}"))
+    trained = fd.train_feature_draft(draft, samples, deadline=train_deadline, max_steps=recipe.max_steps,
+                                     seed=recipe.seed, on_step=on_step)
+    done()
     progress.stop()
-    timings["train"] = trained["seconds"]
+    run.timings["train"] = trained["seconds"]
+    return _publish_features(run, target.tokenizer, draft, shell_config, samples, held, kept, before, trained,
+                             self_prompts_kept)
+
+
+def _publish_features(run: _Run, tokenizer, draft, shell_config, samples, held, kept, before: dict, trained: dict,
+                      self_prompts_kept: int) -> dict:
+    """Measure the trained feature draft (held out, and on as many training prompts), write it and its transformers
+    shell with the report, and say how to build with it."""
+    from builder.distill import feature_draft as fd
     after = fd.chained_agreement(draft, held, kept)
     train_fit = fd.chained_agreement(draft, samples[: len(held)], kept)
-    say(f"after:  held-out top-1 agreement {after['top1']:.3f}, per draft position {after['per_position']}, "
-        f"chained mean accepted at k=4 {after['mean_accepted']:.2f} (training prompts: top-1 {train_fit['top1']:.3f})")
-    timings["total"] = round(time.perf_counter() - started, 1)
-    report.update({
+    run.say(f"after:  held-out top-1 agreement {after['top1']:.3f}, per draft position {after['per_position']}, "
+            f"chained mean accepted at k=4 {after['mean_accepted']:.2f} (training prompts: top-1 "
+            f"{train_fit['top1']:.3f})")
+    run.lap("total", run.started)
+    recipe = run.recipe
+    report = {
+        "target": run.target, "init": recipe.init, "seed": recipe.seed, "minutes": recipe.minutes,
+        "prompts": recipe.prompts_name, "max_new_tokens": recipe.max_new_tokens,
+        "samples_per_prompt": recipe.samples_per_prompt, "sample_temperature": recipe.sample_temperature,
+        "generate_share": recipe.generate_share, "teacher_engine": recipe.teacher_engine,
+        "self_prompts": recipe.self_prompts, "self_prompts_kept": self_prompts_kept,
         "train_prompts": len(samples), "heldout_prompts": len(held),
         "train_tokens": sum(len(s.continuation) for s in samples),
-        "train_positions": sum(len(s.ids) - 2 for s in samples), "heldout_tokens": sum(len(s.continuation) for s in held),
+        "train_positions": sum(len(s.ids) - 2 for s in samples),
+        "heldout_tokens": sum(len(s.continuation) for s in held),
         "draft_layers": 1, "draft_kind": "feature",
         "draft_vocab": int(len(kept)) if kept is not None else 0,
         "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
         "before": {"top1_agreement": before["top1"], "chained": before},
         "after": {"top1_agreement": after["top1"], "chained": after}, "train_top1_after": train_fit["top1"],
-        "training": trained, "seconds": timings})
+        "training": trained, "seconds": run.timings}
     shell = fd.as_transformers(draft, shell_config)
-    publish_draft(shell, tokenizer, out, kept, report, force, also=lambda folder: fd.save_feature_draft(draft, folder))
-    say(f"saved the feature draft to {out} ({timings['total']:.0f} s in all); build with: "
-        f"build-engines --target {report['target']} --draft {out}")
+    publish_draft(shell, tokenizer, run.out, kept, report, run.force,
+                  also=lambda folder: fd.save_feature_draft(draft, folder))
+    run.say(f"saved the feature draft to {run.out} ({run.timings['total']:.0f} s in all); build with: "
+            f"build-engines --target {run.target} --draft {run.out}")
     return report
 
 
-def _engine_continuations(engine, progress, train_ids, held_ids, deadline, generate_share, max_new_tokens,
-                          temperature, samples_per_prompt, sample_temperature, top_k, eos, seed, batch,
-                          features=False):
+def _training_bar(run: _Run, progress, what: str, train_deadline: float, line):
+    """(on_step, done) for a training loop: a bar on a terminal, by steps under ``max_steps`` else by seconds until
+    ``train_deadline``; in a log, where no bar shows, ``line(step, loss, lr, seconds)`` once a minute."""
+    max_steps = run.recipe.max_steps
+    total = max_steps or max(1, int(train_deadline - time.perf_counter()))
+    task = progress.add_task(what, total=total)
+    t0 = time.perf_counter()
+    last_line = [time.perf_counter()]
+
+    def on_step(step, value, rate):
+        progress.update(task, completed=step if max_steps else min(total, time.perf_counter() - t0),
+                        description=f"{what} (loss {value:.3f})")
+        if not run.console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
+            last_line[0] = time.perf_counter()
+            run.say(line(step, value, rate, time.perf_counter() - t0))
+
+    return on_step, lambda: progress.update(task, completed=total)
+
+
+def _engine_continuations(run: _Run, target: _Target, engine, progress, train_ids, held_ids):
     """(training samples, held-out samples) from the ONNX engine, teacher rows included; the extra sampled
     continuations come pass after pass, so the deadline cuts the last pass, never a prompt's first one, and only the
     first carries the prompt's own rows."""
-    held = generate_with_engine(engine, [Job(p) for p in held_ids], max_new_tokens, top_k=top_k, eos_ids=eos,
-                                seed=seed, batch_size=batch, features=features,
-                                advance=_task(progress, "target: held-out continuations", len(held_ids)))
-    gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
-    jobs = [Job(p, temperature) for p in train_ids]
-    jobs += [Job(p, sample_temperature, prompt_rows=False) for _ in range(1, samples_per_prompt) for p in train_ids]
-    samples = generate_with_engine(engine, jobs, max_new_tokens, top_k=top_k, eos_ids=eos, seed=seed + 1,
-                                   batch_size=batch, deadline=gen_deadline, features=features,
-                                   advance=_task(progress, "target: training continuations", len(jobs),
-                                                 gen_deadline))
+    recipe = run.recipe
+    common = {"top_k": recipe.top_k, "eos_ids": target.eos, "batch_size": recipe.generate_batch,
+              "features": recipe.features}
+    held = generate_with_engine(engine, [Job(p) for p in held_ids], recipe.max_new_tokens, seed=recipe.seed,
+                                advance=_task(progress, "target: held-out continuations", len(held_ids)), **common)
+    gen_deadline = time.perf_counter() + recipe.generate_share * max(0.0, run.deadline - time.perf_counter())
+    jobs = [Job(p, recipe.temperature) for p in train_ids]
+    jobs += [Job(p, recipe.sample_temperature, prompt_rows=False)
+             for _ in range(1, recipe.samples_per_prompt) for p in train_ids]
+    samples = generate_with_engine(engine, jobs, recipe.max_new_tokens, seed=recipe.seed + 1, deadline=gen_deadline,
+                                   advance=_task(progress, "target: training continuations", len(jobs), gen_deadline),
+                                   **common)
     return samples, held
 
 
-def _torch_continuations(model, progress, train_ids, held_ids, deadline, generate_share, max_new_tokens, temperature,
-                         samples_per_prompt, sample_temperature, eos, pad, seed, batch):
+def _torch_continuations(run: _Run, target: _Target, progress, train_ids, held_ids):
     """(training samples, held-out samples) from torch's ``generate``; the teacher rows come after, in one pass."""
-    held = generate(model, held_ids, max_new_tokens, temperature=0.0, seed=seed, eos_ids=eos, pad_id=pad,
-                    batch_size=batch, advance=_task(progress, "target: held-out continuations", len(held_ids)))
-    gen_deadline = time.perf_counter() + generate_share * max(0.0, deadline - time.perf_counter())
-    samples = generate(model, train_ids, max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos,
-                       pad_id=pad, batch_size=batch, deadline=gen_deadline,
-                       advance=_task(progress, "target: training continuations", len(train_ids), gen_deadline))
-    for extra in range(1, samples_per_prompt):
+    recipe, model, seed = run.recipe, target.model, run.recipe.seed
+    common = {"eos_ids": target.eos, "pad_id": target.pad, "batch_size": recipe.batch_prompts}
+    held = generate(model, held_ids, recipe.max_new_tokens, temperature=0.0, seed=seed,
+                    advance=_task(progress, "target: held-out continuations", len(held_ids)), **common)
+    gen_deadline = time.perf_counter() + recipe.generate_share * max(0.0, run.deadline - time.perf_counter())
+    samples = generate(model, train_ids, recipe.max_new_tokens, temperature=recipe.temperature, seed=seed,
+                       deadline=gen_deadline,
+                       advance=_task(progress, "target: training continuations", len(train_ids), gen_deadline),
+                       **common)
+    for extra in range(1, recipe.samples_per_prompt):
         if time.perf_counter() > gen_deadline:
             break
-        samples += generate(model, train_ids, max_new_tokens, temperature=sample_temperature, seed=seed + extra,
-                            eos_ids=eos, pad_id=pad, batch_size=batch, deadline=gen_deadline,
+        samples += generate(model, train_ids, recipe.max_new_tokens, temperature=recipe.sample_temperature,
+                            seed=seed + extra, deadline=gen_deadline,
                             advance=_task(progress, f"target: sampled continuations {extra + 1}", len(train_ids),
-                                          gen_deadline))
+                                          gen_deadline), **common)
     return samples, held
 
 
