@@ -21,6 +21,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -371,76 +372,174 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
 @click.option("--trust-remote-code", is_flag=True,
               help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, max_new_tokens, prompt_limit, threads,
-          chat, seed, drafter_kind, confidence, response_format_file, forced_drafts, json_out, plot_out, write_k, memory,
-          limit, peers, peer_names, quality, quality_tokens, peer_prompts, peer_spinning, device, allow_pickle,
-          trust_remote_code, quiet):
+def bench(**flags):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
+    run_bench(BenchOptions(**flags))
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """One bench run's settings: the command's flags under their parameter names (``draftsmith bench --help`` says
+    what each does), with the same defaults; ``run_bench`` takes them."""
+
+    bundle: Path
+    workload_specs: tuple[str, ...] = ("code", "chat", "reasoning")
+    k_values: tuple[str, ...] = ("1,2,3,4,6,8",)
+    batch_values: tuple[str, ...] = ("1",)
+    temperature: float = 0.0
+    top_p: float | None = None
+    max_new_tokens: int = 64
+    prompt_limit: int = 0
+    threads: int = 0
+    chat: bool | None = None  # None: the chat template for chat-like workloads where the tokenizer has one
+    seed: int = 0
+    drafter_kind: str | None = None  # None: the bundle's
+    confidence: float | None = None  # None: the bundle's
+    response_format_file: Path | None = None
+    forced_drafts: bool = True
+    json_out: Path | None = None
+    plot_out: Path | None = None
+    write_k: bool = False
+    memory: bool = True
+    limit: bool = True
+    peers: bool | None = None  # None: those installed; True: required
+    peer_names: tuple[str, ...] = ()
+    quality: bool = False
+    quality_tokens: int = 0
+    peer_prompts: int = 4
+    peer_spinning: bool = True
+    device: str | None = None  # None: the bundle's
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    quiet: bool = False
+
+
+def run_bench(options: BenchOptions) -> dict:
+    """The bench's run (the command's body): the speed sweep, its report, then the optional measurements (limit,
+    memory, peers, quality) and ``--write-k``, the JSON written after each so a slow or interrupted phase loses
+    nothing measured before it; the tables last. Returns the report."""
+    console = _console()
+    ks, batches = int_list(options.k_values, "--k"), int_list(options.batch_values, "--batch")
+    if options.max_new_tokens < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--max-new-tokens")
+    names = [part.strip() for spec in options.workload_specs for part in spec.split(",") if part.strip()]
+    loaded = dict(load_workload(n) for n in names)
+    generator = _open_bundle(options)
+    response_format = read_response_format(generator, options.response_format_file)
+    options = _settle(options, generator, ks)
+    workloads, chat_used = _encode_workloads(options, generator, loaded)
+    started = time.time()
+    cells = _sweep(options, generator, workloads, ks, batches, response_format, console, started)
+    report = _speed_report(options, generator.manifest, workloads, chat_used, ks, batches, response_format, cells)
+    manifest = generator.manifest
+    del generator  # free the engines before the child processes load their own
+    save = _saver(report, options.json_out, started)
+    save(False)
+    _measure_limit_and_memory(options, report, manifest, loaded, console)
+    save(False)
+    _compare_with_peers(options, report, manifest, workloads, cells, console)
+    if options.quality:
+        report["quality"] = quality_report(Path(options.bundle), options.threads, options.device,
+                                           options.peers is not False and (not options.peer_names
+                                                                           or "llama-cpp-python" in options.peer_names),
+                                           options.quality_tokens)
+        save(False)
+    _store_k(options, report)
+    save(True)
+    _show(console, report, options)
+    return report
+
+
+def _console():
+    """The console the tables go to; in logs and pipes wide enough to keep the table on one line per row."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 150))
+
+
+def _open_bundle(options: BenchOptions):
+    """The bundle's generator on the asked device; a bundle that does not load, or a device it cannot run on, is
+    the user's error, said without a traceback."""
     from runtime.api import SpeculativeGenerator
     from runtime.bundle import BundleError
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 150))  # logs and pipes: keep the table on one line per row
-    ks, batches = int_list(k_values, "--k"), int_list(batch_values, "--batch")
-    if max_new_tokens < 1:
-        raise click.BadParameter("must be >= 1", param_hint="--max-new-tokens")
-    names = [part.strip() for spec in workload_specs for part in spec.split(",") if part.strip()]
-    loaded = dict(load_workload(n) for n in names)
     try:
-        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, device=device)
+        return SpeculativeGenerator.from_bundle(options.bundle, threads=options.threads, device=options.device)
     except (BundleError, DeviceError) as err:
         raise click.ClickException(str(err)) from None
-    response_format = read_response_format(generator, response_format_file)
+
+
+def _settle(options: BenchOptions, generator, ks: list[int]) -> BenchOptions:
+    """The options with the bundle's defaults in (drafter, draft confidence) and, off the CPU, the host-side
+    measurements off: host RAM and host bandwidth say nothing about a GPU (peers too, unless asked for)."""
     bad = [k for k in ks if k > generator.max_k]
     if bad:
         raise click.BadParameter(f"{bad} exceed this bundle's max_k ({generator.max_k})", param_hint="--k")
-    drafter_kind = drafter_kind or generator.default_drafter
-    confidence = generator.default_confidence if confidence is None else confidence
-    if (device or generator.manifest.spec.device) != "cpu":  # host RAM and host bandwidth say nothing about a GPU
-        memory = limit = False
-        peers = False if peers is None else peers
+    settled = dataclasses.replace(
+        options, drafter_kind=options.drafter_kind or generator.default_drafter,
+        confidence=generator.default_confidence if options.confidence is None else options.confidence)
+    if (options.device or generator.manifest.spec.device) != "cpu":
+        settled = dataclasses.replace(settled, memory=False, limit=False,
+                                      peers=False if options.peers is None else options.peers)
+    return settled
+
+
+def _encode_workloads(options: BenchOptions, generator, loaded: dict[str, list[str]]):
+    """(token ids per workload, whether each went through the chat template): the first ``prompt_limit`` prompts,
+    less those that leave no room for ``max_new_tokens`` in the bundle's context."""
     workloads: dict[str, list[list[int]]] = {}
     chat_used = {}
     for name, prompts in loaded.items():
-        if prompt_limit:
-            prompts = prompts[:prompt_limit]
-        use_chat = chat if chat is not None else (name in CHAT_BY_DEFAULT and bool(generator.tokenizer.chat_template))
+        if options.prompt_limit:
+            prompts = prompts[:options.prompt_limit]
+        use_chat = options.chat if options.chat is not None else (
+            name in CHAT_BY_DEFAULT and bool(generator.tokenizer.chat_template))
         chat_used[name] = use_chat
-        room = generator.max_context - max_new_tokens
+        room = generator.max_context - options.max_new_tokens
         workloads[name] = [ids for ids in (generator.encode_prompt(p, use_chat) for p in prompts) if len(ids) < room]
         if not workloads[name]:
-            raise click.ClickException(f"workload {name}: no prompt leaves room for {max_new_tokens} new tokens")
-    started = time.time()
+            raise click.ClickException(f"workload {name}: no prompt leaves room for {options.max_new_tokens} new "
+                                       "tokens")
+    return workloads, chat_used
+
+
+def _sweep(options: BenchOptions, generator, workloads, ks, batches, response_format, console, started: float):
+    """Every cell measured (``run_workloads``) under a bar on a terminal, or a line per decode in a log."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     configs = 1 + int(bool(pads(generator.target))) + len(ks)  # target-only, plain where it pads, each k
     runs = sum(math.ceil(len(t) / b) for t in workloads.values() for b in batches) * configs
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, disable=quiet, transient=False)
+                        console=console, disable=options.quiet, transient=False)
     done = [0]
 
     def advance(description: str) -> None:
         progress.update(task, advance=1, description=description)
         done[0] += 1
-        if not console.is_terminal and not quiet:  # logs get a line per decode instead of a live bar
+        if not console.is_terminal and not options.quiet:  # logs get a line per decode instead of a live bar
             console.print(f"[{done[0]}/{runs}] {description} ({time.time() - started:.0f} s)")
 
     with progress:
         task = progress.add_task("decoding", total=runs)
-        cells = run_workloads(generator, workloads, ks, batches, max_new_tokens, temperature, seed, advance=advance,
-                              drafter_kind=drafter_kind, confidence=confidence, response_format=response_format,
-                              forced_drafts=forced_drafts, top_p=top_p)
-    rows = summarize_cells(cells, temperature)
+        return run_workloads(generator, workloads, ks, batches, options.max_new_tokens, options.temperature,
+                             options.seed, advance=advance, drafter_kind=options.drafter_kind,
+                             confidence=options.confidence, response_format=response_format,
+                             forced_drafts=options.forced_drafts, top_p=options.top_p)
+
+
+def _speed_report(options: BenchOptions, manifest, workloads, chat_used, ks, batches, response_format,
+                  cells: list[CellRecord]) -> dict:
+    """The report of the sweep: settings, the bundle, a row per cell, each workload's best k, where the time goes
+    and the recommended k."""
+    rows = summarize_cells(cells, options.temperature)
     best = best_k(rows)
     rec_k, geomean = recommend_k(rows)
-    manifest = generator.manifest
     report = {
-        "bundle": str(bundle),
+        "bundle": str(options.bundle),
         "settings": {"workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
-                     "k": ks, "batch": batches, "temperature": temperature, "top_p": top_p,
-                     "max_new_tokens": max_new_tokens,
-                     "threads": threads, "seed": seed, "drafter": drafter_kind, "draft_confidence": confidence,
-                     "response_format": response_format, "forced_drafts": forced_drafts,
+                     "k": ks, "batch": batches, "temperature": options.temperature, "top_p": options.top_p,
+                     "max_new_tokens": options.max_new_tokens,
+                     "threads": options.threads, "seed": options.seed, "drafter": options.drafter_kind,
+                     "draft_confidence": options.confidence,
+                     "response_format": response_format, "forced_drafts": options.forced_drafts,
                      "cpu_count": os.cpu_count(),
                      "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "bundle_info": {"target_quant": manifest.target.quant, "draft_quant": manifest.draft.quant,
@@ -454,53 +553,73 @@ def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, ma
         report["recommended_k"] = {"k": rec_k, "geomean_speedup": geomean, "bundle_default_k": manifest.default_k,
                                    "chosen_by": "highest geometric mean of measured speedup over the workloads, at "
                                                 "each workload's smallest batch; ties to the smaller k"}
-    del generator  # free the engines before the child processes load their own
+    return report
 
+
+def _recommended_k(report: dict) -> int | None:
+    return report["recommended_k"]["k"] if "recommended_k" in report else None
+
+
+def _saver(report: dict, json_out: Path | None, started: float):
+    """``save(final)``: write the JSON report (with ``--json``) after each phase, so a slow or interrupted peer run
+    loses nothing measured before it."""
     def save(final: bool) -> None:
-        """Write the JSON after each phase, so a slow or interrupted peer run loses nothing measured before it."""
         report["seconds"] = time.time() - started
         report["complete"] = final
         if json_out:
             json_out.write_text(json.dumps(report, indent=2, default=_json_default), encoding="utf-8")
+    return save
 
-    save(False)
-    if limit:
+
+def _measure_limit_and_memory(options: BenchOptions, report: dict, manifest, loaded: dict[str, list[str]],
+                              console) -> None:
+    """The bandwidth bound (``--limit``) and the peak memory of each mode in a child process (``--memory``, on the
+    first workload's first prompt), into the report."""
+    if options.limit:
         with console.status("measuring memory bandwidth and weights per token"):
-            report["limit"] = limit_report(Path(bundle), manifest, rows, threads)
-    if memory:
+            report["limit"] = limit_report(Path(options.bundle), manifest, report["results"], options.threads)
+    if options.memory:
         from bench.system import measure_memory
         first = next(iter(loaded.values()))[0]
         with console.status("measuring peak memory (one child process per mode)"):
-            report["memory"] = measure_memory(bundle, threads, min(max_new_tokens, 32), rec_k, first)
+            report["memory"] = measure_memory(options.bundle, options.threads, min(options.max_new_tokens, 32),
+                                              _recommended_k(report), first)
         report["memory"]["engine_size_bytes"] = {"target": manifest.target.size_bytes,
                                                  "draft": manifest.draft.size_bytes}
-    save(False)
-    if peers is not False:
-        peer_workloads = {n: t[:peer_prompts] if peer_prompts else t for n, t in workloads.items()}
-        ours = ours_on_peer_prompts(cells, {n: len(t) for n, t in peer_workloads.items()}, best)
-        report["peers"] = _run_peers(Path(bundle), manifest, peer_workloads, best, max_new_tokens, threads,
-                                     temperature, console, quiet, required=bool(peers),
-                                     consent={"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code},
-                                     ours=ours, spinning=peer_spinning, only=peer_names)
-        report["peers_reference"] = {w: {key: v for key, v in r.items() if key != "token_ids"} for w, r in ours.items()}
-        report["settings"]["peer_prompts"] = peer_prompts
-        report["settings"]["peer_spinning"] = peer_spinning
-    if quality:
-        report["quality"] = quality_report(Path(bundle), threads, device, peers is not False and
-                                           (not peer_names or "llama-cpp-python" in peer_names), quality_tokens)
-        save(False)
-    if write_k and rec_k is not None:
-        write_default_k(Path(bundle), rec_k)
+
+
+def _compare_with_peers(options: BenchOptions, report: dict, manifest, workloads, cells, console) -> None:
+    """The peers on the first ``peer_prompts`` prompts of each workload, beside our own figures on exactly those
+    prompts (unless ``--no-peers``)."""
+    if options.peers is False:
+        return
+    peer_workloads = {n: t[:options.peer_prompts] if options.peer_prompts else t for n, t in workloads.items()}
+    best = report["best_k"]
+    ours = ours_on_peer_prompts(cells, {n: len(t) for n, t in peer_workloads.items()}, best)
+    report["peers"] = _run_peers(options, manifest, peer_workloads, best, ours, console)
+    report["peers_reference"] = {w: {key: v for key, v in r.items() if key != "token_ids"} for w, r in ours.items()}
+    report["settings"]["peer_prompts"] = options.peer_prompts
+    report["settings"]["peer_spinning"] = options.peer_spinning
+
+
+def _store_k(options: BenchOptions, report: dict) -> None:
+    """``--write-k``: the recommended k becomes the bundle's default_k, and the report says so."""
+    rec_k = _recommended_k(report)
+    if options.write_k and rec_k is not None:
+        write_default_k(Path(options.bundle), rec_k)
         report["recommended_k"]["written"] = True
         report["recommended_k"]["bundle_default_k"] = rec_k
-    save(True)
+
+
+def _show(console, report: dict, options: BenchOptions) -> None:
+    """The tables, the summary and the plot (``--plot``), and where the files went."""
     render_table(console, report)
     render_summary(console, report)
-    if json_out:
-        console.print(f"report written to {json_out}")
-    if plot_out:
-        plot(report, plot_out)
-        console.print(f"plot written to {plot_out}")
+    if options.json_out:
+        console.print(f"report written to {options.json_out}")
+    if options.plot_out:
+        plot(report, options.plot_out)
+        console.print(f"plot written to {options.plot_out}")
 
 
 PEER_MODULES = ("transformers", "llama_cpp", "onnxruntime_genai", "openvino_genai")
@@ -575,37 +694,39 @@ def quality_report(bundle: Path, threads: int, device, with_llama_cpp: bool, tok
     return out
 
 
-def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet,
-               required, consent: dict, ours: dict[str, dict], spinning: bool = False, only=()) -> list:
+def _run_peers(options: BenchOptions, manifest, workloads, best, ours: dict[str, dict], console) -> list:
+    """The peers' rows (``--peer``: only those named; ``--peers``: required even if none is installed), each
+    compared with ``ours`` on the same prompts; greedy only."""
     from bench.peers import compare_with_ours, run_llama_cpp, run_onnxruntime_genai, run_openvino, run_transformers
-    if temperature > 0:
+    if options.temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
     import importlib.util
     from bench.peers.llama_cpp_tools import PLAIN_TOOL, tool
-    if not required and all(importlib.util.find_spec(m) is None for m in PEER_MODULES) and not tool(PLAIN_TOOL):
+    if not options.peers and all(importlib.util.find_spec(m) is None for m in PEER_MODULES) and not tool(PLAIN_TOOL):
         return [{"peer": "all", "skipped": "no peer installed (pip install draftsmith[peers])"}]
+    bundle, tokens, threads = Path(options.bundle), options.max_new_tokens, options.threads
+    consent = {"allow_pickle": options.allow_pickle, "trust_remote_code": options.trust_remote_code}
     ks = {w: r["k"] for w, r in best.items()}
-    status = console.status("peers: loading") if not quiet else None
+    status = console.status("peers: loading") if not options.quiet else None
     note = (lambda text: status.update(f"peers: {text}")) if status else None
     if status:
         status.start()
     eos = manifest.eos_token_ids
     try:
-        wanted = set(only or PEER_NAMES)
+        wanted = set(options.peer_names or PEER_NAMES)
         rows = []
         if "transformers" in wanted:
-            rows += run_transformers(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note, **consent)
+            rows += run_transformers(manifest, bundle, workloads, ks, tokens, threads, eos, note, **consent)
         if "llama.cpp" in wanted:  # its own C++ tools, as users run them
             from bench.peers.llama_cpp_tools import run_llama_cpp_tools
-            rows += run_llama_cpp_tools(manifest, bundle, _prompt_texts(bundle, workloads), max_new_tokens,
-                                        threads, note)
+            rows += run_llama_cpp_tools(manifest, bundle, _prompt_texts(bundle, workloads), tokens, threads, note)
         if "llama-cpp-python" in wanted:
-            rows += run_llama_cpp(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note)
+            rows += run_llama_cpp(manifest, bundle, workloads, ks, tokens, threads, eos, note)
         if "onnxruntime-genai" in wanted:
-            rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note,
-                                          **consent, spinning=spinning)
+            rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, tokens, threads, eos, note, **consent,
+                                          spinning=options.peer_spinning)
         if "openvino" in wanted:
-            rows += run_openvino(manifest, bundle, workloads, ks, max_new_tokens, threads, eos, note)
+            rows += run_openvino(manifest, bundle, workloads, ks, tokens, threads, eos, note)
     finally:
         if status:
             status.stop()

@@ -241,6 +241,16 @@ def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
         write_default_k(copy, before.spec.max_k + 1)
 
 
+def test_the_command_builds_its_options_with_their_defaults(tmp_path):
+    """``draftsmith bench BUNDLE`` with no flags makes BenchOptions(bundle=BUNDLE): every flag is a field, by its
+    parameter name, with the field's default; flags given land in their fields."""
+    from bench.speed import BenchOptions, bench
+    assert BenchOptions(**bench.make_context("bench", [str(tmp_path)]).params) == BenchOptions(bundle=tmp_path)
+    given = bench.make_context("bench", [str(tmp_path), "--k", "2", "--peer", "llama.cpp", "--no-memory"]).params
+    assert BenchOptions(**given) == BenchOptions(bundle=tmp_path, k_values=("2",), peer_names=("llama.cpp",),
+                                                 memory=False)
+
+
 def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
     from click.testing import CliRunner
     from runtime.cli import main
@@ -525,22 +535,24 @@ def test_the_plot_puts_every_peer_next_to_us(tmp_path):
 def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypatch):
     """--peer llama.cpp: a GGUF target's transformers and GenAI peers would parse the file for minutes. The name
     llama.cpp is its own tools; llama-cpp-python its bindings."""
+    import dataclasses
+
     import bench.peers
     import bench.peers.llama_cpp_tools as tools
     from rich.console import Console
-    from bench.speed import _run_peers
+    from bench.speed import BenchOptions, _run_peers
     called = []
     for name in ("run_transformers", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"):
         monkeypatch.setattr(bench.peers, name, lambda *a, _n=name, **k: called.append(_n) or [])
     texts = []
     monkeypatch.setattr(tools, "run_llama_cpp_tools",
                         lambda m, b, prompts, *a, **k: texts.append(prompts) or called.append("tools") or [])
-    _run_peers(tiny_bundle, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, 4, 1, 0.0, Console(), True,
-               required=True, consent={}, ours={}, only=("llama.cpp",))
+    options = BenchOptions(bundle=tiny_bundle, max_new_tokens=4, threads=1, quiet=True, peers=True)
+    _run_peers(dataclasses.replace(options, peer_names=("llama.cpp",)), generator.manifest, {"w": [[1, 2]]},
+               {"w": {"k": 2}}, {}, Console())
     assert called == ["tools"] and list(texts[0]) == ["w"] and isinstance(texts[0]["w"][0], str)  # prompts as text
     called.clear()
-    _run_peers(tiny_bundle, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, 4, 1, 0.0, Console(), True,
-               required=True, consent={}, ours={})
+    _run_peers(options, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, {}, Console())
     assert called == ["run_transformers", "tools", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"]
 
 
