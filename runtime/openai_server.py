@@ -19,6 +19,7 @@ the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import hmac
 import logging
@@ -79,6 +80,13 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     if drain is not None:  # added last: outermost, before the key check (a refusal does no work)
         app.add_middleware(DrainGuard, drain=drain, ready=lambda: scheduler_running(scheduler))
     _add_error_handlers(app)
+    _add_model_routes(app, scheduler, model_name)
+    _add_completion_routes(app, _Replies(scheduler, model_name, limits, request_timeout))
+    return app
+
+
+def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> None:
+    """/health, /v1/models[/{model}] and /metrics: what the server is and how it is doing."""
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "draftsmith",
             "max_model_len": scheduler.generator.max_context}
 
@@ -101,36 +109,36 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     async def metrics() -> Response:
         return PlainTextResponse(metrics_text(scheduler, model_name), media_type=PROMETHEUS)
 
+
+def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
+    """/v1/completions and /v1/chat/completions: a body validated by its model (runtime/openai_protocol.py), then
+    answered by ``replies``."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await reply(body, body.prompt, False, request)
+        return await replies.reply(body, body.prompt, False, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await reply(body, body.plain_messages(), True, request)
+        return await replies.reply(body, body.plain_messages(), True, request)
 
-    async def reply(body: SamplingRequest, prompt, chat: bool, request: Request) -> Response:
-        _check_model(body.model, model_name)
-        try:
-            check_text(prompt, "messages" if chat else "prompt")
-        except RequestError as err:
-            raise APIError(400, str(err), param="messages" if chat else "prompt") from None
-        problems = body.check(limits, body.prompt_bytes())
-        if problems:
-            raise APIError(400, "; ".join(message for _, message in problems), param=problems[0][0])
-        bridge = _Bridge()
-        options = body.options(default_max_tokens=limits.max_tokens_limit)
-        try:  # off the event loop: it tokenizes (and renders the chat template)
-            handle = await asyncio.to_thread(scheduler.submit, prompt, chat=chat, timeout=request_timeout,
-                                             sink=bridge.put, client=_client_of(request), **options)
-        except Overloaded as err:
-            raise overloaded(err) from None
-        except RequestError as err:
-            raise APIError(400, str(err)) from None
-        except Unavailable as err:
-            raise _event_error(err) from None
-        shape = ResponseShape.of(body, chat, scheduler.generator.tokenizer)
-        chunks, streaming = _Chunks(chat, model_name, body.include_usage, shape), False
+
+@dataclasses.dataclass(frozen=True)
+class _Replies:
+    """How a completion request is answered: checked, submitted to the scheduler, then answered whole or streamed;
+    a client that leaves, or a server that stops, frees its row."""
+
+    scheduler: Scheduler
+    model_name: str
+    limits: Limits
+    request_timeout: float | None
+
+    async def reply(self, body: SamplingRequest, prompt, chat: bool, request: Request) -> Response:
+        """The response: 499 (nobody reads it) when the client went away before its text, the first event's error
+        with its status code, else the stream or the whole answer."""
+        handle, bridge = await self.submit(body, prompt, chat, request)
+        shape = ResponseShape.of(body, chat, self.scheduler.generator.tokenizer)
+        chunks, streaming = _Chunks(chat, self.model_name, body.include_usage, shape), False
         try:
             first = await bridge.next(request)
             if first is None:
@@ -148,7 +156,34 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
             return Response(status_code=499)  # the client went away: nobody reads this
         return JSONResponse(chunks.whole(generation).model_dump(mode="json"))
 
-    return app
+    async def submit(self, body: SamplingRequest, prompt, chat: bool, request: Request):
+        """(the scheduler's handle, the bridge its events arrive on) of a checked request; its refusals as OpenAI's
+        errors (400 a bad request, 429 overloaded, 503 unavailable)."""
+        self.check(body, prompt, chat)
+        bridge = _Bridge()
+        options = body.options(default_max_tokens=self.limits.max_tokens_limit)
+        try:  # off the event loop: it tokenizes (and renders the chat template)
+            handle = await asyncio.to_thread(self.scheduler.submit, prompt, chat=chat, timeout=self.request_timeout,
+                                             sink=bridge.put, client=_client_of(request), **options)
+        except Overloaded as err:
+            raise overloaded(err) from None
+        except RequestError as err:
+            raise APIError(400, str(err)) from None
+        except Unavailable as err:
+            raise _event_error(err) from None
+        return handle, bridge
+
+    def check(self, body: SamplingRequest, prompt, chat: bool) -> None:
+        """Refuse, before any work, another model's name, text the tokenizer must not see and values past the
+        limits (400, naming the first parameter at fault)."""
+        _check_model(body.model, self.model_name)
+        try:
+            check_text(prompt, "messages" if chat else "prompt")
+        except RequestError as err:
+            raise APIError(400, str(err), param="messages" if chat else "prompt") from None
+        problems = body.check(self.limits, body.prompt_bytes())
+        if problems:
+            raise APIError(400, "; ".join(message for _, message in problems), param=problems[0][0])
 
 
 def _prepare_grammars(generator) -> None:
