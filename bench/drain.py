@@ -431,9 +431,9 @@ def run_triton_drain(bundle: str | os.PathLike, repetitions: int = 5, *, clients
     """``repetitions`` runs of ``triton_drain_once`` on a repository written for ``bundle``, answers checked
     against the runtime's own greedy output."""
     from runtime.api import SpeculativeGenerator
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="draftsmith-triton-drain-"))
-    repo = write_repository(bundle, log_dir / "repo", threads=threads, max_batch_size=4, overwrite=True)
+    repo = write_repository(bundle, log_dir / "repo", RepoOptions(threads=threads, max_batch_size=4), overwrite=True)
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     prompts = ("The quick brown fox", "def add(a, b):", "Speculative decoding keeps", "for i in range(10):")
     reference = {p: generator.generate(p, max_new_tokens=max_tokens).text for p in prompts}

@@ -301,10 +301,10 @@ def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, st
         else:
             repo = Path(target)
             if (repo / "manifest.json").is_file():  # a bundle: write its repository first
-                from triton_repo.generate import write_repository
+                from triton_repo.generate import RepoOptions, write_repository
                 tmp = tempfile.mkdtemp(prefix="draftsmith-load-")
-                repo = write_repository(repo, Path(tmp) / "repo", threads=threads, max_batch_size=max_batch_size,
-                                        policy=policy)
+                repo = write_repository(repo, Path(tmp) / "repo",
+                                        RepoOptions(threads=threads, max_batch_size=max_batch_size, policy=policy))
             elif not (repo / "ensemble" / "config.pbtxt").is_file():
                 raise click.UsageError(f"{target} is neither a bundle (manifest.json) nor a Triton repository "
                                        "(ensemble/config.pbtxt)")

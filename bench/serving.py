@@ -44,7 +44,7 @@ def _summary(name: str, latencies: list[float], tokens: int, wall: float) -> dic
 
 def run(bundle: str, threads: int = 2, max_tokens: int = 64, clients: int = 16, requests: int = 2) -> list[dict]:
     from runtime.api import SpeculativeGenerator
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     generator.generate(PROMPTS[0], max_new_tokens=4)  # warm up
@@ -79,8 +79,8 @@ def run(bundle: str, threads: int = 2, max_tokens: int = 64, clients: int = 16, 
                             time.perf_counter() - started))
     del generator
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-") as tmp:
-        repo = write_repository(bundle, Path(tmp) / "repo", threads=threads, max_batch_size=clients,
-                                max_tokens_limit=max_tokens)  # the bench asks for exactly this many
+        repo = write_repository(bundle, Path(tmp) / "repo",  # the bench asks for exactly max_tokens
+                                RepoOptions(threads=threads, max_batch_size=clients, max_tokens_limit=max_tokens))
         server = start_server(repo)
         try:
             _generate(server.url, PROMPTS[0], 4)  # warm up

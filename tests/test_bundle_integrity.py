@@ -465,8 +465,8 @@ def test_overwrite_refuses_a_folder_that_is_not_a_generated_repository(tiny_bund
 
 
 def test_overwrite_replaces_a_repository_written_before_the_marker(tiny_bundle, tmp_path):
-    from triton_repo.generate import MARKER, write_repository
-    out = write_repository(tiny_bundle, tmp_path / "repo", copy_bundle=False, bundle_mount="/bundles/t")
+    from triton_repo.generate import MARKER, RepoOptions, write_repository
+    out = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(copy_bundle=False, bundle_mount="/bundles/t"))
     (out / MARKER).unlink()  # an older Draftsmith's repository: only our four model folders
     write_repository(tiny_bundle, out, overwrite=True)
     assert (out / MARKER).is_file() and (out / "speculative" / "bundle" / "manifest.json").is_file()

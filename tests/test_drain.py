@@ -82,8 +82,8 @@ def test_triton_sigterm_unloads_then_exits_without_losing_a_request(tiny_bundle,
     """``draftsmith serve`` under load, SIGTERM: the requests running finish in full (the runtime's own greedy text),
     the ensemble's readiness turns false at once, later requests are refused before any work, the command exits 0."""
     from bench.drain import triton_drain_once
-    from triton_repo.generate import write_repository
-    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1, max_batch_size=4)
+    from triton_repo.generate import RepoOptions, write_repository
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=4))
     prompts = ("The quick brown fox", "def add(a, b):", "for i in range(10):")
     reference = {p: generator.generate(p, max_new_tokens=24).text for p in prompts}
     run = triton_drain_once(repo, reference, clients=6, linger=1.0, max_tokens=24, log_dir=tmp_path)

@@ -38,10 +38,10 @@ LONG = 96  # max_tokens of the requests that must still be running when they are
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle, tmp_path_factory):
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
-    repo = write_repository(tiny_bundle, tmp_path_factory.mktemp("hardening") / "repo", threads=1, max_batch_size=8,
-                            max_tokens_limit=LONG)
+    repo = write_repository(tiny_bundle, tmp_path_factory.mktemp("hardening") / "repo",
+                            RepoOptions(threads=1, max_batch_size=8, max_tokens_limit=LONG))
     handle = start_server(repo, timeout=180)
     yield handle
     handle.stop()
@@ -204,9 +204,9 @@ def test_python_stub_killed_mid_request(tiny_bundle, tmp_path, want):
     model's ready endpoint still answer 200. An operator must probe with a real request (docs/operations.md). If a
     later Triton restarts the stub, the recovered branch checks the answer instead.
     """
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
-    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1, max_batch_size=4)
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=4))
     server = start_server(repo, timeout=180)
     try:
         pid = stubs(server)["speculative"]
@@ -247,10 +247,10 @@ def test_python_stub_killed_mid_request(tiny_bundle, tmp_path, want):
 def test_server_restarted_under_load(tiny_bundle, tmp_path):
     """Stop and start the server on the same repository and ports while 4 clients send requests: errors in the gap,
     no request lost (no hang), every request sent after the restart answered."""
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from bench.load import Endpoints, run_load
     from triton_repo.server import free_port, start_server
-    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1, max_batch_size=8)
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=8))
     ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server = start_server(repo, timeout=180, **ports)
     endpoints = Endpoints(server.url, server.grpc_url, server.metrics_url)
@@ -292,9 +292,9 @@ def test_bundle_altered_after_deployment(tiny_bundle, tmp_path, damage):
     """A byte flipped in (or the tail cut off) an engine inside the deployed repository: the model is refused at
     load, and the error names the file."""
     from runtime.bundle import load_manifest
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import ServerError, start_server
-    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1, max_batch_size=2)
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=2))
     bundle = repo / "speculative" / "bundle"
     rel = max(load_manifest(bundle).files, key=lambda r: (bundle / r).stat().st_size)  # the largest engine file
     path = bundle / rel

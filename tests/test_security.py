@@ -68,7 +68,7 @@ def test_a_hostile_bundle_mount_cannot_inject_config(tiny_bundle, mount):
 
 
 def test_written_repository_stays_inside_its_folder(tiny_bundle, tmp_path):
-    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1)
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1))
     for path in repo.rglob("*"):
         assert path.resolve().is_relative_to(repo.resolve()), path
         assert not path.is_symlink(), path  # the default copies (hard links), nothing points elsewhere
@@ -111,7 +111,7 @@ def _text_files(repo: Path):
 
 def test_no_build_machine_paths_or_secrets_in_the_repository(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_SECRETshouldneverleak123")
-    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1)
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1))
     forbidden = [str(tmp_path), str(tiny_bundle), str(tiny_bundle.resolve()), str(Path.home()), str(ROOT),
                  "hf_SECRETshouldneverleak123"]
     for path, text in _text_files(repo):
@@ -124,7 +124,8 @@ def test_no_build_machine_paths_or_secrets_in_the_repository(tiny_bundle, tmp_pa
 
 
 def test_only_the_chosen_mount_path_is_absolute(tiny_bundle, tmp_path):
-    repo = write_repository(tiny_bundle, tmp_path / "repo", bundle_mount="/bundles/tiny", copy_bundle=False)
+    repo = write_repository(tiny_bundle, tmp_path / "repo",
+                            RepoOptions(bundle_mount="/bundles/tiny", copy_bundle=False))
     for name in ("preprocessing", "speculative", "postprocessing", "ensemble"):
         config = pbtxt.parse((repo / name / "config.pbtxt").read_text())
         for key, value in config.parameters.items():

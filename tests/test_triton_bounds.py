@@ -41,10 +41,11 @@ NEVER = "zqzqzq"  # a stop string no answer contains: requests batch only with r
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle, tmp_path_factory):
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
-    repo = write_repository(tiny_bundle, tmp_path_factory.mktemp("bounds") / "repo", threads=1, max_batch_size=16,
-                            max_queue_delay_us=400_000, max_tokens_limit=LONG)
+    repo = write_repository(tiny_bundle, tmp_path_factory.mktemp("bounds") / "repo",
+                            RepoOptions(threads=1, max_batch_size=16, max_queue_delay_us=400_000,
+                                        max_tokens_limit=LONG))
     patch = pytest.MonkeyPatch()
     patch.setenv(SECRET, "must-not-reach-the-models")
     patch.setenv(PASSED, "passed-on-request")
@@ -186,8 +187,8 @@ def stub_pids(server) -> dict[str, int]:
 def test_default_limits_are_written_into_the_configs(tiny_bundle, tmp_path):
     """Without options: max_tokens at most half the context (512 at most), prompts 32 bytes per context token."""
     from triton_repo import pbtxt
-    from triton_repo.generate import write_repository
-    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1)
+    from triton_repo.generate import RepoOptions, write_repository
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1))
     parameters = {}
     for model in ("preprocessing", "speculative", "postprocessing"):
         config = pbtxt.parse((repo / model / "config.pbtxt").read_text())

@@ -115,7 +115,7 @@ def test_options_validated(kwargs, field):
 
 
 def test_repository_layout_is_relocatable(tiny_bundle, tmp_path):
-    repo = write_repository(tiny_bundle, tmp_path / "repo", instances=2, threads=1, max_batch_size=4)
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(instances=2, threads=1, max_batch_size=4))
     for name in MODELS:
         text = (repo / name / "config.pbtxt").read_text(encoding="utf-8")
         assert "${" not in text
@@ -134,7 +134,8 @@ def test_repository_layout_is_relocatable(tiny_bundle, tmp_path):
 
 
 def test_repository_with_mounted_bundle(tiny_bundle, tmp_path):
-    repo = write_repository(tiny_bundle, tmp_path / "repo", bundle_mount="/bundles/tiny", copy_bundle=False)
+    repo = write_repository(tiny_bundle, tmp_path / "repo",
+                            RepoOptions(bundle_mount="/bundles/tiny", copy_bundle=False))
     assert not (repo / SPECULATIVE / "bundle").exists()
     spec = pbtxt.parse((repo / SPECULATIVE / "config.pbtxt").read_text())
     assert spec.parameters["bundle"].string_value == "/bundles/tiny"
@@ -149,14 +150,14 @@ def test_repository_refuses_non_empty_out_and_bad_limits(tiny_bundle, tmp_path):
     with pytest.raises(RepositoryError, match="not empty"):
         write_repository(tiny_bundle, out)
     with pytest.raises(RepositoryError, match="max_tokens_limit"):
-        write_repository(tiny_bundle, tmp_path / "other", max_tokens_limit=10_000)
+        write_repository(tiny_bundle, tmp_path / "other", RepoOptions(max_tokens_limit=10_000))
     with pytest.raises(RepositoryError, match="not a repository written by draftsmith"):
         write_repository(tiny_bundle, out, overwrite=True)  # --overwrite replaces only a repository we wrote
     assert (out / "keep.txt").read_text() == "x"
     (out / "keep.txt").unlink()
     write_repository(tiny_bundle, out)
     (out / "stale.txt").write_text("x")
-    write_repository(tiny_bundle, out, overwrite=True, streaming=False)
+    write_repository(tiny_bundle, out, RepoOptions(streaming=False), overwrite=True)
     assert not (out / "stale.txt").exists()
     assert not pbtxt.parse((out / SPECULATIVE / "config.pbtxt").read_text()).model_transaction_policy.decoupled
 

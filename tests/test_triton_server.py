@@ -34,9 +34,9 @@ MAX_TOKENS = 24
 # --- fixtures ---------------------------------------------------------------------------------------------------
 
 def _serve(bundle, out, **options):
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
-    repo = write_repository(bundle, out, threads=1, **options)
+    repo = write_repository(bundle, out, RepoOptions(threads=1, **options))
     return start_server(repo, timeout=180)
 
 
@@ -258,9 +258,10 @@ def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
     """Triton's HTTP /infer refuses decoupled models; a --no-streaming repository serves it (after being moved)."""
     import shutil
     import tritonclient.http as httpclient
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
-    written = write_repository(tiny_bundle, tmp_path / "written", threads=1, streaming=False, max_batch_size=4)
+    written = write_repository(tiny_bundle, tmp_path / "written",
+                               RepoOptions(threads=1, streaming=False, max_batch_size=4))
     moved = shutil.move(str(written), str(tmp_path / "moved"))  # relocatable: nothing points back to "written"
     server = start_server(moved, timeout=180)
     try:
@@ -323,9 +324,9 @@ def test_serve_command_prints_endpoints_and_stops(tiny_bundle, tmp_path):
     import subprocess
     import sys
     import time
-    from triton_repo.generate import write_repository
+    from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import free_port
-    repo = write_repository(tiny_bundle, tmp_path / "repo", threads=1, max_batch_size=2)
+    repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=2))
     ports = [str(free_port()) for _ in range(3)]
     command = [sys.executable, "-m", "runtime.cli", "serve", str(repo), "--http-port", ports[0], "--grpc-port",
                ports[1], "--metrics-port", ports[2], "--http-restricted-api", "model-repository:admin-key=serve-test"]

@@ -1,4 +1,5 @@
-"""``draftsmith triton-repo`` and ``draftsmith serve``: thin commands over ``write_repository`` and ``start_server``."""
+"""``draftsmith triton-repo`` and ``draftsmith serve``: thin commands over ``write_repository`` (its flags build the
+``RepoOptions``) and ``start_server``."""
 
 from __future__ import annotations
 
@@ -43,15 +44,15 @@ def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay
                 max_queue, streaming, overwrite):
     """Write a Triton model repository serving BUNDLE into OUT: ensemble, preprocessing, speculative, postprocessing."""
     from runtime.bundle import BundleError
-    from triton_repo.generate import RepositoryError, write_repository
+    from triton_repo.generate import RepoOptions, RepositoryError, write_repository
     try:
-        path = write_repository(bundle, out, instances=instances, threads=threads, max_batch_size=max_batch_size,
-                                max_queue_delay_us=max_queue_delay_us, max_tokens_limit=max_tokens_limit,
-                                bundle_mount=bundle_mount, copy_bundle=not (link or bundle_mount),
-                                policy=policy, max_queue=max_queue, fallback=fallback, streaming=streaming,
-                                overwrite=overwrite,
-                                max_prompt_bytes=max_prompt_bytes, max_stop_words=max_stop_words,
-                                max_stop_word_bytes=max_stop_word_bytes)
+        options = RepoOptions(instances=instances, threads=threads, max_batch_size=max_batch_size,
+                              max_queue_delay_us=max_queue_delay_us, max_tokens_limit=max_tokens_limit,
+                              bundle_mount=bundle_mount, copy_bundle=not (link or bundle_mount), policy=policy,
+                              max_queue=max_queue, fallback=fallback, streaming=streaming,
+                              max_prompt_bytes=max_prompt_bytes, max_stop_words=max_stop_words,
+                              max_stop_word_bytes=max_stop_word_bytes)
+        path = write_repository(bundle, out, options, overwrite=overwrite)
     except (BundleError, RepositoryError) as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"wrote {path}")

@@ -64,7 +64,15 @@ class RepositoryError(ValueError):
 
 @dataclass(frozen=True)
 class RepoOptions:
-    """How the repository is laid out and sized. Every field is validated in ``__post_init__``."""
+    """How the repository is laid out and sized (``write_repository``'s options; ``draftsmith triton-repo``'s flags
+    build one). Every field is validated in ``__post_init__``.
+
+    ``copy_bundle``: put the bundle inside ``speculative/bundle`` (hard links when on the same file system, else a
+    copy); with ``False`` and no ``bundle_mount``, a relative symbolic link is written (not relocatable on its own).
+    ``streaming``: make ``speculative`` (and so the ensemble) decoupled, which streams (gRPC streams,
+    ``generate_stream``) but which Triton's HTTP ``/infer`` refuses; ``False`` serves plain request/response clients
+    (HTTP ``/infer``, gRPC unary infer, perf_analyzer without streaming) and rejects ``stream=true``.
+    """
 
     instances: int = 1  # instances of the speculative model (each one process holding both engines)
     threads: int = 0  # ONNX Runtime intra-op threads per instance (0: all cores)
@@ -244,47 +252,12 @@ def ensemble_config(options: RepoOptions) -> dict:
 
 # --- writing ----------------------------------------------------------------------------------------------------
 
-def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, instances: int = 1, threads: int = 0,
-                     max_batch_size: int = 16, max_queue_delay_us: int = 2000, preprocessing_instances: int = 1,
-                     max_tokens_limit: int = 0, bundle_mount: str | None = None, copy_bundle: bool = True,
-                     policy: str = "exact", max_queue: int = 256, fallback: bool = False, streaming: bool = True,
-                     overwrite: bool = False,
-                     max_prompt_bytes: int = 0, max_stop_words: int = 16, max_stop_word_bytes: int = 256) -> Path:
-    """Write the repository for ``bundle`` into ``out`` (created; must be empty unless ``overwrite``).
-
-    Args:
-        bundle: an ONNX Runtime bundle folder (verified against its manifest first).
-        out: the repository folder to write.
-        instances: speculative model instances (one process each, each holding both engines).
-        threads: ONNX Runtime threads per instance (0: all cores).
-        max_batch_size: the batch dimension of every model, and the rows the scheduler decodes together.
-        max_queue_delay_us: dynamic batcher wait for more requests.
-        preprocessing_instances: tokenizer instances.
-        max_tokens_limit: the largest ``max_tokens`` accepted (0: 512, at most half the bundle's context).
-        bundle_mount: where the server will find the bundle (absolute; e.g. ``/bundles/smollm2`` in a container);
-            needs ``copy_bundle=False``. Without it the bundle travels inside the repository.
-        copy_bundle: put the bundle inside ``speculative/bundle`` (hard links when on the same file system, else a
-            copy); with ``False`` and no mount, a relative symbolic link is written (not relocatable on its own).
-        policy: the scheduler's, "exact" or "throughput" (runtime/scheduler.py).
-        max_queue: requests waiting for a row before new ones are refused as overloaded.
-        fallback: let a row whose drafts are rarely accepted stop drafting for a while (probing again).
-        streaming: make ``speculative`` (and so the ensemble) decoupled, which streams (gRPC streams,
-            ``generate_stream``) but which Triton's HTTP ``/infer`` refuses; ``False`` serves plain request/response
-            clients (HTTP ``/infer``, gRPC unary infer, perf_analyzer without streaming) and rejects ``stream=true``.
-        overwrite: replace an existing ``out``.
-        max_prompt_bytes: the largest prompt in UTF-8 bytes, refused before it is tokenized (0: 32 bytes per context
-            token, more than any prompt that fits needs).
-        max_stop_words, max_stop_word_bytes: how many stop strings a request may send, and how long each may be.
-
-    Returns:
-        The repository path.
-    """
-    options = RepoOptions(instances=instances, threads=threads, max_batch_size=max_batch_size,
-                          max_queue_delay_us=max_queue_delay_us, preprocessing_instances=preprocessing_instances,
-                          max_tokens_limit=max_tokens_limit, bundle_mount=bundle_mount, copy_bundle=copy_bundle,
-                          policy=policy, max_queue=max_queue, fallback=fallback, streaming=streaming,
-                          max_prompt_bytes=max_prompt_bytes,
-                          max_stop_words=max_stop_words, max_stop_word_bytes=max_stop_word_bytes)
+def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, options: RepoOptions | None = None, *,
+                     overwrite: bool = False) -> Path:
+    """Write the repository for ``bundle`` (an ONNX Runtime bundle folder, verified against its manifest first) into
+    ``out`` (created; must be empty unless ``overwrite``, which replaces only a repository this generator wrote), laid
+    out and sized by ``options`` (default: ``RepoOptions()``). Returns the repository path."""
+    options = options or RepoOptions()
     bundle = Path(bundle)
     manifest = load_manifest(bundle)
     if manifest.spec.backend != "onnxruntime":
@@ -298,15 +271,7 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
     if options.max_tokens_limit > manifest.max_context:
         raise RepositoryError(f"max_tokens_limit: expected <= the bundle's max_context {manifest.max_context}, "
                               f"received {options.max_tokens_limit}")
-
-    if options.bundle_mount:
-        bundle_ref = options.bundle_mount
-        tokenizer_ref = f"{options.bundle_mount}/tokenizer"
-    else:
-        _place_bundle(bundle, _inside(out, f"{SPECULATIVE}/{BUNDLE_DIR}"), options.copy_bundle)
-        bundle_ref = BUNDLE_DIR  # relative to the speculative model's folder
-        tokenizer_ref = f"../{SPECULATIVE}/{BUNDLE_DIR}/tokenizer"  # relative to the preprocessing model's folder
-
+    bundle_ref, tokenizer_ref = _bundle_refs(bundle, out, options)
     models = {
         PREPROCESSING: (preprocessing_config(options, manifest, tokenizer_ref), "preprocessing.py"),
         SPECULATIVE: (speculative_config(options, manifest, bundle_ref), "speculative.py"),
@@ -322,6 +287,17 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, insta
             code = MODELS_DIR.joinpath(source).read_text(encoding="utf-8")
             (folder / "1" / "model.py").write_text(code, encoding="utf-8")
     return out
+
+
+def _bundle_refs(bundle: Path, out: Path, options: RepoOptions) -> tuple[str, str]:
+    """(the bundle as the speculative model finds it, the tokenizer as the pre/postprocessing models do): under
+    ``bundle_mount``, else placed inside the repository (copied, hard-linked or linked) and named relative to the
+    models' folders."""
+    if options.bundle_mount:
+        return options.bundle_mount, f"{options.bundle_mount}/tokenizer"
+    _place_bundle(bundle, _inside(out, f"{SPECULATIVE}/{BUNDLE_DIR}"), options.copy_bundle)
+    # relative to the speculative model's folder, and to the preprocessing model's
+    return BUNDLE_DIR, f"../{SPECULATIVE}/{BUNDLE_DIR}/tokenizer"
 
 
 def _clear_output(out: Path, overwrite: bool) -> None:
