@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import math
@@ -114,8 +115,21 @@ def _positive_int(text: str, what: str) -> int:
     return int(text)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Engine:
+    """One role's engine as exported: its fp32 graph's info and export check, the fp32 graph the quantizer reads,
+    and the graph its quantized form is scored against."""
+
+    info: object  # the graph's GraphInfo
+    check: object  # the export check against torch (max |logit difference|, or its report)
+    fp32: Path
+    reference: Path
+
+
 def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, stage: Stage,
                 threads: int, say: Callable[[str], None] | None = None) -> Manifest:
+    """The bundle's files in ``tmp`` and its manifest: the pair checked, both engines made and scored, the
+    tokenizer saved."""
     stage("pair")
     target_tok = target_ckpt.load_tokenizer()
     draft_tok = target_tok if draft_ckpt is target_ckpt else draft_ckpt.load_tokenizer()
@@ -123,96 +137,128 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     work = tmp / "_work"
     kept = _draft_vocab(draft_ckpt) if draft_ckpt is not target_ckpt else None  # a reduced-vocabulary draft head
     rows = max(pair.max_context, 64)  # positions the graphs' rotary tables cover (the export check uses 64)
-    stage("export target")
-    target_model = _Model(target_ckpt, spec, rows)
-    self_fp32 = draft_ckpt is target_ckpt and not draft_layers and spec.draft_quant != "gguf"  # quantized from it
-    target_ref = _reference_path(work, "target", target_model, spec.target_quant, spec)
-    target_info, target_check = _export(target_model, target_ckpt, work / "target.onnx", spec,
-                                        full=self_fp32 or target_ref == work / "target.onnx")
-    memory.release()  # the torch check's session and arrays
-    stage("quantize target")
-    engine_notes = {"target": _quantize(work / "target.onnx", tmp / "target" / "model.onnx", spec.target_quant,
-                                        spec, target_ckpt, target_model, reference=target_ref)}
-    memory.release()
-    stage("export draft")
-    if draft_ckpt is target_ckpt and not draft_layers:
-        draft_info, draft_check, draft_fp32 = target_info, target_check, work / "target.onnx"
-        draft_model = target_model
-        draft_ref = target_ref if spec.draft_quant == spec.target_quant else draft_fp32
-    elif _is_feature_draft(draft_ckpt):
-        draft_model = None
-        draft_info, draft_check = _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept,
-                                                        work / "draft.onnx", spec)
-        draft_fp32 = draft_ref = work / "draft.onnx"
-    else:
-        if draft_layers:
-            draft_model = target_model
-        else:
-            del target_model  # a separate draft: the target's weights are written; free them first
-            memory.release()
-            draft_model = _Model(draft_ckpt, spec, rows, kept)
-        draft_fp32 = work / "draft.onnx"
-        draft_ref = _reference_path(work, "draft", draft_model, spec.draft_quant, spec)
-        draft_info, draft_check = _export(draft_model, draft_ckpt, draft_fp32, spec, draft_layers,
-                                          full=draft_ref == draft_fp32)
-    memory.release()
-    stage("quantize draft")
-    engine_notes["draft"] = _quantize(draft_fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec,
-                                      target_ckpt if draft_layers else draft_ckpt, draft_model, draft_layers,
-                                      reference=None if draft_ref == target_ref else draft_ref)
-    for role, info in (("target", target_info), ("draft", draft_info)):  # the fp32 graph's own notes come first
-        engine_notes[role] = list(dict.fromkeys([*info.notes, *engine_notes[role]]))
-    target_model = draft_model = None
-    memory.release()
+    target, draft, engine_notes = _make_engines(tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, kept, rows,
+                                                stage)
+    memory.release()  # the models' weights, dropped with _make_engines' frame
     stage("evaluate")
-    windows = evaluate.eval_windows(target_tok(evaluate.eval_set_text())["input_ids"], pair.max_context,
-                                    spec.eval_tokens)
-    ids = [t for window in windows for t in window]
-    def opener(path: Path, info, mapped: bool = False):  # a session opened when the evaluation reaches it
-        def open_engine():
-            engine = evaluate.engine_for(path, info, pair.max_context, threads)
-            if mapped:  # compare and score the draft over the full vocabulary (q = 0 outside the kept ids)
-                from runtime.engine import MappedVocabEngine
-                engine = MappedVocabEngine(engine, kept, target_info.vocab_size)
-            return engine
-        return open_engine
-
-    engines = {role: opener(tmp / role / "model.onnx", info, role == "draft" and kept is not None)
-               for role, info in (("target", target_info), ("draft", draft_info))}
-    references = {"target": opener(target_ref, target_info)}
-    # a self-draft's fp32 graph is the target's: scored once for both
-    references["draft"] = (references["target"] if draft_ref == target_ref and draft_info is target_info
-                           else opener(draft_ref, draft_info, kept is not None))
-    passes = evaluate.sessions(engines, references) * len(windows)
-    report = evaluate.report(engines, references, windows, Heartbeat("evaluate: windows", passes, say),
-                             feature_roles=("draft",) if _is_feature_draft(draft_ckpt) else ())
-    if kept is not None:
-        report["draft_vocab"] = {"kept_ids": len(kept), "eval_coverage": float(np.isin(ids[1:], kept).mean())}
-        for key in ("perplexity", "fp32_perplexity"):  # infinite when an eval token is outside the kept ids
-            value = report["draft"][key]
-            report["draft"][key] = value if math.isfinite(value) else None
-    report["export_check_max_abs_logit_diff"] = {"target": target_check, "draft": draft_check}
-    report["references"] = {role: ("the file's blocks in fp32 arithmetic (MatMulNBits accuracy level 0)"
-                                   if ref.name.endswith(".reference.onnx") or ref.parent.name == role else
-                                   "the fp32 graph") for role, ref in (("target", target_ref), ("draft", draft_ref))}
-    report["pair_notes"] = list(pair.notes)
+    report = _evaluate(tmp, spec, target_tok, pair, target, draft, kept, threads, say,
+                       feature_draft=_is_feature_draft(draft_ckpt))
     report["engine_notes"] = engine_notes  # e.g. GGUF tensors kept as float weights (no exact MatMulNBits form)
-    del engines, references
     shutil.rmtree(work)
     stage("tokenizer")
-    target_tok.save_pretrained(str(tmp / "tokenizer"))
-    if not (tmp / "tokenizer" / "tokenizer.json").is_file():
-        raise BuildError("the target's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
-    if kept is not None:
-        (tmp / "draft" / VOCAB_MAP).write_text(json.dumps({"kept_ids": [int(t) for t in kept]}), encoding="utf-8")
+    _save_tokenizer(tmp, target_tok, kept)
     entries = {role: _entry(role, c, info, quant, tmp, pair.max_context, spec)
-               for role, c, info, quant in (("target", target_ckpt, target_info, spec.target_quant),
-                                            ("draft", draft_ckpt, draft_info, spec.draft_quant))}
+               for role, c, info, quant in (("target", target_ckpt, target.info, spec.target_quant),
+                                            ("draft", draft_ckpt, draft.info, spec.draft_quant))}
     if kept is not None:
         entries["draft"] = dataclasses.replace(entries["draft"], vocab_map=f"draft/{VOCAB_MAP}")
     return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
                     max_context=pair.max_context, eos_token_ids=_eos_ids(target_ckpt, target_tok),
                     tools=_tool_versions(), report=report)
+
+
+def _make_engines(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, kept,
+                  rows: int, stage: Stage) -> tuple[_Engine, _Engine, dict[str, list[str]]]:
+    """(target, draft, each role's engine notes): both engines exported to fp32 in ``work`` and quantized into
+    ``tmp``. Where the roles' weights differ only one model is held at a time: the target's go before a separate
+    draft's load; a truncated self-draft reads the target's, a whole one quantizes the target's own fp32 graph."""
+    target, target_model, target_notes = _make_target(tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, rows,
+                                                      stage)
+    stage("export draft")
+    if draft_ckpt is target_ckpt and not draft_layers:
+        draft_model = target_model
+        draft = dataclasses.replace(target, reference=target.reference if spec.draft_quant == spec.target_quant
+                                    else target.fp32)
+    elif _is_feature_draft(draft_ckpt):
+        draft_model = None
+        info, check = _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, work / "draft.onnx", spec)
+        draft = _Engine(info, check, work / "draft.onnx", work / "draft.onnx")
+    else:
+        if not draft_layers:
+            target_model = None  # a separate draft: the target's weights are written; free them first
+            memory.release()
+        draft_model = target_model if draft_layers else _Model(draft_ckpt, spec, rows, kept)
+        fp32, reference = work / "draft.onnx", _reference_path(work, "draft", draft_model, spec.draft_quant, spec)
+        info, check = _export(draft_model, draft_ckpt, fp32, spec, draft_layers, full=reference == fp32)
+        draft = _Engine(info, check, fp32, reference)
+    memory.release()
+    stage("quantize draft")
+    draft_notes = _quantize(draft.fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec,
+                            target_ckpt if draft_layers else draft_ckpt, draft_model, draft_layers,
+                            reference=None if draft.reference == target.reference else draft.reference)
+    return target, draft, {role: list(dict.fromkeys([*engine.info.notes, *notes]))  # the fp32 graph's notes first
+                           for role, engine, notes in (("target", target, target_notes), ("draft", draft, draft_notes))}
+
+
+def _make_target(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, rows: int,
+                 stage: Stage):
+    """(engine, model, the quantizer's notes) of the target, exported and quantized. Its fp32 graph is written whole
+    only where something reads it: a whole self-draft quantized from it, or the target scored against it."""
+    stage("export target")
+    model = _Model(target_ckpt, spec, rows)
+    self_fp32 = draft_ckpt is target_ckpt and not draft_layers and spec.draft_quant != "gguf"  # quantized from it
+    fp32, reference = work / "target.onnx", _reference_path(work, "target", model, spec.target_quant, spec)
+    info, check = _export(model, target_ckpt, fp32, spec, full=self_fp32 or reference == fp32)
+    memory.release()  # the torch check's session and arrays
+    stage("quantize target")
+    notes = _quantize(fp32, tmp / "target" / "model.onnx", spec.target_quant, spec, target_ckpt, model,
+                      reference=reference)
+    memory.release()
+    return _Engine(info, check, fp32, reference), model, notes
+
+
+def _evaluate(tmp: Path, spec: BuildSpec, target_tok, pair, target: _Engine, draft: _Engine, kept, threads: int,
+              say: Callable[[str], None] | None, feature_draft: bool) -> dict:
+    """The report's scores: both engines on the evaluation set's windows against their references (each session
+    opened only when the evaluation reaches it), and what they rest on."""
+    windows = evaluate.eval_windows(target_tok(evaluate.eval_set_text())["input_ids"], pair.max_context,
+                                    spec.eval_tokens)
+    session = functools.partial(_opener, max_context=pair.max_context, threads=threads,
+                                vocab_size=target.info.vocab_size)
+    engines = {"target": session(tmp / "target" / "model.onnx", target.info),
+               "draft": session(tmp / "draft" / "model.onnx", draft.info, kept)}
+    references = {"target": session(target.reference, target.info)}
+    # a self-draft's fp32 graph is the target's: scored once for both
+    references["draft"] = (references["target"] if draft.reference == target.reference and draft.info is target.info
+                           else session(draft.reference, draft.info, kept))
+    passes = evaluate.sessions(engines, references) * len(windows)
+    report = evaluate.report(engines, references, windows, Heartbeat("evaluate: windows", passes, say),
+                             feature_roles=("draft",) if feature_draft else ())
+    if kept is not None:
+        ids = [t for window in windows for t in window]
+        report["draft_vocab"] = {"kept_ids": len(kept), "eval_coverage": float(np.isin(ids[1:], kept).mean())}
+        for key in ("perplexity", "fp32_perplexity"):  # infinite when an eval token is outside the kept ids
+            value = report["draft"][key]
+            report["draft"][key] = value if math.isfinite(value) else None
+    report["export_check_max_abs_logit_diff"] = {"target": target.check, "draft": draft.check}
+    report["references"] = {role: ("the file's blocks in fp32 arithmetic (MatMulNBits accuracy level 0)"
+                                   if ref.name.endswith(".reference.onnx") or ref.parent.name == role else
+                                   "the fp32 graph") for role, ref in (("target", target.reference),
+                                                                       ("draft", draft.reference))}
+    report["pair_notes"] = list(pair.notes)
+    return report
+
+
+def _opener(path: Path, info, kept=None, *, max_context: int, threads: int, vocab_size: int):
+    """A function opening the engine at ``path`` when called (the evaluation opens one session at a time); with
+    ``kept``, the reduced-head draft compared and scored over the full vocabulary (q = 0 outside the kept ids)."""
+    def open_engine():
+        engine = evaluate.engine_for(path, info, max_context, threads)
+        if kept is not None:
+            from runtime.engine import MappedVocabEngine
+            engine = MappedVocabEngine(engine, kept, vocab_size)
+        return engine
+    return open_engine
+
+
+def _save_tokenizer(tmp: Path, target_tok, kept) -> None:
+    """The target's tokenizer (as tokenizer.json: the runtime reads the fast form only) and a reduced draft head's
+    kept ids."""
+    target_tok.save_pretrained(str(tmp / "tokenizer"))
+    if not (tmp / "tokenizer" / "tokenizer.json").is_file():
+        raise BuildError("the target's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
+    if kept is not None:
+        (tmp / "draft" / VOCAB_MAP).write_text(json.dumps({"kept_ids": [int(t) for t in kept]}), encoding="utf-8")
 
 
 def _draft_vocab(checkpoint):
