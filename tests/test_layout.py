@@ -21,6 +21,7 @@ package that hands on its modules' names would be a circle with each of them.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,41 @@ def test_every_long_module_says_why_at_its_top():
                     ast.parse(text)) or ""):
                 unexplained.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
     assert unexplained == []
+
+
+LONG_FUNCTION = 80  # lines, from its def to its last line; a longer function in runtime/ or builder/ says why
+STATED = re.compile(r"Longer than 80 lines:\s*\S")  # the phrase, then a reason
+
+
+def long_functions(package: str) -> list[str]:
+    """The functions of ``package`` (methods and nested ones too) over LONG_FUNCTION lines whose docstring does not
+    state why with "Longer than 80 lines:" and a reason."""
+    unexplained = []
+    for path in python_files(package):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONG_FUNCTION and not STATED.search(ast.get_docstring(node) or ""):
+                    unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return unexplained
+
+
+@pytest.mark.parametrize("package", ["builder", "runtime"])
+def test_every_long_function_says_why(package):
+    """Short, verb-named steps: a function in runtime/ or builder/ over LONG_FUNCTION lines states in its docstring
+    why it is one function ("Longer than 80 lines: ...")."""
+    assert long_functions(package) == []
+
+
+def test_the_function_guard_counts_lines_and_reads_the_reason(tmp_path, monkeypatch):
+    import test_layout
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONG_FUNCTION))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        f"def short():\n{body[:-len(body.splitlines(True)[-1])]}"  # exactly LONG_FUNCTION lines
+        f"def long():\n{body}"
+        f"def stated():\n    '''Longer than 80 lines: one table.'''\n{body}"
+        f"def phrase_only():\n    '''Longer than 80 lines:'''\n{body}"
+        f"class C:\n    async def method(self):\n{''.join('    ' + line for line in body.splitlines(True))}")
+    monkeypatch.setattr(test_layout, "ROOT", tmp_path)
+    assert [line.split(" ")[1] for line in long_functions("pkg")] == ["long", "phrase_only", "method"]
