@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.grammar import json_schema
+from runtime.request import DecodeRequest, decode_request
 
 # The scheduler's finish reasons in OpenAI's terms. A timeout (the server's request deadline) truncates the text as a
 # token budget does: "length". "cancelled" is reached only when the client went away, so nobody should see it; if a
@@ -124,14 +125,15 @@ class SamplingRequest(_Strict):
     def _unsupported(cls, value, info):
         return _neutral(info.field_name, value)
 
-    def options(self, default_max_tokens: int) -> dict:
-        """Keyword arguments for Scheduler.submit (limits are checked by ``check``)."""
+    def decode_request(self, default_max_tokens: int) -> DecodeRequest:
+        """What the scheduler generates for this body, in OpenAI's defaults (temperature 1; limits are checked by
+        ``check``); RequestError naming the field at fault."""
         k = self.num_draft_tokens
-        return dict(max_new_tokens=self.max_tokens_value or default_max_tokens,
-                    temperature=1.0 if self.temperature is None else self.temperature,
-                    top_k=self.top_k if self.top_k and self.top_k > 0 else None,
-                    top_p=None if self.top_p in (None, 1) else self.top_p, seed=self.seed, stop=self.stop,
-                    k=k or None, mode="target" if k == 0 else "speculative", **self.structure())
+        return decode_request(max_new_tokens=self.max_tokens_value or default_max_tokens,
+                              temperature=1.0 if self.temperature is None else self.temperature,
+                              top_k=self.top_k if self.top_k and self.top_k > 0 else None,
+                              top_p=None if self.top_p in (None, 1) else self.top_p, seed=self.seed, stop=self.stop,
+                              k=k or None, mode="target" if k == 0 else "speculative", **self.structure())
 
     def structure(self) -> dict:
         """The options of structured output and log-probabilities, only those set."""

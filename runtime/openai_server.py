@@ -161,10 +161,11 @@ class _Replies:
         errors (400 a bad request, 429 overloaded, 503 unavailable)."""
         self.check(body, prompt, chat)
         bridge = _Bridge()
-        options = body.options(default_max_tokens=self.limits.max_tokens_limit)
         try:  # off the event loop: it tokenizes (and renders the chat template)
-            handle = await asyncio.to_thread(self.scheduler.submit, prompt, chat=chat, timeout=self.request_timeout,
-                                             sink=bridge.put, client=_client_of(request), **options)
+            decode = body.decode_request(default_max_tokens=self.limits.max_tokens_limit)
+            handle = await asyncio.to_thread(self.scheduler.submit, prompt, decode, chat=chat,
+                                             timeout=self.request_timeout, sink=bridge.put,
+                                             client=_client_of(request))
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:

@@ -43,7 +43,7 @@ Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this 
 """
 
 import json
-import math
+import re
 import threading
 from pathlib import Path
 
@@ -77,6 +77,12 @@ def _optional(request, name: str):
     return values[0]
 
 
+def _input_names(message: str) -> str:
+    """A DecodeRequest error (``field: why; field: why``) in this model's input names."""
+    names = {"max_new_tokens": "max_tokens", "k": "num_draft_tokens", "stop": "stop_words"}
+    return re.sub(r"(^|; )(\w+):", lambda m: f"{m.group(1)}input '{names.get(m.group(2), m.group(2))}':", message)
+
+
 def _size(value) -> int:
     """A string input's size in UTF-8 bytes, without decoding it."""
     return len(value.encode("utf-8")) if isinstance(value, str) else len(value)
@@ -99,8 +105,8 @@ def _message(err) -> str:
 class Request:
     """One request's validated parameters, its response sender and its scheduler handle."""
 
-    def __init__(self, sender, prompt, options, stream):
-        self.sender, self.prompt, self.options, self.stream = sender, prompt, options, stream
+    def __init__(self, sender, prompt, decode, stream):
+        self.sender, self.prompt, self.decode, self.stream = sender, prompt, decode, stream  # decode: a DecodeRequest
         self.handle = None
         self.cancelled = False  # its client cancelled or went away: nobody reads its responses
         self.final_sent = False
@@ -205,10 +211,8 @@ class TritonPythonModel:
 
     def _submit(self, item):
         from runtime.errors import RequestError
-        options = dict(item.options)
         try:
-            item.handle = self.scheduler.submit(item.prompt, sink=lambda event: self._on_event(item, event),
-                                                **options)
+            item.handle = self.scheduler.submit(item.prompt, item.decode, sink=lambda event: self._on_event(item, event))
         except RequestError as err:
             raise RequestInvalid(str(err)) from None
         if self.decoupled:
@@ -300,30 +304,15 @@ class TritonPythonModel:
         if not prompt:
             raise RequestInvalid("input 'text_input' is empty")
         temperature = _optional(request, "temperature")
-        temperature = 0.0 if temperature is None else float(temperature)
-        if not math.isfinite(temperature) or temperature < 0:
-            raise RequestInvalid(f"input 'temperature': expected a finite number >= 0, received {temperature}")
-        top_k = _optional(request, "top_k")
-        top_k = None if top_k is None or int(top_k) == 0 else int(top_k)
-        if top_k is not None and top_k < 0:
-            raise RequestInvalid(f"input 'top_k': expected an integer >= 0 (0: off), received {top_k}")
-        top_p = _optional(request, "top_p")
-        top_p = None if top_p is None else float(top_p)
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise RequestInvalid(f"input 'top_p': expected a number in (0, 1], received {top_p}")
-        if top_p == 1.0:
-            top_p = None
+        top_k, top_p = _optional(request, "top_k"), _optional(request, "top_p")
         seed = _optional(request, "seed")
         if seed is None:
             seed = _optional(request, "random_seed")
-        seed = None if seed is None else int(seed)
         k = _optional(request, "num_draft_tokens")
-        mode, k = "speculative", (None if k is None else int(k))
-        if k is not None and not 0 <= k <= self.generator.max_k:
+        if k is not None and not 0 <= int(k) <= self.generator.max_k:  # TensorRT-LLM's convention: 0 = target only
             raise RequestInvalid(f"input 'num_draft_tokens': expected an integer in [0, {self.generator.max_k}] "
                                  f"(0: target only), received {k}")
-        if k == 0:
-            mode, k = "target", None
+        mode, k = ("target", None) if k is not None and int(k) == 0 else ("speculative", k)
         end_id = _optional(request, "end_id")
         if end_id is not None and int(end_id) not in self.generator.eos_ids:
             raise RequestInvalid(f"input 'end_id': this model ends sequences at {list(self.generator.eos_ids)}; "
@@ -332,9 +321,16 @@ class TritonPythonModel:
         if stream and not self.decoupled:
             raise RequestInvalid("input 'stream': this repository was written without streaming "
                                  "(draftsmith triton-repo --no-streaming); send stream=false or use a streaming one")
-        options = dict(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       k=k, stop=stops, mode=mode, **self._guide(request))
-        return Request(sender, prompt, options, bool(stream) if stream is not None else False)
+        from runtime.errors import RequestError
+        from runtime.request import decode_request
+        try:  # validated once, as every entry point does (runtime/request.py); TensorRT-LLM's 0s mean "off"
+            decode = decode_request(max_new_tokens=int(max_tokens), temperature=0.0 if temperature is None
+                                    else temperature, top_k=None if top_k is None or top_k == 0 else top_k,
+                                    top_p=None if top_p is None or top_p == 1 else top_p, seed=seed, k=k,
+                                    stop=stops, mode=mode, **self._guide(request))
+        except RequestError as err:
+            raise RequestInvalid(_input_names(str(err))) from None
+        return Request(sender, prompt, decode, bool(stream) if stream is not None else False)
 
     def _guide(self, request) -> dict:
         """Constrained output from tensorrtllm_backend's guided-decoding inputs (runtime/grammar.py trtllm_guide):
