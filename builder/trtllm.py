@@ -194,7 +194,7 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
         target_tok.save_pretrained(str(tmp / "tokenizer"))
         manifest = _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp)
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
-        return onnx_build._finish(tmp, manifest, out, stage)
+        return onnx_build.finish(tmp, manifest, out, stage)
 
 
 def resolve_pair(spec: BuildSpec):
@@ -296,7 +296,7 @@ def modelopt_quantize(model_dir: str, export_dir: str, quant_cfg: str, dtype: st
 
 
 def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp: Path) -> Manifest:
-    from builder.build import _eos_ids, _tool_versions
+    from builder.build import eos_ids, tool_versions
     entries = {}
     for role, checkpoint, quant in (("target", target, spec.target_quant), ("draft", draft, spec.draft_quant)):
         config = checkpoint.config
@@ -313,9 +313,9 @@ def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp
     report = {"trtllm": {"flavor": flavor, "version": version, "plan": [s.to_dict() for s in steps],
                          "max_seq_len": max_seq_len},
               "pair_notes": list(pair.notes)}
-    tools = _tool_versions()
+    tools = tool_versions()
     if version:
         tools["tensorrt_llm"] = version
     return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
-                    max_context=max_seq_len, eos_token_ids=_eos_ids(target, target_tok), tools=tools, report=report)
+                    max_context=max_seq_len, eos_token_ids=eos_ids(target, target_tok), tools=tools, report=report)
 

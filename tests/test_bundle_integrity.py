@@ -322,7 +322,7 @@ def test_a_failed_second_rename_puts_the_old_bundle_back(tiny_bundle, tmp_path, 
         real(src, dst)
     monkeypatch.setattr(os, "rename", second_rename_fails)
     with pytest.raises(OSError, match="injected"):
-        builder_build._finish(tmp, manifest, out, lambda name: None)
+        builder_build.finish(tmp, manifest, out, lambda name: None)
     monkeypatch.undo()
     assert load_manifest(out).report.get("generation") is None  # the old bundle, complete
     assert not list(tmp_path.glob(".out.old-*"))
@@ -348,7 +348,7 @@ def _kill_during_finish(tiny_bundle: Path, out: Path, when: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             real_rmtree(path, *args, **kwargs)
         os.rename, shutil.rmtree = rename, rmtree
-        build._finish(tmp, Manifest.from_json((tmp / "manifest.json").read_text()), out, lambda name: None)
+        build.finish(tmp, Manifest.from_json((tmp / "manifest.json").read_text()), out, lambda name: None)
     """)
     child = subprocess.run([sys.executable, "-c", script], cwd=CODE, env={**os.environ, "PYTHONPATH": str(CODE)},
                            capture_output=True, text=True)
@@ -394,7 +394,7 @@ def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bund
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
                                                  real_fsync(fd)))
     monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(("rename", str(src))), real_rename(src, dst)))
-    builder_build._finish(tmp, manifest, out, lambda name: None)
+    builder_build.finish(tmp, manifest, out, lambda name: None)
     rename_at = events.index(("rename", str(tmp)))
     synced = {path for kind, path in events[:rename_at] if kind == "fsync"}
     assert files <= synced and str(tmp.resolve()) in synced

@@ -51,9 +51,9 @@ def test_truncated_self_draft_of_every_architecture(architecture, tmp_path):
 def test_truncated_config_keeps_the_first_layer_types():
     from transformers import AutoModelForCausalLM
 
-    from builder.build import _truncate
+    from builder.build import truncate
     model = AutoModelForCausalLM.from_config(tiny_config("Gemma3ForCausalLM", layers=2))
-    draft = _truncate(model, 1)
+    draft = truncate(model, 1)
     assert draft.config.layer_types == ["sliding_attention"] and draft.config.num_hidden_layers == 1
     assert model.config.layer_types == ["sliding_attention", "full_attention"]  # the target is untouched
 

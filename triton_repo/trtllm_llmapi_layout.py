@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_repo.pbtxt import render
-from triton_repo.trtllm_interface import _LLMAPI_IN, _LLMAPI_OUT, _copied_version_folder, _upstream_dir, tensors
+from triton_repo.trtllm_interface import LLMAPI_IN, LLMAPI_OUT, copied_version_folder, upstream_dir, tensors
 
 
 @dataclass(frozen=True)
@@ -20,8 +20,8 @@ class LlmApiLayout:
 def llmapi_config(layout: LlmApiLayout) -> dict[str, Any]:
     # No max_batch_size and no model_transaction_policy here: upstream's config.pbtxt says they belong in
     # model.yaml's triton_config, which model.py's auto_complete_config applies.
-    return {"name": "tensorrt_llm", "backend": "python", "input": tensors(_LLMAPI_IN),
-            "output": tensors(_LLMAPI_OUT), "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
+    return {"name": "tensorrt_llm", "backend": "python", "input": tensors(LLMAPI_IN),
+            "output": tensors(LLMAPI_OUT), "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
 
 
 def llmapi_model_yaml(layout: LlmApiLayout) -> dict[str, Any]:
@@ -46,9 +46,9 @@ def llmapi_repo_files(layout: LlmApiLayout, upstream: str | Path | None = None) 
                               "and `helpers.py` from TensorRT-LLM's triton_backend/all_models/llmapi/ (same release as "
                               "the container), or regenerate with --upstream-models pointing at that folder.\n")
         return files
-    source = _upstream_dir(upstream, ["tensorrt_llm/config.pbtxt", "tensorrt_llm/1/model.py"])
+    source = upstream_dir(upstream, ["tensorrt_llm/config.pbtxt", "tensorrt_llm/1/model.py"])
     files["tensorrt_llm/config.pbtxt"] = (source / "tensorrt_llm" / "config.pbtxt").read_text(encoding="utf-8")
-    copied = _copied_version_folder(source / "tensorrt_llm", "tensorrt_llm")
+    copied = copied_version_folder(source / "tensorrt_llm", "tensorrt_llm")
     copied.pop("tensorrt_llm/1/model.yaml", None)  # upstream's example; ours replaces it
     files.update(copied)
     files["README.md"] = ("# Draftsmith TensorRT-LLM repository (LLM API)\n\n"

@@ -58,7 +58,7 @@ def hf_folder(checkpoint, sha256: str, layers: int = 0) -> Path:
             model = checkpoint.load_model()
             tokenizer = checkpoint.load_tokenizer()
         if layers:
-            model = build._truncate(model, layers)
+            model = build.truncate(model, layers)
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -26,7 +26,7 @@ def transformers_assistant(manifest: Manifest, target, draft_checkpoint=None):
     from builder import build
     layers = self_layers(manifest)
     if layers:
-        return build._truncate(target, layers), f"the target's first {layers} layers (as the bundle's draft)"
+        return build.truncate(target, layers), f"the target's first {layers} layers (as the bundle's draft)"
     if draft_checkpoint is None:
         import warnings
         import torch
