@@ -30,8 +30,9 @@ from bench.report import plot, render_summary, render_table
 from bench.stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k, summarize,
                          where_time_goes)
 from runtime.bundle import DRAFTERS
-from runtime.engine import DEVICES, DeviceError, MappedVocabEngine, unpadded
+from runtime.engine import MappedVocabEngine, unpadded
 from runtime.prompt_files import parse_prompts
+from runtime.sessions import DEVICES, DeviceError
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning", "json")  # json: with --response-format prompts/json_event.json
 CHAT_BY_DEFAULT = ("chat", "reasoning", "json")  # through the chat template unless --no-chat; code: completions
@@ -567,7 +568,7 @@ def quality_report(bundle: Path, threads: int, device, with_llama_cpp: bool, tok
     windows = quality.windows(generator, tokens)
     out = {"eval_tokens": sum(len(w) for w in windows), "draftsmith": quality.ours(generator, windows)}
     if with_llama_cpp:
-        from bench.peers import llama_cpp_perplexity
+        from bench.peers.llama_cpp_peer import llama_cpp_perplexity
         row = llama_cpp_perplexity(generator.manifest, bundle, windows, threads)
         out["llama-cpp-python"] = row.get("perplexity", row.get("skipped"))
     return out
@@ -575,7 +576,11 @@ def quality_report(bundle: Path, threads: int, device, with_llama_cpp: bool, tok
 
 def _run_peers(bundle: Path, manifest, workloads, best, max_new_tokens, threads, temperature, console, quiet,
                required, consent: dict, ours: dict[str, dict], spinning: bool = False, only=()) -> list:
-    from bench.peers import compare_with_ours, run_llama_cpp, run_onnxruntime_genai, run_openvino, run_transformers
+    from bench.peers.common import compare_with_ours
+    from bench.peers.genai_peer import run_onnxruntime_genai
+    from bench.peers.llama_cpp_peer import run_llama_cpp
+    from bench.peers.openvino_peer import run_openvino
+    from bench.peers.transformers_peer import run_transformers
     if temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
     import importlib.util

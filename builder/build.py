@@ -28,6 +28,7 @@ import numpy as np
 from builder import checkpoint as ckpt
 from builder import evaluate, export, gguf_stream, gguf_weights, graph, memory, pairing, quantize
 from builder import publish as publishing
+from builder.decoder import GraphError, from_transformers
 from builder.progress import Heartbeat
 from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
 
@@ -284,7 +285,7 @@ class _Model:
         """The fused graph's Decoder of the first ``layers`` layers (0: all)."""
         if self.streamed is not None:
             return self.streamed.decoder(layers or None)
-        return graph.from_transformers(self.torch_model(layers), self.context)
+        return from_transformers(self.torch_model(layers), self.context)
 
     def embedding_and_head(self) -> tuple[np.ndarray, np.ndarray]:
         """float32 [V, H] each (a feature draft reads the target's)."""
@@ -315,7 +316,7 @@ def _export(model: _Model, checkpoint, path: Path, spec: BuildSpec, layers: int 
             decoder = model.decoder(layers)
             if full:
                 graph.build(decoder, path)
-        except graph.GraphError as err:
+        except GraphError as err:
             raise BuildError(f"{checkpoint.source}: {err}") from None
         reference = model.torch_model(layers)
         checked = reference.config.num_hidden_layers

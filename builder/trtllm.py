@@ -37,12 +37,10 @@ from pathlib import Path
 from typing import Callable
 
 from runtime import trtllm_paths
-# The plan lives in builder/trtllm_plan.py; its names stay importable from here (builder.trtllm.make_plan, ...).
 from builder.trtllm_converters import rope_type_of
-from builder.trtllm_plan import (CALIB_DIR, CALIB_FILE, DEFAULT_EXAMPLES, DTYPES, FLAVOR_QUANTS, FLAVORS,  # noqa: F401
-                                 FP8_KV_QUANTS, LLM_API_FILE, MODELOPT_CALIB_SAMPLES, MODELOPT_CONFIGS, QFORMATS,
-                                 WEIGHT_ONLY, PlanInputs, Step, calibration_texts, check_flavor, lengths,
-                                 llm_api_kwargs, make_plan, plan_json, render_plan)
+# The plan (what each step runs) lives in builder/trtllm_plan.py; this module runs it.
+from builder.trtllm_plan import (CALIB_FILE, LLM_API_FILE, MODELOPT_CONFIGS, PlanInputs, Step, calibration_texts,
+                                 check_flavor, lengths, make_plan)
 from runtime.bundle import BuildSpec, Manifest, ModelEntry, SpecError
 
 LAST_ENGINE_RELEASE = "1.3.0rc20"  # GitHub release notes of v1.3.0rc20: the last with the TensorRT backend

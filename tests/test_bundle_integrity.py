@@ -485,8 +485,8 @@ def old_draft(tmp_path):
 
 
 def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, tmp_path, monkeypatch):
-    import builder.distill as distill
     from builder.distill import save
+    from builder.distill.pipeline import distill_draft
     before = {p.name: p.read_bytes() for p in old_draft.iterdir()}
     (tmp_path / "prompts.txt").write_text("\n".join(f"the quick brown fox {i}" for i in range(12)))
 
@@ -495,14 +495,15 @@ def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, 
         raise KeyboardInterrupt("killed while saving")
     monkeypatch.setattr(save, "save_draft", save_then_die)  # publish_draft calls it there
     with pytest.raises(KeyboardInterrupt):
-        distill.distill_draft(str(tiny_pair[0]), "layers=1", old_draft, prompts=tmp_path / "prompts.txt",
-                              max_new_tokens=4, max_steps=1, force=True, quiet=True)
+        distill_draft(str(tiny_pair[0]), "layers=1", old_draft, prompts=tmp_path / "prompts.txt",
+                      max_new_tokens=4, max_steps=1, force=True, quiet=True)
     assert {p.name: p.read_bytes() for p in old_draft.iterdir()} == before  # untouched: no new weights, old report
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "prompts.txt"]
 
 
 def test_distill_force_refuses_a_folder_that_is_not_a_draft(tiny_pair, tmp_path):
-    from builder.distill import DistillError, distill_draft
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
     out = tmp_path / "work"
     before = _user_folder(out)
     with pytest.raises(DistillError, match="is not a draft folder .*nothing was touched"):

@@ -97,7 +97,7 @@ def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, tiny_bundle
     them as consent: only the bench's own flags grant it."""
     pytest.importorskip("transformers")
     from fakes import consent_spy
-    from bench.peers import run_transformers
+    from bench.peers.transformers_peer import run_transformers
     hostile, seen = consent_spy(monkeypatch, generator.manifest)
     ids = generator._encode("def add(a, b):", False)
     rows = run_transformers(hostile, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids)

@@ -8,38 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from conftest import make_model, make_tokenizer, tiny_config
-
-WORDS = ("the quick brown fox jumps over lazy dog def add return for range print café speculative decoding "
-         "keeps target output exactly").split()
-
-
-@pytest.fixture(scope="module")
-def learnable_target(tmp_path_factory):
-    """A 2-layer target whose second layer is a per-token MLP (its attention output is zeroed), and a prompt file.
-
-    Its first layer alone (the layers=1 draft) agrees poorly with it, yet what the missing layer does is a function of
-    one position, which a 1-layer draft can learn from a few thousand tokens; a fully random second layer cannot be
-    imitated by one layer on so little data, so the test would measure noise.
-    """
-    import torch
-    root = tmp_path_factory.mktemp("distill")
-    folder = root / "target"
-    make_tokenizer(folder)
-    model = make_model(folder, tiny_config(), seed=1)
-    with torch.no_grad():
-        model.model.layers[1].self_attn.o_proj.weight.zero_()
-    model.save_pretrained(folder)
-    rng = random.Random(0)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) for _ in range(150)]
-    (root / "prompts.txt").write_text("\n".join(prompts), encoding="utf-8")
-    return folder, root / "prompts.txt"
-
 
 @pytest.fixture(scope="module")
 def distilled(learnable_target, tmp_path_factory):
     import torch
-    from builder.distill import distill_draft
+    from builder.distill.pipeline import distill_draft
     torch.set_num_threads(1)  # seeded and single-threaded: the same numbers every run
     target, prompts = learnable_target
     out = tmp_path_factory.mktemp("distilled") / "draft"
@@ -70,7 +43,8 @@ def test_distilled_draft_is_a_loadable_hf_folder(distilled):
 
 
 def test_reduced_vocabulary_distillation_saves_the_kept_ids(learnable_target, tmp_path):
-    from builder.distill import distill_draft, read_draft_vocab
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.save import read_draft_vocab
     target, prompts = learnable_target
     report = distill_draft(str(target), "layers=1", tmp_path / "d", prompts=prompts, max_new_tokens=8, max_steps=3,
                            seed=0, draft_vocab=64, quiet=True)
@@ -81,7 +55,7 @@ def test_reduced_vocabulary_distillation_saves_the_kept_ids(learnable_target, tm
 
 
 def test_replayed_greedy_acceptance_counts_like_the_loop():
-    from builder.distill import replay
+    from builder.distill.evaluation import replay
     # matches of draft vs target along one continuation of 8 tokens
     m = np.array([1, 1, 0, 1, 1, 1, 1, 0], bool)
     # k=2: step1 drafts 2 (both accepted) +1 token -> pos 3; step2 drafts 2 ok -> pos 6; step3 drafts 1 (pos 6 ok)
@@ -95,7 +69,8 @@ def test_replayed_greedy_acceptance_counts_like_the_loop():
 
 
 def test_kept_vocabulary_takes_the_most_frequent_tokens_and_eos():
-    from builder.distill import Sample, kept_vocabulary
+    from builder.distill.corpus import Sample
+    from builder.distill.draft import kept_vocabulary
     samples = [Sample([9, 9], [5, 5, 5, 3, 3, 7]), Sample([4], [5, 3, 1])]
     assert kept_vocabulary(samples, 2, 10, always=[]).tolist() == [3, 5]
     assert kept_vocabulary(samples, 3, 10, always=[2]).tolist() == [2, 3, 5]
@@ -104,7 +79,7 @@ def test_kept_vocabulary_takes_the_most_frequent_tokens_and_eos():
 
 
 def test_prompt_file_blocks_and_completion_mark(tmp_path):
-    from builder.distill import DistillError, load_prompts, split_prompts
+    from builder.distill.corpus import DistillError, load_prompts, split_prompts
     path = tmp_path / "p.txt"
     path.write_text("# comment\n---\n@completion\ndef f():\n---\nHello there\n---\nWhy?\n", encoding="utf-8")
     prompts = load_prompts(path)
@@ -120,7 +95,8 @@ def test_prompt_file_blocks_and_completion_mark(tmp_path):
 
 
 def test_bad_init_is_refused(learnable_target, tmp_path):
-    from builder.distill import DistillError, distill_draft
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
     target, prompts = learnable_target
     with pytest.raises(DistillError, match="layers"):
         distill_draft(str(target), "layers=2", tmp_path / "d", prompts=prompts, max_new_tokens=2, max_steps=1,
@@ -137,7 +113,8 @@ def test_distill_command_is_registered():
 
 
 def test_extra_sampled_continuations_add_distinct_training_text(learnable_target, tmp_path):
-    from builder.distill import DistillError, distill_draft
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
     target, prompts = learnable_target
     one = distill_draft(str(target), "layers=1", tmp_path / "one", prompts=prompts, max_new_tokens=8, max_steps=1,
                         seed=0, quiet=True)
@@ -185,7 +162,8 @@ def test_preset_recipe_distils_once_then_builds(learnable_target, tmp_path):
 
 
 def test_recipe_errors_name_the_problem(tmp_path):
-    from builder.distill import DistillError, recipe_from
+    from builder.distill.cli import recipe_from
+    from builder.distill.corpus import DistillError
     with pytest.raises(DistillError, match="no 'distill:' recipe"):
         recipe_from({"target": "t", "draft": "d"}, "p.yaml")
     with pytest.raises(DistillError, match=r"unknown distill option\(s\) \['epochs'\]"):

@@ -78,7 +78,8 @@ def test_feature_config_reads_per_layer_type_rotary_and_norm_conventions():
 @pytest.mark.parametrize("init", ["feature", "layers=1"])
 def test_a_capped_output_is_refused_before_anything_slow(init, tmp_path):
     """Gemma 2 caps its logits (final_logit_softcapping): the trainers' softmax(head @ hidden) is not its law."""
-    from builder.distill import DistillError, distill_draft
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
     target = tmp_path / "gemma2"
     make_tokenizer(target)
     make_model(target, tiny_config("Gemma2ForCausalLM", final_logit_softcapping=30.0), seed=1)
@@ -97,7 +98,7 @@ def test_a_feature_draft_for_gemma3_builds_and_stays_exact(tmp_path):
     import torch
 
     from builder.build import build
-    from builder.distill import distill_draft
+    from builder.distill.pipeline import distill_draft
     from runtime.bundle import BuildSpec
     torch.set_num_threads(1)
     target = tiny_target(tmp_path, "Gemma3ForCausalLM")

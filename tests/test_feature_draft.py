@@ -13,7 +13,6 @@ from runtime.engine import KVCache
 from runtime.features import FeatureDrafter
 from runtime.sampling import SamplingParams, probabilities
 from runtime.speculative import DecodeConfig, SpeculativeLoop
-from test_distill import learnable_target  # noqa: F401  (a module fixture)
 
 # --- the drafter's bookkeeping against fakes with a known law ----------------------------------------------------
 
@@ -130,7 +129,7 @@ def feature_bundle(learnable_target, tmp_path_factory):  # noqa: F811
     import torch
 
     from builder.build import build
-    from builder.distill import distill_draft
+    from builder.distill.pipeline import distill_draft
     from runtime.bundle import BuildSpec
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(1)

@@ -46,12 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_repo.pbtxt import ConfigError, model_config, render  # noqa: F401 (model_config: re-exported)
-from triton_repo.trtllm_interface import (UPSTREAM_HINT, BLS_IN, BLS_OUT, POST_IN, POST_OUT,  # noqa: F401
-                                          PRE_IN, PRE_OUT, TRT_IN, TRT_OUT, copied_version_folder, parameter_text,
-                                          upstream_dir, parameters, tensor, tensors)
-from triton_repo.trtllm_llmapi_layout import (LlmApiLayout, llmapi_config, llmapi_model_yaml,  # noqa: F401
-                                              llmapi_repo_files)
+from triton_repo.pbtxt import ConfigError, model_config, render
+from triton_repo.trtllm_interface import (BLS_IN, BLS_OUT, POST_IN, POST_OUT, PRE_IN, PRE_OUT, TRT_IN, TRT_OUT,
+                                          UPSTREAM_HINT, copied_version_folder, parameter_text, parameters, tensor,
+                                          tensors, upstream_dir)
+from triton_repo.trtllm_llmapi_layout import LlmApiLayout, llmapi_repo_files
 from triton_repo.trtllm_launch import (Placement, engine_launch_args, launch_script, llmapi_launch_args,
                                        placement)
 
@@ -394,7 +393,7 @@ def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decou
     batch = max_batch_size or manifest.spec.max_batch_size
     where = placement(manifest.spec.tp_size * manifest.spec.pp_size, target_devices, draft_devices, num_nodes)
     if manifest.spec.trtllm_flavor == "llmapi":
-        from runtime.trtllm_engine import llm_api_kwargs
+        from runtime.trtllm_llmapi import llm_api_kwargs
         files = llmapi_repo_files(LlmApiLayout(llm_api_kwargs(root, manifest), batch, decoupled), upstream_models)
         args = llmapi_launch_args("$REPO", where.world, num_nodes)
         explicit = target_devices and not where.multi_node

@@ -12,7 +12,7 @@ from triton_repo.trtllm_interface import LLMAPI_IN, LLMAPI_OUT, copied_version_f
 
 @dataclass(frozen=True)
 class LlmApiLayout:
-    llm_kwargs: dict  # LLM(...) keywords with absolute paths (runtime/trtllm_engine.llm_api_kwargs, checked)
+    llm_kwargs: dict  # LLM(...) keywords with absolute paths (runtime/trtllm_llmapi.llm_api_kwargs, checked)
     max_batch_size: int = 8  # the LLM's own batching (LLM(max_batch_size=...)); Triton's stays 0
     decoupled: bool = False
 
@@ -28,7 +28,7 @@ def llmapi_model_yaml(layout: LlmApiLayout) -> dict[str, Any]:
     """model.yaml: LLM keywords plus triton_config. speculative_config as from_dict reads it in every release line:
     decoding_type "DraftTarget", the draft under speculative_model_dir (1.0-1.2's field; current main reads it as
     an alias: AliasChoices("speculative_model", "speculative_model_dir"))."""
-    from runtime.trtllm_engine import DECODING_TYPE
+    from runtime.trtllm_common import DECODING_TYPE
     kwargs = dict(layout.llm_kwargs)
     speculative = dict(kwargs.pop("speculative_config"))
     return {**kwargs, "backend": "pytorch",

@@ -368,7 +368,7 @@ def load_feature_weights(folder: Path) -> tuple[FeatureConfig, dict[str, np.ndar
 
 def feature_decoder(cfg: FeatureConfig, weights: dict[str, np.ndarray], embedding: np.ndarray, head: np.ndarray):
     """The draft as a builder.graph Decoder (one layer, a ``features`` input, head rows ``head`` [K, H])."""
-    from builder.graph import Decoder, Layer, Linear
+    from builder.decoder import Decoder, Layer, Linear
     w = weights
     layer = Layer(attn_norm=w["attn_norm"], qkv=Linear(np.concatenate([w["q"], w["k"], w["v"]]).T), o=Linear(w["o"].T),
                   mlp_norm=w["mlp_norm"], gate_up=Linear(np.concatenate([w["gate"], w["up"]]).T),

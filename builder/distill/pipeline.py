@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from builder.distill.continuations import Heartbeat, Job, eos_ids_of, generate, generate_with_engine, target_engine
+from builder.distill.continuations import Job, eos_ids_of, generate, generate_with_engine, target_engine
 from builder.distill.corpus import DistillError, encode, load_prompts, split_prompts
 from builder.distill.distributions import teacher
 from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary, output_transform
@@ -15,6 +15,7 @@ from builder.distill.evaluation import acceptance
 from builder.distill.save import check_out, publish_draft
 from builder.distill.self_prompts import self_prompts as sample_self_prompts
 from builder.distill.training import train
+from builder.progress import Heartbeat
 
 
 
