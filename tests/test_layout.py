@@ -14,8 +14,10 @@ And no import circle between the project's modules (``test_no_import_circle``). 
 as an arrow like any other: it only moves the circle from import time to call time, and a circle of modules means
 neither can be read, tested or moved without the other. An arrow goes to the module named (``import a.b.c``,
 ``from a.b import c`` where ``c`` is a submodule: ``a/b/c.py``), or to the package's ``__init__.py`` for a name it
-defines or hands on (``from a.b import name``); the package folders Python runs on the way are not arrows, or every
-package that hands on its modules' names would be a circle with each of them.
+defines (``from a.b import name``), and to every package ``__init__.py`` Python runs on the way (``import a.b.c``
+runs ``a/__init__.py`` and ``a/b/__init__.py`` first), also from inside the package. So a package ``__init__.py``
+that imports its own modules is a circle with each of them that imports a sibling: a package file hands on no names
+and imports nothing heavy, and every module imports a name from the module that defines it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ def arrows(path: Path, modules: dict[str, Path]) -> dict[str, int]:
     found: dict[str, int] = {}
 
     def add(name: str, line: int) -> None:
+        parts = name.split(".")
+        for depth in range(1, len(parts)):  # the packages Python runs first (a package importing its own module: not
+            outer = ".".join(parts[:depth])  # an arrow to itself)
+            if outer in modules and outer != here:
+                found.setdefault(outer, line)
         if name in modules:  # outside modules (numpy, ...) are no arrows; a module importing itself is a circle
             found.setdefault(name, line)
 
@@ -222,8 +229,34 @@ def test_the_circle_guard_sees_a_lazy_import_and_resolves_relative_ones(tmp_path
     monkeypatch.setattr(test_layout, "ROOT", tmp_path)
     modules = {module_name(p): p for p in sorted(package.glob("*.py"))}
     graph = {name: arrows(path, modules) for name, path in modules.items()}
-    assert graph["pkg.b"] == {"pkg.a": 2} and graph["pkg.c"] == {"pkg.d": 1}
+    assert graph["pkg.b"] == {"pkg": 2, "pkg.a": 2} and graph["pkg.c"] == {"pkg": 1, "pkg.d": 1}
     assert import_circles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+def test_a_package_init_counts_as_a_module_on_the_way(tmp_path, monkeypatch):
+    """``import a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` first: arrows to both, from inside the package
+    too. A package file handing on its modules' names is a circle with every one of them that imports a sibling; one
+    importing only a module that imports no sibling is none, and importing its own module is no arrow to itself."""
+    import test_layout
+    facade, quiet, nested = tmp_path / "facade", tmp_path / "quiet", tmp_path / "outer" / "inner"
+    for folder in (facade, quiet, nested):
+        folder.mkdir(parents=True)
+    (facade / "__init__.py").write_text("from facade.stage import run\n")
+    (facade / "stage.py").write_text("from facade.corpus import Sample\n")
+    (facade / "corpus.py").write_text("Sample = tuple\n")
+    (quiet / "__init__.py").write_text("from quiet.leaf import x\n")
+    (quiet / "leaf.py").write_text("x = 1\n")
+    (tmp_path / "outer" / "__init__.py").write_text("")
+    (nested / "__init__.py").write_text("")
+    (nested / "m.py").write_text("")
+    (tmp_path / "user.py").write_text("import outer.inner.m\n")
+    monkeypatch.setattr(test_layout, "ROOT", tmp_path)
+    modules = {module_name(p): p for p in sorted(tmp_path.rglob("*.py"))}
+    graph = {name: arrows(path, modules) for name, path in modules.items()}
+    assert graph["user"] == {"outer": 1, "outer.inner": 1, "outer.inner.m": 1}
+    assert graph["facade"] == {"facade.stage": 1} and graph["facade.stage"] == {"facade": 1, "facade.corpus": 1}
+    assert graph["quiet"] == {"quiet.leaf": 1} and graph["quiet.leaf"] == {}
+    assert import_circles(graph) == [["facade", "facade.stage"]]
 
 
 LONG_MODULE = 450  # lines; a longer module says why at its top
