@@ -308,7 +308,8 @@ def _json_default(value):
 
 # --- the command ----------------------------------------------------------------------------------------------------
 
-PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-genai", "openvino")  # the peers rows are named by (--peer)
+# the peers rows are named by (--peer)
+PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-genai", "openvino")
 
 
 @click.command("bench")
@@ -323,10 +324,12 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling for every row (with --temperature > 0).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--prompts", "prompt_limit", type=int, default=0, help="Use the first N prompts of each workload (0: all).")
+@click.option("--prompts", "prompt_limit", type=int, default=0,
+              help="Use the first N prompts of each workload (0: all).")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
 @click.option("--chat/--no-chat", default=None,
-              help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and files).")
+              help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and "
+                   "files).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--drafter", "drafter_kind", type=click.Choice(DRAFTERS), default=None,
               help="What drafts: the draft engine (model), n-gram lookup in the context (prompt_lookup), a suffix trie "
@@ -362,7 +365,8 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
               help="Prompts per workload for the peers (they are slow; 0: all).")
 @click.option("--peer-spinning/--no-peer-spinning", default=True, show_default=True,
               help="ONNX Runtime's thread spinning in the ONNX Runtime GenAI peer: on is its own default (and, like "
-                   "our engines' shared spinning pool, its best setting on few cores); --no-peer-spinning turns it off.")
+                   "our engines' shared spinning pool, its best setting on few cores); --no-peer-spinning turns it "
+                   "off.")
 @click.option("--device", type=click.Choice(DEVICES), default=None,
               help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
 @click.option("--allow-pickle", is_flag=True,
@@ -371,8 +375,8 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
               help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(bundle, workload_specs, k_values, batch_values, temperature, top_p, max_new_tokens, prompt_limit, threads,
-          chat, seed, drafter_kind, confidence, response_format_file, forced_drafts, json_out, plot_out, write_k, memory,
-          limit, peers, peer_names, quality, quality_tokens, peer_prompts, peer_spinning, device, allow_pickle,
+          chat, seed, drafter_kind, confidence, response_format_file, forced_drafts, json_out, plot_out, write_k,
+          memory, limit, peers, peer_names, quality, quality_tokens, peer_prompts, peer_spinning, device, allow_pickle,
           trust_remote_code, quiet):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
     from rich.console import Console

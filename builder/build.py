@@ -169,6 +169,7 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     windows = evaluate.eval_windows(target_tok(evaluate.eval_set_text())["input_ids"], pair.max_context,
                                     spec.eval_tokens)
     ids = [t for window in windows for t in window]
+
     def opener(path: Path, info, mapped: bool = False):  # a session opened when the evaluation reaches it
         def open_engine():
             engine = evaluate.engine_for(path, info, pair.max_context, threads)
@@ -357,6 +358,7 @@ def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, mod
     if spec.block_size not in (16, gguf_weights.BLOCK):
         raise BuildError(f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
                          f"16); block_size {spec.block_size} would quantize them again")
+
     def blocks():
         return gguf_weights.apply(model.decoder(layers), checkpoint.folder / checkpoint.gguf_file,
                                   spec.block_size, permuted_qk=checkpoint.architecture.gguf_permuted_qk)
@@ -418,7 +420,6 @@ def _min_call_tokens(role: str, graph_kind: str) -> int:
 def eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:
     """The target's end-of-sequence ids for the manifest: its config's, its generation_config.json's (not for a GGUF
     source) and its tokenizer's. Public: the TensorRT-LLM build writes the same manifest field (builder/trtllm.py)."""
-    import json
     ids = set()
     generation_file = checkpoint.folder / "generation_config.json"
     generation = (json.loads(generation_file.read_text(encoding="utf-8")).get("eos_token_id")

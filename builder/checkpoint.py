@@ -77,7 +77,7 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
         checkpoint = Checkpoint(source, path, None, _weight_files(path, source, allow_pickle), trust_remote_code)
         _check_remote_code(path, source, trust_remote_code)
     try:
-        checkpoint.architecture
+        _ = checkpoint.architecture  # the property looks the architecture up: unsupported ones raise here
     except (OSError, ValueError) as err:
         if "unsupported architecture" in str(err):
             raise CheckpointError(f"{source}: {err}") from None

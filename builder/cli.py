@@ -151,7 +151,8 @@ def _write_triton_repo(bundle: Path, repo: Path, force: bool, upstream_models: P
     try:
         from triton_repo.generate import RepositoryError, write_repository
     except ImportError as err:
-        raise click.ClickException(f"--triton-repo needs the triton extra: pip install 'draftsmith[triton]' ({err})")
+        raise click.ClickException(
+            f"--triton-repo needs the triton extra: pip install 'draftsmith[triton]' ({err})") from None
     try:
         write_repository(bundle, repo, overwrite=force)
     except (RepositoryError, BundleError, ValueError) as err:

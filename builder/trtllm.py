@@ -316,4 +316,3 @@ def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp
         tools["tensorrt_llm"] = version
     return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
                     max_context=max_seq_len, eos_token_ids=eos_ids(target, target_tok), tools=tools, report=report)
-

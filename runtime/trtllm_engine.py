@@ -33,6 +33,7 @@ from runtime.trtllm_llmapi import LlmApiGenerator
 
 # --- engine flavor: the Engine protocol over ModelRunnerCpp ---------------------------------------------------------
 
+
 def open_runner(engine_dir: Path, max_batch_size: int | None = None, kv_fraction: float = 0.5,
                 block_reuse: bool = True, devices: list[int] | None = None, orchestrator: bool = True):
     """ModelRunnerCpp for one engine, as upstream's draft-target runner opens it.

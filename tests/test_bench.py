@@ -10,6 +10,7 @@ import json
 import math
 import shutil
 
+import click
 import numpy as np
 import pytest
 
@@ -39,7 +40,7 @@ def test_prompt_file_formats(tmp_path):
     assert parse_prompts("one\n\n# comment\ntwo\n") == ["one", "two"]  # no separators: one prompt per line
     assert parse_prompts("# a prompt that is code\nx = 1\n---\nnext") == ["# a prompt that is code\nx = 1", "next"]
     assert int_list(("1,2", "2", "8"), "--k") == [1, 2, 8]
-    with pytest.raises(Exception):
+    with pytest.raises(click.BadParameter):
         int_list(("0",), "--k")
 
 
@@ -237,7 +238,7 @@ def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
     assert after.default_k == new_k
     assert after.files == before.files and after.target == before.target
     assert not [p for p in copy.iterdir() if p.name.startswith(".manifest-")]
-    with pytest.raises(Exception):
+    with pytest.raises(click.ClickException, match="exceeds this bundle's max_k"):
         write_default_k(copy, before.spec.max_k + 1)
 
 
@@ -517,7 +518,8 @@ def test_the_plot_puts_every_peer_next_to_us(tmp_path):
                          "tokens_per_second": 90.0},
                         {"peer": "transformers", "skipped": "not installed"}]}
     assert peer_bars(report) == {"draftsmith target-only": {"code": 30.0}, "draftsmith speculative": {"code": 36.0},
-                                 "llama.cpp plain": {"code": 70.0}, "onnxruntime-genai int4 speculative": {"code": 90.0}}
+                                 "llama.cpp plain": {"code": 70.0},
+                                 "onnxruntime-genai int4 speculative": {"code": 90.0}}
     import matplotlib.image
     plot(report, tmp_path / "with.png")
     plot({**report, "peers": [], "peers_reference": {}}, tmp_path / "without.png")
@@ -636,13 +638,13 @@ COMPLETION_LOG = """0.01.291.137 I common_perf_print:        load time =     607
 0.01.291.162 I common_perf_print: prompt eval time =      79.22 ms /     4 tokens (   19.81 ms per token,    50.49 tokens per second)
 0.01.291.164 I common_perf_print:        eval time =     150.64 ms /     7 runs   (   21.52 ms per token,    46.47 tokens per second)
 0.01.291.164 I common_perf_print:       total time =     232.71 ms /    11 tokens
-"""
+"""  # noqa: E501 (llama.cpp's log lines as it prints them)
 SPECULATIVE_LOG = """0.04.492.515 I encoded    4 tokens in    0.151 seconds, speed:   26.549 t/s
 0.04.492.550 I decoded   20 tokens in    1.382 seconds, speed:   14.473 t/s
 0.04.492.738 I accept    = 87.500%
 0.04.493.041 I common_perf_print: prompt eval time =    1082.20 ms /    25 tokens (   43.29 ms per token,    23.10 tokens per second)
 0.04.493.073 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
-"""
+"""  # noqa: E501 (llama.cpp's log lines as it prints them)
 
 
 def test_llama_cpp_tool_logs_are_read_as_their_own_figures():

@@ -103,7 +103,8 @@ def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
     lazy = streamed.decoder()
     whole_model = checkpoint.load_model()
     whole = from_transformers(whole_model, 64)
-    assert len(lazy.layers) == len(whole.layers) == 30 and lazy.layers.ropes == tuple(l.rope for l in whole.layers)
+    assert len(lazy.layers) == len(whole.layers) == 30
+    assert lazy.layers.ropes == tuple(layer.rope for layer in whole.layers)
     for i in (0, 17, 29):
         a, b = lazy.layers[i], whole.layers[i]
         for part in ("qkv", "o", "gate_up", "down"):

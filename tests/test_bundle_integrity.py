@@ -398,7 +398,7 @@ def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bund
     rename_at = events.index(("rename", str(tmp)))
     synced = {path for kind, path in events[:rename_at] if kind == "fsync"}
     assert files <= synced and str(tmp.resolve()) in synced
-    assert ("fsync", str(tmp_path.resolve())) in events[rename_at:]  # the parent folder, after the rename  # the parent folder, after the rename
+    assert ("fsync", str(tmp_path.resolve())) in events[rename_at:]  # the parent folder, after the rename
 
 
 # --- 8. partial folders of dead builds are removed, and the user is told -------------------------------------------

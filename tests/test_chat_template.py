@@ -48,7 +48,8 @@ def test_transformers_helpers_work_inside_the_sandbox():
 
 
 def test_raise_exception_reports_the_templates_own_message():
-    template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+    template = ("{% if messages[0]['role'] != 'system' %}"
+                "{{ raise_exception('a system message must come first') }}{% endif %}")
     with pytest.raises(ValueError, match="a system message must come first"):
         render_chat_template(template, USER)
 

@@ -250,7 +250,8 @@ def test_unpermuted_qk_files_and_a_wrong_flag_is_corrected_and_reported(tmp_path
     assert not decoder.notes and decoder.layers[0].qkv.bias is not None  # Qwen2's q/k/v biases are kept
     assert _check_model_is_the_file(model, decoder, tmp_path) < 1e-4
     wrong = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", permuted_qk=True)
-    assert len(wrong.notes) == 1 and "gguf_permuted_qk (True)" in wrong.notes[0] and "fix the registry entry" in wrong.notes[0]
+    assert (len(wrong.notes) == 1 and "gguf_permuted_qk (True)" in wrong.notes[0]
+            and "fix the registry entry" in wrong.notes[0])
     assert all(np.array_equal(a.qkv.quant.packed, b.qkv.quant.packed) for a, b in zip(wrong.layers, decoder.layers))
 
 
@@ -379,7 +380,6 @@ def test_real_headers_pass_the_check(tmp_path):
 def test_rows_read_in_chunks_are_the_same_blocks(tmp_path, monkeypatch, kind):
     """A table is read and unpacked a few rows at a time into arrays made once (a build's peak): the blocks are
     those of reading it whole."""
-    from builder import gguf_header
     model = make_model(tmp_path / "m", _wide_config(), seed=5).eval()
     _write_gguf(model, tmp_path / "m.gguf", {**Q4_K_M, "token_embd": kind})
     tensors = gguf_header.read(tmp_path / "m.gguf")

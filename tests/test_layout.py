@@ -201,7 +201,6 @@ def test_every_registered_command_exists():
         assert isinstance(getattr(importlib.import_module(module), attribute), click.Command), (module, attribute)
 
 
-
 def test_no_import_circle():
     """No two modules of the project import each other, directly or round a loop, at module level or in a function."""
     modules = project_modules()

@@ -99,7 +99,7 @@ def test_rows_with_different_temperatures_each_follow_their_own_target_law(gener
     prompt = "the cat"
     start = generator.tokenizer.encode(prompt)[-1]
     groups = {1.0: [], 0.5: []}
-    for i in range(n):
+    for _ in range(n):
         for temperature, handles in groups.items():
             handles.append(scheduler.submit(prompt, max_new_tokens=4, temperature=temperature, k=3))
     drain(scheduler)

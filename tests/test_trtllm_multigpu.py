@@ -86,7 +86,6 @@ def test_smollm2_tp2_is_refused_with_the_tp_sizes_its_9_heads_allow():
 # --- repositories -----------------------------------------------------------------------------------------------------
 
 
-
 def _tp2_bundle(flavor: str, tiny_pair, factory) -> Path:
     target, draft = tiny_pair
     built = spec(target=str(target), draft=str(draft), draft_quant="fp16", max_context=128, tp_size=2,

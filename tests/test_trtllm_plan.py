@@ -183,7 +183,6 @@ def test_more_parallel_ranks_than_gpus_fails_fast(tmp_path):
 # --- the pipeline, with the GPU steps replaced -----------------------------------------------------------------------
 
 
-
 @pytest.mark.parametrize("flavor,quants", [("engine", ("int8", "int4")), ("engine", ("fp8", "int4_awq")),
                                            ("llmapi", ("fp16", "fp16")),
                                            ("llmapi", ("fp8", "int4_awq"))])

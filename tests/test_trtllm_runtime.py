@@ -16,8 +16,6 @@ from runtime.bundle import BuildSpec, load_manifest
 NO_TRTLLM = importlib.util.find_spec("tensorrt_llm") is None
 
 
-
-
 @pytest.fixture(scope="module", params=["engine", "llmapi"])
 def trt_bundle(request, tiny_pair, tmp_path_factory):
     target, draft = tiny_pair

@@ -61,6 +61,7 @@ PYTHON_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
 
 # --- engine era ------------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class EngineLayout:
     """Everything the engine-era repository depends on; paths as the server will see them."""

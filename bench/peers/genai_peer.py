@@ -25,6 +25,7 @@ from runtime.bundle import Manifest
 CACHE_ENV = "DRAFTSMITH_PEERS_CACHE"
 BUILDER_TIMEOUT_S = 1800  # the genai builder on a large checkpoint; a 135M model takes well under a minute
 
+
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "draftsmith" / "peers")
 

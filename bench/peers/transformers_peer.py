@@ -13,6 +13,7 @@ from bench.peers.common import (PeerError, is_feature_draft, quiet_transformers,
                                 timed_rows)
 from runtime.bundle import Manifest
 
+
 def transformers_assistant(manifest: Manifest, target, draft_checkpoint=None):
     """The assistant model for transformers' assisted generation, and a sentence saying what it is.
 

@@ -77,8 +77,8 @@ def recipe_from(config: dict, path) -> tuple[str, str, dict]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def distill(ctx, config_path, target, init, out, prompts, minutes, max_new_tokens, temperature, loss, draft_vocab,
-            samples_per_prompt, sample_temperature, generate_share, teacher_engine, generate_batch, self_prompts, heldout,
-            lr, seed, threads, force, as_json):
+            samples_per_prompt, sample_temperature, generate_share, teacher_engine, generate_batch, self_prompts,
+            heldout, lr, seed, threads, force, as_json):
     """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
     from builder.checkpoint import CheckpointError
     options = dict(init=init, prompts=prompts, minutes=minutes, max_new_tokens=max_new_tokens, temperature=temperature,

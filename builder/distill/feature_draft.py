@@ -324,7 +324,7 @@ def chained_agreement(draft, samples: list[Sample], kept: np.ndarray | None, lev
             "mean_accepted": round(float(rates.sum()), 3), "positions": positions}
 
 
-# --- saving and the graph -----------------------------------------------------------------------------------------------
+# --- saving and the graph -------------------------------------------------------------------------------------------
 
 def saved_weights(draft) -> dict[str, np.ndarray]:
     """The weights as saved: the input scales folded into fc (a loaded draft has unit scales)."""

@@ -18,7 +18,6 @@ from builder.distill.training import train
 from builder.progress import Heartbeat
 
 
-
 def check_target(config, init: str) -> int:
     """Everything ``init`` needs of the target's ``config``, checked before anything slow runs; returns what
     ``check_init`` does (the layer count of ``layers=N``, else 0)."""
@@ -31,6 +30,7 @@ def check_target(config, init: str) -> int:
                            f"({output_transform(config)}), which the trainer assumes; use an int4 self-draft "
                            "(build-engines --draft self)")
     return layers
+
 
 def distill_draft(target: str, init: str, out: str | Path, *, prompts: str | Path | None = None,
                   minutes: float = 15.0, max_new_tokens: int = 64, seed: int = 0, threads: int = 0,
@@ -266,7 +266,8 @@ def _distill_features(target_model, checkpoint, tokenizer, samples, held, kept, 
     report.update({
         "train_prompts": len(samples), "heldout_prompts": len(held),
         "train_tokens": sum(len(s.continuation) for s in samples),
-        "train_positions": sum(len(s.ids) - 2 for s in samples), "heldout_tokens": sum(len(s.continuation) for s in held),
+        "train_positions": sum(len(s.ids) - 2 for s in samples),
+        "heldout_tokens": sum(len(s.continuation) for s in held),
         "draft_layers": 1, "draft_kind": "feature",
         "draft_vocab": int(len(kept)) if kept is not None else 0,
         "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
