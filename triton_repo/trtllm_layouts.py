@@ -434,6 +434,5 @@ def parse_all(files: dict[str, str]) -> dict[str, Any]:
     return {rel: parse(text) for rel, text in files.items() if rel.endswith("config.pbtxt")}
 
 
-__all__ = ["EngineLayout", "LlmApiLayout", "engine_configs", "engine_repo_files", "llmapi_repo_files",
-           "upstream_engine_files", "fill_template", "repo_for_bundle", "write_repo", "write_trtllm_repository",
-           "check_ensemble", "model_config", "parse_all"]
+__all__ = ["EngineLayout", "engine_configs", "engine_repo_files", "upstream_engine_files", "fill_template",
+           "repo_for_bundle", "write_repo", "write_trtllm_repository", "check_ensemble", "parse_all"]
