@@ -381,7 +381,7 @@ def seam_problems() -> tuple[list[str], list[str], set, set]:
     """Private uses and re-exports outside the allow-lists, and the allow-list entries that matched something."""
     modules = project_modules()
     private, exports, used_private, used_exports = [], [], set(), set()
-    for name, path in sorted(modules.items()):
+    for path in sorted(modules.values()):
         rel = path.relative_to(ROOT).as_posix()
         for line, target in private_uses(path, modules):
             if (rel, target) in PRIVATE_USES_LEFT:

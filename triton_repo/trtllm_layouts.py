@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_repo.pbtxt import ConfigError, model_config, render
+from triton_repo.pbtxt import ConfigError, render
 from triton_repo.trtllm_interface import (BLS_IN, BLS_OUT, POST_IN, POST_OUT, PRE_IN, PRE_OUT, TRT_IN, TRT_OUT,
                                           UPSTREAM_HINT, copied_version_folder, parameter_text, parameters, tensor,
                                           tensors, upstream_dir)
