@@ -57,7 +57,8 @@ def test_speculative_generator_over_the_adapter_matches_the_onnx_bundle(tiny_bun
 
 @pytest.mark.skipif(not NO_TRTLLM, reason="checks the message shown when tensorrt_llm is absent")
 def test_opening_a_trtllm_bundle_without_tensorrt_llm_says_what_to_install(trt_bundle):
-    from runtime.trtllm_common import TrtllmUnavailable, open_generator
+    from runtime.trtllm_common import TrtllmUnavailable
+    from runtime.trtllm_engine import open_generator
     with pytest.raises(TrtllmUnavailable, match=r"pip install 'draftsmith\[tensorrt\]'"):
         open_generator(trt_bundle)
 
