@@ -40,7 +40,7 @@ from pathlib import Path
 
 import click
 
-from bench.procmem import find_server_pid, rss_bytes, stub_pids  # noqa: F401 - stub_pids: importable here (tests)
+from bench.procmem import find_server_pid, rss_bytes
 from bench.triton_clients import GrpcStreamClient, Record, http_request
 
 PROMPTS = {  # short, medium, long: mixed prompt lengths

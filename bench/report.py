@@ -77,7 +77,8 @@ def render_summary(console, report: dict) -> None:
     rec = report.get("recommended_k")
     if rec:
         console.print(f"recommended default k over {', '.join(report['best_k'])}: [bold]{rec['k']}[/] "
-                      f"(geometric-mean speedup {rec['geomean_speedup']:.2f}x); bundle default now {rec['bundle_default_k']}"
+                      f"(geometric-mean speedup {rec['geomean_speedup']:.2f}x); "
+                      f"bundle default now {rec['bundle_default_k']}"
                       + (" [written]" if rec.get("written") else ""))
     quality = report.get("quality")
     if quality:
@@ -114,7 +115,8 @@ def render_summary(console, report: dict) -> None:
                      f"{limit['fraction_of_bound']:.0%} of the bound ({limit['bound_over_measured']:.2f}x from it)")
         d = limit["engines"].get("draft")
         if d:
-            line += f"; draft reads {d['bytes_per_token'] / 1e6:.0f} MB/token (bound {d['bound_tokens_per_second']:.0f} tok/s)"
+            line += (f"; draft reads {d['bytes_per_token'] / 1e6:.0f} MB/token "
+                     f"(bound {d['bound_tokens_per_second']:.0f} tok/s)")
         console.print(line)
     described = set()
     for p in report.get("peers", []):

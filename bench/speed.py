@@ -31,9 +31,10 @@ from bench.report import plot, render_summary, render_table
 from bench.stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k, summarize,
                          where_time_goes)
 from runtime.drafters.registry import DRAFTERS
-from runtime.request import decode_request
-from runtime.engine import DEVICES, DeviceError, MappedVocabEngine, unpadded
+from runtime.engine import MappedVocabEngine, unpadded
 from runtime.prompt_files import parse_prompts
+from runtime.request import decode_request
+from runtime.sessions import DEVICES, DeviceError
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning", "json")  # json: with --response-format prompts/json_event.json
 CHAT_BY_DEFAULT = ("chat", "reasoning", "json")  # through the chat template unless --no-chat; code: completions
@@ -145,8 +146,8 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
            confidence: float | None = None, response_format=None,
            forced_drafts: bool = True, top_p: float | None = None) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
-    public steps: decode_config, new_drafter), recording each step as it is yielded. ``response_format`` constrains every answer (target-only
-    decoding too: the baseline is constrained target-only decoding)."""
+    public steps: decode_config, new_drafter), recording each step as it is yielded. ``response_format`` constrains
+    every answer (target-only decoding too: the baseline is constrained target-only decoding)."""
     from runtime.decoding.loop import SpeculativeLoop
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
         with unpadded(generator.target):
@@ -310,7 +311,8 @@ def _json_default(value):
 
 # --- the command ----------------------------------------------------------------------------------------------------
 
-PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-genai", "openvino")  # the peers rows are named by (--peer)
+# the peers rows are named by (--peer)
+PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-genai", "openvino")
 
 
 @click.command("bench")
@@ -325,10 +327,12 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling for every row (with --temperature > 0).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--prompts", "prompt_limit", type=int, default=0, help="Use the first N prompts of each workload (0: all).")
+@click.option("--prompts", "prompt_limit", type=int, default=0,
+              help="Use the first N prompts of each workload (0: all).")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
 @click.option("--chat/--no-chat", default=None,
-              help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and files).")
+              help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and "
+                   "files).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--drafter", "drafter_kind", type=click.Choice(DRAFTERS), default=None,
               help="What drafts: the draft engine (model), n-gram lookup in the context (prompt_lookup), a suffix trie "
@@ -364,7 +368,8 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
               help="Prompts per workload for the peers (they are slow; 0: all).")
 @click.option("--peer-spinning/--no-peer-spinning", default=True, show_default=True,
               help="ONNX Runtime's thread spinning in the ONNX Runtime GenAI peer: on is its own default (and, like "
-                   "our engines' shared spinning pool, its best setting on few cores); --no-peer-spinning turns it off.")
+                   "our engines' shared spinning pool, its best setting on few cores); --no-peer-spinning turns it "
+                   "off.")
 @click.option("--device", type=click.Choice(DEVICES), default=None,
               help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
 @click.option("--allow-pickle", is_flag=True,
@@ -688,7 +693,7 @@ def quality_report(bundle: Path, threads: int, device, with_llama_cpp: bool, tok
     windows = quality.windows(generator, tokens)
     out = {"eval_tokens": sum(len(w) for w in windows), "draftsmith": quality.ours(generator, windows)}
     if with_llama_cpp:
-        from bench.peers import llama_cpp_perplexity
+        from bench.peers.llama_cpp_peer import llama_cpp_perplexity
         row = llama_cpp_perplexity(generator.manifest, bundle, windows, threads)
         out["llama-cpp-python"] = row.get("perplexity", row.get("skipped"))
     return out
@@ -697,7 +702,11 @@ def quality_report(bundle: Path, threads: int, device, with_llama_cpp: bool, tok
 def _run_peers(options: BenchOptions, manifest, workloads, best, ours: dict[str, dict], console) -> list:
     """The peers' rows (``--peer``: only those named; ``--peers``: required even if none is installed), each
     compared with ``ours`` on the same prompts; greedy only."""
-    from bench.peers import compare_with_ours, run_llama_cpp, run_onnxruntime_genai, run_openvino, run_transformers
+    from bench.peers.common import compare_with_ours
+    from bench.peers.genai_peer import run_onnxruntime_genai
+    from bench.peers.llama_cpp_peer import run_llama_cpp
+    from bench.peers.openvino_peer import run_openvino
+    from bench.peers.transformers_peer import run_transformers
     if options.temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
     import importlib.util

@@ -1,4 +1,5 @@
-"""The bench's report math: pure functions over recorded numbers (no engines, no clocks), so tests feed hand-made values.
+"""The bench's report math: pure functions over recorded numbers (no engines, no clocks), so tests feed hand-made
+values.
 
 Definitions (one *cell* = one workload x batch size x mode x k, summed over its prompts):
 

@@ -29,6 +29,7 @@ import numpy as np
 from builder import checkpoint as ckpt
 from builder import evaluate, export, gguf_stream, gguf_weights, graph, memory, pairing, quantize
 from builder import publish as publishing
+from builder.decoder import GraphError, from_transformers
 from builder.progress import Heartbeat
 from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
 
@@ -81,7 +82,7 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
         except memory.BuildMemoryError as err:
             raise BuildError(str(err)) from None
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
-        return _finish(tmp, manifest, out, stage)
+        return finish(tmp, manifest, out, stage)
 
 
 def _memory_needed(spec: BuildSpec, target_ckpt, draft_ckpt) -> memory.Estimate:
@@ -153,8 +154,8 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     if kept is not None:
         entries["draft"] = dataclasses.replace(entries["draft"], vocab_map=f"draft/{VOCAB_MAP}")
     return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
-                    max_context=pair.max_context, eos_token_ids=_eos_ids(target_ckpt, target_tok),
-                    tools=_tool_versions(), report=report)
+                    max_context=pair.max_context, eos_token_ids=eos_ids(target_ckpt, target_tok),
+                    tools=tool_versions(), report=report)
 
 
 def _make_engines(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, kept,
@@ -323,14 +324,14 @@ class _Model:
         if self.streamed is not None:
             model = self.streamed.reference
             have = model.config.num_hidden_layers
-            return _truncate(model, layers) if layers and layers < have else model
-        return _truncate(self.whole, layers) if layers else self.whole
+            return truncate(model, layers) if layers and layers < have else model
+        return truncate(self.whole, layers) if layers else self.whole
 
     def decoder(self, layers: int = 0):
         """The fused graph's Decoder of the first ``layers`` layers (0: all)."""
         if self.streamed is not None:
             return self.streamed.decoder(layers or None)
-        return graph.from_transformers(self.torch_model(layers), self.context)
+        return from_transformers(self.torch_model(layers), self.context)
 
     def embedding_and_head(self) -> tuple[np.ndarray, np.ndarray]:
         """float32 [V, H] each (a feature draft reads the target's)."""
@@ -361,7 +362,7 @@ def _export(model: _Model, checkpoint, path: Path, spec: BuildSpec, layers: int 
             decoder = model.decoder(layers)
             if full:
                 graph.build(decoder, path)
-        except graph.GraphError as err:
+        except GraphError as err:
             raise BuildError(f"{checkpoint.source}: {err}") from None
         reference = model.torch_model(layers)
         checked = reference.config.num_hidden_layers
@@ -402,6 +403,7 @@ def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, mod
     if spec.block_size not in (16, gguf_weights.BLOCK):
         raise BuildError(f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
                          f"16); block_size {spec.block_size} would quantize them again")
+
     def blocks():
         return gguf_weights.apply(model.decoder(layers), checkpoint.folder / checkpoint.gguf_file,
                                   spec.block_size, permuted_qk=checkpoint.architecture.gguf_permuted_qk)
@@ -416,9 +418,12 @@ def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, mod
     return notes
 
 
-def _truncate(model, layers: int):
+def truncate(model, layers: int):
     """The target's first ``layers`` decoder layers with its embeddings, final norm and head (shared weights); a
-    per-layer config list (Gemma 3's ``layer_types``: sliding or full attention) is cut to match."""
+    per-layer config list (Gemma 3's ``layer_types``: sliding or full attention) is cut to match.
+
+    Public: the bench's transformers and ONNX Runtime GenAI peers build the same truncated self draft the bundle
+    holds (bench/peers/transformers_peer.py, genai_peer.py)."""
     from builder.distill.draft import clean_config
     draft = _shallow(model)
     draft.config = clean_config(model.config, layers)
@@ -457,8 +462,9 @@ def _min_call_tokens(role: str, graph_kind: str) -> int:
     return 2 if role == "target" and graph_kind == "fused" else 1
 
 
-def _eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:
-    import json
+def eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:
+    """The target's end-of-sequence ids for the manifest: its config's, its generation_config.json's (not for a GGUF
+    source) and its tokenizer's. Public: the TensorRT-LLM build writes the same manifest field (builder/trtllm.py)."""
     ids = set()
     generation_file = checkpoint.folder / "generation_config.json"
     generation = (json.loads(generation_file.read_text(encoding="utf-8")).get("eos_token_id")
@@ -472,7 +478,9 @@ def _eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _tool_versions() -> dict[str, str]:
+def tool_versions() -> dict[str, str]:
+    """The installed versions of ``TOOLS`` for the manifest's ``tools``. Public: the TensorRT-LLM build records the
+    same (builder/trtllm.py)."""
     versions = {}
     for name in TOOLS:
         try:
@@ -482,8 +490,9 @@ def _tool_versions() -> dict[str, str]:
     return versions
 
 
-def _finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
-    """Hash, write the manifest last, check the result loads, then publish it at ``out``."""
+def finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
+    """Hash, write the manifest last, check the result loads, then publish it at ``out``. Public: the TensorRT-LLM
+    build ends its bundles the same way (builder/trtllm.py)."""
     stage("manifest")
     complete = dataclasses.replace(manifest, files=hash_tree(tmp))
     (tmp / MANIFEST).write_text(complete.to_json(), encoding="utf-8")

@@ -66,7 +66,7 @@ class Checkpoint:
 
 def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:
     """Locate ``source`` and check it is a loadable, safe checkpoint of a supported architecture."""
-    path = _locate(source)
+    path = locate(source)
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{source}: a file must be a .gguf checkpoint; for Hugging Face checkpoints pass "
@@ -77,7 +77,7 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
         checkpoint = Checkpoint(source, path, None, _weight_files(path, source, allow_pickle), trust_remote_code)
         _check_remote_code(path, source, trust_remote_code)
     try:
-        checkpoint.architecture
+        _ = checkpoint.architecture  # the property looks the architecture up: unsupported ones raise here
     except (OSError, ValueError) as err:
         if "unsupported architecture" in str(err):
             raise CheckpointError(f"{source}: {err}") from None
@@ -95,7 +95,10 @@ def _check_gguf_header(path: Path, source: str) -> None:
         raise CheckpointError(f"{source}: {err}") from None
 
 
-def _locate(source: str) -> Path:
+def locate(source: str) -> Path:
+    """The file or folder ``source`` names: a path, or ``pkg:PACKAGE/NAME`` inside an installed Python package (found
+    without importing it). Public: the bench's peers look for a bundle's ``pkg:`` sources the same way
+    (bench/peers/common.py)."""
     if source.startswith("pkg:"):
         package, _, name = source[4:].partition("/")
         spec = importlib.util.find_spec(package)  # the package's __init__ may need more than we have: don't import it

@@ -152,7 +152,8 @@ def _write_triton_repo(bundle: Path, repo: Path, force: bool, upstream_models: P
     try:
         from triton_repo.generate import RepositoryError, write_repository
     except ImportError as err:
-        raise click.ClickException(f"--triton-repo needs the triton extra: pip install 'draftsmith[triton]' ({err})")
+        raise click.ClickException(
+            f"--triton-repo needs the triton extra: pip install 'draftsmith[triton]' ({err})") from None
     try:
         write_repository(bundle, repo, overwrite=force)
     except (RepositoryError, BundleError, ValueError) as err:
@@ -220,7 +221,7 @@ def _device_defaults(config: dict, flags: dict) -> dict:
 
 
 def _trtllm_dry_run(spec, as_json: bool) -> None:
-    from builder import trtllm
+    from builder import trtllm, trtllm_plan
     from builder.checkpoint import CheckpointError
     from builder.pairing import PairingError
     if spec.backend != "tensorrt_llm":
@@ -232,7 +233,7 @@ def _trtllm_dry_run(spec, as_json: bool) -> None:
     if not spec.trtllm_flavor and trtllm.installed_version() is None:
         click.echo(f"note: tensorrt_llm is not installed here; planned the {flavor} flavor (pass --trtllm-flavor "
                    "engine for the trtllm-build plan)", err=True)
-    click.echo(trtllm.plan_json(steps, flavor) if as_json else trtllm.render_plan(steps, flavor), nl=False)
+    click.echo(trtllm_plan.plan_json(steps, flavor) if as_json else trtllm_plan.render_plan(steps, flavor), nl=False)
 
 
 def _run_trtllm_build(spec, out, force, quiet):

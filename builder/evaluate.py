@@ -136,5 +136,6 @@ def nll_sum(logits: np.ndarray, ids: list[int]) -> float:
 
 
 def engine_for(path: Path, info, max_context: int, threads: int = 0) -> OnnxEngine:
-    return engine_class(info.graph)(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                      vocab_size=info.vocab_size, max_context=max_context, threads=threads)
+    return engine_class(info.graph)(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                                    head_dim=info.head_dim, vocab_size=info.vocab_size, max_context=max_context,
+                                    threads=threads)

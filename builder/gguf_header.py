@@ -184,7 +184,7 @@ def _skip_strings(w: _Walker, n: int, what: str) -> None:
     """Past ``n`` strings, each length checked before it is used (a tight loop: vocabularies have ~262k)."""
     data, pos, end = w.data, w.pos, len(w.data)
     length_at = struct.Struct("<Q").unpack_from
-    for j in range(n):
+    for j in range(n):  # noqa: B007 (j names the string that runs past the end, after the loop)
         if pos + 8 > end:
             break
         pos += 8 + length_at(data, pos)[0]

@@ -52,10 +52,10 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.graph import BlockQuant, Decoder, LazyLayers, Linear
+from builder.decoder import BlockQuant, Decoder, LazyLayers, Linear
 
 BLOCK = 32
-# GGUF tensor name stems for the parts of builder.graph.Layer, first choice first (Phi-3's converter writes q|k|v as
+# GGUF tensor name stems for the parts of builder.decoder.Layer, first choice first (Phi-3's converter writes q|k|v as
 # one attn_qkv and gate|up as one ffn_up)
 PARTS = {"qkv": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)), "o": (("attn_output",),),
          "gate_up": (("ffn_gate", "ffn_up"), ("ffn_up",)), "down": (("ffn_down",),)}

@@ -46,9 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.decoder import (ACTIVATIONS, ROPE_KINDS, BlockQuant, Decoder, GraphError, Layer,  # noqa: F401
-                             LazyLayers, Linear, RotaryTable, cache_names, from_transformers, input_names,
-                             output_names, rope_keys)
+from builder.decoder import (BlockQuant, Decoder, Layer, Linear, RotaryTable, cache_names, input_names, output_names,
+                             rope_keys)
 
 MS = "com.microsoft"
 

@@ -37,12 +37,10 @@ from pathlib import Path
 from typing import Callable
 
 from runtime import trtllm_paths
-# The plan lives in builder/trtllm_plan.py; its names stay importable from here (builder.trtllm.make_plan, ...).
 from builder.trtllm_converters import rope_type_of
-from builder.trtllm_plan import (CALIB_DIR, CALIB_FILE, DEFAULT_EXAMPLES, DTYPES, FLAVOR_QUANTS, FLAVORS,  # noqa: F401
-                                 FP8_KV_QUANTS, LLM_API_FILE, MODELOPT_CALIB_SAMPLES, MODELOPT_CONFIGS, QFORMATS,
-                                 WEIGHT_ONLY, PlanInputs, Step, calibration_texts, check_flavor, lengths,
-                                 llm_api_kwargs, make_plan, plan_json, render_plan)
+# The plan (what each step runs) lives in builder/trtllm_plan.py; this module runs it.
+from builder.trtllm_plan import (CALIB_FILE, LLM_API_FILE, MODELOPT_CONFIGS, PlanInputs, Step, calibration_texts,
+                                 check_flavor, lengths, make_plan)
 from runtime.bundle import BuildSpec, Manifest, ModelEntry, SpecError
 
 LAST_ENGINE_RELEASE = "1.3.0rc20"  # GitHub release notes of v1.3.0rc20: the last with the TensorRT backend
@@ -194,7 +192,7 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
         target_tok.save_pretrained(str(tmp / "tokenizer"))
         manifest = _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp)
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
-        return onnx_build._finish(tmp, manifest, out, stage)
+        return onnx_build.finish(tmp, manifest, out, stage)
 
 
 def resolve_pair(spec: BuildSpec):
@@ -296,7 +294,7 @@ def modelopt_quantize(model_dir: str, export_dir: str, quant_cfg: str, dtype: st
 
 
 def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp: Path) -> Manifest:
-    from builder.build import _eos_ids, _tool_versions
+    from builder.build import eos_ids, tool_versions
     entries = {}
     for role, checkpoint, quant in (("target", target, spec.target_quant), ("draft", draft, spec.draft_quant)):
         config = checkpoint.config
@@ -313,9 +311,8 @@ def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp
     report = {"trtllm": {"flavor": flavor, "version": version, "plan": [s.to_dict() for s in steps],
                          "max_seq_len": max_seq_len},
               "pair_notes": list(pair.notes)}
-    tools = _tool_versions()
+    tools = tool_versions()
     if version:
         tools["tensorrt_llm"] = version
     return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
-                    max_context=max_seq_len, eos_token_ids=_eos_ids(target, target_tok), tools=tools, report=report)
-
+                    max_context=max_seq_len, eos_token_ids=eos_ids(target, target_tok), tools=tools, report=report)

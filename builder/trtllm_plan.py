@@ -15,7 +15,7 @@ from typing import Any
 from builder.trtllm_converters import check_parallelism, check_rope_scaling, converter_for
 from runtime.trtllm_paths import LAYOUTS
 from runtime.bundle import BuildSpec, SpecError
-from runtime.trtllm_engine import DECODING_TYPE
+from runtime.trtllm_common import DECODING_TYPE
 
 FLAVORS = ("engine", "llmapi")
 # The release image keeps the examples there; the Triton image at /app/examples (runtime/trtllm_paths.py).

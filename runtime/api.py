@@ -18,11 +18,12 @@ from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.base import Drafter
 from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
 from runtime.drafters.suffix import SuffixCorpus
-from runtime.engine import Engine, MappedVocabEngine, engine_class, make_session, providers_for
+from runtime.engine import Engine, MappedVocabEngine, engine_class
 from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, parse_response_format
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.onnx_checks import read_onnx
+from runtime.sessions import make_session, providers_for
 from runtime.request import DecodeRequest, check_text, decode_request
 from runtime.sampling import SamplingParams
 from runtime.text import IncrementalDecoder, Tokenizer, cut_at_stop

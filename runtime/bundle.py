@@ -157,8 +157,8 @@ class BuildSpec:
             _check(self.device == "cpu", "graph", "'export' for device cuda (the fused graph is ONNX Runtime's CPU "
                    "kernels; pass --graph export)", self.graph)
         if "gguf" in (self.target_quant, self.draft_quant):
-            _check(self.engine_graph == "fused", "graph", "'fused' for quant gguf (the GGUF blocks are written into the "
-                   "fused graph)", self.graph)
+            _check(self.engine_graph == "fused", "graph",
+                   "'fused' for quant gguf (the GGUF blocks are written into the fused graph)", self.graph)
         _check(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'", self.device)
         _check(self.trtllm_flavor in TRTLLM_FLAVORS, "trtllm_flavor", "'engine', 'llmapi' or '' (auto)",
                self.trtllm_flavor)
@@ -190,7 +190,6 @@ class BuildSpec:
                        getattr(self, name))
             _check(self.device == "cuda", "device",
                    "'cuda' for backend tensorrt_llm (TensorRT-LLM runs on NVIDIA GPUs only)", self.device)
-
 
     @property
     def engine_graph(self) -> str:
@@ -330,6 +329,8 @@ def _known(cls: type, loc: tuple[str, ...]) -> list[str]:
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def path_problem(rel: Any) -> str | None:
     """Why ``rel`` is not a plain relative POSIX path inside a folder (None when it is)."""
     if not isinstance(rel, str) or not rel:
@@ -402,7 +403,8 @@ def verify_files(root: Path, manifest: Manifest) -> None:
     problems += [f"{rel}: not listed in the manifest (an unlisted file is never trusted; delete it)"
                  for rel in tree_entries(Path(root)) if rel not in manifest.files]
     if problems:
-        raise BundleError(f"bundle {root} failed verification; rebuild it or copy it again:\n  " + "\n  ".join(problems))
+        raise BundleError(f"bundle {root} failed verification; rebuild it or copy it again:\n  "
+                          + "\n  ".join(problems))
 
 
 def load_manifest(root: str | os.PathLike, verify: bool = True, staging: bool = False) -> Manifest:
@@ -443,7 +445,8 @@ def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True)
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise BundleError(f"{rel}: cannot be read ({err.strerror or err}); rebuild the bundle or copy it again") from None
+        raise BundleError(f"{rel}: cannot be read ({err.strerror or err}); rebuild the bundle or copy it "
+                          "again") from None
     if verify and hashlib.sha256(data).hexdigest() != manifest.files[rel]:
         raise BundleError(f"{rel}: sha256 differs from the manifest: it changed after verification (copied over or "
                           "rebuilt while loading?). Load again once the copy is complete.")

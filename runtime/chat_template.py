@@ -241,4 +241,3 @@ def _strftime_now(format: str) -> str:
 
 def _raise(message: str):
     raise ValueError(message)
-

@@ -11,9 +11,10 @@ import click
 
 from runtime.bundle import BundleError
 from runtime.drafters.registry import DRAFTERS
-from runtime.engine import DEVICES, DeviceError, unpadded
+from runtime.engine import unpadded
 from runtime.errors import RequestError
 from runtime.scheduler import POLICIES
+from runtime.sessions import DEVICES, DeviceError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

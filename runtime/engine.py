@@ -18,8 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from runtime.metrics import available_memory_bytes
-from runtime.sessions import (DEVICES, PROVIDERS, DeviceError, make_session, pool_threads,  # noqa: F401
-                              providers_for, session_options)
+from runtime.sessions import make_session
 
 
 @dataclass

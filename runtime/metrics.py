@@ -214,7 +214,6 @@ class MetricsRegistry:
         return out
 
 
-
 def peak_rss_bytes() -> int:
     """This process's peak resident memory. On Linux from VmHWM, which belongs to the program now running:
     getrusage's ru_maxrss is kept across exec, so a child started by a large parent would report the parent's size."""

@@ -34,11 +34,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.api import Generation
 from runtime.drain import Drain, DrainGuard, DrainingServer, scheduler_running
 from runtime.errors import RequestError
+from runtime.handles import Event, Overloaded, Unavailable
 from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
 from runtime.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
                                       ResponseShape, Usage, error_body, new_id)
 from runtime.request import check_text
-from runtime.scheduler import Event, Overloaded, Scheduler, Unavailable
+from runtime.scheduler import Scheduler
 
 log = logging.getLogger("draftsmith.openai")
 

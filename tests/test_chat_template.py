@@ -48,7 +48,8 @@ def test_transformers_helpers_work_inside_the_sandbox():
 
 
 def test_raise_exception_reports_the_templates_own_message():
-    template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+    template = ("{% if messages[0]['role'] != 'system' %}"
+                "{{ raise_exception('a system message must come first') }}{% endif %}")
     with pytest.raises(ValueError, match="a system message must come first"):
         render_chat_template(template, USER)
 
@@ -97,7 +98,7 @@ def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, tiny_bundle
     them as consent: only the bench's own flags grant it."""
     pytest.importorskip("transformers")
     from fakes import consent_spy
-    from bench.peers import run_transformers
+    from bench.peers.transformers_peer import run_transformers
     hostile, seen = consent_spy(monkeypatch, generator.manifest)
     ids = generator.encode_prompt("def add(a, b):", False)
     rows = run_transformers(hostile, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids)

@@ -37,8 +37,6 @@ def cached_schemas():
     kv_utils.schema_contents = original
 
 
-
-
 @pytest.fixture(scope="module", params=["engine", "llmapi"])
 def trt_bundle(request, tiny_pair, tmp_path_factory) -> Path:
     """A tensorrt_llm bundle with tp 2 x pp 2, built without a GPU (the engine steps faked)."""

@@ -9,38 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from conftest import make_model, make_tokenizer, tiny_config
-
-WORDS = ("the quick brown fox jumps over lazy dog def add return for range print café speculative decoding "
-         "keeps target output exactly").split()
-
-
-@pytest.fixture(scope="module")
-def learnable_target(tmp_path_factory):
-    """A 2-layer target whose second layer is a per-token MLP (its attention output is zeroed), and a prompt file.
-
-    Its first layer alone (the layers=1 draft) agrees poorly with it, yet what the missing layer does is a function of
-    one position, which a 1-layer draft can learn from a few thousand tokens; a fully random second layer cannot be
-    imitated by one layer on so little data, so the test would measure noise.
-    """
-    import torch
-    root = tmp_path_factory.mktemp("distill")
-    folder = root / "target"
-    make_tokenizer(folder)
-    model = make_model(folder, tiny_config(), seed=1)
-    with torch.no_grad():
-        model.model.layers[1].self_attn.o_proj.weight.zero_()
-    model.save_pretrained(folder)
-    rng = random.Random(0)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) for _ in range(150)]
-    (root / "prompts.txt").write_text("\n".join(prompts), encoding="utf-8")
-    return folder, root / "prompts.txt"
-
 
 @pytest.fixture(scope="module")
 def distilled(learnable_target, tmp_path_factory):
     import torch
-    from builder.distill import DistillRecipe, distill_draft
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
     torch.set_num_threads(1)  # seeded and single-threaded: the same numbers every run
     target, prompts = learnable_target
     out = tmp_path_factory.mktemp("distilled") / "draft"
@@ -72,7 +46,9 @@ def test_distilled_draft_is_a_loadable_hf_folder(distilled):
 
 
 def test_reduced_vocabulary_distillation_saves_the_kept_ids(learnable_target, tmp_path):
-    from builder.distill import DistillRecipe, distill_draft, read_draft_vocab
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
+    from builder.distill.save import read_draft_vocab
     target, prompts = learnable_target
     recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=8, max_steps=3, seed=0, draft_vocab=64)
     report = distill_draft(recipe, str(target), tmp_path / "d", quiet=True)
@@ -83,7 +59,7 @@ def test_reduced_vocabulary_distillation_saves_the_kept_ids(learnable_target, tm
 
 
 def test_replayed_greedy_acceptance_counts_like_the_loop():
-    from builder.distill import replay
+    from builder.distill.evaluation import replay
     # matches of draft vs target along one continuation of 8 tokens
     m = np.array([1, 1, 0, 1, 1, 1, 1, 0], bool)
     # k=2: step1 drafts 2 (both accepted) +1 token -> pos 3; step2 drafts 2 ok -> pos 6; step3 drafts 1 (pos 6 ok)
@@ -97,7 +73,8 @@ def test_replayed_greedy_acceptance_counts_like_the_loop():
 
 
 def test_kept_vocabulary_takes_the_most_frequent_tokens_and_eos():
-    from builder.distill import Sample, kept_vocabulary
+    from builder.distill.corpus import Sample
+    from builder.distill.draft import kept_vocabulary
     samples = [Sample([9, 9], [5, 5, 5, 3, 3, 7]), Sample([4], [5, 3, 1])]
     assert kept_vocabulary(samples, 2, 10, always=[]).tolist() == [3, 5]
     assert kept_vocabulary(samples, 3, 10, always=[2]).tolist() == [2, 3, 5]
@@ -106,7 +83,7 @@ def test_kept_vocabulary_takes_the_most_frequent_tokens_and_eos():
 
 
 def test_prompt_file_blocks_and_completion_mark(tmp_path):
-    from builder.distill import DistillError, load_prompts, split_prompts
+    from builder.distill.corpus import DistillError, load_prompts, split_prompts
     path = tmp_path / "p.txt"
     path.write_text("# comment\n---\n@completion\ndef f():\n---\nHello there\n---\nWhy?\n", encoding="utf-8")
     prompts = load_prompts(path)
@@ -122,7 +99,9 @@ def test_prompt_file_blocks_and_completion_mark(tmp_path):
 
 
 def test_bad_init_is_refused(learnable_target, tmp_path):
-    from builder.distill import DistillError, DistillRecipe, distill_draft
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
     target, prompts = learnable_target
     with pytest.raises(DistillError, match="layers"):
         distill_draft(DistillRecipe(init="layers=2", prompts=prompts, max_new_tokens=2, max_steps=1), str(target),
@@ -139,7 +118,9 @@ def test_distill_command_is_registered():
 
 
 def test_extra_sampled_continuations_add_distinct_training_text(learnable_target, tmp_path):
-    from builder.distill import DistillError, DistillRecipe, distill_draft
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
     target, prompts = learnable_target
     recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=8, max_steps=1, seed=0)
     one = distill_draft(recipe, str(target), tmp_path / "one", quiet=True)
@@ -190,7 +171,8 @@ def test_preset_recipe_distils_once_then_builds(learnable_target, tmp_path):
 def test_the_commands_flags_are_the_recipes_keys_with_its_defaults():
     """The command builds its recipe from its flags and overrides a preset's recipe with the flags given: both hold
     only if the flags are RECIPE_KEYS and each flag's default is the recipe field's."""
-    from builder.distill import RECIPE_KEYS, DistillRecipe, distill
+    from builder.distill.cli import distill
+    from builder.distill.recipe import RECIPE_KEYS, DistillRecipe
     fields = {f.name: f.default for f in dataclasses.fields(DistillRecipe)}
     flags = {p.name: p.default for p in distill.params}
     assert set(RECIPE_KEYS) <= set(fields)
@@ -199,7 +181,8 @@ def test_the_commands_flags_are_the_recipes_keys_with_its_defaults():
 
 
 def test_a_preset_builds_a_recipe_and_flags_override_it():
-    from builder.distill import DistillError, DistillRecipe, recipe_from
+    from builder.distill.corpus import DistillError
+    from builder.distill.recipe import DistillRecipe, recipe_from
     target, out, recipe = recipe_from({"target": "t", "draft": "d", "distill": {"init": "feature", "minutes": 20,
                                                                                "draft_vocab": 8192}}, "p.yaml")
     assert (target, out) == ("t", "d")
@@ -217,7 +200,8 @@ def test_a_preset_builds_a_recipe_and_flags_override_it():
 
 
 def test_recipe_errors_name_the_problem(tmp_path):
-    from builder.distill import DistillError, recipe_from
+    from builder.distill.cli import recipe_from
+    from builder.distill.corpus import DistillError
     with pytest.raises(DistillError, match="no 'distill:' recipe"):
         recipe_from({"target": "t", "draft": "d"}, "p.yaml")
     with pytest.raises(DistillError, match=r"unknown distill option\(s\) \['epochs'\]"):

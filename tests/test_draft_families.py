@@ -51,9 +51,9 @@ def test_truncated_self_draft_of_every_architecture(architecture, tmp_path):
 def test_truncated_config_keeps_the_first_layer_types():
     from transformers import AutoModelForCausalLM
 
-    from builder.build import _truncate
+    from builder.build import truncate
     model = AutoModelForCausalLM.from_config(tiny_config("Gemma3ForCausalLM", layers=2))
-    draft = _truncate(model, 1)
+    draft = truncate(model, 1)
     assert draft.config.layer_types == ["sliding_attention"] and draft.config.num_hidden_layers == 1
     assert model.config.layer_types == ["sliding_attention", "full_attention"]  # the target is untouched
 
@@ -78,7 +78,9 @@ def test_feature_config_reads_per_layer_type_rotary_and_norm_conventions():
 @pytest.mark.parametrize("init", ["feature", "layers=1"])
 def test_a_capped_output_is_refused_before_anything_slow(init, tmp_path):
     """Gemma 2 caps its logits (final_logit_softcapping): the trainers' softmax(head @ hidden) is not its law."""
-    from builder.distill import DistillError, DistillRecipe, distill_draft
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
     target = tmp_path / "gemma2"
     make_tokenizer(target)
     make_model(target, tiny_config("Gemma2ForCausalLM", final_logit_softcapping=30.0), seed=1)
@@ -98,7 +100,8 @@ def test_a_feature_draft_for_gemma3_builds_and_stays_exact(tmp_path):
     import torch
 
     from builder.build import build
-    from builder.distill import DistillRecipe, distill_draft
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
     from runtime.bundle import BuildSpec
     torch.set_num_threads(1)
     target = tiny_target(tmp_path, "Gemma3ForCausalLM")

@@ -93,7 +93,7 @@ def engine(request):
     if request.param.startswith("onnxruntime-"):
         import onnxruntime
 
-        from runtime.engine import providers_for
+        from runtime.sessions import providers_for
         device = "cpu" if request.param == "onnxruntime-fp16" else "cuda"
         if device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
             pytest.skip("onnxruntime-cuda: this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu "

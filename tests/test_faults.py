@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -42,7 +41,7 @@ def test_build_killed_at_random_points_never_leaves_a_loadable_partial_bundle(ti
                "--draft-quant", "int8", "--out", str(out), "--force"]
     rng = random.Random(20)
     completed = 0
-    for attempt in range(20):
+    for _ in range(20):
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    start_new_session=True)
         time.sleep(rng.uniform(0.5, 14.0))

@@ -14,7 +14,6 @@ from runtime.drafters.feature import FeatureDrafter
 from runtime.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
-from test_distill import learnable_target  # noqa: F401  (a module fixture)
 
 # --- the drafter's bookkeeping against fakes with a known law ----------------------------------------------------
 
@@ -68,7 +67,8 @@ def test_feature_drafting_follows_the_target_distribution():
     first, by_feature, chained = random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4)
     n, start, before = 20000, 0, 3  # prompt [3, 0]: the prefill's state after 3 pairs with 0
     drafter = FeatureDrafter(FakeFeatureDraft(first, by_feature, chained))
-    loop = SpeculativeLoop(HiddenBigram(target), drafter, [[before, start]] * n, DecodeConfig(LENGTH, 3, params, seed=5))
+    loop = SpeculativeLoop(HiddenBigram(target), drafter, [[before, start]] * n,
+                           DecodeConfig(LENGTH, 3, params, seed=5))
     counts = run_loop(loop)
     p = probabilities(target, params)
     q1 = np.tile(probabilities(first[start] + by_feature[before], params), (VOCAB, 1))  # position 1 follows start only
@@ -92,7 +92,8 @@ def test_feature_drafter_drops_its_own_predictions_and_keeps_the_targets():
             assert sum(len(f) for f in drafter.features[b]) == len(drafter.tokens[b])
     assert steps > 3 and drafter.calls > steps
     # every target state went in with the token that followed it: pairs of consecutive tokens of some row
-    consecutive = {pair for row in loop.rows for pair in zip(row.prompt + row.generated, (row.prompt + row.generated)[1:])}
+    consecutive = {pair for row in loop.rows
+                   for pair in zip(row.prompt + row.generated, (row.prompt + row.generated)[1:])}
     assert engine.true_pairs and engine.true_pairs <= consecutive
 
 
@@ -131,7 +132,8 @@ def feature_bundle(learnable_target, tmp_path_factory):  # noqa: F811
     import torch
 
     from builder.build import build
-    from builder.distill import DistillRecipe, distill_draft
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
     from runtime.bundle import BuildSpec
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(1)

@@ -9,6 +9,7 @@ import pytest
 
 from builder import graph
 from builder.architectures import REGISTRY
+from builder.decoder import ROPE_KINDS, GraphError, RotaryTable, from_transformers
 from builder.export import ExportError
 from conftest import make_model, tiny_config
 from runtime.engine import FusedEngine
@@ -50,7 +51,7 @@ TINY_MODELS = {
 
 
 def _fused(model, path, accuracy_level: int = 4):
-    decoder = graph.from_transformers(model)
+    decoder = from_transformers(model)
     graph.build(decoder, path, accuracy_level)
     return decoder, graph.info_of(decoder)
 
@@ -72,7 +73,7 @@ def _tiny(case: str, tmp_path, seed: int = 5, **extra):
 
 def test_every_registry_entry_and_rotary_kind_has_a_tiny_model_test():
     assert {arch for arch, _ in TINY_MODELS.values()} == set(REGISTRY), "add a TINY_MODELS case per registry entry"
-    assert set(ROPES) | {"default"} == set(graph.ROPE_KINDS), "add a ROPES case per rotary kind the graph writes"
+    assert set(ROPES) | {"default"} == set(ROPE_KINDS), "add a ROPES case per rotary kind the graph writes"
 
 
 @pytest.mark.parametrize("case", sorted(TINY_MODELS))
@@ -100,14 +101,14 @@ def test_rotary_tables_are_transformers_own(kind, tmp_path):
     unscaled ones within the checked positions."""
     import torch
     model = _tiny(f"LlamaForCausalLM-{kind}", tmp_path)
-    table = graph.from_transformers(model, max_context=32).rotary["default"]
+    table = from_transformers(model, max_context=32).rotary["default"]
     assert table.cos.shape == (34, 8) and table.long is None  # 32 positions + the padding slot; 64 > 32: short
     positions = torch.arange(16)[None]
     with torch.no_grad():
         cos, sin = model.model.rotary_emb(torch.zeros(1, 16, 64), positions)
     assert np.abs(table.cos[:16] - cos[0, :, :8].numpy()).max() < 1e-6
     assert np.abs(table.sin[:16] - sin[0, :, :8].numpy()).max() < 1e-6
-    plain = graph.RotaryTable(*graph._rotary_tables(16, 10000.0, 16))
+    plain = RotaryTable(*graph._rotary_tables(16, 10000.0, 16))
     assert np.abs(table.cos[:16] - plain.cos).max() > 1e-2
 
 
@@ -120,7 +121,7 @@ def test_longrope_switches_factors_per_call_as_transformers_does(tmp_path):
     table = decoder.rotary["default"]
     assert table.long is not None and table.switch == 8 and decoder.notes
     assert np.abs(table.long.cos[:12] - table.cos[:12]).max() > 1e-2
-    assert graph.from_transformers(model, max_context=8).rotary["default"].long is None  # short factors only
+    assert from_transformers(model, max_context=8).rotary["default"].long is None  # short factors only
     ids = np.random.default_rng(0).integers(0, 320, (1, 13))
     engine = _engine(tmp_path / "model.onnx", info)
     cache, torch_cache = engine.new_cache(1), None
@@ -133,18 +134,18 @@ def test_longrope_switches_factors_per_call_as_transformers_does(tmp_path):
 
 
 def test_layers_without_rotary_embedding_skip_it(tmp_path):
-    decoder = graph.from_transformers(_tiny("SmolLM3ForCausalLM", tmp_path))
+    decoder = from_transformers(_tiny("SmolLM3ForCausalLM", tmp_path))
     assert [layer.rope for layer in decoder.layers] == ["default", None]
 
 
 def test_rotary_tables_follow_the_build_context(tmp_path):
     model = _tiny("Gemma3ForCausalLM", tmp_path)
-    decoder = graph.from_transformers(model, max_context=40)
+    decoder = from_transformers(model, max_context=40)
     assert set(decoder.rotary) == {"sliding_attention", "full_attention"}
     assert {t.cos.shape for t in decoder.rotary.values()} == {(42, 8)}
     assert [layer.window for layer in decoder.layers] == [4, 0]
     assert [layer.rope for layer in decoder.layers] == ["sliding_attention", "full_attention"]
-    full = graph.from_transformers(model).rotary["full_attention"]
+    full = from_transformers(model).rotary["full_attention"]
     assert full.cos.shape == (258, 8) and np.array_equal(full.cos[:42], decoder.rotary["full_attention"].cos)
 
 
@@ -189,15 +190,15 @@ def test_unsupported_rotary_scaling_is_refused(tmp_path):
     with the reason, the kinds the graph has and what to do."""
     config = tiny_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     model = make_model(tmp_path / "m", config, seed=1).eval()
-    with pytest.raises(graph.GraphError, match="'dynamic'.*change with the sequence length.*'llama3'.*--graph export"):
-        graph.from_transformers(model)
+    with pytest.raises(GraphError, match="'dynamic'.*change with the sequence length.*'llama3'.*--graph export"):
+        from_transformers(model)
 
 
 def test_a_rotary_dimension_the_kernel_lacks_is_refused_before_running(tmp_path):
     model = _tiny("Phi3ForCausalLM-default", tmp_path, partial_rotary_factor=0.25,
                   rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25})  # 8 of 32 dims rotate
-    with pytest.raises(graph.GraphError, match="rotary dimension of 8.*--graph export"):
-        graph.from_transformers(model)
+    with pytest.raises(GraphError, match="rotary dimension of 8.*--graph export"):
+        from_transformers(model)
 
 
 def _int4(src, dst):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from builder import gguf_header, gguf_weights, graph
-from builder.graph import Linear
+from builder.decoder import Linear, from_transformers
 from conftest import make_model, tiny_config
 from runtime.engine import FusedEngine
 
@@ -113,7 +113,7 @@ def _linear_session(linear: Linear, k: int, accuracy_level: int, threads: int = 
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", n])], g.inits),
         opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(graph.MS, 1)])
     model.ir_version = 9
-    from runtime.engine import make_session
+    from runtime.sessions import make_session
     return make_session(model.SerializeToString(), threads)
 
 
@@ -205,7 +205,7 @@ def test_gguf_blocks_become_matmulnbits_exactly(tmp_path, types, block):
     blocks or split into 16-wide ones."""
     model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf", block)
+    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", block)
     assert not decoder.notes
     assert all(layer.qkv.quant is not None and layer.down.quant is not None for layer in decoder.layers)
     assert {layer.down.quant.block for layer in decoder.layers} == {block}
@@ -230,7 +230,7 @@ def _ops_after_build(decoder, tmp_path):
 def test_mixed_type_files_are_built_exactly_and_nothing_is_requantized(tmp_path, types, block):
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf", block)
+    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", block)
     assert not decoder.notes  # nothing left as float, nothing quantized again
     qkv = decoder.layers[0].qkv.quant
     assert (qkv.bits, qkv.block) == (8, 16 if {types["attn_q"], types["attn_v"]} & set(SIXTEEN_WIDE) else block)
@@ -246,11 +246,12 @@ def test_unpermuted_qk_files_and_a_wrong_flag_is_corrected_and_reported(tmp_path
     assert REGISTRY["LlamaForCausalLM"].gguf_permuted_qk is True
     model = make_model(tmp_path / "m", _wide_config("Qwen2ForCausalLM"), seed=4).eval()
     _write_gguf(model, tmp_path / "m.gguf", Q4_K_M, permuted_qk=False)
-    decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf", permuted_qk=False)
+    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", permuted_qk=False)
     assert not decoder.notes and decoder.layers[0].qkv.bias is not None  # Qwen2's q/k/v biases are kept
     assert _check_model_is_the_file(model, decoder, tmp_path) < 1e-4
-    wrong = gguf_weights.apply(graph.from_transformers(model), tmp_path / "m.gguf", permuted_qk=True)
-    assert len(wrong.notes) == 1 and "gguf_permuted_qk (True)" in wrong.notes[0] and "fix the registry entry" in wrong.notes[0]
+    wrong = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", permuted_qk=True)
+    assert (len(wrong.notes) == 1 and "gguf_permuted_qk (True)" in wrong.notes[0]
+            and "fix the registry entry" in wrong.notes[0])
     assert all(np.array_equal(a.qkv.quant.packed, b.qkv.quant.packed) for a, b in zip(wrong.layers, decoder.layers))
 
 
@@ -276,7 +277,7 @@ def test_gguf_types_without_an_exact_form_stay_float_and_are_reported(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    decoder = gguf_weights.apply(graph.from_transformers(model), tmp_path / "f16.gguf")
+    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "f16.gguf")
     assert all(layer.down.quant is None and layer.qkv.quant is not None for layer in decoder.layers)
     assert decoder.notes and "F16" in decoder.notes[0] and "float32" in decoder.notes[0]
 
@@ -285,11 +286,11 @@ def test_a_file_that_disagrees_with_the_model_is_refused(tmp_path):
     model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
     types = dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"], "Q8_0")
     _write_gguf(model, tmp_path / "m.gguf", {**types, "token_embd": "Q8_0"})
-    decoder = graph.from_transformers(model)
+    decoder = from_transformers(model)
     decoder.layers[1].down.weight[3, 5] += 0.5  # not what the file says
     with pytest.raises(ValueError, match="ffn_down.*differ"):
         gguf_weights.apply(decoder, tmp_path / "m.gguf")
-    decoder = graph.from_transformers(model)
+    decoder = from_transformers(model)
     decoder.layers[0].qkv.weight[0, 1] += 0.5  # q/k rows that match in neither order
     with pytest.raises(ValueError, match="attn_q.*in either q/k row order"):
         gguf_weights.apply(decoder, tmp_path / "m.gguf")
@@ -379,12 +380,11 @@ def test_real_headers_pass_the_check(tmp_path):
 def test_rows_read_in_chunks_are_the_same_blocks(tmp_path, monkeypatch, kind):
     """A table is read and unpacked a few rows at a time into arrays made once (a build's peak): the blocks are
     those of reading it whole."""
-    from builder import gguf_header
     model = make_model(tmp_path / "m", _wide_config(), seed=5).eval()
     _write_gguf(model, tmp_path / "m.gguf", {**Q4_K_M, "token_embd": kind})
     tensors = gguf_header.read(tmp_path / "m.gguf")
     data = gguf_weights.FileBytes(tmp_path / "m.gguf")
-    decoder = graph.from_transformers(model)
+    decoder = from_transformers(model)
     whole = gguf_weights._tensor_blocks(data, tensors["token_embd.weight"], decoder, "token_embd", True)
     monkeypatch.setattr(gguf_weights, "DECODE_ROWS", 7)  # 320 rows: 46 chunks, the last one short
     chunked = gguf_weights._tensor_blocks(data, tensors["token_embd.weight"], decoder, "token_embd", True)

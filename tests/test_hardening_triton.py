@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +73,7 @@ def stop_discarding_log(server, timeout: float = 30.0) -> None:
 
 def stubs(server) -> dict[str, int]:
     """model name -> pid of its Python backend stub."""
-    from bench.load import stub_pids
+    from bench.procmem import stub_pids
     out = {}
     for pid in stub_pids(server.process.pid):
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -14,8 +14,16 @@ And no import circle between the project's modules (``test_no_import_circle``). 
 as an arrow like any other: it only moves the circle from import time to call time, and a circle of modules means
 neither can be read, tested or moved without the other. An arrow goes to the module named (``import a.b.c``,
 ``from a.b import c`` where ``c`` is a submodule: ``a/b/c.py``), or to the package's ``__init__.py`` for a name it
-defines or hands on (``from a.b import name``); the package folders Python runs on the way are not arrows, or every
-package that hands on its modules' names would be a circle with each of them.
+defines (``from a.b import name``), and to every package ``__init__.py`` Python runs on the way (``import a.b.c``
+runs ``a/__init__.py`` and ``a/b/__init__.py`` first), also from inside the package. So a package ``__init__.py``
+that imports its own modules is a circle with each of them that imports a sibling: a package file hands on no names
+and imports nothing heavy, and every module imports a name from the module that defines it.
+
+Public seams (``test_no_private_name_crosses_a_module``, ``test_no_re_export``): no module of the packages uses
+another module's private name (``from m import _x``, ``m._x`` or ``C._x`` after ``import m`` / ``from m import C``;
+tests and scripts may), and none hands on names it imports (``# noqa: F401``, a bare ``# noqa`` on an import,
+``import x as x``, an imported name in ``__all__``). A name another module needs is public, with a docstring saying
+why it is shared.
 """
 
 from __future__ import annotations
@@ -64,23 +72,34 @@ def project_modules() -> dict[str, Path]:
     return {module_name(path): path for package in PACKAGES for path in python_files(package)}
 
 
+def imported_from(node: ast.ImportFrom, path: Path) -> str:
+    """The dotted module ``node`` imports from, a relative import resolved against ``path``'s package."""
+    base = node.module or ""
+    if node.level:
+        here = module_name(path)
+        parts = (here if path.name == "__init__.py" else here.rpartition(".")[0]).split(".")
+        base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+    return base
+
+
 def arrows(path: Path, modules: dict[str, Path]) -> dict[str, int]:
     """The project modules ``path`` imports (see the module docstring for which), each with its first line."""
     here = module_name(path)
-    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found: dict[str, int] = {}
 
     def add(name: str, line: int) -> None:
+        parts = name.split(".")
+        for depth in range(1, len(parts)):  # the packages Python runs first (a package importing its own module: not
+            outer = ".".join(parts[:depth])  # an arrow to itself)
+            if outer in modules and outer != here:
+                found.setdefault(outer, line)
         if name in modules:  # outside modules (numpy, ...) are no arrows; a module importing itself is a circle
             found.setdefault(name, line)
 
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: resolved against this module's package
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            base = imported_from(node, path)
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
                 add(submodule if submodule in modules else base, node.lineno)
@@ -195,7 +214,6 @@ def test_every_registered_command_exists():
         assert isinstance(getattr(importlib.import_module(module), attribute), click.Command), (module, attribute)
 
 
-
 def test_no_import_circle():
     """No two modules of the project import each other, directly or round a loop, at module level or in a function."""
     modules = project_modules()
@@ -223,8 +241,34 @@ def test_the_circle_guard_sees_a_lazy_import_and_resolves_relative_ones(tmp_path
     monkeypatch.setattr(test_layout, "ROOT", tmp_path)
     modules = {module_name(p): p for p in sorted(package.glob("*.py"))}
     graph = {name: arrows(path, modules) for name, path in modules.items()}
-    assert graph["pkg.b"] == {"pkg.a": 2} and graph["pkg.c"] == {"pkg.d": 1}
+    assert graph["pkg.b"] == {"pkg": 2, "pkg.a": 2} and graph["pkg.c"] == {"pkg": 1, "pkg.d": 1}
     assert import_circles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+def test_a_package_init_counts_as_a_module_on_the_way(tmp_path, monkeypatch):
+    """``import a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` first: arrows to both, from inside the package
+    too. A package file handing on its modules' names is a circle with every one of them that imports a sibling; one
+    importing only a module that imports no sibling is none, and importing its own module is no arrow to itself."""
+    import test_layout
+    facade, quiet, nested = tmp_path / "facade", tmp_path / "quiet", tmp_path / "outer" / "inner"
+    for folder in (facade, quiet, nested):
+        folder.mkdir(parents=True)
+    (facade / "__init__.py").write_text("from facade.stage import run\n")
+    (facade / "stage.py").write_text("from facade.corpus import Sample\n")
+    (facade / "corpus.py").write_text("Sample = tuple\n")
+    (quiet / "__init__.py").write_text("from quiet.leaf import x\n")
+    (quiet / "leaf.py").write_text("x = 1\n")
+    (tmp_path / "outer" / "__init__.py").write_text("")
+    (nested / "__init__.py").write_text("")
+    (nested / "m.py").write_text("")
+    (tmp_path / "user.py").write_text("import outer.inner.m\n")
+    monkeypatch.setattr(test_layout, "ROOT", tmp_path)
+    modules = {module_name(p): p for p in sorted(tmp_path.rglob("*.py"))}
+    graph = {name: arrows(path, modules) for name, path in modules.items()}
+    assert graph["user"] == {"outer": 1, "outer.inner": 1, "outer.inner.m": 1}
+    assert graph["facade"] == {"facade.stage": 1} and graph["facade.stage"] == {"facade": 1, "facade.corpus": 1}
+    assert graph["quiet"] == {"quiet.leaf": 1} and graph["quiet.leaf"] == {}
+    assert import_circles(graph) == [["facade", "facade.stage"]]
 
 
 LONG_MODULE = 450  # lines; a longer module says why at its top
@@ -279,3 +323,144 @@ def test_the_function_guard_counts_lines_and_reads_the_reason(tmp_path, monkeypa
         f"class C:\n    async def method(self):\n{''.join('    ' + line for line in body.splitlines(True))}")
     monkeypatch.setattr(test_layout, "ROOT", tmp_path)
     assert [line.split(" ")[1] for line in long_functions("pkg")] == ["long", "phrase_only", "method"]
+
+
+# --- public seams ---------------------------------------------------------------------------------------------------
+
+# What the runtime files being rewritten (issue 39: runtime/api.py, scheduler.py, lookup.py, ...) still hold, each
+# entry to delete with the line it names; test_the_allow_lists_hold_only_what_remains fails on a stale one.
+REEXPORTS_LEFT: dict[tuple[str, str], str] = {}  # (file, module the names come from): why the line is still there
+PRIVATE_USES_LEFT: set[tuple[str, str]] = set()  # (file, "module.name._private")
+NOQA_F401 = re.compile(r"#\s*noqa\s*:[^#\n]*\bF401\b|#\s*noqa\b(?!\s*:)", re.IGNORECASE)
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def owner(dotted: str, modules: dict[str, Path]) -> str | None:
+    """The project module ``dotted`` is or is defined in (its longest prefix that is a module); None outside."""
+    parts = dotted.split(".")
+    return next((".".join(parts[:end]) for end in range(len(parts), 0, -1) if ".".join(parts[:end]) in modules), None)
+
+
+def dotted_name(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of names and attributes; None for anything else (a call, a subscript, ...)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id] + parts[::-1]) if isinstance(node, ast.Name) else None
+
+
+def private_uses(path: Path, modules: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, ``module.name._private``) for every private name of another project module ``path`` uses: imported
+    (``from m import _x``) or reached through an imported module, class or function (``m._x``, ``C._x``)."""
+    here = module_name(path)
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found, bound = [], {}  # bound: local name -> the dotted project name an import binds it to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = imported_from(node, path)
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if owner(target, modules) is None:
+                    continue
+                bound[alias.asname or alias.name] = target
+                if is_private(alias.name) and owner(target, modules) != here:
+                    found.append((node.lineno, target))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if owner(alias.name, modules) is not None:
+                    bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else \
+                        alias.name.split(".")[0]
+                    if any(is_private(part) for part in alias.name.split(".")) and alias.name != here:
+                        found.append((node.lineno, alias.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            chain = dotted_name(node.value)
+            head, _, rest = (chain or "").partition(".")
+            if head in bound:
+                target = bound[head] + (f".{rest}" if rest else "")
+                if owner(target, modules) not in (None, here):
+                    found.append((node.lineno, f"{target}.{node.attr}"))
+    return found
+
+
+def re_exports(path: Path) -> list[tuple[int, str]]:
+    """(line, module the names come from) for every import ``path`` hands on: marked ``# noqa: F401`` (or a bare
+    ``# noqa``), aliased to its own name (``import x as x``, ``from m import y as y``), or listed in ``__all__``."""
+    text = path.read_text(encoding="utf-8")
+    lines, tree = text.splitlines(), ast.parse(text, str(path))
+    found, imported = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            source = imported_from(node, path) if isinstance(node, ast.ImportFrom) else node.names[0].name
+            if any(NOQA_F401.search(line) for line in lines[node.lineno - 1:node.end_lineno]):
+                found.append((node.lineno, source))
+            for alias in node.names:
+                if alias.asname == alias.name:  # the re-export idiom (``import a.b as b`` is none: b is a.b)
+                    found.append((node.lineno, source))
+                if node in tree.body:
+                    imported[alias.asname or alias.name.split(".")[0]] = (node.lineno, source)
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AugAssign)) and "__all__" in [
+                getattr(t, "id", None) for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]:
+            names = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
+            found += [imported[name] for name in names if name in imported]
+    return sorted(set(found))
+
+
+def seam_problems() -> tuple[list[str], list[str], set, set]:
+    """Private uses and re-exports outside the allow-lists, and the allow-list entries that matched something."""
+    modules = project_modules()
+    private, exports, used_private, used_exports = [], [], set(), set()
+    for path in sorted(modules.values()):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, target in private_uses(path, modules):
+            if (rel, target) in PRIVATE_USES_LEFT:
+                used_private.add((rel, target))
+            else:
+                private.append(f"{rel}:{line} uses {target}")
+        for line, source in re_exports(path):
+            if (rel, source) in REEXPORTS_LEFT:
+                used_exports.add((rel, source))
+            else:
+                exports.append(f"{rel}:{line} hands on names of {source}")
+    return private, exports, used_private, used_exports
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module needs is public (a real seam, its docstring says why); a private one stays home."""
+    assert seam_problems()[0] == []
+
+
+def test_no_re_export():
+    """Every module imports a name from the module that defines it: nothing hands on what it imports."""
+    assert seam_problems()[1] == []
+
+
+def test_the_allow_lists_hold_only_what_remains():
+    """An entry whose line is gone is deleted (the lists only shrink)."""
+    _, _, used_private, used_exports = seam_problems()
+    assert sorted(PRIVATE_USES_LEFT - used_private) == [] and sorted(set(REEXPORTS_LEFT) - used_exports) == []
+
+
+def test_the_seam_guards_see_private_names_and_re_exports(tmp_path, monkeypatch):
+    import test_layout
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("class C:\n    _z = 1\n\n\ndef _x():\n    return C._z, __name__\n")
+    (package / "b.py").write_text("import pkg.a\nfrom pkg import a as m\nfrom pkg.a import C, _x\nfrom . import a\n\n"
+                                  "def f(self):\n    return pkg.a._x, m._y, C._z, a._w, self._own, m.__doc__, _x\n")
+    (package / "c.py").write_text("import json as json\nfrom pkg.a import C  # noqa: F401\nimport os.path as path\n"
+                                  "from pkg.a import (_x,  # noqa\n                   C as C)\n"
+                                  "from pkg.b import f\n__all__ = ['f', 'g']\n\n\ndef g():\n    return 1\n")
+    monkeypatch.setattr(test_layout, "ROOT", tmp_path)
+    modules = {module_name(p): p for p in sorted(package.glob("*.py"))}
+    assert private_uses(package / "a.py", modules) == []  # its own privates
+    assert sorted(private_uses(package / "b.py", modules)) == [
+        (3, "pkg.a._x"), (7, "pkg.a.C._z"), (7, "pkg.a._w"), (7, "pkg.a._x"), (7, "pkg.a._y")]
+    assert re_exports(package / "c.py") == [(1, "json"), (2, "pkg.a"), (4, "pkg.a"), (6, "pkg.b")]
+    assert re_exports(package / "b.py") == []

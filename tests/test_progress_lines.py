@@ -31,7 +31,8 @@ def _ticking(engine: BigramEngine, clock: FakeClock) -> BigramEngine:
 
 
 def test_generation_says_how_far_it_got_at_least_once_a_minute():
-    from builder.distill.continuations import Heartbeat, Job, generate_with_engine
+    from builder.distill.continuations import Job, generate_with_engine
+    from builder.progress import Heartbeat
     clock = FakeClock(step=7.0)  # an engine step every 7 s of the fake clock
     engine = _ticking(BigramEngine(random_table(12, seed=0)), clock)
     lines, advanced = [], []
@@ -50,7 +51,7 @@ def test_generation_says_how_far_it_got_at_least_once_a_minute():
 
 
 def test_time_left_is_the_rate_so_far_or_the_deadline_whichever_comes_first():
-    from builder.distill.continuations import Heartbeat
+    from builder.progress import Heartbeat
     clock = FakeClock(step=0.0)
     beat = Heartbeat("gen", 100, lambda line: None, clock=clock)
     assert beat.line(clock.now + 30) == "gen: 0/100 (0%), 30 s, time left not known yet"
@@ -62,7 +63,7 @@ def test_time_left_is_the_rate_so_far_or_the_deadline_whichever_comes_first():
 
 
 def test_on_a_terminal_the_bar_reports_and_no_lines_are_printed():
-    from builder.distill.continuations import Heartbeat
+    from builder.progress import Heartbeat
     clock = FakeClock(step=0.0)
     advanced = []
     beat = Heartbeat("gen", 5, None, advanced.append, clock=clock)

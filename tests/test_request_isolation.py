@@ -110,7 +110,7 @@ def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypat
 
 
 def test_a_full_queue_refuses_before_tokenizing(generator, monkeypatch):
-    from runtime.scheduler import Overloaded
+    from runtime.handles import Overloaded
     scheduler = Scheduler(generator, max_batch=1, max_queue=1)
     scheduler.submit("def add(a, b):", max_new_tokens=4)
     calls = []

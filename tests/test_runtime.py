@@ -13,7 +13,6 @@ import pytest
 from fakes import BigramEngine, random_table
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
-from runtime.sampling import SamplingParams
 from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.model import ModelDrafter
@@ -82,7 +81,6 @@ def test_sampled_generation_is_reproducible_with_a_seed(generator):
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
-
 def test_seeded_requests_batched_together_sample_as_alone(generator):
     """One seed per prompt: two identical seeded requests in one batch (with another between them) each give what
     they give alone."""
@@ -115,6 +113,7 @@ def test_cancelled_sequence_leaves_the_batch_at_once(generator):
     assert done[1].token_ids == alone.token_ids and done[1].finish_reason == alone.finish_reason
 
 # --- streaming and text -----------------------------------------------------------------------------------------
+
 
 def test_stream_concatenation_equals_generate(generator):
     for prompt in PROMPTS:
@@ -249,7 +248,8 @@ def test_draft_confidence_stops_drafting_early():
 # --- bad input ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(k=0), "k: expected greater than or equal to 1"), (dict(k=99), "k: expected an integer in"), (dict(temperature=-1.0), "temperature"),
+    (dict(k=0), "k: expected greater than or equal to 1"), (dict(k=99), "k: expected an integer in"),
+    (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.1), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(mode="fast"), "mode"), (dict(stop=[""]), "stop"),
 ])

@@ -11,8 +11,9 @@ import pytest
 from fakes import BigramEngine, exact_prefixes, random_table, total_variation, tv_bound
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
+from runtime.handles import Overloaded, Unavailable
 from runtime.sampling import SamplingParams, probabilities
-from runtime.scheduler import Overloaded, Scheduler, Unavailable
+from runtime.scheduler import Scheduler
 from runtime.text import Tokenizer
 
 PROMPTS = ["the cat", "a b c d e f", "hello there, how are", "def f(x):", "one two one two one", "zz"]
@@ -98,7 +99,7 @@ def test_rows_with_different_temperatures_each_follow_their_own_target_law(gener
     prompt = "the cat"
     start = generator.tokenizer.encode(prompt)[-1]
     groups = {1.0: [], 0.5: []}
-    for i in range(n):
+    for _ in range(n):
         for temperature, handles in groups.items():
             handles.append(scheduler.submit(prompt, max_new_tokens=4, temperature=temperature, k=3))
     drain(scheduler)

@@ -158,7 +158,7 @@ def _unsafe_calls(tree: ast.AST) -> list[str]:
         owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
         keywords = {k.arg: k.value for k in node.keywords}
 
-        def is_true(key):
+        def is_true(key, keywords=keywords):
             return isinstance(keywords.get(key), ast.Constant) and keywords[key].value is True
 
         if owner == "torch" and name == "load" and not is_true("weights_only"):

@@ -22,7 +22,10 @@ GREEDY = SamplingParams()
 MAJORITY = [2, 0, 1, 3, 2, 0, 1, 3, 2, 0, 1, 2, 2, 0]
 
 
-def draft_of(history: list[int], limit: int, config: SuffixConfig = SuffixConfig()) -> list[int]:
+DEFAULT_CONFIG = SuffixConfig()
+
+
+def draft_of(history: list[int], limit: int, config: SuffixConfig = DEFAULT_CONFIG) -> list[int]:
     drafter = SuffixDrafter(16, config=config)
     drafter.start([history])
     return drafter.propose([limit], GREEDY, [None]).tokens[0]

@@ -47,7 +47,8 @@ def test_the_triton_models_tokenizer_comes_from_verified_bytes(tiny_bundle, tmp_
         bundle_tokenizer(copy / "tokenizer")
 
 
-@pytest.mark.parametrize("path", ['/b/x"\n  }\n}\nparameters: { key: "EXECUTION_ENV_PATH" value: { string_value: "/tmp/e',
+@pytest.mark.parametrize("path", ['/b/x"\n  }\n}\nparameters: { key: "EXECUTION_ENV_PATH" '
+                                  'value: { string_value: "/tmp/e',
                                   "/b/a\\\\b", "/b/tab\there", "/b/\x7f"])
 def test_a_bundle_path_cannot_add_fields_to_an_upstream_config(path):
     """--upstream-models fills upstream's templates as text: a path with a quote and newlines would close the string

@@ -256,7 +256,6 @@ def test_metrics_count_this_request(server, expected):
 
 def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
     """Triton's HTTP /infer refuses decoupled models; a --no-streaming repository serves it (after being moved)."""
-    import shutil
     import tritonclient.http as httpclient
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server

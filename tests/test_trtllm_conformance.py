@@ -11,9 +11,10 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
-from builder import trtllm  # noqa: E402
+from builder import trtllm_plan  # noqa: E402
 from runtime.bundle import BuildSpec  # noqa: E402
 from triton_repo import trtllm_layouts as layouts  # noqa: E402
+from triton_repo.trtllm_llmapi_layout import LlmApiLayout, llmapi_repo_files  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trtllm"
 IBL = json.loads((FIXTURES / "inflight_batcher_llm.json").read_text())
@@ -23,7 +24,7 @@ DECODING = json.loads((FIXTURES / "decoding_types.json").read_text())
 QUANTIZE = json.loads((FIXTURES / "quantize.json").read_text())
 
 LAYOUT = layouts.EngineLayout("/b/target/engine", "/b/draft/engine", "/b/tokenizer", max_batch_size=4)
-INPUTS = trtllm.PlanInputs(sources={"target": "/m/t", "draft": "/m/d"},
+INPUTS = trtllm_plan.PlanInputs(sources={"target": "/m/t", "draft": "/m/d"},
                            architectures={"target": "LlamaForCausalLM", "draft": "LlamaForCausalLM"},
                            max_context=2048, examples_dir="/x/examples")
 
@@ -108,10 +109,10 @@ def test_filling_uses_only_placeholders_upstream_templates_have():
 
 @pytest.fixture(scope="module")
 def llmapi_files():
-    kwargs = trtllm.llm_api_kwargs(BuildSpec(target="/m/t", draft="/m/d", target_quant="fp16", draft_quant="fp16",
+    kwargs = trtllm_plan.llm_api_kwargs(BuildSpec(target="/m/t", draft="/m/d", target_quant="fp16", draft_quant="fp16",
                                              k=3, max_k=6, backend="tensorrt_llm", device="cuda"), 2048)
     kwargs["speculative_config"]["speculative_model"] = "/b/draft/hf"
-    return layouts.llmapi_repo_files(layouts.LlmApiLayout(kwargs, max_batch_size=4))
+    return llmapi_repo_files(LlmApiLayout(kwargs, max_batch_size=4))
 
 
 def test_llmapi_config_leaves_batching_to_model_yaml_and_declares_the_model_io(llmapi_files):
@@ -137,14 +138,14 @@ def test_decoding_type_is_spelled_as_each_release_line_accepts(llmapi_files, lin
     speculative = yaml.safe_load(llmapi_files["tensorrt_llm/1/model.yaml"])["speculative_config"]
     assert speculative["decoding_type"] in accepted
     assert DECODING["draft_model_key_accepted_by_every_release_line"] in speculative
-    plan_kwargs = trtllm.llm_api_kwargs(BuildSpec(target="t", draft="d", target_quant="fp16", draft_quant="fp16",
+    plan_kwargs = trtllm_plan.llm_api_kwargs(BuildSpec(target="t", draft="d", target_quant="fp16", draft_quant="fp16",
                                                   backend="tensorrt_llm", device="cuda"), 512)
     assert plan_kwargs["speculative_config"]["decoding_type"] in accepted
 
 
 # --- build plans against trtllm-build's and quantize.py's argument checks -----------------------------------------
 
-PLAN_CASES = [(quant, tp) for quant in trtllm.FLAVOR_QUANTS["engine"] for tp in (1, 2)]
+PLAN_CASES = [(quant, tp) for quant in trtllm_plan.FLAVOR_QUANTS["engine"] for tp in (1, 2)]
 
 
 def flags_and_values(argv: tuple[str, ...], with_value: set[str]) -> dict[str, str | None]:
@@ -184,16 +185,16 @@ def test_the_checker_catches_what_build_py_refuses():
 def test_no_plan_passes_flags_trtllm_build_rejects(quant, tp):
     spec = BuildSpec(target="/m/t", draft="/m/d", target_quant=quant, draft_quant=quant, k=4, max_k=8,
                      backend="tensorrt_llm", device="cuda", tp_size=tp)
-    for step in trtllm.make_plan(spec, "engine", INPUTS):
+    for step in trtllm_plan.make_plan(spec, "engine", INPUTS):
         if step.name == "build":
             assert build_problems(step.argv) == [], step.render()
 
 
-@pytest.mark.parametrize("quant", trtllm.QFORMATS)
+@pytest.mark.parametrize("quant", trtllm_plan.QFORMATS)
 def test_quantize_steps_use_known_flags_and_a_local_calibration_set(quant):
     spec = BuildSpec(target="/m/t", draft="/m/d", target_quant=quant, draft_quant=quant, backend="tensorrt_llm",
                      device="cuda")
-    for step in trtllm.make_plan(spec, "engine", INPUTS):
+    for step in trtllm_plan.make_plan(spec, "engine", INPUTS):
         if step.name == "quantize":
             given = flags_and_values(step.argv[2:], set(QUANTIZE["flags"]))
             assert set(given) <= set(QUANTIZE["flags"]), step.render()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from builder import trtllm
+from builder import trtllm_plan
 from builder.trtllm_converters import CONVERTERS, ROPE_SCALING_TYPES, rope_type_of
 from runtime.bundle import BuildSpec, SpecError
 
@@ -19,11 +19,11 @@ FACTS = json.loads((Path(__file__).parent / "fixtures" / "trtllm" / "converters.
 def plan(architecture: str, quant: str = "fp16", tp: int = 1, pp: int = 1, heads: int = 8, rope: str | None = None):
     spec = BuildSpec(target="/m/t", draft="/m/d", target_quant=quant, draft_quant=quant, k=2, max_k=4,
                      backend="tensorrt_llm", device="cuda", tp_size=tp, pp_size=pp)
-    inputs = trtllm.PlanInputs(sources={"target": "/m/t", "draft": "/m/d"},
+    inputs = trtllm_plan.PlanInputs(sources={"target": "/m/t", "draft": "/m/d"},
                                architectures={"target": architecture, "draft": architecture}, max_context=4096,
                                examples_dir="/app/examples", heads={"target": heads, "draft": heads},
                                rope_types={"target": rope, "draft": rope})
-    return trtllm.make_plan(spec, "engine", inputs)
+    return trtllm_plan.make_plan(spec, "engine", inputs)
 
 
 def given_flags(argv: tuple[str, ...], script: dict) -> dict[str, str | None]:

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from builder import trtllm
+from builder import trtllm, trtllm_plan
 from runtime.bundle import BuildSpec, SpecError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trtllm"
 FMHA = json.loads((FIXTURES / "paged_context_fmha.json").read_text())
 QUANTIZE = json.loads((FIXTURES / "quantize.json").read_text())
 LLM_ARGS = json.loads((FIXTURES / "llm_args.json").read_text())
-INPUTS = trtllm.PlanInputs(sources={"target": "/m/t", "draft": "/m/d"},
+INPUTS = trtllm_plan.PlanInputs(sources={"target": "/m/t", "draft": "/m/d"},
                            architectures={"target": "LlamaForCausalLM", "draft": "LlamaForCausalLM"},
                            max_context=2048, examples_dir="/app/examples")
 
@@ -28,7 +28,7 @@ def spec(**overrides) -> BuildSpec:
 
 
 def test_engine_fp8_kv_cache_goes_to_quantize_py():
-    steps = trtllm.make_plan(spec(), "engine", INPUTS)
+    steps = trtllm_plan.make_plan(spec(), "engine", INPUTS)
     quantize = [s.argv for s in steps if s.name == "quantize"]
     assert len(quantize) == 2
     for argv in quantize:
@@ -42,13 +42,13 @@ def test_a_format_that_loses_paged_context_fmha_is_refused(quant):
     algo = FMHA["draftsmith_qformat_to_quant_algo"].get(quant)
     assert algo not in FMHA["fp8_context_fmha_quant_algos"]  # builder.py would drop paged context FMHA
     with pytest.raises(SpecError, match="target_quant: expected one of .*paged context FMHA"):
-        trtllm.make_plan(spec(target_quant=quant), "engine", INPUTS)
+        trtllm_plan.make_plan(spec(target_quant=quant), "engine", INPUTS)
 
 
 def test_the_allowed_formats_are_exactly_upstreams_fp8_context_fmha_workflows():
     mapping = FMHA["draftsmith_qformat_to_quant_algo"]
     allowed = {q for q, algo in mapping.items() if algo in FMHA["fp8_context_fmha_quant_algos"]}
-    assert allowed == set(trtllm.FP8_KV_QUANTS) == set(FMHA["allowed_with_fp8_kv_cache"])
+    assert allowed == set(trtllm_plan.FP8_KV_QUANTS) == set(FMHA["allowed_with_fp8_kv_cache"])
 
 
 def test_preflight_refuses_fp8_kv_below_sm89(tmp_path):
@@ -58,7 +58,7 @@ def test_preflight_refuses_fp8_kv_below_sm89(tmp_path):
 
 
 def test_llmapi_fp8_kv_cache_and_sizing_in_the_yaml():
-    kwargs = trtllm.make_plan(spec(target_quant="fp16", draft_quant="fp16"), "llmapi", INPUTS)[-1].kwargs
+    kwargs = trtllm_plan.make_plan(spec(target_quant="fp16", draft_quant="fp16"), "llmapi", INPUTS)[-1].kwargs
     kv = kwargs["kv_cache_config"]
     assert set(kv) <= set(LLM_ARGS["kv_cache_config_fields"]) and "kv_cache_config" in LLM_ARGS["llm_fields"]
     assert kv == {"enable_block_reuse": True, "max_tokens": 8 * 2048, "dtype": "fp8"}
@@ -82,7 +82,7 @@ def test_a_bundles_kv_cache_config_passes_the_allow_list_only(tiny_pair, tmp_pat
     import yaml
 
     from runtime.bundle import BundleError, load_manifest
-    from runtime.trtllm_engine import llm_api_kwargs
+    from runtime.trtllm_llmapi import llm_api_kwargs
     target, draft = tiny_pair
     built = spec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="fp16", max_context=128,
                  trtllm_flavor="llmapi")

@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 
 from triton_repo import trtllm_layouts as layouts  # noqa: E402
-from triton_repo.pbtxt import ConfigError  # noqa: E402
+from triton_repo.pbtxt import ConfigError, model_config  # noqa: E402
+from triton_repo.trtllm_llmapi_layout import LlmApiLayout, llmapi_repo_files  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_trtllm"
 ENGINE = layouts.EngineLayout("/bundle/target/engine", "/bundle/draft/engine", "/bundle/tokenizer",
@@ -42,7 +43,7 @@ def test_engine_layout_golden_and_parses():
 
 def test_llmapi_layout_golden_and_parses():
     import yaml
-    files = layouts.llmapi_repo_files(layouts.LlmApiLayout(LLM_KWARGS, max_batch_size=4))
+    files = llmapi_repo_files(LlmApiLayout(LLM_KWARGS, max_batch_size=4))
     (config,) = layouts.parse_all(files).values()
     # upstream's model.py refuses batched text_input; batching settings live in model.yaml only
     assert config.backend == "python" and config.max_batch_size == 0
@@ -82,7 +83,7 @@ def test_misspelt_field_is_an_error_at_generation_time():
     config = layouts.engine_configs(ENGINE)["preprocessing"]
     config["instance_groups"] = config.pop("instance_group")
     with pytest.raises(ConfigError):
-        layouts.model_config(config)
+        model_config(config)
 
 
 def make_upstream(root: Path, drop: str = "") -> Path:
@@ -150,6 +151,6 @@ def test_upstream_llmapi_files_are_copied_and_our_model_yaml_replaces_theirs(tmp
     (source / "1" / "model.py").write_text("# upstream model\n")
     (source / "1" / "helpers.py").write_text("# upstream helpers\n")
     (source / "1" / "model.yaml").write_text("model: TinyLlama/TinyLlama-1.1B-Chat-v1.0\n")
-    files = layouts.llmapi_repo_files(layouts.LlmApiLayout(LLM_KWARGS), tmp_path / "llmapi")
+    files = llmapi_repo_files(LlmApiLayout(LLM_KWARGS), tmp_path / "llmapi")
     assert files["tensorrt_llm/1/helpers.py"] == "# upstream helpers\n"
     assert yaml.safe_load(files["tensorrt_llm/1/model.yaml"])["model"] == "/bundle/target/hf"

@@ -14,7 +14,7 @@ from fakes import fake_gpu_runner
 
 pytest.importorskip("tritonclient.grpc")
 
-from builder import trtllm  # noqa: E402
+from builder import trtllm, trtllm_plan  # noqa: E402
 from runtime.bundle import BuildSpec, BundleError, SpecError  # noqa: E402
 from triton_repo import trtllm_launch as launch  # noqa: E402
 from triton_repo import trtllm_layouts as layouts  # noqa: E402
@@ -28,9 +28,9 @@ PAIRS = {"smollm2": {"architecture": "LlamaForCausalLM", "heads": 9, "context": 
          "tiny": {"architecture": "LlamaForCausalLM", "heads": 4, "context": 256}}
 
 
-def inputs(pair: str) -> trtllm.PlanInputs:
+def inputs(pair: str) -> trtllm_plan.PlanInputs:
     facts = PAIRS[pair]
-    return trtllm.PlanInputs(sources={"target": f"/m/{pair}", "draft": f"/m/{pair}"},
+    return trtllm_plan.PlanInputs(sources={"target": f"/m/{pair}", "draft": f"/m/{pair}"},
                              architectures={"target": facts["architecture"], "draft": facts["architecture"]},
                              max_context=facts["context"], examples_dir="/app/examples",
                              heads={"target": facts["heads"], "draft": facts["heads"]})
@@ -69,22 +69,21 @@ def launch_problems(args: list[str], configs: dict, world: int) -> list[str]:
 # --- plans ------------------------------------------------------------------------------------------------------------
 
 def test_tiny_pair_tp2_plan_carries_tp_to_every_command():
-    steps = trtllm.make_plan(spec(tp_size=2), "engine", inputs("tiny"))
+    steps = trtllm_plan.make_plan(spec(tp_size=2), "engine", inputs("tiny"))
     converts = [s.argv for s in steps if s.name == "convert"]
     assert len(converts) == 2 and all(a[a.index("--tp_size") + 1] == "2" for a in converts)
-    kwargs = trtllm.make_plan(spec(tp_size=2, draft_quant="fp16"), "llmapi", inputs("tiny"))[-1].kwargs
+    kwargs = trtllm_plan.make_plan(spec(tp_size=2, draft_quant="fp16"), "llmapi", inputs("tiny"))[-1].kwargs
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["pipeline_parallel_size"] == 1
 
 
 def test_smollm2_tp2_is_refused_with_the_tp_sizes_its_9_heads_allow():
     with pytest.raises(SpecError, match=r"divisor of the 9 attention heads \[1, 3, 9\].*received 2"):
-        trtllm.make_plan(spec(tp_size=2), "engine", inputs("smollm2"))
-    steps = trtllm.make_plan(spec(tp_size=3, max_context=2048), "engine", inputs("smollm2"))
+        trtllm_plan.make_plan(spec(tp_size=2), "engine", inputs("smollm2"))
+    steps = trtllm_plan.make_plan(spec(tp_size=3, max_context=2048), "engine", inputs("smollm2"))
     assert {s.argv[s.argv.index("--tp_size") + 1] for s in steps if s.name == "convert"} == {"3"}
 
 
 # --- repositories -----------------------------------------------------------------------------------------------------
-
 
 
 def _tp2_bundle(flavor: str, tiny_pair, factory) -> Path:

@@ -10,14 +10,14 @@ import pytest
 
 from fakes import fake_gpu_runner
 
-from builder import trtllm
+from builder import trtllm, trtllm_plan
 from runtime.bundle import BuildSpec, SpecError, load_manifest
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm"
-INPUTS = trtllm.PlanInputs(sources={"target": "/models/target", "draft": "/models/draft"},
+INPUTS = trtllm_plan.PlanInputs(sources={"target": "/models/target", "draft": "/models/draft"},
                            architectures={"target": "LlamaForCausalLM", "draft": "LlamaForCausalLM"},
                            max_context=2048, examples_dir="/opt/TensorRT-LLM/examples")
-CASES = [(flavor, quant) for flavor in trtllm.FLAVORS for quant in trtllm.FLAVOR_QUANTS[flavor]]
+CASES = [(flavor, quant) for flavor in trtllm_plan.FLAVORS for quant in trtllm_plan.FLAVOR_QUANTS[flavor]]
 
 
 def trt_spec(**overrides) -> BuildSpec:
@@ -37,20 +37,20 @@ def check_golden(name: str, text: str) -> None:
 @pytest.mark.parametrize("flavor,quant", CASES)
 def test_plan_golden_for_every_quant_and_flavor(flavor, quant):
     spec = trt_spec(target_quant=quant, draft_quant=quant)
-    steps = trtllm.make_plan(spec, flavor, INPUTS)
-    text = trtllm.render_plan(steps, flavor) + "\n" + trtllm.plan_json(steps, flavor) + "\n"
+    steps = trtllm_plan.make_plan(spec, flavor, INPUTS)
+    text = trtllm_plan.render_plan(steps, flavor) + "\n" + trtllm_plan.plan_json(steps, flavor) + "\n"
     check_golden(f"{flavor}-{quant}.txt", text)
 
 
-@pytest.mark.parametrize("flavor", trtllm.FLAVORS)
+@pytest.mark.parametrize("flavor", trtllm_plan.FLAVORS)
 def test_plan_golden_multi_gpu_and_lengths(flavor):
     spec = trt_spec(tp_size=2, pp_size=2, max_batch_size=16, max_input_len=1024, max_seq_len=1536, k=6, max_k=10)
-    steps = trtllm.make_plan(spec, flavor, INPUTS)
-    check_golden(f"{flavor}-tp2-pp2.txt", trtllm.render_plan(steps, flavor))
+    steps = trtllm_plan.make_plan(spec, flavor, INPUTS)
+    check_golden(f"{flavor}-tp2-pp2.txt", trtllm_plan.render_plan(steps, flavor))
 
 
 def test_engine_plan_configures_speculative_decoding_on_the_target_only():
-    steps = trtllm.make_plan(trt_spec(k=3, max_k=5), "engine", INPUTS)
+    steps = trtllm_plan.make_plan(trt_spec(k=3, max_k=5), "engine", INPUTS)
     builds = {s.role: s.argv for s in steps if s.name == "build"}
     target, draft = builds["target"], builds["draft"]
     assert target[target.index("--speculative_decoding_mode") + 1] == "draft_tokens_external"
@@ -62,25 +62,25 @@ def test_engine_plan_configures_speculative_decoding_on_the_target_only():
         assert not [flag for flag in argv if flag.startswith("--gather_")]
 
 
-@pytest.mark.parametrize("quant", trtllm.QFORMATS)
+@pytest.mark.parametrize("quant", trtllm_plan.QFORMATS)
 def test_quantized_engine_plan_calibrates_offline_on_shipped_text(quant, tmp_path):
-    steps = trtllm.make_plan(trt_spec(target_quant=quant, draft_quant="fp16"), "engine", INPUTS)
+    steps = trtllm_plan.make_plan(trt_spec(target_quant=quant, draft_quant="fp16"), "engine", INPUTS)
     assert steps[0].name == "calibration"
     argv = next(s.argv for s in steps if s.name == "quantize")
-    assert argv[argv.index("--calib_dataset") + 1] == trtllm.CALIB_DIR  # not the hub default cnn_dailymail
+    assert argv[argv.index("--calib_dataset") + 1] == trtllm_plan.CALIB_DIR  # not the hub default cnn_dailymail
     trtllm.run_step(steps[0], tmp_path)
-    lines = (tmp_path / trtllm.CALIB_DIR / trtllm.CALIB_FILE).read_text(encoding="utf-8").splitlines()
+    lines = (tmp_path / trtllm_plan.CALIB_DIR / trtllm_plan.CALIB_FILE).read_text(encoding="utf-8").splitlines()
     texts = [json.loads(line)["text"] for line in lines]
     assert len(texts) == int(argv[argv.index("--calib_size") + 1]) >= 32 and all(t.strip() for t in texts)
 
 
 def test_unquantized_engine_plan_needs_no_calibration():
-    steps = trtllm.make_plan(trt_spec(target_quant="fp16", draft_quant="int8"), "engine", INPUTS)
+    steps = trtllm_plan.make_plan(trt_spec(target_quant="fp16", draft_quant="int8"), "engine", INPUTS)
     assert "calibration" not in [s.name for s in steps]
 
 
 def test_weight_only_uses_convert_checkpoint_and_modelopt_formats_use_quantize_py():
-    steps = trtllm.make_plan(trt_spec(target_quant="int8", draft_quant="w4a8_awq"), "engine", INPUTS)
+    steps = trtllm_plan.make_plan(trt_spec(target_quant="int8", draft_quant="w4a8_awq"), "engine", INPUTS)
     first = {s.role: s for s in steps if s.name in ("convert", "quantize")}
     assert first["target"].argv[1].endswith("models/core/llama/convert_checkpoint.py")
     assert first["target"].argv[-3:] == ("--use_weight_only", "--weight_only_precision", "int8")
@@ -89,7 +89,7 @@ def test_weight_only_uses_convert_checkpoint_and_modelopt_formats_use_quantize_p
 
 
 def test_llmapi_plan_records_draft_target_config():
-    steps = trtllm.make_plan(trt_spec(k=2, max_k=6), "llmapi", INPUTS)
+    steps = trtllm_plan.make_plan(trt_spec(k=2, max_k=6), "llmapi", INPUTS)
     llm = steps[-1]
     assert llm.call == "tensorrt_llm.LLM"
     assert llm.kwargs["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 6,
@@ -109,7 +109,7 @@ def test_k_above_max_draft_len_is_refused():
 def test_quant_unsupported_by_llmapi_flavor(quant):
     with pytest.raises(SpecError, match=f"draft_quant: expected one of .* for TensorRT-LLM flavor 'llmapi', "
                                         f"received '{quant}'"):
-        trtllm.make_plan(trt_spec(draft_quant=quant), "llmapi", INPUTS)
+        trtllm_plan.make_plan(trt_spec(draft_quant=quant), "llmapi", INPUTS)
 
 
 def test_trtllm_formats_refused_by_onnxruntime_and_fp32_by_tensorrt_llm():
@@ -130,14 +130,14 @@ def test_gpu_only_options_on_cpu_are_refused():
 
 def test_lengths_must_fit_the_pair():
     with pytest.raises(SpecError, match=r"max_seq_len: expected <= the pair's usable context \(2048\)"):
-        trtllm.make_plan(trt_spec(max_seq_len=4096), "engine", INPUTS)
+        trtllm_plan.make_plan(trt_spec(max_seq_len=4096), "engine", INPUTS)
     with pytest.raises(SpecError, match="max_input_len: expected < max_seq_len"):
         trt_spec(max_input_len=512, max_seq_len=512)
 
 
 def test_truncated_self_draft_is_onnx_only():
     with pytest.raises(SpecError, match="a truncated self-draft is an ONNX-only option"):
-        trtllm.make_plan(trt_spec(draft="self:layers=1"), "engine", INPUTS)
+        trtllm_plan.make_plan(trt_spec(draft="self:layers=1"), "engine", INPUTS)
 
 
 @pytest.mark.parametrize("version,flavor", [("0.21.0", "engine"), ("1.2.1", "engine"), ("1.3.0rc20", "engine"),
@@ -181,7 +181,6 @@ def test_more_parallel_ranks_than_gpus_fails_fast(tmp_path):
 
 
 # --- the pipeline, with the GPU steps replaced -----------------------------------------------------------------------
-
 
 
 @pytest.mark.parametrize("flavor,quants", [("engine", ("int8", "int4")), ("engine", ("fp8", "int4_awq")),

@@ -16,8 +16,6 @@ from runtime.bundle import BuildSpec, load_manifest
 NO_TRTLLM = importlib.util.find_spec("tensorrt_llm") is None
 
 
-
-
 @pytest.fixture(scope="module", params=["engine", "llmapi"])
 def trt_bundle(request, tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
@@ -59,7 +57,8 @@ def test_speculative_generator_over_the_adapter_matches_the_onnx_bundle(tiny_bun
 
 @pytest.mark.skipif(not NO_TRTLLM, reason="checks the message shown when tensorrt_llm is absent")
 def test_opening_a_trtllm_bundle_without_tensorrt_llm_says_what_to_install(trt_bundle):
-    from runtime.trtllm_engine import TrtllmUnavailable, open_generator
+    from runtime.trtllm_common import TrtllmUnavailable
+    from runtime.trtllm_engine import open_generator
     with pytest.raises(TrtllmUnavailable, match=r"pip install 'draftsmith\[tensorrt\]'"):
         open_generator(trt_bundle)
 
@@ -68,7 +67,7 @@ def test_llm_api_kwargs_resolve_to_the_bundle(trt_bundle):
     manifest = load_manifest(trt_bundle)
     if manifest.spec.trtllm_flavor != "llmapi":
         pytest.skip("llm_api.yaml exists in llmapi bundles only")
-    from runtime.trtllm_engine import llm_api_kwargs
+    from runtime.trtllm_llmapi import llm_api_kwargs
     kwargs = llm_api_kwargs(trt_bundle, manifest)
     assert kwargs["model"] == str(trt_bundle.resolve() / "target/hf")
     assert kwargs["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 6,
@@ -187,7 +186,7 @@ def test_hostile_llm_api_yaml_is_refused_naming_the_key(trt_bundle, tmp_path, ch
     import yaml
 
     from runtime.bundle import BundleError
-    from runtime.trtllm_engine import llm_api_kwargs
+    from runtime.trtllm_llmapi import llm_api_kwargs
     manifest = load_manifest(trt_bundle)
     if manifest.spec.trtllm_flavor != "llmapi":
         pytest.skip("llm_api.yaml exists in llmapi bundles only")

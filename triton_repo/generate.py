@@ -17,7 +17,8 @@ steps. Both need per-sequence text state, so ``speculative`` runs the runtime's 
 (``SpeculativeGenerator.stream_batch``: tokenize, decode, detokenize incrementally, stop strings), which also makes
 its text identical to the Python API's. The ensemble is ``preprocessing -> speculative``: ``preprocessing`` checks the
 request (prompt size in bytes before anything else, UTF-8, ``max_tokens`` range) and tokenizes the prompt to refuse
-one that leaves no room in the context, before it takes a batch slot; ``speculative`` takes ``text_input`` and the checked ``request_output_len``.
+one that leaves no room in the context, before it takes a batch slot; ``speculative`` takes ``text_input`` and the
+checked ``request_output_len``.
 ``postprocessing`` is still written, a plain token-ids-to-text model for tools that expect one.
 
 Why an ensemble and not a BLS model: an ensemble needs no Python of its own, streams, and lets Triton's dynamic

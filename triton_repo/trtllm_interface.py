@@ -37,25 +37,29 @@ def tensors(table: list[tuple[str, str, list[int], str]]) -> list[dict[str, Any]
 
 
 def parameters(values: dict[str, Any]) -> dict[str, dict[str, str]]:
-    return {key: {"string_value": _text(value)} for key, value in values.items()}
+    return {key: {"string_value": parameter_text(value)} for key, value in values.items()}
 
 
-def _text(value: Any) -> str:
+def parameter_text(value: Any) -> str:
+    """A parameter's ``string_value`` as upstream writes it (booleans lower case). Public: the engine layout fills
+    upstream's config templates with the same text (triton_repo/trtllm_layouts.py)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # --- the recorded interface (1.x-era triton_backend/all_models/inflight_batcher_llm/*/config.pbtxt) -----------------
 # Declarations as upstream's templates make them, with the template's ${logits_datatype} as TYPE_FP32 and its
 # prompt-table/encoder data types as TYPE_FP16. Commits read: tests/fixtures/trtllm/inflight_batcher_llm.json.
+# Public tables (PRE_*, POST_*, TRT_*, BLS_*, LLMAPI_*): this module only declares them; the engine layout
+# (triton_repo/trtllm_layouts.py) and the LLM-API layout (triton_repo/trtllm_llmapi_layout.py) render them.
 
 _V4 = [-1, -1, -1, -1]
-_PRE_IN = [("QUERY", "STRING", [1], ""), ("DECODER_QUERY", "STRING", [1], "o"), ("IMAGE_BYTES", "UINT8", _V4, "o"),
+PRE_IN = [("QUERY", "STRING", [1], ""), ("DECODER_QUERY", "STRING", [1], "o"), ("IMAGE_BYTES", "UINT8", _V4, "o"),
            ("IMAGE_URL", "STRING", [1], "o"), ("IMAGES", "STRING", [-1], "o"), ("VIDEO_BYTES", "UINT8", _V4, "o"),
            ("REQUEST_OUTPUT_LEN", "INT32", [1], ""), ("BAD_WORDS_DICT", "STRING", [-1], "o"),
            ("STOP_WORDS_DICT", "STRING", [-1], "o"), ("EMBEDDING_BIAS_WORDS", "STRING", [-1], "o"),
            ("EMBEDDING_BIAS_WEIGHTS", "FP32", [-1], "o"), ("END_ID", "INT32", [1], "o"),
            ("PAD_ID", "INT32", [1], "o"), ("PROMPT_TABLE_EXTRA_ID", "UINT64", [1], "o")]
-_PRE_OUT = [("INPUT_ID", "INT32", [-1], ""), ("REQUEST_INPUT_LEN", "INT32", [1], ""),
+PRE_OUT = [("INPUT_ID", "INT32", [-1], ""), ("REQUEST_INPUT_LEN", "INT32", [1], ""),
             ("DECODER_INPUT_ID", "INT32", [-1], ""), ("REQUEST_DECODER_INPUT_LEN", "INT32", [1], ""),
             ("BAD_WORDS_IDS", "INT32", [2, -1], ""), ("STOP_WORDS_IDS", "INT32", [2, -1], ""),
             ("EMBEDDING_BIAS", "FP32", [-1], ""), ("REQUEST_OUTPUT_LEN", "INT32", [-1], ""),
@@ -65,8 +69,8 @@ _PRE_OUT = [("INPUT_ID", "INT32", [-1], ""), ("REQUEST_INPUT_LEN", "INT32", [1],
             ("CROSS_ATTENTION_MASK", "INT64", [-1, -1, -1], ""), ("IMAGE_SIZES", "INT64", [-1, 2], ""),
             ("IS_VIDEO_INPUT", "BOOL", [1], ""), ("ATTENTION_MASK", "INT64", [-1], ""),
             ("IMAGE_GRID_THW", "INT64", [3], ""), ("VISION_INPUT_ID", "INT32", [-1], "")]
-_POST_IN = [("TOKENS_BATCH", "INT32", [-1, -1], ""), ("SEQUENCE_LENGTH", "INT32", [-1], "")]
-_POST_OUT = [("OUTPUT", "STRING", [-1], "")]
+POST_IN = [("TOKENS_BATCH", "INT32", [-1, -1], ""), ("SEQUENCE_LENGTH", "INT32", [-1], "")]
+POST_OUT = [("OUTPUT", "STRING", [-1], "")]
 _SCALAR_OPTIONAL = ["num_return_sequences:INT32", "draft_acceptance_threshold:FP32", "end_id:INT32", "pad_id:INT32",
                     "beam_width:INT32", "temperature:FP32", "runtime_top_k:INT32", "runtime_top_p:FP32",
                     "runtime_top_p_min:FP32", "runtime_top_p_decay:FP32", "runtime_top_p_reset_ids:INT32",
@@ -76,7 +80,7 @@ _SCALAR_OPTIONAL = ["num_return_sequences:INT32", "draft_acceptance_threshold:FP
                     "return_generation_logits:BOOL", "return_perf_metrics:BOOL", "return_num_input_tokens:BOOL",
                     "return_num_output_tokens:BOOL", "exclude_input_in_output:BOOL", "stop:BOOL", "streaming:BOOL",
                     "prompt_vocab_size:INT32", "lora_task_id:UINT64"]
-_TRT_IN = ([("input_ids", "INT32", [-1], "go"), ("encoder_input_features", "FP16", [-1, -1], "go"),
+TRT_IN = ([("input_ids", "INT32", [-1], "go"), ("encoder_input_features", "FP16", [-1, -1], "go"),
             ("encoder_output_lengths", "INT32", [1], "ro"), ("input_lengths", "INT32", [1], "r"),
             ("request_output_len", "INT32", [1], "r"), ("draft_input_ids", "INT32", [-1], "og"),
             ("decoder_input_ids", "INT32", [-1], "og"), ("decoder_input_lengths", "INT32", [1], "or"),
@@ -104,9 +108,9 @@ _METRICS_OUT = ([("batch_index", "INT32", [1], ""), ("sequence_index", "INT32", 
                    ("num_output_tokens", "INT32", [1], "")])
 _LOGITS_OUT = [("cum_log_probs", "FP32", [-1], ""), ("output_log_probs", "FP32", [-1, -1], ""),
                ("context_logits", "FP32", [-1, -1], ""), ("generation_logits", "FP32", [-1, -1, -1], "")]
-_TRT_OUT = ([("output_ids", "INT32", [-1, -1], ""), ("sequence_length", "INT32", [-1], "")] + _LOGITS_OUT
+TRT_OUT = ([("output_ids", "INT32", [-1, -1], ""), ("sequence_length", "INT32", [-1], "")] + _LOGITS_OUT
             + _METRICS_OUT[:2] + [("context_phase_params", "UINT8", [-1], "")] + _METRICS_OUT[2:])
-_BLS_IN = ([("text_input", "STRING", [1], ""), ("decoder_text_input", "STRING", [1], "o"),
+BLS_IN = ([("text_input", "STRING", [1], ""), ("decoder_text_input", "STRING", [1], "o"),
             ("image_input", "FP16", [-1, 3, -1, -1], "o"), ("image_bytes_input", "UINT8", _V4, "o"),
             ("image_url_input", "STRING", [1], "o"), ("video_bytes_input", "UINT8", _V4, "o"),
             ("max_tokens", "INT32", [1], ""), ("bad_words", "STRING", [-1], "o"), ("stop_words", "STRING", [-1], "o"),
@@ -128,20 +132,20 @@ _BLS_IN = ([("text_input", "STRING", [1], ""), ("decoder_text_input", "STRING", 
            + [(n, "BOOL", [1], "ro") for n in ("return_perf_metrics", "return_num_input_tokens",
                                                "return_num_output_tokens")]
            + [("guided_decoding_guide_type", "STRING", [1], "o"), ("guided_decoding_guide", "STRING", [1], "o")])
-_BLS_OUT = [("text_output", "STRING", [-1], "")] + _LOGITS_OUT + _METRICS_OUT
+BLS_OUT = [("text_output", "STRING", [-1], "")] + _LOGITS_OUT + _METRICS_OUT
 
 
 # all_models/llmapi/tensorrt_llm/config.pbtxt (tests/fixtures/trtllm/llmapi.json for the commit).
 _LLMAPI_SAMPLING = [("best_of", "INT32"), ("temperature", "FP32"), ("top_k", "INT32"), ("top_p", "FP32"),
                     ("frequency_penalty", "FP32"), ("presence_penalty", "FP32"), ("max_tokens", "INT32")]
-_LLMAPI_IN = ([("text_input", "STRING", [-1], ""), ("streaming", "BOOL", [1], "o")]
+LLMAPI_IN = ([("text_input", "STRING", [-1], ""), ("streaming", "BOOL", [1], "o")]
               + [(f"sampling_param_{n}", t, [1], "o") for n, t in _LLMAPI_SAMPLING]
               + [("sampling_param_stop", "STRING", [-1], "o"), ("sampling_param_seed", "UINT64", [1], "o"),
                  ("sampling_param_exclude_input_from_output", "BOOL", [1], "o"),
                  ("sampling_param_return_perf_metrics", "BOOL", [1], "o")]
               + [(n, "BOOL", [1], "o") for n in ("return_finish_reason", "return_stop_reason",
                                                  "return_cumulative_logprob", "stop")])
-_LLMAPI_OUT = ([("text_output", "STRING", [-1], ""), ("finish_reason", "STRING", [-1], ""),
+LLMAPI_OUT = ([("text_output", "STRING", [-1], ""), ("finish_reason", "STRING", [-1], ""),
                 ("stop_reason", "STRING", [-1], ""), ("cumulative_logprob", "FP32", [-1], "")]
                + [(n, "INT32", [-1], "") for n in ("kv_cache_reused_block", "kv_cache_missed_block",
                                                    "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks")]
@@ -154,7 +158,9 @@ _LLMAPI_OUT = ([("text_output", "STRING", [-1], ""), ("finish_reason", "STRING",
 
 # --- upstream copies ---------------------------------------------------------------------------------------------
 
-def _upstream_dir(upstream: str | Path, needed: list[str]) -> Path:
+def upstream_dir(upstream: str | Path, needed: list[str]) -> Path:
+    """The upstream models folder ``--upstream-models`` names, checked to hold every file of ``needed``. Public: both
+    layouts (engine and LLM API) copy from it."""
     source = Path(upstream).expanduser().resolve()
     missing = [rel for rel in needed if not (source / rel).is_file()]
     if missing:
@@ -162,8 +168,9 @@ def _upstream_dir(upstream: str | Path, needed: list[str]) -> Path:
     return source
 
 
-def _copied_version_folder(folder: Path, name: str) -> dict[str, str]:
-    """Text files of ``folder/1`` (model.py, lib/*.py, ...) keyed as they go into the repository."""
+def copied_version_folder(folder: Path, name: str) -> dict[str, str]:
+    """Text files of ``folder/1`` (model.py, lib/*.py, ...) keyed as they go into the repository. Public: both layouts
+    (engine and LLM API) copy upstream's ``1/`` folders with it."""
     version = folder / "1"
     copied = {}
     for path in sorted(version.rglob("*")) if version.is_dir() else []:

@@ -18,7 +18,7 @@ container ships a copy of them.
   exist in the template; the others stay for the models to treat as unset), the draft model is the target's
   config renamed (as the draft-target guide's ``cp -r`` + ``sed``), and the ``1/`` Python files are copied from the
   same folder. Without one, the configs declare the interface recorded from the 1.x-era files
-  (``_PRE_*``, ``_TRT_*``, ``_BLS_*`` in triton_repo/trtllm_interface.py;
+  (``PRE_*``, ``TRT_*``, ``BLS_*`` in triton_repo/trtllm_interface.py;
   tests/fixtures/trtllm/inflight_batcher_llm.json lists what each model reads and tests/test_trtllm_conformance.py
   holds the configs to it), and the ``1/`` folders must be installed from the matching release.
 
@@ -46,12 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_repo.pbtxt import ConfigError, model_config, render  # noqa: F401 (model_config: re-exported)
-from triton_repo.trtllm_interface import (UPSTREAM_HINT, _BLS_IN, _BLS_OUT, _POST_IN, _POST_OUT,  # noqa: F401
-                                          _PRE_IN, _PRE_OUT, _TRT_IN, _TRT_OUT, _copied_version_folder, _text,
-                                          _upstream_dir, parameters, tensor, tensors)
-from triton_repo.trtllm_llmapi_layout import (LlmApiLayout, llmapi_config, llmapi_model_yaml,  # noqa: F401
-                                              llmapi_repo_files)
+from triton_repo.pbtxt import ConfigError, render
+from triton_repo.trtllm_interface import (BLS_IN, BLS_OUT, POST_IN, POST_OUT, PRE_IN, PRE_OUT, TRT_IN, TRT_OUT,
+                                          UPSTREAM_HINT, copied_version_folder, parameter_text, parameters, tensor,
+                                          tensors, upstream_dir)
+from triton_repo.trtllm_llmapi_layout import LlmApiLayout, llmapi_repo_files
 from triton_repo.trtllm_launch import (Placement, engine_launch_args, launch_script, llmapi_launch_args,
                                        placement)
 
@@ -61,6 +60,7 @@ ENGINE_MODELS = ("preprocessing", "postprocessing", TARGET, "tensorrt_llm_bls", 
 PYTHON_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
 
 # --- engine era ------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class EngineLayout:
@@ -124,7 +124,7 @@ def preprocessing(layout: EngineLayout) -> dict[str, Any]:
     # none) and looks up every INPUT_ID ... IMAGE_SIZES output config by name at load time.
     return {
         "name": "preprocessing", "backend": "python", "max_batch_size": layout.max_batch_size,
-        "dynamic_batching": _batching(layout), "input": tensors(_PRE_IN), "output": tensors(_PRE_OUT),
+        "dynamic_batching": _batching(layout), "input": tensors(PRE_IN), "output": tensors(PRE_OUT),
         "parameters": parameters({"tokenizer_dir": layout.tokenizer_dir, "add_special_tokens": False,
                                   "multimodal_model_path": "", "gpt_model_path": layout.target_engine_dir}),
         "instance_group": [{"count": layout.instance_count, "kind": "KIND_CPU"}],
@@ -135,7 +135,7 @@ def postprocessing(layout: EngineLayout) -> dict[str, Any]:
     # model.py raises for any input but TOKENS_BATCH and SEQUENCE_LENGTH, and returns OUTPUT only.
     return {
         "name": "postprocessing", "backend": "python", "max_batch_size": layout.max_batch_size,
-        "dynamic_batching": {}, "input": tensors(_POST_IN), "output": tensors(_POST_OUT),
+        "dynamic_batching": {}, "input": tensors(POST_IN), "output": tensors(POST_OUT),
         "parameters": parameters({"tokenizer_dir": layout.tokenizer_dir, "skip_special_tokens": True}),
         "instance_group": [{"count": layout.instance_count, "kind": "KIND_CPU"}],
     }
@@ -147,7 +147,7 @@ def tensorrt_llm(layout: EngineLayout, role: str) -> dict[str, Any]:
         "name": TARGET if role == "target" else DRAFT, "backend": "tensorrtllm",
         "max_batch_size": layout.max_batch_size,
         "model_transaction_policy": {"decoupled": layout.decoupled}, "dynamic_batching": _batching(layout),
-        "input": tensors(_TRT_IN), "output": tensors(_TRT_OUT),
+        "input": tensors(TRT_IN), "output": tensors(TRT_OUT),
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
         # Values: the draft-target guide's fill_template call (max_beam_width 1, inflight_fused_batching,
         # exclude_input_in_output, enable_kv_cache_reuse, max_tokens_in_paged_kv_cache, gpu_device_ids); keys left
@@ -180,7 +180,7 @@ def tensorrt_llm_bls(layout: EngineLayout) -> dict[str, Any]:
     return {
         "name": "tensorrt_llm_bls", "backend": "python", "max_batch_size": layout.max_batch_size,
         "model_transaction_policy": {"decoupled": layout.decoupled},
-        "input": tensors(_BLS_IN), "output": tensors(_BLS_OUT),
+        "input": tensors(BLS_IN), "output": tensors(BLS_OUT),
         "parameters": parameters({"accumulate_tokens": False, "tensorrt_llm_model_name": TARGET,
                                   "tensorrt_llm_draft_model_name": DRAFT}),
         "instance_group": [{"count": layout.instance_count, "kind": "KIND_CPU"}],
@@ -295,7 +295,7 @@ def _template_text(key: str, value: Any, where: str) -> str:
     """A value as it goes into a template's text. Upstream's placeholders sit inside quoted strings, so a value
     with a quote, a backslash or a control character (a newline) could close the string and add fields of its own
     (a bundle path is hostile data): refused, never escaped into meaning something else."""
-    text = _text(value)
+    text = parameter_text(value)
     bad = [c for c in text if c in '"\\' or ord(c) < 32 or ord(c) == 127]
     if bad:
         raise ConfigError(f"{where}: the value for ${{{key}}} ({text[:80]!r}) has {bad[0]!r}, which config.pbtxt "
@@ -333,7 +333,7 @@ def upstream_engine_files(layout: EngineLayout, upstream: str | Path) -> dict[st
     from google.protobuf import text_format
 
     from triton_repo.pbtxt import parse
-    source = _upstream_dir(upstream, [f"{m}/config.pbtxt" for m in ENGINE_MODELS])
+    source = upstream_dir(upstream, [f"{m}/config.pbtxt" for m in ENGINE_MODELS])
     files: dict[str, str] = {}
     for name, values in _template_values(layout).items():
         folder = TARGET if name == DRAFT else name
@@ -350,7 +350,7 @@ def upstream_engine_files(layout: EngineLayout, upstream: str | Path) -> dict[st
             raise ConfigError(f"{folder}/config.pbtxt: filling it added parameters {sorted(injected)}")
         config.name = name
         files[f"{name}/config.pbtxt"] = text_format.MessageToString(config)
-        files.update(_copied_version_folder(source / folder, name))
+        files.update(copied_version_folder(source / folder, name))
     files["README.md"] = _engine_readme(upstream=True)
     return files
 
@@ -394,7 +394,7 @@ def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decou
     batch = max_batch_size or manifest.spec.max_batch_size
     where = placement(manifest.spec.tp_size * manifest.spec.pp_size, target_devices, draft_devices, num_nodes)
     if manifest.spec.trtllm_flavor == "llmapi":
-        from runtime.trtllm_engine import llm_api_kwargs
+        from runtime.trtllm_llmapi import llm_api_kwargs
         files = llmapi_repo_files(LlmApiLayout(llm_api_kwargs(root, manifest), batch, decoupled), upstream_models)
         args = llmapi_launch_args("$REPO", where.world, num_nodes)
         explicit = target_devices and not where.multi_node
@@ -434,6 +434,5 @@ def parse_all(files: dict[str, str]) -> dict[str, Any]:
     return {rel: parse(text) for rel, text in files.items() if rel.endswith("config.pbtxt")}
 
 
-__all__ = ["EngineLayout", "LlmApiLayout", "engine_configs", "engine_repo_files", "llmapi_repo_files",
-           "upstream_engine_files", "fill_template", "repo_for_bundle", "write_repo", "write_trtllm_repository",
-           "check_ensemble", "model_config", "parse_all"]
+__all__ = ["EngineLayout", "engine_configs", "engine_repo_files", "upstream_engine_files", "fill_template",
+           "repo_for_bundle", "write_repo", "write_trtllm_repository", "check_ensemble", "parse_all"]

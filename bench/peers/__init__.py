@@ -10,9 +10,11 @@ draftsmith[peers]``; each peer is skipped, with the reason, when it is not insta
   builder. Graphs are cached under ``~/.cache/draftsmith/peers/<sha256 of the source weights>/`` (or
   ``$DRAFTSMITH_PEERS_CACHE``).
 
-One module a peer (``transformers_peer``, ``llama_cpp_peer``, ``genai_peer``, ``openvino_peer``) over what they
-share (``common``: the sources, our reference, the timed rows); this face hands their names on, so ``bench.peers.run_llama_cpp`` and
-the rest import from here. A new peer: a ``run_<peer>(manifest, bundle, workloads, best_k, max_new_tokens, threads,
+One module a peer (``transformers_peer``, ``llama_cpp_peer``, ``genai_peer``, ``openvino_peer``; llama.cpp's own
+tools: ``llama_cpp_tools``) over what they share (``common``: the sources, our reference, the timed rows). Import each
+name from its module (``from bench.peers.llama_cpp_peer import run_llama_cpp``): this package file imports nothing,
+so loading one peer never loads the others (tests/test_layout.py: no import circle through a package's
+``__init__``). A new peer: a ``run_<peer>(manifest, bundle, workloads, best_k, max_new_tokens, threads,
 eos_ids, progress)`` returning rows, made with ``common.timed_rows``, and its call in ``bench/speed.py``.
 
 Every peer returns rows {"peer", "workload", "mode", "k", "prompts", "tokens", "wall_seconds", "tokens_per_second",
@@ -25,16 +27,3 @@ finds them from any working directory and checks their sha256 against the manife
 weights than the bundle's. Reloading a pickled or remote-code checkpoint takes the bench's own flags, never the
 manifest's record of the build's.
 """
-
-from bench.peers.common import (PeerError, compare_with_ours, is_feature_draft, locate_checkpoint, source_candidates,
-                                strip_eos)
-from bench.peers.genai_peer import (BUILDER_TIMEOUT_S, CACHE_ENV, cache_root, genai_graph, genai_graphs,
-                                    genai_session_options, hf_folder, run_onnxruntime_genai, speculative_config)
-from bench.peers.llama_cpp_peer import llama_cpp_perplexity, run_llama_cpp
-from bench.peers.openvino_peer import run_openvino
-from bench.peers.transformers_peer import run_transformers, transformers_assistant
-
-__all__ = ["BUILDER_TIMEOUT_S", "CACHE_ENV", "PeerError", "cache_root", "compare_with_ours", "genai_graph",
-           "genai_graphs", "genai_session_options", "hf_folder", "is_feature_draft", "llama_cpp_perplexity",
-           "locate_checkpoint", "run_llama_cpp", "run_onnxruntime_genai", "run_openvino", "run_transformers",
-           "source_candidates", "speculative_config", "strip_eos", "transformers_assistant"]

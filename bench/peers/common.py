@@ -36,14 +36,14 @@ def source_candidates(entry: ModelEntry, bundle: Path) -> list[Path]:
     build time, then a relative source against each folder above the bundle (``bundles/x`` built from the project
     root: the grandparent) and the working directory. Candidates are only places to look: the caller checks the
     weights' sha256."""
-    from builder.checkpoint import CheckpointError, _locate
+    from builder.checkpoint import CheckpointError, locate
     source = entry.source
     if entry.role == "draft" and (source == "self" or source.startswith("self:")):
         raise ValueError("a self draft has no checkpoint of its own: locate the target's")
     out: list[Path] = []
     if source.startswith("pkg:"):
         with contextlib.suppress(CheckpointError):
-            out.append(_locate(source))
+            out.append(locate(source))
     if entry.source_resolved:
         out.append(Path(entry.source_resolved))
     typed = Path(source).expanduser()

@@ -25,6 +25,7 @@ from runtime.bundle import Manifest
 CACHE_ENV = "DRAFTSMITH_PEERS_CACHE"
 BUILDER_TIMEOUT_S = 1800  # the genai builder on a large checkpoint; a 135M model takes well under a minute
 
+
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "draftsmith" / "peers")
 
@@ -58,7 +59,7 @@ def hf_folder(checkpoint, sha256: str, layers: int = 0) -> Path:
             model = checkpoint.load_model()
             tokenizer = checkpoint.load_tokenizer()
         if layers:
-            model = build._truncate(model, layers)
+            model = build.truncate(model, layers)
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -1,5 +1,6 @@
-"""llama.cpp through its Python bindings (llama-cpp-python, peer ``llama-cpp-python``) on the bundle's GGUF source file as it is: plain decoding and its
-prompt-lookup drafting (``LlamaPromptLookupDecoding``, the only drafter the Python bindings ship)."""
+"""llama.cpp through its Python bindings (llama-cpp-python, peer ``llama-cpp-python``) on the bundle's GGUF source
+file as it is: plain decoding and its prompt-lookup drafting (``LlamaPromptLookupDecoding``, the only drafter the
+Python bindings ship)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from bench.peers.common import (PeerError, is_feature_draft, quiet_transformers,
                                 timed_rows)
 from runtime.bundle import Manifest
 
+
 def transformers_assistant(manifest: Manifest, target, draft_checkpoint=None):
     """The assistant model for transformers' assisted generation, and a sentence saying what it is.
 
@@ -26,7 +27,7 @@ def transformers_assistant(manifest: Manifest, target, draft_checkpoint=None):
     from builder import build
     layers = self_layers(manifest)
     if layers:
-        return build._truncate(target, layers), f"the target's first {layers} layers (as the bundle's draft)"
+        return build.truncate(target, layers), f"the target's first {layers} layers (as the bundle's draft)"
     if draft_checkpoint is None:
         import warnings
         import torch

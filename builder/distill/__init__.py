@@ -15,21 +15,8 @@ stage:
 - ``recipe``: ``DistillRecipe``, what a distillation makes and how (the command's flags, a preset's ``distill:``
   block, the Python callers' fields);
 - ``pipeline`` runs them in order; ``cli`` is the command.
+
+Import each name from its stage's module (``from builder.distill.pipeline import distill_draft``): this package
+file imports nothing, so loading one stage never loads the others (tests/test_layout.py: no import circle through
+a package's ``__init__``).
 """
-
-from builder.distill.cli import distill
-from builder.distill.continuations import eos_ids_of, generate
-from builder.distill.corpus import COMPLETION_MARK, DistillError, Prompt, Sample, load_prompts, split_prompts
-from builder.distill.distributions import teacher
-from builder.distill.draft import check_init, init_draft, kept_vocabulary, reduce_head
-from builder.distill.evaluation import ACCEPTANCE_KS, Acceptance, acceptance, replay
-from builder.distill.pipeline import distill_draft
-from builder.distill.recipe import RECIPE_KEYS, DistillRecipe, recipe_from
-from builder.distill.save import REPORT_FILE, VOCAB_FILE, is_distilled, read_draft_vocab, save_draft
-from builder.distill.training import train
-
-__all__ = ["ACCEPTANCE_KS", "COMPLETION_MARK", "REPORT_FILE", "RECIPE_KEYS", "VOCAB_FILE", "Acceptance",
-           "DistillError", "DistillRecipe", "Prompt", "Sample", "acceptance", "check_init", "distill", "distill_draft",
-           "eos_ids_of", "generate", "init_draft", "is_distilled", "kept_vocabulary", "load_prompts",
-           "read_draft_vocab", "recipe_from", "reduce_head", "replay", "save_draft", "split_prompts", "teacher",
-           "train"]

@@ -12,7 +12,6 @@ from typing import Callable
 import numpy as np
 
 from builder.distill.corpus import Sample
-from builder.progress import Heartbeat  # noqa: F401  (the stages' progress lines; imported from here too)
 
 
 def eos_ids_of(model, tokenizer) -> list[int]:
@@ -184,10 +183,11 @@ def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, ma
     """The target as the fused ONNX engine the bundle will run (quant ``gguf``: the file's own blocks; otherwise
     fp32), written into ``folder``; None where the fused graph cannot express the model (then torch generates)."""
     from builder import gguf_weights, graph
+    from builder.decoder import GraphError, from_transformers
     from runtime.engine import FusedEngine
     try:
-        decoder = graph.from_transformers(model, max_context)  # rotary tables for this many tokens
-    except graph.GraphError:
+        decoder = from_transformers(model, max_context)  # rotary tables for this many tokens
+    except GraphError:
         return None
     path = folder / "target.onnx"
     if quant == "gguf" and checkpoint.gguf_file:

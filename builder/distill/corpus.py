@@ -80,7 +80,8 @@ def split_prompts(prompts: list, heldout: float, seed: int) -> tuple[list, list]
 
 
 def encode(tokenizer, prompt: Prompt, chat: bool | None, max_tokens: int) -> list[int]:
-    use_chat = bool((not prompt.completion) if chat is None else chat) and bool(getattr(tokenizer, "chat_template", None))
+    use_chat = (bool((not prompt.completion) if chat is None else chat)
+                and bool(getattr(tokenizer, "chat_template", None)))
     if use_chat:  # transformers renders templates in jinja2's sandbox, as runtime.text does
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
                                              add_generation_prompt=True)

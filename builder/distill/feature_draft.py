@@ -324,7 +324,7 @@ def chained_agreement(draft, samples: list[Sample], kept: np.ndarray | None, lev
             "mean_accepted": round(float(rates.sum()), 3), "positions": positions}
 
 
-# --- saving and the graph -----------------------------------------------------------------------------------------------
+# --- saving and the graph -------------------------------------------------------------------------------------------
 
 def saved_weights(draft) -> dict[str, np.ndarray]:
     """The weights as saved: the input scales folded into fc (a loaded draft has unit scales)."""
@@ -368,7 +368,7 @@ def load_feature_weights(folder: Path) -> tuple[FeatureConfig, dict[str, np.ndar
 
 def feature_decoder(cfg: FeatureConfig, weights: dict[str, np.ndarray], embedding: np.ndarray, head: np.ndarray):
     """The draft as a builder.graph Decoder (one layer, a ``features`` input, head rows ``head`` [K, H])."""
-    from builder.graph import Decoder, Layer, Linear
+    from builder.decoder import Decoder, Layer, Linear
     w = weights
     layer = Layer(attn_norm=w["attn_norm"], qkv=Linear(np.concatenate([w["q"], w["k"], w["v"]]).T), o=Linear(w["o"].T),
                   mlp_norm=w["mlp_norm"], gate_up=Linear(np.concatenate([w["gate"], w["up"]]).T),

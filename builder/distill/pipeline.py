@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from builder.distill.continuations import Heartbeat, Job, eos_ids_of, generate, generate_with_engine, target_engine
+from builder.distill.continuations import Job, eos_ids_of, generate, generate_with_engine, target_engine
 from builder.distill.corpus import DistillError, encode, load_prompts, split_prompts
 from builder.distill.distributions import teacher
 from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary, output_transform
@@ -21,6 +21,7 @@ from builder.distill.recipe import DistillRecipe
 from builder.distill.save import check_out, publish_draft
 from builder.distill.self_prompts import self_prompts as sample_self_prompts
 from builder.distill.training import train
+from builder.progress import Heartbeat
 
 
 def check_target(config, init: str) -> int:

@@ -2,9 +2,9 @@
 
 The idea of SuffixDecoding (Oliaro et al. 2024): index every substring of the context in a suffix trie that counts
 occurrences, find the deepest node that matches the end of the text and has been continued before, and follow its
-most frequent continuation for as long as that continuation stays frequent. Against prompt lookup (runtime/drafters/lookup.py,
-the latest match of the last 1-3 tokens) it matches up to ``depth`` tokens, sees every earlier occurrence instead of
-one, and sizes each draft by evidence instead of always proposing k tokens.
+most frequent continuation for as long as that continuation stays frequent. Against prompt lookup
+(runtime/drafters/lookup.py, the latest match of the last 1-3 tokens) it matches up to ``depth`` tokens, sees every
+earlier occurrence instead of one, and sizes each draft by evidence instead of always proposing k tokens.
 
 Vocabulary, for the text so far t_1..t_n:
   match m        the longest suffix t_{n-m+1..n} that occurred earlier and was followed by a token

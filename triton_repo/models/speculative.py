@@ -212,7 +212,8 @@ class TritonPythonModel:
     def _submit(self, item):
         from runtime.errors import RequestError
         try:
-            item.handle = self.scheduler.submit(item.prompt, item.decode, sink=lambda event: self._on_event(item, event))
+            item.handle = self.scheduler.submit(item.prompt, item.decode,
+                                                sink=lambda event: self._on_event(item, event))
         except RequestError as err:
             raise RequestInvalid(str(err)) from None
         if self.decoupled:
