@@ -200,7 +200,7 @@ def test_a_preset_builds_a_recipe_and_flags_override_it():
 
 
 def test_recipe_errors_name_the_problem(tmp_path):
-    from builder.distill.cli import recipe_from
+    from builder.distill.recipe import recipe_from
     from builder.distill.corpus import DistillError
     with pytest.raises(DistillError, match="no 'distill:' recipe"):
         recipe_from({"target": "t", "draft": "d"}, "p.yaml")

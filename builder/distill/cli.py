@@ -10,12 +10,10 @@ import click
 
 from builder.distill.corpus import DistillError
 from builder.distill.pipeline import distill_draft
-from builder.distill.recipe import RECIPE_KEYS, DistillRecipe, recipe_from
+from builder.distill.recipe import DistillRecipe, recipe_from
 from builder.distill.save import REPORT_FILE, is_distilled
 from runtime.bundle import SpecError
 from runtime.presets import load_preset
-
-__all__ = ["RECIPE_KEYS", "distill", "recipe_from"]
 
 
 @click.command("distill")
