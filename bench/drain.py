@@ -6,7 +6,7 @@ Two ``draftsmith serve-openai`` processes serve one bundle; clients (bench/opena
 ``mixed_spec``) send streamed requests spread over both through ``Balancer``, which does what a Service's endpoints
 do: round-robin over the replicas in rotation, a replica leaving it when its readiness probe (``GET /health``) says
 it is not ready (or does not answer three times in a row) or when it refused a request. Mid-run one replica gets
-SIGTERM (runtime/drain.py). Every request must then end one of two ways:
+SIGTERM (runtime/serving/drain.py). Every request must then end one of two ways:
 
 - answered: the stream ended with a finish_reason and ``[DONE]``, and a greedy or seeded answer is the same text
   the surviving replica gives the same request alone (else it counts as truncated);

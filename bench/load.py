@@ -277,7 +277,7 @@ def _print(result: LoadResult) -> None:
               help="Given a bundle: ONNX Runtime threads of the served model (0: all cores).")
 @click.option("--max-batch-size", type=int, default=16, show_default=True, help="Given a bundle: batch size.")
 @click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True,
-              help="Given a bundle: the scheduler's policy (runtime/scheduler.py).")
+              help="Given a bundle: the scheduler's policy (runtime/serving/scheduler.py).")
 @click.option("--rss-every", type=int, default=100, show_default=True, help="Sample the server's RSS every N requests.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--check-identical", "identical", is_flag=True,

@@ -30,9 +30,9 @@ def profile_entry(root: Path, entry, max_context: int, threads: int, past: int =
     runtime's own engine class for the entry's graph. Returns {"calls", "mean_call_ms", "ops": {op: {"ms", "nodes"}},
     "stored_nodes", "optimized_nodes"}: per call, the profiler's kernel time per operator type and how many nodes of
     it ran (after ONNX Runtime's fusions)."""
-    from runtime.engine import engine_class
-    from runtime.sessions import make_session, session_options
-    from runtime.step_costs import scratch_call
+    from runtime.engines.onnx import engine_class
+    from runtime.engines.sessions import make_session, session_options
+    from runtime.serving.step_costs import scratch_call
     with tempfile.TemporaryDirectory(prefix="draftsmith-profile-") as tmp:
         options = session_options(threads)  # the runtime's own thread pool and spinning
         options.enable_profiling = True

@@ -31,10 +31,10 @@ from bench.report import plot, render_summary, render_table
 from bench.stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k, summarize,
                          where_time_goes)
 from runtime.drafters.registry import DRAFTERS
-from runtime.engine import MappedVocabEngine, unpadded
-from runtime.prompt_files import parse_prompts
+from runtime.engines.onnx import MappedVocabEngine, unpadded
+from runtime.text.prompt_files import parse_prompts
 from runtime.request import decode_request
-from runtime.sessions import DEVICES, DeviceError
+from runtime.engines.sessions import DEVICES, DeviceError
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning", "json")  # json: with --response-format prompts/json_event.json
 CHAT_BY_DEFAULT = ("chat", "reasoning", "json")  # through the chat template unless --no-chat; code: completions

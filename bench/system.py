@@ -36,7 +36,7 @@ def _child(bundle: str, mode: str, threads: int, tokens: int, k: int | None, pro
     """Load what ``mode`` needs (target-only loads no draft engine), decode, and report resident memory."""
     from runtime.api import SpeculativeGenerator, open_engines
     from runtime.bundle import load_manifest
-    from runtime.text import Tokenizer
+    from runtime.text.tokenizer import Tokenizer
     root = Path(bundle)
     manifest = load_manifest(root, verify=False)
     tokenizer = Tokenizer(root / "tokenizer")

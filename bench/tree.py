@@ -156,7 +156,7 @@ def _prefilled(session, entry, prompt: list[int], slots: int) -> list[np.ndarray
 
 def tree_attention(root: Path, manifest, threads: int, trials: int = 6) -> dict:
     """Max |logit difference| between a tree call and the same paths as chains, on random prompts."""
-    from runtime.sessions import make_session
+    from runtime.engines.sessions import make_session
     entry = manifest.target
     parents = [-1, 0, 1, 2, 0, 4, 1]  # main chain c0..c3 at slots 0..3; a0 <- c0, a1 <- a0, b0 <- c1
     paths = []  # each node's path from the root, itself last

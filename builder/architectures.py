@@ -33,7 +33,7 @@ class Architecture:
     pre_norms: bool = True  # input_layernorm before attention, a norm before the MLP (OLMo 2 has neither)
     # llama.cpp's convert_hf_to_gguf.py stores attn_q / attn_k rows permuted for its rotary layout only in
     # LlamaModel.modify_tensors (Llama, Mistral and classes built on it); Qwen2/3, Gemma 2/3 and Phi-3 are written as
-    # they are (builder.gguf_weights reads GGUF blocks in this order)
+    # they are (builder.gguf.weights reads GGUF blocks in this order)
     gguf_permuted_qk: bool = True
 
 

@@ -27,7 +27,9 @@ from typing import Callable
 import numpy as np
 
 from builder import checkpoint as ckpt
-from builder import evaluate, export, gguf_stream, gguf_weights, graph, memory, pairing, quantize
+from builder import evaluate, export, graph, memory, pairing, quantize
+from builder.gguf import stream as gguf_stream
+from builder.gguf import weights as gguf_weights
 from builder import publish as publishing
 from builder.decoder import GraphError, from_transformers
 from builder.progress import Heartbeat
@@ -68,7 +70,7 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
     out = Path(out).absolute()
     stage = on_stage or (lambda name: None)
     if spec.backend != "onnxruntime":
-        raise BuildError(f"backend {spec.backend!r} is built by its own pipeline (builder.trtllm)")
+        raise BuildError(f"backend {spec.backend!r} is built by its own pipeline (builder.trtllm.build)")
     check_output(out, force)
     started = time.perf_counter()
     with staging(out, force) as tmp, _disk_errors(out):
@@ -246,7 +248,7 @@ def _opener(path: Path, info, kept=None, *, max_context: int, threads: int, voca
     def open_engine():
         engine = evaluate.engine_for(path, info, max_context, threads)
         if kept is not None:
-            from runtime.engine import MappedVocabEngine
+            from runtime.engines.onnx import MappedVocabEngine
             engine = MappedVocabEngine(engine, kept, vocab_size)
         return engine
     return open_engine
@@ -305,7 +307,7 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
 
 
 class _Model:
-    """What a role's graphs are made from: a GGUF file read layer by layer (builder.gguf_stream: memory follows one
+    """What a role's graphs are made from: a GGUF file read layer by layer (builder.gguf.stream: memory follows one
     layer) where the fused graph is written, else the transformers model loaded whole."""
 
     def __init__(self, checkpoint, spec: BuildSpec, context: int, kept=None):
@@ -355,7 +357,7 @@ def _reference_path(work: Path, role: str, model: _Model, quant: str, spec: Buil
 def _export(model: _Model, checkpoint, path: Path, spec: BuildSpec, layers: int = 0, full: bool = True):
     """The fp32 (fp16 on cuda) graph of ``model``'s first ``layers`` layers (0: all) at ``path``, checked against
     torch: (GraphInfo, check report). A streamed GGUF model is checked on its first layers, whose graph is written
-    beside ``path`` by the same lazy path (builder.gguf_stream); ``full`` False writes only that (nothing reads the
+    beside ``path`` by the same lazy path (builder.gguf.stream); ``full`` False writes only that (nothing reads the
     whole fp32 graph: the engine is the file's blocks and its reference the same blocks in fp32)."""
     if spec.engine_graph == "fused":
         try:
@@ -389,7 +391,7 @@ def _export(model: _Model, checkpoint, path: Path, spec: BuildSpec, layers: int 
 def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, model: _Model | None,
               layers: int = 0, reference: Path | None = None) -> list[str]:
     """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
-    the GGUF file's own blocks (builder.gguf_weights); ``model``: what ``src`` came from (its first ``layers``
+    the GGUF file's own blocks (builder.gguf.weights); ``model``: what ``src`` came from (its first ``layers``
     layers; 0: all), whose weights are those of ``checkpoint``. Returns what the engine's graph notes about itself
     (quant gguf: tensors the file holds in a type without an exact MatMulNBits form). ``reference`` (quant gguf, a
     path other than ``src``): the same blocks are also written there at accuracy level 0 (fp32 arithmetic), what
@@ -457,14 +459,15 @@ def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: Bui
 
 def _min_call_tokens(role: str, graph_kind: str) -> int:
     """2 for a fused target: a one-token call takes other kernels than a verify call on every CPU measured
-    (MatMulNBits' one-row int8 kernel, GroupQueryAttention's one-query SGEMM; runtime.engine.FusedEngine), so its
+    (MatMulNBits' one-row int8 kernel, GroupQueryAttention's one-query SGEMM; runtime.engines.onnx.FusedEngine), so its
     one-token calls are padded to two; 1 elsewhere (a draft need not be exact)."""
     return 2 if role == "target" and graph_kind == "fused" else 1
 
 
 def eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:
     """The target's end-of-sequence ids for the manifest: its config's, its generation_config.json's (not for a GGUF
-    source) and its tokenizer's. Public: the TensorRT-LLM build writes the same manifest field (builder/trtllm.py)."""
+    source) and its tokenizer's. Public: the TensorRT-LLM build writes the same manifest field
+    (builder/trtllm/build.py)."""
     ids = set()
     generation_file = checkpoint.folder / "generation_config.json"
     generation = (json.loads(generation_file.read_text(encoding="utf-8")).get("eos_token_id")
@@ -480,7 +483,7 @@ def eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:
 
 def tool_versions() -> dict[str, str]:
     """The installed versions of ``TOOLS`` for the manifest's ``tools``. Public: the TensorRT-LLM build records the
-    same (builder/trtllm.py)."""
+    same (builder/trtllm/build.py)."""
     versions = {}
     for name in TOOLS:
         try:
@@ -492,7 +495,7 @@ def tool_versions() -> dict[str, str]:
 
 def finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
     """Hash, write the manifest last, check the result loads, then publish it at ``out``. Public: the TensorRT-LLM
-    build ends its bundles the same way (builder/trtllm.py)."""
+    build ends its bundles the same way (builder/trtllm/build.py)."""
     stage("manifest")
     complete = dataclasses.replace(manifest, files=hash_tree(tmp))
     (tmp / MANIFEST).write_text(complete.to_json(), encoding="utf-8")

@@ -88,7 +88,7 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
 def _check_gguf_header(path: Path, source: str) -> None:
     """Refuse a truncated or inconsistent GGUF header before transformers' GGUF reader (which trusts its counts)
     sees it."""
-    from builder.gguf_header import GGUFHeaderError, check
+    from builder.gguf.header import GGUFHeaderError, check
     try:
         check(path)
     except GGUFHeaderError as err:

@@ -164,7 +164,7 @@ def _write_triton_repo(bundle: Path, repo: Path, force: bool, upstream_models: P
 def _write_trtllm_repo(bundle: Path, repo: Path, force: bool, upstream_models: Path | None,
                        placement: dict | None = None) -> None:
     from triton_repo.pbtxt import ConfigError
-    from triton_repo.trtllm_layouts import write_trtllm_repository
+    from triton_repo.trtllm.layouts import write_trtllm_repository
     try:
         write_trtllm_repository(bundle, repo, upstream_models=upstream_models, overwrite=force, **(placement or {}))
     except (ConfigError, BundleError, ImportError) as err:
@@ -202,7 +202,7 @@ def _run_build(spec, out, force, threads, quiet):
     return manifest
 
 
-# --- backend tensorrt_llm (builder/trtllm.py) ---------------------------------------------------------------------
+# --- backend tensorrt_llm (builder/trtllm/build.py) -----------------------------------------------------------------
 
 TRTLLM_DEFAULTS = {"device": "cuda", "target_quant": "fp16", "draft_quant": "int4_awq"}
 
@@ -221,7 +221,8 @@ def _device_defaults(config: dict, flags: dict) -> dict:
 
 
 def _trtllm_dry_run(spec, as_json: bool) -> None:
-    from builder import trtllm, trtllm_plan
+    from builder.trtllm import build as trtllm
+    from builder.trtllm import plan as trtllm_plan
     from builder.checkpoint import CheckpointError
     from builder.pairing import PairingError
     if spec.backend != "tensorrt_llm":
@@ -237,7 +238,7 @@ def _trtllm_dry_run(spec, as_json: bool) -> None:
 
 
 def _run_trtllm_build(spec, out, force, quiet):
-    from builder import trtllm
+    from builder.trtllm import build as trtllm
     from builder.build import BuildError
     from builder.checkpoint import CheckpointError
     from builder.pairing import PairingError

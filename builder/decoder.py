@@ -1,7 +1,7 @@
 """Stage 2 (fused): a decoder's weights and shape as plain data (Decoder, Layer, Linear, BlockQuant, RotaryTable),
 and ``from_transformers``, which reads them off a transformers model of any registered family (builder/
 architectures.py: the differences from Llama). builder/graph.py writes the fused ONNX graph from a Decoder;
-builder/gguf_weights.py swaps its float linear layers for a GGUF file's own blocks.
+builder/gguf/weights.py swaps its float linear layers for a GGUF file's own blocks.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Layer:
 
 class LazyLayers(Sequence):
     """Layers made when asked for, one at a time, and not kept: a graph is written holding one layer's weights, not
-    the model's (builder.gguf_stream reads a GGUF file this way). ``ropes``: each layer's rotary key, known without
+    the model's (builder.gguf.stream reads a GGUF file this way). ``ropes``: each layer's rotary key, known without
     making the layer (the graph's rotary inputs need them first). ``map(fn)``: the same layers, each passed through
     ``fn(i, layer)`` when made (a GGUF file's own blocks replacing float weights)."""
 
@@ -142,7 +142,7 @@ class Decoder:
     final_softcap: float = 0.0  # Gemma 2/3: the same on the logits
     residual_scale: float = 1.0  # Granite: each block's output times residual_multiplier before its residual add
     logit_divisor: float = 1.0  # Granite: logits / logits_scaling
-    # the embedding in a GGUF file's own blocks (builder.gguf_weights): a GatherBlockQuantized of the token rows
+    # the embedding in a GGUF file's own blocks (builder.gguf.weights): a GatherBlockQuantized of the token rows
     # (+ their blocks' offsets) instead of a float32 table, exact to the file; ``embedding`` then only says its shape
     embedding_quant: BlockQuant | None = None
 

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from builder.memory import release
-from runtime.engine import OnnxEngine, engine_class
+from runtime.engines.onnx import OnnxEngine, engine_class
 
 
 EVAL_SET = "data/eval_long.txt"  # the build report's evaluation set (below)

@@ -259,7 +259,7 @@ def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: floa
     although torch's two best logits are further apart than the tolerance. An fp16 graph (CUDA engines; run here on
     the CPU through ONNX Runtime's inserted casts) gets ``FP16_RELATIVE_TOLERANCE`` of the largest logit.
     """
-    from runtime.sessions import make_session
+    from runtime.engines.sessions import make_session
     session = make_session(onnx_path, threads=0)
     dtype = np.float16 if "float16" in session.get_inputs()[3].type else np.float32
     rng = np.random.default_rng(seed)

@@ -17,7 +17,7 @@ per-layer-type bases (Gemma 3) are cos/sin tables GroupQueryAttention takes as i
 local_window_size, Gemma 2's score softcap its softcap and query_pre_attn_scalar its scale. Semantics follow
 transformers 5's modeling_<family>.py and are checked against it (check_against_torch; tests/test_fused_graph.py).
 
-The contract (runtime.engine.FusedEngine relies on it)::
+The contract (runtime.engines.onnx.FusedEngine relies on it)::
 
     inputs   input_ids             int64 [B, S]      S >= 1 new tokens
              seqlens_k             int32 [B]         live tokens of each row after this call, minus 1
@@ -37,7 +37,7 @@ Its CPU kernel takes several new tokens on a past only at batch 1 and needs each
 buffer (padding at the end); the runtime keeps both (shared/FACTS.md).
 
 Linear layers come as float weights (quantized afterwards by builder.quantize, ONNX Runtime's MatMulNBits
-quantizer) or as blocks already quantized in a GGUF file (builder.gguf_weights), written as MatMulNBits as they are.
+quantizer) or as blocks already quantized in a GGUF file (builder.gguf.weights), written as MatMulNBits as they are.
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def _gathered_blocks(g: _Graph, name: str, q: BlockQuant) -> str:
 
 
 def _gather_zero_points(q: BlockQuant) -> np.ndarray:
-    """GatherBlockQuantized's zero points, always given: 8-bit values are stored around 128 (builder.gguf_weights'
+    """GatherBlockQuantized's zero points, always given: 8-bit values are stored around 128 (builder.gguf.weights'
     packing), 4-bit ones around their own zero points (8 where the packing left them out), two a byte."""
     blocks = q.k // q.block
     if q.bits == 8:
@@ -411,7 +411,7 @@ def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0
     ExportError past ``tolerance`` (builder.export.compare_cases)."""
     import torch
     from builder.export import compare_cases
-    from runtime.engine import FusedEngine
+    from runtime.engines.onnx import FusedEngine
     engine = FusedEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                          vocab_size=info.vocab_size, max_context=64, initial_slots=8)  # 8: the buffer grows too
     rng = np.random.default_rng(seed)

@@ -23,7 +23,7 @@ from pathlib import Path
 # fp32 reference graph's session, the quantized engines and the build report's logits alive together): 10.5 on
 # Qwen2.5-Coder-0.5B (7.72 GB peak, 630M parameters; 2026-12-03, onnxruntime 1.32, docs/building.md), rounded up.
 BYTES_PER_PARAMETER = 12.0
-# A GGUF file read layer by layer (builder.gguf_stream) and scored one session at a time: the peak follows the
+# A GGUF file read layer by layer (builder.gguf.stream) and scored one session at a time: the peak follows the
 # largest model alone, not the pair, and within it the embedding and head, held in float32 twice while the graph is
 # checked against torch (the truncated transformers model, the check graph's session), over one layer and the
 # engines' sessions. Measured 2026-12-03 (docs/building.md, "Build memory"): Qwen2.5-Coder-1.5B + 0.5B 5.64 GB,
@@ -46,7 +46,7 @@ class BuildMemoryError(BaseException):
 class Estimate:
     parameters: int  # target + draft (a self-draft counts once)
     peak_bytes: int
-    streamed: bool = False  # read layer by layer (builder.gguf_stream)
+    streamed: bool = False  # read layer by layer (builder.gguf.stream)
 
     def basis(self) -> str:
         if self.streamed:

@@ -11,22 +11,22 @@ from typing import Iterator
 
 import numpy as np
 
-from runtime.attention_classes import class_points
+from runtime.engines.attention_classes import class_points
 from runtime.bundle import BundleError, Manifest, load_manifest, read_verified
 from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.base import Drafter
 from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
 from runtime.drafters.suffix import SuffixCorpus
-from runtime.engine import Engine, MappedVocabEngine, engine_class
+from runtime.engines.onnx import Engine, MappedVocabEngine, engine_class
 from runtime.errors import RequestError
-from runtime.grammar import GrammarCompiler, parse_response_format
+from runtime.decoding.grammar import GrammarCompiler, parse_response_format
 from runtime.metrics import MetricsRegistry, RequestStats
-from runtime.onnx_checks import read_onnx
-from runtime.sessions import make_session, providers_for
+from runtime.engines.onnx_checks import read_onnx
+from runtime.engines.sessions import make_session, providers_for
 from runtime.request import DecodeRequest, check_text, decode_request
-from runtime.sampling import SamplingParams
-from runtime.text import IncrementalDecoder, Tokenizer, cut_at_stop
+from runtime.decoding.sampling import SamplingParams
+from runtime.text.tokenizer import IncrementalDecoder, Tokenizer, cut_at_stop
 
 
 @dataclass
@@ -280,14 +280,14 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
 
 def _min_call_tokens(entry) -> int:
     """A fused target's calls are at least two tokens wide on every CPU (one-token calls take other kernels:
-    runtime.engine.FusedEngine), also where an older bundle's manifest says 1; a draft need not be exact."""
+    runtime.engines.onnx.FusedEngine), also where an older bundle's manifest says 1; a draft need not be exact."""
     return max(entry.min_call_tokens, 2) if entry.role == "target" and entry.graph == "fused" else \
         entry.min_call_tokens
 
 
 def _class_points(entry, attention: tuple, max_context: int, min_call_tokens: int) -> tuple[int, ...]:
     """Where the target's calls are cut so that each token is scored as target-only decoding scores it (a draft
-    need not be exact; runtime.attention_classes)."""
+    need not be exact; runtime.engines.attention_classes)."""
     if entry.role != "target":
         return ()
     return class_points(attention, entry.head_dim, max_context + min_call_tokens + 1)

@@ -58,7 +58,7 @@ GRAPH_CHOICES = ("",) + GRAPHS  # "": fused on cpu, export on cuda
 ONNX_DEVICE_QUANTS = {"cpu": ("fp32", "int8", "int4", "gguf"), "cuda": ("fp16", "int8", "int4")}
 # TensorRT-LLM formats: bf16/fp16 (no quantization), int8/int4 weight-only (convert_checkpoint.py --use_weight_only),
 # ModelOpt post-training quantization (examples/quantization/quantize.py --qformat). Which flavor takes which is
-# decided in builder/trtllm.py (FLAVOR_QUANTS); the spec checks the union here.
+# decided in builder/trtllm/build.py (FLAVOR_QUANTS); the spec checks the union here.
 TRTLLM_QUANTS = ("fp16", "bf16", "int8", "int4", "int4_awq", "int8_sq", "w4a8_awq", "fp8")
 QUANTS = ONNX_QUANTS + tuple(q for q in TRTLLM_QUANTS if q not in ONNX_QUANTS)
 BACKENDS = ("onnxruntime", "tensorrt_llm")
@@ -125,7 +125,7 @@ class BuildSpec:
     device: str = "cpu"
     allow_pickle: bool = False  # accept .bin/.pt weights (pickle: can run code) only when the user asks
     trust_remote_code: bool = False  # run a checkpoint's own modelling code only when the user asks
-    # --- backend tensorrt_llm only (builder/trtllm.py); max_k is the engines' max_draft_len ---
+    # --- backend tensorrt_llm only (builder/trtllm/build.py); max_k is the engines' max_draft_len ---
     trtllm_flavor: str = ""  # "engine" (trtllm-build), "llmapi" (LLM API, PyTorch backend) or "" (from the version)
     tp_size: int = 1  # tensor parallel GPUs per engine
     pp_size: int = 1  # pipeline parallel GPUs per engine
@@ -218,10 +218,11 @@ class ModelEntry:
     size_bytes: int = 0
     graph: str = "export"  # GRAPHS: which engine contract the file follows (bundles before the fused graph: export)
     # fused graph only: pad shorter calls to this many tokens (2 for a target with int8-activation MatMulNBits, whose
-    # one-row kernel rounds differently: runtime.engine.FusedEngine), so verify and target-only agree bit for bit
+    # one-row kernel rounds differently: runtime.engines.onnx.FusedEngine), so verify and target-only agree bit for bit
     min_call_tokens: int = 1
     # A reduced-vocabulary draft head: a JSON file in the bundle ({"kept_ids": [...]}) naming the token of each of the
-    # engine's vocab_size logits; the runtime maps them back to the full vocabulary (runtime.engine.MappedVocabEngine).
+    # engine's vocab_size logits; the runtime maps them back to the full vocabulary
+    # (runtime.engines.onnx.MappedVocabEngine).
     vocab_map: str = ""
     # The source checkpoint's absolute path when the bundle was built (``source`` may be relative to that folder):
     # lets the bench's peers reload it from any working directory. "": bundles built before this field.

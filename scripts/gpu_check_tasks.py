@@ -67,8 +67,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def _generate_both(bundle: str, max_new: int):
     from runtime.bundle import load_manifest
-    from runtime.trtllm_engine import open_generator
-    from runtime.trtllm_llmapi import LlmApiGenerator
+    from runtime.trtllm.engine import open_generator
+    from runtime.trtllm.llmapi import LlmApiGenerator
     if load_manifest(bundle).spec.trtllm_flavor == "llmapi":
         outputs = []
         for speculative in (True, False):  # one LLM at a time: each takes its share of GPU memory
@@ -95,7 +95,7 @@ def greedy(bundle: str, max_new: str, mode: str) -> int:
 def rate(bundle: str, max_new: str, _mode: str = "") -> int:
     """tok/s per k on the engine flavor (k is per request there)."""
     from runtime.bundle import load_manifest
-    from runtime.trtllm_engine import open_generator
+    from runtime.trtllm.engine import open_generator
     manifest, n = load_manifest(bundle), int(max_new)
     generator = open_generator(bundle)
     generator.generate(PROMPTS[:1], max_new_tokens=4)  # warm-up
@@ -117,8 +117,8 @@ def rate(bundle: str, max_new: str, _mode: str = "") -> int:
 
 def triton(bundle: str, repo: str, upstream: str, max_new: str) -> int:
     """The generated repository started by its own launch.sh; one request each way; the server stopped after."""
-    from triton_repo.trtllm_launch import bls_request, llmapi_request
-    from triton_repo.trtllm_layouts import write_trtllm_repository
+    from triton_repo.trtllm.launch import bls_request, llmapi_request
+    from triton_repo.trtllm.layouts import write_trtllm_repository
     root = write_trtllm_repository(bundle, repo, upstream_models=upstream, overwrite=True)
     log = open(Path(repo).with_suffix(".log"), "w")
     server = subprocess.Popen(["bash", str(root / "launch.sh")], stdout=log, stderr=subprocess.STDOUT,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# measured class points (runtime.attention_classes) go to a folder of this run's, not the user's cache
+# measured class points (runtime.engines.attention_classes) go to a folder of this run's, not the user's cache
 os.environ.setdefault("DRAFTSMITH_CACHE_DIR", tempfile.mkdtemp(prefix="draftsmith-test-cache-"))
 
 CORPUS = [

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.engine import KVCache, live_keep_mask, stack_rows
+from runtime.engines.onnx import KVCache, live_keep_mask, stack_rows
 
 
 class TokenCache:
@@ -212,8 +212,9 @@ def fake_gpu_runner(step, root) -> None:
     outputs with a config.json; runs the CPU-only steps for real."""
     import json
 
-    from builder import trtllm
-    if step.call in ("builder.trtllm.copy_checkpoint", "tensorrt_llm.LLM", "builder.trtllm.write_calibration_set"):
+    from builder.trtllm import build as trtllm
+    if step.call in ("builder.trtllm.build.copy_checkpoint", "tensorrt_llm.LLM",
+                     "builder.trtllm.build.write_calibration_set"):
         trtllm.run_step(step, root)
         return
     for output in step.outputs:

@@ -12,8 +12,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.attention_classes import AttentionProbe, attention_settings, class_points  # noqa: E402
-from runtime.engine import FusedEngine  # noqa: E402
+from runtime.engines.attention_classes import AttentionProbe, attention_settings, class_points  # noqa: E402
+from runtime.engines.onnx import FusedEngine  # noqa: E402
 
 
 def probe_failures(head_dim: int, settings: tuple) -> list[str]:

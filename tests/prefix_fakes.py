@@ -16,8 +16,8 @@ from functools import lru_cache
 import numpy as np
 
 from fakes import LENGTH, DraftCounts, TokenCache, rate_bound, total_variation, tv_bound
-from runtime.engine import KVCache
-from runtime.sampling import probabilities
+from runtime.engines.onnx import KVCache
+from runtime.decoding.sampling import probabilities
 
 
 class PrefixEngine(TokenCache):

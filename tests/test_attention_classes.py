@@ -1,4 +1,5 @@
-"""Class points (runtime.attention_classes) and the call shapes the engine uses: a token's logits must not depend on
+"""Class points (runtime.engines.attention_classes) and the call shapes the engine uses: a token's logits must not
+depend on
 the call that scores it, on whatever CPU the suite runs. Every test here asserts that property against the points
 this CPU measures; none assumes another CPU's points (an AVX-512 AMD EPYC shows them every 128 tokens at head dim
 256, an AVX2 Intel every 256, an AVX2 AMD EPYC none). tests/test_isa_emulation.py runs the same checks under
@@ -12,9 +13,9 @@ import numpy as np
 import pytest
 
 from isa_check import last_logits
-from runtime import attention_classes
-from runtime.attention_classes import AttentionProbe, attention_settings, class_points, measure
-from runtime.engine import FusedEngine
+from runtime.engines import attention_classes
+from runtime.engines.attention_classes import AttentionProbe, attention_settings, class_points, measure
+from runtime.engines.onnx import FusedEngine
 
 
 def settings_of(head_dim: int, window: int = -1) -> tuple[tuple, ...]:

@@ -35,7 +35,7 @@ def test_builtin_workloads_ship_about_twenty_prompts_each():
 
 def test_prompt_file_formats(tmp_path):
     from bench.speed import int_list
-    from runtime.prompt_files import parse_prompts
+    from runtime.text.prompt_files import parse_prompts
     assert parse_prompts("# header\n---\nfirst\nline two\n---\n\n---\nsecond\n") == ["first\nline two", "second"]
     assert parse_prompts("one\n\n# comment\ntwo\n") == ["one", "two"]  # no separators: one prompt per line
     assert parse_prompts("# a prompt that is code\nx = 1\n---\nnext") == ["# a prompt that is code\nx = 1", "next"]

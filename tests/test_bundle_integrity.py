@@ -203,20 +203,20 @@ def _tiny_graph_with(tensor_place: str, location: str):
 def test_every_tensor_of_the_graph_is_checked_for_its_data_location(place, location):
     """Not only initializers: constants, subgraphs and functions can hold external data too; ONNX Runtime's
     in-memory address tag would read raw process memory."""
-    from runtime.onnx_checks import external_data_locations
+    from runtime.engines.onnx_checks import external_data_locations
     with pytest.raises(BundleError, match="W.*not a plain file name"):
         external_data_locations(_tiny_graph_with(place, location), "target/model.onnx")
     assert external_data_locations(_tiny_graph_with(place, "model.onnx.data"), "t") == {"model.onnx.data"}
 
 
 def test_an_epcontext_node_is_refused():
-    from runtime.onnx_checks import external_data_locations
+    from runtime.engines.onnx_checks import external_data_locations
     with pytest.raises(BundleError, match="EPContext"):
         external_data_locations(_tiny_graph_with("EPContext", "../engine.bin"), "target/model.onnx")
 
 
 def test_a_graph_that_does_not_parse_is_a_bundle_error():
-    from runtime.onnx_checks import external_data_locations
+    from runtime.engines.onnx_checks import external_data_locations
     with pytest.raises(BundleError, match="not a valid ONNX model"):
         external_data_locations(b"\xff\xff\xff\xff not protobuf", "target/model.onnx")
 
@@ -275,15 +275,15 @@ def test_a_swap_after_reading_cannot_reach_the_session(tiny_bundle, tmp_path, mo
     """The file changes after it was read and hashed, while the session is being made: the session comes from the
     verified bytes, so its logits are the original target's."""
     import runtime.api
-    import runtime.engine
+    import runtime.engines.onnx
     root = copy_of(tiny_bundle, tmp_path / "b")
     draft_bytes = (root / "draft" / "model.onnx").read_bytes()
-    real = runtime.engine.make_session
+    real = runtime.engines.onnx.make_session
 
     def swap_then_make(model, *args, **kwargs):
         (root / "target" / "model.onnx").write_bytes(draft_bytes)
         return real(model, *args, **kwargs)
-    monkeypatch.setattr(runtime.engine, "make_session", swap_then_make)
+    monkeypatch.setattr(runtime.engines.onnx, "make_session", swap_then_make)
     monkeypatch.setattr(runtime.api, "make_session", swap_then_make, raising=False)
     generator = SpeculativeGenerator.from_bundle(root, threads=1)
     np.testing.assert_allclose(first_logits(generator), reference["target"], atol=1e-6)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from runtime.errors import RequestError
-from runtime.text import Tokenizer, render_chat_template
+from runtime.text.tokenizer import Tokenizer, render_chat_template
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -162,7 +162,7 @@ def test_a_hostile_render_costs_a_concurrent_good_one_nothing_but_cpu():
 
 
 def test_templates_are_compiled_once():
-    from runtime import chat_template
+    from runtime.text import chat_template
     chat_template._compiled.cache_clear()
     for _ in range(3):
         render_chat_template("{{ messages|length }}", USER)

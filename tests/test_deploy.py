@@ -40,7 +40,7 @@ def cached_schemas():
 @pytest.fixture(scope="module", params=["engine", "llmapi"])
 def trt_bundle(request, tiny_pair, tmp_path_factory) -> Path:
     """A tensorrt_llm bundle with tp 2 x pp 2, built without a GPU (the engine steps faked)."""
-    from builder import trtllm
+    from builder.trtllm import build as trtllm
     from runtime.bundle import BuildSpec
     target, draft = tiny_pair
     spec = BuildSpec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="fp16", k=3, max_k=6,

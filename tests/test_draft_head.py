@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fakes import BigramEngine, DraftCounts, pair_frequencies, random_table
-from runtime.engine import MappedVocabEngine
-from runtime.sampling import SamplingParams, probabilities
+from runtime.engines.onnx import MappedVocabEngine
+from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.model import ModelDrafter

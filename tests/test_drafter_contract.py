@@ -94,7 +94,7 @@ def test_the_schema_and_the_clis_read_the_registry():
 
 
 def test_prompt_lookup_through_the_registry_proposes_point_masses():
-    from runtime.sampling import SamplingParams
+    from runtime.decoding.sampling import SamplingParams
     drafter = make_drafter("prompt_lookup", sources())
     drafter.start([[1, 2, 3, 1, 2]])
     proposal = drafter.propose([2], SamplingParams(), [np.random.default_rng(0)])

@@ -1,4 +1,5 @@
-"""Graceful shutdown of the OpenAI server (runtime/drain.py): the drain state on a fake clock, and two real server
+"""Graceful shutdown of the OpenAI server (runtime/serving/drain.py): the drain state on a fake clock, and two real
+server
 processes under load with one stopped by SIGTERM mid-run (bench/drain.py), where no request may be lost."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from conftest import has_tritonserver  # noqa: E402
-from runtime.drain import Drain  # noqa: E402 - after the skips: it needs uvicorn
+from runtime.serving.drain import Drain  # noqa: E402 - after the skips: it needs uvicorn
 
 
 class Clock:
@@ -110,8 +111,8 @@ def test_health_and_refusals_of_a_draining_app(generator):
     request while draining is refused with 503, Retry-After and Connection: close, in OpenAI's error shape."""
     import asyncio
 
-    from runtime.openai_server import create_app
-    from runtime.scheduler import Scheduler
+    from runtime.serving.openai_server import create_app
+    from runtime.serving.scheduler import Scheduler
     scheduler = Scheduler(generator, max_batch=2).start()
     drain = Drain(timeout=5, linger=0)
     app = create_app(scheduler, "tiny", api_key="k", drain=drain)

@@ -1,4 +1,4 @@
-"""The runtime's Engine contract (runtime/engine.py), run for every backend.
+"""The runtime's Engine contract (runtime/engines/onnx.py), run for every backend.
 
 onnxruntime-fused: the tiny bundle's target engine (the fused CPU graph, builder/graph.py; the default).
 onnxruntime-int4: the tiny int4 bundle's target (fused, int8 activations, one-token calls padded to two).
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from runtime.bundle import load_manifest
-from runtime.engine import engine_class
+from runtime.engines.onnx import engine_class
 
 ATOL = 2e-4
 
@@ -73,7 +73,7 @@ def real_trtllm_engine():
         pytest.skip("tensorrt_llm backend: " + "; ".join(reasons))
     from pathlib import Path
 
-    from runtime.trtllm_engine import RunnerEngine, open_runner
+    from runtime.trtllm.engine import RunnerEngine, open_runner
     bundle = Path(os.environ["DRAFTSMITH_TRTLLM_BUNDLE"])
     manifest = load_manifest(bundle, verify=False)
     eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
@@ -93,7 +93,7 @@ def engine(request):
     if request.param.startswith("onnxruntime-"):
         import onnxruntime
 
-        from runtime.sessions import providers_for
+        from runtime.engines.sessions import providers_for
         device = "cpu" if request.param == "onnxruntime-fp16" else "cuda"
         if device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
             pytest.skip("onnxruntime-cuda: this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu "
@@ -101,7 +101,7 @@ def engine(request):
         return onnx_engine(request.getfixturevalue("tiny_cuda_bundle"), cache_device=device,
                            providers=providers_for(device))
     bundle = request.getfixturevalue("tiny_bundle")
-    from runtime.trtllm_engine import RunnerEngine
+    from runtime.trtllm.engine import RunnerEngine
     base = onnx_engine(bundle)
     return RunnerEngine(CpuRunner(base), vocab_size=base.vocab_size, max_context=base.max_context, end_id=2,
                         pad_id=0)
@@ -181,7 +181,7 @@ def test_select_keeps_the_chosen_rows(engine):
 
 
 def test_adapter_sends_whole_histories_one_request_per_row(tiny_bundle):
-    from runtime.trtllm_engine import RunnerEngine
+    from runtime.trtllm.engine import RunnerEngine
     base = onnx_engine(tiny_bundle)
     runner = CpuRunner(base)
     engine = RunnerEngine(runner, vocab_size=base.vocab_size, max_context=base.max_context, end_id=2, pad_id=0)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from fakes import LENGTH, BigramEngine, assert_follows_target, random_table, run_loop
-from runtime.engine import KVCache
+from runtime.engines.onnx import KVCache
 from runtime.drafters.feature import FeatureDrafter
-from runtime.sampling import SamplingParams, probabilities
+from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 
@@ -231,7 +231,7 @@ def test_the_scheduler_feeds_the_feature_drafter_as_a_lone_request_does(feature_
     """In-flight batching: requests admitted mid-flight, each with its own feature drafter fed from the shared
     target calls, get the tokens they get alone, with drafts proposed and accepted."""
     from runtime.api import SpeculativeGenerator
-    from runtime.scheduler import Scheduler
+    from runtime.serving.scheduler import Scheduler
     gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
     scheduler = Scheduler(gen, max_batch=3, policy=policy)
     prompts = ["the quick brown fox", "def add return", "lazy dog keeps target", "over the"]
@@ -251,7 +251,7 @@ def test_the_cost_model_starts_on_a_feature_draft(feature_bundle, policy, fallba
     """--policy throughput and the fallback time the draft at start: a feature draft takes features, which the
     calibration must give it. Answers stay greedy-exact for the fp32 target."""
     from runtime.api import SpeculativeGenerator
-    from runtime.scheduler import Scheduler
+    from runtime.serving.scheduler import Scheduler
     gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
     scheduler = Scheduler(gen, max_batch=2, policy=policy, fallback=fallback).start()
     try:

@@ -1,4 +1,4 @@
-"""The fused CPU graph (builder/graph.py) and its engine (runtime.engine.FusedEngine)."""
+"""The fused CPU graph (builder/graph.py) and its engine (runtime.engines.onnx.FusedEngine)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from builder.architectures import REGISTRY
 from builder.decoder import ROPE_KINDS, GraphError, RotaryTable, from_transformers
 from builder.export import ExportError
 from conftest import make_model, tiny_config
-from runtime.engine import FusedEngine
+from runtime.engines.onnx import FusedEngine
 
 # Rotary scalings on Llama, each changing the angles within the 16 checked positions
 ROPES = {
@@ -280,7 +280,7 @@ def test_last_only_scoring_gives_each_rows_last_logits_and_the_same_cache(tiny_p
             assert np.array_equal(a[:, :, :int(full_cache.lengths.max())], b[:, :, :int(full_cache.lengths.max())])
 
 
-# GGUF-faithful weights (builder/gguf_weights.py): tests/test_gguf_types.py
+# GGUF-faithful weights (builder/gguf/weights.py): tests/test_gguf_types.py
 
 
 def test_profile_reports_per_operator_time_and_node_counts(tiny_bundle):

@@ -1,5 +1,5 @@
-"""GGUF-faithful weights (builder/gguf_weights.py) for every block type with an exact MatMulNBits form, mixed types in
-one fused projection, llama.cpp's q/k row order, and the bounded header check (builder/gguf_header.py).
+"""GGUF-faithful weights (builder/gguf/weights.py) for every block type with an exact MatMulNBits form, mixed types in
+one fused projection, llama.cpp's q/k row order, and the bounded header check (builder/gguf/header.py).
 
 The oracle is the ``gguf`` package's own dequantizer (gguf/quants.py). It cannot write K-quants, so blocks are made
 from random bytes in each type's layout (random scales, mins and values: every bit pattern is a valid block once its
@@ -13,10 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from builder import gguf_header, gguf_weights, graph
+from builder import graph
+from builder.gguf import header as gguf_header
+from builder.gguf import weights as gguf_weights
 from builder.decoder import Linear, from_transformers
 from conftest import make_model, tiny_config
-from runtime.engine import FusedEngine
+from runtime.engines.onnx import FusedEngine
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
@@ -113,7 +115,7 @@ def _linear_session(linear: Linear, k: int, accuracy_level: int, threads: int = 
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", n])], g.inits),
         opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(graph.MS, 1)])
     model.ir_version = 9
-    from runtime.sessions import make_session
+    from runtime.engines.sessions import make_session
     return make_session(model.SerializeToString(), threads)
 
 

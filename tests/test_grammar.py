@@ -1,4 +1,4 @@
-"""Constrained decoding (runtime/grammar.py): exact against the constrained target, greedy and sampled, with
+"""Constrained decoding (runtime/decoding/grammar.py): exact against the constrained target, greedy and sampled, with
 grammar-forced drafts, model drafts and model-free drafts; bounds on client schemas."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from fakes import BigramEngine, DraftCounts, random_table, total_variation, tv_bound
 from runtime.errors import RequestError
-from runtime.grammar import (MAX_DEPTH, MAX_SOURCE_BYTES, Constraint, GrammarCompiler, constrain, json_schema,
+from runtime.decoding.grammar import (MAX_DEPTH, MAX_SOURCE_BYTES, Constraint, GrammarCompiler, constrain, json_schema,
                              parse_response_format)
 from runtime.drafters.lookup import PromptLookupDrafter
-from runtime.sampling import SamplingParams, probabilities
+from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.model import ModelDrafter
@@ -321,8 +321,8 @@ MESSAGES = [{"role": "user", "content": "Give me the event as JSON."}]
 def served(tiny_bundle):
     from test_openai_server import _Server
     from runtime.api import SpeculativeGenerator
-    from runtime.openai_server import create_app
-    from runtime.scheduler import Scheduler
+    from runtime.serving.openai_server import create_app
+    from runtime.serving.scheduler import Scheduler
     generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4).start()
     server = _Server(create_app(scheduler, "tiny"))
@@ -430,7 +430,7 @@ def test_bench_on_the_json_workload_with_a_response_format(tiny_bundle, tmp_path
 
 
 def test_tensorrt_llm_guide_inputs_map_to_constraints():
-    from runtime.grammar import trtllm_guide
+    from runtime.decoding.grammar import trtllm_guide
     assert trtllm_guide(None, None) is None
     assert trtllm_guide("json", None) == Constraint("json_object")
     assert json.loads(trtllm_guide("json_schema", '{"type": "integer"}').source) == {"type": "integer"}
@@ -446,7 +446,7 @@ def test_tensorrt_llm_guide_inputs_map_to_constraints():
 def test_scheduled_constrained_requests_equal_their_lone_runs(generator):
     """In-flight batching ("exact"): constrained requests batched with others (free ones, other schemas) get what
     each gets alone, greedy and seeded-sampled, their logprobs too."""
-    from runtime.scheduler import Scheduler
+    from runtime.serving.scheduler import Scheduler
     from schemas import schema_cases
     cases = schema_cases()[::9]
     requests = [dict(prompt=p, max_new_tokens=60, temperature=t, seed=s, logprobs=1,

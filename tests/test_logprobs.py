@@ -8,7 +8,7 @@ import pytest
 
 from fakes import BigramEngine, random_table
 from runtime.errors import RequestError
-from runtime.sampling import SamplingParams
+from runtime.decoding.sampling import SamplingParams
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.model import ModelDrafter
@@ -93,8 +93,8 @@ def served(tiny_bundle):
     openai = pytest.importorskip("openai")
     from test_openai_server import _Server
     from runtime.api import SpeculativeGenerator
-    from runtime.openai_server import create_app
-    from runtime.scheduler import Scheduler
+    from runtime.serving.openai_server import create_app
+    from runtime.serving.scheduler import Scheduler
     generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4).start()
     server = _Server(create_app(scheduler, "tiny"))

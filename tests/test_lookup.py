@@ -8,7 +8,7 @@ from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, p
                    run_loop)
 from runtime.errors import RequestError
 from runtime.drafters.lookup import PromptLookupDrafter, lookup
-from runtime.sampling import SamplingParams, probabilities
+from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 

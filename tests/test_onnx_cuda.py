@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from runtime.bundle import BuildSpec, SpecError, load_manifest
-from runtime.engine import OnnxEngine
-from runtime.sessions import DeviceError, providers_for
+from runtime.engines.onnx import OnnxEngine
+from runtime.engines.sessions import DeviceError, providers_for
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Ünïcödé café"]
 HAS_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()

@@ -13,8 +13,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-from runtime.openai_server import create_app  # noqa: E402 - after the skips: it needs fastapi
-from runtime.scheduler import Scheduler  # noqa: E402
+from runtime.serving.openai_server import create_app  # noqa: E402 - after the skips: it needs fastapi
+from runtime.serving.scheduler import Scheduler  # noqa: E402
 
 PROMPT = "The quick brown fox"
 MODEL = "tiny"
@@ -315,7 +315,7 @@ def test_an_events_data_stays_on_one_line_for_every_line_reader():
     import json
 
     from bench.openai_load import sse_lines
-    from runtime.openai_server import _sse
+    from runtime.serving.openai_server import _sse
     text = "a\u2028b\u2029c\x85d\x1ce \u00e9"
     event = _sse({"text": text})
     assert len(event.splitlines()) == 2 and json.loads(event.splitlines()[0][len("data: "):]) == {"text": text}

@@ -12,7 +12,7 @@ from fakes import LENGTH, copying_table, run_loop
 from prefix_fakes import PrefixEngine, assert_follows_prefix_target, target_law
 from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import PromptLookupDrafter
-from runtime.sampling import SamplingParams, probabilities
+from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.model import ModelDrafter

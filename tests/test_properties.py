@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from fakes import BigramEngine, random_table
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
-from runtime.text import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -95,7 +95,7 @@ def windowed_pieces(tokenizer, chunks: list[list[int]], window: int = 6) -> list
 
 
 def decoder_pieces(tokenizer, chunks: list[list[int]]) -> list[str]:
-    from runtime.text import IncrementalDecoder
+    from runtime.text.tokenizer import IncrementalDecoder
     decoder = IncrementalDecoder(tokenizer)
     return [decoder.push(chunk) for chunk in chunks] + [decoder.flush()]
 
@@ -160,7 +160,7 @@ def smollm2_tokenizer(smollm2_bundle):
 def test_a_stream_that_fails_decodes_whole_from_then_on(tiny_tokenizer):
     """tokenizers raises when a decoder changes text already emitted ("invalid prefix"); the decoder then decodes
     the whole sequence at each push instead, with the same text."""
-    from runtime.text import IncrementalDecoder
+    from runtime.text.tokenizer import IncrementalDecoder
 
     class Failing:
         def step(self, tokenizer, ids):

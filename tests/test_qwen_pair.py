@@ -2,7 +2,7 @@
 (configs/qwen2.5-coder-1.5b.yaml; slow: the build reads 1.6 GB of blocks layer by layer). scripts/setup.sh joins them
 into models/ from their chunk packages; without them this module skips, naming that step.
 
-What it guards: a model of this size builds in bounded memory (builder.gguf_stream reads one layer at a time; the
+What it guards: a model of this size builds in bounded memory (builder.gguf.stream reads one layer at a time; the
 evaluation opens one session at a time), its engines keep the file's blocks, and greedy speculative output equals
 target-only output. DRAFTSMITH_QWEN_BUNDLE reuses a bundle built from the preset.
 """

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine import FusedEngine
-from runtime.scheduler import Scheduler
+from runtime.engines.onnx import FusedEngine
+from runtime.serving.scheduler import Scheduler
 
 LINE = "for i in range(10): print(i * i)\n"
 
@@ -110,7 +110,7 @@ def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypat
 
 
 def test_a_full_queue_refuses_before_tokenizing(generator, monkeypatch):
-    from runtime.handles import Overloaded
+    from runtime.serving.handles import Overloaded
     scheduler = Scheduler(generator, max_batch=1, max_queue=1)
     scheduler.submit("def add(a, b):", max_new_tokens=4)
     calls = []
@@ -154,7 +154,7 @@ def test_the_batch_cache_is_reserved_once_and_requests_never_grow_it(generator):
 
 
 def test_a_batch_cache_larger_than_the_memory_is_refused_at_start_by_name(generator, monkeypatch):
-    import runtime.engine
-    monkeypatch.setattr(runtime.engine, "available_memory_bytes", lambda: 1 << 20)
+    import runtime.engines.onnx
+    monkeypatch.setattr(runtime.engines.onnx, "available_memory_bytes", lambda: 1 << 20)
     with pytest.raises(MemoryError, match="--max-batch"):
         Scheduler(generator, max_batch=64)

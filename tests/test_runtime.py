@@ -125,7 +125,7 @@ def test_stream_never_splits_a_multibyte_character(generator):
     """Byte-level tokens can carry half a character; no streamed piece may end inside one."""
     tok = generator.tokenizer
     ids = tok.encode("日本語のテキスト 🙂🚀 café")
-    from runtime.text import IncrementalDecoder
+    from runtime.text.tokenizer import IncrementalDecoder
     decoder = IncrementalDecoder(tok)
     pieces = [decoder.push([i]) for i in ids] + [decoder.flush()]
     assert "".join(pieces) == tok.decode(ids)

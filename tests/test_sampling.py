@@ -7,9 +7,9 @@ import pytest
 
 from fakes import (LENGTH, BigramEngine, assert_follows_target, exact_prefixes, prefix_frequencies, random_table,
                    run_loop, total_variation)
-from runtime import sampling
+from runtime.decoding import sampling
 from runtime.errors import RequestError
-from runtime.sampling import SamplingParams, probabilities, verify
+from runtime.decoding.sampling import SamplingParams, probabilities, verify
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.model import ModelDrafter
@@ -184,7 +184,7 @@ def test_bad_seeds_are_request_errors():
 
 def test_top_p_on_a_large_vocabulary_is_the_full_sort_nucleus():
     """nucleus() sorts only the most likely candidates when they hold the set: the same set, ties included."""
-    from runtime.sampling import nucleus
+    from runtime.decoding.sampling import nucleus
     rng = np.random.default_rng(0)
     for trial in range(60):
         probs = np.exp(rng.normal(0, [0.5, 3.0, 8.0][trial % 3], 5000))

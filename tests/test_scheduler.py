@@ -11,10 +11,10 @@ import pytest
 from fakes import BigramEngine, exact_prefixes, random_table, total_variation, tv_bound
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
-from runtime.handles import Overloaded, Unavailable
-from runtime.sampling import SamplingParams, probabilities
-from runtime.scheduler import Scheduler
-from runtime.text import Tokenizer
+from runtime.serving.handles import Overloaded, Unavailable
+from runtime.decoding.sampling import SamplingParams, probabilities
+from runtime.serving.scheduler import Scheduler
+from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["the cat", "a b c d e f", "hello there, how are", "def f(x):", "one two one two one", "zz"]
 

@@ -11,7 +11,7 @@ from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, p
                    run_loop)
 from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import lookup
-from runtime.sampling import SamplingParams, probabilities
+from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.drafters.model import ModelDrafter

@@ -13,7 +13,7 @@ import pytest
 SCRIPT = """
 import json, numpy as np
 from onnx import TensorProto, helper
-from runtime.sessions import make_session, pool_threads
+from runtime.engines.sessions import make_session, pool_threads
 graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])

@@ -54,7 +54,7 @@ def test_a_bundle_path_cannot_add_fields_to_an_upstream_config(path):
     """--upstream-models fills upstream's templates as text: a path with a quote and newlines would close the string
     and add a parameter (here a Python execution environment the model would run)."""
     from triton_repo.pbtxt import ConfigError
-    from triton_repo.trtllm_layouts import fill_template
+    from triton_repo.trtllm.layouts import fill_template
     template = 'parameters: { key: "engine_dir" value: { string_value: "${engine_dir}" } }\n'
     with pytest.raises(ConfigError, match="cannot hold"):
         fill_template(template, {"engine_dir": path}, "tensorrt_llm/config.pbtxt")

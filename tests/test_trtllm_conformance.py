@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
-from builder import trtllm_plan  # noqa: E402
+from builder.trtllm import plan as trtllm_plan  # noqa: E402
 from runtime.bundle import BuildSpec  # noqa: E402
-from triton_repo import trtllm_layouts as layouts  # noqa: E402
-from triton_repo.trtllm_llmapi_layout import LlmApiLayout, llmapi_repo_files  # noqa: E402
+from triton_repo.trtllm import layouts  # noqa: E402
+from triton_repo.trtllm.llmapi_layout import LlmApiLayout, llmapi_repo_files  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trtllm"
 IBL = json.loads((FIXTURES / "inflight_batcher_llm.json").read_text())
@@ -213,7 +213,7 @@ LLM_ARGS = json.loads((FIXTURES / "llm_args.json").read_text())
 
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_placed_layouts_fill_only_placeholders_and_parameters_upstream_has(nodes):
-    from triton_repo.trtllm_launch import placement
+    from triton_repo.trtllm.launch import placement
     layout = layouts.EngineLayout.placed("/b/t", "/b/d", "/b/tok", placement(2, num_nodes=nodes),
                                          max_tokens_in_paged_kv_cache=4096)
     values = layouts._template_values(layout)

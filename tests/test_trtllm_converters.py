@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from builder import trtllm_plan
-from builder.trtllm_converters import CONVERTERS, ROPE_SCALING_TYPES, rope_type_of
+from builder.trtllm import plan as trtllm_plan
+from builder.trtllm.converters import CONVERTERS, ROPE_SCALING_TYPES, rope_type_of
 from runtime.bundle import BuildSpec, SpecError
 
 FACTS = json.loads((Path(__file__).parent / "fixtures" / "trtllm" / "converters.json").read_text())

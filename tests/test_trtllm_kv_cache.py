@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from builder import trtllm, trtllm_plan
+from builder.trtllm import build as trtllm
+from builder.trtllm import plan as trtllm_plan
 from runtime.bundle import BuildSpec, SpecError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trtllm"
@@ -82,7 +83,7 @@ def test_a_bundles_kv_cache_config_passes_the_allow_list_only(tiny_pair, tmp_pat
     import yaml
 
     from runtime.bundle import BundleError, load_manifest
-    from runtime.trtllm_llmapi import llm_api_kwargs
+    from runtime.trtllm.llmapi import llm_api_kwargs
     target, draft = tiny_pair
     built = spec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="fp16", max_context=128,
                  trtllm_flavor="llmapi")

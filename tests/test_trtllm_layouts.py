@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
-from triton_repo import trtllm_layouts as layouts  # noqa: E402
+from triton_repo.trtllm import layouts  # noqa: E402
 from triton_repo.pbtxt import ConfigError, model_config  # noqa: E402
-from triton_repo.trtllm_llmapi_layout import LlmApiLayout, llmapi_repo_files  # noqa: E402
+from triton_repo.trtllm.llmapi_layout import LlmApiLayout, llmapi_repo_files  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_trtllm"
 ENGINE = layouts.EngineLayout("/bundle/target/engine", "/bundle/draft/engine", "/bundle/tokenizer",

@@ -89,8 +89,8 @@ def install_fake_trtllm(monkeypatch):
 # --- 1. the target runs with KV-cache block reuse on ----------------------------------------------------------------
 
 def test_target_block_reuse_cannot_be_turned_off_anywhere(fake_trtllm, tmp_path):
-    from runtime.trtllm_engine import open_generator, open_runner
-    from triton_repo import trtllm_layouts as layouts
+    from runtime.trtllm.engine import open_generator, open_runner
+    from triton_repo.trtllm import layouts
     facts = fixture("batch_manager.json")["draft_tokens_external_requires"]
     assert facts["kv_cache_enable_block_reuse"] is True
     with pytest.raises(ConfigError, match=facts["error"]):
@@ -109,7 +109,7 @@ def test_target_block_reuse_cannot_be_turned_off_anywhere(fake_trtllm, tmp_path)
 # --- 2. the speculative BLS request carries stream --------------------------------------------------------------------
 
 def test_speculative_bls_request_carries_stream_false():
-    from triton_repo.trtllm_launch import bls_request
+    from triton_repo.trtllm.launch import bls_request
     facts = fixture("bls_decode.json")
     body = bls_request("hi", 16, num_draft_tokens=3)
     assert set(facts["required_with_num_draft_tokens"]) <= set(body)
@@ -122,7 +122,7 @@ def test_speculative_bls_request_carries_stream_false():
 # --- 3. engines open in orchestrator mode with device ids; Triton starts through the launcher ----------------------
 
 def test_runners_open_as_upstreams_draft_target_runner_does(fake_trtllm, tmp_path):
-    from runtime.trtllm_engine import open_runner
+    from runtime.trtllm.engine import open_runner
     facts = fixture("model_runner_cpp.json")
     open_runner(tmp_path, 4, devices=[2, 3])
     kwargs = fake_trtllm.calls[-1]
@@ -132,7 +132,7 @@ def test_runners_open_as_upstreams_draft_target_runner_does(fake_trtllm, tmp_pat
 
 
 def test_two_tensorrt_llm_models_start_in_orchestrator_mode():
-    from triton_repo.trtllm_launch import engine_launch_args, placement
+    from triton_repo.trtllm.launch import engine_launch_args, placement
     facts = fixture("launch_triton_server.json")
     args = engine_launch_args("/repo", placement(1))
     assert "--multi-model" in args and "--world_size=1" in args  # the draft-target guide's launch
@@ -144,7 +144,7 @@ def test_two_tensorrt_llm_models_start_in_orchestrator_mode():
 # --- 4. the runner's executor attribute ------------------------------------------------------------------------------
 
 def test_executor_session_reads_runner_executor(fake_trtllm):
-    from runtime.trtllm_engine import ExecutorSession
+    from runtime.trtllm.engine import ExecutorSession
     facts = fixture("model_runner_cpp.json")
     runner = FakeRunner(FakeExecutor())
     assert hasattr(runner, facts["executor_attribute"]) and not hasattr(runner, "session")
@@ -158,7 +158,7 @@ def test_executor_session_reads_runner_executor(fake_trtllm):
 
 @pytest.mark.parametrize("image", ["tensorrt_llm release", "tritonserver trtllm-python-py3"])
 def test_examples_models_and_launcher_are_found_in_either_image(image, tmp_path, monkeypatch):
-    from runtime import trtllm_paths
+    from runtime.trtllm import paths as trtllm_paths
     for name in ("TRTLLM_EXAMPLES", "TRTLLM_TRITON_MODELS", "TRTLLM_LAUNCH_SCRIPT"):
         monkeypatch.delenv(name, raising=False)
     layout = fixture("container_layouts.json")[image]
@@ -168,7 +168,7 @@ def test_examples_models_and_launcher_are_found_in_either_image(image, tmp_path,
         target.mkdir() if kind != "launch_script" else target.write_text("#")
     for kind in ("examples", "triton_models", "launch_script"):
         assert trtllm_paths.find(kind, root=tmp_path) == layout[kind], kind
-    from triton_repo.trtllm_launch import LAUNCH_SCRIPTS, launch_script
+    from triton_repo.trtllm.launch import LAUNCH_SCRIPTS, launch_script
     assert layout["launch_script"] in LAUNCH_SCRIPTS and layout["launch_script"] in launch_script(["--model_repo=x"])
 
 

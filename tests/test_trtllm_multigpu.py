@@ -14,10 +14,11 @@ from fakes import fake_gpu_runner
 
 pytest.importorskip("tritonclient.grpc")
 
-from builder import trtllm, trtllm_plan  # noqa: E402
+from builder.trtllm import build as trtllm  # noqa: E402
+from builder.trtllm import plan as trtllm_plan
 from runtime.bundle import BuildSpec, BundleError, SpecError  # noqa: E402
-from triton_repo import trtllm_launch as launch  # noqa: E402
-from triton_repo import trtllm_layouts as layouts  # noqa: E402
+from triton_repo.trtllm import launch  # noqa: E402
+from triton_repo.trtllm import layouts  # noqa: E402
 from triton_repo.pbtxt import ConfigError  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trtllm"
@@ -184,7 +185,7 @@ def test_tp2_engine_bundle_opens_both_runners_on_their_devices(engine_tp2, monke
     sys.path.insert(0, str(Path(__file__).parent))
     from test_trtllm_mismatches import FakeRunner, install_fake_trtllm
     install_fake_trtllm(monkeypatch)
-    from runtime.trtllm_engine import open_generator
+    from runtime.trtllm.engine import open_generator
     open_generator(engine_tp2, target_devices=[0, 1], draft_devices=[2, 3])
     devices = {Path(c["engine_dir"]).parent.name: c["device_ids"] for c in FakeRunner.calls}
     assert devices == {"target": [0, 1], "draft": [2, 3]}

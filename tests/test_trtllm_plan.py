@@ -10,7 +10,8 @@ import pytest
 
 from fakes import fake_gpu_runner
 
-from builder import trtllm, trtllm_plan
+from builder.trtllm import build as trtllm
+from builder.trtllm import plan as trtllm_plan
 from runtime.bundle import BuildSpec, SpecError, load_manifest
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm"

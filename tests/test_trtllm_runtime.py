@@ -10,7 +10,7 @@ import pytest
 
 from fakes import fake_gpu_runner
 
-from builder import trtllm
+from builder.trtllm import build as trtllm
 from runtime.bundle import BuildSpec, load_manifest
 
 NO_TRTLLM = importlib.util.find_spec("tensorrt_llm") is None
@@ -29,7 +29,7 @@ def trt_bundle(request, tiny_pair, tmp_path_factory):
 
 def _onnx_engine(bundle, manifest, entry, vocab_size: int):
     """The bundle's own ONNX engine for ``entry`` (the fused graph by default), one thread."""
-    from runtime.engine import engine_class
+    from runtime.engines.onnx import engine_class
     options = {"min_call_tokens": entry.min_call_tokens} if entry.graph == "fused" else {}
     return engine_class(entry.graph)(bundle / entry.engine, num_layers=entry.num_layers,
                                      num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=vocab_size,
@@ -39,7 +39,7 @@ def _onnx_engine(bundle, manifest, entry, vocab_size: int):
 def test_speculative_generator_over_the_adapter_matches_the_onnx_bundle(tiny_bundle, generator):
     """SpeculativeGenerator drives RunnerEngine exactly as it drives OnnxEngine (greedy output identical)."""
     from runtime.api import SpeculativeGenerator
-    from runtime.trtllm_engine import RunnerEngine
+    from runtime.trtllm.engine import RunnerEngine
     from test_engine_contract import CpuRunner
     manifest = load_manifest(tiny_bundle, verify=False)
     engines = {}
@@ -57,8 +57,8 @@ def test_speculative_generator_over_the_adapter_matches_the_onnx_bundle(tiny_bun
 
 @pytest.mark.skipif(not NO_TRTLLM, reason="checks the message shown when tensorrt_llm is absent")
 def test_opening_a_trtllm_bundle_without_tensorrt_llm_says_what_to_install(trt_bundle):
-    from runtime.trtllm_common import TrtllmUnavailable
-    from runtime.trtllm_engine import open_generator
+    from runtime.trtllm.common import TrtllmUnavailable
+    from runtime.trtllm.engine import open_generator
     with pytest.raises(TrtllmUnavailable, match=r"pip install 'draftsmith\[tensorrt\]'"):
         open_generator(trt_bundle)
 
@@ -67,7 +67,7 @@ def test_llm_api_kwargs_resolve_to_the_bundle(trt_bundle):
     manifest = load_manifest(trt_bundle)
     if manifest.spec.trtllm_flavor != "llmapi":
         pytest.skip("llm_api.yaml exists in llmapi bundles only")
-    from runtime.trtllm_llmapi import llm_api_kwargs
+    from runtime.trtllm.llmapi import llm_api_kwargs
     kwargs = llm_api_kwargs(trt_bundle, manifest)
     assert kwargs["model"] == str(trt_bundle.resolve() / "target/hf")
     assert kwargs["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 6,
@@ -77,7 +77,7 @@ def test_llm_api_kwargs_resolve_to_the_bundle(trt_bundle):
 
 
 def test_triton_repo_for_each_flavor(trt_bundle):
-    from triton_repo import trtllm_layouts as layouts
+    from triton_repo.trtllm import layouts
     files = layouts.repo_for_bundle(trt_bundle)
     parsed = layouts.parse_all(files)
     if load_manifest(trt_bundle).spec.trtllm_flavor == "engine":
@@ -88,7 +88,7 @@ def test_triton_repo_for_each_flavor(trt_bundle):
 
 
 def test_onnx_bundles_have_no_trtllm_layout(tiny_bundle):
-    from triton_repo import trtllm_layouts as layouts
+    from triton_repo.trtllm import layouts
     from triton_repo.pbtxt import ConfigError
     with pytest.raises(ConfigError, match="onnxruntime bundle"):
         layouts.repo_for_bundle(tiny_bundle)
@@ -96,7 +96,7 @@ def test_onnx_bundles_have_no_trtllm_layout(tiny_bundle):
 
 def test_open_generator_serves_onnx_bundles_too(tiny_bundle):
     from runtime.api import SpeculativeGenerator
-    from runtime.trtllm_engine import open_generator
+    from runtime.trtllm.engine import open_generator
     assert isinstance(open_generator(tiny_bundle, threads=1), SpeculativeGenerator)
 
 
@@ -133,7 +133,7 @@ class GreedyExecutor:
 
 
 def test_external_draft_generator_is_the_target_greedy_output(tiny_bundle, generator):
-    from runtime.trtllm_engine import ExternalDraftGenerator
+    from runtime.trtllm.engine import ExternalDraftGenerator
     manifest = load_manifest(tiny_bundle, verify=False)
     engines = {entry.role: _onnx_engine(tiny_bundle, manifest, entry, generator.target.vocab_size)
                for entry in (manifest.target, manifest.draft)}
@@ -151,7 +151,7 @@ def test_external_draft_generator_is_the_target_greedy_output(tiny_bundle, gener
 
 def test_external_draft_generator_refuses_sampling_with_the_reason(tiny_bundle):
     from runtime.errors import RequestError
-    from runtime.trtllm_engine import ExternalDraftGenerator
+    from runtime.trtllm.engine import ExternalDraftGenerator
     manifest = load_manifest(tiny_bundle, verify=False)
     spec = ExternalDraftGenerator(manifest, None, None, None)
     with pytest.raises(RequestError, match="greedily in-process"):
@@ -186,7 +186,7 @@ def test_hostile_llm_api_yaml_is_refused_naming_the_key(trt_bundle, tmp_path, ch
     import yaml
 
     from runtime.bundle import BundleError
-    from runtime.trtllm_llmapi import llm_api_kwargs
+    from runtime.trtllm.llmapi import llm_api_kwargs
     manifest = load_manifest(trt_bundle)
     if manifest.spec.trtllm_flavor != "llmapi":
         pytest.skip("llm_api.yaml exists in llmapi bundles only")

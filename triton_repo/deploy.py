@@ -1,7 +1,7 @@
 """``draftsmith deploy kubernetes BUNDLE --out DIR``: plain Kubernetes manifests (kustomize-ready) serving a bundle.
 
 Longer than most modules: one manifest set (Deployment, Service, PDB, HPA and their sizing) is one subject;
-the drain it relies on is runtime/drain.py and triton_repo/server.py.
+the drain it relies on is runtime/serving/drain.py and triton_repo/server.py.
 
 Written for either server: ``openai`` (``draftsmith serve-openai``) or ``triton`` (``draftsmith serve`` on a
 repository an init container writes with ``draftsmith triton-repo``; for a tensorrt_llm bundle, tritonserver under
@@ -152,7 +152,7 @@ def _measure_here(bundle: str, threads: int, max_batch: int, policy: str) -> dic
     start = time.perf_counter()
     from runtime.api import SpeculativeGenerator
     from runtime.metrics import peak_rss_bytes
-    from runtime.scheduler import Scheduler
+    from runtime.serving.scheduler import Scheduler
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     scheduler = Scheduler(generator, max_batch=max_batch, policy=policy).start()
     load_s = time.perf_counter() - start
@@ -201,7 +201,7 @@ def kv_cache_mib(manifest: Manifest, rows: int) -> float:
 def max_tokens_allowed(manifest: Manifest, server: str) -> int:
     """The largest max_tokens a request may ask of each server with its default limits."""
     if server == "openai":
-        from runtime.openai_protocol import Limits
+        from runtime.serving.openai_protocol import Limits
         return Limits.for_context(manifest.max_context).max_tokens_limit
     from triton_repo.generate import RepoOptions, request_limits
     return request_limits(RepoOptions(), manifest)["max_tokens_limit"]
@@ -260,8 +260,8 @@ def triton_repo_command(options: DeployOptions) -> list[str]:
 
 
 def trtllm_repo_command(options: DeployOptions) -> list[str]:
-    """The tensorrt_llm repository (triton_repo/trtllm_layouts.py), engine paths as the pod sees the bundle."""
-    return ["python3", "-c", "import sys; from triton_repo.trtllm_layouts import write_trtllm_repository as w; "
+    """The tensorrt_llm repository (triton_repo/trtllm/layouts.py), engine paths as the pod sees the bundle."""
+    return ["python3", "-c", "import sys; from triton_repo.trtllm.layouts import write_trtllm_repository as w; "
             "w(sys.argv[1], sys.argv[2], upstream_models=sys.argv[3] or None)",
             BUNDLE_PATH, f"{WORK_PATH}/repo", options.upstream_models]
 

@@ -33,7 +33,7 @@ Names and dtypes of the ensemble's inputs and outputs follow tensorrtllm_backend
 ``stop_words`` STRING [-1], ``end_id``/``top_k``/``num_draft_tokens`` INT32 [1], ``temperature``/``top_p`` FP32 [1],
 ``seed`` UINT64 [1] (older releases: ``random_seed``; both accepted), ``stream`` BOOL [1], and the guided-decoding
 inputs of its ``tensorrt_llm/config.pbtxt``, ``guided_decoding_guide_type`` (json, json_schema, regex or ebnf_grammar)
-and ``guided_decoding_guide`` STRING [1] (runtime/grammar.py); outputs ``text_output``
+and ``guided_decoding_guide`` STRING [1] (runtime/decoding/grammar.py); outputs ``text_output``
 STRING [-1], ``acceptance_rate`` FP32 [1], ``total_accepted_draft_tokens``/``total_draft_tokens`` INT32 [1]).
 """
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.bundle import BundleError, Manifest, load_manifest
-from runtime.scheduler import POLICIES
+from runtime.serving.scheduler import POLICIES
 from triton_repo import pbtxt
 
 ENSEMBLE, PREPROCESSING, SPECULATIVE, POSTPROCESSING = "ensemble", "preprocessing", "speculative", "postprocessing"
@@ -86,9 +86,10 @@ class RepoOptions:
     max_stop_word_bytes: int = 256  # longest stop string, in UTF-8 bytes
     bundle_mount: str | None = None  # absolute path of the bundle where the server sees it (e.g. /bundles/x)
     copy_bundle: bool = True  # put the bundle inside the repository (hard links when possible, else a copy)
-    policy: str = "exact"  # the scheduler's: "exact" (answers as alone) or "throughput" (runtime/scheduler.py)
+    policy: str = "exact"  # the scheduler's: "exact" (answers as alone) or "throughput" (runtime/serving/scheduler.py)
     max_queue: int = 256  # requests waiting for a row before new ones are refused as overloaded
-    fallback: bool = False  # a row whose drafts are rarely accepted stops drafting for a while (runtime/scheduler.py)
+    # a row whose drafts are rarely accepted stops drafting for a while (runtime/serving/scheduler.py)
+    fallback: bool = False
     streaming: bool = True  # decoupled speculative model: streams, but Triton's HTTP /infer refuses decoupled models
 
     def __post_init__(self) -> None:

@@ -88,7 +88,7 @@ class _Row:
 def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k: int, eos_ids: list[int],
                          seed: int = 0, batch_size: int = 32, deadline: float = math.inf, features: bool = False,
                          advance: Callable[[int], None] = lambda n: None) -> list[Sample]:
-    """Continue every job's prompt with the target's ONNX engine (``runtime.engine.FusedEngine``), filling each
+    """Continue every job's prompt with the target's ONNX engine (``runtime.engines.onnx.FusedEngine``), filling each
     sample's teacher rows from the same calls: no second teacher pass.
 
     Continuous batching: up to ``batch_size`` rows step together one token a call; a finished row leaves and a
@@ -182,9 +182,10 @@ def _choose(logits, temperatures: list[float], generator):
 def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, max_context: int, threads: int = 0):
     """The target as the fused ONNX engine the bundle will run (quant ``gguf``: the file's own blocks; otherwise
     fp32), written into ``folder``; None where the fused graph cannot express the model (then torch generates)."""
-    from builder import gguf_weights, graph
+    from builder import graph
+    from builder.gguf import weights as gguf_weights
     from builder.decoder import GraphError, from_transformers
-    from runtime.engine import FusedEngine
+    from runtime.engines.onnx import FusedEngine
     try:
         decoder = from_transformers(model, max_context)  # rotary tables for this many tokens
     except GraphError:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.prompt_files import parse_prompts
+from runtime.text.prompt_files import parse_prompts
 
 COMPLETION_MARK = "@completion"  # first line of a corpus block: a raw text completion, not a chat turn
 
@@ -82,7 +82,7 @@ def split_prompts(prompts: list, heldout: float, seed: int) -> tuple[list, list]
 def encode(tokenizer, prompt: Prompt, chat: bool | None, max_tokens: int) -> list[int]:
     use_chat = (bool((not prompt.completion) if chat is None else chat)
                 and bool(getattr(tokenizer, "chat_template", None)))
-    if use_chat:  # transformers renders templates in jinja2's sandbox, as runtime.text does
+    if use_chat:  # transformers renders templates in jinja2's sandbox, as runtime.text.tokenizer does
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
                                              add_generation_prompt=True)
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.engine import Engine
+from runtime.engines.onnx import Engine
 
 
 def prefill(engine: Engine, cache, chunks: list[list[int]]) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from runtime.errors import RequestError
-from runtime.sampling import SamplingParams
+from runtime.decoding.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class DecodeConfig:
     adaptive: AdaptiveK | None = None
     fallback: Fallback | None = None
     seed: int | Sequence[int | None] | None = None  # one seed for the batch, or one per row (see row_generators)
-    grammar: Any = None  # a CompiledGrammar (runtime/grammar.py): every row's output must match it
+    grammar: Any = None  # a CompiledGrammar (runtime/decoding/grammar.py): every row's output must match it
     forced_drafts: bool = True  # with a grammar: propose the tokens it forces as a draft (no draft call)
     logprobs: int | None = None  # None: off; n >= 0: each token's log-probability and the n most likely
 

@@ -19,7 +19,7 @@ from runtime.decoding.calls import prefill
 from runtime.decoding.config import DecodeConfig, row_generators
 from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, decode_step
 from runtime.drafters.base import Drafter
-from runtime.engine import Engine
+from runtime.engines.onnx import Engine
 
 
 class SpeculativeLoop:

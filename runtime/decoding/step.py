@@ -22,9 +22,9 @@ import numpy as np
 from runtime.decoding.calls import feed, padded
 from runtime.decoding.config import DecodeConfig
 from runtime.drafters.base import Drafter, Proposal
-from runtime.grammar import constrain, forced_proposals, token_logprobs
+from runtime.decoding.grammar import constrain, forced_proposals, token_logprobs
 from runtime.metrics import RequestStats
-from runtime.sampling import point_masses, verify
+from runtime.decoding.sampling import point_masses, verify
 
 
 @dataclass(kw_only=True)
@@ -38,7 +38,7 @@ class DecodeRow:
     generated: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     finished: str = ""
-    grammar: Any = None  # a GrammarRow (runtime/grammar.py) when the output is constrained
+    grammar: Any = None  # a GrammarRow (runtime/decoding/grammar.py) when the output is constrained
     logprobs: list[float] | None = None  # the target's log-probability of each generated token, when asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
     started: float = field(default_factory=time.perf_counter)  # time to first token counts from here
@@ -221,7 +221,7 @@ def propose_constrained(drafter: Drafter | None, grammars: list, limits: list[in
                         vocab_size: int) -> Proposal:
     """Drafts under the rows' grammars: the grammar-forced tokens where there are any (point masses, no draft call
     for those rows), the drafter's masked draws elsewhere (``drafter`` None: no drafting this step), each cut at its
-    first token the grammar refuses (see runtime/grammar.py for why both stay exact)."""
+    first token the grammar refuses (see runtime/decoding/grammar.py for why both stay exact)."""
     rows = len(grammars)
     forced = forced_proposals(grammars, limits) if config.forced_drafts else [[] for _ in range(rows)]
     continues = drafter is not None and drafter.takes_prefixes  # a draft model drafts on after the forced tokens

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.sampling import SamplingParams
+from runtime.decoding.sampling import SamplingParams
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 from runtime.decoding.calls import last_logits, padded
 from runtime.drafters.base import Drafter, Proposal
 from runtime.drafters.model import draw_rows
-from runtime.sampling import SamplingParams, point_masses
+from runtime.decoding.sampling import SamplingParams, point_masses
 
 
 class FeatureDrafter(Drafter):

@@ -7,7 +7,7 @@ import numpy as np
 from runtime.drafters.base import Drafter, Proposal
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
-from runtime.sampling import SamplingParams
+from runtime.decoding.sampling import SamplingParams
 
 
 class HybridDrafter(Drafter):

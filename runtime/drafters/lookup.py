@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.drafters.base import Drafter, Proposal
-from runtime.sampling import SamplingParams, point_masses
+from runtime.decoding.sampling import SamplingParams, point_masses
 
 
 def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.drafters.base import Drafter, Proposal
-from runtime.sampling import SamplingParams, point_masses
+from runtime.decoding.sampling import SamplingParams, point_masses
 
 DEPTH = 16  # longest substring the trie counts: match plus draft
 EDGE = 1 << 32  # edges are keyed node * EDGE + token: one flat dict instead of one per node

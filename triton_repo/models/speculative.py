@@ -1,6 +1,7 @@
 """Triton Python model ``speculative`` (decoupled): draft-then-verify decoding of a Draftsmith bundle.
 
-Every request is handed to the runtime's in-flight batching scheduler (runtime/scheduler.py) as it arrives: ``execute``
+Every request is handed to the runtime's in-flight batching scheduler (runtime/serving/scheduler.py) as it arrives:
+``execute``
 only validates and submits, and returns. One scheduler loop owns both engines and, at every step, admits waiting
 requests into the running batch, advances every row once (each with its own sampling parameters, k and seed) and
 retires finished ones, so a new request starts at the next step whatever else runs, and a long request holds nobody
@@ -9,7 +10,7 @@ back. Each request gets its own responses through its response sender, sent from
 final response with the whole text. The final response carries the request's speculative statistics
 (``acceptance_rate``, ``total_accepted_draft_tokens``, ``total_draft_tokens``); a stream's intermediate pieces report
 zeros there. The scheduler's ``policy`` (model parameter) is "exact" (every answer bit for bit the same request's
-alone) or "throughput" (batched target-only steps when they pay); see runtime/scheduler.py.
+alone) or "throughput" (batched target-only steps when they pay); see runtime/serving/scheduler.py.
 
 A repository written without streaming (not decoupled) submits the batch Triton gives ``execute`` and waits for it.
 
@@ -157,7 +158,7 @@ class TritonPythonModel:
             self.families.append(family)
             self.metrics[name] = family.Metric(labels=labels)
         self._count_target_calls()
-        from runtime.scheduler import Scheduler
+        from runtime.serving.scheduler import Scheduler
         self.scheduler = Scheduler(self.generator, max_batch=int(_param(config, "max_batch")),
                                    max_queue=int(_param(config, "max_queue")), policy=_param(config, "policy"),
                                    fallback=_param(config, "fallback").lower() == "true")
@@ -334,10 +335,11 @@ class TritonPythonModel:
         return Request(sender, prompt, decode, bool(stream) if stream is not None else False)
 
     def _guide(self, request) -> dict:
-        """Constrained output from tensorrtllm_backend's guided-decoding inputs (runtime/grammar.py trtllm_guide):
+        """Constrained output from tensorrtllm_backend's guided-decoding inputs (runtime/decoding/grammar.py
+        trtllm_guide):
         the schema, regex or grammar is bounded in size before it is decoded, and compiled at submission."""
         from runtime.errors import RequestError
-        from runtime.grammar import MAX_SOURCE_BYTES, trtllm_guide
+        from runtime.decoding.grammar import MAX_SOURCE_BYTES, trtllm_guide
         kind, guide = _optional(request, "guided_decoding_guide_type"), _optional(request, "guided_decoding_guide")
         if guide is not None and _size(guide) > MAX_SOURCE_BYTES:
             raise RequestInvalid(f"input 'guided_decoding_guide' is {_size(guide)} bytes; the limit is "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.chat_template import render_chat_template
+from runtime.text.chat_template import render_chat_template
 
 
 class Tokenizer:

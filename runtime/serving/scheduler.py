@@ -2,7 +2,7 @@
 
 Longer than most modules: admission, the step's plan and retirement are one loop (the step itself is
 runtime/decoding/step.py's ``decode_step``, the one SpeculativeLoop runs too); its call costs are
-runtime/step_costs.py, what a request gets back runtime/handles.py.
+runtime/serving/step_costs.py, what a request gets back runtime/serving/handles.py.
 
 A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
 (2) waiting requests are admitted up to ``max_batch`` rows, first come first served among the clients holding
@@ -54,9 +54,9 @@ from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, decode_step
 from runtime.drafters.base import Drafter
 from runtime.errors import RequestError
 from runtime.request import DecodeRequest
-from runtime.handles import Event, Handle, Overloaded, Unavailable
-from runtime.step_costs import CostModel, expected_tokens
-from runtime.text import IncrementalDecoder, cut_at_stop
+from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
+from runtime.serving.step_costs import CostModel, expected_tokens
+from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
 
 POLICIES = ("exact", "throughput")
 PROBE_EVERY = 32  # a row that stopped drafting because acceptance fell low drafts again after this many steps

@@ -10,7 +10,7 @@ the bytes left in the file before using it, and never allocates by a declared si
     tensor_count x (string name, u32 n_dims, u64 dims[n_dims], u32 ggml_type, u64 offset)
     padding to general.alignment (default 32), then the tensor data, each tensor at its offset
 
-``read`` returns the tensors' names, types, shapes and data extents, which is all builder.gguf_weights needs: it
+``read`` returns the tensors' names, types, shapes and data extents, which is all builder.gguf.weights needs: it
 maps the data itself and skips GGUFReader's slow parse of the metadata (16 s for SmolLM2's vocabulary).
 
 Limits beyond the file's size keep the parser's own per-item cost bounded (it builds a few numpy views per array

@@ -1,11 +1,11 @@
 """An OpenAI-compatible HTTP server over the in-flight batching Scheduler: FastAPI routes, run by uvicorn.
 
 Longer than most modules: routes, the ASGI guard and the stream bridge are one server; request bodies are
-runtime/openai_protocol.py, responses runtime/openai_responses.py, shutdown runtime/drain.py.
+runtime/serving/openai_protocol.py, responses runtime/serving/openai_responses.py, shutdown runtime/serving/drain.py.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``: server-sent events in OpenAI's
 chunk shapes, ending in ``data: [DONE]``), ``GET /v1/models[/{model}]``, ``GET /health`` (no key) and
-``GET /metrics`` (Prometheus text). Request bodies: runtime/openai_protocol.py.
+``GET /metrics`` (Prometheus text). Request bodies: runtime/serving/openai_protocol.py.
 
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 a bad request (validation, a
 bound, the scheduler's RequestError), 401 a missing or wrong API key, 404 an unknown model or route, 413 a body over
@@ -32,14 +32,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.api import Generation
-from runtime.drain import Drain, DrainGuard, DrainingServer, scheduler_running
+from runtime.serving.drain import Drain, DrainGuard, DrainingServer, scheduler_running
 from runtime.errors import RequestError
-from runtime.handles import Event, Overloaded, Unavailable
-from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
-from runtime.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
+from runtime.serving.handles import Event, Overloaded, Unavailable
+from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
+from runtime.serving.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
                                       ResponseShape, Usage, error_body, new_id)
 from runtime.request import check_text
-from runtime.scheduler import Scheduler
+from runtime.serving.scheduler import Scheduler
 
 log = logging.getLogger("draftsmith.openai")
 
@@ -72,7 +72,8 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     but /health (None: open); limits: per-request bounds (default: from the bundle's context);
     request_timeout: seconds after which a request ends with finish_reason "length" (None: none);
     allowed_hosts: the Host header names answered (None: any; ``serve`` on loopback: LOOPBACK_HOSTS);
-    drain: graceful shutdown (runtime/drain.py): /health backed by the scheduler's loop and the drain, 503s while
+    drain: graceful shutdown (runtime/serving/drain.py): /health backed by the scheduler's loop and the drain, 503s
+    while
     draining, /health/live (None: none).
     """
     limits = limits or Limits.for_context(scheduler.generator.max_context)
@@ -112,7 +113,8 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
 
 
 def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
-    """/v1/completions and /v1/chat/completions: a body validated by its model (runtime/openai_protocol.py), then
+    """/v1/completions and /v1/chat/completions: a body validated by its model (runtime/serving/openai_protocol.py),
+    then
     answered by ``replies``."""
 
     @app.post("/v1/completions")
@@ -492,7 +494,7 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
           drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512,
           max_rows_per_client: int | None = None) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
-    SIGTERM drains (runtime/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
+    SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
     ``request_timeout`` seconds, at most ``max_connections`` connections are open (uvicorn answers 503 past it),
     idle keep-alive connections close after 5 s, and on loopback only loopback Host names are answered."""

@@ -109,7 +109,7 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
     """
     if block not in (16, BLOCK):
         raise ValueError(f"GGUF blocks are {BLOCK} wide; they can be written as {BLOCK} or 16, not {block}")
-    from builder import gguf_header
+    from builder.gguf import header as gguf_header
     tensors = gguf_header.read(gguf_path)  # checked, bounded; the data is mapped, not read
     data = FileBytes(gguf_path)
     kept = [n for i in range(len(decoder.layers)) for names, _ in _layer_parts(tensors, i).values() for n in names

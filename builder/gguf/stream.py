@@ -12,7 +12,7 @@ file of 491 MB, 6.2 GB for a 1.5B), and everything downstream copied it again. H
   come from (builder.decoder.from_transformers, as for any transformers model).
 - ``Streamed.decoder(layers)``: that Decoder with ``LazyLayers``: layer i is dequantized from the file when the graph
   writer asks for it and dropped once written. The quantized engine maps the same layers onto the file's own blocks
-  (builder.gguf_weights).
+  (builder.gguf.weights).
 
 The check compares the graph of the first layers, made by the same lazy path as every other layer, with the
 transformers model of those layers: what it cannot see is a layer-dependent mistake past them, which the build report's
@@ -134,12 +134,12 @@ class Streamed:
 
 class _Reader:
     """The file's tensors (as the gguf package's reader lists them), grouped by block number; their bytes are read
-    when needed (builder.gguf_weights.FileBytes), not through the reader's mapping, whose touched pages would stay
+    when needed (builder.gguf.weights.FileBytes), not through the reader's mapping, whose touched pages would stay
     resident."""
 
     def __init__(self, path: Path):
         from gguf import GGUFReader
-        from builder.gguf_weights import FileBytes
+        from builder.gguf.weights import FileBytes
         reader = GGUFReader(str(path))
         self.bytes = FileBytes(path)
         field = reader.fields["general.architecture"]

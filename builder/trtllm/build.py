@@ -2,7 +2,7 @@
 
 Two flavors, because TensorRT-LLM changed its workflow during 2026:
 
-* ``engine``: per-architecture ``convert_checkpoint.py`` (builder/trtllm_converters.py) or ModelOpt's
+* ``engine``: per-architecture ``convert_checkpoint.py`` (builder/trtllm/converters.py) or ModelOpt's
   ``examples/quantization/quantize.py`` (calibrated on a set built from Draftsmith's own prompt files, so no dataset
   is downloaded), then ``trtllm-build`` for the draft and for the target, the target with
   ``--speculative_decoding_mode draft_tokens_external --max_draft_len K``. Released TensorRT-LLM up to 1.3.0rc20
@@ -11,7 +11,7 @@ Two flavors, because TensorRT-LLM changed its workflow during 2026:
   speculative_config=DraftTargetDecodingConfig(max_draft_len=K, speculative_model=draft))`` on the PyTorch backend.
   Every release since 1.0 carries it; after 1.3.0rc20 it is the only one.
 
-The plan itself (a pure function of the spec) is builder/trtllm_plan.py; this module runs it.
+The plan itself (a pure function of the spec) is builder/trtllm/plan.py; this module runs it.
 
 Bundle layout written by this backend::
 
@@ -36,10 +36,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-from runtime import trtllm_paths
-from builder.trtllm_converters import rope_type_of
-# The plan (what each step runs) lives in builder/trtllm_plan.py; this module runs it.
-from builder.trtllm_plan import (CALIB_FILE, LLM_API_FILE, MODELOPT_CONFIGS, PlanInputs, Step, calibration_texts,
+from runtime.trtllm import paths as trtllm_paths
+from builder.trtllm.converters import rope_type_of
+# The plan (what each step runs) lives in builder/trtllm/plan.py; this module runs it.
+from builder.trtllm.plan import (CALIB_FILE, LLM_API_FILE, MODELOPT_CONFIGS, PlanInputs, Step, calibration_texts,
                                  check_flavor, lengths, make_plan)
 from runtime.bundle import BuildSpec, Manifest, ModelEntry, SpecError
 
@@ -241,11 +241,11 @@ def run_step(step: Step, root: Path) -> None:
         if result.returncode != 0:
             raise TrtllmError(f"step {step.role}: {step.name} failed (exit {result.returncode}): "
                               f"{shlex.join(step.argv)}")
-    elif step.call == "builder.trtllm.write_calibration_set":
+    elif step.call == "builder.trtllm.build.write_calibration_set":
         write_calibration_set(root=root, **step.kwargs)
-    elif step.call == "builder.trtllm.copy_checkpoint":
+    elif step.call == "builder.trtllm.build.copy_checkpoint":
         copy_checkpoint(root=root, **step.kwargs)
-    elif step.call == "builder.trtllm.modelopt_quantize":
+    elif step.call == "builder.trtllm.build.modelopt_quantize":
         modelopt_quantize(root=root, **step.kwargs)
     elif step.call == "tensorrt_llm.LLM":
         import yaml

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.bundle import BundleError, Manifest, load_manifest, read_verified
-from runtime.trtllm_common import require_tensorrt_llm
+from runtime.trtllm.common import require_tensorrt_llm
 
 
 # Keys a bundle's llm_api.yaml may set, each with its check. Anything else is refused, by name: in particular

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.attention_classes import attention_settings
+from runtime.engines.attention_classes import attention_settings
 from runtime.bundle import BundleError, Manifest, path_problem, read_verified
 
 # An external-data location names a file beside the graph; this charset keeps ONNX Runtime's in-memory address tag
@@ -20,7 +20,8 @@ _LOCATION_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 def read_onnx(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> tuple[bytes, dict[str, bytes], tuple]:
     """An ONNX engine's graph and its external-data files by the location the graph names, each read once and
-    checked (``read_verified``), and its attention settings (runtime.attention_classes). Every location must be a
+    checked (``read_verified``), and its attention settings (runtime.engines.attention_classes). Every location must
+    be a
     file the bundle lists, beside or below the graph."""
     model = read_verified(root, manifest, rel, verify)
     external = {}

@@ -1,4 +1,4 @@
-"""What the calls of a scheduler step cost, measured, for choosing how to run a step (runtime/scheduler.py)."""
+"""What the calls of a scheduler step cost, measured, for choosing how to run a step (runtime/serving/scheduler.py)."""
 
 from __future__ import annotations
 

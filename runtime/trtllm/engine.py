@@ -13,7 +13,7 @@ Engine flavor (bundles with target/engine and draft/engine):
     ``RunnerEngine`` remains the runtime's Engine protocol over a ModelRunnerCpp-like runner, for engines built
     without a draft length and with ``--gather_context_logits`` (tests/test_engine_contract.py checks it).
 
-LLM-API flavor (bundles with llm_api.yaml): runtime/trtllm_llmapi.py (``LlmApiGenerator``, the yaml allow-list).
+LLM-API flavor (bundles with llm_api.yaml): runtime/trtllm/llmapi.py (``LlmApiGenerator``, the yaml allow-list).
 
 ``open_generator(bundle)`` picks the right one for any bundle.
 """
@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from runtime.bundle import BundleError, Manifest, load_manifest
-from runtime.engine import KVCache
-from runtime.trtllm_common import require_tensorrt_llm
-from runtime.trtllm_llmapi import LlmApiGenerator
+from runtime.engines.onnx import KVCache
+from runtime.trtllm.common import require_tensorrt_llm
+from runtime.trtllm.llmapi import LlmApiGenerator
 
 # --- engine flavor: the Engine protocol over ModelRunnerCpp ---------------------------------------------------------
 
@@ -190,7 +190,7 @@ class _Row:
 
 
 class RunnerEngine:
-    """runtime.engine.Engine over a runner with ModelRunnerCpp's ``generate`` (or any object with that method).
+    """runtime.engines.onnx.Engine over a runner with ModelRunnerCpp's ``generate`` (or any object with that method).
 
     State lives in the KVCache: ``extra["tokens"]`` holds each row's live token ids; ``mask``/``lengths`` mirror
     them so the speculative loop sees the same cache fields as with ONNX engines (``past`` stays empty).
@@ -277,7 +277,7 @@ def open_generator(path: str | os.PathLike, threads: int = 0, verify: bool = Tru
     ``default_devices``), passed as ModelRunnerCpp ``device_ids`` in orchestrator mode.
     """
     from runtime.api import SpeculativeGenerator
-    from runtime.text import Tokenizer
+    from runtime.text.tokenizer import Tokenizer
     root = Path(path)
     manifest = load_manifest(root, verify=verify)
     if manifest.spec.backend == "onnxruntime":

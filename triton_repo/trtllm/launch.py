@@ -25,7 +25,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from runtime.trtllm_paths import LAYOUTS
+from runtime.trtllm.paths import LAYOUTS
 from triton_repo.pbtxt import ConfigError
 
 LAUNCH_SCRIPTS = tuple(layout["launch_script"] for layout in LAYOUTS.values())

@@ -18,11 +18,11 @@ container ships a copy of them.
   exist in the template; the others stay for the models to treat as unset), the draft model is the target's
   config renamed (as the draft-target guide's ``cp -r`` + ``sed``), and the ``1/`` Python files are copied from the
   same folder. Without one, the configs declare the interface recorded from the 1.x-era files
-  (``PRE_*``, ``TRT_*``, ``BLS_*`` in triton_repo/trtllm_interface.py;
+  (``PRE_*``, ``TRT_*``, ``BLS_*`` in triton_repo/trtllm/interface.py;
   tests/fixtures/trtllm/inflight_batcher_llm.json lists what each model reads and tests/test_trtllm_conformance.py
   holds the configs to it), and the ``1/`` folders must be installed from the matching release.
 
-  Placement (triton_repo/trtllm_launch.py): ``gpu_device_ids`` per model from the device lists, or
+  Placement (triton_repo/trtllm/launch.py): ``gpu_device_ids`` per model from the device lists, or
   ``participant_ids`` + ``num_nodes`` across nodes, and a ``launch.sh`` running TensorRT-LLM's own
   launch_triton_server.py (``--multi-model``: orchestrator mode, which two tensorrt_llm models need).
 
@@ -47,11 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from triton_repo.pbtxt import ConfigError, render
-from triton_repo.trtllm_interface import (BLS_IN, BLS_OUT, POST_IN, POST_OUT, PRE_IN, PRE_OUT, TRT_IN, TRT_OUT,
+from triton_repo.trtllm.interface import (BLS_IN, BLS_OUT, POST_IN, POST_OUT, PRE_IN, PRE_OUT, TRT_IN, TRT_OUT,
                                           UPSTREAM_HINT, copied_version_folder, parameter_text, parameters, tensor,
                                           tensors, upstream_dir)
-from triton_repo.trtllm_llmapi_layout import LlmApiLayout, llmapi_repo_files
-from triton_repo.trtllm_launch import (Placement, engine_launch_args, launch_script, llmapi_launch_args,
+from triton_repo.trtllm.llmapi_layout import LlmApiLayout, llmapi_repo_files
+from triton_repo.trtllm.launch import (Placement, engine_launch_args, launch_script, llmapi_launch_args,
                                        placement)
 
 DRAFT, TARGET = "tensorrt_llm_draft", "tensorrt_llm"
@@ -384,7 +384,7 @@ def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decou
 
     upstream_models: a copy of upstream's inflight_batcher_llm (engine flavor) or llmapi (LLM-API flavor) folder to
     fill and copy from. target_devices / draft_devices: GPU ids, tp x pp each (default 0 .. tp*pp-1 for both);
-    num_nodes > 1: ranks started up front across nodes (triton_repo/trtllm_launch.py).
+    num_nodes > 1: ranks started up front across nodes (triton_repo/trtllm/launch.py).
     """
     from runtime.bundle import load_manifest
     root = Path(bundle).absolute()
@@ -394,7 +394,7 @@ def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decou
     batch = max_batch_size or manifest.spec.max_batch_size
     where = placement(manifest.spec.tp_size * manifest.spec.pp_size, target_devices, draft_devices, num_nodes)
     if manifest.spec.trtllm_flavor == "llmapi":
-        from runtime.trtllm_llmapi import llm_api_kwargs
+        from runtime.trtllm.llmapi import llm_api_kwargs
         files = llmapi_repo_files(LlmApiLayout(llm_api_kwargs(root, manifest), batch, decoupled), upstream_models)
         args = llmapi_launch_args("$REPO", where.world, num_nodes)
         explicit = target_devices and not where.multi_node

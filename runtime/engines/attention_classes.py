@@ -124,7 +124,7 @@ class AttentionProbe:
     def __init__(self, attributes: dict, head_dim: int, max_total: int, seed: int):
         import onnxruntime as ort
 
-        from runtime.sessions import make_session
+        from runtime.engines.sessions import make_session
         attributes = {**attributes, "num_heads": 1, "kv_num_heads": 1, "do_rotary": 0, "softcap": 0.0}
         self.slots = max_total + self.WIDEST
         self.session = make_session(probe_model(attributes, head_dim, self.slots))  # points do not follow threads
@@ -160,7 +160,7 @@ class AttentionProbe:
 
 def score(session, binding, query, keys, values, past: int, width: int) -> np.ndarray:
     """The output of the first of ``width`` new tokens (``keys``, ``values``) after ``past`` slots (past and present
-    share the buffers, as in runtime.engine.FusedEngine)."""
+    share the buffers, as in runtime.engines.onnx.FusedEngine)."""
     binding.bind_cpu_input("query", np.ascontiguousarray(query[:, :width]))
     binding.bind_cpu_input("key", np.ascontiguousarray(keys[:, :width]))
     binding.bind_cpu_input("value", np.ascontiguousarray(values[:, :width]))

@@ -5,7 +5,7 @@ effect when it did not. OpenAI fields we do not implement come in two kinds: har
 ``store``, ...) are accepted and ignored; ones that would change the output (``logit_bias``, penalties, ``echo``,
 ``best_of`` ...) are accepted only at their neutral value, otherwise a 400 names them.
 
-Structured output (runtime/grammar.py), exact under speculation: ``response_format`` (``json_object``,
+Structured output (runtime/decoding/grammar.py), exact under speculation: ``response_format`` (``json_object``,
 ``json_schema``; on completions too, as vLLM), ``tools`` with ``tool_choice`` "required" or a named function (the
 output is constrained to the tool's parameter schema and returned as ``tool_calls``; "auto" is refused: no chat
 template this server renders takes tools, and free-form tool calls are not parsed). ``logprobs``: the target's own
@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime.grammar import json_schema
+from runtime.decoding.grammar import json_schema
 from runtime.request import DecodeRequest, decode_request
 
 # The scheduler's finish reasons in OpenAI's terms. A timeout (the server's request deadline) truncates the text as a
@@ -141,7 +141,7 @@ class SamplingRequest(_Strict):
         return {key: value for key, value in options.items() if value is not None}
 
     def constraint_format(self):
-        """What constrains the output (a response_format, or a runtime.grammar.Constraint); None: free text."""
+        """What constrains the output (a response_format, or a runtime.decoding.grammar.Constraint); None: free text."""
         return self.response_format
 
     @property

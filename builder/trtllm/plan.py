@@ -12,13 +12,13 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.trtllm_converters import check_parallelism, check_rope_scaling, converter_for
-from runtime.trtllm_paths import LAYOUTS
+from builder.trtllm.converters import check_parallelism, check_rope_scaling, converter_for
+from runtime.trtllm.paths import LAYOUTS
 from runtime.bundle import BuildSpec, SpecError
-from runtime.trtllm_common import DECODING_TYPE
+from runtime.trtllm.common import DECODING_TYPE
 
 FLAVORS = ("engine", "llmapi")
-# The release image keeps the examples there; the Triton image at /app/examples (runtime/trtllm_paths.py).
+# The release image keeps the examples there; the Triton image at /app/examples (runtime/trtllm/paths.py).
 DEFAULT_EXAMPLES = LAYOUTS["tensorrt_llm release"]["examples"]
 
 # Which formats each flavor builds.
@@ -205,7 +205,7 @@ def _engine_steps(spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, ma
 
 
 def _calibration_step() -> Step:
-    return Step("bundle", "calibration", call="builder.trtllm.write_calibration_set",
+    return Step("bundle", "calibration", call="builder.trtllm.build.write_calibration_set",
                 kwargs={"export_dir": CALIB_DIR}, outputs=(f"{CALIB_DIR}/{CALIB_FILE}",))
 
 
@@ -224,18 +224,18 @@ def calibration_texts() -> list[str]:
 def _hf_step(role: str, quant: str, source: str) -> Step:
     export = f"{role}/hf"
     if quant not in MODELOPT_CONFIGS:
-        return Step(role, "copy", call="builder.trtllm.copy_checkpoint",
+        return Step(role, "copy", call="builder.trtllm.build.copy_checkpoint",
                     kwargs={"model_dir": source, "export_dir": export}, outputs=(export,))
     # ModelOpt: modelopt.torch.quantization.quantize(model, config, forward_loop=...) then
     # modelopt.torch.export.export_hf_checkpoint(model, dtype=..., export_dir=...) (modelopt/torch/export/
     # unified_export_hf.py), the "unified HF checkpoint" the PyTorch backend loads.
-    return Step(role, "modelopt", call="builder.trtllm.modelopt_quantize",
+    return Step(role, "modelopt", call="builder.trtllm.build.modelopt_quantize",
                 kwargs={"model_dir": source, "export_dir": export, "quant_cfg": MODELOPT_CONFIGS[quant],
                         "dtype": "float16", "calib_samples": MODELOPT_CALIB_SAMPLES}, outputs=(export,))
 
 
 def llm_api_kwargs(spec: BuildSpec, max_seq_len: int) -> dict[str, Any]:
-    """LLM(...) keywords of an llmapi bundle, paths relative to the bundle (runtime/trtllm_engine.py resolves them).
+    """LLM(...) keywords of an llmapi bundle, paths relative to the bundle (runtime/trtllm/engine.py resolves them).
 
     Names: tensorrt_llm/llmapi/llm_args.py (BaseLlmArgs: model, tokenizer, dtype, tensor_parallel_size,
     pipeline_parallel_size, max_batch_size, max_seq_len, kv_cache_config; TorchLlmArgs: disable_overlap_scheduler;

@@ -1,6 +1,6 @@
 """The OpenAI API's response bodies (completions, chat completions, their streamed chunks, log-probabilities, tool
 calls and errors) as pydantic models, and ``ResponseShape``, which turns a runtime Generation into them. The request
-bodies and the server's bounds are in runtime/openai_protocol.py."""
+bodies and the server's bounds are in runtime/serving/openai_protocol.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field, model_serializer
 
-from runtime.openai_protocol import FINISH_REASONS, SamplingRequest, ToolMode
+from runtime.serving.openai_protocol import FINISH_REASONS, SamplingRequest, ToolMode
 
 
 class Usage(BaseModel):

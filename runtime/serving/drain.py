@@ -25,7 +25,7 @@ from typing import Callable
 
 import uvicorn
 
-from runtime.openai_responses import error_body
+from runtime.serving.openai_responses import error_body
 
 log = logging.getLogger("uvicorn.error")  # shown with the server's own lines (uvicorn configures it)
 

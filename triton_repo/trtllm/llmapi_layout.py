@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_repo.pbtxt import render
-from triton_repo.trtllm_interface import LLMAPI_IN, LLMAPI_OUT, copied_version_folder, upstream_dir, tensors
+from triton_repo.trtllm.interface import LLMAPI_IN, LLMAPI_OUT, copied_version_folder, upstream_dir, tensors
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ def llmapi_model_yaml(layout: LlmApiLayout) -> dict[str, Any]:
     """model.yaml: LLM keywords plus triton_config. speculative_config as from_dict reads it in every release line:
     decoding_type "DraftTarget", the draft under speculative_model_dir (1.0-1.2's field; current main reads it as
     an alias: AliasChoices("speculative_model", "speculative_model_dir"))."""
-    from runtime.trtllm_common import DECODING_TYPE
+    from runtime.trtllm.common import DECODING_TYPE
     kwargs = dict(layout.llm_kwargs)
     speculative = dict(kwargs.pop("speculative_config"))
     return {**kwargs, "backend": "pytorch",

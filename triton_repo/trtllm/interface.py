@@ -2,7 +2,7 @@
 
 Recorded from the 1.x-era triton_backend/all_models/inflight_batcher_llm/*/config.pbtxt and all_models/llmapi
 (tests/fixtures/trtllm/inflight_batcher_llm.json and llmapi.json name the commits read), with the template's
-${logits_datatype} as TYPE_FP32 and its prompt-table/encoder data types as TYPE_FP16. triton_repo/trtllm_layouts.py
+${logits_datatype} as TYPE_FP32 and its prompt-table/encoder data types as TYPE_FP16. triton_repo/trtllm/layouts.py
 renders them when no upstream copy of the models is given.
 """
 
@@ -42,7 +42,7 @@ def parameters(values: dict[str, Any]) -> dict[str, dict[str, str]]:
 
 def parameter_text(value: Any) -> str:
     """A parameter's ``string_value`` as upstream writes it (booleans lower case). Public: the engine layout fills
-    upstream's config templates with the same text (triton_repo/trtllm_layouts.py)."""
+    upstream's config templates with the same text (triton_repo/trtllm/layouts.py)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -50,7 +50,7 @@ def parameter_text(value: Any) -> str:
 # Declarations as upstream's templates make them, with the template's ${logits_datatype} as TYPE_FP32 and its
 # prompt-table/encoder data types as TYPE_FP16. Commits read: tests/fixtures/trtllm/inflight_batcher_llm.json.
 # Public tables (PRE_*, POST_*, TRT_*, BLS_*, LLMAPI_*): this module only declares them; the engine layout
-# (triton_repo/trtllm_layouts.py) and the LLM-API layout (triton_repo/trtllm_llmapi_layout.py) render them.
+# (triton_repo/trtllm/layouts.py) and the LLM-API layout (triton_repo/trtllm/llmapi_layout.py) render them.
 
 _V4 = [-1, -1, -1, -1]
 PRE_IN = [("QUERY", "STRING", [1], ""), ("DECODER_QUERY", "STRING", [1], "o"), ("IMAGE_BYTES", "UINT8", _V4, "o"),

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from runtime.metrics import available_memory_bytes
-from runtime.sessions import make_session
+from runtime.engines.sessions import make_session
 
 
 @dataclass
@@ -186,7 +186,8 @@ class MappedVocabEngine:
 
     The wrapped engine returns logits [B, S, N] over ``kept_ids`` (column j is token kept_ids[j]); this one returns
     logits over the full vocabulary with -inf everywhere else. The draft's q is then exactly 0 outside the kept set,
-    it proposes only kept tokens, and the acceptance rule (runtime.sampling) stays exact: the target's probability of
+    it proposes only kept tokens, and the acceptance rule (runtime.decoding.sampling) stays exact: the target's
+    probability of
     any other token comes back through the residual max(0, p - q).
     """
 
@@ -252,7 +253,8 @@ class FusedEngine:
     caller asks for ``exact=False``.
 
     ``class_points``: call totals across which GroupQueryAttention rounds a token's scores otherwise (head dim > 128;
-    runtime.attention_classes measures them on this CPU). Calls are cut so that each token is scored at a total in
+    runtime.engines.attention_classes measures them on this CPU). Calls are cut so that each token is scored at a
+    total in
     the class of its position + ``min_call_tokens``, the total target-only decoding scores it at, whatever the call,
     batch or prefill.
 
@@ -264,7 +266,7 @@ class FusedEngine:
                  max_context: int, threads: int = 0, providers: list | None = None, session=None,
                  initial_slots: int = 256, min_call_tokens: int = 1, class_points: tuple[int, ...] = ()):
         self.session = session or make_session(path, threads, providers)
-        self.class_points = np.asarray(class_points, np.int64)  # runtime.attention_classes: calls are cut there
+        self.class_points = np.asarray(class_points, np.int64)  # runtime.engines.attention_classes: calls are cut there
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.vocab_size, self.max_context = vocab_size, max_context
         self.initial_slots, self.min_call_tokens = initial_slots, min_call_tokens
@@ -409,7 +411,8 @@ class FusedEngine:
 
     def _segments(self, start: int, count: int) -> list[tuple[int, int]]:
         """[a, z) ranges of ``count`` new tokens after ``start`` live ones such that every token's call total lies in
-        the class target-only decoding scores it in (position + ``min_call_tokens``; runtime.attention_classes)."""
+        the class target-only decoding scores it in (position + ``min_call_tokens``;
+        runtime.engines.attention_classes)."""
         if not len(self.class_points):
             return [(0, count)]
         classes = np.searchsorted(self.class_points, start + np.arange(count) + self.min_call_tokens)

@@ -1,0 +1,1 @@
+"""TensorRT-LLM builds: the plan, the checkpoint converters, the build itself."""

@@ -1,0 +1,1 @@
+"""The compiled models: ONNX Runtime engines, their sessions and load-time checks."""

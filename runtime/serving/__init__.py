@@ -1,0 +1,1 @@
+"""Serving many requests: the in-flight scheduler, the OpenAI-compatible server, graceful drain."""

@@ -1,0 +1,1 @@
+"""The TensorRT-LLM runtime: its engines behind the engine contract, and upstream's layouts."""

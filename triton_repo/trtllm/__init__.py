@@ -1,0 +1,1 @@
+"""Triton repositories for TensorRT-LLM bundles: upstream's interface, layouts and launch."""
