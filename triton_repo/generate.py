@@ -182,53 +182,44 @@ def request_limits(options: RepoOptions, manifest: Manifest) -> dict[str, int]:
             "max_stop_words": options.max_stop_words, "max_stop_word_bytes": options.max_stop_word_bytes}
 
 
+def python_model(name: str, options: RepoOptions, inputs: list, outputs: list, instances: dict, parameters: dict,
+                 **more) -> dict:
+    """A Python-backend model's config.pbtxt as data: what every model of the repository declares alike."""
+    return {"name": name, "backend": "python", "max_batch_size": options.max_batch_size,
+            "dynamic_batching": _batching(options), "input": inputs, "output": outputs, "instance_group": [instances],
+            "parameters": _params(parameters), **more}
+
+
 def preprocessing_config(options: RepoOptions, manifest: Manifest, tokenizer_rel: str) -> dict:
-    return {
-        "name": PREPROCESSING,
-        "backend": "python",
-        "max_batch_size": options.max_batch_size,
-        "dynamic_batching": _batching(options),
-        "input": [_tensor("text_input", "TYPE_STRING", [1]), _tensor("max_tokens", "TYPE_INT32", [1])],
-        "output": [_tensor("input_ids", "TYPE_INT32", [-1]), _tensor("input_lengths", "TYPE_INT32", [1]),
-                   _tensor("request_output_len", "TYPE_INT32", [1])],
-        "instance_group": [{"count": options.preprocessing_instances, "kind": "KIND_CPU"}],
-        "parameters": _params({"tokenizer": tokenizer_rel, "max_context": manifest.max_context,
-                               **{k: v for k, v in request_limits(options, manifest).items()
-                                  if k in ("max_tokens_limit", "max_prompt_bytes")}}),
-    }
+    limits = request_limits(options, manifest)
+    return python_model(
+        PREPROCESSING, options,
+        [_tensor("text_input", "TYPE_STRING", [1]), _tensor("max_tokens", "TYPE_INT32", [1])],
+        [_tensor("input_ids", "TYPE_INT32", [-1]), _tensor("input_lengths", "TYPE_INT32", [1]),
+         _tensor("request_output_len", "TYPE_INT32", [1])],
+        {"count": options.preprocessing_instances, "kind": "KIND_CPU"},
+        {"tokenizer": tokenizer_rel, "max_context": manifest.max_context,
+         **{k: v for k, v in limits.items() if k in ("max_tokens_limit", "max_prompt_bytes")}})
 
 
 def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str) -> dict:
-    return {
-        "name": SPECULATIVE,
-        "backend": "python",
-        "max_batch_size": options.max_batch_size,
-        "model_transaction_policy": {"decoupled": options.streaming},
-        "dynamic_batching": _batching(options),
-        "input": [_tensor("text_input", "TYPE_STRING", [1]), _tensor("request_output_len", "TYPE_INT32", [1])]
+    return python_model(
+        SPECULATIVE, options,
+        [_tensor("text_input", "TYPE_STRING", [1]), _tensor("request_output_len", "TYPE_INT32", [1])]
         + [_tensor(n, t, d, optional=True, ragged=-1 in d) for n, t, d in OPTIONAL_INPUTS],
-        "output": [_tensor(n, t, d) for n, t, d in OUTPUTS],
+        [_tensor(n, t, d) for n, t, d in OUTPUTS],
         # a CUDA bundle: Triton places each instance on a GPU and passes its id (model_instance_device_id)
-        "instance_group": [{"count": options.instances,
-                            "kind": "KIND_GPU" if manifest.spec.device == "cuda" else "KIND_CPU"}],
-        "parameters": _params({"bundle": bundle_ref, "threads": options.threads,
-                               **request_limits(options, manifest), "policy": options.policy,
-                               "max_batch": options.max_batch_size, "max_queue": options.max_queue,
-                               "fallback": str(options.fallback).lower()}),
-    }
+        {"count": options.instances, "kind": "KIND_GPU" if manifest.spec.device == "cuda" else "KIND_CPU"},
+        {"bundle": bundle_ref, "threads": options.threads, **request_limits(options, manifest),
+         "policy": options.policy, "max_batch": options.max_batch_size, "max_queue": options.max_queue,
+         "fallback": str(options.fallback).lower()},
+        model_transaction_policy={"decoupled": options.streaming})
 
 
 def postprocessing_config(options: RepoOptions, manifest: Manifest, tokenizer_rel: str) -> dict:
-    return {
-        "name": POSTPROCESSING,
-        "backend": "python",
-        "max_batch_size": options.max_batch_size,
-        "dynamic_batching": _batching(options),
-        "input": [_tensor("output_ids", "TYPE_INT32", [-1], ragged=True)],
-        "output": [_tensor("text_output", "TYPE_STRING", [-1])],
-        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
-        "parameters": _params({"tokenizer": tokenizer_rel, "max_output_ids": manifest.max_context}),
-    }
+    return python_model(POSTPROCESSING, options, [_tensor("output_ids", "TYPE_INT32", [-1], ragged=True)],
+                        [_tensor("text_output", "TYPE_STRING", [-1])], {"count": 1, "kind": "KIND_CPU"},
+                        {"tokenizer": tokenizer_rel, "max_output_ids": manifest.max_context})
 
 
 def ensemble_config(options: RepoOptions) -> dict:

@@ -16,15 +16,13 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.decoding.calls import last_logits, padded
-from runtime.drafters.base import Drafter, Proposal
-from runtime.drafters.model import draw_rows
+from runtime.drafters.base import Proposal
+from runtime.drafters.model import SamplingDrafter, draw_rows
 from runtime.decoding.sampling import SamplingParams, point_masses
 
 
-class FeatureDrafter(Drafter):
-    grammars: list | None = None  # per row, the GrammarRow its draws are masked by (None: none)
+class FeatureDrafter(SamplingDrafter):
     reads_features = True
-    takes_prefixes = True  # propose() drafts on after given tokens (grammar-forced ones), as ModelDrafter does
 
     def __init__(self, engine, confidence: float = 0.0):
         if not getattr(engine, "takes_features", False):
@@ -56,9 +54,6 @@ class FeatureDrafter(Drafter):
     def _pending(self, b: int) -> np.ndarray | None:
         parts = [f for f in self.features[b] if len(f)]
         return np.concatenate(parts) if parts else None
-
-    def constrain_rows(self, grammars: list) -> None:
-        self.grammars = grammars
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list,
                 prefixes: list[list[int]] | None = None) -> Proposal:

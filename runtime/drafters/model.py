@@ -12,11 +12,19 @@ from runtime.decoding.grammar import constrain
 from runtime.decoding.sampling import SamplingParams, next_token, point_masses, top_probability
 
 
-class ModelDrafter(Drafter):
-    """A draft model with its own KV cache."""
+class SamplingDrafter(Drafter):
+    """A drafter that draws from a draft engine's logits: its draws are masked by the rows' grammars, and it drafts
+    on after grammar-forced tokens (both model drafters: this module's and the feature drafter)."""
 
     grammars: list | None = None  # per row, the GrammarRow its draws are masked by (None: none)
     takes_prefixes = True  # propose() continues given draft tokens (grammar-forced ones) instead of starting afresh
+
+    def constrain_rows(self, grammars: list) -> None:
+        self.grammars = grammars
+
+
+class ModelDrafter(SamplingDrafter):
+    """A draft model with its own KV cache."""
 
     def __init__(self, engine: Engine, confidence: float = 0.0):
         self.engine = engine
@@ -31,9 +39,6 @@ class ModelDrafter(Drafter):
         """Feed one chunk per row; returns the logits after each row's last token [B, V] (junk for empty rows)."""
         self.calls += 1
         return last_logits(self.engine, self.cache, chunks)
-
-    def constrain_rows(self, grammars: list) -> None:
-        self.grammars = grammars
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list,
                 prefixes: list[list[int]] | None = None) -> Proposal:

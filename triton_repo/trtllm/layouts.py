@@ -234,20 +234,14 @@ def check_ensemble(configs: dict[str, dict[str, Any]], name: str = "ensemble") -
         if model is None:
             problems.append(f"step model {step['model_name']!r} is not in the repository")
             continue
-        inputs = {t["name"]: t["data_type"] for t in model["input"]}
-        outputs = {t["name"]: t["data_type"] for t in model["output"]}
-        for key, value in step["input_map"].items():
-            if key not in inputs:
-                problems.append(f"{model['name']} has no input {key!r}")
-            elif value in types and types[value] != inputs[key]:
-                problems.append(f"{model['name']}.{key} is {inputs[key]}, {value} is {types[value]}")
-            types.setdefault(value, inputs.get(key, "?"))
-        for key, value in step["output_map"].items():
-            if key not in outputs:
-                problems.append(f"{model['name']} has no output {key!r}")
-            elif value in types and types[value] != outputs[key]:
-                problems.append(f"{model['name']}.{key} is {outputs[key]}, {value} is {types[value]}")
-            types.setdefault(value, outputs.get(key, "?"))
+        for side in ("input", "output"):  # each map's tensors exist, and a name means one type throughout
+            declared = {t["name"]: t["data_type"] for t in model[side]}
+            for key, value in step[f"{side}_map"].items():
+                if key not in declared:
+                    problems.append(f"{model['name']} has no {side} {key!r}")
+                elif value in types and types[value] != declared[key]:
+                    problems.append(f"{model['name']}.{key} is {declared[key]}, {value} is {types[value]}")
+                types.setdefault(value, declared.get(key, "?"))
     if problems:
         raise ConfigError(f"{name}: " + "; ".join(problems))
 
