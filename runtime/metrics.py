@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 
 def __getattr__(name):  # CONTENT_TYPE: the Content-Type header of MetricsRegistry.prometheus()'s text, lazily
@@ -166,7 +167,9 @@ class MetricsRegistry:
     """Cumulative counters across requests and latency histograms, thread-safe, exported for Prometheus.
 
     Each registry exports through its own prometheus_client ``CollectorRegistry`` (no process-global state: two
-    generators in one process count apart), made on the first export.
+    generators in one process count apart), made on the first export. The one registry of a process's metrics: what
+    serves them adds its own families as sources (``add_source``: the scheduler's), so every metric is exported the
+    same way. (A Triton model reports through Triton's own metric API: its backend cannot serve this text.)
     """
 
     def __init__(self, prefix: str = "draftsmith") -> None:
@@ -178,6 +181,12 @@ class MetricsRegistry:
         self.ttft = LatencyHistogram(TTFT_BUCKETS)
         self.inter_token = LatencyHistogram(ITL_BUCKETS)
         self._registry = None
+        self._sources: dict[str, Callable[[], list]] = {}
+
+    def add_source(self, name: str, families: Callable[[], list]) -> None:
+        """More metric families, made at each export by ``families()`` (prometheus_client metric families); a
+        source added again under the same ``name`` replaces the first (a server made twice over one generator)."""
+        self._sources[name] = families
 
     def add(self, stats: RequestStats) -> None:
         """Count a finished request: its counters, its time to first token and its inter-token latency, (total -
@@ -253,7 +262,7 @@ class MetricsRegistry:
                         buckets=[(floatToGoString(b), c) for b, c in histogram.cumulative()],
                     )
                 )
-        return out
+        return out + [family for source in self._sources.values() for family in source()]
 
 
 def peak_rss_bytes() -> int:

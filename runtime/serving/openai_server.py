@@ -95,8 +95,8 @@ def create_app(
     request_timeout: seconds after which a request ends with finish_reason "length" (None: none);
     allowed_hosts: the Host header names answered (None: any; ``serve`` on loopback: LOOPBACK_HOSTS);
     drain: graceful shutdown (runtime/serving/drain.py): /health backed by the scheduler's loop and the drain, 503s
-    while
-    draining, /health/live (None: none).
+    while draining, /health/live (None: none). /metrics is the generator's one registry, the scheduler's families
+    added to it.
     """
     limits = limits or Limits.for_context(scheduler.generator.max_context)
     app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
@@ -104,6 +104,7 @@ def create_app(
     if drain is not None:  # added last: outermost, before the key check (a refusal does no work)
         app.add_middleware(DrainGuard, drain=drain, ready=lambda: scheduler_running(scheduler))
     _add_error_handlers(app)
+    scheduler.generator.metrics.add_source("scheduler", lambda: scheduler_families(scheduler, model_name))
     _add_model_routes(app, scheduler, model_name)
     _add_completion_routes(app, _Replies(scheduler, model_name, limits, request_timeout))
     return app
@@ -136,7 +137,7 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(metrics_text(scheduler, model_name), media_type=PROMETHEUS)
+        return PlainTextResponse(scheduler.generator.metrics.prometheus(), media_type=PROMETHEUS)
 
 
 def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
@@ -511,16 +512,16 @@ def _describe(error: dict) -> tuple[str | None, str]:
 # --- metrics -----------------------------------------------------------------------------------------------------
 
 _COUNTERS = {  # scheduler.stats() key: (metric name, help)
-    "steps": ("scheduler_steps_total", "Scheduler steps (each advances every running row once)"),
-    "speculative_steps": ("scheduler_speculative_steps_total", "Steps that drafted and verified"),
-    "row_steps": ("scheduler_row_steps_total", "Rows advanced, summed over steps"),
-    "admitted": ("scheduler_admitted_total", "Requests admitted into the batch"),
-    "finished": ("scheduler_finished_total", "Requests finished (stop, length or context)"),
-    "cancelled": ("scheduler_cancelled_total", "Requests cancelled (their client went away)"),
-    "timed_out": ("scheduler_timed_out_total", "Requests that ran past their deadline"),
-    "refused": ("scheduler_refused_total", "Requests refused as overloaded (queue full, or waited too long)"),
-    "step_time": ("scheduler_step_seconds_total", "Seconds spent in steps"),
-    "engine_time": ("scheduler_engine_seconds_total", "Seconds spent in engine calls within steps"),
+    "steps": ("scheduler_steps", "Scheduler steps (each advances every running row once)"),
+    "speculative_steps": ("scheduler_speculative_steps", "Steps that drafted and verified"),
+    "row_steps": ("scheduler_row_steps", "Rows advanced, summed over steps"),
+    "admitted": ("scheduler_admitted", "Requests admitted into the batch"),
+    "finished": ("scheduler_finished", "Requests finished (stop, length or context)"),
+    "cancelled": ("scheduler_cancelled", "Requests cancelled (their client went away)"),
+    "timed_out": ("scheduler_timed_out", "Requests that ran past their deadline"),
+    "refused": ("scheduler_refused", "Requests refused as overloaded (queue full, or waited too long)"),
+    "step_time": ("scheduler_step_seconds", "Seconds spent in steps"),
+    "engine_time": ("scheduler_engine_seconds", "Seconds spent in engine calls within steps"),
 }
 _GAUGES = {
     "running": ("scheduler_running", "Requests in the running batch"),
@@ -529,23 +530,19 @@ _GAUGES = {
 }
 
 
-def metrics_text(scheduler: Scheduler, model_name: str, prefix: str = "draftsmith") -> str:
-    """The generator's metrics (with vLLM's spec-decode counter names, runtime/metrics.py), the scheduler's, and
+def scheduler_families(scheduler: Scheduler, model_name: str, prefix: str = "draftsmith") -> list:
+    """The scheduler's counters and gauges as metric families for the generator's registry (runtime/metrics.py), and
     vLLM's names for the queue gauges (dashboards made for vLLM)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     stats = scheduler.stats()
-    lines = [scheduler.generator.metrics.prometheus().rstrip("\n")]
-    for table, kind in ((_COUNTERS, "counter"), (_GAUGES, "gauge")):
-        for key, (name, help_text) in table.items():
-            if key in stats:
-                lines += [
-                    f"# HELP {prefix}_{name} {help_text}",
-                    f"# TYPE {prefix}_{name} {kind}",
-                    f"{prefix}_{name} {stats[key]}",
-                ]
-    label = '{model_name="%s"}' % model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    out = [CounterMetricFamily(f"{prefix}_{name}", text, value=stats[key]) for key, (name, text) in _COUNTERS.items()]
+    out += [GaugeMetricFamily(f"{prefix}_{name}", text, value=stats[key]) for key, (name, text) in _GAUGES.items()]
     for name, key in (("vllm:num_requests_running", "running"), ("vllm:num_requests_waiting", "waiting")):
-        lines += [f"# TYPE {name} gauge", f"{name}{label} {stats[key]}"]
-    return "\n".join(lines) + "\n"
+        gauge = GaugeMetricFamily(name, f"Requests {key} (vLLM's name)", labels=["model_name"])
+        gauge.add_metric([model_name], stats[key])
+        out.append(gauge)
+    return out
 
 
 def serve(
