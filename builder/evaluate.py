@@ -33,7 +33,7 @@ def eval_windows(ids: list[int], max_context: int, limit: int = 0) -> list[list[
     """``ids`` (the first ``limit`` of them; 0: all) in consecutive windows of WINDOW tokens (or the context)."""
     ids = ids[:limit] if limit else ids
     width = max(2, min(WINDOW, max_context))
-    return [ids[i : i + width] for i in range(0, len(ids), width) if len(ids[i : i + width]) > 1]
+    return [ids[i: i + width] for i in range(0, len(ids), width) if len(ids[i: i + width]) > 1]
 
 
 def logits_of(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = None) -> np.ndarray:
@@ -61,13 +61,8 @@ def sessions(engines: dict[str, Opener], references: dict[str, Opener]) -> int:
     return len(engines) + len({id(opener) for opener in references.values()})
 
 
-def report(
-    engines: dict[str, Opener],
-    references: dict[str, Opener],
-    windows: list[list[int]],
-    advance: Callable[[int], None] = lambda n: None,
-    feature_roles: tuple[str, ...] = (),
-) -> dict:
+def report(engines: dict[str, Opener], references: dict[str, Opener], windows: list[list[int]],
+           advance: Callable[[int], None] = lambda n: None, feature_roles: tuple[str, ...] = ()) -> dict:
     """Per engine: agreement with its own fp32 graph and perplexity over every window; plus draft/target greedy
     agreement. A feature draft reads the (quantized) target engine's hidden states, as at run time, and is scored
     from each window's second token on (``feature_roles``: the roles whose engines read them).
@@ -81,9 +76,8 @@ def report(
     scores, done = {}, {}
     for role in roles:
         given = features if role in feature_roles else None
-        engine_scores, hidden = _score(
-            engines[role], windows, given, want_hidden=role == "target" and bool(feature_roles), advance=advance
-        )
+        engine_scores, hidden = _score(engines[role], windows, given,
+                                       want_hidden=role == "target" and bool(feature_roles), advance=advance)
         features = hidden if role == "target" else features
         key = id(references[role])
         if key not in done:
@@ -93,26 +87,19 @@ def report(
     for role, (own, fp32) in scores.items():
         rows = sum(len(a) for a in fp32["argmax"])
         agree = sum(int((a == b).sum()) for a, b in zip(own["argmax"], fp32["argmax"]))
-        out[role] = {
-            "top1_agreement_vs_fp32": agree / max(rows, 1),
-            "perplexity": float(np.exp(own["nll"] / max(own["scored"], 1))),
-            "fp32_perplexity": float(np.exp(fp32["nll"] / max(fp32["scored"], 1))),
-        }
+        out[role] = {"top1_agreement_vs_fp32": agree / max(rows, 1),
+                     "perplexity": float(np.exp(own["nll"] / max(own["scored"], 1))),
+                     "fp32_perplexity": float(np.exp(fp32["nll"] / max(fp32["scored"], 1)))}
     if "draft" in scores and "target" in scores:
-        pairs = [(d, t[len(t) - len(d) :]) for d, t in zip(scores["draft"][0]["argmax"], scores["target"][0]["argmax"])]
+        pairs = [(d, t[len(t) - len(d):]) for d, t in zip(scores["draft"][0]["argmax"], scores["target"][0]["argmax"])]
         rows = sum(len(d) for d, _ in pairs)
         if rows:
             out["draft_target_top1_agreement"] = sum(int((d == t).sum()) for d, t in pairs) / rows
     return out
 
 
-def _score(
-    opener: Opener,
-    windows: list[list[int]],
-    features: list | None,
-    want_hidden: bool = False,
-    advance: Callable[[int], None] = lambda n: None,
-) -> tuple[dict, list | None]:
+def _score(opener: Opener, windows: list[list[int]], features: list | None, want_hidden: bool = False,
+           advance: Callable[[int], None] = lambda n: None) -> tuple[dict, list | None]:
     """One session over every window: {"argmax": [per window], "nll": summed, "scored": tokens}, and (target) each
     window's final hidden states."""
     engine = opener()
@@ -141,20 +128,14 @@ def nll_sum(logits: np.ndarray, ids: list[int]) -> float:
     """The summed negative log-likelihood of each next token (float64 sums: 25,000 terms), NLL_ROWS rows at a time."""
     total = 0.0
     for start in range(0, len(ids) - 1, NLL_ROWS):
-        rows = logits[start : min(start + NLL_ROWS, len(ids) - 1)]
+        rows = logits[start:min(start + NLL_ROWS, len(ids) - 1)]
         shifted = rows - rows.max(axis=-1, keepdims=True)
-        picked = shifted[np.arange(len(rows)), ids[start + 1 : start + 1 + len(rows)]]
+        picked = shifted[np.arange(len(rows)), ids[start + 1:start + 1 + len(rows)]]
         total -= float((picked - np.log(np.exp(shifted).sum(axis=-1))).astype(np.float64).sum())
     return total
 
 
 def engine_for(path: Path, info, max_context: int, threads: int = 0) -> OnnxEngine:
-    return engine_class(info.graph)(
-        path,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        max_context=max_context,
-        threads=threads,
-    )
+    return engine_class(info.graph)(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                                    head_dim=info.head_dim, vocab_size=info.vocab_size, max_context=max_context,
+                                    threads=threads)

@@ -9,15 +9,10 @@ from runtime.bundle import BundleError, Manifest
 from runtime.engines.onnx_checks import check_operators, external_data_locations, parse_onnx
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        '{"a": ' * 100_000 + "1" + "}" * 100_000,
-        "[" * 200_000 + "]" * 200_000,
-        '{"schema_version": ' + "[" * 5000 + "]" * 5000 + "}",
-        " " * (1 << 24) + "{}",
-    ],
-)
+@pytest.mark.parametrize("text", ['{"a": ' * 100_000 + "1" + "}" * 100_000,
+                                  "[" * 200_000 + "]" * 200_000,
+                                  '{"schema_version": ' + "[" * 5000 + "]" * 5000 + "}",
+                                  " " * (1 << 24) + "{}"])
 def test_deep_or_huge_manifests_are_bundle_errors(text):
     with pytest.raises(BundleError):
         Manifest.from_json(text)
@@ -25,69 +20,48 @@ def test_deep_or_huge_manifests_are_bundle_errors(text):
 
 def _model(nodes, inits=(), domains=(("", 18),), functions=()):
     from onnx import TensorProto, helper
-
     out = helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)
     graph = helper.make_graph(nodes, "g", [], [out], list(inits))
-    model = helper.make_model(
-        graph, functions=list(functions), opset_imports=[helper.make_opsetid(d, v) for d, v in domains]
-    )
+    model = helper.make_model(graph, functions=list(functions),
+                              opset_imports=[helper.make_opsetid(d, v) for d, v in domains])
     return model.SerializeToString()
 
 
 def _loop():
     from onnx import TensorProto, helper
-
     body_out = helper.make_tensor_value_info("c_out", TensorProto.BOOL, [])
-    body = helper.make_graph(
-        [helper.make_node("Identity", ["c"], ["c_out"])],
-        "body",
-        [
-            helper.make_tensor_value_info("i", TensorProto.INT64, []),
-            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-        ],
-        [body_out],
-    )
+    body = helper.make_graph([helper.make_node("Identity", ["c"], ["c_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("c", TensorProto.BOOL, [])], [body_out])
     trips = helper.make_tensor("M", TensorProto.INT64, [], [1 << 62])
-    return _model(
-        [
-            helper.make_node("Loop", ["M", ""], [], body=body),
-            helper.make_node("Constant", [], ["Y"], value=helper.make_tensor("y", TensorProto.FLOAT, [1], [0.0])),
-        ],
-        [trips],
-    )
+    return _model([helper.make_node("Loop", ["M", ""], [], body=body), helper.make_node("Constant", [], ["Y"],
+                   value=helper.make_tensor("y", TensorProto.FLOAT, [1], [0.0]))], [trips])
 
 
 def _constant_of_shape(dims):
     from onnx import TensorProto, helper
-
     shape = helper.make_tensor("S", TensorProto.INT64, [len(dims)], dims)
     return _model([helper.make_node("ConstantOfShape", ["S"], ["Y"])], [shape])
 
 
 def _contrib(op):
     from onnx import helper
-
     return _model([helper.make_node(op, [], ["Y"], domain="com.microsoft")], domains=(("", 18), ("com.microsoft", 1)))
 
 
 def _custom():
     from onnx import helper
-
     return _model([helper.make_node("Evil", [], ["Y"], domain="my.ops")], domains=(("", 18), ("my.ops", 1)))
 
 
-@pytest.mark.parametrize(
-    "model,message",
-    [
-        (_loop, "Loop"),
-        (lambda: _constant_of_shape([1 << 20, 1 << 20]), "ConstantOfShape"),
-        (lambda: _constant_of_shape([1 << 14] * 4), "ConstantOfShape"),
-        (lambda: _contrib("QAttention"), "QAttention"),
-        (lambda: _contrib("CDist"), "CDist"),
-        (_custom, "custom operators"),
-    ],
-    ids=["loop", "constant-of-shape-2d", "constant-of-shape-4d", "contrib", "contrib-2", "custom-domain"],
-)
+@pytest.mark.parametrize("model,message", [
+    (_loop, "Loop"),
+    (lambda: _constant_of_shape([1 << 20, 1 << 20]), "ConstantOfShape"),
+    (lambda: _constant_of_shape([1 << 14] * 4), "ConstantOfShape"),
+    (lambda: _contrib("QAttention"), "QAttention"),
+    (lambda: _contrib("CDist"), "CDist"),
+    (_custom, "custom operators"),
+], ids=["loop", "constant-of-shape-2d", "constant-of-shape-4d", "contrib", "contrib-2", "custom-domain"])
 def test_operators_engines_do_not_use_are_refused(model, message):
     with pytest.raises(BundleError, match=message):
         check_operators(parse_onnx(model(), "target/model.onnx"), "target/model.onnx")
@@ -103,23 +77,14 @@ def test_the_operators_of_our_own_engines_pass(tiny_bundle, tiny_int4_bundle):
 @pytest.mark.parametrize("location", ["../x.data", "/etc/passwd", "*/_ORT_MEM_ADDR_/*"])
 def test_a_tensor_in_a_functions_default_attribute_is_checked(location):
     from onnx import TensorProto, helper
-
     tensor = helper.make_tensor("W", TensorProto.FLOAT, [1], [0.0])
     tensor.ClearField("float_data")
     tensor.data_location = TensorProto.EXTERNAL
     tensor.external_data.add(key="location", value=location)
-    function = helper.make_function(
-        "local",
-        "F",
-        [],
-        ["Z"],
-        [helper.make_node("Constant", [], ["Z"], value_float=1.0)],
-        [helper.make_opsetid("", 18)],
-        attributes=[],
-    )
+    function = helper.make_function("local", "F", [], ["Z"], [helper.make_node("Constant", [], ["Z"], value_float=1.0)],
+                                    [helper.make_opsetid("", 18)], attributes=[])
     function.attribute_proto.append(helper.make_attribute("value", tensor))
-    model = _model(
-        [helper.make_node("F", [], ["Y"], domain="local")], domains=(("", 18), ("local", 1)), functions=[function]
-    )
+    model = _model([helper.make_node("F", [], ["Y"], domain="local")], domains=(("", 18), ("local", 1)),
+                   functions=[function])
     with pytest.raises(BundleError, match="not a plain file name"):
         external_data_locations(model, "target/model.onnx")

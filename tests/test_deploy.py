@@ -19,25 +19,12 @@ kv = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate import utils as kv_utils  # noqa: E402
 
 from runtime.bundle import load_manifest  # noqa: E402
-from triton_repo.deploy import (  # noqa: E402
-    AUTOSCALERS,
-    BUNDLE_SOURCES,
-    SERVERS,
-    DeployError,
-    DeployOptions,
-    Measured,
-    kv_cache_mib,
-    manifests,
-    max_tokens_allowed,
-    measure,
-    write_manifests,
-)
+from triton_repo.deploy import (AUTOSCALERS, BUNDLE_SOURCES, SERVERS, DeployError, DeployOptions,  # noqa: E402
+                                Measured, kv_cache_mib, manifests, max_tokens_allowed, measure, write_manifests)
 
 FIRST = (1, 30)
-VERSIONS = sorted(
-    {v for v in kv_utils.all_versions() if tuple(map(int, v.split(".")[:2])) >= FIRST},
-    key=lambda v: tuple(map(int, v.split("."))),
-)
+VERSIONS = sorted({v for v in kv_utils.all_versions() if tuple(map(int, v.split(".")[:2])) >= FIRST},
+                  key=lambda v: tuple(map(int, v.split("."))))
 GIVEN = Measured(load_s=4.0, rss_mib=300.0, tokens_per_s=40.0, how="given")
 
 
@@ -55,32 +42,13 @@ def trt_bundle(request, tiny_pair, tmp_path_factory) -> Path:
     """A tensorrt_llm bundle with tp 2 x pp 2, built without a GPU (the engine steps faked)."""
     from builder.trtllm import build as trtllm
     from runtime.bundle import BuildSpec
-
     target, draft = tiny_pair
-    spec = BuildSpec(
-        target=str(target),
-        draft=str(draft),
-        target_quant="fp16",
-        draft_quant="fp16",
-        k=3,
-        max_k=6,
-        max_context=128,
-        backend="tensorrt_llm",
-        device="cuda",
-        trtllm_flavor=request.param,
-        tp_size=2,
-        pp_size=2,
-    )
+    spec = BuildSpec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="fp16", k=3, max_k=6,
+                     max_context=128, backend="tensorrt_llm", device="cuda", trtllm_flavor=request.param,
+                     tp_size=2, pp_size=2)
     out = tmp_path_factory.mktemp("trt-deploy") / "bundle"
-    trtllm.build(
-        spec,
-        out,
-        runner=fake_gpu_runner,
-        version="1.2.1",
-        gpus=4,
-        examples_dir=str(out.parent),
-        available=lambda name: True,
-    )
+    trtllm.build(spec, out, runner=fake_gpu_runner, version="1.2.1", gpus=4, examples_dir=str(out.parent),
+                 available=lambda name: True)
     return out
 
 
@@ -91,9 +59,8 @@ def validate_all(objects: dict[str, dict]) -> None:
             try:
                 used = kv.validate(document, version, strict=True)
             except kv.ValidationError as err:
-                raise AssertionError(
-                    f"{name} invalid for Kubernetes {version}: {err.message} at {'.'.join(map(str, err.path))}"
-                ) from None
+                raise AssertionError(f"{name} invalid for Kubernetes {version}: {err.message} at "
+                                     f"{'.'.join(map(str, err.path))}") from None
             assert used == kv_utils.major_minor(version), (name, version, used)
 
 
@@ -104,19 +71,15 @@ def test_the_schemas_cover_1_30_to_the_newest():
 
 @pytest.mark.parametrize("server,source,autoscale", list(itertools.product(SERVERS, BUNDLE_SOURCES, AUTOSCALERS)))
 def test_onnx_bundle_manifests_validate_for_every_release(tiny_bundle, server, source, autoscale):
-    options = DeployOptions(
-        server=server,
-        bundle_source=source,
-        autoscale=autoscale,
-        bundle_image="reg/bundle:1",
-        api_key_secret="draftsmith-key" if server == "openai" else "",
-    )
+    options = DeployOptions(server=server, bundle_source=source, autoscale=autoscale, bundle_image="reg/bundle:1",
+                            api_key_secret="draftsmith-key" if server == "openai" else "")
     validate_all(manifests(tiny_bundle, options, GIVEN))
 
 
 @pytest.mark.parametrize("server,source", list(itertools.product(SERVERS, BUNDLE_SOURCES)))
 def test_trtllm_bundle_manifests_validate_for_every_release(trt_bundle, server, source):
-    objects = manifests(trt_bundle, DeployOptions(server=server, bundle_source=source, bundle_image="reg/b:1"), GIVEN)
+    objects = manifests(trt_bundle, DeployOptions(server=server, bundle_source=source, bundle_image="reg/b:1"),
+                        GIVEN)
     validate_all(objects)
     pod = objects["deployment.yaml"]["spec"]["template"]["spec"]
     server_container = pod["containers"][0]
@@ -185,13 +148,8 @@ def test_triton_serves_a_repository_written_at_pod_start(tiny_bundle):
     options = DeployOptions(server="triton", bundle_source="image", bundle_image="reg/bundle:1")
     pod, container = _server(manifests(tiny_bundle, options, GIVEN))
     assert [c["name"] for c in pod["initContainers"]] == ["copy-bundle", "triton-repo"]
-    assert pod["initContainers"][1]["command"][:5] == [
-        "draftsmith",
-        "triton-repo",
-        "/bundle",
-        "/work/repo",
-        "--bundle-mount",
-    ]
+    assert pod["initContainers"][1]["command"][:5] == ["draftsmith", "triton-repo", "/bundle", "/work/repo",
+                                                       "--bundle-mount"]
     assert container["command"][:3] == ["draftsmith", "serve", "/work/repo"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/models/ensemble/ready"  # a drain unloads it
     assert int(_flag(container["command"], "--exit-timeout")) < pod["terminationGracePeriodSeconds"]
@@ -216,23 +174,9 @@ def test_bad_options_are_refused_by_name():
 
 def test_command_writes_a_kustomization_and_refuses_to_overwrite(tiny_bundle, tmp_path):
     from runtime.cli import main
-
     out = tmp_path / "k8s"
-    args = [
-        "deploy",
-        "kubernetes",
-        str(tiny_bundle),
-        "--out",
-        str(out),
-        "--autoscale",
-        "queue",
-        "--load-seconds",
-        "3",
-        "--memory-mib",
-        "200",
-        "--tokens-per-second",
-        "50",
-    ]
+    args = ["deploy", "kubernetes", str(tiny_bundle), "--out", str(out), "--autoscale", "queue",
+            "--load-seconds", "3", "--memory-mib", "200", "--tokens-per-second", "50"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     kustomization = yaml.safe_load((out / "kustomization.yaml").read_text())

@@ -27,10 +27,8 @@ def save_draft(draft, tokenizer, out: Path, kept: np.ndarray | None, report: dic
     tokenizer.save_pretrained(str(out))
     vocab_file = out / VOCAB_FILE
     if kept is not None:
-        vocab_file.write_text(
-            json.dumps({"kept_ids": [int(t) for t in kept], "full_vocab_size": int(draft.config.vocab_size)}),
-            encoding="utf-8",
-        )
+        vocab_file.write_text(json.dumps({"kept_ids": [int(t) for t in kept],
+                                          "full_vocab_size": int(draft.config.vocab_size)}), encoding="utf-8")
     elif vocab_file.exists():
         vocab_file.unlink()
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")

@@ -28,9 +28,8 @@ class SpeculativeLoop:
     def __init__(self, target: Engine, drafter: Drafter | None, prompts: list[list[int]], config: DecodeConfig):
         self.target, self.drafter, self.config = target, drafter, config
         rngs = row_generators(config.seed, len(prompts))
-        self.rows = [
-            DecodeRow(index=i, prompt=list(p), config=config, rng=rng) for i, (p, rng) in enumerate(zip(prompts, rngs))
-        ]
+        self.rows = [DecodeRow(index=i, prompt=list(p), config=config, rng=rng)
+                     for i, (p, rng) in enumerate(zip(prompts, rngs))]
         self.k = config.k
         self.recent = deque(maxlen=config.fallback.window if config.fallback else 1)  # 1/0 per recent draft token
         self.fallback_steps_left = 0
@@ -55,9 +54,8 @@ class SpeculativeLoop:
         self._prefill(cache, running)
         while running:
             plan = self._plan(running)
-            result = decode_step(
-                self.target, cache, running, [DraftGroup(self.drafter, list(range(len(running))))], plan
-            )
+            result = decode_step(self.target, cache, running, [DraftGroup(self.drafter, list(range(len(running))))],
+                                 plan)
             self._learn(result, plan)
             yield [(row, new) for row, new in zip(running, result.new)]
             keep_rows = np.array([b for b, r in enumerate(running) if not r.finished], dtype=np.int64)
@@ -76,9 +74,8 @@ class SpeculativeLoop:
         if self.drafter is not None:
             self.drafter.start([r.prompt for r in rows])
             hidden = cache.extra.get("hidden")
-            self.drafter.take_features(
-                None if hidden is None else [hidden[b, : len(r.prompt) - 1] for b, r in enumerate(rows)]
-            )
+            self.drafter.take_features(None if hidden is None
+                                       else [hidden[b, : len(r.prompt) - 1] for b, r in enumerate(rows)])
 
     def _plan(self, rows: list[DecodeRow]) -> StepPlan:
         """Every row drafts up to k (within its budget and the context) unless the batch is in fallback."""

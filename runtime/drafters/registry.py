@@ -38,10 +38,8 @@ def model_drafter(sources: DraftSources) -> Drafter:
     """The draft engine's drafter: a feature draft (its graph takes the target's hidden states) or a model."""
     if getattr(sources.draft, "takes_features", False):  # an engine's graph, not a drafter capability
         if not sources.target_has_hidden:
-            raise RequestError(
-                "this bundle's draft drafts from the target's hidden states, but its target engine "
-                "returns none; rebuild the bundle with this Draftsmith"
-            )
+            raise RequestError("this bundle's draft drafts from the target's hidden states, but its target engine "
+                               "returns none; rebuild the bundle with this Draftsmith")
         return FeatureDrafter(sources.draft, sources.confidence)
     return ModelDrafter(sources.draft, sources.confidence)
 
@@ -59,35 +57,18 @@ def _hybrid_suffix(sources: DraftSources) -> Drafter:
     return HybridDrafter(model_drafter(sources), sources.vocab_size, free=confident)
 
 
-REGISTRY: dict[str, DrafterKind] = {
-    kind.name: kind
-    for kind in (
-        DrafterKind(
-            "model",
-            "the bundle's draft engine (a draft model, or a feature draft over the target's hidden states)",
-            True,
-            model_drafter,
-        ),
-        DrafterKind(
-            "prompt_lookup",
-            "n-gram lookup in the prompt and the text so far (no draft engine)",
-            False,
-            lambda sources: PromptLookupDrafter(sources.vocab_size),
-        ),
-        DrafterKind(
-            "hybrid", "prompt lookup where the context has a 2-gram match, the draft engine elsewhere", True, _hybrid
-        ),
-        DrafterKind(
-            "suffix",
-            "a suffix trie of the prompt, the text and a server's earlier responses (no draft engine)",
-            False,
-            _suffix,
-        ),
-        DrafterKind(
-            "hybrid_suffix", "the suffix drafter where it is sure, the draft engine elsewhere", True, _hybrid_suffix
-        ),
-    )
-}
+REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in (
+    DrafterKind("model", "the bundle's draft engine (a draft model, or a feature draft over the target's hidden "
+                "states)", True, model_drafter),
+    DrafterKind("prompt_lookup", "n-gram lookup in the prompt and the text so far (no draft engine)", False,
+                lambda sources: PromptLookupDrafter(sources.vocab_size)),
+    DrafterKind("hybrid", "prompt lookup where the context has a 2-gram match, the draft engine elsewhere", True,
+                _hybrid),
+    DrafterKind("suffix", "a suffix trie of the prompt, the text and a server's earlier responses (no draft engine)",
+                False, _suffix),
+    DrafterKind("hybrid_suffix", "the suffix drafter where it is sure, the draft engine elsewhere", True,
+                _hybrid_suffix),
+)}
 DRAFTERS = tuple(REGISTRY)  # the names, in the order help texts list them
 
 

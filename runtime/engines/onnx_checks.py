@@ -35,7 +35,6 @@ def read_onnx(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> 
 def parse_onnx(model: bytes, where: str):
     import onnx
     from google.protobuf.message import DecodeError
-
     try:
         return onnx.ModelProto.FromString(model)
     except (DecodeError, RecursionError, ValueError) as err:
@@ -45,22 +44,9 @@ def parse_onnx(model: bytes, where: str):
 # Operators an engine may use. Standard ONNX operators are allowed but for control flow (a Loop or Scan runs for as
 # long as its graph says); of ONNX Runtime's contrib operators, those decoder graphs are made of.
 DENIED_ONNX_OPS = frozenset({"Loop", "Scan", "If", "SequenceMap"})
-CONTRIB_OPS = frozenset(
-    {
-        "GroupQueryAttention",
-        "MatMulNBits",
-        "SkipSimplifiedLayerNormalization",
-        "SimplifiedLayerNormalization",
-        "SkipLayerNormalization",
-        "RotaryEmbedding",
-        "FastGelu",
-        "Gelu",
-        "BiasGelu",
-        "QuickGelu",
-        "MultiHeadAttention",
-        "GatherBlockQuantized",
-    }
-)
+CONTRIB_OPS = frozenset({"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization",
+                         "SimplifiedLayerNormalization", "SkipLayerNormalization", "RotaryEmbedding", "FastGelu",
+                         "Gelu", "BiasGelu", "QuickGelu", "MultiHeadAttention", "GatherBlockQuantized"})
 SHAPE_FROM_INPUT_OPS = {"ConstantOfShape": 0, "Expand": 1}  # op -> the input that gives the output's shape
 MAX_CONSTANT_ELEMENTS = 1 << 26  # a constant-shaped output ONNX Runtime would fold (allocate) while loading
 
@@ -70,17 +56,9 @@ def check_operators(proto, where: str) -> None:
     makes ONNX Runtime allocate more than MAX_CONSTANT_ELEMENTS while it folds constants at load."""
     import onnx
     from onnx import numpy_helper
-
     constants = {t.name: t for t in proto.graph.initializer}
-    constants.update(
-        {
-            n.output[0]: a.t
-            for n in proto.graph.node
-            if n.op_type == "Constant"
-            for a in n.attribute
-            if a.name == "value" and a.HasField("t")
-        }
-    )
+    constants.update({n.output[0]: a.t for n in proto.graph.node if n.op_type == "Constant"
+                      for a in n.attribute if a.name == "value" and a.HasField("t")})
     problems = []
     for node in _all_nodes(proto):
         domain = node.domain or ""
@@ -98,9 +76,8 @@ def check_operators(proto, where: str) -> None:
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 dims = numpy_helper.to_array(tensor).astype(np.float64).ravel()
                 if dims.size and float(np.prod(np.maximum(dims, 1))) > MAX_CONSTANT_ELEMENTS:
-                    problems.append(
-                        f"node {node.name!r}: {node.op_type} to a constant shape of {float(np.prod(dims)):.3g} elements"
-                    )
+                    problems.append(f"node {node.name!r}: {node.op_type} to a constant shape of "
+                                    f"{float(np.prod(dims)):.3g} elements")
     if problems:
         raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
 
@@ -112,7 +89,6 @@ def _all_nodes(proto):
             for attribute in node.attribute:
                 for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
                     yield from graph_nodes(sub)
-
     yield from graph_nodes(proto.graph)
     for function in proto.functions:
         for node in function.node:
@@ -127,7 +103,6 @@ def external_data_locations(model, where: str) -> set[str]:
     Checked here, not left to ONNX Runtime: older releases follow '..' and absolute locations.
     """
     import onnx
-
     proto = parse_onnx(model, where) if isinstance(model, bytes) else model
     locations, problems = set(), []
     for kind, owner, tensor in _model_tensors(proto):
@@ -139,9 +114,8 @@ def external_data_locations(model, where: str) -> set[str]:
             continue
         location = entries.get("location", "")
         if path_problem(location) or not all(_LOCATION_PART.fullmatch(p) for p in location.split("/")):
-            problems.append(
-                f"tensor {tensor.name!r}: external data location {location!r} is not a plain file name beside the graph"
-            )
+            problems.append(f"tensor {tensor.name!r}: external data location {location!r} is not a plain file name "
+                            "beside the graph")
         else:
             locations.add(location)
     if problems:
@@ -182,7 +156,7 @@ def _node_tensors(node):
 def _attribute_tensors(attribute, owner: str):
     tensors = [attribute.t] if attribute.HasField("t") else []
     tensors += list(attribute.tensors)
-    sparse = [attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else []
+    sparse = ([attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else [])
     for item in sparse + list(attribute.sparse_tensors):
         tensors += [item.values, item.indices]
     for tensor in tensors:

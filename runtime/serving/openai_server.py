@@ -36,17 +36,8 @@ from runtime.serving.drain import Drain, DrainGuard, DrainingServer, scheduler_r
 from runtime.errors import RequestError
 from runtime.serving.handles import Event, Overloaded, Unavailable
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
-from runtime.serving.openai_responses import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChunkChoice,
-    Completion,
-    Delta,
-    ResponseShape,
-    Usage,
-    error_body,
-    new_id,
-)
+from runtime.serving.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
+                                      ResponseShape, Usage, error_body, new_id)
 from runtime.request import check_text
 from runtime.serving.scheduler import Scheduler
 
@@ -59,15 +50,8 @@ DISCONNECT_POLL_S = 0.5  # how often a request waiting for text checks that its 
 class APIError(Exception):
     """An error response in OpenAI's shape."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.body, self.headers = status, error_body(message, type, param, code), headers
 
@@ -79,15 +63,9 @@ def overloaded(err: Overloaded) -> APIError:
     return APIError(429, str(err), "rate_limit_error", code="server_overloaded", headers={"Retry-After": "1"})
 
 
-def create_app(
-    scheduler: Scheduler,
-    model_name: str,
-    api_key: str | None = None,
-    limits: Limits | None = None,
-    request_timeout: float | None = None,
-    drain: Drain | None = None,
-    allowed_hosts: tuple[str, ...] | None = None,
-) -> FastAPI:
+def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, limits: Limits | None = None,
+               request_timeout: float | None = None, drain: Drain | None = None,
+               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
     """The server's app over a started ``scheduler``.
 
     model_name: the one model requests must name; api_key: required as ``Authorization: Bearer KEY`` on every route
@@ -112,13 +90,8 @@ def create_app(
 
 def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> None:
     """/health, /v1/models[/{model}] and /metrics: what the server is and how it is doing."""
-    card = {
-        "id": model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "draftsmith",
-        "max_model_len": scheduler.generator.max_context,
-    }
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "draftsmith",
+            "max_model_len": scheduler.generator.max_context}
 
     @app.get("/health")
     async def health() -> dict:
@@ -194,15 +167,9 @@ class _Replies:
         bridge = _Bridge()
         try:  # off the event loop: it tokenizes (and renders the chat template)
             decode = body.decode_request(default_max_tokens=self.limits.max_tokens_limit)
-            handle = await asyncio.to_thread(
-                self.scheduler.submit,
-                prompt,
-                decode,
-                chat=chat,
-                timeout=self.request_timeout,
-                sink=bridge.put,
-                client=_client_of(request),
-            )
+            handle = await asyncio.to_thread(self.scheduler.submit, prompt, decode, chat=chat,
+                                             timeout=self.request_timeout, sink=bridge.put,
+                                             client=_client_of(request))
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:
@@ -240,12 +207,8 @@ def _client_of(request: Request) -> str:
 
 def _check_model(model: str, served: str) -> None:
     if model != served:
-        raise APIError(
-            404,
-            f"The model {model!r} does not exist; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
+        raise APIError(404, f"The model {model!r} does not exist; this server serves {served!r}", param="model",
+                       code="model_not_found")
 
 
 def _event_error(error: Exception) -> APIError:
@@ -371,9 +334,8 @@ class _EventStream(StreamingResponse):
     (Starlette then cancels the stream, or its next send fails)."""
 
     def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(
-            chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -403,38 +365,23 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.allowed_hosts is not None and host_name(headers.get(b"host", b"")) not in self.allowed_hosts:
-            error = APIError(
-                421,
-                f"this server answers only requests addressed to {' or '.join(self.allowed_hosts)} (the Host header)",
-                code="misdirected_request",
-            )
+            error = APIError(421, "this server answers only requests addressed to "
+                             f"{' or '.join(self.allowed_hosts)} (the Host header)", code="misdirected_request")
             return await error.response()(scope, receive, send)
         if self.key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization")
             if not given or not hmac.compare_digest(given, self.key):
-                message = (
-                    "Incorrect API key provided"
-                    if given
-                    else "Missing API key: send it as the header 'Authorization: Bearer KEY'"
-                )
+                message = ("Incorrect API key provided" if given else
+                           "Missing API key: send it as the header 'Authorization: Bearer KEY'")
                 error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await error.response()(scope, receive, send)
-        if (
-            scope["method"] == "POST"
-            and not headers.get(b"content-type", b"").split(b";")[0].strip().lower() == b"application/json"
-        ):
-            error = APIError(
-                415,
-                "send the request body as JSON with the header 'Content-Type: application/json'",
-                code="unsupported_media_type",
-            )
+        if scope["method"] == "POST" and not headers.get(b"content-type", b"").split(b";")[0].strip().lower() == \
+                b"application/json":
+            error = APIError(415, "send the request body as JSON with the header 'Content-Type: application/json'",
+                             code="unsupported_media_type")
             return await error.response()(scope, receive, send)
-        too_large = APIError(
-            413,
-            f"the request body is over this server's limit of {self.max_body_bytes} bytes",
-            param="body",
-            code="request_too_large",
-        )
+        too_large = APIError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes",
+                             param="body", code="request_too_large")
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_body_bytes:
             return await too_large.response()(scope, receive, send)
@@ -464,7 +411,7 @@ def host_name(header: bytes) -> str:
     """The host of a Host header, without its port ("[::1]:8000" -> "::1")."""
     text = header.decode("latin-1").strip().lower()
     if text.startswith("["):
-        return text[1 : text.find("]")] if "]" in text else text
+        return text[1:text.find("]")] if "]" in text else text
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
@@ -480,13 +427,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        message = (
-            f"Unknown route: {request.method} {request.url.path}"
-            if err.status_code == 404
-            else f"{request.method} is not allowed on {request.url.path}"
-            if err.status_code == 405
-            else str(err.detail)
-        )
+        message = (f"Unknown route: {request.method} {request.url.path}" if err.status_code == 404 else
+                   f"{request.method} is not allowed on {request.url.path}" if err.status_code == 405 else
+                   str(err.detail))
         return APIError(err.status_code, message, code="not_found" if err.status_code == 404 else None).response()
 
     @app.exception_handler(Exception)
@@ -545,23 +488,11 @@ def scheduler_families(scheduler: Scheduler, model_name: str, prefix: str = "dra
     return out
 
 
-def serve(
-    bundle: str | Path,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    max_batch: int = 8,
-    max_queue: int = 256,
-    threads: int = 0,
-    model_name: str | None = None,
-    log_level: str = "info",
-    policy: str = "exact",
-    drain_timeout: float = 30.0,
-    drain_linger: float = 2.0,
-    request_timeout: float = 600.0,
-    max_connections: int = 512,
-    max_rows_per_client: int | None = None,
-) -> None:
+def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_batch: int = 8, max_queue: int = 256, threads: int = 0, model_name: str | None = None,
+          log_level: str = "info", policy: str = "exact", drain_timeout: float = 30.0,
+          drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512,
+          max_rows_per_client: int | None = None) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
@@ -570,29 +501,19 @@ def serve(
     import uvicorn
 
     from runtime.api import SpeculativeGenerator
-
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     _prepare_grammars(generator)
-    scheduler = Scheduler(
-        generator, max_batch=max_batch, max_queue=max_queue, policy=policy, max_rows_per_client=max_rows_per_client
-    ).start()
+    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy,
+                          max_rows_per_client=max_rows_per_client).start()
     name = model_name or Path(bundle).resolve().name
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)
     allowed = LOOPBACK_HOSTS if host in LOOPBACK_HOSTS else None
-    app = create_app(
-        scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed, request_timeout=request_timeout
-    )
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        timeout_graceful_shutdown=5,
-        limit_concurrency=max_connections,
-        timeout_keep_alive=5,
-    )
+    app = create_app(scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed,
+                     request_timeout=request_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            limit_concurrency=max_connections, timeout_keep_alive=5)
     server = DrainingServer(config, drain)
     try:
         server.run()

@@ -82,7 +82,7 @@ class _Row(DecodeRow):
         if self.logprobs is None:
             return None
         sent, self.logprobs_sent = self.logprobs_sent, len(self.logprobs)
-        return self.generated[sent : len(self.logprobs)], self.logprobs[sent:], self.top_logprobs[sent:]
+        return self.generated[sent:len(self.logprobs)], self.logprobs[sent:], self.top_logprobs[sent:]
 
     @property
     def pinned(self) -> bool:
@@ -111,16 +111,9 @@ class Scheduler:
     fallback ("exact"): let a row whose drafts are rarely accepted stop drafting (``_row_drafts``).
     """
 
-    def __init__(
-        self,
-        generator: SpeculativeGenerator,
-        max_batch: int = 8,
-        max_queue: int = 256,
-        max_wait: float = 60.0,
-        policy: str = "exact",
-        fallback: bool = False,
-        max_rows_per_client: int | None = None,
-    ):
+    def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
+                 max_wait: float = 60.0, policy: str = "exact", fallback: bool = False,
+                 max_rows_per_client: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
         if max_batch < 1 or max_queue < 1:
@@ -135,19 +128,8 @@ class Scheduler:
         self.cache = self._batch_cache()
         self.waiting: deque[_Waiting] = deque()
         self.costs = CostModel()
-        self.counters = {
-            "steps": 0,
-            "speculative_steps": 0,
-            "row_steps": 0,
-            "step_time": 0.0,
-            "engine_time": 0.0,
-            "admitted": 0,
-            "finished": 0,
-            "cancelled": 0,
-            "timed_out": 0,
-            "refused": 0,
-            "failed": 0,
-        }
+        self.counters = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "step_time": 0.0, "engine_time": 0.0,
+                         "admitted": 0, "finished": 0, "cancelled": 0, "timed_out": 0, "refused": 0, "failed": 0}
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -156,17 +138,9 @@ class Scheduler:
 
     # --- the outside ----------------------------------------------------------------------------------------------
 
-    def submit(
-        self,
-        prompt,
-        request: DecodeRequest | None = None,
-        *,
-        chat: bool = False,
-        timeout: float | None = None,
-        sink: Callable[[Event], None] | None = None,
-        client: str = "",
-        **options,
-    ) -> Handle:
+    def submit(self, prompt, request: DecodeRequest | None = None, *, chat: bool = False,
+               timeout: float | None = None, sink: Callable[[Event], None] | None = None, client: str = "",
+               **options) -> Handle:
         """Queue one request (a prompt string, or chat messages with ``chat``); what to generate is a DecodeRequest
         (``request``, or its fields as keywords, as SpeculativeGenerator.generate takes them), validated here, so a
         bad one raises RequestError at once (its response format is compiled here too, before it queues).
@@ -177,10 +151,8 @@ class Scheduler:
         if isinstance(request.seed, list):  # the generator takes one seed per prompt; a request is one prompt
             raise RequestError(f"seed: expected an integer >= 0 or None, received {request.seed!r}")
         if request.adaptive or request.fallback:
-            raise RequestError(
-                "adaptive and fallback are the Python API's batch options; the scheduler decides "
-                "per row whether a row drafts (its fallback=True)"
-            )
+            raise RequestError("adaptive and fallback are the Python API's batch options; the scheduler decides "
+                               "per row whether a row drafts (its fallback=True)")
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
         with self._lock:  # a full queue refuses before any tokenizing or template rendering is spent on it
@@ -240,13 +212,9 @@ class Scheduler:
         """Counters, and per step: mean rows, seconds, and the seconds outside engine calls (the overhead)."""
         c = dict(self.counters)
         steps = max(1, c["steps"])
-        c.update(
-            running=len(self.rows),
-            waiting=len(self.waiting),
-            mean_batch=c["row_steps"] / steps,
-            step_ms=1e3 * c["step_time"] / steps,
-            overhead_ms=1e3 * (c["step_time"] - c["engine_time"]) / steps,
-        )
+        c.update(running=len(self.rows), waiting=len(self.waiting), mean_batch=c["row_steps"] / steps,
+                 step_ms=1e3 * c["step_time"] / steps,
+                 overhead_ms=1e3 * (c["step_time"] - c["engine_time"]) / steps)
         return c
 
     # --- the loop -------------------------------------------------------------------------------------------------
@@ -279,17 +247,13 @@ class Scheduler:
         groups = [DraftGroup(row.drafter, [b]) for b, row in enumerate(self.rows)]
         result = decode_step(self.target, self.cache, self.rows, groups, plan, isolate=isolated)
         for b, row in enumerate(self.rows):
-            isolated(
-                [row], self._after_step, row, plan.drafting[b], result.drafted[b], result.accepted[b], result.new[b]
-            )
+            isolated([row], self._after_step, row, plan.drafting[b], result.drafted[b], result.accepted[b],
+                     result.new[b])
         seconds = result.draft_time + result.verify_time
         if all(plan.drafting) or not speculate:  # a pure step: rescale its kind's costs by how it ran
             kind = "speculative" if speculate else "batched"
-            predicted = (
-                self.costs.spec_cost([d + 1 for d in result.drafted])
-                if speculate
-                else self.costs.batch_cost(len(self.rows))
-            )
+            predicted = (self.costs.spec_cost([d + 1 for d in result.drafted]) if speculate
+                         else self.costs.batch_cost(len(self.rows)))
             self.costs.observe(kind, predicted, seconds)
         self._count(len(self.rows), speculate, time.perf_counter() - start, engine_time + seconds)
         self._retire([row.finished for row in self.rows])
@@ -331,9 +295,8 @@ class Scheduler:
         if not self.fallback or row.pinned or not self.costs.verify:
             return True
         limit = self._draft_limit(row)
-        pays = expected_tokens(row.acceptance, limit) / self.costs.spec_cost([limit + 1]) > 1 / self.costs.spec_cost(
-            [1]
-        )
+        pays = (expected_tokens(row.acceptance, limit) / self.costs.spec_cost([limit + 1])
+                > 1 / self.costs.spec_cost([1]))
         row.undrafted = 0 if pays or row.undrafted >= PROBE_EVERY else row.undrafted + 1
         return row.undrafted == 0
 
@@ -412,9 +375,8 @@ class Scheduler:
         held = collections.Counter(row.client for row in self.rows)
         taken = []
         while len(taken) < free:
-            ready = [
-                w for w in self.waiting if self.max_rows_per_client is None or held[w.client] < self.max_rows_per_client
-            ]
+            ready = [w for w in self.waiting
+                     if self.max_rows_per_client is None or held[w.client] < self.max_rows_per_client]
             if not ready:
                 break
             fewest = min(held[w.client] for w in ready)
@@ -430,17 +392,8 @@ class Scheduler:
             drafter.start([w.prompt])
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
-        return _Row(
-            handle=w.handle,
-            prompt=w.prompt,
-            config=w.config,
-            stops=w.stops,
-            drafter=drafter,
-            rng=rng,
-            decoder=IncrementalDecoder(self.generator.tokenizer),
-            deadline=deadline,
-            client=w.client,
-        )
+        return _Row(handle=w.handle, prompt=w.prompt, config=w.config, stops=w.stops, drafter=drafter, rng=rng,
+                    decoder=IncrementalDecoder(self.generator.tokenizer), deadline=deadline, client=w.client)
 
     def _interrupted(self, row: _Row) -> str:
         if row.handle.cancelled:
@@ -470,22 +423,9 @@ class Scheduler:
             self.generator.metrics.add(row.stats)
             key = {"cancelled": "cancelled", "timeout": "timed_out"}.get(reason, "finished")
             self.counters[key] += 1
-            row.handle.send(
-                Event(
-                    tail,
-                    [],
-                    final=Generation(
-                        row.text,
-                        list(row.generated),
-                        len(row.prompt),
-                        reason,
-                        row.stats,
-                        row.logprobs,
-                        row.top_logprobs,
-                    ),
-                    logprobs=row.take_logprobs(),
-                )
-            )
+            row.handle.send(Event(tail, [], final=Generation(row.text, list(row.generated), len(row.prompt), reason,
+                                                             row.stats, row.logprobs, row.top_logprobs),
+                                  logprobs=row.take_logprobs()))
         self.cache = self.target.select(self.cache, np.array(keep, dtype=np.int64))
 
     def _refuse_stale(self) -> None:
@@ -501,14 +441,8 @@ class Scheduler:
                 w.handle.send(Event(final=Generation("", [], len(w.prompt), "cancelled")))
             else:
                 self.counters["refused"] += 1
-                w.handle.send(
-                    Event(
-                        error=Overloaded(
-                            f"overloaded: waited {now - w.handle.submitted:.1f} s for a "
-                            f"free row (the limit is {self.max_wait:g} s); retry later"
-                        )
-                    )
-                )
+                w.handle.send(Event(error=Overloaded(f"overloaded: waited {now - w.handle.submitted:.1f} s for a "
+                                                     f"free row (the limit is {self.max_wait:g} s); retry later")))
 
     def _fail_running(self, error: Exception) -> None:
         failed, self.rows = self.rows, []  # gone from stats() before their clients hear of it

@@ -42,25 +42,23 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     controls (``{% break %}``, ``{% continue %}``). Raises ValueError naming what went wrong.
     """
     from jinja2.exceptions import SecurityError
-
     try:
         compiled = _compiled(template)
         with _Budget():
             pieces, written = [], 0
-            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
+            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           **variables):
                 written += len(piece)
                 if written > MAX_OUTPUT:
                     raise TemplateBudgetError(f"the chat template wrote more than {MAX_OUTPUT} characters")
                 pieces.append(piece)
         return "".join(pieces)
     except TemplateBudgetError as err:
-        raise TemplateBudgetError(
-            f"{err}; it was stopped (a template must render a prompt in well under {TIME_BUDGET:g} s)"
-        ) from None
+        raise TemplateBudgetError(f"{err}; it was stopped (a template must render a prompt in well under "
+                                  f"{TIME_BUDGET:g} s)") from None
     except SecurityError as err:
-        raise ValueError(
-            f"the chat template tried something the sandbox forbids ({err}); this template is unsafe, replace it"
-        ) from None
+        raise ValueError(f"the chat template tried something the sandbox forbids ({err}); "
+                         "this template is unsafe, replace it") from None
     except ValueError as err:  # raise_exception, or a value the template could not handle
         raise ValueError(f"the chat template refused the request: {err}") from None
     except (Exception, RecursionError) as err:  # noqa: BLE001 - any failure of hostile code is the request's own
@@ -84,8 +82,7 @@ def _environment():
 
         def wrap_str_format(self, value):  # str.format / format_map, wrapped when the template reads them
             if getattr(value, "__name__", "") in ("format", "format_map") and isinstance(
-                getattr(value, "__self__", None), str
-            ):
+                    getattr(value, "__self__", None), str):
                 _check_brace_format(value.__self__)
             return super().wrap_str_format(value)
 
@@ -94,10 +91,8 @@ def _environment():
             if op == "%" and isinstance(left, str):
                 _check_percent_format(left, right)
             if op == "*" and _multiplies_a_sequence(left, right):
-                _check_size(
-                    _length(left if hasattr(left, "__len__") else right)
-                    * int(right if hasattr(left, "__len__") else left)
-                )
+                _check_size(_length(left if hasattr(left, "__len__") else right) * int(
+                    right if hasattr(left, "__len__") else left))
             if op == "**" and isinstance(left, (int, float)) and abs(left) > 1 and right > 64:
                 raise TemplateBudgetError(f"the chat template raised {left} to the power {right}")
             return _checked(super().call_binop(context, op, left, right))
@@ -138,23 +133,19 @@ def _is_jinja_internal(value) -> bool:
     from jinja2.nodes import EvalContext
     from jinja2.runtime import Context
     from jinja2 import Environment
-
     return isinstance(value, (Context, EvalContext, Environment))
 
 
 def _check_percent_format(text: str, values) -> None:
     import re
-
     widths = [int(w) for w in re.findall(r"%[-+ #0]*(\d+)", text)] + [
-        int(w) for w in re.findall(r"%[-+ #0]*(?:\d+|\*)?\.(\d+)", text)
-    ]
+        int(w) for w in re.findall(r"%[-+ #0]*(?:\d+|\*)?\.(\d+)", text)]
     _check_arguments(widths + list(values if isinstance(values, tuple) else (values,)))
 
 
 def _check_brace_format(text: str) -> None:
     import re
     import string
-
     try:
         specs = [spec for _, _, spec, _ in string.Formatter().parse(text) if spec]
     except ValueError:
@@ -169,9 +160,8 @@ def _check_arguments(values) -> None:
 
 
 def _multiplies_a_sequence(left, right) -> bool:
-    return (hasattr(left, "__len__") and isinstance(right, int)) or (
-        hasattr(right, "__len__") and isinstance(left, int)
-    )
+    return (hasattr(left, "__len__") and isinstance(right, int)) or (hasattr(right, "__len__") and
+                                                                     isinstance(left, int))
 
 
 def _length(value) -> int:
@@ -180,9 +170,8 @@ def _length(value) -> int:
 
 def _check_size(size: int) -> None:
     if size > MAX_VALUE:
-        raise TemplateBudgetError(
-            f"the chat template made a value of {size} characters or items (the limit is {MAX_VALUE})"
-        )
+        raise TemplateBudgetError(f"the chat template made a value of {size} characters or items "
+                                  f"(the limit is {MAX_VALUE})")
 
 
 def _check_replace(text: str, old="", new="", *rest) -> None:
@@ -230,7 +219,6 @@ def _size(value) -> int:
     if isinstance(value, (str, list, tuple, dict)):
         return len(value)
     from jinja2.utils import Namespace
-
     if isinstance(value, Namespace):
         attributes = object.__getattribute__(value, "_Namespace__attrs")
         return sum(len(v) for v in attributes.values() if isinstance(v, (str, list, tuple, dict)))
@@ -246,7 +234,6 @@ def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separa
 
 def _strftime_now(format: str) -> str:
     from datetime import datetime
-
     if len(format) > 256:
         raise TemplateBudgetError("the chat template's strftime format is longer than 256 characters")
     return datetime.now().strftime(format)
