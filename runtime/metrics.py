@@ -149,7 +149,7 @@ class MetricsRegistry:
 
     Each registry exports through its own prometheus_client ``CollectorRegistry`` (no process-global state: two
     generators in one process count apart), made on the first export. The one registry of a process's metrics: what
-    serves them adds its own families as sources (``add_source``: the scheduler's), so every metric is exported the
+    serves them passes its own families to ``prometheus`` (a server: its scheduler's), so every metric is exported the
     same way. (A Triton model reports through Triton's own metric API: its backend cannot serve this text.)
     """
 
@@ -162,12 +162,6 @@ class MetricsRegistry:
         self.ttft = LatencyHistogram(TTFT_BUCKETS)
         self.inter_token = LatencyHistogram(ITL_BUCKETS)
         self._registry = None
-        self._sources: dict[str, Callable[[], list]] = {}
-
-    def add_source(self, name: str, families: Callable[[], list]) -> None:
-        """More metric families, made at each export by ``families()`` (prometheus_client metric families); a
-        source added again under the same ``name`` replaces the first (a server made twice over one generator)."""
-        self._sources[name] = families
 
     def add(self, stats: RequestStats) -> None:
         """Count a finished request: its counters, its time to first token and its inter-token latency, (total -
@@ -181,14 +175,20 @@ class MetricsRegistry:
                 self.inter_token.observe(max(0.0, stats.total_time - stats.time_to_first_token)
                                          / (stats.num_emitted_tokens - 1))
 
-    def prometheus(self) -> str:
-        """Every metric in Prometheus' text exposition format (served with ``runtime.metrics.CONTENT_TYPE``)."""
+    def prometheus(self, more: Callable[[], list] | None = None) -> str:
+        """Every metric in Prometheus' text exposition format (served with ``runtime.metrics.CONTENT_TYPE``), and
+        the families ``more()`` gives for this export (prometheus_client metric families: a server's scheduler's)."""
         from prometheus_client import CollectorRegistry, generate_latest
         with self._lock:
             if self._registry is None:
                 self._registry = CollectorRegistry(auto_describe=False)
                 self._registry.register(self)
-        return generate_latest(self._registry).decode("utf-8")
+        text = generate_latest(self._registry).decode("utf-8")
+        if more is not None:
+            extra = CollectorRegistry(auto_describe=False)
+            extra.register(_Families(more))
+            text += generate_latest(extra).decode("utf-8")
+        return text
 
     def collect(self) -> list:
         """prometheus_client's collector protocol: the metric families of one consistent snapshot."""
@@ -220,7 +220,14 @@ class MetricsRegistry:
                      self.inter_token)):
                 out.append(HistogramMetricFamily(f"{p}_{name}", help_text, sum_value=histogram.total,
                                                  buckets=[(floatToGoString(b), c) for b, c in histogram.cumulative()]))
-        return out + [family for source in self._sources.values() for family in source()]
+        return out
+
+
+class _Families:
+    """A prometheus_client collector over a function that gives metric families."""
+
+    def __init__(self, families: Callable[[], list]) -> None:
+        self.collect = families
 
 
 def peak_rss_bytes() -> int:

@@ -73,8 +73,8 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     request_timeout: seconds after which a request ends with finish_reason "length" (None: none);
     allowed_hosts: the Host header names answered (None: any; ``serve`` on loopback: LOOPBACK_HOSTS);
     drain: graceful shutdown (runtime/serving/drain.py): /health backed by the scheduler's loop and the drain, 503s
-    while draining, /health/live (None: none). /metrics is the generator's one registry, the scheduler's families
-    added to it.
+    while draining, /health/live (None: none). /metrics is the generator's one registry, with this scheduler's
+    families.
     """
     limits = limits or Limits.for_context(scheduler.generator.max_context)
     app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
@@ -82,7 +82,6 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     if drain is not None:  # added last: outermost, before the key check (a refusal does no work)
         app.add_middleware(DrainGuard, drain=drain, ready=lambda: scheduler_running(scheduler))
     _add_error_handlers(app)
-    scheduler.generator.metrics.add_source("scheduler", lambda: scheduler_families(scheduler, model_name))
     _add_model_routes(app, scheduler, model_name)
     _add_completion_routes(app, _Replies(scheduler, model_name, limits, request_timeout))
     return app
@@ -110,7 +109,8 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(scheduler.generator.metrics.prometheus(), media_type=PROMETHEUS)
+        text = scheduler.generator.metrics.prometheus(lambda: scheduler_families(scheduler, model_name))
+        return PlainTextResponse(text, media_type=PROMETHEUS)
 
 
 def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
