@@ -17,13 +17,6 @@ def prefill(engine: Engine, cache, chunks: list[list[int]]) -> None:
     engine.prefill(cache, tokens, valid)
 
 
-def row_features(cache, counts: list[int]) -> list[np.ndarray] | None:
-    """Each row's final hidden states [counts[b], H] from the target's last call on ``cache`` (None: the engine
-    returns none, or no call was made)."""
-    hidden = cache.extra.get("hidden")
-    return None if hidden is None else [hidden[b, :n] for b, n in enumerate(counts)]
-
-
 def padded(chunks: list[list[int]], min_width: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Per-row chunks right-padded into tokens and valid [B, max(min_width, longest chunk)] (padding is 0 and not
     valid)."""
