@@ -86,10 +86,11 @@ class Outcome:
 
 def mixed_spec(index: int, seed: int, max_tokens: int, cancel_fraction: float,
                prompts: tuple[str, ...] = PROMPTS, max_draft_tokens: int = 0, long_prompt: str = "",
-               long_fraction: float = 0.0) -> Spec:
+               long_fraction: float = 0.0, draft_tokens: int | None = None) -> Spec:
     """Request ``index`` of a run: the same index and seed always give the same settings. With
     ``max_draft_tokens``, half the requests pick num_draft_tokens in 1..it; with ``long_prompt``, a
-    ``long_fraction`` of them send it (a prompt near the context limit)."""
+    ``long_fraction`` of them send it (a prompt near the context limit); ``draft_tokens`` (e.g. 0: speculation
+    off) is every request's num_draft_tokens instead."""
     rng = random.Random(seed * 1_000_003 + index)
     kind = rng.random()
     temperature, top_p, sample_seed = (0.0, None, None) if kind < 0.5 else (0.8, 0.95, None)
@@ -102,8 +103,8 @@ def mixed_spec(index: int, seed: int, max_tokens: int, cancel_fraction: float,
                 temperature=temperature, top_p=top_p, seed=sample_seed,
                 stop=(rng.choice(STOPS),) if rng.random() < 0.25 else (),
                 cancel_after=rng.randint(1, 3) if rng.random() < cancel_fraction else 0,
-                num_draft_tokens=rng.randint(1, max_draft_tokens) if max_draft_tokens and rng.random() < 0.5
-                else None)
+                num_draft_tokens=draft_tokens if draft_tokens is not None
+                else rng.randint(1, max_draft_tokens) if max_draft_tokens and rng.random() < 0.5 else None)
 
 
 def long_prompt_of(tokens: int) -> str:
@@ -175,7 +176,8 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
              model: str | None = None, chat: bool = False, max_tokens: int = 64, cancel_fraction: float = 0.1,
              prompts: tuple[str, ...] = PROMPTS, seed: int = 0, api_key: str | None = None, pid: int | None = None,
              check_identical: bool = False, timeout: float = 300.0, max_draft_tokens: int = 0,
-             long_prompt_tokens: int = 0, long_fraction: float = 0.1, check_limit: int = 0) -> dict:
+             long_prompt_tokens: int = 0, long_fraction: float = 0.1, check_limit: int = 0,
+             draft_tokens: int | None = None) -> dict:
     """Drive ``url`` (a server's base, with or without /v1) with ``clients`` concurrent streams; see the module
     docstring. Returns the report as a dict (counts, latency percentiles in seconds, tokens/s, RSS in MiB)."""
     if clients < 1 or duration <= 0 or (max_requests is not None and max_requests < 1):
@@ -187,6 +189,7 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
     lock, counter = threading.Lock(), iter(range(max_requests or 1 << 62))
     long_text = long_prompt_of(long_prompt_tokens) if long_prompt_tokens else ""
     rss = _RssSampler(pid)
+    lengths_before = draft_length_counts(base, headers, timeout)
     start = time.perf_counter()
 
     def client_loop() -> None:
@@ -197,7 +200,7 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
                 if index is None:
                     return
                 spec = mixed_spec(index, seed, max_tokens, cancel_fraction, prompts, max_draft_tokens, long_text,
-                                  long_fraction)
+                                  long_fraction, draft_tokens)
                 outcome = run_one(client, base, spec, model, chat)
                 with lock:
                     outcomes.append(outcome)
@@ -210,7 +213,14 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
     elapsed = time.perf_counter() - start
     rss.stop()
     report = _summary(outcomes, elapsed)
-    report.update(url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens)
+    report.update(url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens,
+                  speculation=draft_tokens != 0)
+    lengths = draft_length_counts(base, headers, timeout)
+    if lengths:  # what the server's step plan chose while this run was going on
+        chosen = {k: n - lengths_before.get(k, 0) for k, n in lengths.items()}
+        total = sum(chosen.values())
+        report["planned_draft_length"] = {"row_steps": {str(k): n for k, n in sorted(chosen.items())},
+                                          "mean": sum(k * n for k, n in chosen.items()) / total if total else 0.0}
     if rss.samples:
         values = [v for _, v in rss.samples]
         settled = [v for t, v in rss.samples if t >= 60.0] or values[-1:]
@@ -220,6 +230,16 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
     if check_identical:
         report["identical"] = _check_identical(outcomes, base, model, chat, headers, timeout, check_limit)
     return report
+
+
+def draft_length_counts(base: str, headers: dict, timeout: float) -> dict[int, float]:
+    """Row-steps by the draft length the server's step plan chose, from its /metrics ({} where it has none)."""
+    try:
+        text = httpx.get(f"{base}/metrics", headers=headers, timeout=timeout).text
+    except httpx.HTTPError:
+        return {}
+    found = re.findall(r'^draftsmith_scheduler_draft_length_total\{k="(\d+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
+    return {int(k): float(n) for k, n in found}
 
 
 def _summary(outcomes: list[Outcome], elapsed: float) -> dict:
@@ -309,7 +329,11 @@ class _RssSampler:
 
 @click.command("openai-load")
 @click.argument("url")
-@click.option("--clients", type=int, default=8, show_default=True, help="Concurrent streaming clients.")
+@click.option("--clients", "client_levels", default="8", show_default=True,
+              help="Concurrent streaming clients; a list (1,2,4,8,16) runs each level in turn.")
+@click.option("--speculation", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
+              help="off: every request sends num_draft_tokens 0 (the same server with speculation off); both: "
+                   "each level runs with it on, then off, and the report gives the ratio.")
 @click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds to send requests for.")
 @click.option("--requests", "max_requests", type=int, default=None, help="Stop after this many requests.")
 @click.option("--max-tokens", type=int, default=64, show_default=True,
@@ -332,13 +356,65 @@ class _RssSampler:
               help="With --long-prompt-tokens: the fraction of requests that send it.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def openai_load(url, clients, duration, max_requests, max_tokens, cancel_fraction, chat, model, api_key, pid,
-                check_identical, check_limit, max_draft_tokens, long_prompt_tokens, long_fraction, seed, as_json):
+def openai_load(url, client_levels, speculation, duration, max_requests, max_tokens, cancel_fraction, chat, model,
+                api_key, pid, check_identical, check_limit, max_draft_tokens, long_prompt_tokens, long_fraction, seed,
+                as_json):
     """Load the OpenAI-compatible server at URL with concurrent streaming clients and report what came back."""
-    report = run_load(url, clients=clients, duration=duration, max_requests=max_requests, model=model, chat=chat,
-                      max_tokens=max_tokens, cancel_fraction=cancel_fraction, seed=seed, api_key=api_key, pid=pid,
-                      check_identical=check_identical, check_limit=check_limit, max_draft_tokens=max_draft_tokens,
-                      long_prompt_tokens=long_prompt_tokens, long_fraction=long_fraction)
+    try:
+        levels = [int(c) for c in str(client_levels).split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected client counts like 1,2,4, received {client_levels!r}",
+                                 param_hint="--clients") from None
+    modes = {"on": [None], "off": [0], "both": [None, 0]}[speculation]
+    runs = []
+    for clients in levels:  # interleaved: each level's runs back to back, so slow drifts hit both alike
+        for draft_tokens in modes:
+            runs.append(run_load(url, clients=clients, duration=duration, max_requests=max_requests, model=model,
+                                 chat=chat, max_tokens=max_tokens, cancel_fraction=cancel_fraction, seed=seed,
+                                 api_key=api_key, pid=pid, check_identical=check_identical, check_limit=check_limit,
+                                 max_draft_tokens=max_draft_tokens, long_prompt_tokens=long_prompt_tokens,
+                                 long_fraction=long_fraction, draft_tokens=draft_tokens))
+    if len(runs) == 1:
+        _print_report(runs[0], as_json)
+        return
+    summary = level_summary(runs)
+    if as_json:
+        click.echo(json.dumps({"levels": summary, "runs": runs}, indent=2))
+        return
+    for run in runs:
+        click.echo(f"--- {run['clients']} clients, speculation {'on' if run['speculation'] else 'off'}")
+        _print_report(run, False)
+    click.echo("clients  speculative tok/s  plain tok/s  ratio  TTFT p95 (s)  mean planned k")
+    for row in summary:
+        click.echo(f"{row['clients']:>7}  {row.get('speculative', 0):>17.1f}  {row.get('plain', 0):>11.1f}  "
+                   f"{row.get('ratio', 0):>5.2f}  {row.get('ttft_p95_s', 0):>12.3f}  "
+                   f"{row.get('mean_planned_k', 0):>14.2f}")
+
+
+def level_summary(runs: list[dict]) -> list[dict]:
+    """Per client level: speculative and plain (speculation off) tokens/s, their ratio, the speculative run's p95
+    time to first text and the mean draft length the server planned; the speculative throughput against one
+    client's (``scaling``)."""
+    levels: dict[int, dict] = {}
+    for run in runs:
+        row = levels.setdefault(run["clients"], {"clients": run["clients"]})
+        kind = "speculative" if run["speculation"] else "plain"
+        row[kind] = run["output_tokens_per_s"]
+        row[f"{kind}_ttft_p95_s"] = run["ttft_s"]["p95"]
+        if run["speculation"]:
+            row["ttft_p95_s"] = run["ttft_s"]["p95"]
+            row["mean_planned_k"] = run.get("planned_draft_length", {}).get("mean", 0.0)
+    out = [levels[c] for c in sorted(levels)]
+    one = levels.get(1, {}).get("speculative")
+    for row in out:
+        if "speculative" in row and "plain" in row and row["plain"]:
+            row["ratio"] = row["speculative"] / row["plain"]
+        if one and "speculative" in row:
+            row["scaling"] = row["speculative"] / one
+    return out
+
+
+def _print_report(report: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

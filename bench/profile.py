@@ -32,7 +32,7 @@ def profile_entry(root: Path, entry, max_context: int, threads: int, past: int =
     it ran (after ONNX Runtime's fusions)."""
     from runtime.engines.onnx import engine_class
     from runtime.engines.sessions import make_session, session_options
-    from runtime.serving.step_costs import scratch_call
+    from runtime.decoding.step_costs import scratch_call
     with tempfile.TemporaryDirectory(prefix="draftsmith-profile-") as tmp:
         options = session_options(threads)  # the runtime's own thread pool and spinning
         options.enable_profiling = True

@@ -157,7 +157,9 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
                              mode=mode, response_format=response_format, forced_drafts=forced_drafts)
     config, _ = generator.decode_config(request)
     drafter = generator.new_drafter(mode, drafter_kind, confidence)
-    loop = SpeculativeLoop(generator.target, drafter, token_lists, config)
+    planned = drafter is not None and len(token_lists) > 1 and config.plan
+    costs = generator.step_costs(len(token_lists)) if planned else None
+    loop = SpeculativeLoop(generator.target, drafter, token_lists, config, costs)
     records = [SequenceRecord() for _ in token_lists]
     counters = [(0, 0)] * len(token_lists)
     start = time.perf_counter()

@@ -152,7 +152,8 @@ def cache_names(num_layers: int, prefix: str) -> list[str]:
 
 
 def input_names(num_layers: int, features: bool = False) -> tuple[str, ...]:
-    return ("input_ids", "seqlens_k", "total_sequence_length", "logits_to_keep", *cache_names(num_layers, "past"),
+    return ("input_ids", "seqlens_k", "total_sequence_length", "logits_to_keep", "query_lengths",
+            *cache_names(num_layers, "past"),
             *(("features",) if features else ()))
 
 

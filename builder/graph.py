@@ -23,6 +23,8 @@ The contract (runtime.engines.onnx.FusedEngine relies on it)::
              seqlens_k             int32 [B]         live tokens of each row after this call, minus 1
              total_sequence_length int32 []          max over rows of live tokens after this call
              logits_to_keep        int64 [1]         the last positions to score (S; 0 for a prefill)
+             query_lengths         int32 [B]         each row's tokens in this call (its first ones; the rest of its
+                                                     S is padding, never written to the cache)
              past.{i}.key / past.{i}.value  float32 [B, H_kv, T, D]   a fixed-capacity buffer (T slots)
     outputs  logits                float32 [B, logits_to_keep, V]
              present.{i}.key / present.{i}.value   the same buffer, written in place (bound to the past buffer)
@@ -33,8 +35,10 @@ The contract (runtime.engines.onnx.FusedEngine relies on it)::
 
 GroupQueryAttention writes the new tokens' K/V at slots [len, len + S) of the buffer and attends to slots < len + S,
 rotating by slot position. Rolling back is therefore only a shorter length: the next call overwrites the dead slots.
-Its CPU kernel takes several new tokens on a past only at batch 1 and needs each row's tokens left-aligned in the
-buffer (padding at the end); the runtime keeps both (shared/FACTS.md).
+Its CPU kernel needs each row's tokens left-aligned in the buffer (padding at the end). Without ``query_lengths`` it
+takes several new tokens on a past only at batch 1; with it (its ``query_seqlens`` input, onnxruntime 1.32:
+onnxruntime/contrib_ops/cpu/bert/group_query_attention.cc and the operator's schema) a call over a batch takes each
+row's own number of new tokens after its own past, so one call verifies every row's draft (a ragged batch).
 
 Linear layers come as float weights (quantized afterwards by builder.quantize, ONNX Runtime's MatMulNBits
 quantizer) or as blocks already quantized in a GGUF file (builder.gguf.weights), written as MatMulNBits as they are.
@@ -193,7 +197,8 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new"]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
-              helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1])]
+              helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1]),
+              helper.make_tensor_value_info("query_lengths", TensorProto.INT32, ["batch"])]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "past")]
     features = decoder.feature_fc is not None
     if features:
@@ -258,7 +263,7 @@ def _attention(g: _Graph, i: int, qkv, layer: Layer, decoder: Decoder, rotary: d
     if decoder.attn_softcap:
         attrs["softcap"] = decoder.attn_softcap
     g.op("GroupQueryAttention", [*parts, f"past.{i}.key", f"past.{i}.value", "seqlens_k", "total_sequence_length",
-                                 cos, sin],
+                                 cos, sin, *[""] * 7, "query_lengths"],
          ["attn_" + str(i), f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"layers.{i}.attention",
          num_heads=decoder.heads, kv_num_heads=decoder.kv_heads, do_rotary=int(layer.rope is not None),
          rotary_interleaved=0, local_window_size=window if window else -1, **attrs)

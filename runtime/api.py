@@ -15,6 +15,7 @@ from runtime.engines.attention_classes import class_points
 from runtime.bundle import BundleError, Manifest, load_manifest, read_verified
 from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
 from runtime.decoding.loop import SpeculativeLoop
+from runtime.decoding.step_costs import CostModel
 from runtime.drafters.base import Drafter
 from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
 from runtime.drafters.suffix import SuffixCorpus
@@ -57,6 +58,8 @@ class SpeculativeGenerator:
         self.metrics = MetricsRegistry()
         self.suffix_corpus: SuffixCorpus | None = None  # earlier responses for suffix drafters (a server sets one)
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
+        self._costs: CostModel | None = None  # measured call costs (``step_costs``), made on first need
+        self._costs_rows = 0
 
     @classmethod
     def from_bundle(cls, path: str | os.PathLike, threads: int = 0, providers: list | None = None,
@@ -136,7 +139,9 @@ class SpeculativeGenerator:
         config, stops = self.decode_config(request)
         token_lists = [self.encode_prompt(p, chat) for p in prompts]
         drafter = self.new_drafter(request.mode, request.drafter, request.draft_confidence)
-        loop = SpeculativeLoop(self.target, drafter, token_lists, config)
+        planned = drafter is not None and len(token_lists) > 1 and config.plan
+        costs = self.step_costs(len(token_lists)) if planned else None
+        loop = SpeculativeLoop(self.target, drafter, token_lists, config, costs)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
         decoders = [IncrementalDecoder(self.tokenizer) for _ in prompts]
         texts = [""] * len(prompts)
@@ -178,7 +183,7 @@ class SpeculativeGenerator:
         return DecodeConfig(request.max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None,
                             request.seed, grammar=grammar,
                             forced_drafts=request.forced_drafts and request.mode == "speculative",
-                            logprobs=request.logprobs), request.stops
+                            logprobs=request.logprobs, plan=request.plan), request.stops
 
     def compile_constraint(self, response_format):
         """The compiled grammar of a response_format (None: unconstrained); RequestError when it cannot compile."""
@@ -193,6 +198,16 @@ class SpeculativeGenerator:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer.fast.to_str(), self.target.vocab_size, self.eos_ids)
         return self._grammars
+
+    def step_costs(self, rows: int) -> CostModel:
+        """This machine's measured call costs for batches of up to ``rows`` (at least 8) rows, which plan a batch's
+        steps (runtime/decoding/step_costs.py): measured once, on first need (seconds; again for a larger batch)."""
+        largest = max(self._costs_rows, 8, rows) if self._costs is not None else max(8, rows)
+        if self._costs is None or rows > self._costs_rows:
+            costs = CostModel()
+            costs.calibrate(self.target, self.draft, largest, min(self.max_k, 8) + 1)
+            self._costs, self._costs_rows = costs, largest
+        return self._costs
 
     def encode_prompt(self, prompt: str | list[dict], chat: bool) -> list[int]:
         """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages (a server's)."""

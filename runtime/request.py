@@ -59,6 +59,9 @@ class DecodeRequest(BaseModel):
     adaptive: Union[bool, AdaptiveK, None] = None  # True: AdaptiveK up to the bundle's max_k
     fallback: Union[bool, Fallback, None] = None  # True: Fallback()
     forced_drafts: bool = True  # with a response_format: propose the tokens it forces without a draft call
+    # over a batch: each step's draft lengths (0 included) planned from measured call costs and each row's
+    # acceptance (runtime/decoding/step_costs.py); False: every row drafts k at every step
+    plan: bool = True
 
     @field_validator("drafter")
     @classmethod

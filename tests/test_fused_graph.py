@@ -234,6 +234,50 @@ def test_a_verify_call_scores_each_token_as_one_token_calls_do(tiny_pair, tmp_pa
         assert np.array_equal(wide, single)
 
 
+@pytest.mark.parametrize("quant", ["fp32", "int4"])
+def test_a_batched_verify_call_scores_every_row_as_that_row_alone_in_one_run(tiny_pair, tmp_path, quant):
+    """Batched verification rests on this: one session run scores every row's own chunk after its own past (a ragged
+    batch: the graph's query_lengths), and each row's logits, hidden states and cache are bit for bit those of the
+    row's own calls alone, with a row of one token, a row of none and a row of five among them."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    _, info = _fused(model, tmp_path / "fp32.onnx")
+    path = tmp_path / "fp32.onnx"
+    if quant == "int4":
+        _int4(path, tmp_path / "int4.onnx")
+        path = tmp_path / "int4.onnx"
+    engine = _engine(path, info, min_call_tokens=2)
+    assert engine.ragged
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (9, 4, 13, 6)]
+    chunks = [rng.integers(0, 300, n).tolist() for n in (3, 1, 0, 5)]
+    batch = engine.new_cache(4)
+    for b, prompt in enumerate(prompts):
+        engine.prefill_row(batch, b, prompt)
+    runs = []
+    session_run = engine.session.run_with_iobinding
+    engine.session.run_with_iobinding = lambda binding: runs.append(1) or session_run(binding)
+    tokens = np.zeros((4, 5), np.int64)
+    valid = np.zeros((4, 5), np.int64)
+    for b, chunk in enumerate(chunks):
+        tokens[b, :len(chunk)], valid[b, :len(chunk)] = chunk, 1
+    logits = engine.forward(batch, tokens, valid)
+    hidden = batch.extra["hidden"]
+    assert len(runs) == 1 and batch.lengths.tolist() == [12, 5, 13, 11]
+    engine.session.run_with_iobinding = session_run
+    for b, (prompt, chunk) in enumerate(zip(prompts, chunks)):
+        alone = engine.new_cache(1)
+        engine.forward(alone, np.array([prompt]))
+        if not chunk:
+            continue
+        want = engine.forward(alone, np.array([chunk]))[0]
+        assert np.array_equal(logits[b, :len(chunk)], want)
+        assert np.array_equal(hidden[b, :len(chunk)], alone.extra["hidden"][0])
+        live = len(prompt) + len(chunk)
+        for got, own in zip(batch.past, alone.past):
+            assert np.array_equal(got[b, :, :live], own[0, :, :live])
+
+
 def test_rollback_moves_only_lengths_and_the_buffer_grows(tiny_pair, tmp_path):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()

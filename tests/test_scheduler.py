@@ -95,7 +95,8 @@ def test_rows_with_different_temperatures_each_follow_their_own_target_law(gener
     no_eos = SpeculativeGenerator(None, generator.target, generator.draft, generator.tokenizer, max_k=8)
     scheduler = Scheduler(no_eos, max_batch=64, max_queue=2 * n, policy=policy)
     if policy == "throughput":
-        scheduler.costs.batch, scheduler.costs.verify, scheduler.costs.draft = {1: 1.0, 64: 1.2}, {1: 1.0, 4: 1.1}, 0.0
+        # one batched call of 64 rows costs little more than one row's; 64 rows of 4 tokens cost far more
+        scheduler.costs.call = {(1, 1): 1.0, (1, 4): 1.1, (64, 1): 1.2, (64, 4): 80.0}
     prompt = "the cat"
     start = generator.tokenizer.encode(prompt)[-1]
     groups = {1.0: [], 0.5: []}
@@ -216,19 +217,20 @@ def test_threads_submit_concurrently_and_stop_fails_what_is_left(generator):
         left.result()
 
 
-def test_fallback_stops_drafting_for_a_row_whose_drafts_fail_and_keeps_its_answer(generator):
+def test_the_plan_stops_drafting_for_a_row_whose_drafts_fail_and_keeps_its_answer(generator):
     vocab = generator.target.vocab_size
     stale = SpeculativeGenerator(None, generator.target, BigramEngine(random_table(vocab, 9, scale=3.0),
                                                                       max_context=128), generator.tokenizer, max_k=8)
     drafted = {}
-    for fallback in (False, True):
-        scheduler = Scheduler(stale, fallback=fallback)
-        scheduler.costs.verify, scheduler.costs.draft = {1: 1.0, 5: 1.5}, 0.2  # a draft must be accepted to pay
+    for plan in (False, True):
+        scheduler = Scheduler(stale, plan=plan)
+        # a draft token must be accepted to pay: each costs a fifth of a call, a call of 5 tokens 1.5 of one
+        scheduler.costs.call, scheduler.costs.draft = {(1, 1): 1.0, (1, 2): 1.0, (1, 5): 1.5}, {1: 0.2}
         handle = scheduler.submit(PROMPTS[2], max_new_tokens=60, k=4)
         drain(scheduler)
         result = handle.result()
         assert result.token_ids == stale.generate(PROMPTS[2], max_new_tokens=60, k=4).token_ids
-        drafted[fallback] = result.stats.num_draft_tokens
+        drafted[plan] = result.stats.num_draft_tokens
     assert drafted[True] < drafted[False] / 3  # it stopped, and probed again now and then
     assert drafted[True] > 4
 

@@ -33,14 +33,16 @@ import click
 @click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True,
               help="The scheduler's: exact (every answer as the same request's alone) or throughput (batched "
                    "target-only steps when they pay).")
-@click.option("--fallback", is_flag=True, help="A request whose drafts are rarely accepted stops drafting for a while.")
+@click.option("--plan/--no-plan", "plan", default=True, show_default=True,
+              help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
+                   "request's acceptance; --no-plan: every request drafts its k.")
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests waiting for a row before new ones are refused as overloaded.")
 @click.option("--streaming/--no-streaming", default=True, show_default=True,
               help="Decoupled (streams; gRPC stream and generate_stream) or not (HTTP /infer works).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay_us, max_tokens_limit,
-                max_prompt_bytes, max_stop_words, max_stop_word_bytes, bundle_mount, link, fallback, policy,
+                max_prompt_bytes, max_stop_words, max_stop_word_bytes, bundle_mount, link, plan, policy,
                 max_queue, streaming, overwrite):
     """Write a Triton model repository serving BUNDLE into OUT: ensemble, preprocessing, speculative, postprocessing."""
     from runtime.bundle import BundleError
@@ -49,7 +51,7 @@ def triton_repo(bundle, out, instances, threads, max_batch_size, max_queue_delay
         options = RepoOptions(instances=instances, threads=threads, max_batch_size=max_batch_size,
                               max_queue_delay_us=max_queue_delay_us, max_tokens_limit=max_tokens_limit,
                               bundle_mount=bundle_mount, copy_bundle=not (link or bundle_mount), policy=policy,
-                              max_queue=max_queue, fallback=fallback, streaming=streaming,
+                              max_queue=max_queue, plan=plan, streaming=streaming,
                               max_prompt_bytes=max_prompt_bytes, max_stop_words=max_stop_words,
                               max_stop_word_bytes=max_stop_word_bytes)
         path = write_repository(bundle, out, options, overwrite=overwrite)

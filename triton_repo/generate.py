@@ -88,8 +88,8 @@ class RepoOptions:
     copy_bundle: bool = True  # put the bundle inside the repository (hard links when possible, else a copy)
     policy: str = "exact"  # the scheduler's: "exact" (answers as alone) or "throughput" (runtime/serving/scheduler.py)
     max_queue: int = 256  # requests waiting for a row before new ones are refused as overloaded
-    # a row whose drafts are rarely accepted stops drafting for a while (runtime/serving/scheduler.py)
-    fallback: bool = False
+    # each step's draft lengths planned from measured call costs (runtime/decoding/step_costs.py); False: k always
+    plan: bool = True
     streaming: bool = True  # decoupled speculative model: streams, but Triton's HTTP /infer refuses decoupled models
 
     def __post_init__(self) -> None:
@@ -212,7 +212,7 @@ def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str
         {"count": options.instances, "kind": "KIND_GPU" if manifest.spec.device == "cuda" else "KIND_CPU"},
         {"bundle": bundle_ref, "threads": options.threads, **request_limits(options, manifest),
          "policy": options.policy, "max_batch": options.max_batch_size, "max_queue": options.max_queue,
-         "fallback": str(options.fallback).lower()},
+         "plan": str(options.plan).lower()},
         model_transaction_policy={"decoupled": options.streaming})
 
 

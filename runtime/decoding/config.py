@@ -47,6 +47,7 @@ class DecodeConfig:
     grammar: Any = None  # a CompiledGrammar (runtime/decoding/grammar.py): every row's output must match it
     forced_drafts: bool = True  # with a grammar: propose the tokens it forces as a draft (no draft call)
     logprobs: int | None = None  # None: off; n >= 0: each token's log-probability and the n most likely
+    plan: bool = True  # over a batch: draft lengths planned from measured costs (DecodeRequest.plan)
 
 
 def row_generators(seed: int | Sequence[int | None] | None, rows: int) -> list[np.random.Generator]:

@@ -18,6 +18,7 @@ import numpy as np
 from runtime.decoding.calls import prefill
 from runtime.decoding.config import DecodeConfig, row_generators
 from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, decode_step
+from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, with_probes
 from runtime.drafters.base import Drafter
 from runtime.engines.onnx import Engine
 
@@ -25,8 +26,10 @@ from runtime.engines.onnx import Engine
 class SpeculativeLoop:
     """Runs a batch to completion; ``run`` yields after every step the tokens each row emitted."""
 
-    def __init__(self, target: Engine, drafter: Drafter | None, prompts: list[list[int]], config: DecodeConfig):
+    def __init__(self, target: Engine, drafter: Drafter | None, prompts: list[list[int]], config: DecodeConfig,
+                 costs: CostModel | None = None):
         self.target, self.drafter, self.config = target, drafter, config
+        self.costs = costs  # measured call costs: at batch > 1 each step's draft lengths are planned from them
         rngs = row_generators(config.seed, len(prompts))
         self.rows = [DecodeRow(index=i, prompt=list(p), config=config, rng=rng)
                      for i, (p, rng) in enumerate(zip(prompts, rngs))]
@@ -78,10 +81,29 @@ class SpeculativeLoop:
                                        else [hidden[b, : len(r.prompt) - 1] for b, r in enumerate(rows)])
 
     def _plan(self, rows: list[DecodeRow]) -> StepPlan:
-        """Every row drafts up to k (within its budget and the context) unless the batch is in fallback."""
+        """Every row drafts up to k (within its budget and the context) unless the batch is in fallback; over a
+        batch with measured costs, each row as far as pays (``planned``)."""
         limits = [self._draft_limit(r) for r in rows]
         drafting = self.drafter is not None and not self.in_fallback and any(limits)
+        if drafting and self._plans_by_cost(rows):
+            limits = self.planned(rows, limits)
+            drafting = any(limits)
         return StepPlan(limits, [drafting], fallback=self.in_fallback)
+
+    def _plans_by_cost(self, rows: list[DecodeRow]) -> bool:
+        """A batch with calibrated costs, whose text does not depend on the plan: greedy, or sampled without a
+        seed (a seeded sampled run keeps its fixed k, so the same seed gives the same text)."""
+        params = self.config.params
+        return (len(rows) > 1 and self.config.plan and self.costs is not None and self.costs.calibrated
+                and (params.greedy or self.config.seed is None))
+
+    def planned(self, rows: list[DecodeRow], limits: list[int]) -> list[int]:
+        """The draft lengths with the most expected tokens per second of the batch (step_costs), one drafter call
+        drafting every row; a row kept from drafting drafts one token every PROBE_EVERY steps."""
+        pad = getattr(self.target, "min_call_tokens", 1)
+        ks = plan_draft_lengths(self.costs, PlanInputs([r.acceptance for r in rows], limits, shared_drafter=True,
+                                                       min_width=pad, plain_width=pad))
+        return with_probes(ks, limits, rows)
 
     def _draft_limit(self, row: DecodeRow) -> int:
         """Draft tokens worth proposing: k, but never past the budget or the context."""

@@ -43,6 +43,8 @@ class DecodeRow:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     started: float = field(default_factory=time.perf_counter)  # time to first token counts from here
     error: BaseException | None = None  # its own work failed (a scheduler row then leaves with it)
+    acceptance: float = 0.6  # running estimate of P(a draft token is accepted): what the step plans read
+    undrafted: int = 0  # steps in a row its plan kept it from drafting (runtime/decoding/step_costs.py probes)
 
     def __post_init__(self) -> None:
         if self.config.grammar is not None and self.grammar is None:
@@ -191,6 +193,8 @@ def book(row: DecodeRow, drafted: int, accepted: int, out: list[int], fallback: 
     if row.error is not None:
         return []
     row.stats.record_step(drafted, accepted, 0, fallback=fallback)
+    if drafted:
+        row.acceptance = 0.8 * row.acceptance + 0.2 * accepted / drafted
     row.stats.draft_time += draft_time
     row.stats.verify_time += verify_time
     new = append_tokens(row, out, row.config, max_context)

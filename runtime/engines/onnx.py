@@ -277,7 +277,10 @@ class FusedEngine:
         # draft's graph also takes the hidden state before each token
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.has_hidden = "hidden" in outputs
-        self.takes_features = "features" in {i.name for i in self.session.get_inputs()}
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.takes_features = "features" in inputs
+        # graphs since 2026-12-03 take each row's query length: one call then runs a ragged batch (see forward)
+        self.ragged = "query_lengths" in inputs
         self.head_width = outputs["logits"].shape[-1]  # the graph's own head (a reduced draft head: its rows)
         self.hidden_width = outputs["hidden"].shape[-1] if self.has_hidden else 0
         self._outputs: dict = {}
@@ -372,12 +375,13 @@ class FusedEngine:
             if last:
                 at = np.clip(counts - 1 - (new - keep), 0, keep - 1)
                 logits = logits[np.arange(batch), at][:, None]
-        else:  # one call per row (several new tokens on a past: the kernel's batch-1 path; or cut at class points)
-            widths = np.where(counts > 0, counts + self.min_call_tokens - 1, 0)  # a cut's last call may pad
-            self._reserve(cache, int((cache.lengths + widths).max()))  # each row its own chunk, not the widest
+        else:  # several new tokens on a past over a batch: one ragged call, and a call per row where it must
             logits = np.zeros((batch, 1 if last else new if score else 0, self.vocab_size), np.float32)
-            hidden = None
-            for b in np.flatnonzero(counts):
+            alone = self._rows_alone(cache, counts)
+            hidden = self._ragged(cache, tokens, counts, alone, score, features, last, logits)
+            widths = np.where(alone, counts + self.min_call_tokens - 1, 0)  # a cut's last call may pad
+            self._reserve(cache, int((cache.lengths + widths).max()))  # each row its own chunk, not the widest
+            for b in np.flatnonzero(alone):
                 part, h = self._row(cache, b, tokens[b, :counts[b]], score,
                                     None if features is None else features[b, :counts[b]], last)
                 logits[b, :len(part)] = part
@@ -389,6 +393,55 @@ class FusedEngine:
         cache.lengths = cache.lengths + counts
         cache.calls += 1
         return logits if last else logits[:, :asked]
+
+    def _rows_alone(self, cache: KVCache, counts: np.ndarray) -> np.ndarray:
+        """Rows of a multi-token call over a batch that get calls of their own: every row with tokens where the graph
+        takes no query lengths (the kernel's batch-1 path) or where the ragged call would not fit (the kernel wants
+        room for the whole padded chunk after every row, idle ones too: only near the context), else only rows whose
+        tokens a class point parts."""
+        if not self.ragged:
+            return counts > 0
+        alone = np.array([c > 0 and len(self._segments(int(n), int(c))) > 1 for n, c in zip(cache.lengths, counts)],
+                         dtype=bool)
+        together = (counts > 0) & ~alone
+        width = int(np.maximum(counts[together], self.min_call_tokens).max(initial=0))
+        if int(cache.lengths.max()) + width > self.max_context + self.min_call_tokens:
+            return counts > 0
+        return alone
+
+    def _ragged(self, cache: KVCache, tokens: np.ndarray, counts: np.ndarray, alone: np.ndarray, score: bool,
+                features: np.ndarray | None, last: bool, logits: np.ndarray) -> np.ndarray | None:
+        """One call for every row with tokens that is not scored alone: row b takes max(counts[b],
+        ``min_call_tokens``) query positions (padded like a lone call of its own, so each row gets the kernels that
+        call would give it; tests/test_fused_graph.py checks it bit for bit) after its own past; the other rows
+        take none and stay as they are. Fills ``logits`` rows; returns the hidden states [B, S, H] (None: none)."""
+        together = (counts > 0) & ~alone
+        if not together.any():
+            return None
+        queries = np.where(together, np.maximum(counts, self.min_call_tokens), 0)
+        queries[(queries == 0) & (cache.lengths == 0)] = 1  # the kernel needs a token in every row: a dead slot
+        width = int(queries.max())
+        chunk = np.pad(tokens, ((0, 0), (0, max(0, width - tokens.shape[1]))))[:, :width]
+        feats = None if features is None else np.pad(
+            features, ((0, 0), (0, max(0, width - features.shape[1])), (0, 0)))[:, :width]
+        # each row's own tokens within the context, as its lone calls would be; then every row's buffer must hold
+        # the whole padded chunk (the kernel's rule)
+        self._reserve(cache, int((cache.lengths + np.where(together, counts + self.min_call_tokens - 1, 0)).max()))
+        self._reserve(cache, int(cache.lengths.max()) + width)
+        part, hidden = self._run(cache, slice(0, len(tokens)), chunk, cache.lengths + queries,
+                                 width if score else 0, feats, queries)
+        rows = np.flatnonzero(together)
+        if last:
+            logits[rows, 0] = part[rows, counts[rows] - 1]
+        elif score:
+            span = min(width, logits.shape[1])
+            logits[rows, :span] = part[rows, :span]
+        if hidden is None:
+            return None
+        out = np.zeros((len(tokens), tokens.shape[1], hidden.shape[-1]), np.float32)
+        span = min(width, tokens.shape[1])
+        out[rows, :span] = hidden[rows, :span]
+        return out
 
     def _row(self, cache: KVCache, b: int, tokens: np.ndarray, score: bool, features: np.ndarray | None,
              last: bool = False):
@@ -447,28 +500,38 @@ class FusedEngine:
         reference = self._scored(tokens[:1], [1] * (length - 4))
         shapes = {"a verify call of 4 tokens": lambda: self._scored(tokens[:1], [4, length - 8]),
                   "a verify call of 2 tokens": lambda: self._scored(tokens[:1], [2] * ((length - 4) // 2)),
-                  "a batched one-token step": lambda: self._scored(tokens, [1] * (length - 4))[:1]}
+                  "a batched one-token step": lambda: self._scored(tokens, [1] * (length - 4))[:1],
+                  "a batched verify call": lambda: self._scored(tokens, [4, length - 8], ragged=True)[:1]}
         for name, scores in shapes.items():
             if not np.array_equal(scores(), reference):
                 return name
         return None
 
-    def _scored(self, tokens: np.ndarray, widths: list[int]) -> np.ndarray:
-        """Logits of ``tokens`` [B, n] past a prefill of 4, fed in calls of ``widths`` tokens."""
+    def _scored(self, tokens: np.ndarray, widths: list[int], ragged: bool = False) -> np.ndarray:
+        """Logits of ``tokens`` [B, n] past a prefill of 4, fed in calls of ``widths`` tokens (``ragged``: the rows
+        after the first take one token fewer a call, so rows of several lengths share each call)."""
         cache = self.new_cache(len(tokens))
         self.prefill(cache, tokens[:, :4])
         at, out = 4, []
         for width in widths:
-            out.append(self.forward(cache, tokens[:, at:at + width]))
+            valid = np.ones((len(tokens), width), np.int64)
+            if ragged:
+                valid[1:, width - 1:] = 0
+            out.append(self.forward(cache, tokens[:, at:at + width] * valid, valid))
             at += width
         return np.concatenate(out, axis=1)
 
     def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray, keep: int,
-             features: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """One session call on ``rows`` of the cache; ``totals``: each row's slot count after the call; logits for
-        the last ``keep`` positions, and the hidden states of all new positions (None: the graph has none)."""
+             features: np.ndarray | None = None,
+             queries: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One session call on ``rows`` of the cache; ``totals``: each row's slot count after the call; ``queries``:
+        each row's tokens in it (None: all of ``tokens``' columns); logits for the last ``keep`` positions, and the
+        hidden states of all new positions (None: the graph has none)."""
         binding = self._binding(cache, rows)
         binding.bind_cpu_input("input_ids", tokens)
+        if self.ragged:
+            queries = np.full(len(tokens), tokens.shape[1]) if queries is None else queries
+            binding.bind_cpu_input("query_lengths", queries.astype(np.int32))
         binding.bind_cpu_input("logits_to_keep", np.array([keep], dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", (totals - 1).astype(np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(int(totals.max()), dtype=np.int32))

@@ -470,6 +470,7 @@ _GAUGES = {
     "running": ("scheduler_running", "Requests in the running batch"),
     "waiting": ("scheduler_waiting", "Requests waiting for a row"),
     "mean_batch": ("scheduler_mean_batch", "Mean rows per step"),
+    "mean_draft_length": ("scheduler_mean_draft_length", "Mean draft length the step plan chose per row-step"),
 }
 
 
@@ -481,6 +482,12 @@ def scheduler_families(scheduler: Scheduler, model_name: str, prefix: str = "dra
     stats = scheduler.stats()
     out = [CounterMetricFamily(f"{prefix}_{name}", text, value=stats[key]) for key, (name, text) in _COUNTERS.items()]
     out += [GaugeMetricFamily(f"{prefix}_{name}", text, value=stats[key]) for key, (name, text) in _GAUGES.items()]
+    lengths = CounterMetricFamily(f"{prefix}_scheduler_draft_length",
+                                  "Row-steps by the draft length the step plan chose (0: the row did not draft)",
+                                  labels=["k"])
+    for k, count in sorted(scheduler.draft_lengths.items()):
+        lengths.add_metric([str(k)], count)
+    out.append(lengths)
     for name, key in (("vllm:num_requests_running", "running"), ("vllm:num_requests_waiting", "waiting")):
         gauge = GaugeMetricFamily(name, f"Requests {key} (vLLM's name)", labels=["model_name"])
         gauge.add_metric([model_name], stats[key])

@@ -1,8 +1,8 @@
 """In-flight batching: one loop owns the engines and, at every step, admits, decodes and retires requests.
 
 Longer than most modules: admission, the step's plan and retirement are one loop (the step itself is
-runtime/decoding/step.py's ``decode_step``, the one SpeculativeLoop runs too); its call costs are
-runtime/serving/step_costs.py, what a request gets back runtime/serving/handles.py.
+runtime/decoding/step.py's ``decode_step``, the one SpeculativeLoop runs too); its call costs and plans are
+runtime/decoding/step_costs.py, what a request gets back runtime/serving/handles.py.
 
 A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
 (2) waiting requests are admitted up to ``max_batch`` rows, first come first served among the clients holding
@@ -13,26 +13,29 @@ every row advances once, accepting with its own sampling parameters, k and rando
 (4) its text and stop strings advance, and finished rows leave, their cache rows freed. New requests therefore start
 at the next step, whatever else is running.
 
-How a step runs is the policy's choice:
+How a step runs: its plan (``_plan``) gives each row a draft length, 0 included. With the call costs measured at
+start (runtime/decoding/step_costs.py: one target call over B rows of W tokens, one draft token) and each row's
+acceptance so far, the lengths are those that make the most expected tokens per second of the whole batch; a row
+kept from drafting drafts one token every PROBE_EVERY steps, so its acceptance keeps following its text. The target
+then scores every row's [last, x_1..x_d] in one call (an engine that takes a ragged batch: FusedEngine), each row
+with the kernels it gets alone (its own ``min_call_tokens``), so a row's logits never depend on what else runs.
 
-- "exact" (the default): each row drafts (with ``fallback``, unless its own acceptance so far makes an undrafted
-  step cheaper per token, re-probed every PROBE_EVERY steps) and the target scores each row's [last, x_1..x_d] in a
-  call of its own.
-  Every answer is then bit for bit what the same request gets alone (``SpeculativeGenerator.generate``): a row's
-  logits never depend on what else runs. The price: on CPU, GroupQueryAttention takes several new tokens on a past
-  only at batch 1, so rows share no target call and concurrency adds little throughput.
-- "throughput": a step either drafts (row by row, as above) or makes one batched call of one token for all rows,
-  whichever gives more tokens per second on the measured call costs (CostModel) and each row's acceptance so far.
-  A batched call runs other attention and matmul kernels than a lone row's (one query row per head instead of
-  several), and the int8-activation matmuls of a quantized target turn those last-bit differences into logit
-  differences of up to ~1: greedy answers stay greedy, but can part from a lone run's at a near tie.
+Two policies:
 
-In "exact", each row's target call is the one it would make alone (the engine's own ``min_call_tokens``; see
-FusedEngine) and a seeded sampled row always drafts, so a seeded request's text is the same whatever it runs with.
-In "throughput", whether a step drafts depends on the batch, and a step that drafts uses a row's random stream
-differently from one that does not: seeded requests still sample from exactly the target's distribution, but their
-text depends on what else runs. Each request has its own drafter (its own draft cache), made by the generator as for
-a lone request.
+- "exact" (the default): every answer is bit for bit what the same request gets alone
+  (``SpeculativeGenerator.generate``), in any batch: greedy rows because every call scores a row as its lone call
+  would, whatever its draft length; a seeded sampled row always drafts its k (``pinned``: whether a step drafts
+  changes how its random stream is used), so its text is the same whatever it runs with. Unseeded sampled rows follow
+  the target's distribution exactly (each step is exact rejection sampling).
+- "throughput": the same, except that a step where no row drafts is one batched call of one token a row, unpadded
+  (the cheapest target-only step), and seeded sampled rows are planned like the others. Such a call runs other
+  attention and matmul kernels than a lone row's, and the int8-activation matmuls of a quantized target turn those
+  last-bit differences into logit differences of up to ~1: greedy answers stay the target's greedy choices on the
+  logits it computed, but can part from a lone run's at a near tie; seeded sampled text depends on what else runs
+  (its distribution does not).
+
+``plan=False`` (``--no-plan``): every row drafts its k at every step. Each request has its own drafter (its own draft
+cache), made by the generator as for a lone request.
 """
 
 from __future__ import annotations
@@ -55,11 +58,10 @@ from runtime.drafters.base import Drafter
 from runtime.errors import RequestError
 from runtime.request import DecodeRequest
 from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
-from runtime.serving.step_costs import CostModel, expected_tokens
+from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
 from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
 
 POLICIES = ("exact", "throughput")
-PROBE_EVERY = 32  # a row that stopped drafting because acceptance fell low drafts again after this many steps
 
 
 @dataclass(kw_only=True)
@@ -72,8 +74,6 @@ class _Row(DecodeRow):
     decoder: IncrementalDecoder
     deadline: float | None
     text: str = ""
-    acceptance: float = 0.6  # running estimate of P(a draft token is accepted), for the step policy
-    undrafted: int = 0  # steps in a row it did not draft (its own fallback; "exact")
     client: str = ""  # who sent it (_Waiting.client)
     logprobs_sent: int = 0  # generated tokens whose log-probabilities went out in events
 
@@ -86,8 +86,8 @@ class _Row(DecodeRow):
 
     @property
     def pinned(self) -> bool:
-        """A seeded sampled row always drafts ("exact" with fallback): whether a step drafts changes how its random
-        stream is used, so deciding by acceptance would make its text depend on timing."""
+        """A seeded sampled row always drafts its k ("exact"): whether a step drafts changes how its random stream
+        is used, so planning it by costs would make its text depend on timing."""
         return self.drafter is not None and self.config.seed is not None and not self.config.params.greedy
 
 
@@ -108,11 +108,11 @@ class Scheduler:
     ``submit`` may be called from any thread; the loop runs in its own (``start``), or a test drives ``step``.
     max_batch: rows decoded together; max_queue: waiting requests before ``Overloaded``; max_wait: seconds a request
     may wait for admission before ``Overloaded``; policy: "exact" or "throughput" (see the module docstring);
-    fallback ("exact"): let a row whose drafts are rarely accepted stop drafting (``_row_drafts``).
+    plan: plan each step's draft lengths from the measured costs (False: every row drafts its k).
     """
 
     def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
-                 max_wait: float = 60.0, policy: str = "exact", fallback: bool = False,
+                 max_wait: float = 60.0, policy: str = "exact", plan: bool = True,
                  max_rows_per_client: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
@@ -120,7 +120,6 @@ class Scheduler:
             raise ValueError("max_batch and max_queue must be >= 1")
         self.generator, self.target = generator, generator.target
         self.max_batch, self.max_queue, self.max_wait, self.policy = max_batch, max_queue, max_wait, policy
-        self.fallback = fallback
         if max_rows_per_client is not None and max_rows_per_client < 1:
             raise ValueError("max_rows_per_client must be >= 1 (or None: no cap)")
         self.max_rows_per_client = max_rows_per_client
@@ -128,6 +127,10 @@ class Scheduler:
         self.cache = self._batch_cache()
         self.waiting: deque[_Waiting] = deque()
         self.costs = CostModel()
+        self.plan = plan
+        self.padding = getattr(self.target, "min_call_tokens", 1)
+        self._predicted = 0.0  # the planned step's predicted seconds (0: not planned)
+        self.draft_lengths: collections.Counter = collections.Counter()  # planned draft length -> row-steps
         self.counters = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "step_time": 0.0, "engine_time": 0.0,
                          "admitted": 0, "finished": 0, "cancelled": 0, "timed_out": 0, "refused": 0, "failed": 0}
         self._ids = itertools.count()
@@ -151,8 +154,8 @@ class Scheduler:
         if isinstance(request.seed, list):  # the generator takes one seed per prompt; a request is one prompt
             raise RequestError(f"seed: expected an integer >= 0 or None, received {request.seed!r}")
         if request.adaptive or request.fallback:
-            raise RequestError("adaptive and fallback are the Python API's batch options; the scheduler decides "
-                               "per row whether a row drafts (its fallback=True)")
+            raise RequestError("adaptive and fallback are the Python API's batch options; the scheduler plans "
+                               "each row's draft length at every step")
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
         with self._lock:  # a full queue refuses before any tokenizing or template rendering is spent on it
@@ -177,17 +180,17 @@ class Scheduler:
             raise Overloaded(f"overloaded: {len(self.waiting)} requests are waiting (the limit); retry later")
 
     def start(self, calibrate: bool | None = None) -> "Scheduler":
-        """Measure the call costs (by default only when the policy or the fallback reads them), then run the loop in
-        a daemon thread until ``stop``."""
-        if calibrate or (calibrate is None and (self.policy == "throughput" or self.fallback)):
+        """Measure the call costs (by default when steps are planned), then run the loop in a daemon thread until
+        ``stop``."""
+        if calibrate or (calibrate is None and self.plan):
             self.calibrate()
         self._thread = threading.Thread(target=self._loop, name="draftsmith-scheduler", daemon=True)
         self._thread.start()
         return self
 
     def calibrate(self) -> None:
-        max_width = min(self.generator.max_k, 8) + 1
-        self.costs.calibrate(self.target, self.generator.draft, self.max_batch, max_width)
+        """Measure the call costs the step plans read (the generator's, shared with its batches)."""
+        self.costs = self.generator.step_costs(self.max_batch)
 
     def stop(self) -> None:
         """Stop the loop; every request still waiting or running gets an error event."""
@@ -212,7 +215,9 @@ class Scheduler:
         """Counters, and per step: mean rows, seconds, and the seconds outside engine calls (the overhead)."""
         c = dict(self.counters)
         steps = max(1, c["steps"])
+        planned = sum(self.draft_lengths.values())
         c.update(running=len(self.rows), waiting=len(self.waiting), mean_batch=c["row_steps"] / steps,
+                 mean_draft_length=sum(k * n for k, n in self.draft_lengths.items()) / max(1, planned),
                  step_ms=1e3 * c["step_time"] / steps,
                  overhead_ms=1e3 * (c["step_time"] - c["engine_time"]) / steps)
         return c
@@ -250,12 +255,11 @@ class Scheduler:
             isolated([row], self._after_step, row, plan.drafting[b], result.drafted[b], result.accepted[b],
                      result.new[b])
         seconds = result.draft_time + result.verify_time
-        if all(plan.drafting) or not speculate:  # a pure step: rescale its kind's costs by how it ran
-            kind = "speculative" if speculate else "batched"
-            predicted = (self.costs.spec_cost([d + 1 for d in result.drafted]) if speculate
-                         else self.costs.batch_cost(len(self.rows)))
-            self.costs.observe(kind, predicted, seconds)
+        self.costs.observe(self._predicted, seconds)  # the costs follow how steps actually run
+        self._predicted = 0.0
         self._count(len(self.rows), speculate, time.perf_counter() - start, engine_time + seconds)
+        for k in plan.limits:
+            self.draft_lengths[k] += 1
         self._retire([row.finished for row in self.rows])
         return True
 
@@ -268,37 +272,29 @@ class Scheduler:
         c["engine_time"] += engine_time
 
     def _plan(self) -> StepPlan:
-        """This step's plan: which rows draft and how far (``_drafting``), and which call scores them ("exact":
-        every row with the kernels it gets alone; "throughput": the drafting rows so, the others in one batched
-        call)."""
-        drafting = self._drafting()
-        limits = [self._draft_limit(row) if d else 0 for row, d in zip(self.rows, drafting)]
-        alone = [True] * len(self.rows) if self.policy == "exact" else drafting
-        return StepPlan(limits, drafting, alone)
+        """This step's plan: how far each row drafts (``_draft_lengths``; 0: not at all) and which call scores
+        them. Every row is scored with the kernels it gets alone, all in one call where the target takes a ragged
+        batch (runtime/engines/onnx.py), except, under "throughput", a step where no row drafts: one batched call of
+        one token a row, unpadded."""
+        limits = [self._draft_limit(row) if row.drafter is not None else 0 for row in self.rows]
+        ks = self._draft_lengths(limits)
+        plain = self.policy == "throughput" and not any(ks)
+        return StepPlan(ks, [k > 0 for k in ks], [not plain] * len(self.rows))
 
-    def _drafting(self) -> list[bool]:
-        """Which rows draft this step. "exact": each row by itself (its own calls either way). "throughput": all
-        that can or none, by whether drafting gives more tokens per second than one batched call."""
-        able = [row.drafter is not None and self._draft_limit(row) > 0 for row in self.rows]
-        if self.policy == "exact":
-            return [a and self._row_drafts(row) for a, row in zip(able, self.rows)]
-        if not any(able) or not self.costs.batch:
-            return able
-        widths = [self._draft_limit(row) + 1 for row, a in zip(self.rows, able) if a]
-        tokens = sum(expected_tokens(row.acceptance, self._draft_limit(row)) for row, a in zip(self.rows, able) if a)
-        drafts = tokens / self.costs.spec_cost(widths) > len(widths) / self.costs.batch_cost(len(self.rows))
-        return able if drafts else [False] * len(self.rows)
-
-    def _row_drafts(self, row: _Row) -> bool:
-        """A row's own fallback: draft unless its acceptance so far makes one undrafted call per token cheaper;
-        probe again every PROBE_EVERY undrafted steps (its estimate only moves when it drafts)."""
-        if not self.fallback or row.pinned or not self.costs.verify:
-            return True
-        limit = self._draft_limit(row)
-        pays = (expected_tokens(row.acceptance, limit) / self.costs.spec_cost([limit + 1])
-                > 1 / self.costs.spec_cost([1]))
-        row.undrafted = 0 if pays or row.undrafted >= PROBE_EVERY else row.undrafted + 1
-        return row.undrafted == 0
+    def _draft_lengths(self, limits: list[int]) -> list[int]:
+        """Each row's draft length: its limit until the costs are measured (or without ``plan``); else the lengths
+        that give the batch the most expected tokens per second (runtime/decoding/step_costs.py), each row kept
+        from drafting probing again every PROBE_EVERY steps; a request that asked for no plan (``plan=False``) and
+        a seeded sampled row ("exact": whether it drafts changes how its random stream is used) at its limit."""
+        if not self.plan or not self.costs.calibrated or not any(limits):
+            return limits
+        inputs = PlanInputs([row.acceptance for row in self.rows], limits, shared_drafter=False,
+                            min_width=self.padding, plain_width=1 if self.policy == "throughput" else self.padding)
+        ks = with_probes(plan_draft_lengths(self.costs, inputs), limits, self.rows)
+        fixed = [not row.config.plan or (self.policy == "exact" and row.pinned) for row in self.rows]
+        ks = [limit if keep else k for k, limit, keep in zip(ks, limits, fixed)]
+        self._predicted = step_cost(self.costs, ks, inputs)
+        return ks
 
     def _draft_limit(self, row: _Row) -> int:
         budget = row.config.max_new_tokens - len(row.generated) - 1
@@ -307,8 +303,6 @@ class Scheduler:
 
     def _after_step(self, row: _Row, drafting: bool, drafted: int, accepted: int, new: list[int]) -> None:
         """A row's acceptance estimate (from steps that drafted), then its text and the event its client gets."""
-        if drafting and (drafted or row.grammar is not None):
-            row.acceptance = 0.8 * row.acceptance + 0.2 * accepted / max(1, drafted)
         piece = row.decoder.push(new) if new else ""
         if row.finished:
             piece += row.decoder.flush()

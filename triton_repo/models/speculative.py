@@ -39,7 +39,7 @@ requests, cancelled requests, errors; gauges for the requests running and waitin
 
 Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this model's folder or absolute),
 ``threads``, ``max_tokens_limit``, ``max_prompt_bytes``, ``max_stop_words``, ``max_stop_word_bytes``, ``policy``,
-``max_batch``, ``max_queue``, ``fallback``.
+``max_batch``, ``max_queue``, ``plan``.
 """
 
 import json
@@ -151,7 +151,9 @@ class TritonPythonModel:
             self.families.append(family)
             self.metrics[name] = family.Metric(labels=labels)
         for name, help_text in {"running": "Requests in the scheduler's running batch",
-                                "waiting": "Requests waiting for a row in the scheduler"}.items():
+                                "waiting": "Requests waiting for a row in the scheduler",
+                                "mean_draft_length": "Mean draft length the scheduler's step plan chose per "
+                                                     "row-step"}.items():
             family = pb_utils.MetricFamily(name=f"draftsmith_{name}", description=help_text,
                                            kind=pb_utils.MetricFamily.GAUGE)
             self.families.append(family)
@@ -160,7 +162,7 @@ class TritonPythonModel:
         from runtime.serving.scheduler import Scheduler
         self.scheduler = Scheduler(self.generator, max_batch=int(_param(config, "max_batch")),
                                    max_queue=int(_param(config, "max_queue")), policy=_param(config, "policy"),
-                                   fallback=_param(config, "fallback").lower() == "true")
+                                   plan=_param(config, "plan").lower() == "true")
         self.scheduler.start()
         self.active: dict[int, Request] = {}  # submitted, final response not sent yet: the watcher's list
         self.active_lock = threading.Lock()
@@ -233,6 +235,7 @@ class TritonPythonModel:
         try:
             self.metrics["running"].set(float(len(self.scheduler.rows)))
             self.metrics["waiting"].set(float(len(self.scheduler.waiting)))
+            self.metrics["mean_draft_length"].set(float(self.scheduler.stats()["mean_draft_length"]))
             if event.error is not None:
                 self._done(item, error=event.error)
             elif event.final is not None:

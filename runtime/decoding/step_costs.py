@@ -1,0 +1,175 @@
+"""What the calls of a decode step cost, measured, and the plan they pick: how far each row drafts (0 included) so
+that the whole batch makes the most tokens per second (vLLM's dynamic speculation and TensorRT-LLM's
+``draft_len_schedule`` decide the same thing; here from costs measured on the machine that runs the bundle).
+
+A step's cost is its draft calls plus one target call over every row (an engine that takes a ragged batch scores
+each row's [last, x_1..x_d] in that one call: runtime/engines/onnx.py). Its yield is each row's expected tokens,
+1 + a + ... + a^k for a draft of k tokens each accepted with the row's probability a (``expected_tokens``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+WIDTHS = (1, 2, 3, 5, 9)  # tokens a row in a calibrated call (more are interpolated linearly from the last two)
+PROBE_EVERY = 16  # a row the plan keeps from drafting drafts one token after this many steps (its acceptance moves)
+
+
+@dataclass
+class CostModel:
+    """Measured seconds: ``call[(rows, width)]`` one target call over ``rows`` rows of ``width`` tokens each (width 1:
+    unpadded one-token calls; a padded target's own calls are at least ``min_call_tokens`` wide); ``draft[rows]`` one
+    draft token for ``rows`` rows in one drafter call. Calibrated once on a scratch cache; ``scale`` then follows how
+    the steps actually ran (a machine under other load slows everything)."""
+
+    call: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+    scale: float = 1.0
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.call)
+
+    def call_cost(self, widths: list[int]) -> float:
+        """One target call over rows of these widths (a ragged call costs about its mean width over all rows)."""
+        if not self.call or not widths:
+            return 0.0
+        sizes = sorted({r for r, _ in self.call})
+        per_size = [self._width_cost(r, float(np.mean(widths))) for r in sizes]
+        rows = len(widths)
+        cost = np.interp(rows, sizes, per_size) if rows <= sizes[-1] else per_size[-1] * rows / sizes[-1]
+        return float(cost) * self.scale
+
+    def _width_cost(self, rows: int, width: float) -> float:
+        known = sorted(w for r, w in self.call if r == rows)
+        costs = [self.call[(rows, w)] for w in known]
+        if width <= known[-1] or len(known) < 2:
+            return float(np.interp(width, known, costs))
+        slope = (costs[-1] - costs[-2]) / (known[-1] - known[-2])
+        return costs[-1] + slope * (width - known[-1])
+
+    def draft_cost(self, rows: int) -> float:
+        """One draft token for ``rows`` rows in one call (0 without a draft model: lookup drafters cost ~nothing)."""
+        if not self.draft:
+            return 0.0
+        sizes = sorted(self.draft)
+        return float(np.interp(rows, sizes, [self.draft[s] for s in sizes])) * self.scale
+
+    def observe(self, predicted: float, measured: float) -> None:
+        """Follow the machine: the scale moves a fifth of the way to measured / predicted."""
+        if predicted > 0 and measured > 0:
+            self.scale = 0.8 * self.scale + 0.2 * self.scale * measured / predicted
+
+    def calibrate(self, target, draft, max_batch: int, max_width: int, past: int = 64, repeats: int = 3) -> None:
+        """Time target calls of 1, 2, 4, ... ``max_batch`` rows at each width of ``WIDTHS`` up to ``max_width`` (and
+        the draft's one-token calls) after ``past`` tokens, the best of ``repeats`` each."""
+        sizes = sorted({1, max_batch} | {b for b in (2, 4, 8, 16, 32) if b < max_batch})
+        widths = sorted({w for w in WIDTHS if w < max_width} | {max_width})
+        for rows in sizes:
+            for width in widths:
+                self.call[(rows, width)] = timed_call(target, rows, width, past, repeats)
+            if draft is not None:
+                self.draft[rows] = timed_call(draft, rows, 1, past, repeats)
+
+
+def timed_call(engine, rows: int, width: int, past: int, repeats: int) -> float:
+    """Best seconds of one call of ``width`` tokens a row over ``rows`` rows holding ``past`` tokens each."""
+    cache = engine.new_cache(rows)
+    scratch_call(engine, cache, np.ones((rows, past), np.int64))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        scratch_call(engine, cache, np.ones((rows, width), np.int64), exact=width > 1)
+        best = min(best, time.perf_counter() - start)
+        engine.rollback(cache, cache.lengths - width)
+    return best
+
+
+def scratch_call(engine, cache, tokens: np.ndarray, exact: bool = True) -> None:
+    """A forward call on made-up tokens, for timing; a feature draft engine gets zero features of its width.
+    ``exact`` False: one-token calls unpadded (what a target-only batched step costs)."""
+    inner = getattr(engine, "engine", engine)
+    features = None
+    if getattr(inner, "takes_features", False):
+        width = next(i.shape[-1] for i in inner.session.get_inputs() if i.name == "features")
+        features = np.zeros(tokens.shape + (width,), np.float32)
+    padding = getattr(inner, "min_call_tokens", 1)
+    if not exact and padding > 1:
+        inner.min_call_tokens = 1
+    try:
+        if features is None:
+            engine.forward(cache, tokens)
+        else:
+            engine.forward(cache, tokens, features=features)
+    finally:
+        if not exact and padding > 1:
+            inner.min_call_tokens = padding
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify of k draft tokens yields when each is accepted with probability ``acceptance``."""
+    a = min(acceptance, 0.99)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass
+class PlanInputs:
+    """What a step's plan is chosen from, per row: its acceptance estimate and how far it may draft."""
+
+    acceptance: list[float]
+    limits: list[int]
+    shared_drafter: bool  # one drafter call drafts every row (SpeculativeLoop); else one drafter per row
+    min_width: int = 2  # a scored row's width in the target call (the target's min_call_tokens)
+    plain_width: int = 2  # a step where no row drafts: 1 where the policy lets it run unpadded
+
+
+def step_cost(costs: CostModel, ks: list[int], inputs: PlanInputs) -> float:
+    """Seconds of a step whose rows draft ``ks`` tokens."""
+    rows = len(ks)
+    if not any(ks):
+        return costs.call_cost([inputs.plain_width] * rows)
+    draft = max(ks) * costs.draft_cost(rows) if inputs.shared_drafter else sum(ks) * costs.draft_cost(1)
+    return draft + costs.call_cost([max(k + 1, inputs.min_width) for k in ks])
+
+
+def step_tokens(ks: list[int], acceptance: list[float]) -> float:
+    return sum(expected_tokens(a, k) for a, k in zip(acceptance, ks))
+
+
+def plan_draft_lengths(costs: CostModel, inputs: PlanInputs) -> list[int]:
+    """Each row's draft length this step: the one k for every row (capped by each row's limit) that gives the most
+    expected tokens per second, then, row by row, 0 where leaving a row undrafted gives more (a row whose drafts
+    are rarely accepted stops paying for them while the others keep drafting)."""
+    limits = inputs.limits
+    if not costs.calibrated or not any(limits):
+        return list(limits)
+
+    def rate(ks: list[int]) -> float:
+        return step_tokens(ks, inputs.acceptance) / max(step_cost(costs, ks, inputs), 1e-9)
+
+    best = max(range(max(limits) + 1), key=lambda k: rate([min(k, limit) for limit in limits]))
+    ks = [min(best, limit) for limit in limits]
+    for b in range(len(ks)):
+        if ks[b]:
+            without = ks[:b] + [0] + ks[b + 1:]
+            if rate(without) > rate(ks):
+                ks = without
+    return ks
+
+
+def with_probes(ks: list[int], limits: list[int], rows) -> list[int]:
+    """``ks`` with one draft token for each row the plan has kept from drafting PROBE_EVERY steps running, so its
+    acceptance estimate (which only drafting moves) follows the text: left alone it would stay where it fell
+    (TensorRT-LLM's finding with k = 0 schedules). Counts each row's undrafted steps (``row.undrafted``)."""
+    out = list(ks)
+    for b, row in enumerate(rows):
+        if out[b] or not limits[b]:
+            row.undrafted = 0
+            continue
+        row.undrafted += 1
+        if row.undrafted >= PROBE_EVERY:
+            out[b], row.undrafted = 1, 0
+    return out

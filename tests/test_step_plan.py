@@ -1,0 +1,93 @@
+"""The step plan (runtime/decoding/step_costs.py): how far each row drafts, 0 included, from measured call costs and
+each row's acceptance, and what the loops do with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes import BigramEngine, random_table
+from runtime.decoding.step_costs import PROBE_EVERY, CostModel, PlanInputs, plan_draft_lengths, with_probes
+
+
+def costs(call: dict, draft: dict | None = None) -> CostModel:
+    return CostModel(call=dict(call), draft=dict(draft or {}))
+
+
+def test_call_costs_interpolate_over_rows_and_width_and_extrapolate_past_them():
+    model = costs({(1, 1): 1.0, (1, 3): 2.0, (4, 1): 2.0, (4, 3): 6.0})
+    assert model.call_cost([1]) == pytest.approx(1.0)
+    assert model.call_cost([2]) == pytest.approx(1.5)
+    assert model.call_cost([1, 3, 1, 3]) == pytest.approx(4.0)  # a ragged call: its mean width
+    assert model.call_cost([5]) == pytest.approx(3.0)  # past the widest: the last slope goes on
+    assert model.call_cost([1] * 8) == pytest.approx(4.0)  # past the largest batch: its cost per row
+    model.observe(predicted=1.0, measured=2.0)
+    assert model.call_cost([1]) == pytest.approx(1.2)  # a fifth of the way to twice as slow
+
+
+def test_a_verify_as_cheap_as_a_plain_call_drafts_as_far_as_allowed():
+    flat = costs({(1, 1): 1.0, (1, 9): 1.0, (4, 1): 1.0, (4, 9): 1.0})
+    inputs = PlanInputs([0.7] * 4, [3, 5, 0, 2], shared_drafter=True)
+    assert plan_draft_lengths(flat, inputs) == [3, 5, 0, 2]
+
+
+def test_when_each_scored_token_costs_a_call_no_row_drafts():
+    linear = costs({(4, 1): 4.0, (4, 9): 36.0, (1, 1): 1.0, (1, 9): 9.0})  # compute-bound: cost per token
+    inputs = PlanInputs([0.6] * 4, [4] * 4, shared_drafter=True, min_width=1, plain_width=1)
+    assert plan_draft_lengths(linear, inputs) == [0, 0, 0, 0]
+
+
+def test_a_row_whose_drafts_fail_stops_paying_for_them_while_the_others_draft():
+    model = costs({(1, 1): 1.0, (1, 5): 1.2, (4, 1): 1.0, (4, 5): 1.3}, {1: 0.1})
+    inputs = PlanInputs([0.9, 0.02, 0.85, 0.9], [4] * 4, shared_drafter=False)
+    ks = plan_draft_lengths(model, inputs)
+    assert ks[1] == 0 and all(k > 0 for i, k in enumerate(ks) if i != 1)
+
+
+def test_uncalibrated_costs_leave_every_row_its_limit():
+    assert plan_draft_lengths(CostModel(), PlanInputs([0.1, 0.9], [3, 2], shared_drafter=True)) == [3, 2]
+
+
+class Row:
+    undrafted = 0
+
+
+def test_a_row_kept_from_drafting_probes_again_every_so_many_steps():
+    rows = [Row(), Row()]
+    drafted = []
+    for _ in range(3 * PROBE_EVERY):
+        drafted.append(with_probes([0, 2], [4, 4], rows))
+    probes = [step for step, ks in enumerate(drafted) if ks[0]]
+    assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
+    assert all(ks[1] == 2 for ks in drafted) and rows[1].undrafted == 0
+
+
+def test_a_planned_batch_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_bundle):
+    """SpeculativeLoop over a batch with costs: every row's greedy output equals target-only decoding, and a
+    draft that is mostly wrong drafts far less than its k."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.decoding.loop import SpeculativeLoop
+    from runtime.text.tokenizer import Tokenizer
+    tokenizer = Tokenizer(tiny_bundle / "tokenizer")
+    vocab = tokenizer.vocab_size
+    target = BigramEngine(random_table(vocab, 1, scale=3.0), max_context=128)
+    wrong = BigramEngine(random_table(vocab, 9, scale=3.0), max_context=128)
+    generator = SpeculativeGenerator(None, target, wrong, tokenizer, max_k=8)
+    config, _ = generator.decode_config(generator_request(max_new_tokens=40, k=4))
+    prompts = [tokenizer.encode(p) for p in ("the cat", "a b c d", "hello there", "def f(x):")]
+    model = costs({(1, 1): 1.0, (1, 5): 1.5, (4, 1): 1.0, (4, 5): 1.6}, {1: 0.2, 4: 0.25})
+    reference = SpeculativeLoop(target, None, prompts, config)
+    for _ in reference.run():
+        pass
+    drafted = {}
+    for planned in (None, model):
+        loop = SpeculativeLoop(target, generator.new_drafter("speculative", None, None), prompts, config, planned)
+        for _ in loop.run():
+            pass
+        drafted[planned is not None] = sum(row.stats.num_draft_tokens for row in loop.rows)
+        assert [row.generated for row in loop.rows] == [row.generated for row in reference.rows]
+    assert drafted[True] < drafted[False] / 3
+
+
+def generator_request(**options):
+    from runtime.request import DecodeRequest
+    return DecodeRequest(**options)
