@@ -593,3 +593,26 @@ def test_distill_force_replaces_its_own_draft(tiny_pair, old_draft, prompt_file)
     distill_draft(DistillRecipe(init="layers=1", prompts=prompt_file, max_new_tokens=4, max_steps=1),
                   str(tiny_pair[0]), old_draft, force=True, quiet=True)
     assert json.loads((old_draft / "distill_report.json").read_text()).get("generation") != "old"
+
+
+# --- issue 38, item 9: publish checks --out again under the lock, just before the rename ----------------------------
+
+@pytest.mark.parametrize("force,appeared", [(False, "a user's folder"), (True, "a user's folder"),
+                                            (True, "a symbolic link"), (False, "a file")])
+def test_publish_refuses_what_appeared_at_out_during_the_build(tmp_path, force, appeared):
+    from builder import publish as publishing
+    kind = publishing.Kind("result", lambda f: None if (f / "ours").is_file() else "not ours", ValueError)
+    out = tmp_path / "out"
+    with publishing.staging(out, force, kind) as tmp:
+        (tmp / "ours").write_text("new")
+        if appeared == "a user's folder":  # made while the build ran, after staging checked out
+            _user_folder(out)
+        elif appeared == "a symbolic link":
+            (tmp_path / "elsewhere").mkdir()
+            out.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+        else:
+            out.write_text("notes")
+        before = _contents(out) if out.is_dir() else out.read_text()
+        with pytest.raises(ValueError, match=str(out)):
+            publishing.publish(tmp, out)
+    assert (_contents(out) if out.is_dir() else out.read_text()) == before
