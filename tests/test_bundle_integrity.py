@@ -616,3 +616,25 @@ def test_publish_refuses_what_appeared_at_out_during_the_build(tmp_path, force, 
         with pytest.raises(ValueError, match=str(out)):
             publishing.publish(tmp, out)
     assert (_contents(out) if out.is_dir() else out.read_text()) == before
+
+
+# --- issue 38, item 9: triton-repo --overwrite writes the new repository beside the old one, then swaps ------------
+
+@pytest.mark.parametrize("failure", ["max_tokens_limit past the context", "the bundle copy fails"])
+def test_a_failed_overwrite_keeps_the_old_repository(tiny_bundle, tmp_path, monkeypatch, failure):
+    from triton_repo import generate
+    from triton_repo.generate import RepoOptions, RepositoryError, write_repository
+    out = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(copy_bundle=False, bundle_mount="/b"))
+    before = _contents(out)
+    options = RepoOptions()
+    if failure == "max_tokens_limit past the context":
+        options = RepoOptions(max_tokens_limit=load_manifest(tiny_bundle).max_context + 1)
+    else:
+        def broken(*args):
+            raise RepositoryError("the copy failed")
+        monkeypatch.setattr(generate, "_place_bundle", broken)
+    with pytest.raises(RepositoryError):
+        write_repository(tiny_bundle, out, options, overwrite=True)
+    assert _contents(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+    write_repository(tiny_bundle, out, RepoOptions(copy_bundle=False, bundle_mount="/c"), overwrite=True)
+    assert "/c" in (out / "speculative" / "config.pbtxt").read_text()
