@@ -1,10 +1,13 @@
 # syntax=docker/dockerfile:1
-# The CPU image of the two servers: `draftsmith serve-openai` and `draftsmith serve` (tritonserver from the
-# nvidia-pytriton wheel, Python backend). Non-root; the bundle is NOT in it: mount it read-only at /bundle (the
-# manifests of `draftsmith deploy kubernetes` do, from a PersistentVolumeClaim or an init container).
+# The CPU image of `draftsmith serve-openai` (and, on request, `draftsmith serve`: tritonserver from the
+# nvidia-pytriton wheel). Non-root; the bundle is NOT in it: mount it read-only at /bundle (the manifests of
+# `draftsmith deploy kubernetes` do, from a PersistentVolumeClaim or an init container).
 #
-#   docker build -t draftsmith:cpu .                          # both servers
-#   docker build -t draftsmith:cpu --build-arg TRITON=0 .     # the OpenAI server only (no tritonserver: ~150 MB less)
+#   docker build -t draftsmith:cpu .                          # the OpenAI server
+#   docker build -t draftsmith:dev --build-arg TRITON=1 .     # also tritonserver 2.51: development on loopback only
+#
+# tritonserver 2.51 (the newest the wheel ships) has unauthenticated crash/RCE CVEs fixed only in 2.59.1
+# (docs/operations.md, "Security"), so it is left out by default and `deploy kubernetes` refuses to put it on a pod.
 #   docker run --rm -p 8000:8000 -v $PWD/bundles/smollm2:/bundle:ro draftsmith:cpu \
 #       serve-openai /bundle --host 0.0.0.0 --threads 2
 #
@@ -25,7 +28,8 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 FROM python:3.11-slim
 # 1: add tritonserver (nvidia-pytriton 0.7.0 ships Triton 2.51 and the Python backend stub for Python 3.11, the
 # interpreter of this image); installed without its pins (numpy < 2 and tritonclient come from draftsmith's own).
-ARG TRITON=1
+# Never behind a port a network reaches (see above).
+ARG TRITON=0
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TOKENIZERS_PARALLELISM=false \
     OMP_NUM_THREADS=2 HOME=/work
 RUN groupadd --gid 10001 draftsmith && useradd --uid 10001 --gid 10001 --home-dir /work --create-home draftsmith

@@ -39,6 +39,11 @@ class Kind:
     error: type[Exception]
 
 
+# staging folder -> (force, kind) its ``staging`` checked ``out`` with: ``publish`` checks again under the lock, for a
+# build runs for minutes and anything may appear at ``out`` meanwhile.
+_STAGED: dict[Path, tuple[bool, Kind]] = {}
+
+
 def check_output(out: Path, force: bool, kind: Kind) -> None:
     """Refuse an existing ``out`` unless ``force``, and even then anything ``kind.problem`` finds a reason against:
     --force replaces a previous result, never an arbitrary folder."""
@@ -72,10 +77,12 @@ def staging(out: Path, force: bool, kind: Kind) -> Iterator[Path]:
         check_output(out, force, kind)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         held = lock(tmp, blocking=False)
+    _STAGED[tmp] = (force, kind)
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; a result is read by servers running as other users
         yield tmp
     finally:
+        _STAGED.pop(tmp, None)
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
         os.close(held)
@@ -84,12 +91,16 @@ def staging(out: Path, force: bool, kind: Kind) -> Iterator[Path]:
 def publish(tmp: Path, out: Path) -> None:
     """Move the finished folder ``tmp`` to ``out``, replacing what is there, recoverably.
 
-    Files and folders are fsynced first. An existing ``out`` is renamed into ``.NAME.old-*``, then ``tmp`` to
-    ``out``, then the old one is deleted. If the second rename fails the old one is put back at once; if the process
-    dies between the renames, the next ``staging`` for ``out`` puts it back (``recover``).
+    Files and folders are fsynced first. Under the parent folder's lock ``out`` is checked again as ``staging``
+    checked it (``check_output``): a folder, file or link that appeared there while the result was being made is
+    refused, not replaced. An existing ``out`` is renamed into ``.NAME.old-*``, then ``tmp`` to ``out``, then the old
+    one is deleted. If the second rename fails the old one is put back at once; if the process dies between the
+    renames, the next ``staging`` for ``out`` puts it back (``recover``).
     """
     _fsync_tree(tmp)
     with locked(out.parent, blocking=True):
+        if tmp in _STAGED:
+            check_output(out, *_STAGED[tmp])
         old = None
         try:
             if out.exists() or out.is_symlink():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -110,6 +111,17 @@ def _report(result, baseline, plain) -> dict:
     return report
 
 
+def _key_from_file(path: str, given: str | None) -> str:
+    """The API key in ``path`` without its line ending; refused with --api-key (or DRAFTSMITH_API_KEY) too, which
+    would leave which key counts to the reader, or when empty."""
+    if given is not None:
+        raise click.UsageError("give the API key once: --api-key-file, or --api-key / DRAFTSMITH_API_KEY")
+    key = Path(path).read_text(encoding="utf-8").removesuffix("\n").removesuffix("\r")
+    if not key.strip():
+        raise click.ClickException(f"the API key file {path} is empty")
+    return key
+
+
 @main.command("serve-openai")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -117,6 +129,9 @@ def _report(result, baseline, plain) -> dict:
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", envvar="DRAFTSMITH_API_KEY", show_envvar=True, default=None,
               help="Required as 'Authorization: Bearer KEY' on every route but /health (default: none).")
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read the key from this file (a Kubernetes Secret's volume): kept out of the environment, which "
+                   "/proc and crash reports show. One trailing newline is dropped.")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests waiting for a row before new ones get 429 (overloaded).")
@@ -137,11 +152,13 @@ def _report(result, baseline, plain) -> dict:
 @click.option("--max-rows-per-client", type=click.IntRange(min=1), default=None,
               help="Rows one client address may hold at once (default: no cap; free rows always go first to the "
                    "clients holding the fewest).")
-def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, model_name, policy, drain_timeout,
-                 drain_linger, request_timeout, max_connections, max_rows_per_client):
+def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue, threads, model_name, policy,
+                 drain_timeout, drain_linger, request_timeout, max_connections, max_rows_per_client):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
     (/health) turns 503, new requests get 503 + Retry-After, running ones finish, then it exits 0."""
+    if api_key_file is not None:
+        api_key = _key_from_file(api_key_file, api_key)
     try:
         from runtime.serving.openai_server import serve
     except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here

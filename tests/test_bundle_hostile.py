@@ -88,3 +88,76 @@ def test_a_tensor_in_a_functions_default_attribute_is_checked(location):
                    functions=[function])
     with pytest.raises(BundleError, match="not a plain file name"):
         external_data_locations(model, "target/model.onnx")
+
+
+# Issue 38, item 9: ONNX Runtime folds every node whose inputs are constants while it loads the graph, so a shape that
+# is *computed* from constants (a Concat, a Mul, a Cast...) or a Tile or Range of constants is allocated at load too.
+def _ints(name, values, dims=None):
+    from onnx import TensorProto, helper
+    return helper.make_tensor(name, TensorProto.INT64, [len(values)] if dims is None else dims, values)
+
+
+def _hostile_folding():
+    from onnx import TensorProto, helper
+    n = helper.make_node
+    big, half = 1 << 20, 1 << 15
+    scalar = dict(dims=[])
+    return {
+        "ConstantOfShape(Concat)": ([n("Concat", ["a", "b"], ["s"], axis=0), n("ConstantOfShape", ["s"], ["Y"])],
+                                    [_ints("a", [big]), _ints("b", [big])]),
+        "ConstantOfShape(Concat(Constant))": (
+            [n("Constant", [], ["a"], value=_ints("av", [big])), n("Concat", ["a", "a", "a"], ["s"], axis=0),
+             n("ConstantOfShape", ["s"], ["Y"])], []),
+        "ConstantOfShape(Mul)": ([n("Mul", ["a", "a"], ["s"]), n("ConstantOfShape", ["s"], ["Y"])],
+                                 [_ints("a", [half])]),
+        "ConstantOfShape(Add)": ([n("Add", ["a", "a"], ["s"]), n("ConstantOfShape", ["s"], ["Y"])],
+                                 [_ints("a", [1 << 29])]),
+        "ConstantOfShape(Cast(float))": (
+            [n("Cast", ["f"], ["s"], to=TensorProto.INT64), n("ConstantOfShape", ["s"], ["Y"])],
+            [helper.make_tensor("f", TensorProto.FLOAT, [2], [65536.0, 65536.0])]),
+        "ConstantOfShape(Reshape(Concat))": (
+            [n("Concat", ["a", "a"], ["c"], axis=0), n("Reshape", ["c", "r"], ["s"]),
+             n("ConstantOfShape", ["s"], ["Y"])], [_ints("a", [big]), _ints("r", [2])]),
+        "ConstantOfShape(Squeeze(Unsqueeze))": (
+            [n("Unsqueeze", ["a", "ax"], ["u"]), n("Squeeze", ["u", "ax"], ["v"]), n("Identity", ["v"], ["s"]),
+             n("ConstantOfShape", ["s"], ["Y"])], [_ints("a", [big, big]), _ints("ax", [0])]),
+        "Expand(Concat)": ([n("Concat", ["a", "a"], ["s"], axis=0), n("Expand", ["x", "s"], ["Y"])],
+                           [_ints("a", [big]), _ints("x", [1])]),
+        "Tile(repeats)": ([n("Tile", ["x", "r"], ["Y"])], [_ints("x", [1]), _ints("r", [1 << 30])]),
+        "Tile(big input)": ([n("Tile", ["x", "r"], ["Y"])], [_ints("x", [0] * 1024), _ints("r", [1 << 17])]),
+        "Tile(Concat repeats)": ([n("Concat", ["a", "a"], ["r"], axis=0), n("Tile", ["x", "r"], ["Y"])],
+                                 [_ints("a", [big]), _ints("x", [1, 1], dims=[1, 2])]),
+        "Range(int)": ([n("Range", ["s", "l", "d"], ["Y"])],
+                       [_ints("s", [0], **scalar), _ints("l", [1 << 40], **scalar), _ints("d", [1], **scalar)]),
+        "Range(float)": ([n("Range", ["s", "l", "d"], ["Y"])],
+                         [helper.make_tensor(k, TensorProto.FLOAT, [], [v]) for k, v in
+                          (("s", 0.0), ("l", 1e12), ("d", 1.0))]),
+        "Range(tiny delta)": ([n("Range", ["s", "l", "d"], ["Y"])],
+                              [helper.make_tensor(k, TensorProto.DOUBLE, [], [v]) for k, v in
+                               (("s", 0.0), ("l", 1.0), ("d", 1e-12))]),
+        "Range(Mul limit)": ([n("Mul", ["a", "a"], ["l"]), n("Range", ["s", "l", "d"], ["Y"])],
+                             [_ints("s", [0], **scalar), _ints("a", [1 << 20], **scalar),
+                              _ints("d", [1], **scalar)]),
+        "ConstantOfShape(negative product)": ([n("ConstantOfShape", ["s"], ["Y"])], [_ints("s", [-1, 1 << 40])]),
+    }
+
+
+HOSTILE_FOLDING = _hostile_folding()
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_FOLDING))
+def test_a_graph_whose_constant_folding_would_allocate_without_bound_is_refused(name):
+    nodes, inits = HOSTILE_FOLDING[name]
+    with pytest.raises(BundleError, match="elements"):
+        check_operators(parse_onnx(_model(nodes, inits), "target/model.onnx"), "target/model.onnx")
+
+
+def test_small_folded_shapes_pass():
+    from onnx import helper
+    n = helper.make_node
+    for nodes, inits in [
+        ([n("Concat", ["a", "a"], ["s"], axis=0), n("ConstantOfShape", ["s"], ["Y"])], [_ints("a", [64])]),
+        ([n("Tile", ["x", "r"], ["Y"])], [_ints("x", [1, 2]), _ints("r", [8])]),
+        ([n("Range", ["s", "l", "d"], ["Y"])], [_ints(k, [v], dims=[]) for k, v in (("s", 0), ("l", 4096), ("d", 1))]),
+    ]:
+        check_operators(parse_onnx(_model(nodes, inits), "small"), "small")

@@ -523,3 +523,118 @@ def test_manifest_dataclass_refuses_escaping_paths_at_construction(tiny_bundle):
     with pytest.raises(BuildError, match="not a bundle"):
         from builder.build import check_output
         check_output(Path(__file__).parent, force=True)
+
+
+# --- issue 38, item 7: distill --force replaces only what the distiller wrote, never the target ---------------------
+
+def _copy_model(source: Path, dest: Path) -> Path:
+    import shutil
+    shutil.copytree(source, dest)
+    return dest
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(f"the quick brown fox {i}" for i in range(12)))
+    return path
+
+
+# (what --out is, relative to the target) -> how the test lays it out
+BAD_OUTS = ["the target itself", "the target, spelt with ./", "the target through a symbolic link",
+            "a folder holding the target", "a new folder inside the target", "another model folder",
+            "an init checkpoint", "the folder holding a .gguf target", "a model folder with only a weights file"]
+
+
+@pytest.mark.parametrize("case", BAD_OUTS)
+def test_distill_force_never_replaces_the_target_or_a_model_it_did_not_write(tiny_pair, tmp_path, prompt_file, case):
+    from builder.distill.corpus import DistillError
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
+    models = tmp_path / "models"
+    target = _copy_model(tiny_pair[0], models / "target")
+    init = "layers=1"
+    if case == "the target itself":
+        out = target
+    elif case == "the target, spelt with ./":
+        out = Path(str(models) + "/./target/")
+    elif case == "the target through a symbolic link":
+        out = tmp_path / "link"
+        out.symlink_to(target, target_is_directory=True)
+    elif case == "a folder holding the target":
+        out = models
+    elif case == "a new folder inside the target":
+        out = target / "draft"
+    elif case == "another model folder":
+        out = _copy_model(tiny_pair[1], tmp_path / "my-draft")
+    elif case == "an init checkpoint":
+        out = _copy_model(tiny_pair[1], tmp_path / "init")
+        init = str(out)
+    elif case == "the folder holding a .gguf target":
+        gguf = models / "target.gguf"
+        gguf.write_bytes(b"GGUF")
+        target, out = gguf, models
+    else:
+        out = tmp_path / "weights"
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (out / "model.safetensors").write_bytes(b"\0" * 64)
+    before = _contents(models), _contents(out.resolve()) if out.exists() else None
+    with pytest.raises(DistillError, match="nothing was touched|symbolic link"):
+        distill_draft(DistillRecipe(init=init, prompts=prompt_file, max_new_tokens=4, max_steps=1), str(target), out,
+                      force=True, quiet=True)
+    assert (_contents(models), _contents(out.resolve()) if out.exists() else None) == before
+
+
+def test_distill_force_replaces_its_own_draft(tiny_pair, old_draft, prompt_file):
+    """The marker is the distiller's own report: a draft it wrote is replaced (and says so in its new report)."""
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.recipe import DistillRecipe
+    distill_draft(DistillRecipe(init="layers=1", prompts=prompt_file, max_new_tokens=4, max_steps=1),
+                  str(tiny_pair[0]), old_draft, force=True, quiet=True)
+    assert json.loads((old_draft / "distill_report.json").read_text()).get("generation") != "old"
+
+
+# --- issue 38, item 9: publish checks --out again under the lock, just before the rename ----------------------------
+
+@pytest.mark.parametrize("force,appeared", [(False, "a user's folder"), (True, "a user's folder"),
+                                            (True, "a symbolic link"), (False, "a file")])
+def test_publish_refuses_what_appeared_at_out_during_the_build(tmp_path, force, appeared):
+    from builder import publish as publishing
+    kind = publishing.Kind("result", lambda f: None if (f / "ours").is_file() else "not ours", ValueError)
+    out = tmp_path / "out"
+    with publishing.staging(out, force, kind) as tmp:
+        (tmp / "ours").write_text("new")
+        if appeared == "a user's folder":  # made while the build ran, after staging checked out
+            _user_folder(out)
+        elif appeared == "a symbolic link":
+            (tmp_path / "elsewhere").mkdir()
+            out.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+        else:
+            out.write_text("notes")
+        before = _contents(out) if out.is_dir() else out.read_text()
+        with pytest.raises(ValueError, match=str(out)):
+            publishing.publish(tmp, out)
+    assert (_contents(out) if out.is_dir() else out.read_text()) == before
+
+
+# --- issue 38, item 9: triton-repo --overwrite writes the new repository beside the old one, then swaps ------------
+
+@pytest.mark.parametrize("failure", ["max_tokens_limit past the context", "the bundle copy fails"])
+def test_a_failed_overwrite_keeps_the_old_repository(tiny_bundle, tmp_path, monkeypatch, failure):
+    from triton_repo import generate
+    from triton_repo.generate import RepoOptions, RepositoryError, write_repository
+    out = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(copy_bundle=False, bundle_mount="/b"))
+    before = _contents(out)
+    options = RepoOptions()
+    if failure == "max_tokens_limit past the context":
+        options = RepoOptions(max_tokens_limit=load_manifest(tiny_bundle).max_context + 1)
+    else:
+        def broken(*args):
+            raise RepositoryError("the copy failed")
+        monkeypatch.setattr(generate, "_place_bundle", broken)
+    with pytest.raises(RepositoryError):
+        write_repository(tiny_bundle, out, options, overwrite=True)
+    assert _contents(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+    write_repository(tiny_bundle, out, RepoOptions(copy_bundle=False, bundle_mount="/c"), overwrite=True)
+    assert "/c" in (out / "speculative" / "config.pbtxt").read_text()

@@ -183,3 +183,92 @@ def test_a_string_grown_through_a_namespace_is_stopped_by_the_size_budget():
                 "{{ s.t|length }}")
     with pytest.raises(ValueError, match="characters or items"):
         render_chat_template(template, [{"role": "user", "content": "hi"}])
+
+
+# Issue 38, item 4: each makes ~30 MB from a 1 MB string without ever holding a value the old per-value checks saw as
+# big (thirty references in a list, a separator, a format field used thirty times, a captured block, a lazy map...).
+# Scaled to tens of MB so the code before the budget fails these tests without running the machine out of memory;
+# nested, the same shapes reach gigabytes.
+X = "{% set x = 'x' * 100000 * 10 %}"
+THIRTY_X = "[" + ", ".join(["x"] * 30) + "]"
+NS = "{% set ns = namespace(s='x' * 100000 * 10) %}"  # the string held by the namespace only
+THROUGH_A_NAMESPACE = [
+    NS + "{% set ns.s = " + " ~ ".join(["ns.s"] * 30) + " %}",
+    NS + "{% set ns.s = ((ns.s ~ ns.s ~ ns.s) ~ (ns.s ~ ns.s ~ ns.s)) ~ ((ns.s ~ ns.s) ~ ns.s) %}",
+    NS + "{% for i in range(3) %}{% set ns.s = " + " ~ ".join(["ns.s"] * 15) + " %}{% endfor %}",
+]
+AMPLIFIED = THROUGH_A_NAMESPACE + [X + t for t in [
+    "{{ " + " ~ ".join(["x"] * 30) + " }}",
+    "{{ x ~ " + THIRTY_X + " }}",
+    "{{ " + THIRTY_X + "|join }}",
+    "{{ (range(30)|list)|join(x) }}",
+    "{{ x.join(range(30)|map('string')) }}",
+    "{{ " + THIRTY_X + "|string }}",
+    "{{ " + THIRTY_X + "|tojson }}",
+    "{{ " + THIRTY_X + "|pprint }}",
+    "{{ [x] * 30 }}",
+    "{% set l = [x] * 30 %}{{ l|join }}",
+    "{{ ('%(a)s' * 30) % {'a': x} }}",
+    "{{ ('%s' * 30) % (" + ", ".join(["x"] * 30) + ") }}",
+    "{{ ('{0}' * 30).format(x) }}",
+    "{{ ('{a}' * 30).format_map({'a': x}) }}",
+    "{{ ('%s' * 30)|format(" + ", ".join(["x"] * 30) + ") }}",
+    "{{ ('a\\n' * 30)|indent(x, true) }}",
+    "{{ ('a ' * 30)|wordwrap(2, wrapstring=x) }}",
+    "{{ ('\\t' * 300).expandtabs(100000) }}",
+    "{{ ('a' * 30).translate({97: x}) }}",
+    "{% set s %}{% for i in range(30) %}{{ x }}{% endfor %}{% endset %}{{ s|length }}",
+    "{% macro m() %}{% for i in range(30) %}{{ x }}{% endfor %}{% endmacro %}{{ m()|length }}",
+    "{% filter upper %}{% for i in range(30) %}{{ x }}{% endfor %}{% endfilter %}",
+    "{% macro w() %}{{ caller()|length }}{% endmacro %}{% call w() %}{% for i in range(30) %}{{ x }}{% endfor %}"
+    "{% endcall %}",
+    "{{ range(300)|map('center', 100000)|list|length }}",
+    "{{ " + THIRTY_X + "|map('upper')|list|length }}",
+    "{% set ns = namespace(l=[]) %}{% for i in range(30) %}{% set ns.l = ns.l + [x] %}{% endfor %}{{ ns.l|join }}",
+    "{{ dict(" + ", ".join(f"k{i}=x" for i in range(30)) + ")|tojson }}",
+    "{{ {" + ", ".join(f"'k{i}': x" for i in range(30)) + "}|xmlattr }}",
+    "{% set ns = namespace(a=" + THIRTY_X + ") %}{{ ns.a }}",
+    "{{ [" + ", ".join(["[" + ", ".join(["x"] * 10) + "]"] * 3) + "]|sum(start=[])|join }}",
+    "{{ (" + THIRTY_X + "|batch(10)|list)|string }}",
+    "{% for i in range(30) %}{{ loop.cycle(" + THIRTY_X[1:-1] + ") ~ x }}{% endfor %}{{ [loop] }}",
+]]
+
+
+@pytest.mark.parametrize("template", AMPLIFIED, ids=range(len(AMPLIFIED)))
+def test_every_way_a_value_grows_is_budgeted_before_it_is_made(template):
+    """Refused, and before the big value exists: the render's peak allocation stays a few times the 1 MB input."""
+    import tracemalloc
+    from runtime.text import chat_template
+    chat_template._compiled(template)  # compiling is not rendering: outside the measure
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="chat template"):
+            render_chat_template(template, USER)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB allocated before the refusal"
+
+
+GOOD = [  # what real templates do: these must render as before
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{{ bos_token }}{% for m in messages %}{{ '[INST] ' ~ m['content'] ~ ' [/INST]' if m['role'] == 'user' "
+    "else m['content'] ~ eos_token }}{% endfor %}",
+    "{% set ns = namespace(system='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{% set ns.system = ns.system ~ m['content'] %}{% endif %}{% endfor %}{{ ns.system }}|{{ messages|length }}",
+    "{{ messages|map(attribute='content')|join('\n') }}{{ (messages|selectattr('role', 'eq', 'user')|list)|length }}",
+    "{% if tools %}{{ tools|tojson(indent=2) }}{% endif %}{{ '%s:%d'|format('a', 3) }}{{ '{}-{}'.format(1, 2) }}",
+]
+
+
+def test_real_templates_render_as_before_and_quickly():
+    import time
+    messages = [{"role": "system", "content": "be brief"}] + [
+        {"role": "user" if i % 2 else "assistant", "content": f"message {i} " * 40} for i in range(400)]
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(20)]
+    for template in GOOD:
+        start = time.perf_counter()
+        rendered = render_chat_template(template, messages, tools=tools, bos_token="<s>", eos_token="</s>")
+        assert rendered and time.perf_counter() - start < 0.3, template
+    assert render_chat_template(GOOD[2], USER) == "|1"

@@ -69,10 +69,10 @@ def test_the_schemas_cover_1_30_to_the_newest():
     assert kv_utils.major_minor(VERSIONS[-1]) == kv_utils.major_minor(kv_utils.latest_version())
 
 
-@pytest.mark.parametrize("server,source,autoscale", list(itertools.product(SERVERS, BUNDLE_SOURCES, AUTOSCALERS)))
-def test_onnx_bundle_manifests_validate_for_every_release(tiny_bundle, server, source, autoscale):
-    options = DeployOptions(server=server, bundle_source=source, autoscale=autoscale, bundle_image="reg/bundle:1",
-                            api_key_secret="draftsmith-key" if server == "openai" else "")
+@pytest.mark.parametrize("source,autoscale,key", list(itertools.product(BUNDLE_SOURCES, AUTOSCALERS, ("", "k"))))
+def test_onnx_bundle_manifests_validate_for_every_release(tiny_bundle, source, autoscale, key):
+    options = DeployOptions(bundle_source=source, autoscale=autoscale, bundle_image="reg/bundle:1",
+                            api_key_secret=key)
     validate_all(manifests(tiny_bundle, options, GIVEN))
 
 
@@ -144,24 +144,118 @@ def test_openai_probes_grace_and_resources_follow_the_bundle_and_the_measurement
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
 
 
-def test_triton_serves_a_repository_written_at_pod_start(tiny_bundle):
-    options = DeployOptions(server="triton", bundle_source="image", bundle_image="reg/bundle:1")
-    pod, container = _server(manifests(tiny_bundle, options, GIVEN))
-    assert [c["name"] for c in pod["initContainers"]] == ["copy-bundle", "triton-repo"]
-    assert pod["initContainers"][1]["command"][:5] == ["draftsmith", "triton-repo", "/bundle", "/work/repo",
-                                                       "--bundle-mount"]
-    assert container["command"][:3] == ["draftsmith", "serve", "/work/repo"]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/models/ensemble/ready"  # a drain unloads it
-    assert int(_flag(container["command"], "--exit-timeout")) < pod["terminationGracePeriodSeconds"]
-    longest = max_tokens_allowed(load_manifest(tiny_bundle), "triton")
-    assert int(_flag(container["command"], "--exit-timeout")) >= longest / (GIVEN.tokens_per_s / options.max_batch)
-
-
-def test_queue_autoscaler_names_each_servers_gauge(tiny_bundle):
+def test_queue_autoscaler_names_each_servers_gauge(tiny_bundle, trt_bundle):
     openai = manifests(tiny_bundle, DeployOptions(), GIVEN)["hpa-queue.yaml"]
-    triton = manifests(tiny_bundle, DeployOptions(server="triton"), GIVEN)["hpa-queue.yaml"]
+    triton = manifests(trt_bundle, DeployOptions(server="triton"), GIVEN)["hpa-queue.yaml"]
     assert openai["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
-    assert triton["spec"]["metrics"][0]["pods"]["metric"]["name"] == "draftsmith_waiting"
+    assert triton["spec"]["metrics"][0]["pods"]["metric"]["name"] == "nv_inference_pending_request_count"
+
+
+# --- issue 38: nothing generated exposes a known-vulnerable endpoint, a root pod, an open network or a key in env ---
+
+def test_triton_on_an_onnx_bundle_is_refused_with_the_reason_and_the_alternative(tiny_bundle, tmp_path):
+    """The CPU image's tritonserver is 2.51 (nvidia-pytriton 0.7.0), with unauthenticated crash/RCE CVEs: a pod
+    serving it on 0.0.0.0 is what docs/operations.md says must never face a network."""
+    with pytest.raises(DeployError, match=r"2\.51.*CVE-2025-23310.*--server openai"):
+        manifests(tiny_bundle, DeployOptions(server="triton"), GIVEN)
+    from runtime.cli import main
+    out = tmp_path / "k8s"
+    result = CliRunner().invoke(main, ["deploy", "kubernetes", str(tiny_bundle), "--out", str(out), "--server",
+                                       "triton", "--load-seconds", "3", "--memory-mib", "200",
+                                       "--tokens-per-second", "50"])
+    assert result.exit_code != 0 and "--server openai" in result.output and not out.exists()
+
+
+VULNERABLE_TRITON_IMAGES = ["nvcr.io/nvidia/tritonserver:24.10-trtllm-python-py3",
+                            "nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3",
+                            "nvcr.io/nvidia/tritonserver:23.12-py3",
+                            "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3"]
+
+
+@pytest.mark.parametrize("image", VULNERABLE_TRITON_IMAGES)
+def test_a_triton_release_before_the_cve_fixes_is_refused(trt_bundle, image):
+    with pytest.raises(DeployError, match="25.07"):
+        manifests(trt_bundle, DeployOptions(server="triton", triton_image=image), GIVEN)
+    manifests(trt_bundle, DeployOptions(server="triton", triton_image=image.replace(image[28:33], "25.07")), GIVEN)
+
+
+def _all_pods(tiny_bundle, trt_bundle):
+    for bundle, server in ((tiny_bundle, "openai"), (trt_bundle, "openai"), (trt_bundle, "triton")):
+        for source in BUNDLE_SOURCES:
+            options = DeployOptions(server=server, bundle_source=source, bundle_image="reg/b:1")
+            yield manifests(bundle, options, GIVEN)
+
+
+def test_every_pod_runs_restricted_without_a_service_account_token(tiny_bundle, trt_bundle):
+    """Pod Security "restricted" for every pod, the TensorRT-LLM Triton one included (it ran as root)."""
+    for objects in _all_pods(tiny_bundle, trt_bundle):
+        pod = objects["deployment.yaml"]["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}
+            assert context["readOnlyRootFilesystem"] is True
+
+
+def test_a_network_policy_admits_only_the_serving_ports_from_the_namespace(tiny_bundle, trt_bundle, tmp_path):
+    for objects in _all_pods(tiny_bundle, trt_bundle):
+        policy = objects["networkpolicy.yaml"]
+        validate_all({"networkpolicy.yaml": policy})
+        labels = objects["deployment.yaml"]["spec"]["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"] == {"matchLabels": labels}
+        assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"} and policy["spec"]["egress"] == []
+        [rule] = policy["spec"]["ingress"]
+        assert rule["from"] == [{"podSelector": {}}]
+        ports = {p["port"] for p in rule["ports"]}
+        service_ports = {p["targetPort"] for p in objects["service.yaml"]["spec"]["ports"]}
+        assert ports == service_ports
+    write_manifests(tiny_bundle, tmp_path, DeployOptions(), GIVEN)
+    assert "networkpolicy.yaml" in yaml.safe_load((tmp_path / "kustomization.yaml").read_text())["resources"]
+
+
+def test_the_api_key_comes_from_a_secret_file_and_no_key_is_said_loudly(tiny_bundle, tmp_path):
+    pod, container = _server(manifests(tiny_bundle, DeployOptions(api_key_secret="my-key"), GIVEN))
+    assert not any(e["name"] == "DRAFTSMITH_API_KEY" for e in container["env"])  # not in the environment
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-key")
+    assert volume["secret"]["secretName"] == "my-key"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "api-key")
+    assert mount["readOnly"] is True
+    assert _flag(container["command"], "--api-key-file") == f"{mount['mountPath']}/DRAFTSMITH_API_KEY"
+    from runtime.cli import main
+    result = CliRunner().invoke(main, ["deploy", "kubernetes", str(tiny_bundle), "--out", str(tmp_path / "k"),
+                                       "--load-seconds", "3", "--memory-mib", "200", "--tokens-per-second", "50"])
+    assert result.exit_code == 0 and "WARNING: no API key" in result.output
+    assert "WARNING: no API key" in (tmp_path / "k" / "deployment.yaml").read_text()
+
+
+@pytest.mark.parametrize("content,given", [("s3cret\n", "s3cret"), ("s3cret\r\n", "s3cret"), ("k e y", "k e y")])
+def test_serve_openai_reads_its_key_from_a_file(tiny_bundle, tmp_path, monkeypatch, content, given):
+    from runtime.cli import main
+    from runtime.serving import openai_server
+    seen = {}
+    monkeypatch.setattr(openai_server, "serve", lambda bundle, **kw: seen.update(kw))
+    monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
+    key = tmp_path / "key"
+    key.write_text(content)
+    result = CliRunner().invoke(main, ["serve-openai", str(tiny_bundle), "--api-key-file", str(key)])
+    assert result.exit_code == 0, result.output
+    assert seen["api_key"] == given
+
+
+@pytest.mark.parametrize("problem", ["empty", "missing", "both"])
+def test_serve_openai_refuses_a_bad_key_file(tiny_bundle, tmp_path, monkeypatch, problem):
+    from runtime.cli import main
+    from runtime.serving import openai_server
+    monkeypatch.setattr(openai_server, "serve", lambda bundle, **kw: pytest.fail("served"))
+    monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
+    key = tmp_path / "key"
+    if problem != "missing":
+        key.write_text("\n" if problem == "empty" else "k")
+    extra = ["--api-key", "other"] if problem == "both" else []
+    result = CliRunner().invoke(main, ["serve-openai", str(tiny_bundle), "--api-key-file", str(key), *extra])
+    assert result.exit_code != 0
 
 
 def test_bad_options_are_refused_by_name():
@@ -180,7 +274,8 @@ def test_command_writes_a_kustomization_and_refuses_to_overwrite(tiny_bundle, tm
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     kustomization = yaml.safe_load((out / "kustomization.yaml").read_text())
-    assert kustomization["resources"] == ["deployment.yaml", "service.yaml", "pdb.yaml", "hpa-queue.yaml"]
+    assert kustomization["resources"] == ["deployment.yaml", "service.yaml", "pdb.yaml", "networkpolicy.yaml",
+                                          "hpa-queue.yaml"]
     assert "vllm:num_requests_waiting" in (out / "hpa-queue.yaml").read_text()  # the adapter rule's series
     for name in kustomization["resources"]:
         assert "&id" not in (out / name).read_text()  # no YAML anchors

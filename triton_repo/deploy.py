@@ -3,14 +3,17 @@
 Longer than most modules: one manifest set (Deployment, Service, PDB, HPA and their sizing) is one subject;
 the drain it relies on is runtime/serving/drain.py and triton_repo/server.py.
 
-Written for either server: ``openai`` (``draftsmith serve-openai``) or ``triton`` (``draftsmith serve`` on a
-repository an init container writes with ``draftsmith triton-repo``; for a tensorrt_llm bundle, tritonserver under
-mpirun in NVIDIA's Triton TRT-LLM image). What each manifest takes from the bundle and from a measurement:
+Written for either server: ``openai`` (``draftsmith serve-openai``) or, for a tensorrt_llm bundle, ``triton``
+(tritonserver under mpirun in NVIDIA's Triton TRT-LLM image, a release with the fixes of NVIDIA's August 2025
+bulletin). ``triton`` is refused for an ONNX Runtime bundle: the CPU image's tritonserver is the nvidia-pytriton
+wheel's 2.51, whose HTTP front has unauthenticated crash/RCE CVEs (docs/operations.md, "Security"), and a
+deployment must not put it on a pod's network; ``openai`` serves the same bundle. Every pod runs under Pod Security
+"restricted" without a service-account token, a NetworkPolicy admits only the serving ports from the namespace, and
+the API key comes from a Secret mounted as a file. What each manifest takes from the bundle and from a measurement:
 
 - readiness: the server's own (the OpenAI server's ``/health``: 503 while its scheduler is down or while draining;
-  Triton's ``/v2/models/ensemble/ready``, false as soon as a drain unloads the ensemble, or ``/v2/health/ready``
-  for tensorrt_llm bundles); liveness: ``/health/live`` / ``/v2/health/live``; a startup probe allowing three times
-  the measured load time (plus 30 s) before liveness starts;
+  Triton's ``/v2/health/ready``); liveness: ``/health/live`` / ``/v2/health/live``; a startup probe allowing three
+  times the measured load time (plus 30 s) before liveness starts;
 - resources: CPU from the thread count; memory from the measured peak of one server process plus the KV caches of a
   full batch (``max_batch`` rows of the bundle's context, target and draft);
 - ``terminationGracePeriodSeconds``: the longest request the server allows (its max_tokens limit) at a full batch's
@@ -20,8 +23,8 @@ mpirun in NVIDIA's Triton TRT-LLM image). What each manifest takes from the bund
   an image holding it at /bundle (``--bundle-source image``); the server verifies it at start as ever;
 - a Service, a PodDisruptionBudget, and a HorizontalPodAutoscaler on CPU (``hpa-cpu.yaml``) or on the queue length
   (``hpa-queue.yaml``, for clusters with a custom-metrics adapter: ``vllm:num_requests_waiting`` for the OpenAI
-  server, ``draftsmith_waiting`` or Triton's ``nv_inference_pending_request_count``); both are written, the
-  kustomization lists the one ``--autoscale`` names;
+  server, Triton's ``nv_inference_pending_request_count``); both are written, the kustomization lists the one
+  ``--autoscale`` names;
 - tensorrt_llm bundles: ``nvidia.com/gpu`` limits of tp x pp (the bundle's manifest) and the launch command of
   ``trtllm_launch_command``.
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -54,6 +58,11 @@ PROCESS_STOP_S = 15  # after the drain: uvicorn's graceful close (5 s), the sche
 # The image NVIDIA publishes with tritonserver and the TensorRT-LLM backend (NGC, nvcr.io/nvidia/tritonserver,
 # tag <yy.mm>-trtllm-python-py3); pick the release whose TensorRT-LLM built the bundle (docs/tensorrt_llm.md).
 TRTLLM_TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"
+# NVIDIA's August 2025 bulletin (CVE-2025-23310/23311: chunked-encoding stack overflow; 23319/23320/23334: Python
+# backend shared memory to RCE) is fixed from release 25.07 (tritonserver 2.59.1); older NGC tags are refused.
+FIRST_FIXED_TRITON = (25, 7)
+NGC_TRITON_TAG = re.compile(r"nvcr\.io/nvidia/tritonserver:(\d{2})\.(\d{2})(?:[-.].*)?")
+API_KEY_DIR = "/run/secrets/draftsmith"  # the Secret's volume; the server reads the key from a file there
 TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # its path in that image
 
 
@@ -92,7 +101,7 @@ class DeployOptions:
     cpu_utilization: int = 70  # percent of the CPU request
     queue_per_replica: int = 4  # waiting requests per replica the queue autoscaler aims at
     drain_linger: float = 5.0  # seconds of 503s after SIGTERM: endpoint removal reaching every node
-    api_key_secret: str = ""  # a Secret with key DRAFTSMITH_API_KEY (openai server); "": no key
+    api_key_secret: str = ""  # a Secret with key DRAFTSMITH_API_KEY, mounted as a file (openai); "": no key
     triton_image: str = TRTLLM_TRITON_IMAGE
     upstream_models: str = ""  # tensorrt_llm + triton: upstream's model folder inside the image ("": declared configs)
 
@@ -246,17 +255,14 @@ def trtllm_launch_command(manifest: Manifest, repo: str, exit_timeout_s: int) ->
 
 
 def openai_command(options: DeployOptions, sizing: Sizing) -> list[str]:
-    return ["draftsmith", "serve-openai", BUNDLE_PATH, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--threads", str(options.threads), "--max-batch", str(options.max_batch),
-            "--max-queue", str(options.max_queue), "--policy", options.policy, "--model-name", options.name,
-            "--drain-timeout", str(sizing.drain_timeout_s), "--drain-linger", str(options.drain_linger),
-            "--request-timeout", str(sizing.drain_timeout_s - options.drain_linger)]  # no request outlives a drain
-
-
-def triton_repo_command(options: DeployOptions) -> list[str]:
-    return ["draftsmith", "triton-repo", BUNDLE_PATH, f"{WORK_PATH}/repo", "--bundle-mount", BUNDLE_PATH,
-            "--threads", str(options.threads), "--max-batch-size", str(options.max_batch),
-            "--max-queue", str(options.max_queue), "--policy", options.policy]
+    command = ["draftsmith", "serve-openai", BUNDLE_PATH, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+               "--threads", str(options.threads), "--max-batch", str(options.max_batch),
+               "--max-queue", str(options.max_queue), "--policy", options.policy, "--model-name", options.name,
+               "--drain-timeout", str(sizing.drain_timeout_s), "--drain-linger", str(options.drain_linger),
+               "--request-timeout", str(sizing.drain_timeout_s - options.drain_linger)]  # no request outlives a drain
+    if options.api_key_secret:
+        command += ["--api-key-file", f"{API_KEY_DIR}/DRAFTSMITH_API_KEY"]
+    return command
 
 
 def trtllm_repo_command(options: DeployOptions) -> list[str]:
@@ -266,11 +272,24 @@ def trtllm_repo_command(options: DeployOptions) -> list[str]:
             BUNDLE_PATH, f"{WORK_PATH}/repo", options.upstream_models]
 
 
-def triton_command(options: DeployOptions, sizing: Sizing, load_s: float) -> list[str]:
-    return ["draftsmith", "serve", f"{WORK_PATH}/repo", "--host", "0.0.0.0", "--http-port", str(HTTP_PORT),
-            "--grpc-port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT),
-            "--timeout", str(math.ceil(3 * load_s + 30)), "--exit-timeout", str(sizing.drain_timeout_s),
-            "--drain-linger", str(options.drain_linger), "--log-file", f"{WORK_PATH}/tritonserver.log"]
+def check_server(manifest: Manifest, options: DeployOptions) -> None:
+    """Refuse a deployment that would expose a tritonserver with known unauthenticated CVEs: Triton on an ONNX
+    Runtime bundle (the image's nvidia-pytriton 2.51), or an NGC Triton image older than ``FIRST_FIXED_TRITON``."""
+    if options.server != "triton":
+        return
+    if manifest.spec.backend != "tensorrt_llm":
+        raise DeployError(
+            "--server triton on an ONNX Runtime bundle is refused: the image's tritonserver is nvidia-pytriton "
+            "0.7.0's 2.51, whose HTTP front has unauthenticated crash and remote-code-execution CVEs "
+            "(CVE-2025-23310, CVE-2025-23311; the Python backend's CVE-2025-23319/23320/23334), fixed only in 2.59.1 "
+            "(NGC 25.07), and a pod would put it on the cluster network. Deploy the same bundle with --server openai "
+            "(draftsmith serve-openai: the same scheduler, with an API key); keep draftsmith serve (Triton) on "
+            "127.0.0.1 for development (docs/operations.md, \"Security\").")
+    tag = NGC_TRITON_TAG.fullmatch(options.triton_image)
+    if tag and (int(tag[1]), int(tag[2])) < FIRST_FIXED_TRITON:
+        raise DeployError(f"--triton-image {options.triton_image}: Triton releases before 25.07 have unauthenticated "
+                          "crash/RCE CVEs (NVIDIA's August 2025 bulletin: CVE-2025-23310 and others); use 25.07 or "
+                          "later, built with the bundle's TensorRT-LLM")
 
 
 # --- manifests ----------------------------------------------------------------------------------------------------
@@ -284,6 +303,7 @@ def manifests(bundle: str | os.PathLike, options: DeployOptions, measured: Measu
         manifest = load_manifest(root)
     except BundleError as err:
         raise DeployError(str(err)) from None
+    check_server(manifest, options)  # before measuring, which loads the bundle
     trtllm = manifest.spec.backend == "tensorrt_llm"
     if measured is None:
         measured = estimate_trtllm(root, manifest) if trtllm else measure(root, options.threads, options.max_batch,
@@ -296,13 +316,13 @@ def manifests(bundle: str | os.PathLike, options: DeployOptions, measured: Measu
                           "metadata": {"name": options.name, "labels": labels},
                           "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}},
              "hpa-cpu.yaml": autoscaler(options, labels, _cpu_metric(options)),
-             "hpa-queue.yaml": autoscaler(options, labels, _queue_metric(options, trtllm))}
+             "hpa-queue.yaml": autoscaler(options, labels, _queue_metric(options, trtllm)),
+             "networkpolicy.yaml": network_policy(options, labels)}
     return files
 
 
 def deployment(manifest: Manifest, options: DeployOptions, sizing: Sizing, measured: Measured, labels: dict) -> dict:
     trtllm = manifest.spec.backend == "tensorrt_llm"
-    triton = options.server == "triton"
     bundle_volume = ({"name": "bundle", "persistentVolumeClaim": {"claimName": options.bundle_pvc, "readOnly": True}}
                      if options.bundle_source == "pvc" else {"name": "bundle", "emptyDir": {}})
     volumes = [bundle_volume, {"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
@@ -312,44 +332,21 @@ def deployment(manifest: Manifest, options: DeployOptions, sizing: Sizing, measu
                                [{"name": "bundle", "mountPath": "/mnt/bundle"}], _small_resources()))
     mounts = [{"name": "bundle", "mountPath": BUNDLE_PATH, "readOnly": True},
               {"name": "work", "mountPath": WORK_PATH}, {"name": "tmp", "mountPath": "/tmp"}]
-    env = {"OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false", "HOME": WORK_PATH}
-    if triton:
-        repo = trtllm_repo_command(options) if trtllm else triton_repo_command(options)
-        init.append(_container("triton-repo", options.image, repo, mounts, _small_resources()))
-    if triton and trtllm:
-        command, launch_env = trtllm_launch_command(manifest, f"{WORK_PATH}/repo", sizing.drain_timeout_s)
-        env.update(launch_env)
-        image = options.triton_image
-    else:
-        command = (triton_command(options, sizing, measured.load_s) if triton
-                   else openai_command(options, sizing))
-        image = options.image
-    server = _container("server", image, command, mounts, _resources(sizing))
-    server["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    if options.api_key_secret and not triton:
-        server["env"].append({"name": "DRAFTSMITH_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": options.api_key_secret, "key": "DRAFTSMITH_API_KEY"}}})
-    server["ports"] = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
-    if triton:
-        server["ports"] += [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
-                            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
-    # Triton on an ONNX bundle: the ensemble's readiness, which a drain (draftsmith serve on SIGTERM) turns false at
-    # once by unloading it; the server's own /v2/health/ready stays true until its ports close.
-    ready = "/health" if not triton else "/v2/health/ready" if trtllm else "/v2/models/ensemble/ready"
-    live = "/v2/health/live" if triton else "/health/live"
-    server["startupProbe"] = _probe(live, STARTUP_PERIOD_S, sizing.startup_failures)
-    # 3 failures: a busy pod is not flapped out; a stopping one leaves the Service's endpoints at once anyway
-    server["readinessProbe"] = _probe(ready, 2, 3)
-    server["livenessProbe"] = _probe(live, 10, 3)
-    if trtllm and triton:
-        server["securityContext"] = {"allowPrivilegeEscalation": False}  # NVIDIA's image runs as root, mpirun too
-        if options.drain_linger > 0:  # mpirun hands SIGTERM straight to tritonserver, which closes its ports at once
-            server["lifecycle"] = {"preStop": {"sleep": {"seconds": math.ceil(options.drain_linger)}}}
-    pod = {"terminationGracePeriodSeconds": sizing.grace_s, "initContainers": init, "containers": [server],
-           "volumes": volumes}
-    if not (trtllm and triton):
-        pod["securityContext"] = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
-                                  "seccompProfile": {"type": "RuntimeDefault"}}
+    if options.server == "triton":
+        init.append(_container("triton-repo", options.image, trtllm_repo_command(options), mounts,
+                               _small_resources()))
+    server = server_container(manifest, options, sizing, mounts)
+    if options.api_key_secret:  # a file in a Secret's volume: not in the environment, which /proc and logs show
+        volumes.append({"name": "api-key", "secret": {"secretName": options.api_key_secret, "defaultMode": 0o440,
+                                                      "items": [{"key": "DRAFTSMITH_API_KEY",
+                                                                 "path": "DRAFTSMITH_API_KEY"}]}})
+        server["volumeMounts"] = mounts + [{"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}]
+    # Pod Security "restricted" for every pod; NVIDIA's Triton image runs as any user (mpirun's
+    # --allow-run-as-root is then moot). No service-account token: the server never calls the Kubernetes API.
+    pod = {"terminationGracePeriodSeconds": sizing.grace_s, "automountServiceAccountToken": False,
+           "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                               "seccompProfile": {"type": "RuntimeDefault"}},
+           "initContainers": init, "containers": [server], "volumes": volumes}
     if trtllm:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     if not init:
@@ -361,6 +358,48 @@ def deployment(manifest: Manifest, options: DeployOptions, sizing: Sizing, measu
             "spec": {"replicas": options.replicas, "selector": {"matchLabels": labels},
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                      "template": {"metadata": {"labels": labels}, "spec": pod}}}
+
+
+def server_container(manifest: Manifest, options: DeployOptions, sizing: Sizing, mounts: list[dict]) -> dict:
+    """The serving container: its command, environment, ports and probes (``deployment`` adds the key's volume)."""
+    triton = options.server == "triton"  # only on tensorrt_llm bundles (check_server)
+    env = {"OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false", "HOME": WORK_PATH}
+    if triton:
+        command, launch_env = trtllm_launch_command(manifest, f"{WORK_PATH}/repo", sizing.drain_timeout_s)
+        env.update(launch_env)
+    else:
+        command = openai_command(options, sizing)
+    server = _container("server", options.triton_image if triton else options.image, command, mounts,
+                        _resources(sizing))
+    server["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    server["ports"] = [{"name": name, "containerPort": port, "protocol": "TCP"}
+                       for name, port in serving_ports(options)]
+    ready, live = ("/v2/health/ready", "/v2/health/live") if triton else ("/health", "/health/live")
+    server["startupProbe"] = _probe(live, STARTUP_PERIOD_S, sizing.startup_failures)
+    # 3 failures: a busy pod is not flapped out; a stopping one leaves the Service's endpoints at once anyway
+    server["readinessProbe"] = _probe(ready, 2, 3)
+    server["livenessProbe"] = _probe(live, 10, 3)
+    if triton and options.drain_linger > 0:  # mpirun hands SIGTERM to tritonserver, which closes its ports at once
+        server["lifecycle"] = {"preStop": {"sleep": {"seconds": math.ceil(options.drain_linger)}}}
+    return server
+
+
+def serving_ports(options: DeployOptions) -> list[tuple[str, int]]:
+    """(name, port) of what the pod serves: the Service's ports and the only ones its NetworkPolicy admits."""
+    if options.server == "triton":
+        return [("http", HTTP_PORT), ("grpc", GRPC_PORT), ("metrics", METRICS_PORT)]
+    return [("http", HTTP_PORT)]
+
+
+def network_policy(options: DeployOptions, labels: dict) -> dict:
+    """Ingress to the serving ports from pods of the same namespace only, and no egress at all (the server calls
+    nothing; kubelet probes come from the node, which policies do not govern). Add the namespace of your ingress
+    controller or Prometheus to ``from`` if they live elsewhere (docs/operations.md)."""
+    ports = [{"protocol": "TCP", "port": name} for name, _ in serving_ports(options)]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": options.name, "labels": labels},
+            "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress", "Egress"],
+                     "ingress": [{"from": [{"podSelector": {}}], "ports": ports}], "egress": []}}
 
 
 def _container(name: str, image: str, command: list[str], mounts: list[dict], resources: dict) -> dict:
@@ -387,10 +426,8 @@ def _probe(path: str, period: int, failures: int) -> dict:
 
 
 def service(options: DeployOptions, labels: dict) -> dict:
-    ports = [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
-    if options.server == "triton":
-        ports += [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
-                  {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}]
+    ports = [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+             for name, port in serving_ports(options)]
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": options.name, "labels": labels},
             "spec": {"type": "ClusterIP", "selector": labels, "ports": ports}}
 
@@ -402,7 +439,6 @@ def _cpu_metric(options: DeployOptions) -> dict:
 
 # The queue gauge each server exports, as a Prometheus adapter exposes it (its rule renames ':' away; docs).
 QUEUE_METRICS = {"openai": ("vllm:num_requests_waiting", "vllm_num_requests_waiting"),
-                 "triton": ("draftsmith_waiting", "draftsmith_waiting"),
                  "triton-trtllm": ("nv_inference_pending_request_count", "nv_inference_pending_request_count")}
 
 
@@ -427,7 +463,8 @@ def autoscaler(options: DeployOptions, labels: dict, metric: dict) -> dict:
 
 def kustomization(options: DeployOptions) -> dict:
     return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": ["deployment.yaml", "service.yaml", "pdb.yaml", f"hpa-{options.autoscale}.yaml"]}
+            "resources": ["deployment.yaml", "service.yaml", "pdb.yaml", "networkpolicy.yaml",
+                          f"hpa-{options.autoscale}.yaml"]}
 
 
 def write_manifests(bundle: str | os.PathLike, out: str | os.PathLike, options: DeployOptions,
@@ -453,7 +490,21 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+def no_key_warning(options: DeployOptions) -> str | None:
+    """What a deployment anyone in its namespace can use without a key says, loudly (None: it has a key)."""
+    if options.server == "triton":
+        return ("WARNING: no API key: Triton has no authentication; any pod in this namespace can use it (the "
+                "NetworkPolicy admits no one else). Put an authenticating proxy in front.")
+    if not options.api_key_secret:
+        return ("WARNING: no API key (--api-key-secret): any pod in this namespace can use this server (the "
+                "NetworkPolicy admits no one else).")
+    return None
+
+
 def _header(name: str, options: DeployOptions, objects: dict) -> str:
+    warning = no_key_warning(options)
+    if name == "deployment.yaml" and warning:
+        return f"# written by draftsmith deploy kubernetes\n# {warning}\n"
     if name != "hpa-queue.yaml":
         return "# written by draftsmith deploy kubernetes\n"
     metric = objects[name]["spec"]["metrics"][0]["pods"]["metric"]["name"]
@@ -473,7 +524,8 @@ def deploy():
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the manifests.")
 @click.option("--server", type=click.Choice(SERVERS), default="openai", show_default=True,
-              help="openai: draftsmith serve-openai; triton: tritonserver on a repository written at pod start.")
+              help="openai: draftsmith serve-openai; triton (tensorrt_llm bundles only): NVIDIA's tritonserver on a "
+                   "repository written at pod start.")
 @click.option("--name", default="draftsmith", show_default=True, help="Name of every object (a DNS label).")
 @click.option("--image", default="draftsmith:cpu", show_default=True,
               help="The image with draftsmith installed (the Dockerfile's); the bundle is not in it.")
@@ -494,7 +546,8 @@ def deploy():
 @click.option("--max-replicas", type=int, default=8, show_default=True)
 @click.option("--drain-linger", type=float, default=5.0, show_default=True,
               help="Seconds a stopping pod keeps answering 503 (endpoint removal reaching every node).")
-@click.option("--api-key-secret", default="", help="A Secret with key DRAFTSMITH_API_KEY (openai server).")
+@click.option("--api-key-secret", default="",
+              help="A Secret with key DRAFTSMITH_API_KEY, mounted as a file the server reads (openai server).")
 @click.option("--triton-image", default=TRTLLM_TRITON_IMAGE, show_default=True,
               help="tensorrt_llm bundles served by Triton: NVIDIA's Triton TRT-LLM image of the bundle's release.")
 @click.option("--upstream-models", default="",
@@ -516,6 +569,9 @@ def kubernetes(bundle, out, load_seconds, memory_mib, tokens_per_second, overwri
     click.echo(f"sizing ({sizing['how']}): load {sizing['load_s']} s, peak {sizing['rss_mib']} MiB, "
                f"{sizing['tokens_per_s']} tok/s -> grace {sizing['grace_s']} s, memory request "
                f"{sizing['memory_request_mib']} Mi" + (f", {sizing['gpus']} GPU(s)" if sizing["gpus"] else ""))
+    warning = no_key_warning(options)
+    if warning:
+        click.secho(warning, fg="red", bold=True, err=True)
     click.echo(f"apply it:  kubectl apply -k {out}")
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,13 +258,28 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, options:
         raise RepositoryError(f"bundle backend {manifest.spec.backend!r}: this generator writes Python-backend "
                               "repositories for 'onnxruntime' bundles; TensorRT-LLM bundles use trtllm_layouts")
     out = Path(out)
-    _clear_output(out, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by draftsmith triton-repo; --overwrite replaces only such folders\n",
-                              encoding="utf-8")
+    _check_output(out, overwrite)
     if options.max_tokens_limit > manifest.max_context:
         raise RepositoryError(f"max_tokens_limit: expected <= the bundle's max_context {manifest.max_context}, "
                               f"received {options.max_tokens_limit}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside OUT and swapped in whole: a failure (an option, a bundle copy that does not verify, a full
+    # disk) leaves the old repository as it was. A sibling, so relative links into the bundle stay right.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; tritonserver may run as another user
+        _write_models(bundle, manifest, tmp, options)
+        _check_output(out, overwrite)  # again: anything may have appeared at OUT meanwhile
+        _swap(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_models(bundle: Path, manifest, out: Path, options: RepoOptions) -> None:
+    """The four models' folders and the marker, into the (empty) folder ``out``."""
+    (out / MARKER).write_text("written by draftsmith triton-repo; --overwrite replaces only such folders\n",
+                              encoding="utf-8")
     bundle_ref, tokenizer_ref = _bundle_refs(bundle, out, options)
     models = {
         PREPROCESSING: (preprocessing_config(options, manifest, tokenizer_ref), "preprocessing.py"),
@@ -279,7 +295,24 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, options:
         if source:
             code = MODELS_DIR.joinpath(source).read_text(encoding="utf-8")
             (folder / "1" / "model.py").write_text(code, encoding="utf-8")
-    return out
+
+
+def _swap(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``; an existing ``out`` is set aside first and deleted after, or put back
+    if the rename fails."""
+    old = None
+    if out.exists() or out.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / out.name)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old / out.name, out)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _bundle_refs(bundle: Path, out: Path, options: RepoOptions) -> tuple[str, str]:
@@ -293,9 +326,10 @@ def _bundle_refs(bundle: Path, out: Path, options: RepoOptions) -> tuple[str, st
     return BUNDLE_DIR, f"../{SPECULATIVE}/{BUNDLE_DIR}/tokenizer"
 
 
-def _clear_output(out: Path, overwrite: bool) -> None:
-    """Leave ``out`` absent or empty: an existing non-empty folder is removed only with ``overwrite`` and only if it
-    is a repository this generator wrote (``generated_problem``); anything else is refused with the reason."""
+def _check_output(out: Path, overwrite: bool) -> None:
+    """Refuse an existing non-empty ``out`` unless ``overwrite``, and even then unless it is a repository this
+    generator wrote (``generated_problem``); nothing is deleted here (``_swap`` replaces it once the new one is
+    complete)."""
     if not (out.exists() or out.is_symlink()) or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
         return
     if not overwrite:
@@ -305,7 +339,6 @@ def _clear_output(out: Path, overwrite: bool) -> None:
         raise RepositoryError(f"{out} is not a repository written by draftsmith triton-repo ({problem}); --overwrite "
                               "replaces only those, so nothing was touched. Choose another folder, or move it away "
                               "yourself.")
-    shutil.rmtree(out)
 
 
 def generated_problem(folder: Path) -> str | None:

@@ -88,7 +88,8 @@ def distill_draft(recipe: DistillRecipe, target: str, out: str | Path, *, thread
     from rich.console import Console
     started = time.perf_counter()
     out = Path(out).absolute()
-    check_out(out, force)
+    check_out(out, force, (target,) if recipe.init.startswith("layers=") or recipe.init == "feature"
+              else (target, recipe.init))
     recipe.check()
     console = console or Console(stderr=True, quiet=quiet)
     if threads:

@@ -52,23 +52,45 @@ def is_distilled(folder: Path) -> bool:
 
 
 def draft_problem(folder: Path) -> str | None:
-    """Why --force may not replace ``folder`` (None: a Hugging Face model folder, i.e. a draft)."""
-    config = folder / "config.json"
-    try:
-        data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() and not config.is_symlink() else None
-    except (OSError, UnicodeDecodeError, ValueError):
-        data = None
-    if not isinstance(data, dict) or not ({"model_type", "architectures"} & set(data)):
-        return "it holds no model config.json"
+    """Why --force may not replace ``folder`` (None: a draft this distiller wrote). The mark is the distiller's own
+    report, which ``save_draft`` writes into every draft and nothing else writes: a Hugging Face model folder of the
+    user's (the target, the checkpoint a draft started from, any other) has a config.json and weights too, and
+    --force must never delete one."""
+    report = folder / REPORT_FILE
+    if report.is_symlink() or not report.is_file():
+        return f"it holds no {REPORT_FILE}, so draftsmith distill did not write it (a model of your own?)"
     return None
 
 
 DRAFT = publishing.Kind("draft folder", draft_problem, DistillError)
 
 
-def check_out(out: Path, force: bool) -> None:
-    """Refuse an existing ``out`` unless ``force`` and it is a draft folder (``builder.publish.check_output``)."""
+def check_out(out: Path, force: bool, sources: tuple[str, ...] = ()) -> None:
+    """Refuse ``out`` when it is, holds or lies inside one of ``sources`` (the target, an init checkpoint), and an
+    existing ``out`` unless ``force`` and it is a draft folder (``builder.publish.check_output``)."""
+    for source in sources:
+        clash = _overlap(out, source)
+        if clash:
+            raise DistillError(f"--out {out} {clash} {source}, which the distillation reads; nothing was touched. "
+                               "Choose an output folder apart from it.")
     publishing.check_output(out, force, DRAFT)
+
+
+def _overlap(out: Path, source: str) -> str | None:
+    """How ``out`` overlaps the file or folder ``source`` names (None: apart, or ``source`` is not a path here)."""
+    from builder.checkpoint import CheckpointError, locate
+    try:
+        path = locate(source).resolve()
+    except (CheckpointError, OSError):
+        return None  # not a checkpoint on this machine: loading it fails on its own, and it is nowhere near out
+    here = out.resolve()
+    if here == path:
+        return "is"
+    if path in here.parents:
+        return "lies inside"
+    if here in path.parents:
+        return "holds"
+    return None
 
 
 def publish_draft(draft, tokenizer, out: Path, kept, report: dict, force: bool, also=None) -> None:

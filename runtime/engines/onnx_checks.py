@@ -49,16 +49,12 @@ CONTRIB_OPS = frozenset({"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLa
                          "Gelu", "BiasGelu", "QuickGelu", "MultiHeadAttention", "GatherBlockQuantized"})
 SHAPE_FROM_INPUT_OPS = {"ConstantOfShape": 0, "Expand": 1}  # op -> the input that gives the output's shape
 MAX_CONSTANT_ELEMENTS = 1 << 26  # a constant-shaped output ONNX Runtime would fold (allocate) while loading
+MAX_FOLLOWED = 1024  # elements of a constant small enough to follow through the shape arithmetic ORT folds
 
 
 def check_operators(proto, where: str) -> None:
-    """BundleError unless every node (graph, subgraphs, functions) is an allowed operator, and no constant shape
-    makes ONNX Runtime allocate more than MAX_CONSTANT_ELEMENTS while it folds constants at load."""
-    import onnx
-    from onnx import numpy_helper
-    constants = {t.name: t for t in proto.graph.initializer}
-    constants.update({n.output[0]: a.t for n in proto.graph.node if n.op_type == "Constant"
-                      for a in n.attribute if a.name == "value" and a.HasField("t")})
+    """BundleError unless every node (graph, subgraphs, functions) is an allowed operator, and no node ONNX Runtime
+    folds at load (``folding_problems``) would allocate more than MAX_CONSTANT_ELEMENTS."""
     problems = []
     for node in _all_nodes(proto):
         domain = node.domain or ""
@@ -70,16 +66,84 @@ def check_operators(proto, where: str) -> None:
                 problems.append(f"node {node.name!r}: com.microsoft {node.op_type} is not an operator engines use")
         else:
             problems.append(f"node {node.name!r}: operator domain {domain!r} (custom operators are not allowed)")
-        shape_input = SHAPE_FROM_INPUT_OPS.get(node.op_type)
-        if shape_input is not None and len(node.input) > shape_input and node.input[shape_input] in constants:
-            tensor = constants[node.input[shape_input]]
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                dims = numpy_helper.to_array(tensor).astype(np.float64).ravel()
-                if dims.size and float(np.prod(np.maximum(dims, 1))) > MAX_CONSTANT_ELEMENTS:
-                    problems.append(f"node {node.name!r}: {node.op_type} to a constant shape of "
-                                    f"{float(np.prod(dims)):.3g} elements")
+    problems += folding_problems(proto)
     if problems:
         raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
+
+
+def folding_problems(proto) -> list[str]:
+    """Nodes whose output size comes from constants past MAX_CONSTANT_ELEMENTS. ONNX Runtime's constant folding
+    computes, while it loads the graph, every node whose inputs are constants: a ConstantOfShape or Expand to a
+    constant shape, a Tile by constant repeats, a Range of constant bounds, and the shape arithmetic (Concat, Mul,
+    Cast, ...) that makes such a shape from smaller constants. Small constants are followed through that
+    arithmetic (``_fold``), so a shape built from pieces is measured like a literal one."""
+    values, counts = _small_constants(proto.graph)
+    problems = []
+    for node in proto.graph.node:
+        elements = _output_elements(node, values, counts)
+        if elements is not None and not elements <= MAX_CONSTANT_ELEMENTS:
+            problems.append(f"node {node.name!r}: {node.op_type} of {elements:.3g} elements from constants (ONNX "
+                            f"Runtime would allocate it while loading; the limit is {MAX_CONSTANT_ELEMENTS})")
+        folded = _fold(node, values)
+        if folded is not None and folded.size <= MAX_FOLLOWED:
+            values[node.output[0]] = folded
+    return problems
+
+
+def _small_constants(graph) -> tuple[dict, dict]:
+    """(name -> values as float64, for constants of at most MAX_FOLLOWED elements; name -> element count, for every
+    initializer and Constant)."""
+    import onnx
+    from onnx import numpy_helper
+    tensors = {t.name: t for t in graph.initializer}
+    tensors.update({n.output[0]: a.t for n in graph.node if n.op_type == "Constant"
+                    for a in n.attribute if a.name == "value" and a.HasField("t")})
+    values, counts = {}, {}
+    for name, tensor in tensors.items():
+        counts[name] = float(np.prod([max(d, 0) for d in tensor.dims])) if tensor.dims else 1.0
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and counts[name] <= MAX_FOLLOWED:
+            try:
+                values[name] = numpy_helper.to_array(tensor).astype(np.float64)
+            except (ValueError, TypeError):
+                pass
+    return values, counts
+
+
+def _output_elements(node, values: dict, counts: dict) -> float | None:
+    """Elements of ``node``'s output when constants decide it (None: they do not, or not an op that grows)."""
+    inputs = list(node.input)
+    shape_input = SHAPE_FROM_INPUT_OPS.get(node.op_type)
+    if shape_input is not None and len(inputs) > shape_input and inputs[shape_input] in values:
+        return float(np.prod(np.maximum(values[inputs[shape_input]].ravel(), 1)))
+    if node.op_type == "Tile" and len(inputs) > 1 and inputs[1] in values:
+        return float(np.prod(np.maximum(values[inputs[1]].ravel(), 1))) * counts.get(inputs[0], 1.0)
+    if node.op_type == "Range" and len(inputs) == 3 and all(name in values for name in inputs):
+        start, limit, delta = (float(values[name].ravel()[0]) if values[name].size else 0.0 for name in inputs)
+        if delta == 0 or not np.isfinite([start, limit, delta]).all():
+            return float("inf")
+        return max(0.0, np.ceil((limit - start) / delta))
+    return None
+
+
+def _fold(node, values: dict):
+    """The value of a shape-arithmetic node whose inputs are followed constants (None otherwise), as ONNX Runtime
+    would fold it; only its elements matter here, not its exact shape."""
+    inputs = [values.get(name) for name in node.input if name]
+    if not inputs or any(v is None for v in inputs):
+        return None
+    try:
+        with np.errstate(all="ignore"):
+            if node.op_type == "Concat":
+                return np.concatenate([v.ravel() for v in inputs])
+            if node.op_type in ("Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten"):
+                return inputs[0]
+            if node.op_type in ("Mul", "Add", "Sub", "Max", "Min"):
+                function = {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Max": np.maximum,
+                            "Min": np.minimum}[node.op_type]
+                return function(inputs[0], inputs[1]) if len(inputs) == 2 else None
+    except ValueError:  # shapes that do not broadcast: ORT refuses the graph itself
+        return None
+    return None
 
 
 def _all_nodes(proto):

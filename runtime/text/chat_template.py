@@ -7,10 +7,16 @@ loop render without bound, and a template that hangs would pin a server's worker
 
 * time: a trace function on the rendering thread, active only in the template's own frames, ends the render past
   ``TIME_BUDGET`` seconds (every loop of a template is Python code, so it is always reached);
-* size: every operator, call and filter the template makes goes through the sandbox's hooks (filters through a
-  wrapper), which refuse integer arguments and format widths past ``MAX_ARGUMENT`` (widths, repeat counts) and
-  results longer than ``MAX_VALUE``; the trace also looks at the template's variables at every line, for strings
-  grown with ``~``;
+* size: every way a template makes characters goes through a hook that estimates what it would make *before*
+  making it (runtime/text/template_sizes.py) and refuses past ``MAX_VALUE``: operators (``+``, ``*``, ``%``) and
+  calls through the sandbox's hooks, filters through a wrapper, ``~`` through the code generator (jinja2 compiles
+  it to a ``str_join`` of its operands; ours compiles it to ``environment.concat_values``), ``{% set %}`` blocks,
+  macros and ``caller()`` through ``environment.concat``, every ``{{ }}`` through ``finalize``, and the lazy
+  iterators ``map``/``select`` & co. return through a counter. An estimate is the value's rendered size (a list of
+  thirty references to one 1 MB string is 30 MB once joined), with the multiplying operations (a ``join``
+  separator, a format field used many times, ``indent``, ``wordwrap``, ``expandtabs``, ``translate``) counted as
+  such. Integer arguments and format widths past ``MAX_ARGUMENT`` are refused; the trace also looks at the
+  template's variables and namespace attributes at every line;
 * output: rendered in pieces (``Template.generate``) and stopped past ``MAX_OUTPUT`` characters;
 * every exception the template raises (ZeroDivisionError, TypeError, RecursionError, ...) becomes a ValueError
   naming it, which a server answers as the request's own 400.
@@ -23,7 +29,12 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import threading
 import time
+from collections.abc import Iterator
+
+from runtime.text.template_sizes import (filter_size, format_size, joined_size, measure_inputs, namespace_attributes,
+                                         rendered_size, str_method_size)
 
 TIME_BUDGET = 0.5  # seconds a render may take (real templates take well under a millisecond)
 MAX_ARGUMENT = 100_000  # largest integer a template may pass to a call, filter or * (a width, a repeat count)
@@ -44,10 +55,10 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     from jinja2.exceptions import SecurityError
     try:
         compiled = _compiled(template)
-        with _Budget():
+        variables = dict(variables, messages=messages, add_generation_prompt=add_generation_prompt)
+        with _Budget(variables):
             pieces, written = [], 0
-            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           **variables):
+            for piece in compiled.generate(**variables):
                 written += len(piece)
                 if written > MAX_OUTPUT:
                     raise TemplateBudgetError(f"the chat template wrote more than {MAX_OUTPUT} characters")
@@ -79,31 +90,38 @@ def _environment():
 
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
+        code_generator_class = _concat_generator()
+
+        def concat_values(self, join, values):
+            """``a ~ b ~ c``, as compiled by ``code_generator_class``: estimated, then joined by jinja2's own."""
+            _check_size(joined_size(values, "", MAX_VALUE, _known()))
+            return _checked(join(values))
+
+        def concat(self, pieces):
+            """A ``{% set %}`` block's, a macro's, ``caller()``'s or a ``{% filter %}`` block's output pieces."""
+            pieces = list(pieces)
+            _check_size(sum(map(len, pieces)))
+            return "".join(pieces)
 
         def wrap_str_format(self, value):  # str.format / format_map, wrapped when the template reads them
             if getattr(value, "__name__", "") in ("format", "format_map") and isinstance(
                     getattr(value, "__self__", None), str):
                 _check_brace_format(value.__self__)
-            return super().wrap_str_format(value)
+            wrapped = super().wrap_str_format(value)
+            return None if wrapped is None else _estimated_format(value.__self__, wrapped)
 
         def call_binop(self, context, op, left, right):
             _check_arguments((left, right) if op in ("*", "**") else ())
-            if op == "%" and isinstance(left, str):
-                _check_percent_format(left, right)
-            if op == "*" and _multiplies_a_sequence(left, right):
-                _check_size(_length(left if hasattr(left, "__len__") else right) * int(
-                    right if hasattr(left, "__len__") else left))
-            if op == "**" and isinstance(left, (int, float)) and abs(left) > 1 and right > 64:
-                raise TemplateBudgetError(f"the chat template raised {left} to the power {right}")
+            _check_binop(op, left, right)
             return _checked(super().call_binop(context, op, left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
             _check_arguments(args + tuple(kwargs.values()))
-            if getattr(__obj, "__name__", "") == "replace" and isinstance(getattr(__obj, "__self__", None), str):
-                _check_replace(__obj.__self__, *args)
+            args = _check_method(__obj, args, kwargs)
             return _checked(super().call(__context, __obj, *args, **kwargs))
 
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                         finalize=_finalized)
     env.globals.pop("lipsum", None)  # lipsum(n=10**9) is text without bound, and no chat template needs it
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
@@ -112,18 +130,102 @@ def _environment():
     return env
 
 
+def _concat_generator():
+    """jinja2's code generator, but ``~`` compiles to ``environment.concat_values(join, (operands))`` instead of
+    ``str_join((operands))``: the operands are estimated before the string exists. jinja2 offers no hook for ``~``
+    (it is not one of the sandbox's binops); ``code_generator_class`` is its documented way to change the code a
+    template compiles to. The join function chosen is jinja2's own (escaping under autoescape)."""
+    from jinja2.compiler import CodeGenerator
+
+    class ConcatGenerator(CodeGenerator):
+        def visit_Concat(self, node, frame) -> None:
+            if frame.eval_ctx.volatile:
+                join = "(markup_join if context.eval_ctx.volatile else str_join)"
+            else:
+                join = "markup_join" if frame.eval_ctx.autoescape else "str_join"
+            self.write(f"environment.concat_values({join}, (")
+            for operand in node.nodes:
+                self.visit(operand, frame)
+                self.write(", ")
+            self.write("))")
+
+    return ConcatGenerator
+
+
+def _check_binop(op: str, left, right) -> None:
+    """``*``, ``+`` and ``%`` of strings and sequences, estimated before they run."""
+    if op == "%" and isinstance(left, (str, bytes)):
+        if isinstance(left, str):
+            _check_percent_format(left, right)
+        _check_size(format_size(left, right, MAX_VALUE, _known()))
+    elif op == "*" and _multiplies_a_sequence(left, right):
+        sequence, times = (left, right) if hasattr(left, "__len__") else (right, left)
+        _check_size(rendered_size(sequence, MAX_VALUE, _known()) * max(0, int(times)))
+    elif op == "**" and isinstance(left, (int, float)) and abs(left) > 1 and right > 64:
+        raise TemplateBudgetError(f"the chat template raised {left} to the power {right}")
+    elif op == "+" and isinstance(left, (str, bytes, list, tuple)):
+        _check_size(joined_size((left, right), "", MAX_VALUE, _known()))
+
+
+def _check_method(method, args: tuple, kwargs: dict) -> tuple:
+    """A str or bytes method that can multiply its string (``join``, ``replace``, ``expandtabs``, ``translate``),
+    estimated before it runs; returns the arguments (a lazy iterable given to ``join`` made a list, to count it)."""
+    owner, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+    if not isinstance(owner, (str, bytes)):
+        return args
+    if name == "join" and args and isinstance(args[0], Iterator):
+        args = (list(args[0]), *args[1:])
+    if name == "replace" and isinstance(owner, str):
+        _check_replace(owner, *args)
+    _check_size(str_method_size(name, owner, args, kwargs, MAX_VALUE, _known()))
+    return args
+
+
+def _estimated_format(text: str, format_function):
+    """``text.format`` / ``format_map`` (jinja2's sandboxed wrapper), estimated before it formats."""
+
+    @functools.wraps(format_function)
+    def estimated(*args, **kwargs):
+        _check_size(format_size(text, list(args) + list(kwargs.values()), MAX_VALUE, _known()))
+        return _checked(format_function(*args, **kwargs))
+
+    return estimated
+
+
+def _finalized(value):
+    """Every ``{{ }}``: its text estimated before ``str()`` writes it."""
+    _check_size(rendered_size(value, MAX_VALUE, _known()))
+    return value
+
+
+# Filters whose results hold only references to their input (or a count): checked after. Every other filter writes
+# text from its input, so its arguments are estimated first (``[big] * 30|string`` would be 30 big strings).
+REFERENCE_FILTERS = frozenset(["length", "count", "first", "last", "random", "min", "max", "select", "reject",
+                               "selectattr", "rejectattr", "map", "groupby", "batch", "slice", "items", "dictsort",
+                               "sort", "reverse", "unique", "list", "attr", "default", "d", "abs", "int", "float",
+                               "bool", "round"])
+
+
 def _bounded_filter(name: str, function):
     """A filter that checks its arguments and its result (compiled templates call filters directly, not through
-    the sandbox's hooks). jinja2's pass_context & co. markers travel with functools.wraps."""
+    the sandbox's hooks), and estimates what a filter that writes text would write before it does. jinja2's
+    pass_context & co. markers travel with functools.wraps."""
+    writes = name not in REFERENCE_FILTERS
 
     @functools.wraps(function)
     def bounded(*args, **kwargs):
+        if writes:  # a lazy iterable is counted (its own budget bounds it), then handed over as a list
+            args = tuple(list(a) if isinstance(a, Iterator) and not isinstance(a, str) else a for a in args)
         values = [a for a in args if not _is_jinja_internal(a)]
         _check_arguments(values[1:] + list(kwargs.values()))
         if name == "replace" and len(values) >= 3 and isinstance(values[0], str):
             _check_replace(*values[:3])
         if name == "format" and values and isinstance(values[0], str):
             _check_percent_format(values[0], tuple(values[1:]))
+        if writes:
+            for value in values + list(kwargs.values()):
+                _check_size(rendered_size(value, MAX_VALUE, _known()))
+            _check_size(filter_size(name, values, kwargs, MAX_VALUE, _known()))
         return _checked(function(*args, **kwargs))
 
     return bounded
@@ -164,14 +266,11 @@ def _multiplies_a_sequence(left, right) -> bool:
                                                                      isinstance(left, int))
 
 
-def _length(value) -> int:
-    return len(value) if hasattr(value, "__len__") else 0
-
-
 def _check_size(size: int) -> None:
-    if size > MAX_VALUE:
-        raise TemplateBudgetError(f"the chat template made a value of {size} characters or items "
-                                  f"(the limit is {MAX_VALUE})")
+    if size > MAX_VALUE:  # an estimate stops counting at MAX_VALUE + 1
+        amount = f"more than {MAX_VALUE}" if size == MAX_VALUE + 1 else str(size)
+        raise TemplateBudgetError(f"the chat template made, or was about to make, a value of {amount} characters "
+                                  f"or items (the limit is {MAX_VALUE})")
 
 
 def _check_replace(text: str, old="", new="", *rest) -> None:
@@ -181,16 +280,42 @@ def _check_replace(text: str, old="", new="", *rest) -> None:
 
 
 def _checked(value):
-    if isinstance(value, (str, bytes, list, tuple, dict, set)):
-        _check_size(len(value))
+    """A value the template made, refused past ``MAX_VALUE`` rendered; a lazy iterator counted as it is read."""
+    if isinstance(value, Iterator) and not isinstance(value, (str, bytes)):
+        return _counted(value)
+    _check_size(rendered_size(value, MAX_VALUE, _known()))
     return value
+
+
+def _counted(iterator):
+    """``iterator``'s items while their rendered sizes add up to at most ``MAX_OUTPUT`` (each counts at least 1):
+    ``range(99999)|map('center', 99999)|list`` would be 10 GB of new strings, one small item at a time."""
+    total = 0
+    for item in iterator:
+        total += max(1, rendered_size(item, MAX_OUTPUT, _known()))
+        if total > MAX_OUTPUT:
+            raise TemplateBudgetError(f"the chat template read more than {MAX_OUTPUT} characters or items from one "
+                                      "iterator")
+        yield item
+
+
+_render = threading.local()  # the render running on this thread: its inputs' sizes
+
+
+def _known() -> dict | None:
+    return getattr(_render, "known", None)
 
 
 class _Budget:
     """Trace the rendering thread: in the template's frames only, stop past the time budget or when the
-    template's variables grow past the size budget. An earlier trace function (a debugger, coverage) is restored."""
+    template's variables grow past the size budget. An earlier trace function (a debugger, coverage) is restored.
+    Also measures the render's inputs once, for the estimates (``measure_inputs``)."""
+
+    def __init__(self, variables: dict):
+        self.variables = variables
 
     def __enter__(self):
+        _render.known = measure_inputs(self.variables, MAX_OUTPUT)
         self.deadline = time.perf_counter() + TIME_BUDGET
         self.previous = sys.gettrace()
         sys.settrace(self._call)
@@ -198,6 +323,7 @@ class _Budget:
 
     def __exit__(self, *exc) -> None:
         sys.settrace(self.previous)
+        _render.known = None
 
     def _call(self, frame, event, arg):
         if frame.f_code.co_filename == "<template>":
@@ -218,9 +344,8 @@ def _size(value) -> int:
     grows a string the frame's own variables never show)."""
     if isinstance(value, (str, list, tuple, dict)):
         return len(value)
-    from jinja2.utils import Namespace
-    if isinstance(value, Namespace):
-        attributes = object.__getattribute__(value, "_Namespace__attrs")
+    attributes = namespace_attributes(value)
+    if attributes is not None:
         return sum(len(v) for v in attributes.values() if isinstance(v, (str, list, tuple, dict)))
     return 0
 
