@@ -119,6 +119,8 @@ def acceptance(steps: list[tuple[int, int, int, float]]) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "alpha": accepted / judged if judged else 0.0,
         "mean_acceptance_length": 1.0 + accepted / drafting_steps if drafting_steps else 1.0,
+        # what the step plan chose: draft tokens per row-step (below k where steps were planned shorter)
+        "mean_draft_length": drafted / len(steps) if steps else 0.0,
     }
 
 

@@ -158,3 +158,29 @@ def test_a_batch_cache_larger_than_the_memory_is_refused_at_start_by_name(genera
     monkeypatch.setattr(runtime.engines.onnx, "available_memory_bytes", lambda: 1 << 20)
     with pytest.raises(MemoryError, match="--max-batch"):
         Scheduler(generator, max_batch=64)
+
+
+@pytest.mark.parametrize("policy", ["exact", "throughput"])
+def test_every_running_row_is_verified_in_one_target_call_a_step(generator, policy):
+    """Batched verification in the server: four rows drafting different k (one not at all) share one target call
+    per step, and each answer is what the request gets alone."""
+    engine = fused(generator)
+    scheduler = Scheduler(generator, max_batch=4, policy=policy, plan=False)  # every row drafts its k
+    options = [dict(k=1), dict(k=3), dict(k=4), dict(mode="target")]
+    prompts = ["def add(a, b):", "The quick brown", "for i in range(3):", "x = 1"]
+    handles = [scheduler.submit(p, max_new_tokens=12, **o) for p, o in zip(prompts, options)]
+    scheduler.step()  # admits and prefills all four
+    runs = []
+    session_run = engine.session.run_with_iobinding
+    engine.session.run_with_iobinding = lambda binding: runs.append(1) or session_run(binding)
+    try:
+        steps = 0
+        while scheduler.rows and all(not row.finished for row in scheduler.rows) and steps < 4:
+            scheduler.step()
+            steps += 1
+    finally:
+        engine.session.run_with_iobinding = session_run
+    assert steps and len(runs) == steps  # one session run per step, whatever each row drafted
+    drain(scheduler)
+    for prompt, option, handle in zip(prompts, options, handles):
+        assert handle.result().token_ids == generator.generate(prompt, max_new_tokens=12, **option).token_ids
