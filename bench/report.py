@@ -23,7 +23,8 @@ def render_table(console, report: dict) -> None:
         spec = r["mode"] == "speculative"
         mark = "*" if spec and best.get(r["workload"]) == (r["batch"], r["k"]) else ""
         table.add_row(r["workload"], str(r["batch"]), f"{r['k']}{mark}" if spec else r["mode"],
-                      _fmt(r.get("mean_draft_length")) if spec else "", _fmt(r["acceptance_rate"]) if spec else "", _fmt(r["alpha"]) if spec else "",
+                      _fmt(r.get("mean_draft_length")) if spec else "", _fmt(r["acceptance_rate"]) if spec else "",
+                      _fmt(r["alpha"]) if spec else "",
                       _fmt(r["mean_acceptance_length"]) if spec else "", _fmt(r["tokens_per_second"], ".1f"),
                       _fmt(r["ttft_mean"] * 1e3, ".0f"), _fmt(r["latency_p50"] * 1e3, ".1f"),
                       _fmt(r["latency_p95"] * 1e3, ".1f"), _fmt(r["speedup"]) + "x", _paired(r) if spec else "",
