@@ -131,7 +131,7 @@ def _report(result, baseline, plain) -> dict:
               help="On SIGTERM: the least seconds new requests get 503 + Retry-After before the port closes (the "
                    "load balancer's time to see readiness turn false).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
-              help="Seconds a request may run before it ends with finish_reason 'length'.")
+              help="Seconds a request may run before it ends with finish_reason 'timeout'.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
               help="Open connections past which new ones get 503.")
 @click.option("--max-rows-per-client", type=click.IntRange(min=1), default=None,
@@ -152,6 +152,7 @@ def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, mod
     if api_key is not None and not api_key.strip():
         raise click.ClickException("the API key is empty (--api-key or DRAFTSMITH_API_KEY): set a key, or unset it "
                                    "to serve without one")
+    api_key = api_key.strip() if api_key is not None else None  # a key read from a file ends in a newline
     try:
         serve(bundle, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
               threads=threads, model_name=model_name, policy=policy, drain_timeout=drain_timeout,

@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import hmac
+import ipaddress
 import logging
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -32,9 +33,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.api import Generation
-from runtime.serving.drain import Drain, DrainGuard, DrainingServer, scheduler_running
+from runtime.serving.drain import Drain, DrainGuard, DrainingServer
 from runtime.errors import RequestError
 from runtime.serving.handles import Event, Overloaded, Unavailable
+from runtime.serving.health import scheduler_problem
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
 from runtime.serving.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
                                       ResponseShape, Usage, error_body, new_id)
@@ -70,17 +72,18 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
 
     model_name: the one model requests must name; api_key: required as ``Authorization: Bearer KEY`` on every route
     but /health (None: open); limits: per-request bounds (default: from the bundle's context);
-    request_timeout: seconds after which a request ends with finish_reason "length" (None: none);
+    request_timeout: seconds after which a request ends with finish_reason "timeout" (None: none);
     allowed_hosts: the Host header names answered (None: any; ``serve`` on loopback: LOOPBACK_HOSTS);
     drain: graceful shutdown (runtime/serving/drain.py): /health backed by the scheduler's loop and the drain, 503s
     while draining, /health/live (None: none). /metrics is the generator's one registry, with this scheduler's
     families.
     """
     limits = limits or Limits.for_context(scheduler.generator.max_context)
+    api_key_bytes(api_key)  # an empty key is refused here, not at the first request (middleware is built lazily)
     app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, allowed_hosts=allowed_hosts)
     if drain is not None:  # added last: outermost, before the key check (a refusal does no work)
-        app.add_middleware(DrainGuard, drain=drain, ready=lambda: scheduler_running(scheduler))
+        app.add_middleware(DrainGuard, drain=drain, problem=lambda live: scheduler_problem(scheduler, live))
     _add_error_handlers(app)
     _add_model_routes(app, scheduler, model_name)
     _add_completion_routes(app, _Replies(scheduler, model_name, limits, request_timeout))
@@ -94,8 +97,9 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
 
     @app.get("/health")
     async def health() -> dict:
-        if not scheduler.running:  # the loop died or is stopping: nothing would be served
-            raise APIError(503, "the scheduler is not running", type="server_error", code="unavailable")
+        problem = scheduler_problem(scheduler)  # the loop died or is stopping, or the engine keeps failing
+        if problem:
+            raise APIError(503, problem, type="server_error", code="unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -358,19 +362,26 @@ class _Guard:
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, allowed_hosts: tuple[str, ...] | None = None):
         self.app, self.max_body_bytes, self.allowed_hosts = app, max_body_bytes, allowed_hosts
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key_bytes(api_key)
+        self.loopback = allowed_hosts is not None and any(is_loopback(h) for h in allowed_hosts)
+
+    def answers(self, host: bytes) -> bool:
+        """Whether the Host header names this server: one of ``allowed_hosts`` or, on loopback, any loopback
+        address (127.0.0.0/8, ::1, ::ffff:127.x.y.z)."""
+        name = host_name(host)
+        return name in self.allowed_hosts or (self.loopback and is_loopback(name))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.allowed_hosts is not None and host_name(headers.get(b"host", b"")) not in self.allowed_hosts:
+        if self.allowed_hosts is not None and not self.answers(headers.get(b"host", b"")):
             error = APIError(421, "this server answers only requests addressed to "
                              f"{' or '.join(self.allowed_hosts)} (the Host header)", code="misdirected_request")
             return await error.response()(scope, receive, send)
         if self.key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization")
-            if not given or not hmac.compare_digest(given, self.key):
+            if not given or not hmac.compare_digest(bearer_token(given), self.key):
                 message = ("Incorrect API key provided" if given else
                            "Missing API key: send it as the header 'Authorization: Bearer KEY'")
                 error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -405,6 +416,42 @@ class _Guard:
             return pending.pop() if pending else await receive()
 
         await self.app(scope, replay, send)
+
+
+def api_key_bytes(api_key: str | None) -> bytes | None:
+    """The key a request must present, stripped (a key read from a file or a Secret often ends in a newline, which no
+    client sends); ValueError when nothing is left (an empty key must never mean "no key")."""
+    if api_key is None:
+        return None
+    if not api_key.strip():
+        raise ValueError("the API key is empty (after stripping white space): set a key, or none to serve without one")
+    return api_key.strip().encode()
+
+
+def bearer_token(header: bytes) -> bytes:
+    """The token of an ``Authorization: Bearer TOKEN`` header (b"" for another scheme): the scheme is
+    case-insensitive and followed by one or more spaces (RFC 7235 section 2.1, RFC 6750 section 2.1)."""
+    scheme, _, token = header.strip().partition(b" ")
+    return token.lstrip(b" ") if scheme.lower() == b"bearer" else b""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or Host name is loopback: "localhost", 127.0.0.0/8, ::1, and IPv4-mapped
+    ::ffff:127.x.y.z (the ipaddress module's own test, not a list of spellings)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def allowed_hosts_for(host: str) -> tuple[str, ...] | None:
+    """The Host names a server bound to ``host`` answers: on loopback, loopback names and addresses only (DNS
+    rebinding); elsewhere any (None)."""
+    return (*LOOPBACK_HOSTS, host.lower()) if is_loopback(host) else None
 
 
 def host_name(header: bytes) -> str:
@@ -507,10 +554,9 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
     scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy,
                           max_rows_per_client=max_rows_per_client).start()
     name = model_name or Path(bundle).resolve().name
-    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+    if not api_key and not is_loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)
-    allowed = LOOPBACK_HOSTS if host in LOOPBACK_HOSTS else None
-    app = create_app(scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed,
+    app = create_app(scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed_hosts_for(host),
                      request_timeout=request_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             limit_concurrency=max_connections, timeout_keep_alive=5)
