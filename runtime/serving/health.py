@@ -29,9 +29,9 @@ class FaultWatch:
         if not 1 <= ready_after <= live_after or retry_after_s <= 0:
             raise ValueError(f"expected 1 <= ready_after <= live_after and retry_after_s > 0, received "
                              f"{ready_after}, {live_after}, {retry_after_s}")
-        self.ready_after, self.live_after, self.retry_after_s, self.clock = ready_after, live_after, retry_after_s, clock
-        self.streak, self.last = 0, 0.0
-        self.total = 0
+        self.ready_after, self.live_after, self.retry_after_s = ready_after, live_after, retry_after_s
+        self.clock = clock
+        self.streak, self.last, self.total = 0, 0.0, 0
         self._lock = threading.Lock()
 
     def failed(self) -> None:
