@@ -151,6 +151,11 @@ class SamplingRequest(_Strict):
         return None
 
     @property
+    def constraint_field(self) -> str:
+        """The field an error of the output's constraint names (``param``)."""
+        return "response_format"
+
+    @property
     def max_tokens_value(self) -> int | None:
         return getattr(self, "max_tokens", None)
 
@@ -334,6 +339,10 @@ class ChatCompletionRequest(SamplingRequest):
     def constraint_format(self):
         mode = self.tool_mode
         return self.response_format if mode is None else mode.constraint()
+
+    @property
+    def constraint_field(self) -> str:
+        return "response_format" if self.tool_mode is None else "tools"
 
     def plain_messages(self) -> list[dict]:
         return [m.plain() for m in self.messages]

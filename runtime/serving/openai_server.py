@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import hmac
 import ipaddress
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -131,6 +133,37 @@ def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
         return await replies.reply(body, body.plain_messages(), True, request)
 
 
+GRAMMAR_WORKERS = 2  # grammar compiles running at once, on a pool of their own (the default pool tokenizes)
+GRAMMAR_PENDING = 32  # structured-output requests compiling or waiting to; past it: 429
+SHAPE_WORKERS = 2  # threads that shape and serialise log-probabilities, off the event loop
+
+
+class _Pools:
+    """A server's thread pools besides the default one (which tokenizes and renders every request): grammar
+    compiles (bounded: ``GRAMMAR_PENDING`` compiling or waiting, else Overloaded) and log-probability shaping. Each
+    has a few threads, so neither can take every core nor starve the other requests."""
+
+    def __init__(self):
+        self.grammar = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="draftsmith-grammar")
+        self.shape = ThreadPoolExecutor(SHAPE_WORKERS, thread_name_prefix="draftsmith-shape")
+        self.compiling, self.max_compiling = 0, GRAMMAR_PENDING
+
+    async def compile(self, work: Callable, *args):
+        """``work(*args)`` on the grammar pool; Overloaded at once when GRAMMAR_PENDING are already in (the event
+        loop is one thread: the count needs no lock)."""
+        if self.compiling >= self.max_compiling:
+            raise Overloaded(f"overloaded: {self.compiling} structured-output requests are compiling (the limit); "
+                             "retry later")
+        self.compiling += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.grammar, work, *args)
+        finally:
+            self.compiling -= 1
+
+    async def shaped(self, work: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.shape, work, *args)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Replies:
     """How a completion request is answered: checked, submitted to the scheduler, then answered whole or streamed;
@@ -140,47 +173,80 @@ class _Replies:
     model_name: str
     limits: Limits
     request_timeout: float | None
+    pools: _Pools = dataclasses.field(default_factory=_Pools)
 
     async def reply(self, body: SamplingRequest, prompt, chat: bool, request: Request) -> Response:
         """The response: 499 (nobody reads it) when the client went away before its text, the first event's error
         with its status code, else the stream or the whole answer."""
-        handle, bridge = await self.submit(body, prompt, chat, request)
+        handle, bridge, param = await self.submit(body, prompt, chat, request)
         shape = ResponseShape.of(body, chat, self.scheduler.generator.tokenizer)
-        chunks, streaming = _Chunks(chat, self.model_name, body.include_usage, shape), False
+        pools = self.pools if shape.logprobs is not None else None  # shaping log-probabilities is the heavy part
+        chunks, streaming = _Chunks(chat, self.model_name, body.include_usage, shape, pools), False
         try:
             first = await bridge.next(request)
             if first is None:
                 return Response(status_code=499)  # the client went away: nobody reads this
             if first.error is not None:
-                return _event_error(first.error).response()
+                return _event_error(first.error, param).response()
             if body.stream:
                 streaming = True  # from here the response's on_close cancels
-                return _EventStream(chunks.stream(first, bridge), on_close=handle.cancel)
-            generation = await bridge.final(first, request)
+                return _EventStream(chunks.stream(first, bridge, param), on_close=handle.cancel)
+            generation = await bridge.final(first, request, param)
         finally:
             if not streaming:
                 handle.cancel()  # a no-op once finished; frees the row if the client left or the server stops
         if generation is None:
             return Response(status_code=499)  # the client went away: nobody reads this
-        return JSONResponse(chunks.whole(generation).model_dump(mode="json"))
+        if pools is None:
+            return Response(_json_bytes(chunks.whole(generation)), media_type="application/json")
+        return Response(await pools.shaped(lambda: _json_bytes(chunks.whole(generation))),
+                        media_type="application/json")
 
     async def submit(self, body: SamplingRequest, prompt, chat: bool, request: Request):
-        """(the scheduler's handle, the bridge its events arrive on) of a checked request; its refusals as OpenAI's
-        errors (400 a bad request, 429 overloaded, 503 unavailable)."""
+        """(the scheduler's handle, the bridge its events arrive on, the field its own errors name) of a checked
+        request; its refusals as OpenAI's errors (400 a bad request, naming the field; 429 overloaded; 503
+        unavailable)."""
         self.check(body, prompt, chat)
+        decode = self.decode_request(body)
         bridge = _Bridge()
-        try:  # off the event loop: it tokenizes (and renders the chat template)
-            decode = body.decode_request(default_max_tokens=self.limits.max_tokens_limit)
+        try:
+            if decode.response_format is not None:
+                decode = await self.compiled(body, decode)
             handle = await asyncio.to_thread(self.scheduler.submit, prompt, decode, chat=chat,
                                              timeout=self.request_timeout, sink=bridge.put,
-                                             client=_client_of(request))
+                                             client=_client_of(request))  # off the loop: it tokenizes
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:
             raise APIError(400, str(err)) from None
         except Unavailable as err:
             raise _event_error(err) from None
-        return handle, bridge
+        return handle, bridge, body.constraint_field if decode.response_format is not None else None
+
+    def decode_request(self, body: SamplingRequest):
+        """The body as the scheduler's DecodeRequest; a 400 naming the field at fault (its constraint: a tool's
+        schema or the response_format, too big, too deep or not a schema)."""
+        try:
+            body.constraint_format()
+        except RequestError as err:
+            raise APIError(400, str(err), param=body.constraint_field) from None
+        try:
+            return body.decode_request(default_max_tokens=self.limits.max_tokens_limit)
+        except RequestError as err:
+            raise APIError(400, str(err)) from None
+
+    async def compiled(self, body: SamplingRequest, decode):
+        """``decode`` with its response format compiled, under the admission bound: a full queue refuses first
+        (429, nothing compiled), then at most GRAMMAR_PENDING wait for GRAMMAR_WORKERS threads (the compiler
+        compiles a schema sent by many at once only once); a 400 naming the field when it cannot compile."""
+        self.scheduler.check_room()
+        try:
+            grammar = await self.pools.compile(self.scheduler.generator.compile_constraint, decode.response_format)
+        except Overloaded:
+            raise
+        except RequestError as err:
+            raise APIError(400, str(err), param=body.constraint_field) from None
+        return decode.model_copy(update={"response_format": grammar})
 
     def check(self, body: SamplingRequest, prompt, chat: bool) -> None:
         """Refuse, before any work, another model's name, text the tokenizer must not see and values past the
@@ -193,6 +259,12 @@ class _Replies:
         problems = body.check(self.limits, body.prompt_bytes())
         if problems:
             raise APIError(400, "; ".join(message for _, message in problems), param=problems[0][0])
+
+
+def _json_bytes(model) -> bytes:
+    """A response model as JSONResponse writes it (compact, UTF-8, no NaN)."""
+    return json.dumps(model.model_dump(mode="json"), ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode()
 
 
 def _prepare_grammars(generator) -> None:
@@ -215,10 +287,13 @@ def _check_model(model: str, served: str) -> None:
                        code="model_not_found")
 
 
-def _event_error(error: Exception) -> APIError:
-    """An error the scheduler sent instead of text: overloaded (waited too long), or a server fault."""
+def _event_error(error: Exception, param: str | None = None) -> APIError:
+    """An error the scheduler sent instead of text: overloaded (waited too long), the request's own (its grammar
+    stopped it mid-decode: a 400 naming ``param``), or a server fault."""
     if isinstance(error, Overloaded):
         return overloaded(error)
+    if isinstance(error, RequestError):
+        return APIError(400, str(error), param=param)
     if isinstance(error, Unavailable) and "stopping" in str(error):
         return APIError(503, "the server is shutting down; retry on another", "server_error")
     log.error("generation failed: %s", error)
@@ -257,11 +332,11 @@ class _Bridge:
         finally:
             getter.cancel()
 
-    async def final(self, event: Event, request: Request) -> Generation | None:
+    async def final(self, event: Event, request: Request, param: str | None = None) -> Generation | None:
         """Events from ``event`` on until the final Generation (None: the client left); raises an error event."""
         while event is not None:
             if event.error is not None:
-                raise _event_error(event.error)
+                raise _event_error(event.error, param)
             if event.final is not None:
                 return event.final
             event = await self.next(request)
@@ -271,10 +346,12 @@ class _Bridge:
 class _Chunks:
     """One request's response objects: whole, or as server-sent events."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, shape: ResponseShape | None = None):
+    def __init__(self, chat: bool, model: str, include_usage: bool, shape: ResponseShape | None = None,
+                 pools: _Pools | None = None):
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.shape = shape or ResponseShape(chat, None)  # log-probabilities and tool calls (openai_protocol.py)
+        self.pools = pools  # shape chunks with log-probabilities there, off the event loop (None: here)
 
     def whole(self, g: Generation) -> Completion | ChatCompletion:
         usage = Usage.of(g.prompt_tokens, len(g.token_ids))
@@ -282,29 +359,36 @@ class _Chunks:
             return ChatCompletion(id=self.id, model=self.model, usage=usage, choices=[self.shape.choice(g)])
         return Completion(id=self.id, model=self.model, usage=usage, choices=[self.shape.choice(g)])
 
-    async def stream(self, event: Event, bridge: _Bridge) -> AsyncIterator[str]:
-        """Chunks from the first event on (the client's disconnect cancels this, see _EventStream)."""
+    async def stream(self, event: Event, bridge: _Bridge, param: str | None = None) -> AsyncIterator[str]:
+        """Chunks from the first event on (the client's disconnect cancels this, see _EventStream); an error event
+        names ``param`` when it is the request's own."""
         if self.chat:
             yield self._chunk("", role=True)
         while True:
             if event.error is not None:
-                yield _sse(_event_error(event.error).body)
+                yield _sse(_event_error(event.error, param).body)
                 break
             logprobs = event.logprobs if event.logprobs and event.logprobs[0] else None  # (tokens, logprobs, top)
             if event.piece or (logprobs and event.final is None):
-                chunk = self._chunk(event.piece, logprobs=logprobs)
+                chunk = await self._shaped(event.piece, logprobs=logprobs)
                 logprobs = None
                 if chunk:
                     yield chunk
                 await asyncio.sleep(0)  # let a lost connection be noticed before a burst of queued events is written
             if event.final is not None:
                 g = event.final
-                yield self._chunk("", reason=self.shape.reason(g), final=g, logprobs=logprobs)
+                yield await self._shaped("", reason=self.shape.reason(g), final=g, logprobs=logprobs)
                 if self.include_usage:
                     yield self._usage(Usage.of(g.prompt_tokens, len(g.token_ids)))
                 break
             event = await bridge.queue.get()
         yield "data: [DONE]\n\n"
+
+    async def _shaped(self, text: str, **options) -> str:
+        """``_chunk``, on the shaping pool when there is one (log-probabilities: up to 20 alternatives a token)."""
+        if self.pools is None:
+            return self._chunk(text, **options)
+        return await self.pools.shaped(functools.partial(self._chunk, text, **options))
 
     def _chunk(self, text: str, reason: str | None = None, role: bool = False, logprobs=None, final=None) -> str:
         """One chunk: text (with its tokens' log-probabilities, ``logprobs``: (tokens, logprobs, top)), or the

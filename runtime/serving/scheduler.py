@@ -170,6 +170,12 @@ class Scheduler:
             self._lock.notify()
         return handle
 
+    def check_room(self) -> None:
+        """Overloaded (or Unavailable) now: a caller about to spend work on a request (a grammar compile) asks
+        first, so a full queue refuses before the work."""
+        with self._lock:
+            self._check_room()
+
     def _check_room(self) -> None:
         """Under the lock: Unavailable while stopping, Overloaded when the queue is full."""
         if self._stopping:
