@@ -134,15 +134,25 @@ def _report(result, baseline, plain) -> dict:
               help="Seconds a request may run before it ends with finish_reason 'timeout'.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
               help="Open connections past which new ones get 503.")
+@click.option("--max-connections-per-client", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Open connections one client address may hold; past it a new one gets 503 (0: no cap; raise it "
+                   "behind a proxy, whose connections all come from its own address).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a connection may take to send a request's headers (idle or trickling ones are closed).")
+@click.option("--health-port", type=click.IntRange(min=1, max=65535), default=None,
+              help="Also serve /health and /health/live on this port, apart from the API's connections, so no "
+                   "client can starve the probes (point the pod's probes at it).")
 @click.option("--max-rows-per-client", type=click.IntRange(min=1), default=None,
               help="Rows one client address may hold at once (default: no cap; free rows always go first to the "
                    "clients holding the fewest).")
 def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, model_name, policy, drain_timeout,
-                 drain_linger, request_timeout, max_connections, max_rows_per_client):
+                 drain_linger, request_timeout, max_connections, max_connections_per_client, header_timeout,
+                 health_port, max_rows_per_client):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
     (/health) turns 503, new requests get 503 + Retry-After, running ones finish, then it exits 0."""
     try:
+        from runtime.serving.connections import ConnectionLimits
         from runtime.serving.openai_server import serve
     except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here
         raise click.ClickException(f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' "
@@ -157,7 +167,8 @@ def serve_openai(bundle, host, port, api_key, max_batch, max_queue, threads, mod
         serve(bundle, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
               threads=threads, model_name=model_name, policy=policy, drain_timeout=drain_timeout,
               drain_linger=drain_linger, request_timeout=request_timeout, max_connections=max_connections,
-              max_rows_per_client=max_rows_per_client)
+              max_rows_per_client=max_rows_per_client, health_port=health_port,
+              connection_limits=ConnectionLimits(header_timeout, max_connections_per_client or None))
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None
 

@@ -129,6 +129,22 @@ class DrainGuard:
         return [(b"retry-after", str(self.drain.retry_after).encode())]
 
 
+def probe_app(drain: Drain, problem: Callable[[bool], str | None]):
+    """An ASGI app that answers only the probes, as DrainGuard does (runtime/serving/connections.py serves it on a
+    port of its own); anything else is a 404."""
+    guard = DrainGuard(None, drain, problem)
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] in (READY_PATH, LIVE_PATH):
+            return await guard.probe(scope["path"], send)
+        await _json(send, 404, error_body(f"this port serves only {READY_PATH} and {LIVE_PATH}",
+                                          "invalid_request_error", code="not_found"))
+
+    return app
+
+
 async def _json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,

@@ -35,7 +35,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.api import Generation
-from runtime.serving.drain import Drain, DrainGuard, DrainingServer
+from runtime.serving.connections import ConnectionLimits, ProbeServer, server_config
+from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
 from runtime.serving.handles import Event, Overloaded, Unavailable
 from runtime.serving.health import scheduler_problem
@@ -623,16 +624,19 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
           max_batch: int = 8, max_queue: int = 256, threads: int = 0, model_name: str | None = None,
           log_level: str = "info", policy: str = "exact", drain_timeout: float = 30.0,
           drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512,
-          max_rows_per_client: int | None = None) -> None:
+          max_rows_per_client: int | None = None, health_port: int | None = None,
+          connection_limits: ConnectionLimits | None = None) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
     ``request_timeout`` seconds, at most ``max_connections`` connections are open (uvicorn answers 503 past it),
-    idle keep-alive connections close after 5 s, and on loopback only loopback Host names are answered."""
-    import uvicorn
-
+    a connection must send its request's headers within 10 s and one client address holds at most 64 connections
+    (``connection_limits``, runtime/serving/connections.py), idle keep-alive connections close after 5 s, and on
+    loopback only loopback Host names are answered. ``health_port``: /health and /health/live also on that port,
+    served apart, so no client can starve the probes."""
     from runtime.api import SpeculativeGenerator
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
+    limits = connection_limits or ConnectionLimits()
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     _prepare_grammars(generator)
     scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy,
@@ -642,12 +646,16 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)
     app = create_app(scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed_hosts_for(host),
                      request_timeout=request_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            limit_concurrency=max_connections, timeout_keep_alive=5)
-    server = DrainingServer(config, drain)
+    config = server_config(app, host, port, max_connections, limits, log_level=log_level, timeout_graceful_shutdown=5)
+    server, probes = DrainingServer(config, drain), None
     try:
+        if health_port is not None:
+            probes = ProbeServer(probe_app(drain, lambda live: scheduler_problem(scheduler, live)), host,
+                                 health_port).start()
         server.run()
     finally:
+        if probes is not None:
+            probes.stop()
         scheduler.stop()
     if not server.started:
         raise ValueError(f"the server did not start on {host}:{port} (the log above says why)")
