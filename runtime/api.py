@@ -21,7 +21,7 @@ from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
 from runtime.drafters.suffix import SuffixCorpus
 from runtime.engines.onnx import Engine, MappedVocabEngine, engine_class
 from runtime.errors import RequestError
-from runtime.decoding.grammar import GrammarCompiler, parse_response_format
+from runtime.decoding.grammar import CompiledGrammar, GrammarCompiler, parse_response_format
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.engines.onnx_checks import read_onnx
 from runtime.engines.sessions import make_session, providers_for
@@ -179,7 +179,8 @@ class SpeculativeGenerator:
         params = SamplingParams(request.temperature, request.top_k, request.top_p)
         adaptive = AdaptiveK(min_k=1, max_k=self.max_k) if request.adaptive is True else request.adaptive
         fallback = Fallback() if request.fallback is True else request.fallback
-        grammar = self.compile_constraint(request.response_format)
+        fmt = request.response_format  # compiled already (the server compiles on a pool of its own), or not
+        grammar = fmt if isinstance(fmt, CompiledGrammar) else self.compile_constraint(fmt)
         return DecodeConfig(request.max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None,
                             request.seed, grammar=grammar,
                             forced_drafts=request.forced_drafts and request.mode == "speculative",

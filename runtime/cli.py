@@ -138,28 +138,42 @@ def _key_from_file(path: str, given: str | None) -> str:
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
 @click.option("--model-name", default=None, help="The model name clients send (default: the bundle's folder name).")
 @click.option("--policy", type=click.Choice(POLICIES), default="exact", show_default=True,
-              help="exact: every answer is bit for bit the same request's alone; throughput: batched target-only "
-                   "steps when they pay (answers of a quantized target may then part from a lone run's at near ties).")
+              help="exact: every answer is bit for bit the same request's alone; throughput: steps where no "
+                   "request drafts run unpadded (answers of a quantized target may then part from a lone run's at "
+                   "near ties).")
+@click.option("--plan/--no-plan", "plan", default=True, show_default=True,
+              help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
+                   "request's acceptance; --no-plan: every request drafts its k.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="On SIGTERM: seconds running requests get to finish (keep it under the pod's grace period).")
 @click.option("--drain-linger", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="On SIGTERM: the least seconds new requests get 503 + Retry-After before the port closes (the "
                    "load balancer's time to see readiness turn false).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
-              help="Seconds a request may run before it ends with finish_reason 'length'.")
+              help="Seconds a request may run before it ends with finish_reason 'timeout'.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
               help="Open connections past which new ones get 503.")
+@click.option("--max-connections-per-client", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Open connections one client address may hold; past it a new one gets 503 (0: no cap; raise it "
+                   "behind a proxy, whose connections all come from its own address).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a connection may take to send a request's headers (idle or trickling ones are closed).")
+@click.option("--health-port", type=click.IntRange(min=1, max=65535), default=None,
+              help="Also serve /health and /health/live on this port, apart from the API's connections, so no "
+                   "client can starve the probes (point the pod's probes at it).")
 @click.option("--max-rows-per-client", type=click.IntRange(min=1), default=None,
               help="Rows one client address may hold at once (default: no cap; free rows always go first to the "
                    "clients holding the fewest).")
-def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue, threads, model_name, policy,
-                 drain_timeout, drain_linger, request_timeout, max_connections, max_rows_per_client):
+def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue, threads, model_name, policy, plan,
+                 drain_timeout, drain_linger, request_timeout, max_connections, max_connections_per_client,
+                 header_timeout, health_port, max_rows_per_client):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
     (/health) turns 503, new requests get 503 + Retry-After, running ones finish, then it exits 0."""
     if api_key_file is not None:
         api_key = _key_from_file(api_key_file, api_key)
     try:
+        from runtime.serving.connections import ConnectionLimits
         from runtime.serving.openai_server import serve
     except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here
         raise click.ClickException(f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' "
@@ -169,11 +183,13 @@ def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue
     if api_key is not None and not api_key.strip():
         raise click.ClickException("the API key is empty (--api-key or DRAFTSMITH_API_KEY): set a key, or unset it "
                                    "to serve without one")
+    api_key = api_key.strip() if api_key is not None else None  # a key read from a file ends in a newline
     try:
         serve(bundle, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
               threads=threads, model_name=model_name, policy=policy, drain_timeout=drain_timeout,
               drain_linger=drain_linger, request_timeout=request_timeout, max_connections=max_connections,
-              max_rows_per_client=max_rows_per_client)
+              max_rows_per_client=max_rows_per_client, health_port=health_port,
+              connection_limits=ConnectionLimits(header_timeout, max_connections_per_client or None), plan=plan)
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None
 

@@ -27,6 +27,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,14 +143,35 @@ class GrammarCompiler:
         self.eos_ids = tuple(eos_ids) or tuple(self.tokenizer.eos_tokens)
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         self._compiled: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
+        self._flights: dict[Constraint, Future] = {}  # constraints compiling now: their result, once there
         self._lock = threading.Lock()
 
     def compile(self, constraint: Constraint) -> "CompiledGrammar":
-        """The compiled grammar of a constraint, or RequestError naming why it cannot compile."""
+        """The compiled grammar of a constraint, or RequestError naming why it cannot compile. Single-flight: a
+        constraint already compiling is waited for, not compiled again (many clients of one agent send the same
+        schema at once)."""
         with self._lock:
             if constraint in self._compiled:
                 self._compiled.move_to_end(constraint)
                 return self._compiled[constraint]
+            flight = self._flights.get(constraint)
+            leader = flight is None
+            if leader:
+                flight = self._flights[constraint] = Future()
+        if not leader:
+            return flight.result()  # the leader's grammar, or its error raised here too
+        try:
+            compiled = self._compile(constraint)
+            flight.set_result(compiled)
+            return compiled
+        except BaseException as err:
+            flight.set_exception(err)
+            raise
+        finally:
+            with self._lock:
+                del self._flights[constraint]
+
+    def _compile(self, constraint: Constraint) -> "CompiledGrammar":
         start = time.perf_counter()
         matcher = self.llg.LLMatcher(self.tokenizer, self._grammar(constraint), log_level=0, limits=self.limits)
         if matcher.is_error():

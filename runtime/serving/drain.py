@@ -11,7 +11,8 @@ What a replica behind a load balancer (a Kubernetes Service) must do when it is 
 The replica keeps answering for at least ``linger`` seconds after the signal, even when idle: until the balancer has
 seen readiness turn false it still sends requests here, and a closed port would fail them where a 503 is retried.
 ``GET /health/live`` (liveness) answers 200 while the scheduler's loop runs, draining or not, so a draining replica
-is never restarted for being unready, and one whose scheduler died is.
+is never restarted for being unready, and one whose scheduler died (or whose engine keeps failing,
+runtime/serving/health.py) is.
 """
 
 from __future__ import annotations
@@ -84,33 +85,20 @@ class Drain:
             self._inflight -= 1
 
 
-def scheduler_running(scheduler) -> bool:
-    """Whether the scheduler's loop is alive and serving (``Scheduler.running``): a dead loop serves nothing, so the
-    replica is not ready."""
-    return scheduler.running
-
-
 class DrainGuard:
     """Pure ASGI, outermost: readiness and liveness, the 503 refusals while draining, and the in-flight count (a
-    streamed response counts until its last byte is sent)."""
+    streamed response counts until its last byte is sent). ``problem(live)``: why the server cannot serve (None:
+    it can; runtime/serving/health.py), ``live`` for the liveness probe's longer view."""
 
-    def __init__(self, app, drain: Drain, ready: Callable[[], bool]):
-        self.app, self.drain, self.ready = app, drain, ready
+    def __init__(self, app, drain: Drain, problem: Callable[[bool], str | None]):
+        self.app, self.drain, self.problem = app, drain, problem
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if path == LIVE_PATH:  # draining or not: only a dead scheduler makes a restart worth it
-            if not self.ready():
-                return await _json(send, 503, {"status": "scheduler stopped"})
-            return await _json(send, 200, {"status": "alive"})
-        if path == READY_PATH:
-            if self.drain.draining:
-                return await _json(send, 503, {"status": "draining"}, self._retry())
-            if not self.ready():
-                return await _json(send, 503, {"status": "unavailable"}, self._retry())
-            return await self.app(scope, receive, send)
+        if path in (LIVE_PATH, READY_PATH):
+            return await self.probe(path, send)
         if path not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         if not self.drain.enter():
@@ -122,8 +110,39 @@ class DrainGuard:
         finally:
             self.drain.leave()
 
+    async def probe(self, path: str, send) -> None:
+        """/health/live: only a dead scheduler or a long fault streak makes a restart worth it, draining or not;
+        /health: 503 while draining, or while the scheduler cannot serve."""
+        if path == LIVE_PATH:
+            problem = self.problem(True)
+            if problem:
+                return await _json(send, 503, {"status": "unavailable", "reason": problem})
+            return await _json(send, 200, {"status": "alive"})
+        if self.drain.draining:
+            return await _json(send, 503, {"status": "draining"}, self._retry())
+        problem = self.problem(False)
+        if problem:
+            return await _json(send, 503, {"status": "unavailable", "reason": problem}, self._retry())
+        return await _json(send, 200, {"status": "ok"})
+
     def _retry(self) -> list[tuple[bytes, bytes]]:
         return [(b"retry-after", str(self.drain.retry_after).encode())]
+
+
+def probe_app(drain: Drain, problem: Callable[[bool], str | None]):
+    """An ASGI app that answers only the probes, as DrainGuard does (runtime/serving/connections.py serves it on a
+    port of its own); anything else is a 404."""
+    guard = DrainGuard(None, drain, problem)
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] in (READY_PATH, LIVE_PATH):
+            return await guard.probe(scope["path"], send)
+        await _json(send, 404, error_body(f"this port serves only {READY_PATH} and {LIVE_PATH}",
+                                          "invalid_request_error", code="not_found"))
+
+    return app
 
 
 async def _json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:

@@ -24,10 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from runtime.decoding.grammar import json_schema
 from runtime.request import DecodeRequest, decode_request
 
-# The scheduler's finish reasons in OpenAI's terms. A timeout (the server's request deadline) truncates the text as a
-# token budget does: "length". "cancelled" is reached only when the client went away, so nobody should see it; if a
-# response ever carries it, it says "abort" as vLLM does.
-FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "timeout": "length", "cancelled": "abort"}
+# The scheduler's finish reasons in OpenAI's terms. A timeout (the server's --request-timeout) is "timeout": not
+# "length", which a client reads as its own max_tokens (and would not retry differently); OpenAI's clients keep a
+# finish_reason they do not know as its string. "cancelled" is reached only when the client went away, so nobody
+# should see it; if a response ever carries it, it says "abort" as vLLM does.
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "timeout": "timeout", "cancelled": "abort"}
 
 PROMPT_BYTES_PER_TOKEN = 32  # as the Triton repository: a longer prompt cannot fit the context, refused untokenized
 
@@ -148,6 +149,11 @@ class SamplingRequest(_Strict):
     def logprobs_count(self) -> int | None:
         """None: no log-probabilities; n >= 0: each token's, with the n most likely at each position."""
         return None
+
+    @property
+    def constraint_field(self) -> str:
+        """The field an error of the output's constraint names (``param``)."""
+        return "response_format"
 
     @property
     def max_tokens_value(self) -> int | None:
@@ -333,6 +339,10 @@ class ChatCompletionRequest(SamplingRequest):
     def constraint_format(self):
         mode = self.tool_mode
         return self.response_format if mode is None else mode.constraint()
+
+    @property
+    def constraint_field(self) -> str:
+        return "response_format" if self.tool_mode is None else "tools"
 
     def plain_messages(self) -> list[dict]:
         return [m.plain() for m in self.messages]

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import hmac
+import ipaddress
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -32,9 +35,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.api import Generation
-from runtime.serving.drain import Drain, DrainGuard, DrainingServer, scheduler_running
+from runtime.serving.connections import ConnectionLimits, ProbeServer, server_config
+from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
 from runtime.serving.handles import Event, Overloaded, Unavailable
+from runtime.serving.health import scheduler_problem
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
 from runtime.serving.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
                                       ResponseShape, Usage, error_body, new_id)
@@ -70,17 +75,18 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
 
     model_name: the one model requests must name; api_key: required as ``Authorization: Bearer KEY`` on every route
     but /health (None: open); limits: per-request bounds (default: from the bundle's context);
-    request_timeout: seconds after which a request ends with finish_reason "length" (None: none);
+    request_timeout: seconds after which a request ends with finish_reason "timeout" (None: none);
     allowed_hosts: the Host header names answered (None: any; ``serve`` on loopback: LOOPBACK_HOSTS);
     drain: graceful shutdown (runtime/serving/drain.py): /health backed by the scheduler's loop and the drain, 503s
     while draining, /health/live (None: none). /metrics is the generator's one registry, with this scheduler's
     families.
     """
     limits = limits or Limits.for_context(scheduler.generator.max_context)
+    api_key_bytes(api_key)  # an empty key is refused here, not at the first request (middleware is built lazily)
     app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, allowed_hosts=allowed_hosts)
     if drain is not None:  # added last: outermost, before the key check (a refusal does no work)
-        app.add_middleware(DrainGuard, drain=drain, ready=lambda: scheduler_running(scheduler))
+        app.add_middleware(DrainGuard, drain=drain, problem=lambda live: scheduler_problem(scheduler, live))
     _add_error_handlers(app)
     _add_model_routes(app, scheduler, model_name)
     _add_completion_routes(app, _Replies(scheduler, model_name, limits, request_timeout))
@@ -94,8 +100,9 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
 
     @app.get("/health")
     async def health() -> dict:
-        if not scheduler.running:  # the loop died or is stopping: nothing would be served
-            raise APIError(503, "the scheduler is not running", type="server_error", code="unavailable")
+        problem = scheduler_problem(scheduler)  # the loop died or is stopping, or the engine keeps failing
+        if problem:
+            raise APIError(503, problem, type="server_error", code="unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -127,6 +134,37 @@ def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
         return await replies.reply(body, body.plain_messages(), True, request)
 
 
+GRAMMAR_WORKERS = 2  # grammar compiles running at once, on a pool of their own (the default pool tokenizes)
+GRAMMAR_PENDING = 32  # structured-output requests compiling or waiting to; past it: 429
+SHAPE_WORKERS = 2  # threads that shape and serialise log-probabilities, off the event loop
+
+
+class _Pools:
+    """A server's thread pools besides the default one (which tokenizes and renders every request): grammar
+    compiles (bounded: ``GRAMMAR_PENDING`` compiling or waiting, else Overloaded) and log-probability shaping. Each
+    has a few threads, so neither can take every core nor starve the other requests."""
+
+    def __init__(self):
+        self.grammar = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="draftsmith-grammar")
+        self.shape = ThreadPoolExecutor(SHAPE_WORKERS, thread_name_prefix="draftsmith-shape")
+        self.compiling, self.max_compiling = 0, GRAMMAR_PENDING
+
+    async def compile(self, work: Callable, *args):
+        """``work(*args)`` on the grammar pool; Overloaded at once when GRAMMAR_PENDING are already in (the event
+        loop is one thread: the count needs no lock)."""
+        if self.compiling >= self.max_compiling:
+            raise Overloaded(f"overloaded: {self.compiling} structured-output requests are compiling (the limit); "
+                             "retry later")
+        self.compiling += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.grammar, work, *args)
+        finally:
+            self.compiling -= 1
+
+    async def shaped(self, work: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.shape, work, *args)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Replies:
     """How a completion request is answered: checked, submitted to the scheduler, then answered whole or streamed;
@@ -136,47 +174,80 @@ class _Replies:
     model_name: str
     limits: Limits
     request_timeout: float | None
+    pools: _Pools = dataclasses.field(default_factory=_Pools)
 
     async def reply(self, body: SamplingRequest, prompt, chat: bool, request: Request) -> Response:
         """The response: 499 (nobody reads it) when the client went away before its text, the first event's error
         with its status code, else the stream or the whole answer."""
-        handle, bridge = await self.submit(body, prompt, chat, request)
+        handle, bridge, param = await self.submit(body, prompt, chat, request)
         shape = ResponseShape.of(body, chat, self.scheduler.generator.tokenizer)
-        chunks, streaming = _Chunks(chat, self.model_name, body.include_usage, shape), False
+        pools = self.pools if shape.logprobs is not None else None  # shaping log-probabilities is the heavy part
+        chunks, streaming = _Chunks(chat, self.model_name, body.include_usage, shape, pools), False
         try:
             first = await bridge.next(request)
             if first is None:
                 return Response(status_code=499)  # the client went away: nobody reads this
             if first.error is not None:
-                return _event_error(first.error).response()
+                return _event_error(first.error, param).response()
             if body.stream:
                 streaming = True  # from here the response's on_close cancels
-                return _EventStream(chunks.stream(first, bridge), on_close=handle.cancel)
-            generation = await bridge.final(first, request)
+                return _EventStream(chunks.stream(first, bridge, param), on_close=handle.cancel)
+            generation = await bridge.final(first, request, param)
         finally:
             if not streaming:
                 handle.cancel()  # a no-op once finished; frees the row if the client left or the server stops
         if generation is None:
             return Response(status_code=499)  # the client went away: nobody reads this
-        return JSONResponse(chunks.whole(generation).model_dump(mode="json"))
+        if pools is None:
+            return Response(_json_bytes(chunks.whole(generation)), media_type="application/json")
+        return Response(await pools.shaped(lambda: _json_bytes(chunks.whole(generation))),
+                        media_type="application/json")
 
     async def submit(self, body: SamplingRequest, prompt, chat: bool, request: Request):
-        """(the scheduler's handle, the bridge its events arrive on) of a checked request; its refusals as OpenAI's
-        errors (400 a bad request, 429 overloaded, 503 unavailable)."""
+        """(the scheduler's handle, the bridge its events arrive on, the field its own errors name) of a checked
+        request; its refusals as OpenAI's errors (400 a bad request, naming the field; 429 overloaded; 503
+        unavailable)."""
         self.check(body, prompt, chat)
+        decode = self.decode_request(body)
         bridge = _Bridge()
-        try:  # off the event loop: it tokenizes (and renders the chat template)
-            decode = body.decode_request(default_max_tokens=self.limits.max_tokens_limit)
+        try:
+            if decode.response_format is not None:
+                decode = await self.compiled(body, decode)
             handle = await asyncio.to_thread(self.scheduler.submit, prompt, decode, chat=chat,
                                              timeout=self.request_timeout, sink=bridge.put,
-                                             client=_client_of(request))
+                                             client=_client_of(request))  # off the loop: it tokenizes
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:
             raise APIError(400, str(err)) from None
         except Unavailable as err:
             raise _event_error(err) from None
-        return handle, bridge
+        return handle, bridge, body.constraint_field if decode.response_format is not None else None
+
+    def decode_request(self, body: SamplingRequest):
+        """The body as the scheduler's DecodeRequest; a 400 naming the field at fault (its constraint: a tool's
+        schema or the response_format, too big, too deep or not a schema)."""
+        try:
+            body.constraint_format()
+        except RequestError as err:
+            raise APIError(400, str(err), param=body.constraint_field) from None
+        try:
+            return body.decode_request(default_max_tokens=self.limits.max_tokens_limit)
+        except RequestError as err:
+            raise APIError(400, str(err)) from None
+
+    async def compiled(self, body: SamplingRequest, decode):
+        """``decode`` with its response format compiled, under the admission bound: a full queue refuses first
+        (429, nothing compiled), then at most GRAMMAR_PENDING wait for GRAMMAR_WORKERS threads (the compiler
+        compiles a schema sent by many at once only once); a 400 naming the field when it cannot compile."""
+        self.scheduler.check_room()
+        try:
+            grammar = await self.pools.compile(self.scheduler.generator.compile_constraint, decode.response_format)
+        except Overloaded:
+            raise
+        except RequestError as err:
+            raise APIError(400, str(err), param=body.constraint_field) from None
+        return decode.model_copy(update={"response_format": grammar})
 
     def check(self, body: SamplingRequest, prompt, chat: bool) -> None:
         """Refuse, before any work, another model's name, text the tokenizer must not see and values past the
@@ -189,6 +260,12 @@ class _Replies:
         problems = body.check(self.limits, body.prompt_bytes())
         if problems:
             raise APIError(400, "; ".join(message for _, message in problems), param=problems[0][0])
+
+
+def _json_bytes(model) -> bytes:
+    """A response model as JSONResponse writes it (compact, UTF-8, no NaN)."""
+    return json.dumps(model.model_dump(mode="json"), ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode()
 
 
 def _prepare_grammars(generator) -> None:
@@ -211,10 +288,13 @@ def _check_model(model: str, served: str) -> None:
                        code="model_not_found")
 
 
-def _event_error(error: Exception) -> APIError:
-    """An error the scheduler sent instead of text: overloaded (waited too long), or a server fault."""
+def _event_error(error: Exception, param: str | None = None) -> APIError:
+    """An error the scheduler sent instead of text: overloaded (waited too long), the request's own (its grammar
+    stopped it mid-decode: a 400 naming ``param``), or a server fault."""
     if isinstance(error, Overloaded):
         return overloaded(error)
+    if isinstance(error, RequestError):
+        return APIError(400, str(error), param=param)
     if isinstance(error, Unavailable) and "stopping" in str(error):
         return APIError(503, "the server is shutting down; retry on another", "server_error")
     log.error("generation failed: %s", error)
@@ -253,11 +333,11 @@ class _Bridge:
         finally:
             getter.cancel()
 
-    async def final(self, event: Event, request: Request) -> Generation | None:
+    async def final(self, event: Event, request: Request, param: str | None = None) -> Generation | None:
         """Events from ``event`` on until the final Generation (None: the client left); raises an error event."""
         while event is not None:
             if event.error is not None:
-                raise _event_error(event.error)
+                raise _event_error(event.error, param)
             if event.final is not None:
                 return event.final
             event = await self.next(request)
@@ -267,10 +347,12 @@ class _Bridge:
 class _Chunks:
     """One request's response objects: whole, or as server-sent events."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, shape: ResponseShape | None = None):
+    def __init__(self, chat: bool, model: str, include_usage: bool, shape: ResponseShape | None = None,
+                 pools: _Pools | None = None):
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.shape = shape or ResponseShape(chat, None)  # log-probabilities and tool calls (openai_protocol.py)
+        self.pools = pools  # shape chunks with log-probabilities there, off the event loop (None: here)
 
     def whole(self, g: Generation) -> Completion | ChatCompletion:
         usage = Usage.of(g.prompt_tokens, len(g.token_ids))
@@ -278,29 +360,36 @@ class _Chunks:
             return ChatCompletion(id=self.id, model=self.model, usage=usage, choices=[self.shape.choice(g)])
         return Completion(id=self.id, model=self.model, usage=usage, choices=[self.shape.choice(g)])
 
-    async def stream(self, event: Event, bridge: _Bridge) -> AsyncIterator[str]:
-        """Chunks from the first event on (the client's disconnect cancels this, see _EventStream)."""
+    async def stream(self, event: Event, bridge: _Bridge, param: str | None = None) -> AsyncIterator[str]:
+        """Chunks from the first event on (the client's disconnect cancels this, see _EventStream); an error event
+        names ``param`` when it is the request's own."""
         if self.chat:
             yield self._chunk("", role=True)
         while True:
             if event.error is not None:
-                yield _sse(_event_error(event.error).body)
+                yield _sse(_event_error(event.error, param).body)
                 break
             logprobs = event.logprobs if event.logprobs and event.logprobs[0] else None  # (tokens, logprobs, top)
             if event.piece or (logprobs and event.final is None):
-                chunk = self._chunk(event.piece, logprobs=logprobs)
+                chunk = await self._shaped(event.piece, logprobs=logprobs)
                 logprobs = None
                 if chunk:
                     yield chunk
                 await asyncio.sleep(0)  # let a lost connection be noticed before a burst of queued events is written
             if event.final is not None:
                 g = event.final
-                yield self._chunk("", reason=self.shape.reason(g), final=g, logprobs=logprobs)
+                yield await self._shaped("", reason=self.shape.reason(g), final=g, logprobs=logprobs)
                 if self.include_usage:
                     yield self._usage(Usage.of(g.prompt_tokens, len(g.token_ids)))
                 break
             event = await bridge.queue.get()
         yield "data: [DONE]\n\n"
+
+    async def _shaped(self, text: str, **options) -> str:
+        """``_chunk``, on the shaping pool when there is one (log-probabilities: up to 20 alternatives a token)."""
+        if self.pools is None:
+            return self._chunk(text, **options)
+        return await self.pools.shaped(functools.partial(self._chunk, text, **options))
 
     def _chunk(self, text: str, reason: str | None = None, role: bool = False, logprobs=None, final=None) -> str:
         """One chunk: text (with its tokens' log-probabilities, ``logprobs``: (tokens, logprobs, top)), or the
@@ -358,19 +447,26 @@ class _Guard:
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, allowed_hosts: tuple[str, ...] | None = None):
         self.app, self.max_body_bytes, self.allowed_hosts = app, max_body_bytes, allowed_hosts
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key_bytes(api_key)
+        self.loopback = allowed_hosts is not None and any(is_loopback(h) for h in allowed_hosts)
+
+    def answers(self, host: bytes) -> bool:
+        """Whether the Host header names this server: one of ``allowed_hosts`` or, on loopback, any loopback
+        address (127.0.0.0/8, ::1, ::ffff:127.x.y.z)."""
+        name = host_name(host)
+        return name in self.allowed_hosts or (self.loopback and is_loopback(name))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.allowed_hosts is not None and host_name(headers.get(b"host", b"")) not in self.allowed_hosts:
+        if self.allowed_hosts is not None and not self.answers(headers.get(b"host", b"")):
             error = APIError(421, "this server answers only requests addressed to "
                              f"{' or '.join(self.allowed_hosts)} (the Host header)", code="misdirected_request")
             return await error.response()(scope, receive, send)
         if self.key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization")
-            if not given or not hmac.compare_digest(given, self.key):
+            if not given or not hmac.compare_digest(bearer_token(given), self.key):
                 message = ("Incorrect API key provided" if given else
                            "Missing API key: send it as the header 'Authorization: Bearer KEY'")
                 error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -405,6 +501,42 @@ class _Guard:
             return pending.pop() if pending else await receive()
 
         await self.app(scope, replay, send)
+
+
+def api_key_bytes(api_key: str | None) -> bytes | None:
+    """The key a request must present, stripped (a key read from a file or a Secret often ends in a newline, which no
+    client sends); ValueError when nothing is left (an empty key must never mean "no key")."""
+    if api_key is None:
+        return None
+    if not api_key.strip():
+        raise ValueError("the API key is empty (after stripping white space): set a key, or none to serve without one")
+    return api_key.strip().encode()
+
+
+def bearer_token(header: bytes) -> bytes:
+    """The token of an ``Authorization: Bearer TOKEN`` header (b"" for another scheme): the scheme is
+    case-insensitive and followed by one or more spaces (RFC 7235 section 2.1, RFC 6750 section 2.1)."""
+    scheme, _, token = header.strip().partition(b" ")
+    return token.lstrip(b" ") if scheme.lower() == b"bearer" else b""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or Host name is loopback: "localhost", 127.0.0.0/8, ::1, and IPv4-mapped
+    ::ffff:127.x.y.z (the ipaddress module's own test, not a list of spellings)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def allowed_hosts_for(host: str) -> tuple[str, ...] | None:
+    """The Host names a server bound to ``host`` answers: on loopback, loopback names and addresses only (DNS
+    rebinding); elsewhere any (None)."""
+    return (*LOOPBACK_HOSTS, host.lower()) if is_loopback(host) else None
 
 
 def host_name(header: bytes) -> str:
@@ -499,32 +631,38 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
           max_batch: int = 8, max_queue: int = 256, threads: int = 0, model_name: str | None = None,
           log_level: str = "info", policy: str = "exact", drain_timeout: float = 30.0,
           drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512,
-          max_rows_per_client: int | None = None) -> None:
+          max_rows_per_client: int | None = None, health_port: int | None = None,
+          connection_limits: ConnectionLimits | None = None, plan: bool = True) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
     ``request_timeout`` seconds, at most ``max_connections`` connections are open (uvicorn answers 503 past it),
-    idle keep-alive connections close after 5 s, and on loopback only loopback Host names are answered."""
-    import uvicorn
-
+    a connection must send its request's headers within 10 s and one client address holds at most 64 connections
+    (``connection_limits``, runtime/serving/connections.py), idle keep-alive connections close after 5 s, and on
+    loopback only loopback Host names are answered. ``health_port``: /health and /health/live also on that port,
+    served apart, so no client can starve the probes."""
     from runtime.api import SpeculativeGenerator
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
+    limits = connection_limits or ConnectionLimits()
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     _prepare_grammars(generator)
-    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy,
+    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy, plan=plan,
                           max_rows_per_client=max_rows_per_client).start()
     name = model_name or Path(bundle).resolve().name
-    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+    if not api_key and not is_loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)
-    allowed = LOOPBACK_HOSTS if host in LOOPBACK_HOSTS else None
-    app = create_app(scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed,
+    app = create_app(scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed_hosts_for(host),
                      request_timeout=request_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            limit_concurrency=max_connections, timeout_keep_alive=5)
-    server = DrainingServer(config, drain)
+    config = server_config(app, host, port, max_connections, limits, log_level=log_level, timeout_graceful_shutdown=5)
+    server, probes = DrainingServer(config, drain), None
     try:
+        if health_port is not None:
+            probes = ProbeServer(probe_app(drain, lambda live: scheduler_problem(scheduler, live)), host,
+                                 health_port).start()
         server.run()
     finally:
+        if probes is not None:
+            probes.stop()
         scheduler.stop()
     if not server.started:
         raise ValueError(f"the server did not start on {host}:{port} (the log above says why)")

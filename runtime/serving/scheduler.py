@@ -59,6 +59,7 @@ from runtime.errors import RequestError
 from runtime.request import DecodeRequest
 from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
 from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
+from runtime.serving.health import FaultWatch
 from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
 
 POLICIES = ("exact", "throughput")
@@ -138,6 +139,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.faults = 0  # steps whose shared target call failed (every running row failed with it)
+        self.health = FaultWatch()  # engine failures in a row: what the server's probes report
 
     # --- the outside ----------------------------------------------------------------------------------------------
 
@@ -170,6 +172,12 @@ class Scheduler:
             self.waiting.append(_Waiting(handle, ids, config, stops, request, timeout, client))
             self._lock.notify()
         return handle
+
+    def check_room(self) -> None:
+        """Overloaded (or Unavailable) now: a caller about to spend work on a request (a grammar compile) asks
+        first, so a full queue refuses before the work."""
+        with self._lock:
+            self._check_room()
 
     def _check_room(self) -> None:
         """Under the lock: Unavailable while stopping, Overloaded when the queue is full."""
@@ -232,11 +240,13 @@ class Scheduler:
                 if self._stopping:
                     return
             try:
-                self.step()
+                if self.step():
+                    self.health.succeeded()
             except BaseException as err:  # the shared target call failed (a panic too): fail what runs, keep serving
                 if isinstance(err, (KeyboardInterrupt, SystemExit)):
                     raise
                 self.faults += 1
+                self.health.failed()  # before the clients hear of it: a probe after their 500 sees the fault
                 self._fail_running(Unavailable(f"decoding failed: {err!r}"))
 
     def step(self) -> bool:
@@ -320,41 +330,84 @@ class Scheduler:
     # --- admission and retirement ---------------------------------------------------------------------------------
 
     def _admit(self) -> float:
-        """Admit waiting requests into free rows (``_take``); returns the seconds spent prefilling."""
+        """Admit waiting requests into free rows (``_take``); returns the seconds spent prefilling. Each admission
+        is its own: a request whose setup or prefill fails gets its error, the others admitted with it run."""
         with self._lock:
             taken = self._take(self.max_batch - len(self.rows))
         if not taken:
             return 0.0
         start = time.perf_counter()
-        running = len(self.rows)
-        try:
-            rows = [self._row(w) for w in taken]
-            if hasattr(self.target, "prefill_row"):
-                states = self._prefill_in_place(taken)
-            else:
-                states = self._prefill_and_join(taken)
-            for row, state in zip(rows, states):
-                if row.drafter is not None:
-                    row.drafter.take_features(None if state is None else [state])
-        except Exception as err:  # the running rows' cache is untouched; the admitted ones leave it again
-            if self.cache.batch > running:
-                self.cache = self.target.select(self.cache, np.arange(running))
-            for w in taken:
-                w.handle.send(Event(error=Unavailable(f"admission failed: {err}")))
-            return time.perf_counter() - start
-        self.rows.extend(rows)
-        self.counters["admitted"] += len(taken)
+        ready = []
+        for w in taken:  # its drafter: the request's own work
+            try:
+                ready.append((w, self._row(w)))
+            except Exception as err:
+                self._refuse_admission(w, err)
+        prefill = self._prefill_in_place if hasattr(self.target, "prefill_row") else self._prefill_and_join
+        states = prefill([w for w, _ in ready]) if ready else []
+        if ready:  # the engine's health: did any prefill go through?
+            (self.health.failed if all(isinstance(s, Exception) for s in states) else self.health.succeeded)()
+        for (w, row), state in zip(ready, states):
+            if isinstance(state, Exception):
+                self._refuse_admission(w, state)
+            elif self._take_features(w, row, state):
+                self.rows.append(row)
+                self.counters["admitted"] += 1
         return time.perf_counter() - start
+
+    def _take_features(self, w: _Waiting, row: _Row, state) -> bool:
+        """Hand a prefilled row's final hidden states to its drafter; False (the request refused, its cache row
+        dropped) when that fails."""
+        try:
+            if row.drafter is not None:
+                row.drafter.take_features(None if state is None else [state])
+            return True
+        except Exception as err:
+            self._refuse_admission(w, err)
+            keep = np.array([b for b in range(self.cache.batch) if b != len(self.rows)], dtype=np.int64)
+            self.cache = self.target.select(self.cache, keep)  # its row is the first after the running ones
+            return False
+
+    def _refuse_admission(self, w: _Waiting, err: Exception) -> None:
+        w.handle.send(Event(error=Unavailable(f"admission failed: {err}")))
 
     def _prefill_in_place(self, taken: list[_Waiting]) -> list:
         """Each admitted prompt (but its last token) prefilled in a row of its own in the batch cache, with the
-        calls it would get alone; its final hidden states (None: none)."""
+        calls it would get alone; its final hidden states (None: none), or the error its own prefill raised (its row
+        is dropped again: the batch cache holds only the others)."""
         first = self.cache.batch
-        self.cache = self.target.add_rows(self.cache, len(taken))
-        return [self.target.prefill_row(self.cache, first + i, w.prompt[:-1]) for i, w in enumerate(taken)]
+        try:
+            self.cache = self.target.add_rows(self.cache, len(taken))
+        except Exception as err:
+            return [err] * len(taken)
+        states = []
+        for i, w in enumerate(taken):
+            try:
+                states.append(self.target.prefill_row(self.cache, first + i, w.prompt[:-1]))
+            except Exception as err:
+                states.append(err)
+        if any(isinstance(s, Exception) for s in states):
+            keep = list(range(first)) + [first + i for i, s in enumerate(states) if not isinstance(s, Exception)]
+            self.cache = self.target.select(self.cache, np.array(keep, dtype=np.int64))
+        return states
 
     def _prefill_and_join(self, taken: list[_Waiting]) -> list:
-        """The admitted prompts prefilled in a cache of their own, which then joins the batch's."""
+        """The admitted prompts prefilled in a cache of their own, which then joins the batch's. When that shared
+        call fails, each prompt again alone, so only the one at fault fails (its state: the error)."""
+        try:
+            return self._prefill_joined(taken)
+        except Exception as err:
+            if len(taken) == 1:
+                return [err]
+        states = []
+        for w in taken:
+            try:
+                states += self._prefill_joined([w])
+            except Exception as err:
+                states.append(err)
+        return states
+
+    def _prefill_joined(self, taken: list[_Waiting]) -> list:
         cache = self.target.new_cache(len(taken))
         if any(len(w.prompt) > 1 for w in taken):
             prefill(self.target, cache, [w.prompt[:-1] for w in taken])
