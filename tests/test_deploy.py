@@ -134,6 +134,10 @@ def test_openai_probes_grace_and_resources_follow_the_bundle_and_the_measurement
     assert float(_flag(container["command"], "--request-timeout")) <= drain - 5  # no request outlives the drain
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    # the probes have a port of their own, which idle client connections cannot starve (issue 38)
+    health = {p["name"]: p["containerPort"] for p in container["ports"]}["health"]
+    assert _flag(container["command"], "--health-port") == str(health)
+    assert {container[p]["httpGet"]["port"] for p in ("readinessProbe", "livenessProbe", "startupProbe")} == {"health"}
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3 * 20.0  # three times the load time
     requests = container["resources"]["requests"]

@@ -31,8 +31,8 @@ import click
 @click.option("--link/--copy", "link", default=False,
               help="--link: a symbolic link to the bundle instead of a copy (not relocatable).")
 @click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True,
-              help="The scheduler's: exact (every answer as the same request's alone) or throughput (batched "
-                   "target-only steps when they pay).")
+              help="The scheduler's: exact (every answer as the same request's alone) or throughput (steps where "
+                   "no request drafts run unpadded).")
 @click.option("--plan/--no-plan", "plan", default=True, show_default=True,
               help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
                    "request's acceptance; --no-plan: every request drafts its k.")

@@ -54,6 +54,7 @@ BUNDLE_SOURCES = ("pvc", "image")
 AUTOSCALERS = ("cpu", "queue")
 BUNDLE_PATH, WORK_PATH = "/bundle", "/work"
 HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 8001, 8002
+HEALTH_PORT = 8003  # serve-openai --health-port: the probes' own port, which no client's connections can starve
 PROCESS_STOP_S = 15  # after the drain: uvicorn's graceful close (5 s), the scheduler and interpreter teardown
 # The image NVIDIA publishes with tritonserver and the TensorRT-LLM backend (NGC, nvcr.io/nvidia/tritonserver,
 # tag <yy.mm>-trtllm-python-py3); pick the release whose TensorRT-LLM built the bundle (docs/tensorrt_llm.md).
@@ -259,7 +260,8 @@ def openai_command(options: DeployOptions, sizing: Sizing) -> list[str]:
                "--threads", str(options.threads), "--max-batch", str(options.max_batch),
                "--max-queue", str(options.max_queue), "--policy", options.policy, "--model-name", options.name,
                "--drain-timeout", str(sizing.drain_timeout_s), "--drain-linger", str(options.drain_linger),
-               "--request-timeout", str(sizing.drain_timeout_s - options.drain_linger)]  # no request outlives a drain
+               "--request-timeout", str(sizing.drain_timeout_s - options.drain_linger),  # no request outlives a drain
+               "--health-port", str(HEALTH_PORT)]
     if options.api_key_secret:
         command += ["--api-key-file", f"{API_KEY_DIR}/DRAFTSMITH_API_KEY"]
     return command
@@ -375,10 +377,14 @@ def server_container(manifest: Manifest, options: DeployOptions, sizing: Sizing,
     server["ports"] = [{"name": name, "containerPort": port, "protocol": "TCP"}
                        for name, port in serving_ports(options)]
     ready, live = ("/v2/health/ready", "/v2/health/live") if triton else ("/health", "/health/live")
-    server["startupProbe"] = _probe(live, STARTUP_PERIOD_S, sizing.startup_failures)
+    # the OpenAI server answers its probes on a port of their own (not in the Service: the kubelet calls it)
+    port = "http" if triton else "health"
+    if not triton:
+        server["ports"].append({"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"})
+    server["startupProbe"] = _probe(live, STARTUP_PERIOD_S, sizing.startup_failures, port)
     # 3 failures: a busy pod is not flapped out; a stopping one leaves the Service's endpoints at once anyway
-    server["readinessProbe"] = _probe(ready, 2, 3)
-    server["livenessProbe"] = _probe(live, 10, 3)
+    server["readinessProbe"] = _probe(ready, 2, 3, port)
+    server["livenessProbe"] = _probe(live, 10, 3, port)
     if triton and options.drain_linger > 0:  # mpirun hands SIGTERM to tritonserver, which closes its ports at once
         server["lifecycle"] = {"preStop": {"sleep": {"seconds": math.ceil(options.drain_linger)}}}
     return server
@@ -420,8 +426,8 @@ def _resources(sizing: Sizing) -> dict:
     return resources
 
 
-def _probe(path: str, period: int, failures: int) -> dict:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 2,
+def _probe(path: str, period: int, failures: int, port: str = "http") -> dict:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 2,
             "failureThreshold": failures, "successThreshold": 1}
 
 
