@@ -322,6 +322,10 @@ def check_call_shapes(engine, root: Path) -> None:
     batched step scores a token otherwise than target-only decoding, the target runs one token a call (exact, and
     slower than target-only), and the process says so once, naming the bundle and the call shape."""
     import logging
+    if engine.prefill_chunks_differ(engine.vocab_size):
+        engine.prefills_in_chunks = False
+        logging.getLogger("draftsmith").warning("bundle %s: on this CPU a prompt prefilled in chunks scores "
+                                                "otherwise; servers prefill each prompt whole", root)
     differing = engine.call_shape_mismatch(engine.vocab_size)
     if differing is None:
         return

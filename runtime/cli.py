@@ -144,6 +144,9 @@ def _key_from_file(path: str, given: str | None) -> str:
 @click.option("--plan/--no-plan", "plan", default=True, show_default=True,
               help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
                    "request's acceptance; --no-plan: every request drafts its k.")
+@click.option("--prefill-chunk", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Prompt tokens prefilled per step while other requests decode (a long prompt never stalls them; "
+                   "0: each prompt prefilled whole at admission).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="On SIGTERM: seconds running requests get to finish (keep it under the pod's grace period).")
 @click.option("--drain-linger", type=click.FloatRange(min=0), default=2.0, show_default=True,
@@ -165,8 +168,8 @@ def _key_from_file(path: str, given: str | None) -> str:
               help="Rows one client address may hold at once (default: no cap; free rows always go first to the "
                    "clients holding the fewest).")
 def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue, threads, model_name, policy, plan,
-                 drain_timeout, drain_linger, request_timeout, max_connections, max_connections_per_client,
-                 header_timeout, health_port, max_rows_per_client):
+                 prefill_chunk, drain_timeout, drain_linger, request_timeout, max_connections,
+                 max_connections_per_client, header_timeout, health_port, max_rows_per_client):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
     (/health) turns 503, new requests get 503 + Retry-After, running ones finish, then it exits 0."""
@@ -189,7 +192,8 @@ def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue
               threads=threads, model_name=model_name, policy=policy, drain_timeout=drain_timeout,
               drain_linger=drain_linger, request_timeout=request_timeout, max_connections=max_connections,
               max_rows_per_client=max_rows_per_client, health_port=health_port,
-              connection_limits=ConnectionLimits(header_timeout, max_connections_per_client or None), plan=plan)
+              connection_limits=ConnectionLimits(header_timeout, max_connections_per_client or None), plan=plan,
+              prefill_chunk=prefill_chunk or None)
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None
 

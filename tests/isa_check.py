@@ -54,6 +54,8 @@ def engine_failures(path: Path, info: dict) -> tuple[list[int], list[str]]:
     mismatch = engine.call_shape_mismatch(info["vocab_size"])
     if mismatch:
         failures.append(f"load-time check: {mismatch}")
+    if engine.prefill_chunks_differ(info["vocab_size"]):
+        failures.append("a prefill in chunks")
     tokens = np.random.default_rng(0).integers(3, 300, 69).tolist()
     reference = last_logits(engine, tokens, 6, 1)
     for prefill, step in ((6, 2), (5, 3), (6, 4), (60, 5), (62, 7)):

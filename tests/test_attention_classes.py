@@ -127,7 +127,8 @@ def test_a_batched_step_scores_as_target_only(wide_head_int4, length):
 def test_the_load_time_check_passes_here_and_its_exact_form_matches_target_only(wide_head_int4):
     path, info = wide_head_int4
     engine = _engine(path, info)
-    assert engine.call_shape_mismatch(info.vocab_size) is None
+    assert engine.call_shape_mismatch(info.vocab_size) is None  # verify calls, batched steps, ragged verify calls
+    assert not engine.prefill_chunks_differ(info.vocab_size)  # a server's chunked prefill
     tokens = np.random.default_rng(5).integers(3, 300, 20).tolist()
     reference = last_logits(engine, tokens, 6, 1)
     engine.one_token_calls = True  # the form a CPU that fails the check gets: verify calls one token at a time
@@ -138,15 +139,18 @@ def test_a_failed_check_switches_to_the_exact_form_and_says_so_once(caplog, tmp_
     from runtime import api
 
     class Differing:
-        vocab_size, one_token_calls = 300, False
+        vocab_size, one_token_calls, prefills_in_chunks = 300, False, True
 
         def call_shape_mismatch(self, vocab):
             return "a verify call of 4 tokens"
+
+        def prefill_chunks_differ(self, vocab):
+            return True
 
     engines = [Differing(), Differing()]
     with caplog.at_level("WARNING", logger="draftsmith"):
         for engine in engines:
             api.check_call_shapes(engine, tmp_path / "bundle")
-    assert all(engine.one_token_calls for engine in engines)
+    assert all(engine.one_token_calls and not engine.prefills_in_chunks for engine in engines)
     said = [r.getMessage() for r in caplog.records if "scores a token otherwise" in r.getMessage()]
     assert len(said) == 1 and "a verify call of 4 tokens" in said[0] and str(tmp_path / "bundle") in said[0]

@@ -184,3 +184,30 @@ def test_every_running_row_is_verified_in_one_target_call_a_step(generator, poli
     drain(scheduler)
     for prompt, option, handle in zip(prompts, options, handles):
         assert handle.result().token_ids == generator.generate(prompt, max_new_tokens=12, **option).token_ids
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(generator):
+    """Chunked prefill: a 90-token prompt admitted into a running batch is prefilled 16 tokens a step; the running
+    request gets a token at every one of those steps, each target call of the prefill is at most a chunk wide, and
+    both answers are what the requests get alone (a prompt prefilled in chunks leaves the same cache)."""
+    engine = fused(generator)
+    scheduler = Scheduler(generator, max_batch=4, prefill_chunk=16)
+    running = scheduler.submit("def add(a, b):", max_new_tokens=40, k=2)
+    scheduler.step()
+    long_prompt = prompt_of(generator, 90)
+    late = scheduler.submit(long_prompt, max_new_tokens=8, k=3)
+    widths = []
+    prefill_row = engine.prefill_row
+    engine.prefill_row = lambda cache, row, tokens: widths.append(len(tokens)) or prefill_row(cache, row, tokens)
+    try:
+        got = []
+        for _ in range(6):  # 89 prompt tokens to prefill: 16 a step
+            before = len(scheduler.rows[0].generated)
+            scheduler.step()
+            got.append(len(scheduler.rows[0].generated) - before)
+    finally:
+        engine.prefill_row = prefill_row
+    assert widths == [16] * 5 + [9] and all(n > 0 for n in got)  # the running row never waited
+    drain(scheduler)
+    assert running.result().token_ids == generator.generate("def add(a, b):", max_new_tokens=40, k=2).token_ids
+    assert late.result().token_ids == generator.generate(long_prompt, max_new_tokens=8, k=3).token_ids

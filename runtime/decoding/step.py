@@ -78,6 +78,7 @@ class StepPlan:
     drafting: list[bool]  # per group: its drafter is called (else it observes what its rows emit)
     alone: list[bool] | None = None  # per row: scored with the kernels it would get alone; None: one call as is
     fallback: bool = False  # the step runs target-only because acceptance fell (recorded in the rows' stats)
+    idle: list[bool] | None = None  # per row: sits this step out (its prompt is still being prefilled); None: none
 
 
 @dataclass
@@ -99,23 +100,24 @@ def decode_step(target, cache, rows: list[DecodeRow], groups: list[DraftGroup], 
     """Execute ``plan`` over ``rows`` (see the module docstring). ``isolate(rows, work, *args)`` runs one group's or
     one row's own work; a scheduler passes one that turns a failure into those rows' error (None result) so the
     others go on."""
+    idle = plan.idle or [False] * len(rows)
     t0 = time.perf_counter()
     proposals = propose(rows, groups, plan, target.vocab_size, isolate)
     t1 = time.perf_counter()
-    logits, hidden = score(target, cache, [[row.last] + draft for row, (draft, _) in zip(rows, proposals)],
-                           plan.alone)
+    logits, hidden = score(target, cache, [[] if idle[b] else [row.last] + draft
+                                           for b, (row, (draft, _)) in enumerate(zip(rows, proposals))], plan.alone)
     t2 = time.perf_counter()
-    verdicts = [isolate([row], verify_row, row, draft, probs, logits[b])
+    verdicts = [None if idle[b] else isolate([row], verify_row, row, draft, probs, logits[b])
                 for b, (row, (draft, probs)) in enumerate(zip(rows, proposals))]
     accepted = [verdict[0] if verdict else 0 for verdict in verdicts]
     emitted = [verdict[1] if verdict else [] for verdict in verdicts]
     for group, drafting in zip(groups, plan.drafting):
-        if group.drafter is not None:
+        if group.drafter is not None and not all(idle[b] for b in group.rows):
             isolate([rows[b] for b in group.rows], inform, group, drafting, hidden, accepted, emitted)
     keep = cache.lengths - np.array([len(draft) - n for (draft, _), n in zip(proposals, accepted)])
     target.rollback(cache, keep)
-    new = [book(row, len(draft), n, out, plan.fallback, t1 - t0, t2 - t1, target.max_context)
-           for row, (draft, _), n, out in zip(rows, proposals, accepted, emitted)]
+    new = [[] if idle[b] else book(row, len(draft), n, out, plan.fallback, t1 - t0, t2 - t1, target.max_context)
+           for b, (row, (draft, _), n, out) in enumerate(zip(rows, proposals, accepted, emitted))]
     return StepResult([len(draft) for draft, _ in proposals], accepted, new, t1 - t0, t2 - t1)
 
 
@@ -125,6 +127,8 @@ def propose(rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan, voc
     grammar's forced tokens too, even from a group that does not draft this step)."""
     out: list[tuple[list[int], list]] = [([], [])] * len(rows)
     for group, drafting in zip(groups, plan.drafting):
+        if plan.idle and all(plan.idle[b] for b in group.rows):
+            continue
         members = [rows[b] for b in group.rows]
         limits = [plan.limits[b] for b in group.rows]
         proposal = isolate(members, propose_group, group.drafter if drafting else None, members, limits,

@@ -271,6 +271,7 @@ class FusedEngine:
         self.vocab_size, self.max_context = vocab_size, max_context
         self.initial_slots, self.min_call_tokens = initial_slots, min_call_tokens
         self.one_token_calls = False  # the exact form: set where call_shape_mismatch found a difference
+        self.prefills_in_chunks = True  # False where prefill_chunks_differ: a server then prefills prompts whole
         self.past_names = [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
         self.present_names = [n.replace("past", "present", 1) for n in self.past_names]
         # graphs since the feature draft: every call's final hidden states (cache.extra["hidden"]); a feature
@@ -318,18 +319,17 @@ class FusedEngine:
                        np.concatenate([cache.lengths, np.zeros(count, np.int64)]), cache.calls, extra=cache.extra)
 
     def prefill_row(self, cache: KVCache, row: int, tokens) -> np.ndarray | None:
-        """Prefill the empty row ``row`` of a batch cache in place, without its head: the calls a lone request's
-        prefill makes (the same kernels, cut at the same class points), whatever else the batch holds. Returns the
+        """Prefill ``tokens`` after what row ``row`` of a batch cache holds (its prompt, or the next chunk of it), in
+        place, without the head: the calls a lone request's prefill makes (the same kernels, cut at the same class
+        points, so a prompt prefilled in chunks leaves the same cache), whatever else the batch holds. Returns the
         final hidden states [n, H] (None: the graph returns none, or no tokens)."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        if cache.lengths[row] != 0:
-            raise ValueError(f"row {row} is not empty ({int(cache.lengths[row])} tokens)")
         if not len(tokens):
             return None
-        self._reserve(cache, len(tokens) + self.min_call_tokens - 1)
+        self._reserve(cache, int(cache.lengths[row]) + len(tokens) + self.min_call_tokens - 1)
         _, hidden = self._row(cache, row, tokens, score=False, features=None)
         cache.lengths = cache.lengths.copy()
-        cache.lengths[row] = len(tokens)
+        cache.lengths[row] += len(tokens)
         cache.calls += 1
         return hidden
 
@@ -507,11 +507,26 @@ class FusedEngine:
                 return name
         return None
 
-    def _scored(self, tokens: np.ndarray, widths: list[int], ragged: bool = False) -> np.ndarray:
-        """Logits of ``tokens`` [B, n] past a prefill of 4, fed in calls of ``widths`` tokens (``ragged``: the rows
-        after the first take one token fewer a call, so rows of several lengths share each call)."""
+    def prefill_chunks_differ(self, vocab: int, seed: int = 0) -> bool:
+        """Whether a prompt prefilled in two calls leaves a cache that scores the next tokens otherwise than one
+        prefill call does, on this CPU (a server's chunked prefill rests on it: runtime/serving/scheduler.py)."""
+        length = min(12, self.max_context - self.min_call_tokens)
+        if length < 8:
+            return False
+        tokens = np.random.default_rng(seed).integers(0, vocab, (1, length))
+        widths = [1] * (length - 4)
+        return not np.array_equal(self._scored(tokens, widths, prefill=(2, 2)), self._scored(tokens, widths))
+
+    def _scored(self, tokens: np.ndarray, widths: list[int], ragged: bool = False,
+                prefill: tuple[int, ...] = (4,)) -> np.ndarray:
+        """Logits of ``tokens`` [B, n] past a prefill of 4 (in calls of ``prefill`` tokens), fed in calls of
+        ``widths`` tokens (``ragged``: the rows after the first take one token fewer a call, so rows of several
+        lengths share each call)."""
         cache = self.new_cache(len(tokens))
-        self.prefill(cache, tokens[:, :4])
+        at = 0
+        for width in prefill:
+            self.prefill(cache, tokens[:, at:at + width])
+            at += width
         at, out = 4, []
         for width in widths:
             valid = np.ones((len(tokens), width), np.int64)

@@ -44,7 +44,7 @@ from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionReq
 from runtime.serving.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
                                       ResponseShape, Usage, error_body, new_id)
 from runtime.request import check_text
-from runtime.serving.scheduler import Scheduler
+from runtime.serving.scheduler import PREFILL_CHUNK, Scheduler
 
 log = logging.getLogger("draftsmith.openai")
 
@@ -632,7 +632,8 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
           log_level: str = "info", policy: str = "exact", drain_timeout: float = 30.0,
           drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512,
           max_rows_per_client: int | None = None, health_port: int | None = None,
-          connection_limits: ConnectionLimits | None = None, plan: bool = True) -> None:
+          connection_limits: ConnectionLimits | None = None, plan: bool = True,
+          prefill_chunk: int | None = PREFILL_CHUNK) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
@@ -647,7 +648,7 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     _prepare_grammars(generator)
     scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy, plan=plan,
-                          max_rows_per_client=max_rows_per_client).start()
+                          max_rows_per_client=max_rows_per_client, prefill_chunk=prefill_chunk).start()
     name = model_name or Path(bundle).resolve().name
     if not api_key and not is_loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)

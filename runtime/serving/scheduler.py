@@ -45,7 +45,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -63,6 +63,8 @@ from runtime.serving.health import FaultWatch
 from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
 
 POLICIES = ("exact", "throughput")
+PREFILL_CHUNK = 64  # prompt tokens prefilled per step while other rows decode (a long prompt never stalls them)
+PENDING = object()  # an admitted prompt left to the steps' prefill chunks
 
 
 @dataclass(kw_only=True)
@@ -77,6 +79,8 @@ class _Row(DecodeRow):
     text: str = ""
     client: str = ""  # who sent it (_Waiting.client)
     logprobs_sent: int = 0  # generated tokens whose log-probabilities went out in events
+    prefill_left: list[int] = field(default_factory=list)  # prompt tokens still to prefill (chunked prefill)
+    prefill_states: list = field(default_factory=list)  # the hidden states of the chunks prefilled so far
 
     def take_logprobs(self) -> tuple | None:
         """(tokens, logprobs, top) not sent in an event yet (None without logprobs)."""
@@ -114,7 +118,7 @@ class Scheduler:
 
     def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
                  max_wait: float = 60.0, policy: str = "exact", plan: bool = True,
-                 max_rows_per_client: int | None = None):
+                 max_rows_per_client: int | None = None, prefill_chunk: int | None = PREFILL_CHUNK):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
         if max_batch < 1 or max_queue < 1:
@@ -129,6 +133,11 @@ class Scheduler:
         self.waiting: deque[_Waiting] = deque()
         self.costs = CostModel()
         self.plan = plan
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1 (or None: every prompt prefilled whole at admission)")
+        self.prefill_chunk = prefill_chunk
+        # an engine whose chunked prefill scores otherwise on this CPU (the load-time check) prefills whole
+        self._chunks = prefill_chunk is not None and getattr(self.target, "prefills_in_chunks", True)
         self.padding = getattr(self.target, "min_call_tokens", 1)
         self._predicted = 0.0  # the planned step's predicted seconds (0: not planned)
         self.draft_lengths: collections.Counter = collections.Counter()  # planned draft length -> row-steps
@@ -257,7 +266,12 @@ class Scheduler:
         engine_time = self._admit()
         if not self.rows:
             return False
+        engine_time += self._prefill_chunk()
         plan = self._plan()
+        if all(plan.idle):  # every row is still prefilling
+            self._count(0, False, time.perf_counter() - start, engine_time)
+            self._retire([""] * len(self.rows))
+            return True
         speculate = any(plan.drafting)
         groups = [DraftGroup(row.drafter, [b]) for b, row in enumerate(self.rows)]
         result = decode_step(self.target, self.cache, self.rows, groups, plan, isolate=isolated)
@@ -267,9 +281,10 @@ class Scheduler:
         seconds = result.draft_time + result.verify_time
         self.costs.observe(self._predicted, seconds)  # the costs follow how steps actually run
         self._predicted = 0.0
-        self._count(len(self.rows), speculate, time.perf_counter() - start, engine_time + seconds)
-        for k in plan.limits:
-            self.draft_lengths[k] += 1
+        self._count(plan.idle.count(False), speculate, time.perf_counter() - start, engine_time + seconds)
+        for k, idle in zip(plan.limits, plan.idle):
+            if not idle:
+                self.draft_lengths[k] += 1
         self._retire([row.finished for row in self.rows])
         return True
 
@@ -286,10 +301,12 @@ class Scheduler:
         them. Every row is scored with the kernels it gets alone, all in one call where the target takes a ragged
         batch (runtime/engines/onnx.py), except, under "throughput", a step where no row drafts: one batched call of
         one token a row, unpadded."""
-        limits = [self._draft_limit(row) if row.drafter is not None else 0 for row in self.rows]
+        idle = [bool(row.prefill_left) for row in self.rows]
+        limits = [self._draft_limit(row) if row.drafter is not None and not i else 0
+                  for row, i in zip(self.rows, idle)]
         ks = self._draft_lengths(limits)
         plain = self.policy == "throughput" and not any(ks)
-        return StepPlan(ks, [k > 0 for k in ks], [not plain] * len(self.rows))
+        return StepPlan(ks, [k > 0 for k in ks], [not plain] * len(self.rows), idle=idle)
 
     def _draft_lengths(self, limits: list[int]) -> list[int]:
         """Each row's draft length: its limit until the costs are measured (or without ``plan``); else the lengths
@@ -350,10 +367,37 @@ class Scheduler:
         for (w, row), state in zip(ready, states):
             if isinstance(state, Exception):
                 self._refuse_admission(w, state)
+            elif state is PENDING:  # prefilled a chunk a step from the next step on (``_prefill_chunk``)
+                row.prefill_left = list(w.prompt[:-1])
+                self.rows.append(row)
+                self.counters["admitted"] += 1
             elif self._take_features(w, row, state):
                 self.rows.append(row)
                 self.counters["admitted"] += 1
         return time.perf_counter() - start
+
+    def _prefill_chunk(self) -> float:
+        """Prefill up to ``prefill_chunk`` prompt tokens of the rows still prefilling, oldest first (vLLM's and
+        TensorRT-LLM's chunked prefill): a long prompt's admission costs the running rows one chunk a step, not its
+        whole prefill at once. A row whose prompt is done hands its hidden states to its drafter and decodes from
+        this step on. Returns the seconds spent."""
+        start, budget = time.perf_counter(), self.prefill_chunk or 0
+        for b, row in enumerate(self.rows):
+            if budget <= 0:
+                break
+            if row.prefill_left and row.error is None:
+                take = min(budget, len(row.prefill_left))
+                isolated([row], self._prefill_part, b, row, take)
+                budget -= take
+        return time.perf_counter() - start
+
+    def _prefill_part(self, b: int, row: _Row, take: int) -> None:
+        state = self.target.prefill_row(self.cache, b, row.prefill_left[:take])
+        row.prefill_states.append(state)
+        del row.prefill_left[:take]
+        if not row.prefill_left and row.drafter is not None:
+            states, row.prefill_states = row.prefill_states, []
+            row.drafter.take_features(None if any(s is None for s in states) else [np.concatenate(states)])
 
     def _take_features(self, w: _Waiting, row: _Row, state) -> bool:
         """Hand a prefilled row's final hidden states to its drafter; False (the request refused, its cache row
@@ -382,6 +426,9 @@ class Scheduler:
             return [err] * len(taken)
         states = []
         for i, w in enumerate(taken):
+            if self._chunks and len(w.prompt) - 1 > self.prefill_chunk:
+                states.append(PENDING)
+                continue
             try:
                 states.append(self.target.prefill_row(self.cache, first + i, w.prompt[:-1]))
             except Exception as err:
