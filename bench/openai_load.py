@@ -27,6 +27,8 @@ from pathlib import Path
 
 import click
 import httpx
+
+from bench.hostile_load import HealthProbe, HostileConnections
 import numpy as np
 
 PROMPTS = (
@@ -177,7 +179,8 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
              prompts: tuple[str, ...] = PROMPTS, seed: int = 0, api_key: str | None = None, pid: int | None = None,
              check_identical: bool = False, timeout: float = 300.0, max_draft_tokens: int = 0,
              long_prompt_tokens: int = 0, long_fraction: float = 0.1, check_limit: int = 0,
-             draft_tokens: int | None = None) -> dict:
+             draft_tokens: int | None = None, idle_connections: int = 0, slow_header_clients: int = 0,
+             health_url: str | None = None) -> dict:
     """Drive ``url`` (a server's base, with or without /v1) with ``clients`` concurrent streams; see the module
     docstring. Returns the report as a dict (counts, latency percentiles in seconds, tokens/s, RSS in MiB)."""
     if clients < 1 or duration <= 0 or (max_requests is not None and max_requests < 1):
@@ -190,6 +193,9 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
     long_text = long_prompt_of(long_prompt_tokens) if long_prompt_tokens else ""
     rss = _RssSampler(pid)
     lengths_before = draft_length_counts(base, headers, timeout)
+    address = httpx.URL(base)
+    hostile = HostileConnections(address.host, address.port or 80, idle_connections, slow_header_clients).start()
+    probe = HealthProbe(health_url).start() if health_url else None
     start = time.perf_counter()
 
     def client_loop() -> None:
@@ -213,11 +219,15 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
     elapsed = time.perf_counter() - start
     rss.stop()
     report = _summary(outcomes, elapsed)
+    if idle_connections or slow_header_clients:
+        report["hostile_connections"] = hostile.stop()
+    if probe is not None:
+        report["health"] = probe.stop()
     report.update(url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens,
                   speculation=draft_tokens != 0)
     lengths = draft_length_counts(base, headers, timeout)
     if lengths:  # what the server's step plan chose while this run was going on
-        chosen = {k: n - lengths_before.get(k, 0) for k, n in lengths.items()}
+        chosen = {k: n - lengths_before.get(k, 0) for k, n in lengths.items() if n > lengths_before.get(k, 0)}
         total = sum(chosen.values())
         report["planned_draft_length"] = {"row_steps": {str(k): n for k, n in sorted(chosen.items())},
                                           "mean": sum(k * n for k, n in chosen.items()) / total if total else 0.0}
@@ -354,11 +364,17 @@ class _RssSampler:
               help="Some requests send a prompt of about this many tokens (e.g. near the context limit).")
 @click.option("--long-fraction", type=float, default=0.1, show_default=True,
               help="With --long-prompt-tokens: the fraction of requests that send it.")
+@click.option("--idle-connections", type=int, default=0, show_default=True,
+              help="Connections held open beside the clients that never send a byte (reopened when closed).")
+@click.option("--slow-header-clients", type=int, default=0, show_default=True,
+              help="Connections beside the clients that send a request's headers one byte every 2 s.")
+@click.option("--health-url", default=None,
+              help="Time this health endpoint every 0.5 s during the run (a probe failing: not 200 within 1 s).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def openai_load(url, client_levels, speculation, duration, max_requests, max_tokens, cancel_fraction, chat, model,
-                api_key, pid, check_identical, check_limit, max_draft_tokens, long_prompt_tokens, long_fraction, seed,
-                as_json):
+                api_key, pid, check_identical, check_limit, max_draft_tokens, long_prompt_tokens, long_fraction,
+                idle_connections, slow_header_clients, health_url, seed, as_json):
     """Load the OpenAI-compatible server at URL with concurrent streaming clients and report what came back."""
     try:
         levels = [int(c) for c in str(client_levels).split(",")]
@@ -373,7 +389,9 @@ def openai_load(url, client_levels, speculation, duration, max_requests, max_tok
                                  chat=chat, max_tokens=max_tokens, cancel_fraction=cancel_fraction, seed=seed,
                                  api_key=api_key, pid=pid, check_identical=check_identical, check_limit=check_limit,
                                  max_draft_tokens=max_draft_tokens, long_prompt_tokens=long_prompt_tokens,
-                                 long_fraction=long_fraction, draft_tokens=draft_tokens))
+                                 long_fraction=long_fraction, draft_tokens=draft_tokens,
+                                 idle_connections=idle_connections, slow_header_clients=slow_header_clients,
+                                 health_url=health_url))
     if len(runs) == 1:
         _print_report(runs[0], as_json)
         return
@@ -432,5 +450,12 @@ def _print_report(report: dict, as_json: bool) -> None:
         i = report["identical"]
         click.echo(f"identical to alone: {i['checked'] - i['mismatches']}/{i['checked']} "
                    f"({i['distinct']} distinct requests)")
+    if "hostile_connections" in report:
+        h = report["hostile_connections"]
+        click.echo(f"held beside: {h['idle']} idle and {h['slow_header']} slow-header connections ({h['opened']} "
+                   f"opened, {h['closed_by_server']} closed by the server, {h['refused']} refused)")
+    if "health" in report:
+        h = report["health"]
+        click.echo(f"health: {h['probes']} probes, {h['failed']} failed, slowest {h['max_latency_s']:.3f} s")
     for error in report["errors"]:
         click.echo(f"error: {error}")

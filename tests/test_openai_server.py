@@ -325,3 +325,21 @@ def test_an_events_data_stays_on_one_line_for_every_line_reader():
             yield from ['data: {"t":"x\u2028', 'y"}\r', '\ndata: [DO', "NE]\n\n"]
     lines = [line for line in sse_lines(Chunks()) if line]
     assert lines == ['data: {"t":"x\u2028y"}', "data: [DONE]"]
+
+
+def test_load_driver_runs_speculation_on_and_off_beside_hostile_connections(served):
+    """openai-load's comparison (the same server with speculation off: num_draft_tokens 0), the draft lengths the
+    server's step plan chose during each run (from /metrics), and the soak's companions: idle and slow-header
+    connections held open from other source addresses, and a health probe timed the whole time."""
+    from bench.openai_load import level_summary, run_load
+    runs = [run_load(served.url, clients=2, duration=60, max_requests=4, max_tokens=8, cancel_fraction=0.0,
+                     seed=2, draft_tokens=draft, idle_connections=6, slow_header_clients=2,
+                     health_url=served.url + "/health") for draft in (None, 0)]
+    for run in runs:
+        assert run["sent"] == 4 and run["answered"] == 4 and run["failed"] == run["lost"] == 0
+        assert run["hostile_connections"]["opened"] >= 8 and run["health"]["failed"] == 0
+        assert run["health"]["probes"] >= 1
+    on, off = (run["planned_draft_length"] for run in runs)
+    assert sum(on["row_steps"].values()) > 0 and off["mean"] == 0 and set(off["row_steps"]) == {"0"}
+    summary = level_summary(runs)
+    assert len(summary) == 1 and summary[0]["ratio"] == runs[0]["output_tokens_per_s"] / runs[1]["output_tokens_per_s"]
