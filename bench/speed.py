@@ -144,7 +144,8 @@ class Recorder:
 def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, max_new_tokens: int,
            temperature: float, seed: int | None, drafter_kind: str | None = None,
            confidence: float | None = None, response_format=None,
-           forced_drafts: bool = True, top_p: float | None = None) -> tuple[list[SequenceRecord], float]:
+           forced_drafts: bool = True, top_p: float | None = None,
+           policy: str = "exact") -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
     public steps: decode_config, new_drafter), recording each step as it is yielded. ``response_format`` constrains
     every answer (target-only decoding too: the baseline is constrained target-only decoding)."""
@@ -153,8 +154,9 @@ def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, ma
         with unpadded(generator.target):
             return decode(generator, token_lists, "target", k, max_new_tokens, temperature, seed, drafter_kind,
                           confidence, response_format, forced_drafts, top_p)
+    policy = policy if mode == "speculative" else "exact"  # target-only is measured padded and plain anyway
     request = decode_request(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, k=k,
-                             mode=mode, response_format=response_format, forced_drafts=forced_drafts)
+                             mode=mode, response_format=response_format, forced_drafts=forced_drafts, policy=policy)
     config, _ = generator.decode_config(request)
     drafter = generator.new_drafter(mode, drafter_kind, confidence)
     planned = drafter is not None and len(token_lists) > 1 and config.plan
@@ -188,9 +190,10 @@ def pads(engine) -> bool:
 def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
                   max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None,
                   drafter_kind: str | None = None, confidence: float | None = None, response_format=None,
-                  forced_drafts: bool = True, top_p: float | None = None) -> list[CellRecord]:
-    """Measure every (workload, batch, mode, k) cell; ``advance(description)`` is called after each decode."""
-    structure = dict(response_format=response_format, forced_drafts=forced_drafts, top_p=top_p)
+                  forced_drafts: bool = True, top_p: float | None = None, policy: str = "exact") -> list[CellRecord]:
+    """Measure every (workload, batch, mode, k) cell; ``advance(description)`` is called after each decode;
+    ``policy`` is the speculative cells' (DecodeRequest.policy)."""
+    structure = dict(response_format=response_format, forced_drafts=forced_drafts, top_p=top_p, policy=policy)
     recorder = Recorder(generator)
     cells: list[CellRecord] = []
     configs = [("target", None)] + ([("plain", None)] if pads(generator.target) else []) + \
@@ -328,6 +331,10 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
               help="Batch sizes (comma list or repeated).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling for every row (with --temperature > 0).")
+@click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True,
+              help="The speculative cells' target calls: exact (every row padded as alone: bit for bit the request "
+                   "alone) or throughput (unpadded, as plain decoding runs; the plan's k=0 steps then cost a plain "
+                   "step).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--prompts", "prompt_limit", type=int, default=0,
               help="Use the first N prompts of each workload (0: all).")
@@ -395,6 +402,7 @@ class BenchOptions:
     batch_values: tuple[str, ...] = ("1",)
     temperature: float = 0.0
     top_p: float | None = None
+    policy: str = "exact"  # the speculative cells' (DecodeRequest.policy)
     max_new_tokens: int = 64
     prompt_limit: int = 0
     threads: int = 0
@@ -529,7 +537,7 @@ def _sweep(options: BenchOptions, generator, workloads, ks, batches, response_fo
         return run_workloads(generator, workloads, ks, batches, options.max_new_tokens, options.temperature,
                              options.seed, advance=advance, drafter_kind=options.drafter_kind,
                              confidence=options.confidence, response_format=response_format,
-                             forced_drafts=options.forced_drafts, top_p=options.top_p)
+                             forced_drafts=options.forced_drafts, top_p=options.top_p, policy=options.policy)
 
 
 def _speed_report(options: BenchOptions, manifest, workloads, chat_used, ks, batches, response_format,
@@ -543,7 +551,7 @@ def _speed_report(options: BenchOptions, manifest, workloads, chat_used, ks, bat
         "bundle": str(options.bundle),
         "settings": {"workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
                      "k": ks, "batch": batches, "temperature": options.temperature, "top_p": options.top_p,
-                     "max_new_tokens": options.max_new_tokens,
+                     "policy": options.policy, "max_new_tokens": options.max_new_tokens,
                      "threads": options.threads, "seed": options.seed, "drafter": options.drafter_kind,
                      "draft_confidence": options.confidence,
                      "response_format": response_format, "forced_drafts": options.forced_drafts,

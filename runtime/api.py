@@ -184,7 +184,8 @@ class SpeculativeGenerator:
         return DecodeConfig(request.max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None,
                             request.seed, grammar=grammar,
                             forced_drafts=request.forced_drafts and request.mode == "speculative",
-                            logprobs=request.logprobs, plan=request.plan), request.stops
+                            logprobs=request.logprobs, plan=request.plan,
+                            exact=request.policy == "exact"), request.stops
 
     def compile_constraint(self, response_format):
         """The compiled grammar of a response_format (None: unconstrained); RequestError when it cannot compile."""

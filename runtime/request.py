@@ -62,6 +62,10 @@ class DecodeRequest(BaseModel):
     # over a batch: each step's draft lengths (0 included) planned from measured call costs and each row's
     # acceptance (runtime/decoding/step_costs.py); False: every row drafts k at every step
     plan: bool = True
+    # a batch's target calls (Python API, bench): "exact" pads every row as its lone call would be, so each row is
+    # bit for bit the request alone; "throughput" leaves them unpadded (cheaper; a quantized target's greedy answers
+    # can then part from a lone run's at near ties). Servers take theirs from --policy.
+    policy: Literal["exact", "throughput"] = "exact"
 
     @field_validator("drafter")
     @classmethod

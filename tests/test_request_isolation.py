@@ -211,3 +211,22 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(generator)
     drain(scheduler)
     assert running.result().token_ids == generator.generate("def add(a, b):", max_new_tokens=40, k=2).token_ids
     assert late.result().token_ids == generator.generate(long_prompt, max_new_tokens=8, k=3).token_ids
+
+
+def test_a_throughput_batch_runs_its_target_calls_unpadded_and_restores_the_padding(generator):
+    """policy="throughput" over a batch (Python API, bench): the target's calls run unpadded while it decodes (a
+    row that does not draft scores one token), and the target pads again afterwards; "exact" pads throughout."""
+    engine = fused(generator)
+    generator.step_costs(2)  # measured first (its own calls, both padded and unpadded)
+    seen = []
+    forward = engine.forward
+    engine.forward = lambda *args, **kw: seen.append(engine.min_call_tokens) or forward(*args, **kw)
+    try:
+        prompts = ["def add(a, b):", "The quick brown"]
+        fast = generator.generate(prompts, max_new_tokens=10, k=2, policy="throughput")
+        throughput, seen[:] = list(seen), []
+        exact = generator.generate(prompts, max_new_tokens=10, k=2)
+    finally:
+        engine.forward = forward
+    assert set(throughput) == {1} and set(seen) == {2} and engine.min_call_tokens == 2
+    assert all(r.token_ids for r in fast) and all(r.token_ids for r in exact)

@@ -48,6 +48,7 @@ class DecodeConfig:
     forced_drafts: bool = True  # with a grammar: propose the tokens it forces as a draft (no draft call)
     logprobs: int | None = None  # None: off; n >= 0: each token's log-probability and the n most likely
     plan: bool = True  # over a batch: draft lengths planned from measured costs (DecodeRequest.plan)
+    exact: bool = True  # every row's target calls padded as its lone calls would be (DecodeRequest.policy)
 
 
 def row_generators(seed: int | Sequence[int | None] | None, rows: int) -> list[np.random.Generator]:

@@ -9,6 +9,7 @@ with d = 0 (no drafter calls). What is this loop's own: the batch-wide adaptive 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from typing import Iterator
@@ -20,7 +21,7 @@ from runtime.decoding.config import DecodeConfig, row_generators
 from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, decode_step
 from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, with_probes
 from runtime.drafters.base import Drafter
-from runtime.engines.onnx import Engine
+from runtime.engines.onnx import Engine, unpadded
 
 
 class SpeculativeLoop:
@@ -49,6 +50,11 @@ class SpeculativeLoop:
         return self.fallback_steps_left > 0
 
     def run(self) -> Iterator[list[tuple[DecodeRow, list[int]]]]:
+        """The batch's steps; with ``config.exact`` False the target's calls run unpadded (engines.onnx.unpadded)."""
+        with contextlib.nullcontext() if self.config.exact else unpadded(self.target):
+            yield from self._steps()
+
+    def _steps(self) -> Iterator[list[tuple[DecodeRow, list[int]]]]:
         start = time.perf_counter()
         running = self.rows
         for row in running:

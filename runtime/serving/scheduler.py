@@ -27,12 +27,12 @@ Two policies:
   would, whatever its draft length; a seeded sampled row always drafts its k (``pinned``: whether a step drafts
   changes how its random stream is used), so its text is the same whatever it runs with. Unseeded sampled rows follow
   the target's distribution exactly (each step is exact rejection sampling).
-- "throughput": the same, except that a step where no row drafts is one batched call of one token a row, unpadded
-  (the cheapest target-only step), and seeded sampled rows are planned like the others. Such a call runs other
-  attention and matmul kernels than a lone row's, and the int8-activation matmuls of a quantized target turn those
-  last-bit differences into logit differences of up to ~1: greedy answers stay the target's greedy choices on the
-  logits it computed, but can part from a lone run's at a near tie; seeded sampled text depends on what else runs
-  (its distribution does not).
+- "throughput": the same, except that no row is padded (a row that does not draft scores one token; a step where no
+  row drafts is one batched call of one token a row, the cheapest target-only step) and seeded sampled rows are
+  planned like the others. Such calls run other attention and matmul kernels than a lone row's, and the
+  int8-activation matmuls of a quantized target turn those last-bit differences into logit differences of up to ~1:
+  greedy answers stay the target's greedy choices on the logits it computed, but can part from a lone run's at a
+  near tie; seeded sampled text depends on what else runs (its distribution does not).
 
 ``plan=False`` (``--no-plan``): every row drafts its k at every step. Each request has its own drafter (its own draft
 cache), made by the generator as for a lone request.
@@ -41,6 +41,7 @@ cache), made by the generator as for a lone request.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 import time
@@ -55,6 +56,7 @@ from runtime.decoding.calls import prefill
 from runtime.decoding.config import DecodeConfig, row_generators
 from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, decode_step
 from runtime.drafters.base import Drafter
+from runtime.engines.onnx import unpadded
 from runtime.errors import RequestError
 from runtime.request import DecodeRequest
 from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
@@ -274,7 +276,8 @@ class Scheduler:
             return True
         speculate = any(plan.drafting)
         groups = [DraftGroup(row.drafter, [b]) for b, row in enumerate(self.rows)]
-        result = decode_step(self.target, self.cache, self.rows, groups, plan, isolate=isolated)
+        with contextlib.nullcontext() if self.policy == "exact" else unpadded(self.target):
+            result = decode_step(self.target, self.cache, self.rows, groups, plan, isolate=isolated)
         for b, row in enumerate(self.rows):
             isolated([row], self._after_step, row, plan.drafting[b], result.drafted[b], result.accepted[b],
                      result.new[b])
@@ -298,15 +301,14 @@ class Scheduler:
 
     def _plan(self) -> StepPlan:
         """This step's plan: how far each row drafts (``_draft_lengths``; 0: not at all) and which call scores
-        them. Every row is scored with the kernels it gets alone, all in one call where the target takes a ragged
-        batch (runtime/engines/onnx.py), except, under "throughput", a step where no row drafts: one batched call of
-        one token a row, unpadded."""
+        them: one call for every row where the target takes a ragged batch (runtime/engines/onnx.py), each row
+        padded as its lone call would be ("exact") or not at all ("throughput")."""
         idle = [bool(row.prefill_left) for row in self.rows]
         limits = [self._draft_limit(row) if row.drafter is not None and not i else 0
                   for row, i in zip(self.rows, idle)]
         ks = self._draft_lengths(limits)
-        plain = self.policy == "throughput" and not any(ks)
-        return StepPlan(ks, [k > 0 for k in ks], [not plain] * len(self.rows), idle=idle)
+        alone = None if self.policy == "throughput" else [True] * len(self.rows)
+        return StepPlan(ks, [k > 0 for k in ks], alone, idle=idle)
 
     def _draft_lengths(self, limits: list[int]) -> list[int]:
         """Each row's draft length: its limit until the costs are measured (or without ``plan``); else the lengths
@@ -315,8 +317,9 @@ class Scheduler:
         a seeded sampled row ("exact": whether it drafts changes how its random stream is used) at its limit."""
         if not self.plan or not self.costs.calibrated or not any(limits):
             return limits
-        inputs = PlanInputs([row.acceptance for row in self.rows], limits, shared_drafter=False,
-                            min_width=self.padding, plain_width=1 if self.policy == "throughput" else self.padding)
+        width = 1 if self.policy == "throughput" else self.padding
+        inputs = PlanInputs([row.acceptance for row in self.rows], limits, shared_drafter=False, min_width=width,
+                            plain_width=width)
         ks = with_probes(plan_draft_lengths(self.costs, inputs), limits, self.rows)
         fixed = [not row.config.plan or (self.policy == "exact" and row.pinned) for row in self.rows]
         ks = [limit if keep else k for k, limit, keep in zip(ks, limits, fixed)]
