@@ -180,11 +180,11 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
              check_identical: bool = False, timeout: float = 300.0, max_draft_tokens: int = 0,
              long_prompt_tokens: int = 0, long_fraction: float = 0.1, check_limit: int = 0,
              draft_tokens: int | None = None, idle_connections: int = 0, slow_header_clients: int = 0,
-             health_url: str | None = None) -> dict:
+             health_url: str | None = None, watch_stream: int = 0) -> dict:
     """Drive ``url`` (a server's base, with or without /v1) with ``clients`` concurrent streams; see the module
     docstring. Returns the report as a dict (counts, latency percentiles in seconds, tokens/s, RSS in MiB)."""
-    if clients < 1 or duration <= 0 or (max_requests is not None and max_requests < 1):
-        raise ValueError("clients and max_requests must be >= 1 and duration > 0")
+    if clients < (0 if watch_stream else 1) or duration <= 0 or (max_requests is not None and max_requests < 1):
+        raise ValueError("clients (0 only with watch_stream) and max_requests must be >= 1 and duration > 0")
     base = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = model or _first_model(base, headers, timeout)
@@ -211,14 +211,32 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
                 with lock:
                     outcomes.append(outcome)
 
+    watched: list[float] = []
+    clients_done = threading.Event()  # the watched stream stops with the clients (or at the duration without any)
+
+    def watch_loop() -> None:
+        """One more client, greedy, ``watch_stream`` tokens a request back to back: the gaps a running stream sees
+        while the others' requests are admitted (a long prompt's prefill must not stall it)."""
+        spec = Spec(prompt=prompts[0], max_tokens=watch_stream, temperature=0.0)
+        with httpx.Client(headers=headers, timeout=timeout) as client:
+            while time.perf_counter() - start < duration and not clients_done.is_set():
+                watched.extend(run_one(client, base, spec, model, chat).gaps)
+
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
-    for thread in threads:
+    watcher = threading.Thread(target=watch_loop, daemon=True)
+    for thread in threads + ([watcher] if watch_stream else []):
         thread.start()
     for thread in threads:
         thread.join()
+    if clients:
+        clients_done.set()
+    if watch_stream:
+        watcher.join()
     elapsed = time.perf_counter() - start
     rss.stop()
     report = _summary(outcomes, elapsed)
+    if watch_stream:
+        report["watched_stream_gap_s"] = _percentiles(watched)
     if idle_connections or slow_header_clients:
         report["hostile_connections"] = hostile.stop()
     if probe is not None:
@@ -370,11 +388,14 @@ class _RssSampler:
               help="Connections beside the clients that send a request's headers one byte every 2 s.")
 @click.option("--health-url", default=None,
               help="Time this health endpoint every 0.5 s during the run (a probe failing: not 200 within 1 s).")
+@click.option("--watch-stream", type=int, default=0, show_default=True,
+              help="One more client streams greedy requests of this many tokens back to back; its gaps between "
+                   "chunks are reported apart (what a running stream sees while the others are admitted).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def openai_load(url, client_levels, speculation, duration, max_requests, max_tokens, cancel_fraction, chat, model,
                 api_key, pid, check_identical, check_limit, max_draft_tokens, long_prompt_tokens, long_fraction,
-                idle_connections, slow_header_clients, health_url, seed, as_json):
+                idle_connections, slow_header_clients, health_url, watch_stream, seed, as_json):
     """Load the OpenAI-compatible server at URL with concurrent streaming clients and report what came back."""
     try:
         levels = [int(c) for c in str(client_levels).split(",")]
@@ -391,7 +412,7 @@ def openai_load(url, client_levels, speculation, duration, max_requests, max_tok
                                  max_draft_tokens=max_draft_tokens, long_prompt_tokens=long_prompt_tokens,
                                  long_fraction=long_fraction, draft_tokens=draft_tokens,
                                  idle_connections=idle_connections, slow_header_clients=slow_header_clients,
-                                 health_url=health_url))
+                                 health_url=health_url, watch_stream=watch_stream))
     if len(runs) == 1:
         _print_report(runs[0], as_json)
         return
@@ -454,6 +475,9 @@ def _print_report(report: dict, as_json: bool) -> None:
         h = report["hostile_connections"]
         click.echo(f"held beside: {h['idle']} idle and {h['slow_header']} slow-header connections ({h['opened']} "
                    f"opened, {h['closed_by_server']} closed by the server, {h['refused']} refused)")
+    if "watched_stream_gap_s" in report:
+        p = report["watched_stream_gap_s"]
+        click.echo(f"watched stream's gaps: p50 {p['p50']:.3f} s, p99 {p['p99']:.3f} s")
     if "health" in report:
         h = report["health"]
         click.echo(f"health: {h['probes']} probes, {h['failed']} failed, slowest {h['max_latency_s']:.3f} s")

@@ -334,11 +334,11 @@ def test_load_driver_runs_speculation_on_and_off_beside_hostile_connections(serv
     from bench.openai_load import level_summary, run_load
     runs = [run_load(served.url, clients=2, duration=60, max_requests=4, max_tokens=8, cancel_fraction=0.0,
                      seed=2, draft_tokens=draft, idle_connections=6, slow_header_clients=2,
-                     health_url=served.url + "/health") for draft in (None, 0)]
+                     health_url=served.url + "/health", watch_stream=6) for draft in (None, 0)]
     for run in runs:
         assert run["sent"] == 4 and run["answered"] == 4 and run["failed"] == run["lost"] == 0
         assert run["hostile_connections"]["opened"] >= 8 and run["health"]["failed"] == 0
-        assert run["health"]["probes"] >= 1
+        assert run["health"]["probes"] >= 1 and run["watched_stream_gap_s"]["n"] > 0
     on, off = (run["planned_draft_length"] for run in runs)
     assert sum(on["row_steps"].values()) > 0 and off["mean"] == 0 and set(off["row_steps"]) == {"0"}
     summary = level_summary(runs)
