@@ -17,7 +17,7 @@ def test_call_costs_interpolate_over_rows_and_width_and_extrapolate_past_them():
     model = costs({(1, 1): 1.0, (1, 3): 2.0, (4, 1): 2.0, (4, 3): 6.0})
     assert model.call_cost([1]) == pytest.approx(1.0)
     assert model.call_cost([2]) == pytest.approx(1.5)
-    assert model.call_cost([1, 3, 1, 3]) == pytest.approx(4.0)  # a ragged call: its mean width
+    assert model.call_cost([1, 3, 1, 1]) == pytest.approx(6.0)  # a ragged call: its widest row, every row
     assert model.call_cost([5]) == pytest.approx(3.0)  # past the widest: the last slope goes on
     assert model.call_cost([1] * 8) == pytest.approx(4.0)  # past the largest batch: its cost per row
     model.observe(predicted=1.0, measured=2.0)

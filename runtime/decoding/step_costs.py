@@ -34,11 +34,13 @@ class CostModel:
         return bool(self.call)
 
     def call_cost(self, widths: list[int]) -> float:
-        """One target call over rows of these widths (a ragged call costs about its mean width over all rows)."""
+        """One target call over rows of these widths. A ragged call costs its widest row's width over every row:
+        the graph's matmuls run every row's padded positions (only attention skips them), so rows drafting less
+        than the others save their draft calls, not target compute."""
         if not self.call or not widths:
             return 0.0
         sizes = sorted({r for r, _ in self.call})
-        per_size = [self._width_cost(r, float(np.mean(widths))) for r in sizes]
+        per_size = [self._width_cost(r, float(max(widths))) for r in sizes]
         rows = len(widths)
         cost = np.interp(rows, sizes, per_size) if rows <= sizes[-1] else per_size[-1] * rows / sizes[-1]
         return float(cost) * self.scale
