@@ -144,9 +144,10 @@ def _key_from_file(path: str, given: str | None) -> str:
 @click.option("--plan/--no-plan", "plan", default=True, show_default=True,
               help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
                    "request's acceptance; --no-plan: every request drafts its k.")
-@click.option("--prefill-chunk", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Prompt tokens prefilled per step while other requests decode (a long prompt never stalls them; "
-                   "0: each prompt prefilled whole at admission).")
+@click.option("--prefill-chunk", default="auto", show_default=True,
+              help="Prompt tokens prefilled per step while other requests decode, so a long prompt never stalls "
+                   "them: a number, auto (about one decode step's cost on the measured costs) or 0 (each prompt "
+                   "prefilled whole at admission).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="On SIGTERM: seconds running requests get to finish (keep it under the pod's grace period).")
 @click.option("--drain-linger", type=click.FloatRange(min=0), default=2.0, show_default=True,
@@ -193,9 +194,23 @@ def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue
               drain_linger=drain_linger, request_timeout=request_timeout, max_connections=max_connections,
               max_rows_per_client=max_rows_per_client, health_port=health_port,
               connection_limits=ConnectionLimits(header_timeout, max_connections_per_client or None), plan=plan,
-              prefill_chunk=prefill_chunk or None)
+              prefill_chunk=_prefill_chunk(prefill_chunk))
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None
+
+
+def _prefill_chunk(value: str) -> int | str | None:
+    """--prefill-chunk as the scheduler takes it: "auto", a token count, or None for 0 (whole prompts)."""
+    if value == "auto":
+        return value
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a number of tokens, auto or 0, received {value!r}",
+                                 param_hint="--prefill-chunk") from None
+    if tokens < 0:
+        raise click.BadParameter("expected tokens >= 0", param_hint="--prefill-chunk")
+    return tokens or None
 
 
 # Commands other packages own, added when importable: the one place the runtime names them (tests/test_layout.py);

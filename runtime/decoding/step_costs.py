@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 WIDTHS = (1, 2, 3, 5, 9)  # tokens a row in a calibrated call (more are interpolated linearly from the last two)
+PREFILL_WIDTH = 32  # a lone row's call this wide is timed too: what a token of a prompt chunk costs
 PROBE_EVERY = 16  # a row the plan keeps from drafting drafts one token after this many steps (its acceptance moves)
 
 
@@ -75,6 +76,8 @@ class CostModel:
                 self.call[(rows, width)] = timed_call(target, rows, width, past, repeats)
             if draft is not None:
                 self.draft[rows] = timed_call(draft, rows, 1, past, repeats)
+        # a prompt chunk's cost per token (a server's chunked prefill is sized by it)
+        self.call[(1, PREFILL_WIDTH)] = timed_call(target, 1, PREFILL_WIDTH, past, repeats)
 
 
 def timed_call(engine, rows: int, width: int, past: int, repeats: int) -> float:

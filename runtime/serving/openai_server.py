@@ -633,7 +633,7 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
           drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512,
           max_rows_per_client: int | None = None, health_port: int | None = None,
           connection_limits: ConnectionLimits | None = None, plan: bool = True,
-          prefill_chunk: int | None = PREFILL_CHUNK) -> None:
+          prefill_chunk: int | str | None = PREFILL_CHUNK) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most

@@ -60,12 +60,14 @@ from runtime.engines.onnx import unpadded
 from runtime.errors import RequestError
 from runtime.request import DecodeRequest
 from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
-from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
+from runtime.decoding.step_costs import (PREFILL_WIDTH, CostModel, PlanInputs, plan_draft_lengths, step_cost,
+                                         with_probes)
 from runtime.serving.health import FaultWatch
 from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
 
 POLICIES = ("exact", "throughput")
-PREFILL_CHUNK = 64  # prompt tokens prefilled per step while other rows decode (a long prompt never stalls them)
+PREFILL_CHUNK = "auto"  # prompt tokens prefilled per step while other rows decode: about one step's cost (_chunk)
+CHUNK_BOUNDS = (2, 256)  # the "auto" chunk's bounds (tokens); 64 before the costs are measured
 PENDING = object()  # an admitted prompt left to the steps' prefill chunks
 
 
@@ -120,7 +122,7 @@ class Scheduler:
 
     def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
                  max_wait: float = 60.0, policy: str = "exact", plan: bool = True,
-                 max_rows_per_client: int | None = None, prefill_chunk: int | None = PREFILL_CHUNK):
+                 max_rows_per_client: int | None = None, prefill_chunk: int | str | None = PREFILL_CHUNK):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
         if max_batch < 1 or max_queue < 1:
@@ -135,8 +137,10 @@ class Scheduler:
         self.waiting: deque[_Waiting] = deque()
         self.costs = CostModel()
         self.plan = plan
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1 (or None: every prompt prefilled whole at admission)")
+        if prefill_chunk is not None and prefill_chunk != "auto" and not (isinstance(prefill_chunk, int)
+                                                                         and prefill_chunk >= 1):
+            raise ValueError("prefill_chunk must be an integer >= 1, 'auto' (about one step's cost) or None (every "
+                             "prompt prefilled whole at admission)")
         self.prefill_chunk = prefill_chunk
         # an engine whose chunked prefill scores otherwise on this CPU (the load-time check) prefills whole
         self._chunks = prefill_chunk is not None and getattr(self.target, "prefills_in_chunks", True)
@@ -384,7 +388,7 @@ class Scheduler:
         TensorRT-LLM's chunked prefill): a long prompt's admission costs the running rows one chunk a step, not its
         whole prefill at once. A row whose prompt is done hands its hidden states to its drafter and decodes from
         this step on. Returns the seconds spent."""
-        start, budget = time.perf_counter(), self.prefill_chunk or 0
+        start, budget = time.perf_counter(), self._chunk() if self._chunks else 0
         for b, row in enumerate(self.rows):
             if budget <= 0:
                 break
@@ -393,6 +397,19 @@ class Scheduler:
                 isolated([row], self._prefill_part, b, row, take)
                 budget -= take
         return time.perf_counter() - start
+
+    def _chunk(self) -> int:
+        """Prompt tokens a step prefills: ``prefill_chunk``, or with "auto" as many as cost about one decode step of
+        the running batch on the measured costs (so a running stream's gaps at most about double while a long
+        prompt is admitted; the prompt's own first token comes later the smaller it is), within CHUNK_BOUNDS."""
+        if self.prefill_chunk != "auto":
+            return int(self.prefill_chunk)
+        if not self.costs.calibrated:
+            return 64
+        step = self.costs.call_cost([self.padding] * max(1, len(self.rows)))
+        per_token = self.costs.call_cost([PREFILL_WIDTH]) / PREFILL_WIDTH  # a lone row's chunk of a prompt
+        low, high = CHUNK_BOUNDS
+        return int(np.clip(step / per_token, low, high)) if per_token > 0 else high
 
     def _prefill_part(self, b: int, row: _Row, take: int) -> None:
         state = self.target.prefill_row(self.cache, b, row.prefill_left[:take])
@@ -429,7 +446,7 @@ class Scheduler:
             return [err] * len(taken)
         states = []
         for i, w in enumerate(taken):
-            if self._chunks and len(w.prompt) - 1 > self.prefill_chunk:
+            if self._chunks and len(w.prompt) - 1 > self._chunk():
                 states.append(PENDING)
                 continue
             try:
