@@ -206,6 +206,18 @@ def _int4(src, dst):
     quantize(src, dst, "int4", 32, False, 4)
 
 
+def _padded_target(tiny_pair, tmp_path, quant: str):
+    """The tiny target's fused engine at fp32 or int4, its one-token calls padded to two (min_call_tokens=2)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    _, info = _fused(model, tmp_path / "fp32.onnx")
+    path = tmp_path / "fp32.onnx"
+    if quant == "int4":
+        _int4(path, tmp_path / "int4.onnx")
+        path = tmp_path / "int4.onnx"
+    return _engine(path, info, min_call_tokens=2)
+
+
 def _scores(engine, prompt, tokens, one_at_a_time: bool) -> np.ndarray:
     cache = engine.new_cache(1)
     engine.forward(cache, np.array([prompt]))
@@ -219,14 +231,7 @@ def test_a_verify_call_scores_each_token_as_one_token_calls_do(tiny_pair, tmp_pa
     """Greedy identity rests on this: the target's logits for a token must not depend on how many tokens the call
     carries. Bit for bit at every precision, because a fused target's one-token calls are padded to two
     (min_call_tokens=2) and take the same many-row kernels as a verify call (matmuls and attention alike)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
-    _, info = _fused(model, tmp_path / "fp32.onnx")
-    path = tmp_path / "fp32.onnx"
-    if quant == "int4":
-        _int4(path, tmp_path / "int4.onnx")
-        path = tmp_path / "int4.onnx"
-    engine = _engine(path, info, min_call_tokens=2)
+    engine = _padded_target(tiny_pair, tmp_path, quant)
     rng = np.random.default_rng(0)
     for _ in range(3):
         prompt, tokens = rng.integers(0, 300, 9).tolist(), rng.integers(0, 300, 5).tolist()
@@ -239,14 +244,7 @@ def test_a_batched_verify_call_scores_every_row_as_that_row_alone_in_one_run(tin
     """Batched verification rests on this: one session run scores every row's own chunk after its own past (a ragged
     batch: the graph's query_lengths), and each row's logits, hidden states and cache are bit for bit those of the
     row's own calls alone, with a row of one token, a row of none and a row of five among them."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
-    _, info = _fused(model, tmp_path / "fp32.onnx")
-    path = tmp_path / "fp32.onnx"
-    if quant == "int4":
-        _int4(path, tmp_path / "int4.onnx")
-        path = tmp_path / "int4.onnx"
-    engine = _engine(path, info, min_call_tokens=2)
+    engine = _padded_target(tiny_pair, tmp_path, quant)
     assert engine.ragged
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 300, n).tolist() for n in (9, 4, 13, 6)]
