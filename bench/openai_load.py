@@ -23,12 +23,13 @@ import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import click
 import httpx
 
 from bench.hostile_load import HealthProbe, HostileConnections
+from bench.openai_report import levels_report, run_report
+from bench.procmem import RssSampler
 import numpy as np
 
 PROMPTS = (
@@ -191,7 +192,10 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
     outcomes: list[Outcome] = []
     lock, counter = threading.Lock(), iter(range(max_requests or 1 << 62))
     long_text = long_prompt_of(long_prompt_tokens) if long_prompt_tokens else ""
-    rss = _RssSampler(pid)
+    try:
+        rss = RssSampler(pid)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
     lengths_before = draft_length_counts(base, headers, timeout)
     address = httpx.URL(base)
     hostile = HostileConnections(address.host, address.port or 80, idle_connections, slow_header_clients).start()
@@ -324,37 +328,6 @@ def _message(text: str) -> str:
         return text[:200]
 
 
-class _RssSampler:
-    """The server's resident memory (MiB) from /proc every half second, while the load runs (Linux)."""
-
-    def __init__(self, pid: int | None, every: float = 0.5):
-        self.samples: list[tuple[float, float]] = []  # (seconds since start, MiB)
-        self._stop = threading.Event()
-        self._start = time.perf_counter()
-        if pid is None:
-            return
-        self._status = Path(f"/proc/{pid}/status")
-        if not self._status.is_file():
-            raise click.ClickException(f"--pid {pid}: no such process here (the server must run on this machine)")
-        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
-        self._thread.start()
-
-    def _run(self, every: float) -> None:
-        while True:
-            try:
-                line = next(ln for ln in self._status.read_text().splitlines() if ln.startswith("VmRSS:"))
-                self.samples.append((time.perf_counter() - self._start, int(line.split()[1]) / 1024))
-            except (OSError, StopIteration):
-                return
-            if self._stop.wait(every):
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-        if hasattr(self, "_thread"):
-            self._thread.join()
-
-
 @click.command("openai-load")
 @click.argument("url")
 @click.option("--clients", "client_levels", default="8", show_default=True,
@@ -414,72 +387,6 @@ def openai_load(url, client_levels, speculation, duration, max_requests, max_tok
                                  idle_connections=idle_connections, slow_header_clients=slow_header_clients,
                                  health_url=health_url, watch_stream=watch_stream))
     if len(runs) == 1:
-        _print_report(runs[0], as_json)
+        click.echo(run_report(runs[0], as_json))
         return
-    summary = level_summary(runs)
-    if as_json:
-        click.echo(json.dumps({"levels": summary, "runs": runs}, indent=2))
-        return
-    for run in runs:
-        click.echo(f"--- {run['clients']} clients, speculation {'on' if run['speculation'] else 'off'}")
-        _print_report(run, False)
-    click.echo("clients  speculative tok/s  plain tok/s  ratio  TTFT p95 (s)  mean planned k")
-    for row in summary:
-        click.echo(f"{row['clients']:>7}  {row.get('speculative', 0):>17.1f}  {row.get('plain', 0):>11.1f}  "
-                   f"{row.get('ratio', 0):>5.2f}  {row.get('ttft_p95_s', 0):>12.3f}  "
-                   f"{row.get('mean_planned_k', 0):>14.2f}")
-
-
-def level_summary(runs: list[dict]) -> list[dict]:
-    """Per client level: speculative and plain (speculation off) tokens/s, their ratio, the speculative run's p95
-    time to first text and the mean draft length the server planned; the speculative throughput against one
-    client's (``scaling``)."""
-    levels: dict[int, dict] = {}
-    for run in runs:
-        row = levels.setdefault(run["clients"], {"clients": run["clients"]})
-        kind = "speculative" if run["speculation"] else "plain"
-        row[kind] = run["output_tokens_per_s"]
-        row[f"{kind}_ttft_p95_s"] = run["ttft_s"]["p95"]
-        if run["speculation"]:
-            row["ttft_p95_s"] = run["ttft_s"]["p95"]
-            row["mean_planned_k"] = run.get("planned_draft_length", {}).get("mean", 0.0)
-    out = [levels[c] for c in sorted(levels)]
-    one = levels.get(1, {}).get("speculative")
-    for row in out:
-        if "speculative" in row and "plain" in row and row["plain"]:
-            row["ratio"] = row["speculative"] / row["plain"]
-        if one and "speculative" in row:
-            row["scaling"] = row["speculative"] / one
-    return out
-
-
-def _print_report(report: dict, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-        return
-    click.echo(f"{report['sent']} sent: {report['answered']} answered, {report['cancelled']} cancelled, "
-               f"{report['failed']} failed, {report['lost']} lost in {report['duration_s']:.1f} s")
-    click.echo(f"output: {report['output_tokens']} tokens, {report['output_tokens_per_s']:.1f} tok/s")
-    for name, label in (("ttft_s", "time to first text"), ("itl_s", "inter-chunk latency")):
-        p = report[name]
-        click.echo(f"{label}: p50 {p['p50']:.3f} s, p95 {p['p95']:.3f} s, p99 {p['p99']:.3f} s")
-    if "server_rss_mib" in report:
-        r = report["server_rss_mib"]
-        click.echo(f"server RSS: {r['start']:.0f} MiB at start, {r['peak']:.0f} peak, {r['end']:.0f} at the end; "
-                   f"{100 * r['growth_after_first_minute']:+.1f}% after the first minute")
-    if "identical" in report:
-        i = report["identical"]
-        click.echo(f"identical to alone: {i['checked'] - i['mismatches']}/{i['checked']} "
-                   f"({i['distinct']} distinct requests)")
-    if "hostile_connections" in report:
-        h = report["hostile_connections"]
-        click.echo(f"held beside: {h['idle']} idle and {h['slow_header']} slow-header connections ({h['opened']} "
-                   f"opened, {h['closed_by_server']} closed by the server, {h['refused']} refused)")
-    if "watched_stream_gap_s" in report:
-        p = report["watched_stream_gap_s"]
-        click.echo(f"watched stream's gaps: p50 {p['p50']:.3f} s, p99 {p['p99']:.3f} s")
-    if "health" in report:
-        h = report["health"]
-        click.echo(f"health: {h['probes']} probes, {h['failed']} failed, slowest {h['max_latency_s']:.3f} s")
-    for error in report["errors"]:
-        click.echo(f"error: {error}")
+    click.echo(levels_report(runs, as_json))

@@ -5,6 +5,8 @@ children, so what it holds is the sum over its descendants. Used by ``draftsmith
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 
@@ -69,3 +71,34 @@ def stub_pids(server_pid: int) -> list[int]:
         except OSError:
             continue
     return out
+
+
+class RssSampler:
+    """A server's resident memory (MiB) from /proc every half second while a load runs (bench/openai_load.py)."""
+
+    def __init__(self, pid: int | None, every: float = 0.5):
+        self.samples: list[tuple[float, float]] = []  # (seconds since start, MiB)
+        self._stop = threading.Event()
+        self._start = time.perf_counter()
+        if pid is None:
+            return
+        self._status = Path(f"/proc/{pid}/status")
+        if not self._status.is_file():
+            raise ValueError(f"--pid {pid}: no such process here (the server must run on this machine)")
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while True:
+            try:
+                line = next(ln for ln in self._status.read_text().splitlines() if ln.startswith("VmRSS:"))
+                self.samples.append((time.perf_counter() - self._start, int(line.split()[1]) / 1024))
+            except (OSError, StopIteration):
+                return
+            if self._stop.wait(every):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if hasattr(self, "_thread"):
+            self._thread.join()

@@ -135,6 +135,8 @@ def _score(session, entry, past_buffers, tokens, past, positions=None, bias=None
     binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
     binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
     names = {i.name for i in session.get_inputs()}
+    if "query_lengths" in names:  # a graph with batched verify calls (builder/graph.py): one row, all of it real
+        binding.bind_cpu_input("query_lengths", np.array([len(tokens)], np.int32))
     if "position_ids" in names:
         positions = list(range(past, total)) if positions is None else positions
         bias = np.zeros((1, 1, len(tokens), total), np.float32) if bias is None else bias

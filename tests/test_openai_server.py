@@ -331,7 +331,8 @@ def test_load_driver_runs_speculation_on_and_off_beside_hostile_connections(serv
     """openai-load's comparison (the same server with speculation off: num_draft_tokens 0), the draft lengths the
     server's step plan chose during each run (from /metrics), and the soak's companions: idle and slow-header
     connections held open from other source addresses, and a health probe timed the whole time."""
-    from bench.openai_load import level_summary, run_load
+    from bench.openai_load import run_load
+    from bench.openai_report import level_summary
     runs = [run_load(served.url, clients=2, duration=60, max_requests=4, max_tokens=8, cancel_fraction=0.0,
                      seed=2, draft_tokens=draft, idle_connections=6, slow_header_clients=2,
                      health_url=served.url + "/health", watch_stream=6) for draft in (None, 0)]
