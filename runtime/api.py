@@ -357,19 +357,20 @@ def bundle_tokenizer(folder: Path) -> Tokenizer:
     return load_tokenizer(root, load_manifest(root, verify=False))
 
 
-def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True) -> Tokenizer:
-    """The bundle's tokenizer, made from its files' verified bytes.
+def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True, folder: str = "tokenizer") -> Tokenizer:
+    """The bundle's tokenizer (``folder``: another one it holds, a draft's own), made from its files' verified bytes.
 
-    Each listed ``tokenizer/`` file is read once and checked (``read_verified``), then written to a private
+    Each listed file of the folder is read once and checked (``read_verified``), then written to a private
     temporary folder for Tokenizer to read, so a file swapped in the bundle after verification cannot reach it.
     """
-    files = {rel[len("tokenizer/"):]: read_verified(root, manifest, rel, verify)
-             for rel in sorted(manifest.files) if rel.startswith("tokenizer/")}
+    prefix = folder.rstrip("/") + "/"
+    files = {rel[len(prefix):]: read_verified(root, manifest, rel, verify)
+             for rel in sorted(manifest.files) if rel.startswith(prefix)}
     if "tokenizer.json" not in files:
-        raise BundleError(f"{root}: the manifest lists no tokenizer/tokenizer.json; rebuild the bundle")
-    with tempfile.TemporaryDirectory(prefix="draftsmith-tokenizer-") as folder:
+        raise BundleError(f"{root}: the manifest lists no {prefix}tokenizer.json; rebuild the bundle")
+    with tempfile.TemporaryDirectory(prefix="draftsmith-tokenizer-") as private:
         for rel, data in files.items():
-            path = Path(folder, rel)
+            path = Path(private, rel)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        return Tokenizer(Path(folder))
+        return Tokenizer(Path(private))

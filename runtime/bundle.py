@@ -9,6 +9,7 @@ A bundle is one directory::
     target/model.onnx      (+ model.onnx.data) the target engine
     draft/model.onnx       the draft engine
     tokenizer/             tokenizer.json (+ config files)
+    draft/tokenizer/       the draft's own tokenizer, where it differs from the target's
 
 This module is the light side (no torch): the builder imports it to write a bundle, the runtime, the bench and the
 Triton generator import it to read one. ``manifest.json`` is written last and the directory is renamed into place
@@ -227,11 +228,19 @@ class ModelEntry:
     # The source checkpoint's absolute path when the bundle was built (``source`` may be relative to that folder):
     # lets the bench's peers reload it from any working directory. "": bundles built before this field.
     source_resolved: str = ""
+    # A draft with a tokenizer of its own (another model family; runtime/text/vocab_bridge.py): the bundle folder
+    # holding its tokenizer.json, e.g. "draft/tokenizer". "": the target's tokenizer (the same vocabulary).
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         _check_relative(self.engine, f"{self.role}.engine")
         if self.vocab_map:
             _check_relative(self.vocab_map, f"{self.role}.vocab_map")
+        if self.tokenizer:
+            _check_relative(self.tokenizer, f"{self.role}.tokenizer")
+            if self.role != "draft":
+                raise ValueError(f"{self.role}.tokenizer: only a draft may have a tokenizer of its own, received "
+                                 f"{self.tokenizer!r}")
 
 
 @raising(ValueError)
