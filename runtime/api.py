@@ -28,6 +28,7 @@ from runtime.engines.sessions import make_session, providers_for
 from runtime.request import DecodeRequest, check_text, decode_request
 from runtime.decoding.sampling import SamplingParams
 from runtime.text.tokenizer import IncrementalDecoder, Tokenizer, cut_at_stop
+from runtime.text.vocab_bridge import VocabBridge
 
 
 @dataclass
@@ -47,8 +48,9 @@ class SpeculativeGenerator:
     """Draft-then-verify generation over one bundle. Thread-compatible: one request at a time per instance."""
 
     def __init__(self, manifest: Manifest, target: Engine, draft: Engine | None, tokenizer: Tokenizer,
-                 eos_ids: tuple[int, ...] = (), max_k: int | None = None):
+                 eos_ids: tuple[int, ...] = (), max_k: int | None = None, bridge: VocabBridge | None = None):
         self.manifest, self.target, self.draft, self.tokenizer = manifest, target, draft, tokenizer
+        self.bridge = bridge  # the vocabularies' bridge where the draft has a tokenizer of its own
         self.eos_ids = tuple(eos_ids)
         self.default_k = manifest.default_k if manifest else 4
         self.default_drafter = manifest.spec.drafter if manifest else "model"
@@ -77,7 +79,12 @@ class SpeculativeGenerator:
         tokenizer = load_tokenizer(root, manifest, verify)
         engines = open_engines(root, manifest, tokenizer.vocab_size, ("target", "draft"), threads, draft_threads,
                                providers, device, device_id, verify=verify)
-        return cls(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids)
+        bridge = None
+        if manifest.draft.tokenizer:  # a draft of another family: its tokenizer, bridged to the target's
+            draft_tokenizer = load_tokenizer(root, manifest, verify, folder=manifest.draft.tokenizer)
+            bridge = VocabBridge.between(tokenizer.fast, draft_tokenizer.fast, engines["target"].vocab_size,
+                                         engines["draft"].vocab_size)
+        return cls(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids, bridge=bridge)
 
     # --- requests -------------------------------------------------------------------------------------------------
 
@@ -158,7 +165,7 @@ class SpeculativeGenerator:
                 if row.finished:
                     row.stats.finish_reason = row.finished
                     row.stats.prompt_tokens = len(row.prompt)
-                    self.metrics.add(row.stats)
+                    self.metrics.add(row.stats, self.drafter_name(request) if drafter is not None else "")
                     done = Generation(texts[row.index], list(row.generated), len(row.prompt), row.finished,
                                       row.stats, row.logprobs, row.top_logprobs)
                 if piece or done is not None:
@@ -231,6 +238,10 @@ class SpeculativeGenerator:
                                "leaving no room to generate. Shorten the prompt.")
         return ids
 
+    def drafter_name(self, request: DecodeRequest) -> str:
+        """The drafter kind a request runs with (its own, or the bundle's default): the label of its metrics."""
+        return request.drafter or self.default_drafter
+
     def new_drafter(self, mode: str, kind: str | None, confidence: float | None) -> Drafter | None:
         """A new drafter for one request (a DecodeRequest's mode, drafter and draft_confidence; None: the bundle's
         defaults); None in mode "target", or when the kind needs the draft engine and there is none."""
@@ -241,7 +252,7 @@ class SpeculativeGenerator:
             return None
         return make_drafter(kind, DraftSources(self.target.vocab_size, self.draft,
                                                getattr(self.target, "has_hidden", False), self.suffix_corpus,
-                                               confidence))
+                                               confidence, self.bridge))
 
 
 def merged_request(request: DecodeRequest | None, options: dict) -> DecodeRequest:
@@ -288,7 +299,8 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
         if entry.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
             kept = kept_ids(read_verified(root, manifest, entry.vocab_map, verify), entry.vocab_map)
             engine = MappedVocabEngine(engine, kept, manifest.target.vocab_size)
-        engine.vocab_size = min(engine.vocab_size, tokenizer_vocab)
+        if not entry.tokenizer:  # a draft with its own tokenizer reads logits over its own vocabulary
+            engine.vocab_size = min(engine.vocab_size, tokenizer_vocab)
         if entry.role == "target" and entry.graph == "fused" and "CPUExecutionProvider" == _first(providers):
             check_call_shapes(engine, root)
         engines[entry.role] = engine

@@ -161,13 +161,19 @@ class MetricsRegistry:
         self.fallback_active = False  # True while decoding target-only because acceptance fell low (on_fallback)
         self.ttft = LatencyHistogram(TTFT_BUCKETS)
         self.inter_token = LatencyHistogram(ITL_BUCKETS)
+        self.by_drafter: dict[str, list[int]] = {}  # drafter kind -> [draft tokens, accepted tokens]
         self._registry = None
 
-    def add(self, stats: RequestStats) -> None:
+    def add(self, stats: RequestStats, drafter: str = "") -> None:
         """Count a finished request: its counters, its time to first token and its inter-token latency, (total -
-        TTFT) / (tokens - 1)."""
+        TTFT) / (tokens - 1); with ``drafter`` (its kind), its draft and accepted tokens under that label too: the
+        acceptance of each method a bundle serves."""
         with self._lock:
             self.total.merge(stats)
+            if drafter:
+                counts = self.by_drafter.setdefault(drafter, [0, 0])
+                counts[0] += stats.num_draft_tokens
+                counts[1] += stats.num_accepted_tokens
             self.requests += 1
             if stats.num_emitted_tokens:
                 self.ttft.observe(stats.time_to_first_token)
@@ -213,6 +219,7 @@ class MetricsRegistry:
             for i, rate in enumerate(t.acceptance_per_position):
                 by_position.add_metric([str(i + 1)], rate)
             out.append(by_position)
+            out += self._by_drafter()
             for name, help_text, histogram in (
                     ("time_to_first_token_seconds", "Seconds from a request's start (prefill included) to its first "
                      "token", self.ttft),
@@ -221,6 +228,16 @@ class MetricsRegistry:
                 out.append(HistogramMetricFamily(f"{p}_{name}", help_text, sum_value=histogram.total,
                                                  buckets=[(floatToGoString(b), c) for b, c in histogram.cumulative()]))
         return out
+
+    def _by_drafter(self) -> list:
+        from prometheus_client.core import CounterMetricFamily
+        families = [CounterMetricFamily(f"{self.prefix}_{name}", text, labels=["drafter"]) for name, text in (
+            ("drafter_draft_tokens", "Draft tokens proposed, by drafter kind"),
+            ("drafter_accepted_tokens", "Draft tokens accepted, by drafter kind"))]
+        for drafter, counts in sorted(self.by_drafter.items()):
+            for family, count in zip(families, counts):
+                family.add_metric([drafter], count)
+        return families
 
 
 class _Families:

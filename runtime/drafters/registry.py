@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from runtime.drafters.base import Drafter
+from runtime.drafters.cross_vocab import CrossVocabDrafter
 from runtime.drafters.feature import FeatureDrafter
 from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import PromptLookupDrafter
@@ -24,6 +25,7 @@ class DraftSources:
     target_has_hidden: bool  # the target engine returns its final hidden states (a feature draft's input)
     suffix_corpus: SuffixCorpus | None  # earlier responses a server shares among suffix drafters
     confidence: float  # a model drafter stops a row's draft when its top probability falls below this
+    bridge: object | None = None  # a VocabBridge where the draft has a tokenizer of its own (None: the target's)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class DrafterKind:
 
 def model_drafter(sources: DraftSources) -> Drafter:
     """The draft engine's drafter: a feature draft (its graph takes the target's hidden states) or a model."""
+    if sources.bridge is not None:
+        raise RequestError("this bundle's draft has a tokenizer of its own: its drafters are 'tli' and 'string' "
+                           "(or the model-free 'prompt_lookup' and 'suffix')")
     if getattr(sources.draft, "takes_features", False):  # an engine's graph, not a drafter capability
         if not sources.target_has_hidden:
             raise RequestError("this bundle's draft drafts from the target's hidden states, but its target engine "
@@ -57,6 +62,15 @@ def _hybrid_suffix(sources: DraftSources) -> Drafter:
     return HybridDrafter(model_drafter(sources), sources.vocab_size, free=confident)
 
 
+def _cross(method: str) -> Callable[[DraftSources], Drafter]:
+    def make(sources: DraftSources) -> Drafter:
+        if sources.bridge is None:
+            raise RequestError(f"the {method!r} drafter drafts with a tokenizer other than the target's; this "
+                               "bundle's draft shares the target's: use 'model'")
+        return CrossVocabDrafter(sources.draft, sources.bridge, method, sources.vocab_size, sources.confidence)
+    return make
+
+
 REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("model", "the bundle's draft engine (a draft model, or a feature draft over the target's hidden "
                 "states)", True, model_drafter),
@@ -68,6 +82,10 @@ REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in (
                 False, _suffix),
     DrafterKind("hybrid_suffix", "the suffix drafter where it is sure, the draft engine elsewhere", True,
                 _hybrid_suffix),
+    DrafterKind("tli", "a draft with its own tokenizer, drafting inside the tokens both vocabularies share "
+                "(exact for greedy and sampled decoding)", True, _cross("tli")),
+    DrafterKind("string", "a draft with its own tokenizer: its greedy text re-tokenized for the target, kept where "
+                "it is the target's own choice", True, _cross("string")),
 )}
 DRAFTERS = tuple(REGISTRY)  # the names, in the order help texts list them
 

@@ -79,6 +79,7 @@ class _Row(DecodeRow):
     stops: tuple[str, ...]
     drafter: Drafter | None
     decoder: IncrementalDecoder
+    drafter_name: str  # its drafter's kind ("": none), the label of its acceptance metrics
     deadline: float | None
     text: str = ""
     client: str = ""  # who sent it (_Waiting.client)
@@ -507,7 +508,8 @@ class Scheduler:
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
         return _Row(handle=w.handle, prompt=w.prompt, config=w.config, stops=w.stops, drafter=drafter, rng=rng,
-                    decoder=IncrementalDecoder(self.generator.tokenizer), deadline=deadline, client=w.client)
+                    decoder=IncrementalDecoder(self.generator.tokenizer), deadline=deadline, client=w.client,
+                    drafter_name=self.generator.drafter_name(w.request) if drafter is not None else "")
 
     def _interrupted(self, row: _Row) -> str:
         if row.handle.cancelled:
@@ -534,7 +536,7 @@ class Scheduler:
             tail = row.decoder.flush() if reason in ("cancelled", "timeout") else ""
             row.text += tail
             row.stats.finish_reason, row.stats.prompt_tokens = reason, len(row.prompt)
-            self.generator.metrics.add(row.stats)
+            self.generator.metrics.add(row.stats, row.drafter_name)
             key = {"cancelled": "cancelled", "timeout": "timed_out"}.get(reason, "finished")
             self.counters[key] += 1
             row.handle.send(Event(tail, [], final=Generation(row.text, list(row.generated), len(row.prompt), reason,

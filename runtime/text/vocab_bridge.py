@@ -68,6 +68,15 @@ class VocabBridge:
         output head: a padded head's extra rows, or a tokenizer longer than the head)."""
         target_bytes, target_special = token_table(target_fast)
         draft_bytes, draft_special = token_table(draft_fast)
+        return cls.from_tables(target_fast, draft_fast, (target_bytes, target_special), (draft_bytes, draft_special),
+                               target_vocab, draft_vocab)
+
+    @classmethod
+    def from_tables(cls, target_fast, draft_fast, target_table: tuple[list[bytes], np.ndarray],
+                    draft_table: tuple[list[bytes], np.ndarray], target_vocab: int | None = None,
+                    draft_vocab: int | None = None) -> "VocabBridge":
+        """The bridge of two vocabularies given as (bytes of every id, which ids are special) (``token_table``)."""
+        (target_bytes, target_special), (draft_bytes, draft_special) = target_table, draft_table
         target_vocab = len(target_bytes) if target_vocab is None else min(target_vocab, len(target_bytes))
         draft_vocab = len(draft_bytes) if draft_vocab is None else min(draft_vocab, len(draft_bytes))
         by_text = {}

@@ -1,0 +1,221 @@
+"""Drafts with a tokenizer of their own (runtime/drafters/cross_vocab.py): both methods exact, greedy and sampled.
+
+Scripted engines over two small made-up vocabularies that share some tokens under other ids and each hold one the
+other lacks, so the draft's context must travel as text and the intersection matters; then the tiny cross bundle
+(a real byte-level BPE pair) end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from fakes import (LENGTH, BigramEngine, assert_follows_target, exact_prefixes, point_mass_laws,
+                   prefix_frequencies, random_table, run_loop, total_variation, tv_bound)
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.loop import SpeculativeLoop
+from runtime.decoding.sampling import SamplingParams, probabilities
+from runtime.drafters.cross_vocab import CrossVocabDrafter
+from runtime.text.vocab_bridge import VocabBridge, split_utf8
+
+TARGET_TOKENS = ["a", "b", "c", "d", "ab"]  # "ab": the target's alone
+DRAFT_TOKENS = ["cd", "d", "c", "b", "a"]  # "cd": the draft's alone; the shared four under other ids
+
+
+@dataclass
+class _Encoding:
+    ids: list[int]
+
+
+class WordTokenizer:
+    """Greedy longest match over a fixed list of tokens (the ``encode`` a VocabBridge calls)."""
+
+    def __init__(self, tokens: list[str]):
+        self.ids = {token: i for i, token in enumerate(tokens)}
+        self.longest = max(len(t) for t in tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
+        ids, at = [], 0
+        while at < len(text):
+            for width in range(min(self.longest, len(text) - at), 0, -1):
+                if text[at: at + width] in self.ids:
+                    ids.append(self.ids[text[at: at + width]])
+                    at += width
+                    break
+            else:
+                at += 1  # a character neither vocabulary holds: dropped
+        return _Encoding(ids)
+
+
+def word_bridge() -> VocabBridge:
+    def table(tokens):
+        return [t.encode() for t in tokens], np.zeros(len(tokens), bool)
+    return VocabBridge.from_tables(WordTokenizer(TARGET_TOKENS), WordTokenizer(DRAFT_TOKENS), table(TARGET_TOKENS),
+                                   table(DRAFT_TOKENS))
+
+
+def cross_loop(method: str, target_table, draft_table, prompts, config: DecodeConfig) -> SpeculativeLoop:
+    drafter = CrossVocabDrafter(BigramEngine(draft_table), word_bridge(), method, len(TARGET_TOKENS))
+    return SpeculativeLoop(BigramEngine(target_table), drafter, prompts, config)
+
+
+def target_only(target_table, prompt: list[int], new: int) -> list[int]:
+    out, last = [], prompt[-1]
+    for _ in range(new):
+        last = int(np.argmax(target_table[last]))
+        out.append(last)
+    return out
+
+
+# --- the bridge ---------------------------------------------------------------------------------------------------
+
+def test_the_bridge_pairs_tokens_by_their_bytes_both_ways():
+    bridge = word_bridge()
+    assert bridge.shared == 4
+    assert bridge.target_to_draft.tolist() == [4, 3, 2, 1, -1]
+    assert bridge.draft_to_target.tolist() == [-1, 3, 2, 1, 0]
+    assert bridge.overlap([0, 1, 4, 4]) == 0.5
+
+
+def test_special_tokens_pair_only_with_special_tokens():
+    target = ([b"<s>", b"x"], np.array([True, False]))
+    draft = ([b"x", b"<s>"], np.array([False, False]))  # the draft's "<s>" is plain text
+    bridge = VocabBridge.from_tables(None, None, target, draft)
+    assert bridge.target_to_draft.tolist() == [-1, 0]
+
+
+@pytest.mark.parametrize("data, text, carry", [("日本".encode()[:-1], "日", b"\xe6\x9c"), (b"ab\xff", "ab\ufffd", b""),
+                                               ("é".encode(), "é", b""), (b"", "", b""), (b"\xc3", "", b"\xc3")])
+def test_text_waits_only_for_a_character_cut_in_the_middle(data, text, carry):
+    assert split_utf8(data) == (text, carry)
+
+
+def test_the_real_pair_shares_its_special_tokens(tiny_cross_bundle):
+    from runtime.api import SpeculativeGenerator
+    generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
+    bridge, tokenizer = generator.bridge, generator.tokenizer
+    end = tokenizer.fast.token_to_id("<|im_end|>")
+    assert bridge.target_to_draft[end] == bridge.draft_fast.token_to_id("<|im_end|>")
+    assert 0 < bridge.shared < tokenizer.vocab_size
+
+
+# --- greedy: the target's own output ------------------------------------------------------------------------------
+
+def close_draft(target_table: np.ndarray, seed: int) -> np.ndarray:
+    """A draft table over the draft's ids: the target's bigrams on the shared tokens, plus noise."""
+    bridge = word_bridge()
+    table = random_table(5, seed, scale=0.5)
+    for d1, t1 in enumerate(bridge.draft_to_target):
+        for d2, t2 in enumerate(bridge.draft_to_target):
+            if t1 >= 0 and t2 >= 0:
+                table[d1, d2] += target_table[t1, t2]
+    return table
+
+
+@pytest.mark.parametrize("method", ["tli", "string"])
+def test_greedy_cross_drafting_equals_target_only(method):
+    target_table = random_table(5, 1, scale=3.0)
+    prompts = [[0], [1, 4], [4], [2, 3, 0]]
+    loop = cross_loop(method, target_table, close_draft(target_table, 3), prompts,
+                      DecodeConfig(24, 3, SamplingParams(0.0)))
+    steps = list(loop.run())
+    assert [row.generated for row in loop.rows] == [target_only(target_table, p, 24) for p in prompts]
+    assert sum(row.stats.num_accepted_tokens for row in loop.rows) > 0  # the draft really drafted
+    assert len(steps) < 24  # and some steps took more than one token
+
+
+# --- sampled: the target's law --------------------------------------------------------------------------------------
+
+N = 20000
+PARAMS = [SamplingParams(1.0), SamplingParams(0.8, top_k=3)]
+
+
+def tli_law(draft_table: np.ndarray, bridge: VocabBridge, params: SamplingParams) -> np.ndarray:
+    """q(b | a) over target ids: the draft's logits after a's draft id, on the shared tokens only, warped."""
+    vocab = len(bridge.target_to_draft)
+    logits = np.full((vocab, vocab), -np.inf)
+    shared = np.flatnonzero(bridge.target_to_draft >= 0)
+    for a in shared:
+        logits[a, shared] = draft_table[bridge.target_to_draft[a], bridge.target_to_draft[shared]]
+    logits[bridge.target_to_draft < 0] = 0.0  # never a draft's context inside one step
+    return probabilities(logits, params)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.8,top_k=3"])
+def test_tli_sampling_follows_the_target_distribution(params):
+    target_table, draft_table = random_table(5, 1), random_table(5, 2)
+    loop = cross_loop("tli", target_table, draft_table, [[0]] * N, DecodeConfig(LENGTH, 3, params, seed=7))
+    first = run_loop(loop)
+    assert_follows_target(loop.rows, first, probabilities(target_table, params), 0,
+                          [tli_law(draft_table, word_bridge(), params)] * 3)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.8,top_k=3"])
+def test_string_sampling_follows_the_target_distribution(params):
+    """The draft's greedy text re-tokenized (here: "a" then the draft's argmax chain) is a fixed proposal from the
+    start: point masses, whose acceptance per position has an exact value."""
+    target_table, draft_table = random_table(5, 1), random_table(5, 4)
+    probe = CrossVocabDrafter(BigramEngine(draft_table), word_bridge(), "string", 5)
+    probe.start([[0]])
+    proposed = probe.propose([3], params, [np.random.default_rng(0)]).tokens[0]
+    assert proposed  # the chain from "a" re-tokenizes to at least one target token
+    loop = cross_loop("string", target_table, draft_table, [[0]] * N, DecodeConfig(LENGTH, 3, params, seed=7))
+    first = run_loop(loop)
+    probs = probabilities(target_table, params)
+    if len(proposed) >= 2:
+        assert_follows_target(loop.rows, first, probs, 0, point_mass_laws(proposed, 5))
+    else:  # one token proposed: the law of the prefixes still, and it was accepted and rejected
+        exact, observed = exact_prefixes(probs, 0, LENGTH), prefix_frequencies(loop.rows, 5, LENGTH)
+        assert total_variation(observed, exact) < tv_bound(exact, N)
+        assert 0 < first.accepted[0] < first.drafted[0]
+
+
+def test_a_misstated_draft_law_fails_the_distribution_test(monkeypatch):
+    """Recording a q other than the law the token was drawn from (here 20% too small: the restricted law's mass
+    before renormalising, roughly) is the bug exactness rests on: the distribution test must see it."""
+    import runtime.drafters.cross_vocab as cross_vocab
+    honest = cross_vocab.draw_next
+
+    def understated(logits, tokens, probs, *args):
+        token = honest(logits, tokens, probs, *args)
+        probs[-1] = probs[-1] * 0.8
+        return token
+
+    monkeypatch.setattr(cross_vocab, "draw_next", understated)
+    target_table, draft_table = random_table(5, 1), random_table(5, 2)
+    params = SamplingParams(1.0)
+    loop = cross_loop("tli", target_table, draft_table, [[0]] * N, DecodeConfig(LENGTH, 3, params, seed=7))
+    first = run_loop(loop)
+    with pytest.raises(AssertionError, match="law of the tokens"):
+        assert_follows_target(loop.rows, first, probabilities(target_table, params), 0,
+                              [tli_law(draft_table, word_bridge(), params)] * 3)
+
+
+# --- the real pair end to end ------------------------------------------------------------------------------------
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Ünïcödé café — 日本語の", "for i in range(10):"]
+
+
+@pytest.mark.parametrize("drafter", ["tli", "string"])
+def test_a_cross_bundle_decodes_exactly_with_both_methods(tiny_cross_bundle, drafter):
+    from runtime.api import SpeculativeGenerator
+    generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
+    for prompt in PROMPTS:
+        want = generator.generate(prompt, max_new_tokens=24, mode="target")
+        got = generator.generate(prompt, max_new_tokens=24, drafter=drafter, k=3)
+        assert got.token_ids == want.token_ids, (drafter, prompt)
+        assert got.stats.num_draft_tokens > 0
+
+
+def test_same_vocabulary_drafters_are_refused_on_a_cross_bundle_and_the_reverse(tiny_cross_bundle, generator):
+    from runtime.api import SpeculativeGenerator
+    from runtime.errors import RequestError
+    cross = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
+    assert cross.default_drafter == "tli"
+    with pytest.raises(RequestError, match="tokenizer of its own"):
+        cross.generate("hi", max_new_tokens=4, drafter="model")
+    with pytest.raises(RequestError, match="shares the target's"):
+        generator.generate("hi", max_new_tokens=4, drafter="tli")
+    assert cross.generate("hi", max_new_tokens=4, drafter="prompt_lookup").token_ids  # model-free: any bundle
