@@ -15,14 +15,16 @@ def _fmt(value, spec: str = ".2f", missing: str = "-") -> str:
 def render_table(console, report: dict) -> None:
     from rich.table import Table
     table = Table(title=f"draftsmith bench: {report['bundle']}", show_lines=False, pad_edge=False)
-    for name in ("workload", "b", "k", "k̄", "accept", "α", "len", "tok/s", "TTFT ms", "p50 ms", "p95 ms", "speedup",
-                 "paired (95%)", "predicted", "c", "same"):
+    several = len({r.get("drafter", "") for r in report["results"] if r["mode"] == "speculative"}) > 1
+    for name in ("workload", "b", "k", *(("drafter",) if several else ()), "k̄", "accept", "α", "len", "tok/s",
+                 "TTFT ms", "p50 ms", "p95 ms", "speedup", "paired (95%)", "predicted", "c", "same"):
         table.add_column(name, justify="left" if name == "workload" else "right")
-    best = {w: (r["batch"], r["k"]) for w, r in report["best_k"].items()}
+    best = {w: (r["batch"], r["k"], r.get("drafter", "")) for w, r in report["best_k"].items()}
     for r in report["results"]:
         spec = r["mode"] == "speculative"
-        mark = "*" if spec and best.get(r["workload"]) == (r["batch"], r["k"]) else ""
+        mark = "*" if spec and best.get(r["workload"]) == (r["batch"], r["k"], r.get("drafter", "")) else ""
         table.add_row(r["workload"], str(r["batch"]), f"{r['k']}{mark}" if spec else r["mode"],
+                      *((_drafter_label(r.get("drafter", "")) if spec else "",) if several else ()),
                       _fmt(r.get("mean_draft_length")) if spec else "", _fmt(r["acceptance_rate"]) if spec else "",
                       _fmt(r["alpha"]) if spec else "",
                       _fmt(r["mean_acceptance_length"]) if spec else "", _fmt(r["tokens_per_second"], ".1f"),
@@ -32,6 +34,11 @@ def render_table(console, report: dict) -> None:
                       _fmt(r["identical_to_target"], ".0%", "") if spec else "")
     console.print(table)
     render_peers_table(console, report)
+
+
+def _drafter_label(label: str) -> str:
+    """A drafter's column: model@BUNDLE shortened to its folder's name."""
+    return "model@" + Path(label[len("model@"):]).name if label.startswith("model@") else label
 
 
 def _paired(row: dict) -> str:

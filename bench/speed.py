@@ -99,11 +99,15 @@ class _TimedSession:
 class Recorder:
     """Wraps the engines of a generator so every forward call is timed (whole call and ORT part) into ``calls``."""
 
-    def __init__(self, generator):
+    def __init__(self, generator, drafts: list | None = None):
+        """``drafts``: draft engines besides the generator's (other bundles' drafts a bench compares)."""
         self.calls: list[EngineCall] = []
         self._undo = []
-        for role, engine in (("target", generator.target), ("draft", generator.draft)):
-            if engine is not None:
+        wrapped = set()
+        for role, engine in [("target", generator.target), ("draft", generator.draft)] + [
+                ("draft", d) for d in drafts or []]:
+            if engine is not None and id(engine) not in wrapped:
+                wrapped.add(id(engine))
                 self._wrap(role, engine)
 
     def _wrap(self, role: str, engine) -> None:
@@ -190,35 +194,39 @@ def pads(engine) -> bool:
 def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
                   max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None,
                   drafter_kind: str | None = None, confidence: float | None = None, response_format=None,
-                  forced_drafts: bool = True, top_p: float | None = None, policy: str = "exact") -> list[CellRecord]:
-    """Measure every (workload, batch, mode, k) cell; ``advance(description)`` is called after each decode;
-    ``policy`` is the speculative cells' (DecodeRequest.policy)."""
+                  forced_drafts: bool = True, top_p: float | None = None, policy: str = "exact",
+                  drafters: dict[str, tuple] | None = None) -> list[CellRecord]:
+    """Measure every (workload, batch, mode, k, drafter) cell; ``advance(description)`` is called after each decode;
+    ``policy`` is the speculative cells' (DecodeRequest.policy). ``drafters``: label -> (generator, drafter kind)
+    (``drafters_of``), each run at every k; default: ``drafter_kind`` on ``generator``."""
     structure = dict(response_format=response_format, forced_drafts=forced_drafts, top_p=top_p, policy=policy)
-    recorder = Recorder(generator)
+    drafters = drafters or {drafter_kind or "": (generator, drafter_kind)}
+    recorder = Recorder(generator, [g.draft for g, _ in drafters.values()])
     cells: list[CellRecord] = []
-    configs = [("target", None)] + ([("plain", None)] if pads(generator.target) else []) + \
-        [("speculative", k) for k in ks]
+    configs = [("target", None, "")] + ([("plain", None, "")] if pads(generator.target) else []) + \
+        [("speculative", k, label) for label in drafters for k in ks]
+    runner = {"": (generator, drafter_kind), **drafters}
     try:
         for name, token_lists in workloads.items():
             for batch in batches:
-                mine = {c: CellRecord(name, batch, c[0], c[1]) for c in configs}
+                mine = {c: CellRecord(name, batch, c[0], c[1], c[2]) for c in configs}
                 cells += mine.values()
-                for mode, k in configs:  # warm-up: first calls allocate, JIT-pick kernels and fill caches
-                    decode(generator, token_lists[:batch], mode, k, min(8, max_new_tokens), temperature, seed,
-                           drafter_kind, confidence, **structure)
+                for mode, k, label in configs:  # warm-up: first calls allocate, JIT-pick kernels and fill caches
+                    decode(runner[label][0], token_lists[:batch], mode, k, min(8, max_new_tokens), temperature, seed,
+                           runner[label][1], confidence, **structure)
                 recorder.take()
                 for turn, at in enumerate(range(0, len(token_lists), batch)):
                     chunk = token_lists[at: at + batch]
                     shift = turn % len(configs)  # rotated: no configuration always runs first or after another
-                    for mode, k in configs[shift:] + configs[:shift]:
-                        records, wall = decode(generator, chunk, mode, k, max_new_tokens, temperature, seed,
-                                               drafter_kind, confidence, **structure)
-                        cell = mine[(mode, k)]
+                    for mode, k, label in configs[shift:] + configs[:shift]:
+                        records, wall = decode(runner[label][0], chunk, mode, k, max_new_tokens, temperature, seed,
+                                               runner[label][1], confidence, **structure)
+                        cell = mine[(mode, k, label)]
                         cell.sequences += records
                         cell.wall += wall
                         cell.calls += recorder.take()
                         if advance:
-                            advance(f"{name} b={batch} " + (mode if k is None else f"k={k}"))
+                            advance(f"{name} b={batch} " + (mode if k is None else f"k={k} {label}".rstrip()))
     finally:
         recorder.close()
     return cells
@@ -343,10 +351,13 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
               help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and "
                    "files).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--drafter", "drafter_kind", type=click.Choice(DRAFTERS), default=None,
-              help="What drafts: the draft engine (model), n-gram lookup in the context (prompt_lookup), a suffix trie "
-                   "over the context (suffix), or either of those where it matches and the engine elsewhere (hybrid, "
-                   "hybrid_suffix). Default: the bundle's drafter.")
+@click.option("--drafter", "drafter_kind", default=None,
+              help="What drafts: the draft engine (model; tli or string for a draft with its own tokenizer), n-gram "
+                   "lookup in the context (prompt_lookup), a suffix trie over the context (suffix), or either of those "
+                   "where it matches and the engine elsewhere (hybrid, hybrid_suffix); model@BUNDLE: another bundle's "
+                   "draft over this bundle's target (their target tokenizers must be the same). A comma list runs "
+                   "each, interleaved in one run; the first is the one best k and the recommended k are chosen for. "
+                   "Default: the bundle's drafter.")
 @click.option("--draft-confidence", "confidence", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="After its first token a draft row stops where the draft's top probability is under this, so a "
                    "larger k drafts further only where the draft is sure (0: never stop). Default: the bundle's.")
@@ -408,7 +419,7 @@ class BenchOptions:
     threads: int = 0
     chat: bool | None = None  # None: the chat template for chat-like workloads where the tokenizer has one
     seed: int = 0
-    drafter_kind: str | None = None  # None: the bundle's
+    drafter_kind: str | None = None  # None: the bundle's; a comma list runs each (the first is the primary)
     confidence: float | None = None  # None: the bundle's
     response_format_file: Path | None = None
     forced_drafts: bool = True
@@ -490,12 +501,52 @@ def _settle(options: BenchOptions, generator, ks: list[int]) -> BenchOptions:
     if bad:
         raise click.BadParameter(f"{bad} exceed this bundle's max_k ({generator.max_k})", param_hint="--k")
     settled = dataclasses.replace(
-        options, drafter_kind=options.drafter_kind or generator.default_drafter,
+        options, drafter_kind=",".join(drafter_labels(options.drafter_kind or generator.default_drafter)),
         confidence=generator.default_confidence if options.confidence is None else options.confidence)
     if (options.device or generator.manifest.spec.device) != "cpu":
         settled = dataclasses.replace(settled, memory=False, limit=False,
                                       peers=False if options.peers is None else options.peers)
     return settled
+
+
+def drafter_labels(text: str) -> list[str]:
+    """The --drafter list: kinds (DRAFTERS) and model@BUNDLE entries, the first a kind; BadParameter otherwise."""
+    labels = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    wrong = [label for label in labels if label not in DRAFTERS and not label.startswith("model@")]
+    if not labels or wrong or labels[0] not in DRAFTERS:
+        raise click.BadParameter(f"expected drafter kinds {DRAFTERS} or model@BUNDLE, the first a kind; received "
+                                 f"{text!r}", param_hint="--drafter")
+    return labels
+
+
+def drafters_of(options: BenchOptions, generator) -> dict[str, tuple]:
+    """label -> (generator, drafter kind) for every --drafter entry; model@BUNDLE pairs that bundle's draft engine
+    with this generator's target (its target tokenizer must be this one's, byte for byte)."""
+    out = {}
+    for label in drafter_labels(options.drafter_kind):
+        if not label.startswith("model@"):
+            out[label] = (generator, label)
+            continue
+        out[label] = (_borrowed_draft(generator, Path(label[len("model@"):]), options), "model")
+    return out
+
+
+def _borrowed_draft(generator, other: Path, options: BenchOptions):
+    """A generator over this one's target and another bundle's draft engine (same target tokenizer)."""
+    from runtime.api import SpeculativeGenerator, open_engines
+    from runtime.bundle import BundleError, load_manifest
+    try:
+        manifest = load_manifest(other)
+    except BundleError as err:
+        raise click.ClickException(f"--drafter model@{other}: {err}") from None
+    key = "tokenizer/tokenizer.json"
+    if manifest.files.get(key) != generator.manifest.files.get(key) or manifest.draft.tokenizer:
+        raise click.ClickException(f"--drafter model@{other}: that bundle's draft does not share this bundle's target "
+                                   "tokenizer (its tokenizer/tokenizer.json differs, or its draft has its own)")
+    draft = open_engines(other, manifest, generator.tokenizer.vocab_size, ("draft",), options.threads,
+                         device=options.device)["draft"]
+    return SpeculativeGenerator(generator.manifest, generator.target, draft, generator.tokenizer, generator.eos_ids,
+                                generator.max_k)
 
 
 def _encode_workloads(options: BenchOptions, generator, loaded: dict[str, list[str]]):
@@ -535,7 +586,7 @@ def _sweep(options: BenchOptions, generator, workloads, ks, batches, response_fo
     with progress:
         task = progress.add_task("decoding", total=runs)
         return run_workloads(generator, workloads, ks, batches, options.max_new_tokens, options.temperature,
-                             options.seed, advance=advance, drafter_kind=options.drafter_kind,
+                             options.seed, advance=advance, drafters=drafters_of(options, generator),
                              confidence=options.confidence, response_format=response_format,
                              forced_drafts=options.forced_drafts, top_p=options.top_p, policy=options.policy)
 

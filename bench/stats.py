@@ -71,6 +71,7 @@ class CellRecord:
     batch: int
     mode: str  # "target", "plain" (target-only with unpadded one-token calls) or "speculative"
     k: int | None
+    drafter: str = ""  # a speculative cell's drafter (bench --drafter: a kind, or model@ANOTHER_BUNDLE)
     sequences: list[SequenceRecord] = field(default_factory=list)
     calls: list[EngineCall] = field(default_factory=list)
     wall: float = 0.0
@@ -219,7 +220,7 @@ def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
     ttfts = [seq.ttft for seq in cell.sequences]
     costs = call_costs(cell.calls)
     after_first = sum(len(token_latencies(seq)) for seq in cell.sequences)
-    out = {"workload": cell.workload, "batch": cell.batch, "mode": cell.mode, "k": cell.k,
+    out = {"workload": cell.workload, "batch": cell.batch, "mode": cell.mode, "k": cell.k, "drafter": cell.drafter,
            "prompts": len(cell.sequences), "tokens": tokens, "steps": len(steps), "wall_seconds": cell.wall,
            "tokens_per_second": tokens / cell.wall if cell.wall > 0 else 0.0,
            "decode_tokens_per_second": after_first / sum(latencies) if sum(latencies) > 0 else 0.0,
@@ -256,7 +257,7 @@ def best_k(rows: list[dict]) -> dict[str, dict]:
     the k with the highest measured speedup (that k itself where rows carry no intervals; ties go to the smaller
     k): a longer draft is chosen only when it is measurably faster. Returns {workload: row}."""
     best: dict[str, dict] = {}
-    spec = [r for r in rows if r["mode"] == "speculative" and r.get("speedup") is not None]
+    spec = [r for r in primary_rows(rows) if r["mode"] == "speculative" and r.get("speedup") is not None]
     for workload in dict.fromkeys(r["workload"] for r in spec):
         mine = [r for r in spec if r["workload"] == workload]
         batch = min(r["batch"] for r in mine)
@@ -269,13 +270,20 @@ def best_k(rows: list[dict]) -> dict[str, dict]:
     return best
 
 
+def primary_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the first drafter a bench ran (``--drafter a,b``: a's), and the target-only rows: what best k and
+    the recommended k are chosen from."""
+    first = next((r.get("drafter", "") for r in rows if r["mode"] == "speculative"), "")
+    return [r for r in rows if r["mode"] != "speculative" or r.get("drafter", "") == first]
+
+
 def recommend_k(rows: list[dict]) -> tuple[int | None, float]:
     """One k for the bundle over all workloads measured: the highest geometric mean of speedup across workloads.
 
     Only k values measured on every workload compete (at each workload's smallest batch); every workload weighs the
     same whatever its prompt count. Ties go to the smaller k. Returns (k, geometric-mean speedup) or (None, 0.0).
     """
-    spec = [r for r in rows if r["mode"] == "speculative" and r.get("speedup")]
+    spec = [r for r in primary_rows(rows) if r["mode"] == "speculative" and r.get("speedup")]
     workloads = list(dict.fromkeys(r["workload"] for r in spec))
     if not workloads:
         return None, 0.0

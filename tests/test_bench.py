@@ -682,3 +682,33 @@ def test_llama_cpp_tools_are_skipped_by_name_when_absent(generator, tiny_bundle,
     monkeypatch.setenv("PATH", str(tmp_path))
     rows = llama_cpp_tools.run_llama_cpp_tools(generator.manifest, tiny_bundle, {"w": ["def f():"]}, 4, 1)
     assert rows[0]["peer"] == "llama.cpp" and "llama-completion not found" in rows[0]["skipped"]
+
+
+def test_several_drafters_run_interleaved_in_one_sweep_and_best_k_is_the_first_ones(generator, tiny_bundle):
+    """--drafter model,prompt_lookup,model@OTHER: every drafter at every k in the same rotation, its own rows; the
+    borrowed draft decodes this bundle's target exactly; the best k is chosen among the first drafter's rows."""
+    from bench.speed import BenchOptions, drafters_of, run_workloads, summarize_cells
+    from bench.stats import best_k
+    options = BenchOptions(bundle=tiny_bundle, drafter_kind=f"model,prompt_lookup,model@{tiny_bundle}", threads=1)
+    drafters = drafters_of(options, generator)
+    assert list(drafters) == ["model", "prompt_lookup", f"model@{tiny_bundle}"]
+    borrowed = drafters[f"model@{tiny_bundle}"][0]
+    assert borrowed.target is generator.target and borrowed.draft is not generator.draft
+    ids = generator.encode_prompt("def add(a, b):", False)
+    rows = summarize_cells(run_workloads(generator, {"w": [ids]}, [1, 2], [1], 6, 0.0, drafters=drafters), 0.0)
+    spec = [r for r in rows if r["mode"] == "speculative"]
+    assert sorted((r["drafter"], r["k"]) for r in spec) == sorted((d, k) for d in drafters for k in (1, 2))
+    assert all(r["identical_to_target"] == 1.0 for r in spec)
+    assert best_k(rows)["w"]["drafter"] == "model"
+
+
+def test_a_drafter_list_is_checked_before_anything_runs(generator, tiny_cross_bundle, tiny_bundle):
+    import click
+
+    from bench.speed import BenchOptions, drafter_labels, drafters_of
+    for wrong in ("nope", "model@x,model", ""):
+        with pytest.raises(click.BadParameter, match="--drafter|drafter"):
+            drafter_labels(wrong)
+    options = BenchOptions(bundle=tiny_bundle, drafter_kind=f"model,model@{tiny_cross_bundle}")
+    with pytest.raises(click.ClickException, match="does not share this bundle's target tokenizer"):
+        drafters_of(options, generator)
