@@ -57,6 +57,15 @@ def _hybrid_suffix(sources: DraftSources) -> Drafter:
     return HybridDrafter(model_drafter(sources), sources.vocab_size, free=confident)
 
 
+def _cross(name: str) -> Callable[[DraftSources], Drafter]:
+    """A drafter for a draft with a tokenizer of its own (runtime/drafters/cross_vocab.py), imported only when a
+    request uses one."""
+    def make(sources: DraftSources) -> Drafter:
+        from runtime.drafters.cross_vocab import CrossVocabDrafter
+        return CrossVocabDrafter(name, sources)
+    return make
+
+
 REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("model", "the bundle's draft engine (a draft model, or a feature draft over the target's hidden "
                 "states)", True, model_drafter),
@@ -68,6 +77,10 @@ REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in (
                 False, _suffix),
     DrafterKind("hybrid_suffix", "the suffix drafter where it is sure, the draft engine elsewhere", True,
                 _hybrid_suffix),
+    DrafterKind("tli", "a draft with its own tokenizer, drafting inside the tokens both vocabularies share "
+                "(token-level intersection)", True, _cross("tli")),
+    DrafterKind("string", "a draft with its own tokenizer, its text re-tokenized for the target (string-level "
+                "exact match)", True, _cross("string")),
 )}
 DRAFTERS = tuple(REGISTRY)  # the names, in the order help texts list them
 
