@@ -38,6 +38,10 @@ from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree,
 log = logging.getLogger(__name__)
 Stage = Callable[[str], None]
 VOCAB_MAP = "draft_vocab.json"  # a reduced-vocabulary draft head's kept token ids (draft folder and bundle alike)
+DRAFT_TOKENIZER = "draft/tokenizer"  # a cross-tokenizer draft's own tokenizer in the bundle (ModelEntry.tokenizer)
+# the drafters that need one vocabulary, and what a cross-tokenizer pair drafts with by default (runtime's registry)
+SAME_VOCAB_DRAFTERS = ("model", "hybrid", "hybrid_suffix")
+CROSS_DRAFTER = "tli"
 TOOLS = ("draftsmith", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "gguf", "tokenizers")
 
 
@@ -139,25 +143,50 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     pair = pairing.pair(target_tok, draft_tok, target_ckpt, draft_ckpt, spec.max_context)
     work = tmp / "_work"
     kept = _draft_vocab(draft_ckpt) if draft_ckpt is not target_ckpt else None  # a reduced-vocabulary draft head
+    if pair.cross:
+        spec, pair = _cross_pair(spec, pair, draft_ckpt, kept)
     rows = max(pair.max_context, 64)  # positions the graphs' rotary tables cover (the export check uses 64)
     target, draft, engine_notes = _make_engines(tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, kept, rows,
                                                 stage)
     memory.release()  # the models' weights, dropped with _make_engines' frame
     stage("evaluate")
     report = _evaluate(tmp, spec, target_tok, pair, target, draft, kept, threads, say,
-                       feature_draft=_is_feature_draft(draft_ckpt))
+                       feature_draft=_is_feature_draft(draft_ckpt), draft_tok=draft_tok if pair.cross else None)
     report["engine_notes"] = engine_notes  # e.g. GGUF tensors kept as float weights (no exact MatMulNBits form)
     shutil.rmtree(work)
     stage("tokenizer")
     _save_tokenizer(tmp, target_tok, kept)
+    if pair.cross:
+        _save_draft_tokenizer(tmp, draft_tok)
     entries = {role: _entry(role, c, info, quant, tmp, pair.max_context, spec)
                for role, c, info, quant in (("target", target_ckpt, target.info, spec.target_quant),
                                             ("draft", draft_ckpt, draft.info, spec.draft_quant))}
     if kept is not None:
         entries["draft"] = dataclasses.replace(entries["draft"], vocab_map=f"draft/{VOCAB_MAP}")
+    if pair.cross:
+        entries["draft"] = dataclasses.replace(entries["draft"], tokenizer=DRAFT_TOKENIZER)
     return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
                     max_context=pair.max_context, eos_token_ids=eos_ids(target_ckpt, target_tok),
                     tools=tool_versions(), report=report)
+
+
+def _cross_pair(spec: BuildSpec, pair: pairing.Pairing, draft_ckpt, kept) -> tuple[BuildSpec, pairing.Pairing]:
+    """(spec, pair) of a draft with a tokenizer of its own, refused where the draft needs the target's vocabulary
+    (a reduced head's kept ids and a feature draft's head rows are target ids); a same-vocabulary default drafter
+    becomes token-level intersection, the one that drafts with such a draft engine."""
+    if kept is not None:
+        raise BuildError(f"{draft_ckpt.source} has a reduced-vocabulary head ({VOCAB_MAP}: target token ids), but its "
+                         "tokenizer differs from the target's: a reduced head needs the target's vocabulary")
+    if _is_feature_draft(draft_ckpt):
+        raise BuildError(f"{draft_ckpt.source} is a feature draft: it drafts from the target's hidden states with the "
+                         "target's head rows, so its tokenizer must be the target's")
+    if spec.drafter not in SAME_VOCAB_DRAFTERS:
+        return spec, pair
+    note = (f"the draft has a tokenizer of its own ({pair.shared_tokens} of the target's {pair.vocab_size} tokens "
+            f"shared): default drafter {CROSS_DRAFTER!r} (token-level intersection) instead of {spec.drafter!r}, "
+            "which needs one vocabulary")
+    return (dataclasses.replace(spec, drafter=CROSS_DRAFTER),
+            dataclasses.replace(pair, notes=(*pair.notes, note)))
 
 
 def _make_engines(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, kept,
@@ -211,11 +240,12 @@ def _make_target(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt
 
 
 def _evaluate(tmp: Path, spec: BuildSpec, target_tok, pair, target: _Engine, draft: _Engine, kept, threads: int,
-              say: Callable[[str], None] | None, feature_draft: bool) -> dict:
+              say: Callable[[str], None] | None, feature_draft: bool, draft_tok=None) -> dict:
     """The report's scores: both engines on the evaluation set's windows against their references (each session
-    opened only when the evaluation reaches it), and what they rest on."""
-    windows = evaluate.eval_windows(target_tok(evaluate.eval_set_text())["input_ids"], pair.max_context,
-                                    spec.eval_tokens)
+    opened only when the evaluation reaches it), and what they rest on. ``draft_tok``: a draft with a tokenizer of
+    its own, scored on windows of its own tokenization of the same text (the same context and token budget)."""
+    windows = _windows(target_tok, pair, spec)
+    draft_windows = None if draft_tok is None else _windows(draft_tok, pair, spec)
     session = functools.partial(_opener, max_context=pair.max_context, threads=threads,
                                 vocab_size=target.info.vocab_size)
     engines = {"target": session(tmp / "target" / "model.onnx", target.info),
@@ -224,9 +254,11 @@ def _evaluate(tmp: Path, spec: BuildSpec, target_tok, pair, target: _Engine, dra
     # a self-draft's fp32 graph is the target's: scored once for both
     references["draft"] = (references["target"] if draft.reference == target.reference and draft.info is target.info
                            else session(draft.reference, draft.info, kept))
-    passes = evaluate.sessions(engines, references) * len(windows)
+    passes = evaluate.passes(engines, references, windows, draft_windows)
     report = evaluate.report(engines, references, windows, Heartbeat("evaluate: windows", passes, say),
-                             feature_roles=("draft",) if feature_draft else ())
+                             feature_roles=("draft",) if feature_draft else (), draft_windows=draft_windows)
+    if pair.cross:
+        report["vocab_bridge"] = _bridge_report(pair, [t for window in windows for t in window])
     if kept is not None:
         ids = [t for window in windows for t in window]
         report["draft_vocab"] = {"kept_ids": len(kept), "eval_coverage": float(np.isin(ids[1:], kept).mean())}
@@ -240,6 +272,20 @@ def _evaluate(tmp: Path, spec: BuildSpec, target_tok, pair, target: _Engine, dra
                                                                        ("draft", draft.reference))}
     report["pair_notes"] = list(pair.notes)
     return report
+
+
+def _windows(tokenizer, pair, spec: BuildSpec) -> list[list[int]]:
+    """The evaluation set as ``tokenizer`` reads it, in the report's windows."""
+    return evaluate.eval_windows(tokenizer(evaluate.eval_set_text())["input_ids"], pair.max_context,
+                                 spec.eval_tokens)
+
+
+def _bridge_report(pair, target_ids: list[int]) -> dict:
+    """The report's ``vocab_bridge`` of a cross-tokenizer pair: the intersection's size, both vocabularies', and
+    the share of the scored evaluation tokens (the target's) the intersection holds: what a TLI draft can propose
+    at all."""
+    return {"shared_tokens": pair.shared_tokens, "target_vocab": pair.vocab_size,
+            "draft_vocab": pair.draft_vocab_size, "eval_overlap": pair.bridge.overlap(target_ids)}
 
 
 def _opener(path: Path, info, kept=None, *, max_context: int, threads: int, vocab_size: int):
@@ -262,6 +308,14 @@ def _save_tokenizer(tmp: Path, target_tok, kept) -> None:
         raise BuildError("the target's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
     if kept is not None:
         (tmp / "draft" / VOCAB_MAP).write_text(json.dumps({"kept_ids": [int(t) for t in kept]}), encoding="utf-8")
+
+
+def _save_draft_tokenizer(tmp: Path, draft_tok) -> None:
+    """A cross-tokenizer draft's own tokenizer, as tokenizer.json (the runtime bridges the two vocabularies by it)."""
+    folder = tmp / DRAFT_TOKENIZER
+    draft_tok.save_pretrained(str(folder))
+    if not (folder / "tokenizer.json").is_file():
+        raise BuildError("the draft's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
 
 
 def _draft_vocab(checkpoint):
@@ -446,7 +500,7 @@ def _shallow(module):
 
 def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: BuildSpec) -> ModelEntry:
     engine = f"{role}/model.onnx"
-    size = sum(p.stat().st_size for p in (tmp / role).iterdir())
+    size = sum(p.stat().st_size for p in (tmp / role).iterdir() if p.is_file())  # not a draft's own tokenizer
     source = spec.target if role == "target" else spec.draft
     return ModelEntry(role=role, source=source, source_sha256=checkpoint.sha256(),
                       architecture=checkpoint.architecture.name, quant=quant, engine=engine,

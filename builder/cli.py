@@ -56,8 +56,9 @@ class DefaultGroup(click.Group):
 @click.option("--k", type=int, help="Default draft tokens per verify step.")
 @click.option("--drafter", type=click.Choice(DRAFTERS),
               help="The runtime's default drafter: the draft engine (model), n-gram lookup (prompt_lookup), a suffix "
-                   "trie over the context (suffix), or hybrid / hybrid_suffix (lookup or suffix where the context "
-                   "matches, the engine elsewhere).")
+                   "trie over the context (suffix), hybrid / hybrid_suffix (lookup or suffix where the context "
+                   "matches, the engine elsewhere), or, for a draft with another tokenizer, tli (the tokens both "
+                   "share; its default) / string (its text re-tokenized).")
 @click.option("--draft-confidence", type=float,
               help="The runtime's default draft confidence: after its first token a draft row stops where the "
                    "draft's top probability is under this (0: never), so a larger k drafts further only where sure.")
@@ -264,6 +265,13 @@ def _figure(value, digits: int) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _agreement(report: dict) -> str:
+    """The draft/target top-1 agreement, which a cross-tokenizer pair has none of (the two ids differ)."""
+    if "vocab_bridge" in report:
+        return "draft/target top-1 agreement n/a (another tokenizer)"
+    return f"draft/target top-1 agreement {report.get('draft_target_top1_agreement', 0):.3f}"
+
+
 def _print_summary(out: Path, manifest) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -278,9 +286,14 @@ def _print_summary(out: Path, manifest) -> None:
     console = Console()
     console.print(table)
     console.print(f"fp32 target perplexity {report.get('target', {}).get('fp32_perplexity', 0):.2f}; "
-                  f"draft/target top-1 agreement "
-                  f"{report.get('draft_target_top1_agreement', 0):.3f}; default k {manifest.default_k}; "
+                  f"{_agreement(report)}; default k {manifest.default_k}; "
                   f"max context {manifest.max_context}; built in {report.get('build_seconds', 0)} s")
+    bridge = report.get("vocab_bridge")
+    if bridge:
+        console.print(f"cross-tokenizer pair (drafter {manifest.spec.drafter}): the draft's own tokenizer "
+                      f"({bridge['draft_vocab']} tokens) shares {bridge['shared_tokens']} with the target's "
+                      f"{bridge['target_vocab']}; {bridge['eval_overlap']:.1%} of the evaluation set's target tokens "
+                      "are shared; the draft's perplexity is over its own tokens")
     for note in report.get("pair_notes", []):
         console.print(f"note: {note}")
 

@@ -56,32 +56,41 @@ def _forward(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = N
 Opener = Callable[[], OnnxEngine]
 
 
-def sessions(engines: dict[str, Opener], references: dict[str, Opener]) -> int:
-    """How many sessions ``report`` opens (each over every window): a reference shared by two roles runs once."""
-    return len(engines) + len({id(opener) for opener in references.values()})
+def passes(engines: dict[str, Opener], references: dict[str, Opener], windows: list[list[int]],
+           draft_windows: list[list[int]] | None = None) -> int:
+    """How many windows ``report`` runs, all sessions together (a progress line's total): a reference shared by two
+    roles runs once; a draft with its own tokenizer runs over ``draft_windows``."""
+    def count(role: str) -> int:
+        return len(draft_windows if role == "draft" and draft_windows is not None else windows)
+    shared_once = {id(opener): role for role, opener in references.items()}
+    return sum(count(role) for role in engines) + sum(count(role) for role in shared_once.values())
 
 
 def report(engines: dict[str, Opener], references: dict[str, Opener], windows: list[list[int]],
-           advance: Callable[[int], None] = lambda n: None, feature_roles: tuple[str, ...] = ()) -> dict:
+           advance: Callable[[int], None] = lambda n: None, feature_roles: tuple[str, ...] = (),
+           draft_windows: list[list[int]] | None = None) -> dict:
     """Per engine: agreement with its own fp32 graph and perplexity over every window; plus draft/target greedy
     agreement. A feature draft reads the (quantized) target engine's hidden states, as at run time, and is scored
-    from each window's second token on (``feature_roles``: the roles whose engines read them).
+    from each window's second token on (``feature_roles``: the roles whose engines read them). A draft with a
+    tokenizer of its own is scored on ``draft_windows``, its own tokenization of the same text; its ids are not the
+    target's, so there is no draft/target agreement then.
 
     ``engines`` and ``references`` open a session when called: one is open at a time (an fp32 1.5B graph's session
     alone holds 6 GB), run over every window, and closed; only each window's argmax and summed NLL are kept. The same
     reference opener under two roles (a self-draft's fp32 graph is the target's) runs once. ``advance(1)`` after
-    each window of each session (a build's progress line; ``sessions`` counts them)."""
+    each window of each session (a build's progress line; ``passes`` counts them)."""
     roles = sorted(engines, key=lambda role: role != "target")  # the target first: its hidden states feed drafts
+    role_windows = {role: draft_windows if role == "draft" and draft_windows is not None else windows for role in roles}
     features = None
     scores, done = {}, {}
     for role in roles:
         given = features if role in feature_roles else None
-        engine_scores, hidden = _score(engines[role], windows, given,
+        engine_scores, hidden = _score(engines[role], role_windows[role], given,
                                        want_hidden=role == "target" and bool(feature_roles), advance=advance)
         features = hidden if role == "target" else features
         key = id(references[role])
         if key not in done:
-            done[key], _ = _score(references[role], windows, given, advance=advance)
+            done[key], _ = _score(references[role], role_windows[role], given, advance=advance)
         scores[role] = (engine_scores, done[key])
     out = {"eval_tokens": sum(len(ids) for ids in windows), "eval_windows": len(windows)}
     for role, (own, fp32) in scores.items():
@@ -90,7 +99,9 @@ def report(engines: dict[str, Opener], references: dict[str, Opener], windows: l
         out[role] = {"top1_agreement_vs_fp32": agree / max(rows, 1),
                      "perplexity": float(np.exp(own["nll"] / max(own["scored"], 1))),
                      "fp32_perplexity": float(np.exp(fp32["nll"] / max(fp32["scored"], 1)))}
-    if "draft" in scores and "target" in scores:
+    if draft_windows is not None and "draft" in out:  # its own tokens of the same text
+        out["draft"].update(eval_tokens=sum(len(ids) for ids in draft_windows), eval_windows=len(draft_windows))
+    elif "draft" in scores and "target" in scores:
         pairs = [(d, t[len(t) - len(d):]) for d, t in zip(scores["draft"][0]["argmax"], scores["target"][0]["argmax"])]
         rows = sum(len(d) for d, _ in pairs)
         if rows:

@@ -43,6 +43,21 @@ def make_tokenizer(folder: Path, vocab_size: int = 320):
     return fast
 
 
+def make_disjoint_tokenizer(folder: Path, words: int = 300):
+    """A fast tokenizer sharing no token with ``make_tokenizer``'s: a word-level vocabulary of made-up words (with
+    a byte-level decoder, so its tokens' bytes can be read)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"zqxw{i}": i for i in range(words)}
+    vocab["<zunk>"] = words
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<zunk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<zunk>")
+    fast.save_pretrained(folder)
+    return fast
+
+
 def tiny_config(architecture: str = "LlamaForCausalLM", vocab_size: int = 320, layers: int = 2, **extra):
     from transformers import AutoConfig
     from builder.architectures import REGISTRY
@@ -120,6 +135,23 @@ def tiny_cuda_bundle(tiny_pair, tmp_path_factory) -> Path:
     engines run here through ONNX Runtime's inserted casts (device="cpu")."""
     return build_tiny(tiny_pair, tmp_path_factory, "tiny-cuda", target_quant="fp16", draft_quant="int4",
                       device="cuda", block_size=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_pair(tiny_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """(target folder, draft folder): the tiny target and a draft with a tokenizer of its own (a byte-level BPE of
+    280 tokens: other merges, so other ids; most tokens shared) and a random 280-row model (low acceptance; enough
+    for exactness)."""
+    draft = tmp_path_factory.mktemp("tiny_cross") / "draft"
+    make_tokenizer(draft, vocab_size=280)
+    make_model(draft, tiny_config(vocab_size=280), seed=4)
+    return tiny_pair[0], draft
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_bundle(tiny_cross_pair, tmp_path_factory) -> Path:
+    """The cross-tokenizer pair built with fp32 engines (the draft's tokenizer in draft/tokenizer, drafter tli)."""
+    return build_tiny(tiny_cross_pair, tmp_path_factory, "tiny-cross", target_quant="fp32", draft_quant="fp32")
 
 
 @pytest.fixture(scope="session")

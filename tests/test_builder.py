@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from builder.architectures import REGISTRY
 from builder.build import build
 from builder.cli import main as cli
-from conftest import make_model, make_tokenizer, tiny_config
+from conftest import make_disjoint_tokenizer, make_model, tiny_config
 from runtime.bundle import BuildSpec, BundleError, Manifest, SpecError, load_manifest
 
 # One tiny-model case per registered architecture (optimum's completeness guard): add one with every new entry.
@@ -191,13 +191,15 @@ def test_unsupported_architecture(tmp_path):
     assert "unsupported architecture 'GPT2LMHeadModel'" in result.output and "LlamaForCausalLM" in result.output
 
 
-def test_mismatched_tokenizers(tiny_pair, tmp_path):
+def test_tokenizers_sharing_no_tokens_are_refused(tiny_pair, tmp_path):
+    """A draft with another tokenizer pairs only where enough tokens are shared (tests/test_cross_pairing.py)."""
     other = tmp_path / "other"
-    make_tokenizer(other, vocab_size=300)
+    make_disjoint_tokenizer(other)
     make_model(other, tiny_config(vocab_size=320), seed=3)
     result = run_cli("--target", str(tiny_pair[0]), "--draft", str(other), "--out", str(tmp_path / "o"))
     assert result.exit_code != 0
     assert "tokenizers differ" in result.output and "target id" in result.output
+    assert "share 0 tokens" in result.output
     assert not (tmp_path / "o").exists()
 
 

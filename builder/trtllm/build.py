@@ -204,6 +204,10 @@ def resolve_pair(spec: BuildSpec):
     target_tok = target.load_tokenizer()
     draft_tok = target_tok if draft is target else draft.load_tokenizer()
     pair = pairing.pair(target_tok, draft_tok, target, draft, spec.max_context)
+    if pair.cross:  # the draft engine TensorRT-LLM builds shares the target's vocabulary by construction
+        raise pairing.PairingError(f"{spec.draft} has a tokenizer of its own ({pair.shared_tokens} tokens shared with "
+                                   "the target's): cross-tokenizer drafts need the ONNX Runtime backend (--backend "
+                                   "onnxruntime); TensorRT-LLM drafts share the target's vocabulary")
     return target, draft, pair, target_tok
 
 
