@@ -219,3 +219,22 @@ def test_same_vocabulary_drafters_are_refused_on_a_cross_bundle_and_the_reverse(
     with pytest.raises(RequestError, match="shares the target's"):
         generator.generate("hi", max_new_tokens=4, drafter="tli")
     assert cross.generate("hi", max_new_tokens=4, drafter="prompt_lookup").token_ids  # model-free: any bundle
+
+
+def test_the_scheduler_serves_both_methods_side_by_side_and_counts_each_apart(tiny_cross_bundle):
+    """In-flight batching over a cross bundle: rows drafting with tli, string and nothing share steps; each answer is
+    what the request gets alone, and the metrics count each method's draft and accepted tokens under its name."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.serving.scheduler import Scheduler
+    generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
+    scheduler = Scheduler(generator, max_batch=4)
+    options = [dict(drafter="tli", k=3), dict(drafter="string", k=3), dict(mode="target"), dict(k=2)]
+    handles = [scheduler.submit(p, max_new_tokens=16, **o) for p, o in zip(PROMPTS, options)]
+    while scheduler.busy:
+        scheduler.step()
+    for prompt, option, handle in zip(PROMPTS, options, handles):
+        assert handle.result().token_ids == generator.generate(prompt, max_new_tokens=16, **option).token_ids
+    text = generator.metrics.prometheus()
+    for method in ("tli", "string"):
+        assert f'draftsmith_drafter_draft_tokens_total{{drafter="{method}"}}' in text
+        assert f'draftsmith_drafter_accepted_tokens_total{{drafter="{method}"}}' in text

@@ -48,13 +48,22 @@ class _Engine:
     takes_features = False
 
 
-def sources(draft=None, has_hidden=False) -> DraftSources:
-    return DraftSources(16, draft, has_hidden, None, 0.0)
+CROSS = ("tli", "string")  # the kinds of a draft with its own tokenizer: they take the vocabularies' bridge
+
+
+def sources(draft=None, has_hidden=False, bridge=None) -> DraftSources:
+    return DraftSources(16, draft, has_hidden, None, 0.0, bridge)
+
+
+def byte_bridge():
+    from runtime.text.vocab_bridge import VocabBridge
+    table = ([bytes([65 + i]) for i in range(16)], np.zeros(16, bool))
+    return VocabBridge.from_tables(None, None, table, table)
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_every_registered_kind_makes_a_drafter_that_implements_the_contract(name):
-    drafter = make_drafter(name, sources(draft=_Engine()))
+    drafter = make_drafter(name, sources(draft=_Engine(), bridge=byte_bridge() if name in CROSS else None))
     assert isinstance(drafter, Drafter)
     required = ("start", "propose", "settle", "observe", "keep_rows")
     assert all(getattr(type(drafter), method) is not getattr(Drafter, method) for method in required)
@@ -69,6 +78,20 @@ def test_a_kind_that_needs_the_draft_engine_gives_none_without_one_and_an_unknow
         make_drafter("medusa", sources())
 
 
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_each_kind_says_which_vocabularies_it_drafts_across(name):
+    """A draft with its own tokenizer takes tli/string (and the model-free kinds); a same-vocabulary draft the
+    others: the wrong pairing is a RequestError naming the right kinds, never a crash mid-decode."""
+    engine_kinds = [n for n, kind in REGISTRY.items() if kind.uses_draft_engine]
+    for bridge in (None, byte_bridge()):
+        refused = name in engine_kinds and (name in CROSS) == (bridge is None)
+        if refused:
+            with pytest.raises(RequestError, match="tli|model"):
+                make_drafter(name, sources(draft=_Engine(), bridge=bridge))
+        else:
+            assert isinstance(make_drafter(name, sources(draft=_Engine(), bridge=bridge)), Drafter)
+
+
 def test_a_feature_draft_needs_a_target_that_returns_hidden_states():
     class FeatureEngine(_Engine):
         takes_features = True
@@ -81,16 +104,20 @@ def test_a_feature_draft_needs_a_target_that_returns_hidden_states():
 def test_the_schema_and_the_clis_read_the_registry():
     import click
 
-    from bench.speed import bench
     from builder.cli import main as build_engines
     from runtime.bundle import DRAFTERS as SCHEMA
     from runtime.cli import generate
+    from bench.speed import drafter_labels
     assert SCHEMA == tuple(REGISTRY)
-    for command in (generate, build_engines, bench):
+    for command in (generate, build_engines):
         choices = [p.type.choices for p in command.params if p.name in ("drafter", "drafter_kind")]
         assert choices and all(isinstance(c, (list, tuple)) for c in choices)
         assert [tuple(c) for c in choices] == [DRAFTERS], command.name
     assert isinstance(generate, click.Command)
+    # the bench takes a list (several drafters in one run), each item checked against the same registry
+    assert drafter_labels(",".join(DRAFTERS)) == list(DRAFTERS)
+    with pytest.raises(click.BadParameter, match="expected drafter kinds"):
+        drafter_labels("model,medusa")
 
 
 def test_prompt_lookup_through_the_registry_proposes_point_masses():
