@@ -187,30 +187,48 @@ def test_every_running_row_is_verified_in_one_target_call_a_step(generator, poli
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(generator):
-    """Chunked prefill: a 90-token prompt admitted into a running batch is prefilled 16 tokens a step; the running
-    request gets a token at every one of those steps, each target call of the prefill is at most a chunk wide, and
-    both answers are what the requests get alone (a prompt prefilled in chunks leaves the same cache)."""
+    """Chunked prefill: a 90-token prompt admitted into a running batch is prefilled 16 tokens a step, each chunk
+    inside the step's own target call (one session run a step, no call of its own); the running request gets a token
+    at every one of those steps, and both answers are what the requests get alone (a prompt prefilled in chunks
+    leaves the same cache)."""
     engine = fused(generator)
     scheduler = Scheduler(generator, max_batch=4, prefill_chunk=16)
     running = scheduler.submit("def add(a, b):", max_new_tokens=40, k=2)
     scheduler.step()
     long_prompt = prompt_of(generator, 90)
     late = scheduler.submit(long_prompt, max_new_tokens=8, k=3)
-    widths = []
-    prefill_row = engine.prefill_row
-    engine.prefill_row = lambda cache, row, tokens: widths.append(len(tokens)) or prefill_row(cache, row, tokens)
+    left, runs, got = [], [], []
+    session_run = engine.session.run_with_iobinding
+    engine.session.run_with_iobinding = lambda binding: runs.append(1) or session_run(binding)
     try:
-        got = []
-        for _ in range(6):  # 89 prompt tokens to prefill: 16 a step
+        for _ in range(6):  # 89 prompt tokens to prefill: 16 a step, from the step that admits it
             before = len(scheduler.rows[0].generated)
             scheduler.step()
             got.append(len(scheduler.rows[0].generated) - before)
+            left.append(len(scheduler.rows[1].prefill_left))
     finally:
-        engine.prefill_row = prefill_row
-    assert widths == [16] * 5 + [9] and all(n > 0 for n in got)  # the running row never waited
+        engine.session.run_with_iobinding = session_run
+    assert left == [73, 57, 41, 25, 9, 0] and all(n > 0 for n in got)  # the running row never waited
+    assert len(runs) == 6  # one call a step, the chunk in it
     drain(scheduler)
     assert running.result().token_ids == generator.generate("def add(a, b):", max_new_tokens=40, k=2).token_ids
     assert late.result().token_ids == generator.generate(long_prompt, max_new_tokens=8, k=3).token_ids
+
+
+def test_the_auto_chunk_keeps_the_step_call_within_its_gap_bound(generator):
+    """prefill_chunk="auto": the largest chunk whose call, as one more row of the step's, costs at most CHUNK_GAP
+    times the call without it on the measured costs; more decoding rows, no larger a chunk."""
+    from runtime.serving.scheduler import CHUNK_BOUNDS, CHUNK_GAP
+    scheduler = Scheduler(generator, max_batch=4)
+    scheduler.costs = generator.step_costs(4)
+    sizes = [scheduler._chunk(n) for n in (1, 2, 3)]
+    assert all(CHUNK_BOUNDS[0] <= c <= CHUNK_BOUNDS[1] for c in sizes) and sizes == sorted(sizes, reverse=True)
+    width = max(scheduler.padding, 2)
+    for n, c in zip((1, 2, 3), sizes):
+        alone = scheduler.costs.call_cost([width] * n)
+        assert c == CHUNK_BOUNDS[0] or scheduler.costs.call_cost([width] * n + [c]) <= CHUNK_GAP * alone
+        assert c == CHUNK_BOUNDS[1] or scheduler.costs.call_cost([width] * n + [c + 1]) > CHUNK_GAP * alone
+    assert scheduler._chunk(0) == CHUNK_BOUNDS[1]  # nobody decodes: nobody waits on a step
 
 
 def test_a_throughput_batch_runs_its_target_calls_unpadded_and_restores_the_padding(generator):

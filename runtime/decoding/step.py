@@ -79,6 +79,9 @@ class StepPlan:
     alone: list[bool] | None = None  # per row: scored with the kernels it would get alone; None: one call as is
     fallback: bool = False  # the step runs target-only because acceptance fell (recorded in the rows' stats)
     idle: list[bool] | None = None  # per row: sits this step out (its prompt is still being prefilled); None: none
+    # per idle row: the prompt tokens it feeds in this step's target call (chunked prefill riding in the step's one
+    # call instead of a call of its own); None: none
+    prefill: list[list[int]] | None = None
 
 
 @dataclass
@@ -88,6 +91,7 @@ class StepResult:
     new: list[list[int]]  # per row: tokens it took this step (after EOS, budget, context and grammar)
     draft_time: float
     verify_time: float
+    prefilled: list | None = None  # per row: the hidden states of the prompt chunk it fed (StepPlan.prefill)
 
 
 def run_directly(rows: list[DecodeRow], work: Callable, *args):
@@ -101,10 +105,11 @@ def decode_step(target, cache, rows: list[DecodeRow], groups: list[DraftGroup], 
     one row's own work; a scheduler passes one that turns a failure into those rows' error (None result) so the
     others go on."""
     idle = plan.idle or [False] * len(rows)
+    prefill = plan.prefill or [[] for _ in rows]
     t0 = time.perf_counter()
     proposals = propose(rows, groups, plan, target.vocab_size, isolate)
     t1 = time.perf_counter()
-    logits, hidden = score(target, cache, [[] if idle[b] else [row.last] + draft
+    logits, hidden = score(target, cache, [list(prefill[b]) if idle[b] else [row.last] + draft
                                            for b, (row, (draft, _)) in enumerate(zip(rows, proposals))], plan.alone)
     t2 = time.perf_counter()
     verdicts = [None if idle[b] else isolate([row], verify_row, row, draft, probs, logits[b])
@@ -118,7 +123,8 @@ def decode_step(target, cache, rows: list[DecodeRow], groups: list[DraftGroup], 
     target.rollback(cache, keep)
     new = [[] if idle[b] else book(row, len(draft), n, out, plan.fallback, t1 - t0, t2 - t1, target.max_context)
            for b, (row, (draft, _), n, out) in enumerate(zip(rows, proposals, accepted, emitted))]
-    return StepResult([len(draft) for draft, _ in proposals], accepted, new, t1 - t0, t2 - t1)
+    prefilled = [hidden[b] if idle[b] and prefill[b] else None for b in range(len(rows))]
+    return StepResult([len(draft) for draft, _ in proposals], accepted, new, t1 - t0, t2 - t1, prefilled)
 
 
 def propose(rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan, vocab_size: int,

@@ -60,14 +60,15 @@ from runtime.engines.onnx import unpadded
 from runtime.errors import RequestError
 from runtime.request import DecodeRequest
 from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
-from runtime.decoding.step_costs import (PREFILL_WIDTH, CostModel, PlanInputs, plan_draft_lengths, step_cost,
+from runtime.decoding.step_costs import (CostModel, PlanInputs, plan_draft_lengths, step_cost,
                                          with_probes)
 from runtime.serving.health import FaultWatch
 from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
 
 POLICIES = ("exact", "throughput")
-PREFILL_CHUNK = "auto"  # prompt tokens prefilled per step while other rows decode: about one step's cost (_chunk)
+PREFILL_CHUNK = "auto"  # prompt tokens prefilled per step while other rows decode: "auto" sizes it (_chunk)
 CHUNK_BOUNDS = (2, 256)  # the "auto" chunk's bounds (tokens); 64 before the costs are measured
+CHUNK_GAP = 1.8  # "auto": the step's target call with a prompt chunk in it costs at most this times the call without
 PENDING = object()  # an admitted prompt left to the steps' prefill chunks
 
 
@@ -146,6 +147,7 @@ class Scheduler:
         # an engine whose chunked prefill scores otherwise on this CPU (the load-time check) prefills whole
         self._chunks = prefill_chunk is not None and getattr(self.target, "prefills_in_chunks", True)
         self.padding = getattr(self.target, "min_call_tokens", 1)
+        self._chunk_sizes: dict[int, int] = {}  # decoding rows -> the "auto" chunk (``_auto_chunk``)
         self._predicted = 0.0  # the planned step's predicted seconds (0: not planned)
         self.draft_lengths: collections.Counter = collections.Counter()  # planned draft length -> row-steps
         self.counters = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "step_time": 0.0, "engine_time": 0.0,
@@ -273,9 +275,9 @@ class Scheduler:
         engine_time = self._admit()
         if not self.rows:
             return False
-        engine_time += self._prefill_chunk()
         plan = self._plan()
-        if all(plan.idle):  # every row is still prefilling
+        if all(plan.idle):  # every row is still prefilling: nobody waits on a step, so a bigger chunk alone
+            engine_time += self._prefill_chunk(CHUNK_BOUNDS[1] if self.prefill_chunk == "auto" else None)
             self._count(0, False, time.perf_counter() - start, engine_time)
             self._retire([""] * len(self.rows))
             return True
@@ -284,6 +286,9 @@ class Scheduler:
         with contextlib.nullcontext() if self.policy == "exact" else unpadded(self.target):
             result = decode_step(self.target, self.cache, self.rows, groups, plan, isolate=isolated)
         for b, row in enumerate(self.rows):
+            if plan.prefill[b]:
+                isolated([row], self._prefilled, row, len(plan.prefill[b]), result.prefilled[b])
+                continue
             isolated([row], self._after_step, row, plan.drafting[b], result.drafted[b], result.accepted[b],
                      result.new[b])
         seconds = result.draft_time + result.verify_time
@@ -313,7 +318,20 @@ class Scheduler:
                   for row, i in zip(self.rows, idle)]
         ks = self._draft_lengths(limits)
         alone = None if self.policy == "throughput" else [True] * len(self.rows)
-        return StepPlan(ks, [k > 0 for k in ks], alone, idle=idle)
+        return StepPlan(ks, [k > 0 for k in ks], alone, idle=idle, prefill=self._prefill_plan(idle))
+
+    def _prefill_plan(self, idle: list[bool]) -> list[list[int]]:
+        """The prompt chunk each row still prefilling feeds in this step's target call: the oldest such row gets
+        ``_chunk()`` tokens, the others wait (one chunk a step: a running stream's gap grows by one chunk's share of
+        the call, not more)."""
+        out: list[list[int]] = [[] for _ in self.rows]
+        if not self._chunks or all(idle):
+            return out
+        for b, row in enumerate(self.rows):
+            if idle[b] and row.error is None:
+                out[b] = row.prefill_left[: self._chunk(idle.count(False))]
+                break
+        return out
 
     def _draft_lengths(self, limits: list[int]) -> list[int]:
         """Each row's draft length: its limit until the costs are measured (or without ``plan``); else the lengths
@@ -384,12 +402,13 @@ class Scheduler:
                 self.counters["admitted"] += 1
         return time.perf_counter() - start
 
-    def _prefill_chunk(self) -> float:
-        """Prefill up to ``prefill_chunk`` prompt tokens of the rows still prefilling, oldest first (vLLM's and
-        TensorRT-LLM's chunked prefill): a long prompt's admission costs the running rows one chunk a step, not its
-        whole prefill at once. A row whose prompt is done hands its hidden states to its drafter and decodes from
-        this step on. Returns the seconds spent."""
-        start, budget = time.perf_counter(), self._chunk() if self._chunks else 0
+    def _prefill_chunk(self, budget: int | None = None) -> float:
+        """Prefill up to ``budget`` (default ``_chunk()``) prompt tokens of the rows still prefilling, oldest first,
+        in calls of their own: a step where no row decodes (otherwise the chunk rides in the step's own target call,
+        ``_prefill_plan``). A row whose prompt is done hands its hidden states to its drafter and decodes from the
+        next step on. Returns the seconds spent."""
+        start = time.perf_counter()
+        budget = (self._chunk(0) if budget is None else budget) if self._chunks else 0
         for b, row in enumerate(self.rows):
             if budget <= 0:
                 break
@@ -399,21 +418,37 @@ class Scheduler:
                 budget -= take
         return time.perf_counter() - start
 
-    def _chunk(self) -> int:
-        """Prompt tokens a step prefills: ``prefill_chunk``, or with "auto" as many as cost about one decode step of
-        the running batch on the measured costs (so a running stream's gaps at most about double while a long
-        prompt is admitted; the prompt's own first token comes later the smaller it is), within CHUNK_BOUNDS."""
+    def _chunk(self, decoding: int | None = None) -> int:
+        """Prompt tokens a step prefills (vLLM's and TensorRT-LLM's chunked prefill: a long prompt's admission costs
+        the running rows a chunk a step, not its whole prefill at once): ``prefill_chunk``, or with "auto" the most
+        that keep the step's target call, with the chunk as one more row of it, within CHUNK_GAP times the call
+        without it on the measured costs (``decoding`` rows; default: every running row), within CHUNK_BOUNDS. A
+        running stream's gaps then grow by at most about that factor while a long prompt is admitted; the prompt's
+        first token comes later the smaller the chunk."""
         if self.prefill_chunk != "auto":
             return int(self.prefill_chunk)
         if not self.costs.calibrated:
             return 64
-        step = self.costs.call_cost([self.padding] * max(1, len(self.rows)))
-        per_token = self.costs.call_cost([PREFILL_WIDTH]) / PREFILL_WIDTH  # a lone row's chunk of a prompt
+        decoding = len(self.rows) if decoding is None else decoding
+        if decoding not in self._chunk_sizes:
+            self._chunk_sizes[decoding] = self._auto_chunk(decoding)
+        return self._chunk_sizes[decoding]
+
+    def _auto_chunk(self, decoding: int) -> int:
         low, high = CHUNK_BOUNDS
-        return int(np.clip(step / per_token, low, high)) if per_token > 0 else high
+        if decoding == 0:
+            return high
+        widths = [max(self.padding, 2)] * decoding
+        allowed = CHUNK_GAP * self.costs.call_cost(widths)
+        fits = [c for c in range(low, high + 1) if self.costs.call_cost(widths + [c]) <= allowed]
+        return max(fits) if fits else low
 
     def _prefill_part(self, b: int, row: _Row, take: int) -> None:
-        state = self.target.prefill_row(self.cache, b, row.prefill_left[:take])
+        self._prefilled(row, take, self.target.prefill_row(self.cache, b, row.prefill_left[:take]))
+
+    def _prefilled(self, row: _Row, take: int, state) -> None:
+        """Book ``take`` prompt tokens of a row as prefilled (``state``: their hidden states, None: none); a row whose
+        prompt is done hands them all to its drafter."""
         row.prefill_states.append(state)
         del row.prefill_left[:take]
         if not row.prefill_left and row.drafter is not None:
