@@ -146,8 +146,8 @@ def _key_from_file(path: str, given: str | None) -> str:
                    "request's acceptance; --no-plan: every request drafts its k.")
 @click.option("--prefill-chunk", default="auto", show_default=True,
               help="Prompt tokens prefilled per step while other requests decode, so a long prompt never stalls "
-                   "them: a number, auto (about one decode step's cost on the measured costs) or 0 (each prompt "
-                   "prefilled whole at admission).")
+                   "them: a number, auto (the largest chunk that keeps the step's one target call within 1.8x its "
+                   "cost without it, on the measured costs) or 0 (each prompt prefilled whole at admission).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="On SIGTERM: seconds running requests get to finish (keep it under the pod's grace period).")
 @click.option("--drain-linger", type=click.FloatRange(min=0), default=2.0, show_default=True,
