@@ -571,7 +571,9 @@ def _encode_workloads(options: BenchOptions, generator, loaded: dict[str, list[s
 def _sweep(options: BenchOptions, generator, workloads, ks, batches, response_format, console, started: float):
     """Every cell measured (``run_workloads``) under a bar on a terminal, or a line per decode in a log."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    configs = 1 + int(bool(pads(generator.target))) + len(ks)  # target-only, plain where it pads, each k
+    drafters = drafters_of(options, generator)
+    # target-only, plain where it pads, each k of each drafter
+    configs = 1 + int(bool(pads(generator.target))) + len(ks) * len(drafters)
     runs = sum(math.ceil(len(t) / b) for t in workloads.values() for b in batches) * configs
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, disable=options.quiet, transient=False)
@@ -586,7 +588,7 @@ def _sweep(options: BenchOptions, generator, workloads, ks, batches, response_fo
     with progress:
         task = progress.add_task("decoding", total=runs)
         return run_workloads(generator, workloads, ks, batches, options.max_new_tokens, options.temperature,
-                             options.seed, advance=advance, drafters=drafters_of(options, generator),
+                             options.seed, advance=advance, drafters=drafters,
                              confidence=options.confidence, response_format=response_format,
                              forced_drafts=options.forced_drafts, top_p=options.top_p, policy=options.policy)
 
