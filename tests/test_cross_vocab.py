@@ -238,3 +238,19 @@ def test_the_scheduler_serves_both_methods_side_by_side_and_counts_each_apart(ti
     for method in ("tli", "string"):
         assert f'draftsmith_drafter_draft_tokens_total{{drafter="{method}"}}' in text
         assert f'draftsmith_drafter_accepted_tokens_total{{drafter="{method}"}}' in text
+
+
+@pytest.mark.parametrize("method", ["tli", "string"])
+def test_a_confidence_floor_drafts_less_and_stays_exact(method):
+    """draft_confidence: after its first token a row stops where the draft's top probability is under the floor
+    (both methods), so fewer tokens are drafted; the output is still the target's own."""
+    target_table = random_table(5, 1, scale=3.0)
+    prompts = [[0], [1, 4], [2, 3, 0]]
+    drafted = []
+    for confidence in (0.0, 0.95):
+        drafter = CrossVocabDrafter(BigramEngine(close_draft(target_table, 3)), word_bridge(), method, 5, confidence)
+        loop = SpeculativeLoop(BigramEngine(target_table), drafter, prompts, DecodeConfig(24, 4, SamplingParams(0.0)))
+        list(loop.run())
+        assert [row.generated for row in loop.rows] == [target_only(target_table, p, 24) for p in prompts]
+        drafted.append(sum(row.stats.num_draft_tokens for row in loop.rows))
+    assert 0 < drafted[1] < drafted[0]

@@ -217,12 +217,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(generator)
 
 def test_the_auto_chunk_keeps_the_step_call_within_its_gap_bound(generator):
     """prefill_chunk="auto": the largest chunk whose call, as one more row of the step's, costs at most CHUNK_GAP
-    times the call without it on the measured costs; more decoding rows, no larger a chunk."""
+    times the call without it on the measured costs (the bound's floor where even the smallest does not fit)."""
     from runtime.serving.scheduler import CHUNK_BOUNDS, CHUNK_GAP
     scheduler = Scheduler(generator, max_batch=4)
     scheduler.costs = generator.step_costs(4)
     sizes = [scheduler._chunk(n) for n in (1, 2, 3)]
-    assert all(CHUNK_BOUNDS[0] <= c <= CHUNK_BOUNDS[1] for c in sizes) and sizes == sorted(sizes, reverse=True)
+    assert all(CHUNK_BOUNDS[0] <= c <= CHUNK_BOUNDS[1] for c in sizes)
     width = max(scheduler.padding, 2)
     for n, c in zip((1, 2, 3), sizes):
         alone = scheduler.costs.call_cost([width] * n)

@@ -23,7 +23,7 @@ import numpy as np
 
 from runtime.decoding.calls import last_logits
 from runtime.decoding.grammar import constrain
-from runtime.decoding.sampling import SamplingParams, point_masses
+from runtime.decoding.sampling import SamplingParams, point_masses, top_probability
 from runtime.drafters.base import Drafter, Proposal
 from runtime.drafters.model import draw_next
 from runtime.text.vocab_bridge import VocabBridge, split_utf8
@@ -84,7 +84,8 @@ class CrossVocabDrafter(Drafter):
                     chunks[b] = [token]
                     self.fed[b].append(token)
         if self.method == "string":
-            tokens = [self._string_proposal(draft, limit) for draft, limit in zip(drafts, limits)]
+            tokens = [self._string_proposal(draft, limit, len(draft) >= cap)
+                      for draft, limit, cap in zip(drafts, limits, budget)]
             probs = [point_masses(t, self.target_vocab, params) for t in tokens]
         return Proposal(tokens, probs)
 
@@ -103,6 +104,8 @@ class CrossVocabDrafter(Drafter):
               params: SamplingParams, rng) -> int | None:
         """Row b's next draft token (a draft id to feed the draft next), or None when it stops."""
         if self.method == "string":  # the draft's greedy choice: any text is lossless under exact match
+            if self.confidence and drafted and top_probability(logits) < self.confidence:
+                return None  # unsure: what it has goes to verification
             token = int(np.argmax(logits[: self.engine.vocab_size]))
             drafted.append(token)
             return token if len(drafted) < budget else None
@@ -119,12 +122,13 @@ class CrossVocabDrafter(Drafter):
         target_token = draw_next(shared, tokens, probs, budget, params, rng, self.confidence)
         return None if target_token is None else int(self.bridge.target_to_draft[target_token])
 
-    def _string_proposal(self, drafted: list[int], limit: int) -> list[int]:
+    def _string_proposal(self, drafted: list[int], limit: int, full: bool = True) -> list[int]:
         """The draft's text as the target tokenizes it, up to ``limit`` tokens. The draft wrote one token more than
         the limit and the last target token is dropped: the target would cut the text's end differently once more
-        text follows."""
+        text follows (kept where the draft stopped early, unsure: ``full`` False)."""
         text, _ = split_utf8(self.bridge.draft_bytes_of(drafted))
-        ids = [t for t in self.bridge.target_ids(text)[:-1] if t < self.target_vocab]
+        ids = self.bridge.target_ids(text)
+        ids = [t for t in (ids[:-1] if full else ids) if t < self.target_vocab]
         return ids[:limit]
 
     # --- after verification -----------------------------------------------------------------------------------------
