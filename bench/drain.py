@@ -60,18 +60,42 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_replica(bundle: str | os.PathLike, log_dir: Path, *, threads: int = 1, max_batch: int = 2,
-                  drain_timeout: float = 30.0, drain_linger: float = 1.0) -> Replica:
+def start_replica(
+    bundle: str | os.PathLike,
+    log_dir: Path,
+    *,
+    threads: int = 1,
+    max_batch: int = 2,
+    drain_timeout: float = 30.0,
+    drain_linger: float = 1.0,
+) -> Replica:
     """Start a server process on a free port (not waited for: see ``wait_ready``)."""
     port = _free_port()
     log_path = Path(log_dir) / f"replica-{port}.log"
-    command = [sys.executable, "-m", "runtime.cli", "serve-openai", str(bundle), "--port", str(port),
-               "--threads", str(threads), "--max-batch", str(max_batch), "--model-name", MODEL,
-               "--drain-timeout", str(drain_timeout), "--drain-linger", str(drain_linger)]
+    command = [
+        sys.executable,
+        "-m",
+        "runtime.cli",
+        "serve-openai",
+        str(bundle),
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--max-batch",
+        str(max_batch),
+        "--model-name",
+        MODEL,
+        "--drain-timeout",
+        str(drain_timeout),
+        "--drain-linger",
+        str(drain_linger),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   cwd=Path(__file__).resolve().parents[1])
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[1]
+        )
     return Replica(f"http://127.0.0.1:{port}", process, log_path)
 
 
@@ -200,8 +224,17 @@ def _serve_one(client: httpx.Client, balancer: Balancer, spec: Spec, inflight: d
     return served
 
 
-def drain_once(victim: Replica, survivor: Replica, *, clients: int = 6, duration: float = 6.0,
-               sigterm_after: float = 2.0, max_tokens: int = 96, seed: int = 0, exit_timeout: float = 60.0) -> dict:
+def drain_once(
+    victim: Replica,
+    survivor: Replica,
+    *,
+    clients: int = 6,
+    duration: float = 6.0,
+    sigterm_after: float = 2.0,
+    max_tokens: int = 96,
+    seed: int = 0,
+    exit_timeout: float = 60.0,
+) -> dict:
     """One run: load both replicas, SIGTERM ``victim`` after ``sigterm_after`` seconds, at a moment its batch is full
     and a request waits for a row; keep the load on until ``duration``; then check the answers (module docstring)."""
     balancer = Balancer([victim.url, survivor.url])
@@ -265,21 +298,39 @@ def _probe_refusal(url: str) -> dict:
         return {"status": None, "error": f"{type(err).__name__}: {err}"}
 
 
-def _account(results: list[Served], victim: Replica, survivor: Replica, signalled: float, running: int,
-             probe: dict, code: int | None, exit_s: float) -> dict:
+def _account(
+    results: list[Served],
+    victim: Replica,
+    survivor: Replica,
+    signalled: float,
+    running: int,
+    probe: dict,
+    code: int | None,
+    exit_s: float,
+) -> dict:
     answered = [r for r in results if r.outcome.status == "answered"]
     lost = [r for r in results if r.outcome.status != "answered"]
     truncated = _mismatches([r for r in answered if r.replica == victim.url or r.refused_by], survivor.url)
     on_victim = [r for r in answered if r.replica == victim.url]
-    return {"sent": len(results), "answered": len(answered), "lost": len(lost), "truncated": len(truncated),
-            "refused_503": sum(len(r.refused_by) for r in results),
-            "refused_then_answered": sum(bool(r.refused_by) for r in answered),
-            "answered_by_victim_after_sigterm": sum(r.end > signalled for r in on_victim),
-            "victim_inflight_at_sigterm": running, "probe_after_sigterm": probe,
-            "victim_exit_code": code, "sigterm_to_exit_s": round(exit_s, 3),
-            "errors": [f"{'victim' if r.replica == victim.url else 'survivor'}, {r.start - signalled:+.2f} s to "
-                       f"{r.end - signalled:+.2f} s from SIGTERM: {r.outcome.error}" for r in lost][:5],
-            "truncated_examples": truncated[:2]}
+    return {
+        "sent": len(results),
+        "answered": len(answered),
+        "lost": len(lost),
+        "truncated": len(truncated),
+        "refused_503": sum(len(r.refused_by) for r in results),
+        "refused_then_answered": sum(bool(r.refused_by) for r in answered),
+        "answered_by_victim_after_sigterm": sum(r.end > signalled for r in on_victim),
+        "victim_inflight_at_sigterm": running,
+        "probe_after_sigterm": probe,
+        "victim_exit_code": code,
+        "sigterm_to_exit_s": round(exit_s, 3),
+        "errors": [
+            f"{'victim' if r.replica == victim.url else 'survivor'}, {r.start - signalled:+.2f} s to "
+            f"{r.end - signalled:+.2f} s from SIGTERM: {r.outcome.error}"
+            for r in lost
+        ][:5],
+        "truncated_examples": truncated[:2],
+    }
 
 
 def _mismatches(answered: list[Served], reference_url: str) -> list[dict]:
@@ -299,10 +350,20 @@ def _mismatches(answered: list[Served], reference_url: str) -> list[dict]:
     return problems
 
 
-def run_drain(bundle: str | os.PathLike, repetitions: int = 5, *, clients: int = 6, duration: float = 6.0,
-              sigterm_after: float = 2.0, max_tokens: int = 96, threads: int = 1, max_batch: int = 2,
-              drain_linger: float = 1.0,
-              drain_timeout: float = 30.0, log_dir: str | os.PathLike | None = None) -> dict:
+def run_drain(
+    bundle: str | os.PathLike,
+    repetitions: int = 5,
+    *,
+    clients: int = 6,
+    duration: float = 6.0,
+    sigterm_after: float = 2.0,
+    max_tokens: int = 96,
+    threads: int = 1,
+    max_batch: int = 2,
+    drain_linger: float = 1.0,
+    drain_timeout: float = 30.0,
+    log_dir: str | os.PathLike | None = None,
+) -> dict:
     """``repetitions`` runs of ``drain_once``, a fresh victim each time beside one survivor; per run and in total."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="draftsmith-drain-"))
     options = dict(threads=threads, max_batch=max_batch, drain_linger=drain_linger, drain_timeout=drain_timeout)
@@ -313,27 +374,66 @@ def run_drain(bundle: str | os.PathLike, repetitions: int = 5, *, clients: int =
             victim = start_replica(bundle, log_dir, **options)
             try:
                 wait_ready([survivor, victim])
-                runs.append(drain_once(victim, survivor, clients=clients, duration=duration,
-                                       sigterm_after=sigterm_after, max_tokens=max_tokens, seed=repetition))
+                runs.append(
+                    drain_once(
+                        victim,
+                        survivor,
+                        clients=clients,
+                        duration=duration,
+                        sigterm_after=sigterm_after,
+                        max_tokens=max_tokens,
+                        seed=repetition,
+                    )
+                )
             finally:
                 stop(victim)
     finally:
         stop(survivor)
     exits = [r["sigterm_to_exit_s"] for r in runs]
-    total = {key: sum(r[key] for r in runs) for key in ("sent", "answered", "lost", "truncated", "refused_503",
-                                                        "refused_then_answered", "victim_inflight_at_sigterm")}
-    total.update(exit_codes=sorted({r["victim_exit_code"] for r in runs}, key=str),
-                 sigterm_to_exit_s={"min": min(exits), "max": max(exits), "mean": sum(exits) / len(exits)})
-    return {"repetitions": repetitions, "drain_linger_s": drain_linger, "drain_timeout_s": drain_timeout,
-            "clients": clients, "max_tokens": max_tokens, "max_batch": max_batch, "total": total, "runs": runs,
-            "logs": str(log_dir)}
+    total = {
+        key: sum(r[key] for r in runs)
+        for key in (
+            "sent",
+            "answered",
+            "lost",
+            "truncated",
+            "refused_503",
+            "refused_then_answered",
+            "victim_inflight_at_sigterm",
+        )
+    }
+    total.update(
+        exit_codes=sorted({r["victim_exit_code"] for r in runs}, key=str),
+        sigterm_to_exit_s={"min": min(exits), "max": max(exits), "mean": sum(exits) / len(exits)},
+    )
+    return {
+        "repetitions": repetitions,
+        "drain_linger_s": drain_linger,
+        "drain_timeout_s": drain_timeout,
+        "clients": clients,
+        "max_tokens": max_tokens,
+        "max_batch": max_batch,
+        "total": total,
+        "runs": runs,
+        "logs": str(log_dir),
+    }
 
 
 # --- Triton -------------------------------------------------------------------------------------------------------
 
-def triton_drain_once(repo: str | os.PathLike, reference: dict[str, str], *, clients: int = 8, linger: float = 1.5,
-                      exit_timeout: int = 30, sigterm_after: float = 1.5, max_tokens: int = 32,
-                      log_dir: str | os.PathLike | None = None, startup_timeout: float = 180.0) -> dict:
+
+def triton_drain_once(
+    repo: str | os.PathLike,
+    reference: dict[str, str],
+    *,
+    clients: int = 8,
+    linger: float = 1.5,
+    exit_timeout: int = 30,
+    sigterm_after: float = 1.5,
+    max_tokens: int = 32,
+    log_dir: str | os.PathLike | None = None,
+    startup_timeout: float = 180.0,
+) -> dict:
     """``draftsmith serve REPO`` under load from ``clients`` greedy clients (prompts: ``reference``'s keys, each
     answer must equal its value), SIGTERM mid-run. The drain unloads the models (triton_repo/server.py), so a new
     request is refused before any work (404 unknown model, or a closed port), and the client then leaves this
@@ -341,15 +441,33 @@ def triton_drain_once(repo: str | os.PathLike, reference: dict[str, str], *, cli
     flight at the signal that were answered, the ensemble's readiness just after it, the exit code and the seconds
     from SIGTERM to exit."""
     from triton_repo.server import free_port
+
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="draftsmith-triton-drain-"))
     ports = [free_port() for _ in range(3)]
     url = f"http://127.0.0.1:{ports[0]}"
-    command = [sys.executable, "-m", "runtime.cli", "serve", str(repo), "--http-port", str(ports[0]),
-               "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--drain-linger", str(linger),
-               "--exit-timeout", str(exit_timeout), "--log-file", str(log_dir / "tritonserver.log")]
+    command = [
+        sys.executable,
+        "-m",
+        "runtime.cli",
+        "serve",
+        str(repo),
+        "--http-port",
+        str(ports[0]),
+        "--grpc-port",
+        str(ports[1]),
+        "--metrics-port",
+        str(ports[2]),
+        "--drain-linger",
+        str(linger),
+        "--exit-timeout",
+        str(exit_timeout),
+        "--log-file",
+        str(log_dir / "tritonserver.log"),
+    ]
     with open(log_dir / "serve.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   cwd=Path(__file__).resolve().parents[1])
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1]
+        )
     try:
         _wait_triton(url, process, startup_timeout)
         return _triton_load(url, process, reference, clients, linger, sigterm_after, max_tokens, exit_timeout)
@@ -373,8 +491,16 @@ def _wait_triton(url: str, process: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"tritonserver at {url} was not ready after {timeout:.0f} s")
 
 
-def _triton_load(url: str, process: subprocess.Popen, reference: dict[str, str], clients: int, linger: float,
-                 sigterm_after: float, max_tokens: int, exit_timeout: int) -> dict:
+def _triton_load(
+    url: str,
+    process: subprocess.Popen,
+    reference: dict[str, str],
+    clients: int,
+    linger: float,
+    sigterm_after: float,
+    max_tokens: int,
+    exit_timeout: int,
+) -> dict:
     outcomes, lock, stop = [], threading.Lock(), threading.Event()
     prompts = list(reference)
 
@@ -386,12 +512,19 @@ def _triton_load(url: str, process: subprocess.Popen, reference: dict[str, str],
                 prompt = prompts[(c + i) % len(prompts)]
                 start = time.monotonic()
                 try:
-                    response = client.post(url + "/v2/models/ensemble/generate",
-                                           json={"text_input": prompt, "max_tokens": max_tokens})
+                    response = client.post(
+                        url + "/v2/models/ensemble/generate", json={"text_input": prompt, "max_tokens": max_tokens}
+                    )
                     text = response.json().get("text_output") if response.status_code == 200 else None
-                    kind = ("answered" if text == reference[prompt] else "truncated" if text is not None
-                            else "refused" if response.status_code == 404 and "unknown model" in response.text
-                            else f"HTTP {response.status_code}")  # 404 unknown model: unloaded, before any work
+                    kind = (
+                        "answered"
+                        if text == reference[prompt]
+                        else "truncated"
+                        if text is not None
+                        else "refused"
+                        if response.status_code == 404 and "unknown model" in response.text
+                        else f"HTTP {response.status_code}"
+                    )  # 404 unknown model: unloaded, before any work
                 except httpx.ConnectError:
                     kind = "refused"  # the port is closed: nothing was sent
                 except httpx.HTTPError as err:
@@ -418,20 +551,32 @@ def _triton_load(url: str, process: subprocess.Popen, reference: dict[str, str],
     for thread in threads:
         thread.join()
     counts = {kind: sum(o[0] == kind for o in outcomes) for kind in sorted({o[0] for o in outcomes})}
-    return {"sent": len(outcomes), "outcomes": counts,
-            "lost": sum(o[0] not in ("answered", "refused") for o in outcomes),
-            "answered_after_sigterm": sum(o[0] == "answered" and o[1] < signalled < o[2] for o in outcomes),
+    return {
+        "sent": len(outcomes),
+        "outcomes": counts,
+        "lost": sum(o[0] not in ("answered", "refused") for o in outcomes),
+        "answered_after_sigterm": sum(o[0] == "answered" and o[1] < signalled < o[2] for o in outcomes),
+        "model_ready_0_5_s_after_sigterm": model_ready,
+        "exit_code": code,
+        "sigterm_to_exit_s": round(exit_s, 3),
+    }
 
-            "model_ready_0_5_s_after_sigterm": model_ready, "exit_code": code,
-            "sigterm_to_exit_s": round(exit_s, 3)}
 
-
-def run_triton_drain(bundle: str | os.PathLike, repetitions: int = 5, *, clients: int = 8, linger: float = 1.5,
-                     max_tokens: int = 32, threads: int = 1, log_dir: str | os.PathLike | None = None) -> dict:
+def run_triton_drain(
+    bundle: str | os.PathLike,
+    repetitions: int = 5,
+    *,
+    clients: int = 8,
+    linger: float = 1.5,
+    max_tokens: int = 32,
+    threads: int = 1,
+    log_dir: str | os.PathLike | None = None,
+) -> dict:
     """``repetitions`` runs of ``triton_drain_once`` on a repository written for ``bundle``, answers checked
     against the runtime's own greedy output."""
     from runtime.api import SpeculativeGenerator
     from triton_repo.generate import RepoOptions, write_repository
+
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="draftsmith-triton-drain-"))
     repo = write_repository(bundle, log_dir / "repo", RepoOptions(threads=threads, max_batch_size=4), overwrite=True)
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
@@ -441,14 +586,24 @@ def run_triton_drain(bundle: str | os.PathLike, repetitions: int = 5, *, clients
     for repetition in range(repetitions):
         folder = log_dir / f"run{repetition}"
         folder.mkdir(exist_ok=True)
-        runs.append(triton_drain_once(repo, reference, clients=clients, linger=linger, max_tokens=max_tokens,
-                                      log_dir=folder))
+        runs.append(
+            triton_drain_once(repo, reference, clients=clients, linger=linger, max_tokens=max_tokens, log_dir=folder)
+        )
     exits = [r["sigterm_to_exit_s"] for r in runs]
     total = {key: sum(r[key] for r in runs) for key in ("sent", "lost", "answered_after_sigterm")}
-    total.update(exit_codes=sorted({r["exit_code"] for r in runs}, key=str),
-                 sigterm_to_exit_s={"min": min(exits), "max": max(exits), "mean": sum(exits) / len(exits)})
-    return {"server": "triton", "repetitions": repetitions, "linger_s": linger, "clients": clients, "total": total,
-            "runs": runs, "logs": str(log_dir)}
+    total.update(
+        exit_codes=sorted({r["exit_code"] for r in runs}, key=str),
+        sigterm_to_exit_s={"min": min(exits), "max": max(exits), "mean": sum(exits) / len(exits)},
+    )
+    return {
+        "server": "triton",
+        "repetitions": repetitions,
+        "linger_s": linger,
+        "clients": clients,
+        "total": total,
+        "runs": runs,
+        "logs": str(log_dir),
+    }
 
 
 def _status(url: str) -> int | str:
@@ -467,16 +622,30 @@ def _status(url: str) -> int | str:
 @click.option("--max-tokens", type=int, default=96, show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="Each replica's ONNX Runtime threads.")
 @click.option("--drain-linger", type=float, default=1.0, show_default=True)
-@click.option("--server", type=click.Choice(["openai", "triton"]), default="openai", show_default=True,
-              help="triton: one draftsmith serve under load, SIGTERM mid-run (--duration unused).")
+@click.option(
+    "--server",
+    type=click.Choice(["openai", "triton"]),
+    default="openai",
+    show_default=True,
+    help="triton: one draftsmith serve under load, SIGTERM mid-run (--duration unused).",
+)
 def main(bundle, repetitions, clients, duration, sigterm_after, max_tokens, threads, drain_linger, server):
     """Drain check: two replicas of BUNDLE under load, one stopped with SIGTERM per repetition; JSON report."""
     if server == "triton":
-        report = run_triton_drain(bundle, repetitions, clients=clients, linger=drain_linger,
-                                  max_tokens=min(max_tokens, 32), threads=threads)
+        report = run_triton_drain(
+            bundle, repetitions, clients=clients, linger=drain_linger, max_tokens=min(max_tokens, 32), threads=threads
+        )
     else:
-        report = run_drain(bundle, repetitions, clients=clients, duration=duration, sigterm_after=sigterm_after,
-                           max_tokens=max_tokens, threads=threads, drain_linger=drain_linger)
+        report = run_drain(
+            bundle,
+            repetitions,
+            clients=clients,
+            duration=duration,
+            sigterm_after=sigterm_after,
+            max_tokens=max_tokens,
+            threads=threads,
+            drain_linger=drain_linger,
+        )
     click.echo(json.dumps(report, indent=2))
 
 

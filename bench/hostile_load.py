@@ -37,8 +37,13 @@ class HostileConnections:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        return {"idle": self.idle, "slow_header": self.slow, "opened": self.opened,
-                "closed_by_server": self.closed_by_server, "refused": self.refused}
+        return {
+            "idle": self.idle,
+            "slow_header": self.slow,
+            "opened": self.opened,
+            "closed_by_server": self.closed_by_server,
+            "refused": self.refused,
+        }
 
     async def _main(self) -> None:
         kinds = [False] * self.idle + [True] * self.slow
@@ -63,7 +68,7 @@ class HostileConnections:
         while not self._stop.is_set():
             try:
                 if slow and sent < len(request):
-                    writer.write(request[sent:sent + 1])
+                    writer.write(request[sent : sent + 1])
                     sent += 1
                     await writer.drain()
                 if await asyncio.wait_for(reader.read(1024), timeout=TRICKLE_S) == b"":
@@ -109,5 +114,10 @@ class HealthProbe:
         self._stop.set()
         self._thread.join(timeout=5)
         worst = max(self.latencies, default=0.0)
-        return {"url": self.url, "probes": len(self.latencies) + len(self.failures), "failed": len(self.failures),
-                "max_latency_s": worst, "failures": self.failures[:5]}
+        return {
+            "url": self.url,
+            "probes": len(self.latencies) + len(self.failures),
+            "failed": len(self.failures),
+            "max_latency_s": worst,
+            "failures": self.failures[:5],
+        }

@@ -45,21 +45,28 @@ from bench.triton_clients import GrpcStreamClient, Record, http_request
 
 PROMPTS = {  # short, medium, long: mixed prompt lengths
     "short": ["Hi", "def add(a, b):", "The quick brown fox", "SELECT name FROM users", "日本語の"],
-    "medium": ["Speculative decoding keeps the target's output exactly, and the draft proposes",
-               "for i in range(10): print(i * i)\ndef square(x):\n    return",
-               "Ünïcödé café — naïve façade, emoji 🙂 and a sentence that goes on for a while"],
-    "long": ["The quick brown fox jumps over the lazy dog. " * 2 + "def add(a, b):\n    return a + b\n",
-             "Speculative decoding keeps the target's output exactly. " * 2 + "for i in range(10): print(i * i)\n"],
+    "medium": [
+        "Speculative decoding keeps the target's output exactly, and the draft proposes",
+        "for i in range(10): print(i * i)\ndef square(x):\n    return",
+        "Ünïcödé café — naïve façade, emoji 🙂 and a sentence that goes on for a while",
+    ],
+    "long": [
+        "The quick brown fox jumps over the lazy dog. " * 2 + "def add(a, b):\n    return a + b\n",
+        "Speculative decoding keeps the target's output exactly. " * 2 + "for i in range(10): print(i * i)\n",
+    ],
 }
 
 
 # --- requests: a seeded mix of lengths and parameters -----------------------------------------------------
 
+
 def draw_request(rng: random.Random, max_tokens: int, stream: bool) -> tuple[str, dict]:
     """(prompt class, request fields): mixed lengths and parameters, all valid."""
     prompt_class = rng.choice(["short", "short", "medium", "long"])
-    body: dict = {"text_input": rng.choice(PROMPTS[prompt_class]),
-                  "max_tokens": rng.choice([max(1, max_tokens // 4), max(1, max_tokens // 2), max_tokens])}
+    body: dict = {
+        "text_input": rng.choice(PROMPTS[prompt_class]),
+        "max_tokens": rng.choice([max(1, max_tokens // 4), max(1, max_tokens // 2), max_tokens]),
+    }
     if rng.random() < 0.3:
         body.update(temperature=0.8, seed=rng.randrange(1 << 31))
         if rng.random() < 0.5:
@@ -74,6 +81,7 @@ def draw_request(rng: random.Random, max_tokens: int, stream: bool) -> tuple[str
 
 
 # --- the load ---------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Endpoints:
@@ -133,9 +141,18 @@ class LoadResult:
         return out
 
 
-def run_load(endpoints: Endpoints, clients: int = 4, duration: float = 10.0, max_requests: int = 1000,
-             stream_fraction: float = 0.5, max_tokens: int = 32, request_timeout: float = 60.0, seed: int = 0,
-             rss_every: int = 100, stop: threading.Event | None = None) -> LoadResult:
+def run_load(
+    endpoints: Endpoints,
+    clients: int = 4,
+    duration: float = 10.0,
+    max_requests: int = 1000,
+    stream_fraction: float = 0.5,
+    max_tokens: int = 32,
+    request_timeout: float = 60.0,
+    seed: int = 0,
+    rss_every: int = 100,
+    stop: threading.Event | None = None,
+) -> LoadResult:
     """Drive ``endpoints`` with ``clients`` threads for ``duration`` s or ``max_requests`` requests, whichever first."""
     if clients < 1 or duration <= 0 or max_requests < 1 or not 0.0 <= stream_fraction <= 1.0:
         raise ValueError("clients >= 1, duration > 0, max_requests >= 1 and 0 <= stream_fraction <= 1")
@@ -160,8 +177,9 @@ def run_load(endpoints: Endpoints, clients: int = 4, duration: float = 10.0, max
                 with lock:
                     if len(records) >= max_requests:
                         return
-                    record = Record(c, "grpc-stream" if stream else "http", prompt_class, time.perf_counter() - t0,
-                                    body=body)
+                    record = Record(
+                        c, "grpc-stream" if stream else "http", prompt_class, time.perf_counter() - t0, body=body
+                    )
                     records.append(record)
                 if stream:
                     grpc.request(body, request_timeout, record, t0)
@@ -205,14 +223,27 @@ def run_load(endpoints: Endpoints, clients: int = 4, duration: float = 10.0, max
 
     def dist(values):
         return {f"p{q}": None if not values else round(percentile(values, q), 4) for q in (50, 95, 99)} | {
-            "mean": round(statistics.fmean(values), 4) if values else None}
+            "mean": round(statistics.fmean(values), 4) if values else None
+        }
 
     return LoadResult(
-        clients=clients, duration_s=duration, sent=len(done), answered=len(answered),
-        failed=sum(r.outcome == "failed" for r in done), lost=sum(r.outcome == "lost" for r in done),
-        wall_s=round(wall, 2), latency_s=dist(latencies), ttft_s=dist(ttfts), tokens=tokens,
+        clients=clients,
+        duration_s=duration,
+        sent=len(done),
+        answered=len(answered),
+        failed=sum(r.outcome == "failed" for r in done),
+        lost=sum(r.outcome == "lost" for r in done),
+        wall_s=round(wall, 2),
+        latency_s=dist(latencies),
+        ttft_s=dist(ttfts),
+        tokens=tokens,
         tokens_per_s=None if tokens is None else round(tokens / wall, 1),
-        requests_per_s=round(len(answered) / wall, 2), rss=rss, errors=errors, records=done, origin=t0)
+        requests_per_s=round(len(answered) / wall, 2),
+        rss=rss,
+        errors=errors,
+        records=done,
+        origin=t0,
+    )
 
 
 def deterministic(body: dict) -> bool:
@@ -241,19 +272,30 @@ def rss_growth(result: LoadResult, first: int = 200) -> dict | None:
         return None
     early = min(samples, key=lambda s: abs(s["requests"] - first))
     late = samples[-1]
-    return {"after_requests": early["requests"], "rss_mb": early["rss_mb"], "final_requests": late["requests"],
-            "final_rss_mb": late["rss_mb"], "growth_mb": round(late["rss_mb"] - early["rss_mb"], 1)}
+    return {
+        "after_requests": early["requests"],
+        "rss_mb": early["rss_mb"],
+        "final_requests": late["requests"],
+        "final_rss_mb": late["rss_mb"],
+        "growth_mb": round(late["rss_mb"] - early["rss_mb"], 1),
+    }
 
 
 def _print(result: LoadResult) -> None:
     lat, ttft = result.latency_s, result.ttft_s
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    click.echo(f"clients {result.clients}, {result.wall_s:.1f} s: sent {result.sent}, answered {result.answered}, "
-               f"failed {result.failed}, lost {result.lost}")
-    click.echo(f"latency s  p50 {fmt(lat['p50'])}  p95 {fmt(lat['p95'])}  p99 {fmt(lat['p99'])}   "
-               f"(streamed, first text: p50 {fmt(ttft['p50'])}  p95 {fmt(ttft['p95'])})")
-    click.echo(f"throughput {result.requests_per_s} req/s, "
-               f"{'-' if result.tokens_per_s is None else result.tokens_per_s} tok/s ({result.tokens} tokens)")
+    click.echo(
+        f"clients {result.clients}, {result.wall_s:.1f} s: sent {result.sent}, answered {result.answered}, "
+        f"failed {result.failed}, lost {result.lost}"
+    )
+    click.echo(
+        f"latency s  p50 {fmt(lat['p50'])}  p95 {fmt(lat['p95'])}  p99 {fmt(lat['p99'])}   "
+        f"(streamed, first text: p50 {fmt(ttft['p50'])}  p95 {fmt(ttft['p95'])})"
+    )
+    click.echo(
+        f"throughput {result.requests_per_s} req/s, "
+        f"{'-' if result.tokens_per_s is None else result.tokens_per_s} tok/s ({result.tokens} tokens)"
+    )
     if result.rss:
         click.echo("server RSS MiB: " + ", ".join(f"{s['requests']}:{s['rss_mb']}" for s in result.rss))
     for error, count in list(result.errors.items())[:10]:
@@ -268,26 +310,68 @@ def _print(result: LoadResult) -> None:
 @click.option("--clients", type=int, default=4, show_default=True, help="Concurrent clients.")
 @click.option("--duration", type=float, default=10.0, show_default=True, help="Seconds of load.")
 @click.option("--max-requests", type=int, default=1000, show_default=True, help="Requests in all, at most.")
-@click.option("--stream-fraction", type=float, default=0.5, show_default=True,
-              help="Share of requests streamed over gRPC (the rest: HTTP generate).")
+@click.option(
+    "--stream-fraction",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="Share of requests streamed over gRPC (the rest: HTTP generate).",
+)
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Largest max_tokens of a request.")
-@click.option("--request-timeout", type=float, default=60.0, show_default=True,
-              help="Seconds after which a request without an answer counts as lost.")
-@click.option("--threads", type=int, default=0, show_default=True,
-              help="Given a bundle: ONNX Runtime threads of the served model (0: all cores).")
+@click.option(
+    "--request-timeout",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds after which a request without an answer counts as lost.",
+)
+@click.option(
+    "--threads",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Given a bundle: ONNX Runtime threads of the served model (0: all cores).",
+)
 @click.option("--max-batch-size", type=int, default=16, show_default=True, help="Given a bundle: batch size.")
-@click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True,
-              help="Given a bundle: the scheduler's policy (runtime/serving/scheduler.py).")
+@click.option(
+    "--policy",
+    type=click.Choice(["exact", "throughput"]),
+    default="exact",
+    show_default=True,
+    help="Given a bundle: the scheduler's policy (runtime/serving/scheduler.py).",
+)
 @click.option("--rss-every", type=int, default=100, show_default=True, help="Sample the server's RSS every N requests.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--check-identical", "identical", is_flag=True,
-              help="Afterwards, send each greedy or seeded request again alone and count answers that differ.")
+@click.option(
+    "--check-identical",
+    "identical",
+    is_flag=True,
+    help="Afterwards, send each greedy or seeded request again alone and count answers that differ.",
+)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
-def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, stream_fraction, max_tokens,
-         request_timeout, threads, max_batch_size, policy, rss_every, seed, identical, json_out):
+def load(
+    target,
+    url,
+    grpc_url,
+    metrics_url,
+    clients,
+    duration,
+    max_requests,
+    stream_fraction,
+    max_tokens,
+    request_timeout,
+    threads,
+    max_batch_size,
+    policy,
+    rss_every,
+    seed,
+    identical,
+    json_out,
+):
     """Drive a Triton server on REPO_OR_BUNDLE (started here on loopback) or at --url with concurrent clients."""
     from urllib.parse import urlparse
     from triton_repo.server import ServerError, start_server
+
     if (target is None) == (url is None):
         raise click.UsageError("give a repository or bundle, or --url of a running server (one of them)")
     server, tmp = None, None
@@ -295,25 +379,39 @@ def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, st
         if url:
             parsed = urlparse(url)
             host = parsed.hostname or "127.0.0.1"
-            endpoints = Endpoints(url.rstrip("/"), grpc_url or f"{host}:8001",
-                                  metrics_url or f"http://{host}:8002/metrics",
-                                  find_server_pid(parsed.port or 80) if host in ("127.0.0.1", "localhost") else None)
+            endpoints = Endpoints(
+                url.rstrip("/"),
+                grpc_url or f"{host}:8001",
+                metrics_url or f"http://{host}:8002/metrics",
+                find_server_pid(parsed.port or 80) if host in ("127.0.0.1", "localhost") else None,
+            )
         else:
             repo = Path(target)
             if (repo / "manifest.json").is_file():  # a bundle: write its repository first
                 from triton_repo.generate import RepoOptions, write_repository
+
                 tmp = tempfile.mkdtemp(prefix="draftsmith-load-")
-                repo = write_repository(repo, Path(tmp) / "repo",
-                                        RepoOptions(threads=threads, max_batch_size=max_batch_size, policy=policy))
+                repo = write_repository(
+                    repo, Path(tmp) / "repo", RepoOptions(threads=threads, max_batch_size=max_batch_size, policy=policy)
+                )
             elif not (repo / "ensemble" / "config.pbtxt").is_file():
-                raise click.UsageError(f"{target} is neither a bundle (manifest.json) nor a Triton repository "
-                                       "(ensemble/config.pbtxt)")
+                raise click.UsageError(
+                    f"{target} is neither a bundle (manifest.json) nor a Triton repository (ensemble/config.pbtxt)"
+                )
             click.echo(f"starting tritonserver on {repo} ...", err=True)
             server = start_server(repo)
             endpoints = Endpoints(server.url, server.grpc_url, server.metrics_url, server.process.pid)
-        result = run_load(endpoints, clients=clients, duration=duration, max_requests=max_requests,
-                          stream_fraction=stream_fraction, max_tokens=max_tokens, request_timeout=request_timeout,
-                          seed=seed, rss_every=rss_every)
+        result = run_load(
+            endpoints,
+            clients=clients,
+            duration=duration,
+            max_requests=max_requests,
+            stream_fraction=stream_fraction,
+            max_tokens=max_tokens,
+            request_timeout=request_timeout,
+            seed=seed,
+            rss_every=rss_every,
+        )
         identity = check_identical(endpoints.url, result.records, request_timeout) if identical else None
     except (ServerError, ValueError) as err:
         raise click.ClickException(str(err)) from None
@@ -322,14 +420,17 @@ def load(target, url, grpc_url, metrics_url, clients, duration, max_requests, st
             server.stop()
         if tmp:
             import shutil
+
             shutil.rmtree(tmp, ignore_errors=True)
     _print(result)
     summary = result.summary()
     summary["rss_growth"] = rss_growth(result)
     if identity is not None:
         summary["identical"] = identity
-        click.echo(f"identical alone: {identity['checked'] - identity['mismatches']} of {identity['checked']} "
-                   "deterministic answers")
+        click.echo(
+            f"identical alone: {identity['checked'] - identity['mismatches']} of {identity['checked']} "
+            "deterministic answers"
+        )
     if json_out:
         Path(json_out).write_text(json.dumps(summary, indent=2))
     if result.lost:

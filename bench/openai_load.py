@@ -62,8 +62,13 @@ class Spec:
         return self.temperature == 0 or self.seed is not None
 
     def body(self, model: str, chat: bool) -> dict:
-        body = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if chat:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
@@ -87,9 +92,17 @@ class Outcome:
     error: str = ""
 
 
-def mixed_spec(index: int, seed: int, max_tokens: int, cancel_fraction: float,
-               prompts: tuple[str, ...] = PROMPTS, max_draft_tokens: int = 0, long_prompt: str = "",
-               long_fraction: float = 0.0, draft_tokens: int | None = None) -> Spec:
+def mixed_spec(
+    index: int,
+    seed: int,
+    max_tokens: int,
+    cancel_fraction: float,
+    prompts: tuple[str, ...] = PROMPTS,
+    max_draft_tokens: int = 0,
+    long_prompt: str = "",
+    long_fraction: float = 0.0,
+    draft_tokens: int | None = None,
+) -> Spec:
     """Request ``index`` of a run: the same index and seed always give the same settings. With
     ``max_draft_tokens``, half the requests pick num_draft_tokens in 1..it; with ``long_prompt``, a
     ``long_fraction`` of them send it (a prompt near the context limit); ``draft_tokens`` (e.g. 0: speculation
@@ -102,12 +115,20 @@ def mixed_spec(index: int, seed: int, max_tokens: int, cancel_fraction: float,
     prompt = rng.choice(prompts)
     if long_prompt and rng.random() < long_fraction:
         prompt = long_prompt
-    return Spec(prompt=prompt, max_tokens=max(1, rng.choice([max_tokens // 4, max_tokens // 2, max_tokens])),
-                temperature=temperature, top_p=top_p, seed=sample_seed,
-                stop=(rng.choice(STOPS),) if rng.random() < 0.25 else (),
-                cancel_after=rng.randint(1, 3) if rng.random() < cancel_fraction else 0,
-                num_draft_tokens=draft_tokens if draft_tokens is not None
-                else rng.randint(1, max_draft_tokens) if max_draft_tokens and rng.random() < 0.5 else None)
+    return Spec(
+        prompt=prompt,
+        max_tokens=max(1, rng.choice([max_tokens // 4, max_tokens // 2, max_tokens])),
+        temperature=temperature,
+        top_p=top_p,
+        seed=sample_seed,
+        stop=(rng.choice(STOPS),) if rng.random() < 0.25 else (),
+        cancel_after=rng.randint(1, 3) if rng.random() < cancel_fraction else 0,
+        num_draft_tokens=draft_tokens
+        if draft_tokens is not None
+        else rng.randint(1, max_draft_tokens)
+        if max_draft_tokens and rng.random() < 0.5
+        else None,
+    )
 
 
 def long_prompt_of(tokens: int) -> str:
@@ -146,7 +167,7 @@ def run_one(client: httpx.Client, base: str, spec: Spec, model: str, chat: bool)
                 if line == "data: [DONE]":
                     done = True
                     break
-                data = json.loads(line[len("data: "):])
+                data = json.loads(line[len("data: ") :])
                 if "error" in data:
                     out.status, out.error = "failed", f"error event: {data['error'].get('message')}"
                     return out
@@ -175,13 +196,32 @@ def run_one(client: httpx.Client, base: str, spec: Spec, model: str, chat: bool)
     return out
 
 
-def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: int | None = None, *,
-             model: str | None = None, chat: bool = False, max_tokens: int = 64, cancel_fraction: float = 0.1,
-             prompts: tuple[str, ...] = PROMPTS, seed: int = 0, api_key: str | None = None, pid: int | None = None,
-             check_identical: bool = False, timeout: float = 300.0, max_draft_tokens: int = 0,
-             long_prompt_tokens: int = 0, long_fraction: float = 0.1, check_limit: int = 0,
-             draft_tokens: int | None = None, idle_connections: int = 0, slow_header_clients: int = 0,
-             health_url: str | None = None, watch_stream: int = 0) -> dict:
+def run_load(
+    url: str,
+    clients: int = 8,
+    duration: float = 30.0,
+    max_requests: int | None = None,
+    *,
+    model: str | None = None,
+    chat: bool = False,
+    max_tokens: int = 64,
+    cancel_fraction: float = 0.1,
+    prompts: tuple[str, ...] = PROMPTS,
+    seed: int = 0,
+    api_key: str | None = None,
+    pid: int | None = None,
+    check_identical: bool = False,
+    timeout: float = 300.0,
+    max_draft_tokens: int = 0,
+    long_prompt_tokens: int = 0,
+    long_fraction: float = 0.1,
+    check_limit: int = 0,
+    draft_tokens: int | None = None,
+    idle_connections: int = 0,
+    slow_header_clients: int = 0,
+    health_url: str | None = None,
+    watch_stream: int = 0,
+) -> dict:
     """Drive ``url`` (a server's base, with or without /v1) with ``clients`` concurrent streams; see the module
     docstring. Returns the report as a dict (counts, latency percentiles in seconds, tokens/s, RSS in MiB)."""
     if clients < (0 if watch_stream else 1) or duration <= 0 or (max_requests is not None and max_requests < 1):
@@ -209,8 +249,17 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
                     index = next(counter, None)
                 if index is None:
                     return
-                spec = mixed_spec(index, seed, max_tokens, cancel_fraction, prompts, max_draft_tokens, long_text,
-                                  long_fraction, draft_tokens)
+                spec = mixed_spec(
+                    index,
+                    seed,
+                    max_tokens,
+                    cancel_fraction,
+                    prompts,
+                    max_draft_tokens,
+                    long_text,
+                    long_fraction,
+                    draft_tokens,
+                )
                 outcome = run_one(client, base, spec, model, chat)
                 with lock:
                     outcomes.append(outcome)
@@ -245,20 +294,28 @@ def run_load(url: str, clients: int = 8, duration: float = 30.0, max_requests: i
         report["hostile_connections"] = hostile.stop()
     if probe is not None:
         report["health"] = probe.stop()
-    report.update(url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens,
-                  speculation=draft_tokens != 0)
+    report.update(
+        url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens, speculation=draft_tokens != 0
+    )
     lengths = draft_length_counts(base, headers, timeout)
     if lengths:  # what the server's step plan chose while this run was going on
         chosen = {k: n - lengths_before.get(k, 0) for k, n in lengths.items() if n > lengths_before.get(k, 0)}
         total = sum(chosen.values())
-        report["planned_draft_length"] = {"row_steps": {str(k): n for k, n in sorted(chosen.items())},
-                                          "mean": sum(k * n for k, n in chosen.items()) / total if total else 0.0}
+        report["planned_draft_length"] = {
+            "row_steps": {str(k): n for k, n in sorted(chosen.items())},
+            "mean": sum(k * n for k, n in chosen.items()) / total if total else 0.0,
+        }
     if rss.samples:
         values = [v for _, v in rss.samples]
         settled = [v for t, v in rss.samples if t >= 60.0] or values[-1:]
-        report["server_rss_mib"] = {"start": values[0], "peak": max(values), "end": values[-1],
-                                    "at_first_minute": settled[0], "peak_after_first_minute": max(settled),
-                                    "growth_after_first_minute": max(settled) / settled[0] - 1}
+        report["server_rss_mib"] = {
+            "start": values[0],
+            "peak": max(values),
+            "end": values[-1],
+            "at_first_minute": settled[0],
+            "peak_after_first_minute": max(settled),
+            "growth_after_first_minute": max(settled) / settled[0] - 1,
+        }
     if check_identical:
         report["identical"] = _check_identical(outcomes, base, model, chat, headers, timeout, check_limit)
     return report
@@ -275,18 +332,25 @@ def draft_length_counts(base: str, headers: dict, timeout: float) -> dict[int, f
 
 
 def _summary(outcomes: list[Outcome], elapsed: float) -> dict:
-    counts = {status: sum(o.status == status for o in outcomes) for status in ("answered", "cancelled", "failed",
-                                                                               "lost")}
+    counts = {
+        status: sum(o.status == status for o in outcomes) for status in ("answered", "cancelled", "failed", "lost")
+    }
     tokens = sum(o.tokens for o in outcomes if o.status == "answered")
-    return {"sent": len(outcomes), **counts, "duration_s": elapsed, "output_tokens": tokens,
-            "output_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-            "ttft_s": _percentiles([o.ttft for o in outcomes if o.ttft is not None]),
-            "itl_s": _percentiles([gap for o in outcomes for gap in o.gaps]),
-            "errors": sorted({o.error for o in outcomes if o.error})[:5]}
+    return {
+        "sent": len(outcomes),
+        **counts,
+        "duration_s": elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "ttft_s": _percentiles([o.ttft for o in outcomes if o.ttft is not None]),
+        "itl_s": _percentiles([gap for o in outcomes for gap in o.gaps]),
+        "errors": sorted({o.error for o in outcomes if o.error})[:5],
+    }
 
 
-def _check_identical(outcomes: list[Outcome], base: str, model: str, chat: bool, headers: dict,
-                     timeout: float, limit: int = 0) -> dict:
+def _check_identical(
+    outcomes: list[Outcome], base: str, model: str, chat: bool, headers: dict, timeout: float, limit: int = 0
+) -> dict:
     """Run each distinct deterministic answered request alone, one at a time, and compare the texts. ``limit``
     (0: none) bounds the distinct requests run alone, taken evenly over the run; every answer of those is checked."""
     answered = [o for o in outcomes if o.status == "answered" and o.spec.deterministic]
@@ -301,10 +365,16 @@ def _check_identical(outcomes: list[Outcome], base: str, model: str, chat: bool,
             if spec not in alone:
                 alone[spec] = run_one(client, base, spec, model, chat)
     mismatches = [o for o in answered if alone[replace(o.spec, cancel_after=0)].text != o.text]
-    return {"checked": len(answered), "distinct": len(alone), "distinct_in_run": len(distinct),
-            "mismatches": len(mismatches),
-            "examples": [{**asdict(o.spec), "under_load": o.text, "alone": alone[replace(o.spec, cancel_after=0)].text}
-                         for o in mismatches[:3]]}
+    return {
+        "checked": len(answered),
+        "distinct": len(alone),
+        "distinct_in_run": len(distinct),
+        "mismatches": len(mismatches),
+        "examples": [
+            {**asdict(o.spec), "under_load": o.text, "alone": alone[replace(o.spec, cancel_after=0)].text}
+            for o in mismatches[:3]
+        ],
+    }
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -330,62 +400,163 @@ def _message(text: str) -> str:
 
 @click.command("openai-load")
 @click.argument("url")
-@click.option("--clients", "client_levels", default="8", show_default=True,
-              help="Concurrent streaming clients; a list (1,2,4,8,16) runs each level in turn.")
-@click.option("--speculation", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
-              help="off: every request sends num_draft_tokens 0 (the same server with speculation off); both: "
-                   "each level runs with it on, then off, and the report gives the ratio.")
+@click.option(
+    "--clients",
+    "client_levels",
+    default="8",
+    show_default=True,
+    help="Concurrent streaming clients; a list (1,2,4,8,16) runs each level in turn.",
+)
+@click.option(
+    "--speculation",
+    type=click.Choice(["on", "off", "both"]),
+    default="on",
+    show_default=True,
+    help="off: every request sends num_draft_tokens 0 (the same server with speculation off); both: "
+    "each level runs with it on, then off, and the report gives the ratio.",
+)
 @click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds to send requests for.")
 @click.option("--requests", "max_requests", type=int, default=None, help="Stop after this many requests.")
-@click.option("--max-tokens", type=int, default=64, show_default=True,
-              help="The largest max_tokens; requests ask for it, half or a quarter of it.")
-@click.option("--cancel-fraction", type=float, default=0.1, show_default=True,
-              help="Fraction of requests that close their stream after 1-3 chunks.")
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=64,
+    show_default=True,
+    help="The largest max_tokens; requests ask for it, half or a quarter of it.",
+)
+@click.option(
+    "--cancel-fraction",
+    type=float,
+    default=0.1,
+    show_default=True,
+    help="Fraction of requests that close their stream after 1-3 chunks.",
+)
 @click.option("--chat", is_flag=True, help="Use /v1/chat/completions (the prompt as one user message).")
 @click.option("--model", default=None, help="Model name (default: the server's first).")
 @click.option("--api-key", envvar="DRAFTSMITH_API_KEY", show_envvar=True, default=None)
 @click.option("--pid", type=int, default=None, help="The server's process id, to report its RSS.")
-@click.option("--check-identical", is_flag=True,
-              help="Afterwards, run each greedy or seeded request alone and count answers that differ.")
-@click.option("--check-limit", type=int, default=0, show_default=True,
-              help="With --check-identical: run at most this many distinct requests alone (0: all).")
-@click.option("--max-draft-tokens", type=int, default=0, show_default=True,
-              help="Half the requests send num_draft_tokens in 1..this (0: none do).")
-@click.option("--long-prompt-tokens", type=int, default=0, show_default=True,
-              help="Some requests send a prompt of about this many tokens (e.g. near the context limit).")
-@click.option("--long-fraction", type=float, default=0.1, show_default=True,
-              help="With --long-prompt-tokens: the fraction of requests that send it.")
-@click.option("--idle-connections", type=int, default=0, show_default=True,
-              help="Connections held open beside the clients that never send a byte (reopened when closed).")
-@click.option("--slow-header-clients", type=int, default=0, show_default=True,
-              help="Connections beside the clients that send a request's headers one byte every 2 s.")
-@click.option("--health-url", default=None,
-              help="Time this health endpoint every 0.5 s during the run (a probe failing: not 200 within 1 s).")
-@click.option("--watch-stream", type=int, default=0, show_default=True,
-              help="One more client streams greedy requests of this many tokens back to back; its gaps between "
-                   "chunks are reported apart (what a running stream sees while the others are admitted).")
+@click.option(
+    "--check-identical",
+    is_flag=True,
+    help="Afterwards, run each greedy or seeded request alone and count answers that differ.",
+)
+@click.option(
+    "--check-limit",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --check-identical: run at most this many distinct requests alone (0: all).",
+)
+@click.option(
+    "--max-draft-tokens",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Half the requests send num_draft_tokens in 1..this (0: none do).",
+)
+@click.option(
+    "--long-prompt-tokens",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Some requests send a prompt of about this many tokens (e.g. near the context limit).",
+)
+@click.option(
+    "--long-fraction",
+    type=float,
+    default=0.1,
+    show_default=True,
+    help="With --long-prompt-tokens: the fraction of requests that send it.",
+)
+@click.option(
+    "--idle-connections",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Connections held open beside the clients that never send a byte (reopened when closed).",
+)
+@click.option(
+    "--slow-header-clients",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Connections beside the clients that send a request's headers one byte every 2 s.",
+)
+@click.option(
+    "--health-url",
+    default=None,
+    help="Time this health endpoint every 0.5 s during the run (a probe failing: not 200 within 1 s).",
+)
+@click.option(
+    "--watch-stream",
+    type=int,
+    default=0,
+    show_default=True,
+    help="One more client streams greedy requests of this many tokens back to back; its gaps between "
+    "chunks are reported apart (what a running stream sees while the others are admitted).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def openai_load(url, client_levels, speculation, duration, max_requests, max_tokens, cancel_fraction, chat, model,
-                api_key, pid, check_identical, check_limit, max_draft_tokens, long_prompt_tokens, long_fraction,
-                idle_connections, slow_header_clients, health_url, watch_stream, seed, as_json):
+def openai_load(
+    url,
+    client_levels,
+    speculation,
+    duration,
+    max_requests,
+    max_tokens,
+    cancel_fraction,
+    chat,
+    model,
+    api_key,
+    pid,
+    check_identical,
+    check_limit,
+    max_draft_tokens,
+    long_prompt_tokens,
+    long_fraction,
+    idle_connections,
+    slow_header_clients,
+    health_url,
+    watch_stream,
+    seed,
+    as_json,
+):
     """Load the OpenAI-compatible server at URL with concurrent streaming clients and report what came back."""
     try:
         levels = [int(c) for c in str(client_levels).split(",")]
     except ValueError:
-        raise click.BadParameter(f"expected client counts like 1,2,4, received {client_levels!r}",
-                                 param_hint="--clients") from None
+        raise click.BadParameter(
+            f"expected client counts like 1,2,4, received {client_levels!r}", param_hint="--clients"
+        ) from None
     modes = {"on": [None], "off": [0], "both": [None, 0]}[speculation]
     runs = []
     for clients in levels:  # interleaved: each level's runs back to back, so slow drifts hit both alike
         for draft_tokens in modes:
-            runs.append(run_load(url, clients=clients, duration=duration, max_requests=max_requests, model=model,
-                                 chat=chat, max_tokens=max_tokens, cancel_fraction=cancel_fraction, seed=seed,
-                                 api_key=api_key, pid=pid, check_identical=check_identical, check_limit=check_limit,
-                                 max_draft_tokens=max_draft_tokens, long_prompt_tokens=long_prompt_tokens,
-                                 long_fraction=long_fraction, draft_tokens=draft_tokens,
-                                 idle_connections=idle_connections, slow_header_clients=slow_header_clients,
-                                 health_url=health_url, watch_stream=watch_stream))
+            runs.append(
+                run_load(
+                    url,
+                    clients=clients,
+                    duration=duration,
+                    max_requests=max_requests,
+                    model=model,
+                    chat=chat,
+                    max_tokens=max_tokens,
+                    cancel_fraction=cancel_fraction,
+                    seed=seed,
+                    api_key=api_key,
+                    pid=pid,
+                    check_identical=check_identical,
+                    check_limit=check_limit,
+                    max_draft_tokens=max_draft_tokens,
+                    long_prompt_tokens=long_prompt_tokens,
+                    long_fraction=long_fraction,
+                    draft_tokens=draft_tokens,
+                    idle_connections=idle_connections,
+                    slow_header_clients=slow_header_clients,
+                    health_url=health_url,
+                    watch_stream=watch_stream,
+                )
+            )
     if len(runs) == 1:
         click.echo(run_report(runs[0], as_json))
         return

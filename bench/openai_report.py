@@ -40,9 +40,11 @@ def levels_report(runs: list[dict], as_json: bool) -> str:
         lines.append(run_report(run, False))
     lines.append("clients  speculative tok/s  plain tok/s  ratio  TTFT p95 (s)  mean planned k")
     for row in summary:
-        lines.append(f"{row['clients']:>7}  {row.get('speculative', 0):>17.1f}  {row.get('plain', 0):>11.1f}  "
-                     f"{row.get('ratio', 0):>5.2f}  {row.get('ttft_p95_s', 0):>12.3f}  "
-                     f"{row.get('mean_planned_k', 0):>14.2f}")
+        lines.append(
+            f"{row['clients']:>7}  {row.get('speculative', 0):>17.1f}  {row.get('plain', 0):>11.1f}  "
+            f"{row.get('ratio', 0):>5.2f}  {row.get('ttft_p95_s', 0):>12.3f}  "
+            f"{row.get('mean_planned_k', 0):>14.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -50,24 +52,31 @@ def run_report(report: dict, as_json: bool) -> str:
     """One run: outcomes, throughput, latency percentiles and whatever else it measured."""
     if as_json:
         return json.dumps(report, indent=2)
-    lines = [f"{report['sent']} sent: {report['answered']} answered, {report['cancelled']} cancelled, "
-             f"{report['failed']} failed, {report['lost']} lost in {report['duration_s']:.1f} s",
-             f"output: {report['output_tokens']} tokens, {report['output_tokens_per_s']:.1f} tok/s"]
+    lines = [
+        f"{report['sent']} sent: {report['answered']} answered, {report['cancelled']} cancelled, "
+        f"{report['failed']} failed, {report['lost']} lost in {report['duration_s']:.1f} s",
+        f"output: {report['output_tokens']} tokens, {report['output_tokens_per_s']:.1f} tok/s",
+    ]
     for name, label in (("ttft_s", "time to first text"), ("itl_s", "inter-chunk latency")):
         p = report[name]
         lines.append(f"{label}: p50 {p['p50']:.3f} s, p95 {p['p95']:.3f} s, p99 {p['p99']:.3f} s")
     if "server_rss_mib" in report:
         r = report["server_rss_mib"]
-        lines.append(f"server RSS: {r['start']:.0f} MiB at start, {r['peak']:.0f} peak, {r['end']:.0f} at the end; "
-                     f"{100 * r['growth_after_first_minute']:+.1f}% after the first minute")
+        lines.append(
+            f"server RSS: {r['start']:.0f} MiB at start, {r['peak']:.0f} peak, {r['end']:.0f} at the end; "
+            f"{100 * r['growth_after_first_minute']:+.1f}% after the first minute"
+        )
     if "identical" in report:
         i = report["identical"]
-        lines.append(f"identical to alone: {i['checked'] - i['mismatches']}/{i['checked']} "
-                     f"({i['distinct']} distinct requests)")
+        lines.append(
+            f"identical to alone: {i['checked'] - i['mismatches']}/{i['checked']} ({i['distinct']} distinct requests)"
+        )
     if "hostile_connections" in report:
         h = report["hostile_connections"]
-        lines.append(f"held beside: {h['idle']} idle and {h['slow_header']} slow-header connections ({h['opened']} "
-                     f"opened, {h['closed_by_server']} closed by the server, {h['refused']} refused)")
+        lines.append(
+            f"held beside: {h['idle']} idle and {h['slow_header']} slow-header connections ({h['opened']} "
+            f"opened, {h['closed_by_server']} closed by the server, {h['refused']} refused)"
+        )
     if "watched_stream_gap_s" in report:
         p = report["watched_stream_gap_s"]
         lines.append(f"watched stream's gaps: p50 {p['p50']:.3f} s, p99 {p['p99']:.3f} s")

@@ -20,12 +20,14 @@ import numpy as np
 def node_counts(path: str | os.PathLike) -> dict[str, int]:
     """Operator types of the graph as stored (before ONNX Runtime's own fusions)."""
     import onnx
+
     model = onnx.load(str(path), load_external_data=False)
     return dict(collections.Counter(node.op_type for node in model.graph.node).most_common())
 
 
-def profile_entry(root: Path, entry, max_context: int, threads: int, past: int = 64, new: int = 1,
-                  calls: int = 20) -> dict:
+def profile_entry(
+    root: Path, entry, max_context: int, threads: int, past: int = 64, new: int = 1, calls: int = 20
+) -> dict:
     """Per-operator time of ``calls`` calls of ``new`` tokens on a past of ``past`` tokens (batch 1), through the
     runtime's own engine class for the entry's graph. Returns {"calls", "mean_call_ms", "ops": {op: {"ms", "nodes"}},
     "stored_nodes", "optimized_nodes"}: per call, the profiler's kernel time per operator type and how many nodes of
@@ -33,16 +35,23 @@ def profile_entry(root: Path, entry, max_context: int, threads: int, past: int =
     from runtime.engines.onnx import engine_class
     from runtime.engines.sessions import make_session, session_options
     from runtime.decoding.step_costs import scratch_call
+
     with tempfile.TemporaryDirectory(prefix="draftsmith-profile-") as tmp:
         options = session_options(threads)  # the runtime's own thread pool and spinning
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "profile")
         session = make_session(root / entry.engine, options=options)
         kwargs = {"min_call_tokens": entry.min_call_tokens} if entry.graph == "fused" else {}
-        engine = engine_class(entry.graph)(root / entry.engine, num_layers=entry.num_layers,
-                                           num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim,
-                                           vocab_size=entry.vocab_size, max_context=max_context, session=session,
-                                           **kwargs)
+        engine = engine_class(entry.graph)(
+            root / entry.engine,
+            num_layers=entry.num_layers,
+            num_kv_heads=entry.num_kv_heads,
+            head_dim=entry.head_dim,
+            vocab_size=entry.vocab_size,
+            max_context=max_context,
+            session=session,
+            **kwargs,
+        )
         cache = engine.new_cache(1)
         rng = np.random.default_rng(0)
         scratch_call(engine, cache, rng.integers(0, min(entry.vocab_size, 1000), (1, past)))  # features if a
@@ -50,8 +59,7 @@ def profile_entry(root: Path, entry, max_context: int, threads: int, past: int =
             scratch_call(engine, cache, np.zeros((1, new), np.int64))
             engine.rollback(cache, np.array([past]))
         events = json.loads(Path(session.end_profiling()).read_text())
-    return {**_summarize(events), "past": past, "new_tokens": new,
-            "stored_nodes": node_counts(root / entry.engine)}
+    return {**_summarize(events), "past": past, "new_tokens": new, "stored_nodes": node_counts(root / entry.engine)}
 
 
 def _summarize(events: list[dict]) -> dict:
@@ -63,24 +71,30 @@ def _summarize(events: list[dict]) -> dict:
     timed = runs[1:]
     time_by, count_by = collections.Counter(), collections.Counter()
     for event in events:
-        if (event.get("cat") == "Node" and event.get("ts", 0) > after
-                and event.get("name", "").endswith("_kernel_time")):
+        if event.get("cat") == "Node" and event.get("ts", 0) > after and event.get("name", "").endswith("_kernel_time"):
             op = event.get("args", {}).get("op_name", "?")
             time_by[op] += event["dur"]
             count_by[op] += 1
     n = len(timed)
     ops = {op: {"ms": round(us / n / 1000, 3), "nodes": round(count_by[op] / n)} for op, us in time_by.most_common()}
-    return {"calls": n, "mean_call_ms": round(sum(r["dur"] for r in timed) / n / 1000, 3), "ops": ops,
-            "optimized_nodes": sum(v["nodes"] for v in ops.values())}
+    return {
+        "calls": n,
+        "mean_call_ms": round(sum(r["dur"] for r in timed) / n / 1000, 3),
+        "ops": ops,
+        "optimized_nodes": sum(v["nodes"] for v in ops.values()),
+    }
 
 
 def profile_bundle(root: str | os.PathLike, threads: int = 0, past: int = 64, new: int = 1, calls: int = 20) -> dict:
     """``profile_entry`` for the target and the draft of a bundle."""
     from runtime.bundle import load_manifest
+
     root = Path(root)
     manifest = load_manifest(root)
-    return {entry.role: profile_entry(root, entry, manifest.max_context, threads, past, new, calls)
-            for entry in (manifest.target, manifest.draft)}
+    return {
+        entry.role: profile_entry(root, entry, manifest.max_context, threads, past, new, calls)
+        for entry in (manifest.target, manifest.draft)
+    }
 
 
 @click.command("profile")

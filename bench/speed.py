@@ -28,8 +28,16 @@ from pathlib import Path
 import click
 
 from bench.report import plot, render_summary, render_table
-from bench.stats import (CellRecord, EngineCall, SequenceRecord, bandwidth_bound, best_k, recommend_k, summarize,
-                         where_time_goes)
+from bench.stats import (
+    CellRecord,
+    EngineCall,
+    SequenceRecord,
+    bandwidth_bound,
+    best_k,
+    recommend_k,
+    summarize,
+    where_time_goes,
+)
 from runtime.drafters.registry import DRAFTERS
 from runtime.engines.onnx import MappedVocabEngine, unpadded
 from runtime.text.prompt_files import parse_prompts
@@ -42,6 +50,7 @@ CHAT_BY_DEFAULT = ("chat", "reasoning", "json")  # through the chat template unl
 
 # --- prompts --------------------------------------------------------------------------------------------------------
 
+
 def load_workload(spec: str) -> tuple[str, list[str]]:
     """A built-in workload name or a prompt file; returns (name, prompts)."""
     if spec in BUILTIN_WORKLOADS:
@@ -49,8 +58,10 @@ def load_workload(spec: str) -> tuple[str, list[str]]:
         return spec, parse_prompts(text)
     path = Path(spec)
     if not path.is_file():
-        raise click.BadParameter(f"{spec!r} is neither a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) "
-                                 "nor a prompt file", param_hint="--workload")
+        raise click.BadParameter(
+            f"{spec!r} is neither a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) nor a prompt file",
+            param_hint="--workload",
+        )
     prompts = parse_prompts(path.read_text(encoding="utf-8"))
     if not prompts:
         raise click.BadParameter(f"{spec}: no prompts found", param_hint="--workload")
@@ -74,6 +85,7 @@ def int_list(values, name: str) -> list[int]:
 
 # --- instrumentation ------------------------------------------------------------------------------------------------
 
+
 class _TimedSession:
     """An InferenceSession stand-in that times every ``run*`` method (``run``, ``run_with_ort_values``,
     ``run_with_iobinding``) into ``last`` and passes everything else through."""
@@ -93,6 +105,7 @@ class _TimedSession:
                 return attribute(*args, **kwargs)
             finally:
                 self.last += time.perf_counter() - start
+
         return timed
 
 
@@ -105,7 +118,8 @@ class Recorder:
         self._undo = []
         wrapped = set()
         for role, engine in [("target", generator.target), ("draft", generator.draft)] + [
-                ("draft", d) for d in drafts or []]:
+            ("draft", d) for d in drafts or []
+        ]:
             if engine is not None and id(engine) not in wrapped:
                 wrapped.add(id(engine))
                 self._wrap(role, engine)
@@ -126,8 +140,9 @@ class Recorder:
             out = inner(cache, tokens, valid, **options)
             seconds = time.perf_counter() - start
             shape = getattr(tokens, "shape", (1, 1))
-            self.calls.append(EngineCall(role, prefill, seconds, timed.last if timed else seconds,
-                                         int(shape[1]), int(shape[0])))
+            self.calls.append(
+                EngineCall(role, prefill, seconds, timed.last if timed else seconds, int(shape[1]), int(shape[0]))
+            )
             return out
 
         engine.forward = forward
@@ -145,22 +160,54 @@ class Recorder:
         self._undo = []
 
 
-def decode(generator, token_lists: list[list[int]], mode: str, k: int | None, max_new_tokens: int,
-           temperature: float, seed: int | None, drafter_kind: str | None = None,
-           confidence: float | None = None, response_format=None,
-           forced_drafts: bool = True, top_p: float | None = None,
-           policy: str = "exact") -> tuple[list[SequenceRecord], float]:
+def decode(
+    generator,
+    token_lists: list[list[int]],
+    mode: str,
+    k: int | None,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int | None,
+    drafter_kind: str | None = None,
+    confidence: float | None = None,
+    response_format=None,
+    forced_drafts: bool = True,
+    top_p: float | None = None,
+    policy: str = "exact",
+) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
     public steps: decode_config, new_drafter), recording each step as it is yielded. ``response_format`` constrains
     every answer (target-only decoding too: the baseline is constrained target-only decoding)."""
     from runtime.decoding.loop import SpeculativeLoop
+
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
         with unpadded(generator.target):
-            return decode(generator, token_lists, "target", k, max_new_tokens, temperature, seed, drafter_kind,
-                          confidence, response_format, forced_drafts, top_p)
+            return decode(
+                generator,
+                token_lists,
+                "target",
+                k,
+                max_new_tokens,
+                temperature,
+                seed,
+                drafter_kind,
+                confidence,
+                response_format,
+                forced_drafts,
+                top_p,
+            )
     policy = policy if mode == "speculative" else "exact"  # target-only is measured padded and plain anyway
-    request = decode_request(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, k=k,
-                             mode=mode, response_format=response_format, forced_drafts=forced_drafts, policy=policy)
+    request = decode_request(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        k=k,
+        mode=mode,
+        response_format=response_format,
+        forced_drafts=forced_drafts,
+        policy=policy,
+    )
     config, _ = generator.decode_config(request)
     drafter = generator.new_drafter(mode, drafter_kind, confidence)
     planned = drafter is not None and len(token_lists) > 1 and config.plan
@@ -191,11 +238,23 @@ def pads(engine) -> bool:
     return getattr(engine, "min_call_tokens", 1) > 1
 
 
-def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int], batches: list[int],
-                  max_new_tokens: int, temperature: float, seed: int | None = 0, advance=None,
-                  drafter_kind: str | None = None, confidence: float | None = None, response_format=None,
-                  forced_drafts: bool = True, top_p: float | None = None, policy: str = "exact",
-                  drafters: dict[str, tuple] | None = None) -> list[CellRecord]:
+def run_workloads(
+    generator,
+    workloads: dict[str, list[list[int]]],
+    ks: list[int],
+    batches: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int | None = 0,
+    advance=None,
+    drafter_kind: str | None = None,
+    confidence: float | None = None,
+    response_format=None,
+    forced_drafts: bool = True,
+    top_p: float | None = None,
+    policy: str = "exact",
+    drafters: dict[str, tuple] | None = None,
+) -> list[CellRecord]:
     """Measure every (workload, batch, mode, k, drafter) cell; ``advance(description)`` is called after each decode;
     ``policy`` is the speculative cells' (DecodeRequest.policy). ``drafters``: label -> (generator, drafter kind)
     (``drafters_of``), each run at every k; default: ``drafter_kind`` on ``generator``."""
@@ -203,8 +262,11 @@ def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int
     drafters = drafters or {drafter_kind or "": (generator, drafter_kind)}
     recorder = Recorder(generator, [g.draft for g, _ in drafters.values()])
     cells: list[CellRecord] = []
-    configs = [("target", None, "")] + ([("plain", None, "")] if pads(generator.target) else []) + \
-        [("speculative", k, label) for label in drafters for k in ks]
+    configs = (
+        [("target", None, "")]
+        + ([("plain", None, "")] if pads(generator.target) else [])
+        + [("speculative", k, label) for label in drafters for k in ks]
+    )
     runner = {"": (generator, drafter_kind), **drafters}
     try:
         for name, token_lists in workloads.items():
@@ -212,15 +274,35 @@ def run_workloads(generator, workloads: dict[str, list[list[int]]], ks: list[int
                 mine = {c: CellRecord(name, batch, c[0], c[1], c[2]) for c in configs}
                 cells += mine.values()
                 for mode, k, label in configs:  # warm-up: first calls allocate, JIT-pick kernels and fill caches
-                    decode(runner[label][0], token_lists[:batch], mode, k, min(8, max_new_tokens), temperature, seed,
-                           runner[label][1], confidence, **structure)
+                    decode(
+                        runner[label][0],
+                        token_lists[:batch],
+                        mode,
+                        k,
+                        min(8, max_new_tokens),
+                        temperature,
+                        seed,
+                        runner[label][1],
+                        confidence,
+                        **structure,
+                    )
                 recorder.take()
                 for turn, at in enumerate(range(0, len(token_lists), batch)):
-                    chunk = token_lists[at: at + batch]
+                    chunk = token_lists[at : at + batch]
                     shift = turn % len(configs)  # rotated: no configuration always runs first or after another
                     for mode, k, label in configs[shift:] + configs[:shift]:
-                        records, wall = decode(runner[label][0], chunk, mode, k, max_new_tokens, temperature, seed,
-                                               runner[label][1], confidence, **structure)
+                        records, wall = decode(
+                            runner[label][0],
+                            chunk,
+                            mode,
+                            k,
+                            max_new_tokens,
+                            temperature,
+                            seed,
+                            runner[label][1],
+                            confidence,
+                            **structure,
+                        )
                         cell = mine[(mode, k, label)]
                         cell.sequences += records
                         cell.wall += wall
@@ -261,8 +343,10 @@ def summarize_cells(cells: list[CellRecord], temperature: float) -> list[dict]:
 
 # --- the limit, memory, peers ---------------------------------------------------------------------------------------
 
+
 def limit_report(bundle: Path, manifest, rows: list[dict], threads: int) -> dict:
     from bench.system import measure_bandwidth, weight_bytes_per_token
+
     bandwidth = measure_bandwidth(threads=max(1, threads or os.cpu_count() or 1))
     out = {"bandwidth": bandwidth, "engines": {}}
     for entry in (manifest.target, manifest.draft):
@@ -295,6 +379,7 @@ def _mean_of(values) -> float:
 def write_default_k(bundle: Path, k: int) -> None:
     """Store k as the bundle's default_k. Only manifest.json changes (it is not among the hashed files), atomically."""
     from runtime.bundle import load_manifest, write_manifest_atomic
+
     manifest = load_manifest(bundle, verify=True)
     if k > manifest.spec.max_k:
         raise click.ClickException(f"k={k} exceeds this bundle's max_k ({manifest.spec.max_k})")
@@ -306,6 +391,7 @@ def read_response_format(generator, path: Path | None):
     if path is None:
         return None
     from runtime.errors import RequestError
+
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
         generator.compile_constraint(value)
@@ -330,72 +416,160 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
 
 @click.command("bench")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--workload", "workload_specs", multiple=True, default=("code", "chat", "reasoning"), show_default=True,
-              help="code, chat, reasoning or a prompt file (prompts separated by '---' lines, or one per line); "
-                   "repeatable or comma-separated.")
-@click.option("--k", "k_values", multiple=True, default=("1,2,3,4,6,8",), show_default=True,
-              help="Draft lengths to sweep (comma list or repeated).")
-@click.option("--batch", "batch_values", multiple=True, default=("1",), show_default=True,
-              help="Batch sizes (comma list or repeated).")
+@click.option(
+    "--workload",
+    "workload_specs",
+    multiple=True,
+    default=("code", "chat", "reasoning"),
+    show_default=True,
+    help="code, chat, reasoning or a prompt file (prompts separated by '---' lines, or one per line); "
+    "repeatable or comma-separated.",
+)
+@click.option(
+    "--k",
+    "k_values",
+    multiple=True,
+    default=("1,2,3,4,6,8",),
+    show_default=True,
+    help="Draft lengths to sweep (comma list or repeated).",
+)
+@click.option(
+    "--batch",
+    "batch_values",
+    multiple=True,
+    default=("1",),
+    show_default=True,
+    help="Batch sizes (comma list or repeated).",
+)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling for every row (with --temperature > 0).")
-@click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True,
-              help="The speculative cells' target calls: exact (every row padded as alone: bit for bit the request "
-                   "alone) or throughput (unpadded, as plain decoding runs; the plan's k=0 steps then cost a plain "
-                   "step).")
+@click.option(
+    "--policy",
+    type=click.Choice(["exact", "throughput"]),
+    default="exact",
+    show_default=True,
+    help="The speculative cells' target calls: exact (every row padded as alone: bit for bit the request "
+    "alone) or throughput (unpadded, as plain decoding runs; the plan's k=0 steps then cost a plain "
+    "step).",
+)
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--prompts", "prompt_limit", type=int, default=0,
-              help="Use the first N prompts of each workload (0: all).")
+@click.option(
+    "--prompts", "prompt_limit", type=int, default=0, help="Use the first N prompts of each workload (0: all)."
+)
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
-@click.option("--chat/--no-chat", default=None,
-              help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and "
-                   "files).")
+@click.option(
+    "--chat/--no-chat",
+    default=None,
+    help="Send prompts through the chat template (default: yes for chat and reasoning, no for code and files).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--drafter", "drafter_kind", default=None,
-              help="What drafts: the draft engine (model; tli or string for a draft with its own tokenizer), n-gram "
-                   "lookup in the context (prompt_lookup), a suffix trie over the context (suffix), or either of those "
-                   "where it matches and the engine elsewhere (hybrid, hybrid_suffix); model@BUNDLE: another bundle's "
-                   "draft over this bundle's target (their target tokenizers must be the same). A comma list runs "
-                   "each, interleaved in one run; the first is the one best k and the recommended k are chosen for. "
-                   "Default: the bundle's drafter.")
-@click.option("--draft-confidence", "confidence", type=click.FloatRange(0, 1, max_open=True), default=None,
-              help="After its first token a draft row stops where the draft's top probability is under this, so a "
-                   "larger k drafts further only where the draft is sure (0: never stop). Default: the bundle's.")
-@click.option("--response-format", "response_format_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="A JSON file holding an OpenAI response_format (json_object, json_schema; or regex, "
-                                 "grammar): every answer is constrained, the target-only baseline too "
-                                 "(e.g. bench/prompts/json_event.json with --workload json).")
-@click.option("--forced-drafts/--no-forced-drafts", default=True, show_default=True,
-              help="With --response-format: propose the tokens the grammar forces as drafts, without a draft call.")
+@click.option(
+    "--drafter",
+    "drafter_kind",
+    default=None,
+    help="What drafts: the draft engine (model; tli or string for a draft with its own tokenizer), n-gram "
+    "lookup in the context (prompt_lookup), a suffix trie over the context (suffix), or either of those "
+    "where it matches and the engine elsewhere (hybrid, hybrid_suffix); model@BUNDLE: another bundle's "
+    "draft over this bundle's target (their target tokenizers must be the same). A comma list runs "
+    "each, interleaved in one run; the first is the one best k and the recommended k are chosen for. "
+    "Default: the bundle's drafter.",
+)
+@click.option(
+    "--draft-confidence",
+    "confidence",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=None,
+    help="After its first token a draft row stops where the draft's top probability is under this, so a "
+    "larger k drafts further only where the draft is sure (0: never stop). Default: the bundle's.",
+)
+@click.option(
+    "--response-format",
+    "response_format_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A JSON file holding an OpenAI response_format (json_object, json_schema; or regex, "
+    "grammar): every answer is constrained, the target-only baseline too "
+    "(e.g. bench/prompts/json_event.json with --workload json).",
+)
+@click.option(
+    "--forced-drafts/--no-forced-drafts",
+    default=True,
+    show_default=True,
+    help="With --response-format: propose the tokens the grammar forces as drafts, without a draft call.",
+)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
 @click.option("--write-k", is_flag=True, help="Store the recommended k as the bundle's default_k.")
-@click.option("--memory/--no-memory", default=True, show_default=True,
-              help="Measure peak RSS of target-only and speculative decoding (one child process each).")
-@click.option("--limit/--no-limit", "limit", default=True, show_default=True,
-              help="Measure memory bandwidth and the weights read per token (the bandwidth bound).")
-@click.option("--peers/--no-peers", default=None,
-              help="Run the peers (transformers, llama.cpp, ONNX Runtime GenAI) on the same prompts "
-                   "(default: those installed).")
-@click.option("--peer", "peer_names", multiple=True, type=click.Choice(PEER_NAMES),
-              help="Run only these peers (repeatable; default: every installed one). A GGUF target's "
-                   "transformers and ONNX Runtime GenAI peers parse the file for minutes: --peer llama.cpp skips them.")
-@click.option("--quality/--no-quality", default=False, show_default=True,
-              help="Perplexity on the evaluation set beside the speed: ours, and llama.cpp's on the same GGUF file.")
-@click.option("--quality-tokens", type=int, default=0, show_default=True,
-              help="With --quality: score only the first N tokens of the set (0: all, ~28,000).")
-@click.option("--peer-prompts", type=int, default=4, show_default=True,
-              help="Prompts per workload for the peers (they are slow; 0: all).")
-@click.option("--peer-spinning/--no-peer-spinning", default=True, show_default=True,
-              help="ONNX Runtime's thread spinning in the ONNX Runtime GenAI peer: on is its own default (and, like "
-                   "our engines' shared spinning pool, its best setting on few cores); --no-peer-spinning turns it "
-                   "off.")
-@click.option("--device", type=click.Choice(DEVICES), default=None,
-              help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
-@click.option("--allow-pickle", is_flag=True,
-              help="Let the peers reload pickled source weights (.bin/.pt can run code; a bundle never grants this).")
-@click.option("--trust-remote-code", is_flag=True,
-              help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).")
+@click.option(
+    "--memory/--no-memory",
+    default=True,
+    show_default=True,
+    help="Measure peak RSS of target-only and speculative decoding (one child process each).",
+)
+@click.option(
+    "--limit/--no-limit",
+    "limit",
+    default=True,
+    show_default=True,
+    help="Measure memory bandwidth and the weights read per token (the bandwidth bound).",
+)
+@click.option(
+    "--peers/--no-peers",
+    default=None,
+    help="Run the peers (transformers, llama.cpp, ONNX Runtime GenAI) on the same prompts (default: those installed).",
+)
+@click.option(
+    "--peer",
+    "peer_names",
+    multiple=True,
+    type=click.Choice(PEER_NAMES),
+    help="Run only these peers (repeatable; default: every installed one). A GGUF target's "
+    "transformers and ONNX Runtime GenAI peers parse the file for minutes: --peer llama.cpp skips them.",
+)
+@click.option(
+    "--quality/--no-quality",
+    default=False,
+    show_default=True,
+    help="Perplexity on the evaluation set beside the speed: ours, and llama.cpp's on the same GGUF file.",
+)
+@click.option(
+    "--quality-tokens",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --quality: score only the first N tokens of the set (0: all, ~28,000).",
+)
+@click.option(
+    "--peer-prompts",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Prompts per workload for the peers (they are slow; 0: all).",
+)
+@click.option(
+    "--peer-spinning/--no-peer-spinning",
+    default=True,
+    show_default=True,
+    help="ONNX Runtime's thread spinning in the ONNX Runtime GenAI peer: on is its own default (and, like "
+    "our engines' shared spinning pool, its best setting on few cores); --no-peer-spinning turns it "
+    "off.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default=None,
+    help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).",
+)
+@click.option(
+    "--allow-pickle",
+    is_flag=True,
+    help="Let the peers reload pickled source weights (.bin/.pt can run code; a bundle never grants this).",
+)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Let the peers run a source checkpoint's own modelling code (a bundle never grants this).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def bench(**flags):
     """Benchmark BUNDLE: speculative decoding at each k against target-only decoding on the same engines."""
@@ -465,10 +639,13 @@ def run_bench(options: BenchOptions) -> dict:
     save(False)
     _compare_with_peers(options, report, manifest, workloads, cells, console)
     if options.quality:
-        report["quality"] = quality_report(Path(options.bundle), options.threads, options.device,
-                                           options.peers is not False and (not options.peer_names
-                                                                           or "llama-cpp-python" in options.peer_names),
-                                           options.quality_tokens)
+        report["quality"] = quality_report(
+            Path(options.bundle),
+            options.threads,
+            options.device,
+            options.peers is not False and (not options.peer_names or "llama-cpp-python" in options.peer_names),
+            options.quality_tokens,
+        )
         save(False)
     _store_k(options, report)
     save(True)
@@ -479,6 +656,7 @@ def run_bench(options: BenchOptions) -> dict:
 def _console():
     """The console the tables go to; in logs and pipes wide enough to keep the table on one line per row."""
     from rich.console import Console
+
     console = Console()
     return console if console.is_terminal else Console(width=max(console.width, 150))
 
@@ -488,6 +666,7 @@ def _open_bundle(options: BenchOptions):
     the user's error, said without a traceback."""
     from runtime.api import SpeculativeGenerator
     from runtime.bundle import BundleError
+
     try:
         return SpeculativeGenerator.from_bundle(options.bundle, threads=options.threads, device=options.device)
     except (BundleError, DeviceError) as err:
@@ -501,11 +680,14 @@ def _settle(options: BenchOptions, generator, ks: list[int]) -> BenchOptions:
     if bad:
         raise click.BadParameter(f"{bad} exceed this bundle's max_k ({generator.max_k})", param_hint="--k")
     settled = dataclasses.replace(
-        options, drafter_kind=",".join(drafter_labels(options.drafter_kind or generator.default_drafter)),
-        confidence=generator.default_confidence if options.confidence is None else options.confidence)
+        options,
+        drafter_kind=",".join(drafter_labels(options.drafter_kind or generator.default_drafter)),
+        confidence=generator.default_confidence if options.confidence is None else options.confidence,
+    )
     if (options.device or generator.manifest.spec.device) != "cpu":
-        settled = dataclasses.replace(settled, memory=False, limit=False,
-                                      peers=False if options.peers is None else options.peers)
+        settled = dataclasses.replace(
+            settled, memory=False, limit=False, peers=False if options.peers is None else options.peers
+        )
     return settled
 
 
@@ -514,8 +696,10 @@ def drafter_labels(text: str) -> list[str]:
     labels = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     wrong = [label for label in labels if label not in DRAFTERS and not label.startswith("model@")]
     if not labels or wrong or labels[0] not in DRAFTERS:
-        raise click.BadParameter(f"expected drafter kinds {DRAFTERS} or model@BUNDLE, the first a kind; received "
-                                 f"{text!r}", param_hint="--drafter")
+        raise click.BadParameter(
+            f"expected drafter kinds {DRAFTERS} or model@BUNDLE, the first a kind; received {text!r}",
+            param_hint="--drafter",
+        )
     return labels
 
 
@@ -527,7 +711,7 @@ def drafters_of(options: BenchOptions, generator) -> dict[str, tuple]:
         if not label.startswith("model@"):
             out[label] = (generator, label)
             continue
-        out[label] = (_borrowed_draft(generator, Path(label[len("model@"):]), options), "model")
+        out[label] = (_borrowed_draft(generator, Path(label[len("model@") :]), options), "model")
     return out
 
 
@@ -535,18 +719,23 @@ def _borrowed_draft(generator, other: Path, options: BenchOptions):
     """A generator over this one's target and another bundle's draft engine (same target tokenizer)."""
     from runtime.api import SpeculativeGenerator, open_engines
     from runtime.bundle import BundleError, load_manifest
+
     try:
         manifest = load_manifest(other)
     except BundleError as err:
         raise click.ClickException(f"--drafter model@{other}: {err}") from None
     key = "tokenizer/tokenizer.json"
     if manifest.files.get(key) != generator.manifest.files.get(key) or manifest.draft.tokenizer:
-        raise click.ClickException(f"--drafter model@{other}: that bundle's draft does not share this bundle's target "
-                                   "tokenizer (its tokenizer/tokenizer.json differs, or its draft has its own)")
-    draft = open_engines(other, manifest, generator.tokenizer.vocab_size, ("draft",), options.threads,
-                         device=options.device)["draft"]
-    return SpeculativeGenerator(generator.manifest, generator.target, draft, generator.tokenizer, generator.eos_ids,
-                                generator.max_k)
+        raise click.ClickException(
+            f"--drafter model@{other}: that bundle's draft does not share this bundle's target "
+            "tokenizer (its tokenizer/tokenizer.json differs, or its draft has its own)"
+        )
+    draft = open_engines(
+        other, manifest, generator.tokenizer.vocab_size, ("draft",), options.threads, device=options.device
+    )["draft"]
+    return SpeculativeGenerator(
+        generator.manifest, generator.target, draft, generator.tokenizer, generator.eos_ids, generator.max_k
+    )
 
 
 def _encode_workloads(options: BenchOptions, generator, loaded: dict[str, list[str]]):
@@ -556,27 +745,39 @@ def _encode_workloads(options: BenchOptions, generator, loaded: dict[str, list[s
     chat_used = {}
     for name, prompts in loaded.items():
         if options.prompt_limit:
-            prompts = prompts[:options.prompt_limit]
-        use_chat = options.chat if options.chat is not None else (
-            name in CHAT_BY_DEFAULT and bool(generator.tokenizer.chat_template))
+            prompts = prompts[: options.prompt_limit]
+        use_chat = (
+            options.chat
+            if options.chat is not None
+            else (name in CHAT_BY_DEFAULT and bool(generator.tokenizer.chat_template))
+        )
         chat_used[name] = use_chat
         room = generator.max_context - options.max_new_tokens
         workloads[name] = [ids for ids in (generator.encode_prompt(p, use_chat) for p in prompts) if len(ids) < room]
         if not workloads[name]:
-            raise click.ClickException(f"workload {name}: no prompt leaves room for {options.max_new_tokens} new "
-                                       "tokens")
+            raise click.ClickException(
+                f"workload {name}: no prompt leaves room for {options.max_new_tokens} new tokens"
+            )
     return workloads, chat_used
 
 
 def _sweep(options: BenchOptions, generator, workloads, ks, batches, response_format, console, started: float):
     """Every cell measured (``run_workloads``) under a bar on a terminal, or a line per decode in a log."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     drafters = drafters_of(options, generator)
     # target-only, plain where it pads, each k of each drafter
     configs = 1 + int(bool(pads(generator.target))) + len(ks) * len(drafters)
     runs = sum(math.ceil(len(t) / b) for t in workloads.values() for b in batches) * configs
-    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, disable=options.quiet, transient=False)
+    progress = Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=options.quiet,
+        transient=False,
+    )
     done = [0]
 
     def advance(description: str) -> None:
@@ -587,14 +788,27 @@ def _sweep(options: BenchOptions, generator, workloads, ks, batches, response_fo
 
     with progress:
         task = progress.add_task("decoding", total=runs)
-        return run_workloads(generator, workloads, ks, batches, options.max_new_tokens, options.temperature,
-                             options.seed, advance=advance, drafters=drafters,
-                             confidence=options.confidence, response_format=response_format,
-                             forced_drafts=options.forced_drafts, top_p=options.top_p, policy=options.policy)
+        return run_workloads(
+            generator,
+            workloads,
+            ks,
+            batches,
+            options.max_new_tokens,
+            options.temperature,
+            options.seed,
+            advance=advance,
+            drafters=drafters,
+            confidence=options.confidence,
+            response_format=response_format,
+            forced_drafts=options.forced_drafts,
+            top_p=options.top_p,
+            policy=options.policy,
+        )
 
 
-def _speed_report(options: BenchOptions, manifest, workloads, chat_used, ks, batches, response_format,
-                  cells: list[CellRecord]) -> dict:
+def _speed_report(
+    options: BenchOptions, manifest, workloads, chat_used, ks, batches, response_format, cells: list[CellRecord]
+) -> dict:
     """The report of the sweep: settings, the bundle, a row per cell, each workload's best k, where the time goes
     and the recommended k."""
     rows = summarize_cells(cells, options.temperature)
@@ -602,25 +816,43 @@ def _speed_report(options: BenchOptions, manifest, workloads, chat_used, ks, bat
     rec_k, geomean = recommend_k(rows)
     report = {
         "bundle": str(options.bundle),
-        "settings": {"workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
-                     "k": ks, "batch": batches, "temperature": options.temperature, "top_p": options.top_p,
-                     "policy": options.policy, "max_new_tokens": options.max_new_tokens,
-                     "threads": options.threads, "seed": options.seed, "drafter": options.drafter_kind,
-                     "draft_confidence": options.confidence,
-                     "response_format": response_format, "forced_drafts": options.forced_drafts,
-                     "cpu_count": os.cpu_count(),
-                     "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
-        "bundle_info": {"target_quant": manifest.target.quant, "draft_quant": manifest.draft.quant,
-                        "draft": manifest.spec.draft, "target": manifest.spec.target,
-                        "default_k": manifest.default_k, "max_k": manifest.spec.max_k},
+        "settings": {
+            "workloads": {n: {"prompts": len(t), "chat_template": chat_used[n]} for n, t in workloads.items()},
+            "k": ks,
+            "batch": batches,
+            "temperature": options.temperature,
+            "top_p": options.top_p,
+            "policy": options.policy,
+            "max_new_tokens": options.max_new_tokens,
+            "threads": options.threads,
+            "seed": options.seed,
+            "drafter": options.drafter_kind,
+            "draft_confidence": options.confidence,
+            "response_format": response_format,
+            "forced_drafts": options.forced_drafts,
+            "cpu_count": os.cpu_count(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        },
+        "bundle_info": {
+            "target_quant": manifest.target.quant,
+            "draft_quant": manifest.draft.quant,
+            "draft": manifest.spec.draft,
+            "target": manifest.spec.target,
+            "default_k": manifest.default_k,
+            "max_k": manifest.spec.max_k,
+        },
         "results": rows,
         "best_k": {w: r for w, r in best.items()},
         "where_time_goes": where_time_goes(rows, best),
     }
     if rec_k is not None:
-        report["recommended_k"] = {"k": rec_k, "geomean_speedup": geomean, "bundle_default_k": manifest.default_k,
-                                   "chosen_by": "highest geometric mean of measured speedup over the workloads, at "
-                                                "each workload's smallest batch; ties to the smaller k"}
+        report["recommended_k"] = {
+            "k": rec_k,
+            "geomean_speedup": geomean,
+            "bundle_default_k": manifest.default_k,
+            "chosen_by": "highest geometric mean of measured speedup over the workloads, at "
+            "each workload's smallest batch; ties to the smaller k",
+        }
     return report
 
 
@@ -631,16 +863,19 @@ def _recommended_k(report: dict) -> int | None:
 def _saver(report: dict, json_out: Path | None, started: float):
     """``save(final)``: write the JSON report (with ``--json``) after each phase, so a slow or interrupted peer run
     loses nothing measured before it."""
+
     def save(final: bool) -> None:
         report["seconds"] = time.time() - started
         report["complete"] = final
         if json_out:
             json_out.write_text(json.dumps(report, indent=2, default=_json_default), encoding="utf-8")
+
     return save
 
 
-def _measure_limit_and_memory(options: BenchOptions, report: dict, manifest, loaded: dict[str, list[str]],
-                              console) -> None:
+def _measure_limit_and_memory(
+    options: BenchOptions, report: dict, manifest, loaded: dict[str, list[str]], console
+) -> None:
     """The bandwidth bound (``--limit``) and the peak memory of each mode in a child process (``--memory``, on the
     first workload's first prompt), into the report."""
     if options.limit:
@@ -648,12 +883,16 @@ def _measure_limit_and_memory(options: BenchOptions, report: dict, manifest, loa
             report["limit"] = limit_report(Path(options.bundle), manifest, report["results"], options.threads)
     if options.memory:
         from bench.system import measure_memory
+
         first = next(iter(loaded.values()))[0]
         with console.status("measuring peak memory (one child process per mode)"):
-            report["memory"] = measure_memory(options.bundle, options.threads, min(options.max_new_tokens, 32),
-                                              _recommended_k(report), first)
-        report["memory"]["engine_size_bytes"] = {"target": manifest.target.size_bytes,
-                                                 "draft": manifest.draft.size_bytes}
+            report["memory"] = measure_memory(
+                options.bundle, options.threads, min(options.max_new_tokens, 32), _recommended_k(report), first
+            )
+        report["memory"]["engine_size_bytes"] = {
+            "target": manifest.target.size_bytes,
+            "draft": manifest.draft.size_bytes,
+        }
 
 
 def _compare_with_peers(options: BenchOptions, report: dict, manifest, workloads, cells, console) -> None:
@@ -661,7 +900,7 @@ def _compare_with_peers(options: BenchOptions, report: dict, manifest, workloads
     prompts (unless ``--no-peers``)."""
     if options.peers is False:
         return
-    peer_workloads = {n: t[:options.peer_prompts] if options.peer_prompts else t for n, t in workloads.items()}
+    peer_workloads = {n: t[: options.peer_prompts] if options.peer_prompts else t for n, t in workloads.items()}
     best = report["best_k"]
     ours = ours_on_peer_prompts(cells, {n: len(t) for n, t in peer_workloads.items()}, best)
     report["peers"] = _run_peers(options, manifest, peer_workloads, best, ours, console)
@@ -696,16 +935,18 @@ PEER_MODULES = ("transformers", "llama_cpp", "onnxruntime_genai", "openvino_gena
 def _after_first(steps: list[tuple]) -> list[tuple]:
     """The steps after the one that emitted a sequence's first token (its gap holds the prompt's prefill)."""
     first = next((i for i, (_, _, new, _) in enumerate(steps) if new), len(steps))
-    return steps[first + 1:]
+    return steps[first + 1 :]
 
 
 def _prompt_texts(bundle: Path, workloads: dict[str, list[list[int]]]) -> dict[str, list[str]]:
     """The prompts as text (a tool that takes text tokenizes them again): our token ids decoded by the bundle's
     tokenizer, special tokens (a chat template's) kept."""
     from tokenizers import Tokenizer
+
     tokenizer = Tokenizer.from_file(str(Path(bundle) / "tokenizer" / "tokenizer.json"))
-    return {w: [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] for w, prompts in
-            workloads.items()}
+    return {
+        w: [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] for w, prompts in workloads.items()
+    }
 
 
 def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: dict[str, dict]) -> dict[str, dict]:
@@ -714,6 +955,7 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
 
     At batch 1 a prompt's steps' gaps add up to its decode time (prefill included), so a prefix of the prompts has
     its own tok/s."""
+
     def subset(mode, workload, k):
         for cell in cells:
             if (cell.workload, cell.batch, cell.mode, cell.k) == (workload, 1, mode, k):
@@ -737,13 +979,20 @@ def ours_on_peer_prompts(cells: list[CellRecord], counts: dict[str, int], best: 
         plain = subset("plain", workload, None) or target  # peers are compared with our plain decoding
         k = best.get(workload, {}).get("k")
         spec = subset("speculative", workload, k) if k else None
-        out[workload] = {"prompts": len(target), "target_tokens_per_second": rate(plain),
-                         "target_decode_tokens_per_second": decode_rate(plain),
-                         "speculative_decode_tokens_per_second": decode_rate(spec) if spec else None,
-                         "token_ids": [list(seq.token_ids) for seq in target], "k": k,
-                         "speculative_tokens_per_second": rate(spec) if spec else None,
-                         "speculative_identical_to_ours": (sum(a.token_ids == b.token_ids for a, b in zip(spec, target))
-                                                           / len(target)) if spec else None}
+        out[workload] = {
+            "prompts": len(target),
+            "target_tokens_per_second": rate(plain),
+            "target_decode_tokens_per_second": decode_rate(plain),
+            "speculative_decode_tokens_per_second": decode_rate(spec) if spec else None,
+            "token_ids": [list(seq.token_ids) for seq in target],
+            "k": k,
+            "speculative_tokens_per_second": rate(spec) if spec else None,
+            "speculative_identical_to_ours": (
+                sum(a.token_ids == b.token_ids for a, b in zip(spec, target)) / len(target)
+            )
+            if spec
+            else None,
+        }
     return out
 
 
@@ -752,11 +1001,13 @@ def quality_report(bundle: Path, threads: int, device, with_llama_cpp: bool, tok
     The bundle is opened again here: the speed runs' engines were freed before the peers ran."""
     from bench import quality
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, device=device)
     windows = quality.windows(generator, tokens)
     out = {"eval_tokens": sum(len(w) for w in windows), "draftsmith": quality.ours(generator, windows)}
     if with_llama_cpp:
         from bench.peers.llama_cpp_peer import llama_cpp_perplexity
+
         row = llama_cpp_perplexity(generator.manifest, bundle, windows, threads)
         out["llama-cpp-python"] = row.get("perplexity", row.get("skipped"))
     return out
@@ -770,10 +1021,12 @@ def _run_peers(options: BenchOptions, manifest, workloads, best, ours: dict[str,
     from bench.peers.llama_cpp_peer import run_llama_cpp
     from bench.peers.openvino_peer import run_openvino
     from bench.peers.transformers_peer import run_transformers
+
     if options.temperature > 0:
         return [{"peer": "all", "skipped": "peers run greedy only; use --temperature 0"}]
     import importlib.util
     from bench.peers.llama_cpp_tools import PLAIN_TOOL, tool
+
     if not options.peers and all(importlib.util.find_spec(m) is None for m in PEER_MODULES) and not tool(PLAIN_TOOL):
         return [{"peer": "all", "skipped": "no peer installed (pip install draftsmith[peers])"}]
     bundle, tokens, threads = Path(options.bundle), options.max_new_tokens, options.threads
@@ -791,12 +1044,14 @@ def _run_peers(options: BenchOptions, manifest, workloads, best, ours: dict[str,
             rows += run_transformers(manifest, bundle, workloads, ks, tokens, threads, eos, note, **consent)
         if "llama.cpp" in wanted:  # its own C++ tools, as users run them
             from bench.peers.llama_cpp_tools import run_llama_cpp_tools
+
             rows += run_llama_cpp_tools(manifest, bundle, _prompt_texts(bundle, workloads), tokens, threads, note)
         if "llama-cpp-python" in wanted:
             rows += run_llama_cpp(manifest, bundle, workloads, ks, tokens, threads, eos, note)
         if "onnxruntime-genai" in wanted:
-            rows += run_onnxruntime_genai(manifest, bundle, workloads, ks, tokens, threads, eos, note, **consent,
-                                          spinning=options.peer_spinning)
+            rows += run_onnxruntime_genai(
+                manifest, bundle, workloads, ks, tokens, threads, eos, note, **consent, spinning=options.peer_spinning
+            )
         if "openvino" in wanted:
             rows += run_openvino(manifest, bundle, workloads, ks, tokens, threads, eos, note)
     finally:

@@ -143,8 +143,14 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def predicted_speedup(alpha: float, k: int, draft_calls_per_step: float, draft_call_seconds: float,
-                      verify_call_seconds: float, target_step_seconds: float) -> float:
+def predicted_speedup(
+    alpha: float,
+    k: int,
+    draft_calls_per_step: float,
+    draft_call_seconds: float,
+    verify_call_seconds: float,
+    target_step_seconds: float,
+) -> float:
     """Speedup over target-only predicted from measured costs: E[tokens per step] / (n·T_draft + T_verify) in units
     of one target-only step, so a verify call dearer than a one-token step and a step that drafted less than k are
     priced as they were measured. 0 when a cost is missing."""
@@ -162,8 +168,10 @@ def _mean(values: list[float]) -> float:
 
 def call_costs(calls: list[EngineCall]) -> dict:
     """Mean call times and the time split: draft and verify (ORT / glue), prefill; per-role call counts."""
+
     def pick(role, prefill):
         return [c for c in calls if c.role == role and c.prefill == prefill]
+
     draft, verify = pick("draft", False), pick("target", False)
     prefill = [c for c in calls if c.prefill]
     draft_call = _mean([c.seconds for c in draft])
@@ -199,12 +207,14 @@ def paired_ratios(cell: CellRecord, baseline: CellRecord) -> list[float]:
     return ratios
 
 
-def bootstrap_interval(ratios: list[float], resamples: int = 2000, level: float = 0.95,
-                       seed: int = 0) -> tuple[float, float] | None:
+def bootstrap_interval(
+    ratios: list[float], resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float] | None:
     """A percentile bootstrap interval of the geometric mean of ``ratios`` (None for fewer than two)."""
     if len(ratios) < 2:
         return None
     import numpy as np
+
     logs = np.log(np.asarray(ratios))
     picks = np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))
     means = np.exp(logs[picks].mean(axis=1))
@@ -220,12 +230,23 @@ def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
     ttfts = [seq.ttft for seq in cell.sequences]
     costs = call_costs(cell.calls)
     after_first = sum(len(token_latencies(seq)) for seq in cell.sequences)
-    out = {"workload": cell.workload, "batch": cell.batch, "mode": cell.mode, "k": cell.k, "drafter": cell.drafter,
-           "prompts": len(cell.sequences), "tokens": tokens, "steps": len(steps), "wall_seconds": cell.wall,
-           "tokens_per_second": tokens / cell.wall if cell.wall > 0 else 0.0,
-           "decode_tokens_per_second": after_first / sum(latencies) if sum(latencies) > 0 else 0.0,
-           "ttft_mean": _mean(ttfts), "ttft_p50": percentile(ttfts, 50),
-           "latency_p50": percentile(latencies, 50), "latency_p95": percentile(latencies, 95)}
+    out = {
+        "workload": cell.workload,
+        "batch": cell.batch,
+        "mode": cell.mode,
+        "k": cell.k,
+        "drafter": cell.drafter,
+        "prompts": len(cell.sequences),
+        "tokens": tokens,
+        "steps": len(steps),
+        "wall_seconds": cell.wall,
+        "tokens_per_second": tokens / cell.wall if cell.wall > 0 else 0.0,
+        "decode_tokens_per_second": after_first / sum(latencies) if sum(latencies) > 0 else 0.0,
+        "ttft_mean": _mean(ttfts),
+        "ttft_p50": percentile(ttfts, 50),
+        "latency_p50": percentile(latencies, 50),
+        "latency_p95": percentile(latencies, 95),
+    }
     out.update(acceptance(steps))
     out.update(costs)
     out["other_seconds"] = max(0.0, cell.wall - costs["engine_seconds"])
@@ -236,9 +257,14 @@ def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
     target_step = call_costs(baseline.calls)["verify_call_seconds"] if baseline is not None else 0.0
     if cell.mode == "speculative" and cell.k:
         out["expected_tokens_per_step"] = expected_tokens_per_step(out["alpha"], cell.k)
-        out["predicted_speedup"] = predicted_speedup(out["alpha"], cell.k, costs["draft_calls_per_step"],
-                                                     costs["draft_call_seconds"], costs["verify_call_seconds"],
-                                                     target_step or costs["verify_call_seconds"])
+        out["predicted_speedup"] = predicted_speedup(
+            out["alpha"],
+            cell.k,
+            costs["draft_calls_per_step"],
+            costs["draft_call_seconds"],
+            costs["verify_call_seconds"],
+            target_step or costs["verify_call_seconds"],
+        )
     if baseline is not None:
         base = baseline.wall and sum(s.emitted for s in baseline.sequences) / baseline.wall
         out["speedup"] = out["tokens_per_second"] / base if base else 0.0
@@ -264,9 +290,17 @@ def best_k(rows: list[dict]) -> dict[str, dict]:
         mine = sorted((r for r in mine if r["batch"] == batch), key=lambda r: r["k"])
         fastest = max(mine, key=lambda r: (r["speedup"], -r["k"]))
         top = fastest.get("speedup_interval")
-        best[workload] = next((r for r in mine if top and r.get("speedup_interval")
-                               and r["speedup_interval"][1] >= top[0] and r["speedup_interval"][0] <= top[1]),
-                              fastest)
+        best[workload] = next(
+            (
+                r
+                for r in mine
+                if top
+                and r.get("speedup_interval")
+                and r["speedup_interval"][1] >= top[0]
+                and r["speedup_interval"][0] <= top[1]
+            ),
+            fastest,
+        )
     return best
 
 
@@ -292,8 +326,11 @@ def recommend_k(rows: list[dict]) -> tuple[int | None, float]:
     for r in spec:
         if r["batch"] == smallest[r["workload"]]:
             table.setdefault(r["k"], {})[r["workload"]] = r["speedup"]
-    scores = {k: math.exp(sum(math.log(v) for v in by.values()) / len(by))
-              for k, by in table.items() if len(by) == len(workloads)}
+    scores = {
+        k: math.exp(sum(math.log(v) for v in by.values()) / len(by))
+        for k, by in table.items()
+        if len(by) == len(workloads)
+    }
     if not scores:
         return None, 0.0
     k = max(scores, key=lambda key: (scores[key], -key))
@@ -312,10 +349,20 @@ def where_time_goes(rows: list[dict], best: dict[str, dict]) -> list[dict]:
         wall = row["wall_seconds"] or 1.0
         draft = row["draft_ort_seconds"] + row["draft_glue_seconds"]
         verify = row["verify_ort_seconds"] + row["verify_glue_seconds"]
-        out.append({"workload": workload, "batch": row["batch"], "k": row["k"], "draft": draft / wall,
-                    "draft_ort": row["draft_ort_seconds"] / wall, "verify": verify / wall,
-                    "verify_ort": row["verify_ort_seconds"] / wall, "prefill": row["prefill_seconds"] / wall,
-                    "other": row["other_seconds"] / wall, "draft_call_ms": row["draft_call_seconds"] * 1e3,
-                    "verify_call_ms": row["verify_call_seconds"] * 1e3,
-                    "verify_vs_target_step": row.get("verify_vs_target_step") or 0.0})
+        out.append(
+            {
+                "workload": workload,
+                "batch": row["batch"],
+                "k": row["k"],
+                "draft": draft / wall,
+                "draft_ort": row["draft_ort_seconds"] / wall,
+                "verify": verify / wall,
+                "verify_ort": row["verify_ort_seconds"] / wall,
+                "prefill": row["prefill_seconds"] / wall,
+                "other": row["other_seconds"] / wall,
+                "draft_call_ms": row["draft_call_seconds"] * 1e3,
+                "verify_call_ms": row["verify_call_seconds"] * 1e3,
+                "verify_vs_target_step": row.get("verify_vs_target_step") or 0.0,
+            }
+        )
     return out

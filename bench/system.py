@@ -23,9 +23,11 @@ from runtime.metrics import peak_rss_bytes
 
 # --- memory ---------------------------------------------------------------------------------------------------------
 
+
 def _current_rss_bytes() -> int:
     try:
         import psutil
+
         return int(psutil.Process().memory_info().rss)
     except ImportError:
         with open("/proc/self/statm") as handle:
@@ -37,24 +39,30 @@ def _child(bundle: str, mode: str, threads: int, tokens: int, k: int | None, pro
     from runtime.api import SpeculativeGenerator, open_engines
     from runtime.bundle import load_manifest
     from runtime.text.tokenizer import Tokenizer
+
     root = Path(bundle)
     manifest = load_manifest(root, verify=False)
     tokenizer = Tokenizer(root / "tokenizer")
     before = _current_rss_bytes()
     roles = ("target", "draft") if mode == "speculative" else ("target",)
     engines = open_engines(root, manifest, tokenizer.vocab_size, roles, threads)
-    generator = SpeculativeGenerator(manifest, engines["target"], engines.get("draft"), tokenizer,
-                                     manifest.eos_token_ids)
+    generator = SpeculativeGenerator(
+        manifest, engines["target"], engines.get("draft"), tokenizer, manifest.eos_token_ids
+    )
     loaded = _current_rss_bytes()
     load_peak = peak_rss_bytes()
     reset = _reset_peak()  # so the decode peak is not the loading transient (ORT holds a model twice while loading)
     generator.generate(prompt, max_new_tokens=tokens, k=k, mode=mode)
     decode_peak = _vm_hwm() if reset else None
-    return {"mode": mode, "rss_before_engines": before, "rss_after_load": loaded,
-            "rss_after_decode": _current_rss_bytes(), "peak_rss_loading": load_peak,
-            "peak_rss_decoding": decode_peak or max(loaded, _current_rss_bytes()),
-            "decode_peak_method": "VmHWM after clear_refs" if decode_peak else
-            "RSS sampled after load and after decode"}
+    return {
+        "mode": mode,
+        "rss_before_engines": before,
+        "rss_after_load": loaded,
+        "rss_after_decode": _current_rss_bytes(),
+        "peak_rss_loading": load_peak,
+        "peak_rss_decoding": decode_peak or max(loaded, _current_rss_bytes()),
+        "decode_peak_method": "VmHWM after clear_refs" if decode_peak else "RSS sampled after load and after decode",
+    }
 
 
 def _reset_peak() -> bool:
@@ -78,13 +86,26 @@ def _vm_hwm() -> int | None:
     return None
 
 
-def measure_memory(bundle: str | os.PathLike, threads: int, tokens: int, k: int | None, prompt: str,
-                   timeout: float = 600.0) -> dict:
+def measure_memory(
+    bundle: str | os.PathLike, threads: int, tokens: int, k: int | None, prompt: str, timeout: float = 600.0
+) -> dict:
     """Peak RSS of target-only and of speculative decoding, each in its own fresh process (so they don't mix)."""
     out: dict = {}
     for mode in ("target", "speculative"):
-        command = [sys.executable, "-m", "bench.system", str(bundle), "--mode", mode, "--threads",
-                   str(threads), "--tokens", str(tokens), "--prompt", prompt] + (["--k", str(k)] if k else [])
+        command = [
+            sys.executable,
+            "-m",
+            "bench.system",
+            str(bundle),
+            "--mode",
+            mode,
+            "--threads",
+            str(threads),
+            "--tokens",
+            str(tokens),
+            "--prompt",
+            prompt,
+        ] + (["--k", str(k)] if k else [])
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             out[mode] = {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
@@ -126,11 +147,16 @@ def measure_bandwidth(threads: int = 2, megabytes: int = 512, repeats: int = 4) 
                 w.join()
             best = max(best, array.nbytes / (time.perf_counter() - start))
         per_kernel[name] = best
-    return {"bytes_per_second": max(per_kernel.values()), "threads": threads, "array_bytes": array.nbytes,
-            "per_kernel": per_kernel}
+    return {
+        "bytes_per_second": max(per_kernel.values()),
+        "threads": threads,
+        "array_bytes": array.nbytes,
+        "per_kernel": per_kernel,
+    }
 
 
 # --- weights read per token -----------------------------------------------------------------------------------------
+
 
 def weight_bytes_per_token(model_path: str | os.PathLike) -> dict:
     """Bytes of initializers a one-token decode reads: every weight once, except tables only gathered from
@@ -161,8 +187,13 @@ def weight_bytes_per_token(model_path: str | os.PathLike) -> dict:
         total += size
         key = ",".join(sorted(ops)) or "unused"
         by_op[key] = by_op.get(key, 0) + size
-    return {"bytes_per_token": total, "file_bytes": file_bytes, "gather_only_bytes": gathered, "by_consumer": by_op,
-            "method": "onnx initializers"}
+    return {
+        "bytes_per_token": total,
+        "file_bytes": file_bytes,
+        "gather_only_bytes": gathered,
+        "by_consumer": by_op,
+        "method": "onnx initializers",
+    }
 
 
 def _initializer_bytes(init, itemsize: int) -> int:
@@ -179,6 +210,7 @@ def _initializer_bytes(init, itemsize: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+
     parser = argparse.ArgumentParser(description="child process of `draftsmith bench`'s memory measurement")
     parser.add_argument("bundle")
     parser.add_argument("--mode", choices=("target", "speculative"), required=True)

@@ -90,22 +90,32 @@ def coverage(generator, token_lists: list[list[int]], max_new_tokens: int) -> di
                 at += emitted
     finally:
         generator.draft = original
-    return {"steps": steps, "hit_top_1_to_4": [round(float(h / max(steps, 1)), 3) for h in hits],
-            "draft_call_ms": round(1000 * recorder.seconds / max(recorder.calls, 1), 3)}
+    return {
+        "steps": steps,
+        "hit_top_1_to_4": [round(float(h / max(steps, 1)), 3) for h in hits],
+        "draft_call_ms": round(1000 * recorder.seconds / max(recorder.calls, 1), 3),
+    }
 
 
 def depth1_tree(costs: dict[int, float], hits: list[float], draft_ms: float) -> list[dict]:
     """Predicted speed of a depth-1 tree of n candidates (n = 1: the chain of one) relative to target-only."""
     step = costs[2]
-    return [{"candidates": n, "tokens_per_step": round(1 + hits[n - 1], 3),
-             "speedup": round((1 + hits[n - 1]) / (costs[n + 1] / step + draft_ms / step), 3)}
-            for n in (1, 2, 3) if n + 1 in costs]
+    return [
+        {
+            "candidates": n,
+            "tokens_per_step": round(1 + hits[n - 1], 3),
+            "speedup": round((1 + hits[n - 1]) / (costs[n + 1] / step + draft_ms / step), 3),
+        }
+        for n in (1, 2, 3)
+        if n + 1 in costs
+    ]
 
 
 def with_tree_inputs(source: Path, out: Path) -> None:
     """The fused target graph with ``position_ids`` and ``attention_bias`` fed to every GroupQueryAttention."""
     import onnx
     from onnx import TensorProto, helper
+
     model = onnx.load(str(source))
     for node in model.graph.node:
         if node.op_type == "GroupQueryAttention":
@@ -113,15 +123,20 @@ def with_tree_inputs(source: Path, out: Path) -> None:
             inputs[9:11] = ["position_ids", "attention_bias"]  # GroupQueryAttention's inputs 9 and 10
             del node.input[:]
             node.input.extend(inputs)
-    model.graph.input.extend([
-        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "new"]),
-        helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, [1, 1, "new", "total"])])
-    onnx.save_model(model, str(out), save_as_external_data=model.ByteSize() > 1_800_000_000,
-                    location=out.name + ".data")
+    model.graph.input.extend(
+        [
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "new"]),
+            helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, [1, 1, "new", "total"]),
+        ]
+    )
+    onnx.save_model(
+        model, str(out), save_as_external_data=model.ByteSize() > 1_800_000_000, location=out.name + ".data"
+    )
 
 
 def _score(session, entry, past_buffers, tokens, past, positions=None, bias=None) -> np.ndarray:
     import onnxruntime as ort
+
     binding = session.io_binding()
     binding.bind_output("logits", "cpu")
     for i in range(entry.num_layers):
@@ -159,6 +174,7 @@ def _prefilled(session, entry, prompt: list[int], slots: int) -> list[np.ndarray
 def tree_attention(root: Path, manifest, threads: int, trials: int = 6) -> dict:
     """Max |logit difference| between a tree call and the same paths as chains, on random prompts."""
     from runtime.engines.sessions import make_session
+
     entry = manifest.target
     parents = [-1, 0, 1, 2, 0, 4, 1]  # main chain c0..c3 at slots 0..3; a0 <- c0, a1 <- a0, b0 <- c1
     paths = []  # each node's path from the root, itself last
@@ -181,19 +197,29 @@ def tree_attention(root: Path, manifest, threads: int, trials: int = 6) -> dict:
             for i, path in enumerate(paths):
                 bias[0, 0, i, [past + j for j in path]] = 0
             positions = [past + len(path) - 1 for path in paths]
-            tree = _score(tree_session, entry, _prefilled(tree_session, entry, prompt, slots), nodes, past,
-                          positions, bias)
+            tree = _score(
+                tree_session, entry, _prefilled(tree_session, entry, prompt, slots), nodes, past, positions, bias
+            )
             chain = _score(chain_session, entry, _prefilled(chain_session, entry, prompt, slots), nodes[:4], past)
             main = max(main, float(np.abs(tree[:4] - chain).max()))
             for path in (paths[5], paths[6]):  # the off-chain paths c0 a0 a1 and c0 c1 b0
-                alone = _score(chain_session, entry, _prefilled(chain_session, entry, prompt, slots),
-                               [nodes[i] for i in path], past)
+                alone = _score(
+                    chain_session,
+                    entry,
+                    _prefilled(chain_session, entry, prompt, slots),
+                    [nodes[i] for i in path],
+                    past,
+                )
                 rows = [at for at, node in enumerate(path) if node >= 4]  # the off-chain nodes of the path
                 picked = tree[[path[at] for at in rows]]
                 off = max(off, float(np.abs(picked - alone[rows]).max()))
                 flips += int((picked.argmax(-1) != alone[rows].argmax(-1)).sum())
-    return {"main_chain_max_abs_diff": main, "off_chain_max_abs_diff": off, "off_chain_argmax_flips": flips,
-            "off_chain_rows": trials * 3}
+    return {
+        "main_chain_max_abs_diff": main,
+        "off_chain_max_abs_diff": off,
+        "off_chain_argmax_flips": flips,
+        "off_chain_rows": trials * 3,
+    }
 
 
 @click.command("tree-headroom")
@@ -206,12 +232,16 @@ def tree_attention(root: Path, manifest, threads: int, trials: int = 6) -> dict:
 def tree_headroom(bundle, workload_specs, prompt_limit, max_new_tokens, threads, json_out):
     """Measure whether tree verification could pay for BUNDLE on this machine (see bench/tree.py), as JSON."""
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     if generator.draft is None or generator.manifest.target.graph != "fused":
         raise click.ClickException("tree-headroom needs a bundle with a draft engine and a fused target graph")
     costs = verify_cost(generator.target)
-    report = {"verify_cost_ms": {s: round(v, 3) for s, v in costs.items()},
-              "verify_cost_relative": {s: round(v / costs[2], 3) for s, v in costs.items()}, "workloads": {}}
+    report = {
+        "verify_cost_ms": {s: round(v, 3) for s, v in costs.items()},
+        "verify_cost_relative": {s: round(v / costs[2], 3) for s, v in costs.items()},
+        "workloads": {},
+    }
     names = [part.strip() for spec in workload_specs for part in spec.split(",") if part.strip()]
     for name, prompts in (load_workload(n) for n in names):
         chat = name in CHAT_BY_DEFAULT and bool(generator.tokenizer.chat_template)

@@ -44,8 +44,11 @@ def well_formed(text, rate, accepted, drafted) -> str:
 
 
 def http_request(url: str, body: dict, timeout: float, record: Record, t0: float) -> None:
-    request = urllib.request.Request(f"{url}/v2/models/ensemble/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/v2/models/ensemble/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     began = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -65,8 +68,12 @@ def http_request(url: str, body: dict, timeout: float, record: Record, t0: float
         return
     finally:
         record.ended = time.perf_counter() - t0
-    problem = well_formed(answer.get("text_output"), answer.get("acceptance_rate"),
-                          answer.get("total_accepted_draft_tokens"), answer.get("total_draft_tokens"))
+    problem = well_formed(
+        answer.get("text_output"),
+        answer.get("acceptance_rate"),
+        answer.get("total_accepted_draft_tokens"),
+        answer.get("total_draft_tokens"),
+    )
     record.latency = time.perf_counter() - began
     record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
     record.chars = len(answer.get("text_output") or "")
@@ -83,6 +90,7 @@ class GrpcStreamClient:
 
     def _open(self):
         import tritonclient.grpc as grpcclient
+
         self.results = queue.Queue()
         results = self.results
         self.client = grpcclient.InferenceServerClient(self.grpc_url)
@@ -100,17 +108,24 @@ class GrpcStreamClient:
     def request(self, body: dict, timeout: float, record: Record, t0: float) -> None:
         import numpy as np
         import tritonclient.grpc as grpcclient
+
         began = time.perf_counter()
         deadline = began + timeout
         try:
             if self.client is None:
                 self._open()
-            arrays = {"text_input": (np.array([[body["text_input"].encode()]], dtype=object), "BYTES"),
-                      "max_tokens": (np.array([[body["max_tokens"]]], dtype=np.int32), "INT32"),
-                      "stream": (np.array([[True]], dtype=bool), "BOOL")}
-            for name, dtype, np_type in (("temperature", "FP32", np.float32), ("top_p", "FP32", np.float32),
-                                         ("top_k", "INT32", np.int32), ("num_draft_tokens", "INT32", np.int32),
-                                         ("seed", "UINT64", np.uint64)):
+            arrays = {
+                "text_input": (np.array([[body["text_input"].encode()]], dtype=object), "BYTES"),
+                "max_tokens": (np.array([[body["max_tokens"]]], dtype=np.int32), "INT32"),
+                "stream": (np.array([[True]], dtype=bool), "BOOL"),
+            }
+            for name, dtype, np_type in (
+                ("temperature", "FP32", np.float32),
+                ("top_p", "FP32", np.float32),
+                ("top_k", "INT32", np.int32),
+                ("num_draft_tokens", "INT32", np.int32),
+                ("seed", "UINT64", np.uint64),
+            ):
                 if name in body:
                     arrays[name] = (np.array([[body[name]]], dtype=np_type), dtype)
             if "stop_words" in body:
@@ -121,8 +136,7 @@ class GrpcStreamClient:
                 tensor.set_data_from_numpy(array)
                 inputs.append(tensor)
             request_id = uuid.uuid4().hex
-            self.client.async_stream_infer("ensemble", inputs, request_id=request_id,
-                                           enable_empty_final_response=True)
+            self.client.async_stream_infer("ensemble", inputs, request_id=request_id, enable_empty_final_response=True)
             text, last = "", None
             while True:
                 left = deadline - time.perf_counter()

@@ -47,31 +47,75 @@ REGISTRY: dict[str, Architecture] = {
         # Phi-3/3.5/4-mini: fused projections (transformers' modeling_phi3 splits qkv_proj as q|k|v and gate_up_proj
         # as gate|up), partial rotary, longrope
         # (GroupQueryAttention's CPU kernel needs rotary_dim / 2 a multiple of 8: head_dim 32 x 0.5 in the test)
-        Architecture("Phi3ForCausalLM", "phi3", {"num_attention_heads": 2, "num_key_value_heads": 1,
-                                                 "partial_rotary_factor": 0.5, "rope_parameters": {
-            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "long_factor": [1.5, 2, 3, 4, 5, 6, 7, 8.0]},
-            "original_max_position_embeddings": 64}, qkv_parts=("qkv_proj",), gate_up_parts=("gate_up_proj",),
-            gguf_permuted_qk=False),
+        Architecture(
+            "Phi3ForCausalLM",
+            "phi3",
+            {
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "partial_rotary_factor": 0.5,
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                    "long_factor": [1.5, 2, 3, 4, 5, 6, 7, 8.0],
+                },
+                "original_max_position_embeddings": 64,
+            },
+            qkv_parts=("qkv_proj",),
+            gate_up_parts=("gate_up_proj",),
+            gguf_permuted_qk=False,
+        ),
         # Gemma 2 / Gemma 3 (text): sandwich norms, (1 + w) norms, scaled embedding, gelu-tanh MLP, alternating
         # sliding/full layers; the fused graph keeps each layer's own window, so the context is not capped
-        Architecture("Gemma2ForCausalLM", "gemma2", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4},
-                     sandwich_norms=True, norm_plus_one=True, scaled_embedding=True, attn_softcap=True,
-                     attn_implementation="eager", gguf_permuted_qk=False),
-        Architecture("Gemma3ForCausalLM", "gemma3_text", {
-            "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"],
-            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}},
-            qk_norm=True, sandwich_norms=True, norm_plus_one=True, scaled_embedding=True, gguf_permuted_qk=False),
+        Architecture(
+            "Gemma2ForCausalLM",
+            "gemma2",
+            {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4},
+            sandwich_norms=True,
+            norm_plus_one=True,
+            scaled_embedding=True,
+            attn_softcap=True,
+            attn_implementation="eager",
+            gguf_permuted_qk=False,
+        ),
+        Architecture(
+            "Gemma3ForCausalLM",
+            "gemma3_text",
+            {
+                "head_dim": 16,
+                "query_pre_attn_scalar": 24,
+                "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                },
+            },
+            qk_norm=True,
+            sandwich_norms=True,
+            norm_plus_one=True,
+            scaled_embedding=True,
+            gguf_permuted_qk=False,
+        ),
         # SmolLM3: Llama with no rotary embedding in every no_rope_layer_interval-th layer (config.no_rope_layers)
         Architecture("SmolLM3ForCausalLM", "smollm3", {"no_rope_layer_interval": 2}),
-        Architecture("GraniteForCausalLM", "granite", {"embedding_multiplier": 12.0, "attention_multiplier": 0.1,
-                                                       "residual_multiplier": 0.25, "logits_scaling": 8.0},
-                     multipliers=True),
+        Architecture(
+            "GraniteForCausalLM",
+            "granite",
+            {
+                "embedding_multiplier": 12.0,
+                "attention_multiplier": 0.1,
+                "residual_multiplier": 0.25,
+                "logits_scaling": 8.0,
+            },
+            multipliers=True,
+        ),
         # OLMo 2: no norm before attention or MLP, one after each; q/k normalized over the whole projection
-        Architecture("Olmo2ForCausalLM", "olmo2", qk_norm=True, sandwich_norms=True, pre_norms=False,
-                     gguf_permuted_qk=False),
+        Architecture(
+            "Olmo2ForCausalLM", "olmo2", qk_norm=True, sandwich_norms=True, pre_norms=False, gguf_permuted_qk=False
+        ),
     )
 }
 
@@ -85,5 +129,6 @@ def lookup(name: str | None, model_type: str | None = None) -> Architecture:
             return arch
     raise UnsupportedArchitecture(
         f"unsupported architecture {name or model_type!r}; supported: {', '.join(sorted(REGISTRY))}. "
-        "Use a checkpoint of one of these (config.json's \"architectures\"), or add an entry to "
-        "builder/architectures.py with a tiny-model test in tests/test_fused_graph.py.")
+        'Use a checkpoint of one of these (config.json\'s "architectures"), or add an entry to '
+        "builder/architectures.py with a tiny-model test in tests/test_fused_graph.py."
+    )

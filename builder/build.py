@@ -67,8 +67,14 @@ def bundle_problem(folder: Path) -> str | None:
 BUNDLE = publishing.Kind("bundle", bundle_problem, BuildError)
 
 
-def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage | None = None,
-          threads: int = 0, say: Callable[[str], None] | None = None) -> Manifest:
+def build(
+    spec: BuildSpec,
+    out: str | Path,
+    force: bool = False,
+    on_stage: Stage | None = None,
+    threads: int = 0,
+    say: Callable[[str], None] | None = None,
+) -> Manifest:
     """Build a bundle at ``out`` from ``spec``; returns its manifest. ``on_stage(name)`` is called as each starts;
     ``say(line)``, where no progress bar shows, gets a line a minute from the long evaluation stage."""
     out = Path(out).absolute()
@@ -94,8 +100,9 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
 def _memory_needed(spec: BuildSpec, target_ckpt, draft_ckpt) -> memory.Estimate:
     """The build's estimated peak (builder.memory): a self-draft shares the target's weights."""
     separate = draft_ckpt is not target_ckpt and not _is_feature_draft(draft_ckpt)
-    streamed = all(gguf_stream.supported(c, spec.engine_graph) for c in ((target_ckpt, draft_ckpt) if separate
-                                                                         else (target_ckpt,)))
+    streamed = all(
+        gguf_stream.supported(c, spec.engine_graph) for c in ((target_ckpt, draft_ckpt) if separate else (target_ckpt,))
+    )
     return memory.estimate(target_ckpt.config, draft_ckpt.config if separate else None, streamed)
 
 
@@ -107,11 +114,14 @@ def _resolve(spec: BuildSpec):
         if option.startswith("layers="):
             draft_layers = _positive_int(option[7:], "self:layers=N")
             if draft_layers >= target.config.num_hidden_layers:
-                raise BuildError(f"self:layers={draft_layers}: the target has only "
-                                 f"{target.config.num_hidden_layers} layers")
+                raise BuildError(
+                    f"self:layers={draft_layers}: the target has only {target.config.num_hidden_layers} layers"
+                )
         elif option and option != spec.draft_quant:
-            raise BuildError(f"draft {spec.draft!r} conflicts with draft_quant {spec.draft_quant!r}; use "
-                             f"--draft self --draft-quant {option}, or 'self:layers=N', or a checkpoint path")
+            raise BuildError(
+                f"draft {spec.draft!r} conflicts with draft_quant {spec.draft_quant!r}; use "
+                f"--draft self --draft-quant {option}, or 'self:layers=N', or a checkpoint path"
+            )
         return target, target, draft_layers
     return target, ckpt.resolve(spec.draft, spec.allow_pickle, spec.trust_remote_code), 0
 
@@ -133,8 +143,16 @@ class _Engine:
     reference: Path
 
 
-def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, stage: Stage,
-                threads: int, say: Callable[[str], None] | None = None) -> Manifest:
+def _build_into(
+    tmp: Path,
+    spec: BuildSpec,
+    target_ckpt,
+    draft_ckpt,
+    draft_layers: int,
+    stage: Stage,
+    threads: int,
+    say: Callable[[str], None] | None = None,
+) -> Manifest:
     """The bundle's files in ``tmp`` and its manifest: the pair checked, both engines made and scored, the
     tokenizer saved."""
     stage("pair")
@@ -146,28 +164,52 @@ def _build_into(tmp: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layer
     if pair.cross:
         spec, pair = _cross_pair(spec, pair, draft_ckpt, kept)
     rows = max(pair.max_context, 64)  # positions the graphs' rotary tables cover (the export check uses 64)
-    target, draft, engine_notes = _make_engines(tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, kept, rows,
-                                                stage)
+    target, draft, engine_notes = _make_engines(
+        tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, kept, rows, stage
+    )
     memory.release()  # the models' weights, dropped with _make_engines' frame
     stage("evaluate")
-    report = _evaluate(tmp, spec, target_tok, pair, target, draft, kept, threads, say,
-                       feature_draft=_is_feature_draft(draft_ckpt), draft_tok=draft_tok if pair.cross else None)
+    report = _evaluate(
+        tmp,
+        spec,
+        target_tok,
+        pair,
+        target,
+        draft,
+        kept,
+        threads,
+        say,
+        feature_draft=_is_feature_draft(draft_ckpt),
+        draft_tok=draft_tok if pair.cross else None,
+    )
     report["engine_notes"] = engine_notes  # e.g. GGUF tensors kept as float weights (no exact MatMulNBits form)
     shutil.rmtree(work)
     stage("tokenizer")
     _save_tokenizer(tmp, target_tok, kept)
     if pair.cross:
         _save_draft_tokenizer(tmp, draft_tok)
-    entries = {role: _entry(role, c, info, quant, tmp, pair.max_context, spec)
-               for role, c, info, quant in (("target", target_ckpt, target.info, spec.target_quant),
-                                            ("draft", draft_ckpt, draft.info, spec.draft_quant))}
+    entries = {
+        role: _entry(role, c, info, quant, tmp, pair.max_context, spec)
+        for role, c, info, quant in (
+            ("target", target_ckpt, target.info, spec.target_quant),
+            ("draft", draft_ckpt, draft.info, spec.draft_quant),
+        )
+    }
     if kept is not None:
         entries["draft"] = dataclasses.replace(entries["draft"], vocab_map=f"draft/{VOCAB_MAP}")
     if pair.cross:
         entries["draft"] = dataclasses.replace(entries["draft"], tokenizer=DRAFT_TOKENIZER)
-    return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
-                    max_context=pair.max_context, eos_token_ids=eos_ids(target_ckpt, target_tok),
-                    tools=tool_versions(), report=report)
+    return Manifest(
+        spec=spec,
+        target=entries["target"],
+        draft=entries["draft"],
+        files={},
+        default_k=spec.k,
+        max_context=pair.max_context,
+        eos_token_ids=eos_ids(target_ckpt, target_tok),
+        tools=tool_versions(),
+        report=report,
+    )
 
 
 def _cross_pair(spec: BuildSpec, pair: pairing.Pairing, draft_ckpt, kept) -> tuple[BuildSpec, pairing.Pairing]:
@@ -175,32 +217,40 @@ def _cross_pair(spec: BuildSpec, pair: pairing.Pairing, draft_ckpt, kept) -> tup
     (a reduced head's kept ids and a feature draft's head rows are target ids); a same-vocabulary default drafter
     becomes token-level intersection, the one that drafts with such a draft engine."""
     if kept is not None:
-        raise BuildError(f"{draft_ckpt.source} has a reduced-vocabulary head ({VOCAB_MAP}: target token ids), but its "
-                         "tokenizer differs from the target's: a reduced head needs the target's vocabulary")
+        raise BuildError(
+            f"{draft_ckpt.source} has a reduced-vocabulary head ({VOCAB_MAP}: target token ids), but its "
+            "tokenizer differs from the target's: a reduced head needs the target's vocabulary"
+        )
     if _is_feature_draft(draft_ckpt):
-        raise BuildError(f"{draft_ckpt.source} is a feature draft: it drafts from the target's hidden states with the "
-                         "target's head rows, so its tokenizer must be the target's")
+        raise BuildError(
+            f"{draft_ckpt.source} is a feature draft: it drafts from the target's hidden states with the "
+            "target's head rows, so its tokenizer must be the target's"
+        )
     if spec.drafter not in SAME_VOCAB_DRAFTERS:
         return spec, pair
-    note = (f"the draft has a tokenizer of its own ({pair.shared_tokens} of the target's {pair.vocab_size} tokens "
-            f"shared): default drafter {CROSS_DRAFTER!r} (token-level intersection) instead of {spec.drafter!r}, "
-            "which needs one vocabulary")
-    return (dataclasses.replace(spec, drafter=CROSS_DRAFTER),
-            dataclasses.replace(pair, notes=(*pair.notes, note)))
+    note = (
+        f"the draft has a tokenizer of its own ({pair.shared_tokens} of the target's {pair.vocab_size} tokens "
+        f"shared): default drafter {CROSS_DRAFTER!r} (token-level intersection) instead of {spec.drafter!r}, "
+        "which needs one vocabulary"
+    )
+    return (dataclasses.replace(spec, drafter=CROSS_DRAFTER), dataclasses.replace(pair, notes=(*pair.notes, note)))
 
 
-def _make_engines(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, kept,
-                  rows: int, stage: Stage) -> tuple[_Engine, _Engine, dict[str, list[str]]]:
+def _make_engines(
+    tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, kept, rows: int, stage: Stage
+) -> tuple[_Engine, _Engine, dict[str, list[str]]]:
     """(target, draft, each role's engine notes): both engines exported to fp32 in ``work`` and quantized into
     ``tmp``. Where the roles' weights differ only one model is held at a time: the target's go before a separate
     draft's load; a truncated self-draft reads the target's, a whole one quantizes the target's own fp32 graph."""
-    target, target_model, target_notes = _make_target(tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, rows,
-                                                      stage)
+    target, target_model, target_notes = _make_target(
+        tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, rows, stage
+    )
     stage("export draft")
     if draft_ckpt is target_ckpt and not draft_layers:
         draft_model = target_model
-        draft = dataclasses.replace(target, reference=target.reference if spec.draft_quant == spec.target_quant
-                                    else target.fp32)
+        draft = dataclasses.replace(
+            target, reference=target.reference if spec.draft_quant == spec.target_quant else target.fp32
+        )
     elif _is_feature_draft(draft_ckpt):
         draft_model = None
         info, check = _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, work / "draft.onnx", spec)
@@ -215,15 +265,29 @@ def _make_engines(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckp
         draft = _Engine(info, check, fp32, reference)
     memory.release()
     stage("quantize draft")
-    draft_notes = _quantize(draft.fp32, tmp / "draft" / "model.onnx", spec.draft_quant, spec,
-                            target_ckpt if draft_layers else draft_ckpt, draft_model, draft_layers,
-                            reference=None if draft.reference == target.reference else draft.reference)
-    return target, draft, {role: list(dict.fromkeys([*engine.info.notes, *notes]))  # the fp32 graph's notes first
-                           for role, engine, notes in (("target", target, target_notes), ("draft", draft, draft_notes))}
+    draft_notes = _quantize(
+        draft.fp32,
+        tmp / "draft" / "model.onnx",
+        spec.draft_quant,
+        spec,
+        target_ckpt if draft_layers else draft_ckpt,
+        draft_model,
+        draft_layers,
+        reference=None if draft.reference == target.reference else draft.reference,
+    )
+    return (
+        target,
+        draft,
+        {
+            role: list(dict.fromkeys([*engine.info.notes, *notes]))  # the fp32 graph's notes first
+            for role, engine, notes in (("target", target, target_notes), ("draft", draft, draft_notes))
+        },
+    )
 
 
-def _make_target(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, rows: int,
-                 stage: Stage):
+def _make_target(
+    tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, rows: int, stage: Stage
+):
     """(engine, model, the quantizer's notes) of the target, exported and quantized. Its fp32 graph is written whole
     only where something reads it: a whole self-draft quantized from it, or the target scored against it."""
     stage("export target")
@@ -233,30 +297,54 @@ def _make_target(tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt
     info, check = _export(model, target_ckpt, fp32, spec, full=self_fp32 or reference == fp32)
     memory.release()  # the torch check's session and arrays
     stage("quantize target")
-    notes = _quantize(fp32, tmp / "target" / "model.onnx", spec.target_quant, spec, target_ckpt, model,
-                      reference=reference)
+    notes = _quantize(
+        fp32, tmp / "target" / "model.onnx", spec.target_quant, spec, target_ckpt, model, reference=reference
+    )
     memory.release()
     return _Engine(info, check, fp32, reference), model, notes
 
 
-def _evaluate(tmp: Path, spec: BuildSpec, target_tok, pair, target: _Engine, draft: _Engine, kept, threads: int,
-              say: Callable[[str], None] | None, feature_draft: bool, draft_tok=None) -> dict:
+def _evaluate(
+    tmp: Path,
+    spec: BuildSpec,
+    target_tok,
+    pair,
+    target: _Engine,
+    draft: _Engine,
+    kept,
+    threads: int,
+    say: Callable[[str], None] | None,
+    feature_draft: bool,
+    draft_tok=None,
+) -> dict:
     """The report's scores: both engines on the evaluation set's windows against their references (each session
     opened only when the evaluation reaches it), and what they rest on. ``draft_tok``: a draft with a tokenizer of
     its own, scored on windows of its own tokenization of the same text (the same context and token budget)."""
     windows = _windows(target_tok, pair, spec)
     draft_windows = None if draft_tok is None else _windows(draft_tok, pair, spec)
-    session = functools.partial(_opener, max_context=pair.max_context, threads=threads,
-                                vocab_size=target.info.vocab_size)
-    engines = {"target": session(tmp / "target" / "model.onnx", target.info),
-               "draft": session(tmp / "draft" / "model.onnx", draft.info, kept)}
+    session = functools.partial(
+        _opener, max_context=pair.max_context, threads=threads, vocab_size=target.info.vocab_size
+    )
+    engines = {
+        "target": session(tmp / "target" / "model.onnx", target.info),
+        "draft": session(tmp / "draft" / "model.onnx", draft.info, kept),
+    }
     references = {"target": session(target.reference, target.info)}
     # a self-draft's fp32 graph is the target's: scored once for both
-    references["draft"] = (references["target"] if draft.reference == target.reference and draft.info is target.info
-                           else session(draft.reference, draft.info, kept))
+    references["draft"] = (
+        references["target"]
+        if draft.reference == target.reference and draft.info is target.info
+        else session(draft.reference, draft.info, kept)
+    )
     passes = evaluate.passes(engines, references, windows, draft_windows)
-    report = evaluate.report(engines, references, windows, Heartbeat("evaluate: windows", passes, say),
-                             feature_roles=("draft",) if feature_draft else (), draft_windows=draft_windows)
+    report = evaluate.report(
+        engines,
+        references,
+        windows,
+        Heartbeat("evaluate: windows", passes, say),
+        feature_roles=("draft",) if feature_draft else (),
+        draft_windows=draft_windows,
+    )
     if pair.cross:
         report["vocab_bridge"] = _bridge_report(pair, [t for window in windows for t in window])
     if kept is not None:
@@ -266,37 +354,47 @@ def _evaluate(tmp: Path, spec: BuildSpec, target_tok, pair, target: _Engine, dra
             value = report["draft"][key]
             report["draft"][key] = value if math.isfinite(value) else None
     report["export_check_max_abs_logit_diff"] = {"target": target.check, "draft": draft.check}
-    report["references"] = {role: ("the file's blocks in fp32 arithmetic (MatMulNBits accuracy level 0)"
-                                   if ref.name.endswith(".reference.onnx") or ref.parent.name == role else
-                                   "the fp32 graph") for role, ref in (("target", target.reference),
-                                                                       ("draft", draft.reference))}
+    report["references"] = {
+        role: (
+            "the file's blocks in fp32 arithmetic (MatMulNBits accuracy level 0)"
+            if ref.name.endswith(".reference.onnx") or ref.parent.name == role
+            else "the fp32 graph"
+        )
+        for role, ref in (("target", target.reference), ("draft", draft.reference))
+    }
     report["pair_notes"] = list(pair.notes)
     return report
 
 
 def _windows(tokenizer, pair, spec: BuildSpec) -> list[list[int]]:
     """The evaluation set as ``tokenizer`` reads it, in the report's windows."""
-    return evaluate.eval_windows(tokenizer(evaluate.eval_set_text())["input_ids"], pair.max_context,
-                                 spec.eval_tokens)
+    return evaluate.eval_windows(tokenizer(evaluate.eval_set_text())["input_ids"], pair.max_context, spec.eval_tokens)
 
 
 def _bridge_report(pair, target_ids: list[int]) -> dict:
     """The report's ``vocab_bridge`` of a cross-tokenizer pair: the intersection's size, both vocabularies', and
     the share of the scored evaluation tokens (the target's) the intersection holds: what a TLI draft can propose
     at all."""
-    return {"shared_tokens": pair.shared_tokens, "target_vocab": pair.vocab_size,
-            "draft_vocab": pair.draft_vocab_size, "eval_overlap": pair.bridge.overlap(target_ids)}
+    return {
+        "shared_tokens": pair.shared_tokens,
+        "target_vocab": pair.vocab_size,
+        "draft_vocab": pair.draft_vocab_size,
+        "eval_overlap": pair.bridge.overlap(target_ids),
+    }
 
 
 def _opener(path: Path, info, kept=None, *, max_context: int, threads: int, vocab_size: int):
     """A function opening the engine at ``path`` when called (the evaluation opens one session at a time); with
     ``kept``, the reduced-head draft compared and scored over the full vocabulary (q = 0 outside the kept ids)."""
+
     def open_engine():
         engine = evaluate.engine_for(path, info, max_context, threads)
         if kept is not None:
             from runtime.engines.onnx import MappedVocabEngine
+
             engine = MappedVocabEngine(engine, kept, vocab_size)
         return engine
+
     return open_engine
 
 
@@ -323,11 +421,13 @@ def _draft_vocab(checkpoint):
     if checkpoint.gguf_file or not (checkpoint.folder / VOCAB_MAP).is_file():
         return None
     from builder.distill.save import read_draft_vocab
+
     return read_draft_vocab(checkpoint.folder)
 
 
 def _is_feature_draft(checkpoint) -> bool:
     from builder.distill.feature_draft import is_feature_draft
+
     return not checkpoint.gguf_file and is_feature_draft(checkpoint.folder)
 
 
@@ -336,6 +436,7 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
     head rows, with a ``features`` input, checked against the torch module it was trained as."""
     from builder.distill import feature_draft as fd
     from builder.distill.corpus import DistillError
+
     if spec.engine_graph != "fused":
         raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
     try:
@@ -344,8 +445,10 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
     except DistillError as err:
         raise BuildError(str(err)) from None
     if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
-        raise BuildError(f"{draft_ckpt.source} was trained on the hidden states of another target "
-                         f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}")
+        raise BuildError(
+            f"{draft_ckpt.source} was trained on the hidden states of another target "
+            f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}"
+        )
     # every shape and setting must be the target's (the file is data: its numbers size the graph we write)
     expected = dataclasses.replace(own, target_sha256=cfg.target_sha256)
     if cfg != expected:
@@ -366,13 +469,15 @@ class _Model:
 
     def __init__(self, checkpoint, spec: BuildSpec, context: int, kept=None):
         self.checkpoint, self.context = checkpoint, context
-        self.streamed = (gguf_stream.Streamed(checkpoint, context)
-                         if gguf_stream.supported(checkpoint, spec.engine_graph) else None)
+        self.streamed = (
+            gguf_stream.Streamed(checkpoint, context) if gguf_stream.supported(checkpoint, spec.engine_graph) else None
+        )
         self.whole = None
         if self.streamed is None:
             self.whole = checkpoint.load_model()
             if kept is not None:  # a reduced-vocabulary draft head
                 from builder.distill.draft import reduce_head
+
                 self.whole = reduce_head(self.whole, kept)
 
     def torch_model(self, layers: int = 0):
@@ -392,8 +497,10 @@ class _Model:
     def embedding_and_head(self) -> tuple[np.ndarray, np.ndarray]:
         """float32 [V, H] each (a feature draft reads the target's)."""
         model = self.torch_model()
-        return (model.get_input_embeddings().weight.detach().float().numpy(),
-                model.get_output_embeddings().weight.detach().float().numpy())
+        return (
+            model.get_input_embeddings().weight.detach().float().numpy(),
+            model.get_output_embeddings().weight.detach().float().numpy(),
+        )
 
 
 def _reference_path(work: Path, role: str, model: _Model, quant: str, spec: BuildSpec) -> Path:
@@ -425,14 +532,17 @@ def _export(model: _Model, checkpoint, path: Path, spec: BuildSpec, layers: int 
         if checked == len(decoder.layers) and full:
             info = graph.info_of(decoder)
             return info, graph.check_against_torch(reference, path, info, checkpoint.architecture.tolerance)
-        decoder.notes.append(f"read from the GGUF file layer by layer; checked against transformers on its first "
-                             f"{checked} layers with the embedding and head (the build report scores every layer)")
+        decoder.notes.append(
+            f"read from the GGUF file layer by layer; checked against transformers on its first "
+            f"{checked} layers with the embedding and head (the build report scores every layer)"
+        )
         info = graph.info_of(decoder)
         check_path = path.with_name(path.stem + ".check.onnx")
         partial = model.decoder(checked)
         graph.build(partial, check_path)
-        report = graph.check_against_torch(reference, check_path, graph.info_of(partial),
-                                           checkpoint.architecture.tolerance)
+        report = graph.check_against_torch(
+            reference, check_path, graph.info_of(partial), checkpoint.architecture.tolerance
+        )
         for stale in check_path.parent.glob(check_path.name + "*"):
             stale.unlink()
         return info, report
@@ -442,8 +552,16 @@ def _export(model: _Model, checkpoint, path: Path, spec: BuildSpec, layers: int 
     return info, check
 
 
-def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, model: _Model | None,
-              layers: int = 0, reference: Path | None = None) -> list[str]:
+def _quantize(
+    src: Path,
+    dst: Path,
+    quant: str,
+    spec: BuildSpec,
+    checkpoint,
+    model: _Model | None,
+    layers: int = 0,
+    reference: Path | None = None,
+) -> list[str]:
     """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
     the GGUF file's own blocks (builder.gguf.weights); ``model``: what ``src`` came from (its first ``layers``
     layers; 0: all), whose weights are those of ``checkpoint``. Returns what the engine's graph notes about itself
@@ -454,15 +572,23 @@ def _quantize(src: Path, dst: Path, quant: str, spec: BuildSpec, checkpoint, mod
         quantize.quantize(src, dst, quant, spec.block_size, spec.symmetric, spec.accuracy_level)
         return []
     if not checkpoint.gguf_file:
-        raise BuildError(f"quant gguf keeps a GGUF file's own quantized blocks, but {checkpoint.source} is not a "
-                         ".gguf file; choose int4 or int8")
+        raise BuildError(
+            f"quant gguf keeps a GGUF file's own quantized blocks, but {checkpoint.source} is not a "
+            ".gguf file; choose int4 or int8"
+        )
     if spec.block_size not in (16, gguf_weights.BLOCK):
-        raise BuildError(f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
-                         f"16); block_size {spec.block_size} would quantize them again")
+        raise BuildError(
+            f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
+            f"16); block_size {spec.block_size} would quantize them again"
+        )
 
     def blocks():
-        return gguf_weights.apply(model.decoder(layers), checkpoint.folder / checkpoint.gguf_file,
-                                  spec.block_size, permuted_qk=checkpoint.architecture.gguf_permuted_qk)
+        return gguf_weights.apply(
+            model.decoder(layers),
+            checkpoint.folder / checkpoint.gguf_file,
+            spec.block_size,
+            permuted_qk=checkpoint.architecture.gguf_permuted_qk,
+        )
 
     decoder = blocks()
     graph.build(decoder, dst, spec.accuracy_level)
@@ -481,6 +607,7 @@ def truncate(model, layers: int):
     Public: the bench's transformers and ONNX Runtime GenAI peers build the same truncated self draft the bundle
     holds (bench/peers/transformers_peer.py, genai_peer.py)."""
     from builder.distill.draft import clean_config
+
     draft = _shallow(model)
     draft.config = clean_config(model.config, layers)
     draft.model = _shallow(model.model)
@@ -493,6 +620,7 @@ def _shallow(module):
     """A copy of ``module`` sharing its weights but with its own child table (assigning a child to the copy must not
     change the original: copy.copy alone shares the table, which truncated the target too)."""
     import copy
+
     twin = copy.copy(module)
     twin._modules = dict(module._modules)
     return twin
@@ -502,13 +630,25 @@ def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: Bui
     engine = f"{role}/model.onnx"
     size = sum(p.stat().st_size for p in (tmp / role).iterdir() if p.is_file())  # not a draft's own tokenizer
     source = spec.target if role == "target" else spec.draft
-    return ModelEntry(role=role, source=source, source_sha256=checkpoint.sha256(),
-                      architecture=checkpoint.architecture.name, quant=quant, engine=engine,
-                      num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                      vocab_size=info.vocab_size, max_context=max_context, input_names=info.input_names,
-                      output_names=info.output_names, size_bytes=size, graph=info.graph,
-                      min_call_tokens=_min_call_tokens(role, info.graph),
-                      source_resolved=str(checkpoint.folder.joinpath(checkpoint.gguf_file or "").resolve()))
+    return ModelEntry(
+        role=role,
+        source=source,
+        source_sha256=checkpoint.sha256(),
+        architecture=checkpoint.architecture.name,
+        quant=quant,
+        engine=engine,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        max_context=max_context,
+        input_names=info.input_names,
+        output_names=info.output_names,
+        size_bytes=size,
+        graph=info.graph,
+        min_call_tokens=_min_call_tokens(role, info.graph),
+        source_resolved=str(checkpoint.folder.joinpath(checkpoint.gguf_file or "").resolve()),
+    )
 
 
 def _min_call_tokens(role: str, graph_kind: str) -> int:
@@ -524,8 +664,11 @@ def eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:
     (builder/trtllm/build.py)."""
     ids = set()
     generation_file = checkpoint.folder / "generation_config.json"
-    generation = (json.loads(generation_file.read_text(encoding="utf-8")).get("eos_token_id")
-                  if generation_file.is_file() and not checkpoint.gguf_file else None)
+    generation = (
+        json.loads(generation_file.read_text(encoding="utf-8")).get("eos_token_id")
+        if generation_file.is_file() and not checkpoint.gguf_file
+        else None
+    )
     eos = getattr(checkpoint.config, "eos_token_id", None)
     for value in (eos, generation, tokenizer.eos_token_id):
         if isinstance(value, int):
@@ -560,6 +703,7 @@ def finish(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
 
 # --- publishing (``builder.publish``, which the distiller's drafts share), with the bundle's kind -------------------
 
+
 def check_output(out: Path, force: bool) -> None:
     """Refuse an existing ``out`` unless ``force`` and it is a bundle (``builder.publish.check_output``)."""
     publishing.check_output(out, force, BUNDLE)
@@ -576,6 +720,8 @@ def _disk_errors(out: Path):
         yield
     except OSError as err:
         if err.errno == errno.ENOSPC:
-            raise BuildError(f"disk full while building {out}; nothing was left behind. Free space "
-                             "(a bundle needs about 2x the fp32 model size while building) and build again.") from err
+            raise BuildError(
+                f"disk full while building {out}; nothing was left behind. Free space "
+                "(a bundle needs about 2x the fp32 model size while building) and build again."
+            ) from err
         raise

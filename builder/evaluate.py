@@ -33,7 +33,7 @@ def eval_windows(ids: list[int], max_context: int, limit: int = 0) -> list[list[
     """``ids`` (the first ``limit`` of them; 0: all) in consecutive windows of WINDOW tokens (or the context)."""
     ids = ids[:limit] if limit else ids
     width = max(2, min(WINDOW, max_context))
-    return [ids[i: i + width] for i in range(0, len(ids), width) if len(ids[i: i + width]) > 1]
+    return [ids[i : i + width] for i in range(0, len(ids), width) if len(ids[i : i + width]) > 1]
 
 
 def logits_of(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = None) -> np.ndarray:
@@ -56,19 +56,30 @@ def _forward(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = N
 Opener = Callable[[], OnnxEngine]
 
 
-def passes(engines: dict[str, Opener], references: dict[str, Opener], windows: list[list[int]],
-           draft_windows: list[list[int]] | None = None) -> int:
+def passes(
+    engines: dict[str, Opener],
+    references: dict[str, Opener],
+    windows: list[list[int]],
+    draft_windows: list[list[int]] | None = None,
+) -> int:
     """How many windows ``report`` runs, all sessions together (a progress line's total): a reference shared by two
     roles runs once; a draft with its own tokenizer runs over ``draft_windows``."""
+
     def count(role: str) -> int:
         return len(draft_windows if role == "draft" and draft_windows is not None else windows)
+
     shared_once = {id(opener): role for role, opener in references.items()}
     return sum(count(role) for role in engines) + sum(count(role) for role in shared_once.values())
 
 
-def report(engines: dict[str, Opener], references: dict[str, Opener], windows: list[list[int]],
-           advance: Callable[[int], None] = lambda n: None, feature_roles: tuple[str, ...] = (),
-           draft_windows: list[list[int]] | None = None) -> dict:
+def report(
+    engines: dict[str, Opener],
+    references: dict[str, Opener],
+    windows: list[list[int]],
+    advance: Callable[[int], None] = lambda n: None,
+    feature_roles: tuple[str, ...] = (),
+    draft_windows: list[list[int]] | None = None,
+) -> dict:
     """Per engine: agreement with its own fp32 graph and perplexity over every window; plus draft/target greedy
     agreement. A feature draft reads the (quantized) target engine's hidden states, as at run time, and is scored
     from each window's second token on (``feature_roles``: the roles whose engines read them). A draft with a
@@ -85,8 +96,13 @@ def report(engines: dict[str, Opener], references: dict[str, Opener], windows: l
     scores, done = {}, {}
     for role in roles:
         given = features if role in feature_roles else None
-        engine_scores, hidden = _score(engines[role], role_windows[role], given,
-                                       want_hidden=role == "target" and bool(feature_roles), advance=advance)
+        engine_scores, hidden = _score(
+            engines[role],
+            role_windows[role],
+            given,
+            want_hidden=role == "target" and bool(feature_roles),
+            advance=advance,
+        )
         features = hidden if role == "target" else features
         key = id(references[role])
         if key not in done:
@@ -96,21 +112,28 @@ def report(engines: dict[str, Opener], references: dict[str, Opener], windows: l
     for role, (own, fp32) in scores.items():
         rows = sum(len(a) for a in fp32["argmax"])
         agree = sum(int((a == b).sum()) for a, b in zip(own["argmax"], fp32["argmax"]))
-        out[role] = {"top1_agreement_vs_fp32": agree / max(rows, 1),
-                     "perplexity": float(np.exp(own["nll"] / max(own["scored"], 1))),
-                     "fp32_perplexity": float(np.exp(fp32["nll"] / max(fp32["scored"], 1)))}
+        out[role] = {
+            "top1_agreement_vs_fp32": agree / max(rows, 1),
+            "perplexity": float(np.exp(own["nll"] / max(own["scored"], 1))),
+            "fp32_perplexity": float(np.exp(fp32["nll"] / max(fp32["scored"], 1))),
+        }
     if draft_windows is not None and "draft" in out:  # its own tokens of the same text
         out["draft"].update(eval_tokens=sum(len(ids) for ids in draft_windows), eval_windows=len(draft_windows))
     elif "draft" in scores and "target" in scores:
-        pairs = [(d, t[len(t) - len(d):]) for d, t in zip(scores["draft"][0]["argmax"], scores["target"][0]["argmax"])]
+        pairs = [(d, t[len(t) - len(d) :]) for d, t in zip(scores["draft"][0]["argmax"], scores["target"][0]["argmax"])]
         rows = sum(len(d) for d, _ in pairs)
         if rows:
             out["draft_target_top1_agreement"] = sum(int((d == t).sum()) for d, t in pairs) / rows
     return out
 
 
-def _score(opener: Opener, windows: list[list[int]], features: list | None, want_hidden: bool = False,
-           advance: Callable[[int], None] = lambda n: None) -> tuple[dict, list | None]:
+def _score(
+    opener: Opener,
+    windows: list[list[int]],
+    features: list | None,
+    want_hidden: bool = False,
+    advance: Callable[[int], None] = lambda n: None,
+) -> tuple[dict, list | None]:
     """One session over every window: {"argmax": [per window], "nll": summed, "scored": tokens}, and (target) each
     window's final hidden states."""
     engine = opener()
@@ -139,14 +162,20 @@ def nll_sum(logits: np.ndarray, ids: list[int]) -> float:
     """The summed negative log-likelihood of each next token (float64 sums: 25,000 terms), NLL_ROWS rows at a time."""
     total = 0.0
     for start in range(0, len(ids) - 1, NLL_ROWS):
-        rows = logits[start:min(start + NLL_ROWS, len(ids) - 1)]
+        rows = logits[start : min(start + NLL_ROWS, len(ids) - 1)]
         shifted = rows - rows.max(axis=-1, keepdims=True)
-        picked = shifted[np.arange(len(rows)), ids[start + 1:start + 1 + len(rows)]]
+        picked = shifted[np.arange(len(rows)), ids[start + 1 : start + 1 + len(rows)]]
         total -= float((picked - np.log(np.exp(shifted).sum(axis=-1))).astype(np.float64).sum())
     return total
 
 
 def engine_for(path: Path, info, max_context: int, threads: int = 0) -> OnnxEngine:
-    return engine_class(info.graph)(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
-                                    head_dim=info.head_dim, vocab_size=info.vocab_size, max_context=max_context,
-                                    threads=threads)
+    return engine_class(info.graph)(
+        path,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        max_context=max_context,
+        threads=threads,
+    )

@@ -52,10 +52,13 @@ def graph_info(config) -> GraphInfo:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return GraphInfo(
-        num_layers=layers, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        num_layers=layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
         vocab_size=config.vocab_size,
         input_names=("input_ids", "attention_mask", "position_ids", *cache_names(layers, "past")),
-        output_names=("logits", *cache_names(layers, "present")))
+        output_names=("logits", *cache_names(layers, "present")),
+    )
 
 
 class _CachedDecoder(torch.nn.Module):
@@ -68,6 +71,7 @@ class _CachedDecoder(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         from transformers import DynamicCache
+
         past_len, new_len = past[0].shape[2], input_ids.shape[1]
         slot = torch.arange(past_len + new_len).view(1, 1, 1, -1)
         query = (torch.arange(new_len) + past_len).view(1, 1, -1, 1)
@@ -77,8 +81,9 @@ class _CachedDecoder(torch.nn.Module):
         cache = DynamicCache()
         for i in range(self.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.model(input_ids=input_ids, attention_mask=allowed, position_ids=position_ids, cache=cache,
-                         use_cache=True)
+        out = self.model(
+            input_ids=input_ids, attention_mask=allowed, position_ids=position_ids, cache=cache, use_cache=True
+        )
         present = []
         for layer in out.cache.layers[: self.num_layers]:
             present += [layer.keys, layer.values]
@@ -111,8 +116,9 @@ def _example(info: GraphInfo, batch=2, past=3, new=4, dtype=torch.float32):
     ids = torch.randint(0, min(info.vocab_size, 100), (batch, new))
     mask = torch.ones(batch, past + new, dtype=torch.int64)
     pos = torch.arange(past, past + new).repeat(batch, 1)
-    cache = [torch.randn(batch, info.num_kv_heads, past, info.head_dim, dtype=dtype)
-             for _ in range(2 * info.num_layers)]
+    cache = [
+        torch.randn(batch, info.num_kv_heads, past, info.head_dim, dtype=dtype) for _ in range(2 * info.num_layers)
+    ]
     return ids, mask, pos, cache
 
 
@@ -128,10 +134,12 @@ def export_decoder(model, out_path: Path, opset: int = 18, dtype: str = "float32
     (an angle error of up to a radian at position 3000).
     """
     from torch.export import Dim
+
     if dtype not in ("float32", "float16"):
         raise ExportError(f"export dtype must be float32 or float16, received {dtype!r}")
     if dtype == "float16":
         import copy
+
         model = copy.deepcopy(model).to(torch.float16)
     info = graph_info(model.config)
     head = model.get_output_embeddings()
@@ -139,15 +147,25 @@ def export_decoder(model, out_path: Path, opset: int = 18, dtype: str = "float32
         info = dataclasses.replace(info, vocab_size=int(head.weight.shape[0]))
     ids, mask, pos, cache = _example(info, dtype=getattr(torch, dtype))
     batch, new, total, past = Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC
-    shapes = {"input_ids": {0: batch, 1: new}, "attention_mask": {0: batch, 1: total},
-              "position_ids": {0: batch, 1: new}, "past": tuple({0: batch, 2: past} for _ in cache)}
+    shapes = {
+        "input_ids": {0: batch, 1: new},
+        "attention_mask": {0: batch, 1: total},
+        "position_ids": {0: batch, 1: new},
+        "past": tuple({0: batch, 2: past} for _ in cache),
+    }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with torch.no_grad():
             program = torch.onnx.export(
-                _CachedDecoder(model).eval(), (ids, mask, pos, *cache), dynamo=True, dynamic_shapes=shapes,
-                input_names=list(info.input_names), output_names=list(info.output_names), opset_version=opset,
-                verbose=False)
+                _CachedDecoder(model).eval(),
+                (ids, mask, pos, *cache),
+                dynamo=True,
+                dynamic_shapes=shapes,
+                input_names=list(info.input_names),
+                output_names=list(info.output_names),
+                opset_version=opset,
+                verbose=False,
+            )
         program.save(str(out_path), external_data=_needs_external_data(model))
     except OSError:
         raise  # disk full and friends: the pipeline turns them into actionable errors
@@ -171,6 +189,7 @@ def fuse_for_onnxruntime(path: Path) -> dict[str, int]:
     from onnxscript import ir
     from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
     from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
+
     model = ir.load(str(path))
     onnxscript.optimizer.optimize(model)
     counts = {fuse.__name__[5:]: fuse(model) for fuse in (fuse_rms_normalization, fuse_skip_rms_normalization)}
@@ -203,6 +222,7 @@ def fold_weight_transposes(path: Path) -> int:
     """
     import onnx
     from onnx import numpy_helper
+
     model = onnx.load(str(path))
     weights = {w.name: w for w in model.graph.initializer}
     folded = 0
@@ -211,8 +231,9 @@ def fold_weight_transposes(path: Path) -> int:
             continue
         perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
         array = numpy_helper.to_array(weights[node.input[0]])
-        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array.transpose(perm)),
-                                                               node.output[0]))
+        model.graph.initializer.append(
+            numpy_helper.from_array(np.ascontiguousarray(array.transpose(perm)), node.output[0])
+        )
         model.graph.node.remove(node)
         folded += 1
     used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
@@ -246,9 +267,11 @@ def compare_cases(cases: dict, tolerance: float, vocab: int, fp16: bool = False)
         decided = (top2[:, 1] - top2[:, 0]) > allowed  # positions whose argmax no rounding may change
         flipped = (got.argmax(-1) != want.argmax(-1)) & decided
         if diff > allowed or flipped.any():
-            raise ExportError(f"exported graph disagrees with torch on {name}: max |Δlogit| {diff:.2e} "
-                              f"(tolerance {allowed:.1e}), {int(flipped.sum())} clear argmax changes; refusing "
-                              "to build a wrong engine")
+            raise ExportError(
+                f"exported graph disagrees with torch on {name}: max |Δlogit| {diff:.2e} "
+                f"(tolerance {allowed:.1e}), {int(flipped.sum())} clear argmax changes; refusing "
+                "to build a wrong engine"
+            )
     return report
 
 
@@ -260,6 +283,7 @@ def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: floa
     the CPU through ONNX Runtime's inserted casts) gets ``FP16_RELATIVE_TOLERANCE`` of the largest logit.
     """
     from runtime.engines.sessions import make_session
+
     session = make_session(onnx_path, threads=0)
     dtype = np.float16 if "float16" in session.get_inputs()[3].type else np.float32
     rng = np.random.default_rng(seed)
@@ -286,7 +310,7 @@ def check_against_torch(model, onnx_path: Path, info: GraphInfo, tolerance: floa
     pad_mask = np.zeros((2, 12), np.int64)
     positions = np.zeros((2, 12), np.int64)
     for row, n in enumerate(lengths):
-        ids[row, 12 - n:], pad_mask[row, 12 - n:], positions[row, 12 - n:] = seq[0, :n], 1, np.arange(n)
+        ids[row, 12 - n :], pad_mask[row, 12 - n :], positions[row, 12 - n :] = seq[0, :n], 1, np.arange(n)
     batch_empty = [np.zeros((2, info.num_kv_heads, 0, info.head_dim), dtype)] * (2 * info.num_layers)
     batched, _ = run(ids, pad_mask, positions, batch_empty)
     cases = {

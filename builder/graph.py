@@ -50,8 +50,17 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.decoder import (BlockQuant, Decoder, Layer, Linear, RotaryTable, cache_names, input_names, output_names,
-                             rope_keys)
+from builder.decoder import (
+    BlockQuant,
+    Decoder,
+    Layer,
+    Linear,
+    RotaryTable,
+    cache_names,
+    input_names,
+    output_names,
+    rope_keys,
+)
 
 MS = "com.microsoft"
 
@@ -81,6 +90,7 @@ class _Graph:
         """``array`` as an initializer; a large one may be a view in any order (a transposed head): it is written
         in row chunks, never copied whole."""
         from onnx import numpy_helper
+
         if self.data is None or array.nbytes < EXTERNAL_FROM_BYTES:
             self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         else:
@@ -90,13 +100,14 @@ class _Graph:
     def _external(self, name: str, array: np.ndarray):
         """A TensorProto naming where ``array``'s bytes were written (little-endian, as ONNX stores them)."""
         from onnx import TensorProto, helper
+
         offset = self.data.tell()
         if array.nbytes >= ALIGN_FROM_BYTES and offset % ALIGNMENT:
             self.data.write(bytes(ALIGNMENT - offset % ALIGNMENT))
             offset = self.data.tell()
         rows = max(1, CHUNK_BYTES // max(array[:1].nbytes, 1)) if array.ndim else 1
         for start in range(0, max(len(array), 1) if array.ndim else 1, rows):
-            part = array[start:start + rows] if array.ndim else array
+            part = array[start : start + rows] if array.ndim else array
             np.ascontiguousarray(part).astype(array.dtype.newbyteorder("<"), copy=False).tofile(self.data)
         tensor = TensorProto()
         tensor.name = name
@@ -108,9 +119,11 @@ class _Graph:
             entry.key, entry.value = key, str(value)
         return tensor
 
-    def op(self, kind: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", name: str = "",
-           **attrs) -> list[str]:
+    def op(
+        self, kind: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", name: str = "", **attrs
+    ) -> list[str]:
         from onnx import helper
+
         self.count += 1
         base = name or f"{kind}_{self.count}"
         outs = outputs if isinstance(outputs, list) else [f"{base}/out{j}" for j in range(outputs)]
@@ -137,6 +150,7 @@ def build(decoder: Decoder, path: Path, accuracy_level: int = 4) -> tuple[tuple[
 def _fold_external_data(path: Path, data_path: Path) -> None:
     """``path`` as one file: its external data read back into the graph (a small graph stays one file, as before)."""
     import onnx
+
     model = onnx.load(str(path))  # reads the external data into each tensor
     onnx.save_model(model, str(path))
     data_path.unlink()
@@ -145,6 +159,7 @@ def _fold_external_data(path: Path, data_path: Path) -> None:
 def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tuple[tuple[str, ...], tuple[str, ...]]:
     import onnx
     from onnx import TensorProto, helper
+
     g.accuracy_level = accuracy_level
     layers = len(decoder.layers)
     rotary = _rotary_inputs(g, decoder)
@@ -164,24 +179,37 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
         qkv = _linear(g, f"layers.{i}.qkv", normed, layer.qkv)
         if layer.q_norm is not None:
             qkv = _qk_norm(g, f"layers.{i}", qkv, layer, decoder)
-        pending = _scaled(g, _linear(g, f"layers.{i}.o", _attention(g, i, qkv, layer, decoder, rotary), layer.o),
-                          decoder.residual_scale)
+        pending = _scaled(
+            g,
+            _linear(g, f"layers.{i}.o", _attention(g, i, qkv, layer, decoder, rotary), layer.o),
+            decoder.residual_scale,
+        )
         if layer.post_attn_norm is not None:
             pending = _plain_norm(g, f"layers.{i}.post_attn_norm", layer.post_attn_norm, pending, decoder.eps)
         normed, residual = _norm(g, f"layers.{i}.mlp_norm", layer.mlp_norm, residual, pending, decoder.eps)
         gate_up = _linear(g, f"layers.{i}.gate_up", normed, layer.gate_up)
-        gate, up = g.op("Split", [gate_up, g.const(f"layers.{i}.split", np.array([decoder.intermediate] * 2))],
-                        2, name=f"layers.{i}.split", axis=-1)
-        pending = _scaled(g, _linear(g, f"layers.{i}.down", _gated(g, decoder.activation, gate, up), layer.down),
-                          decoder.residual_scale)
+        gate, up = g.op(
+            "Split",
+            [gate_up, g.const(f"layers.{i}.split", np.array([decoder.intermediate] * 2))],
+            2,
+            name=f"layers.{i}.split",
+            axis=-1,
+        )
+        pending = _scaled(
+            g,
+            _linear(g, f"layers.{i}.down", _gated(g, decoder.activation, gate, up), layer.down),
+            decoder.residual_scale,
+        )
         if layer.post_mlp_norm is not None:
             pending = _plain_norm(g, f"layers.{i}.post_mlp_norm", layer.post_mlp_norm, pending, decoder.eps)
     normed, _ = _norm(g, "final_norm", decoder.final_norm, residual, pending, decoder.eps, out="hidden")
     # only the last logits_to_keep positions reach the head (0 in a prefill whose logits nobody reads)
     (new,) = g.op("Shape", ["input_ids"], start=1, end=2)
     (start,) = g.op("Sub", [new, "logits_to_keep"])
-    (kept,) = g.op("Slice", [normed, start, g.const("int64_max", np.array([2 ** 62], np.int64)),
-                             g.const("axis_1", np.array([1], np.int64))])
+    (kept,) = g.op(
+        "Slice",
+        [normed, start, g.const("int64_max", np.array([2**62], np.int64)), g.const("axis_1", np.array([1], np.int64))],
+    )
     if decoder.final_softcap:  # Gemma: softcap * tanh(logits / softcap)
         cap = g.const("final_softcap", np.array(decoder.final_softcap, np.float32))
         (y,) = g.op("Div", [_linear(g, "head", kept, decoder.head), cap])
@@ -194,11 +222,13 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
         _linear(g, "head", kept, decoder.head, out="logits")
     dyn = ["batch", "slots"]
     kv_shape = [dyn[0], decoder.kv_heads, dyn[1], decoder.head_dim]
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new"]),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
-              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
-              helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1]),
-              helper.make_tensor_value_info("query_lengths", TensorProto.INT32, ["batch"])]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new"]),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+        helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1]),
+        helper.make_tensor_value_info("query_lengths", TensorProto.INT32, ["batch"]),
+    ]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "past")]
     features = decoder.feature_fc is not None
     if features:
@@ -207,8 +237,9 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "present")]
     outputs.append(helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "new", decoder.hidden]))
     graph = helper.make_graph(g.nodes, "draftsmith_fused_decoder", inputs, outputs, g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)],
-                              producer_name="draftsmith")
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)], producer_name="draftsmith"
+    )
     model.ir_version = 9
     del graph, g.inits[:]  # the model holds its own copies of the (small) protos
     onnx.save_model(model, str(path))  # every large tensor is already in the data file
@@ -226,8 +257,9 @@ def _rotary_inputs(g: _Graph, decoder: Decoder) -> dict[str, tuple[str, str]]:
     """{table key: (cos name, sin name)} for the layers' GroupQueryAttention nodes. A longrope table with a long
     form is both stacked in one constant, [short; long], of which each call slices the rows of its own factor set
     (total_sequence_length > switch: long), rows [0, total) only: a copy proportional to the call's context."""
-    tables = decoder.rotary or {"default": RotaryTable(*_rotary_tables(decoder.head_dim, decoder.rope_theta,
-                                                                        decoder.max_positions))}
+    tables = decoder.rotary or {
+        "default": RotaryTable(*_rotary_tables(decoder.head_dim, decoder.rope_theta, decoder.max_positions))
+    }
     names, used = {}, rope_keys(decoder.layers)
     for key, table in tables.items():
         if key not in used:  # a truncated draft may keep only sliding layers
@@ -237,16 +269,18 @@ def _rotary_inputs(g: _Graph, decoder: Decoder) -> dict[str, tuple[str, str]]:
             names[key] = (g.const(cos, table.cos), g.const(sin, table.sin))
             continue
         rows = table.cos.shape[0]
-        (past,) = g.op("Greater", ["total_sequence_length", g.const(f"rope_switch.{key}",
-                                                                    np.array(table.switch, np.int32))])
+        (past,) = g.op(
+            "Greater", ["total_sequence_length", g.const(f"rope_switch.{key}", np.array(table.switch, np.int32))]
+        )
         (start,) = g.op("Mul", [g.op("Cast", [past], to=7)[0], g.const(f"rope_rows.{key}", np.array(rows, np.int64))])
         (start,) = g.op("Reshape", [start, g.const(f"rope_one.{key}", np.array([1], np.int64))])
         (total,) = g.op("Cast", ["total_sequence_length"], to=7)
         (end,) = g.op("Add", [start, total])
         zero = g.const(f"rope_axis.{key}", np.array([0], np.int64))
-        names[key] = tuple(g.op("Slice", [g.const(n + ".stacked", np.concatenate([short, long])), start, end, zero],
-                                name=n)[0]
-                           for n, short, long in ((cos, table.cos, table.long.cos), (sin, table.sin, table.long.sin)))
+        names[key] = tuple(
+            g.op("Slice", [g.const(n + ".stacked", np.concatenate([short, long])), start, end, zero], name=n)[0]
+            for n, short, long in ((cos, table.cos, table.long.cos), (sin, table.sin, table.long.sin))
+        )
     return names
 
 
@@ -262,11 +296,29 @@ def _attention(g: _Graph, i: int, qkv, layer: Layer, decoder: Decoder, rotary: d
     attrs = {"scale": decoder.attn_scale} if decoder.attn_scale is not None else {}
     if decoder.attn_softcap:
         attrs["softcap"] = decoder.attn_softcap
-    g.op("GroupQueryAttention", [*parts, f"past.{i}.key", f"past.{i}.value", "seqlens_k", "total_sequence_length",
-                                 cos, sin, *[""] * 7, "query_lengths"],
-         ["attn_" + str(i), f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"layers.{i}.attention",
-         num_heads=decoder.heads, kv_num_heads=decoder.kv_heads, do_rotary=int(layer.rope is not None),
-         rotary_interleaved=0, local_window_size=window if window else -1, **attrs)
+    g.op(
+        "GroupQueryAttention",
+        [
+            *parts,
+            f"past.{i}.key",
+            f"past.{i}.value",
+            "seqlens_k",
+            "total_sequence_length",
+            cos,
+            sin,
+            *[""] * 7,
+            "query_lengths",
+        ],
+        ["attn_" + str(i), f"present.{i}.key", f"present.{i}.value"],
+        domain=MS,
+        name=f"layers.{i}.attention",
+        num_heads=decoder.heads,
+        kv_num_heads=decoder.kv_heads,
+        do_rotary=int(layer.rope is not None),
+        rotary_interleaved=0,
+        local_window_size=window if window else -1,
+        **attrs,
+    )
     return "attn_" + str(i)
 
 
@@ -274,8 +326,13 @@ def _qk_norm(g: _Graph, name: str, qkv: str, layer: Layer, decoder: Decoder) -> 
     """Per-head RMSNorm of q and of k: SimplifiedLayerNormalization over the last axis of [B, S, heads, D]; returns
     (q, k, v) for GroupQueryAttention's separate inputs (no Concat back into one packed tensor)."""
     d, h, kv = decoder.head_dim, decoder.heads, decoder.kv_heads
-    q, k, v = g.op("Split", [qkv, g.const(name + ".qkv_split", np.array([h * d, kv * d, kv * d]))], 3,
-                   name=name + ".qkv_split", axis=-1)
+    q, k, v = g.op(
+        "Split",
+        [qkv, g.const(name + ".qkv_split", np.array([h * d, kv * d, kv * d]))],
+        3,
+        name=name + ".qkv_split",
+        axis=-1,
+    )
     per_head = layer.q_norm.shape[0] == d
     if per_head:
         heads = g.const(name + ".heads_shape", np.array([0, 0, -1, d], np.int64))
@@ -283,8 +340,14 @@ def _qk_norm(g: _Graph, name: str, qkv: str, layer: Layer, decoder: Decoder) -> 
     out = []
     for part, weight, kind in ((q, layer.q_norm, "q_norm"), (k, layer.k_norm, "k_norm")):
         x = g.op("Reshape", [part, heads])[0] if per_head else part
-        (x,) = g.op("SimplifiedLayerNormalization", [x, g.const(f"{name}.{kind}.weight", weight.astype(np.float32))],
-                    name=f"{name}.{kind}", axis=-1, epsilon=decoder.eps, stash_type=1)
+        (x,) = g.op(
+            "SimplifiedLayerNormalization",
+            [x, g.const(f"{name}.{kind}.weight", weight.astype(np.float32))],
+            name=f"{name}.{kind}",
+            axis=-1,
+            epsilon=decoder.eps,
+            stash_type=1,
+        )
         out.append(g.op("Reshape", [x, flat])[0] if per_head else x)
     return out[0], out[1], v
 
@@ -308,13 +371,20 @@ def _scaled(g: _Graph, x: str, scale: float) -> str:
 
 
 def _plain_norm(g: _Graph, name: str, weight: np.ndarray, x: str, eps: float) -> str:
-    (y,) = g.op("SimplifiedLayerNormalization", [x, g.const(name + ".weight", weight.astype(np.float32))], name=name,
-                axis=-1, epsilon=eps, stash_type=1)
+    (y,) = g.op(
+        "SimplifiedLayerNormalization",
+        [x, g.const(name + ".weight", weight.astype(np.float32))],
+        name=name,
+        axis=-1,
+        epsilon=eps,
+        stash_type=1,
+    )
     return y
 
 
-def _norm(g: _Graph, name: str, weight: np.ndarray | None, residual: str, pending: str | None, eps: float,
-          out: str = ""):
+def _norm(
+    g: _Graph, name: str, weight: np.ndarray | None, residual: str, pending: str | None, eps: float, out: str = ""
+):
     """RMSNorm of residual (+ pending, added into the residual stream first); returns (normed, new residual).
     Without a weight (a block that reads the stream unnormalized) only the addition: (new residual, itself)."""
     if weight is None:
@@ -325,12 +395,17 @@ def _norm(g: _Graph, name: str, weight: np.ndarray | None, residual: str, pendin
     gamma = g.const(name + ".weight", weight.astype(np.float32))
     normed = out or name + "/normed"
     if pending is None:
-        g.op("SimplifiedLayerNormalization", [residual, gamma], [normed], name=name, axis=-1, epsilon=eps,
-             stash_type=1)
+        g.op("SimplifiedLayerNormalization", [residual, gamma], [normed], name=name, axis=-1, epsilon=eps, stash_type=1)
         return normed, residual
     total = name + "/sum"
-    g.op("SkipSimplifiedLayerNormalization", [pending, residual, gamma], [normed, "", "", total], domain=MS,
-         name=name, epsilon=eps)
+    g.op(
+        "SkipSimplifiedLayerNormalization",
+        [pending, residual, gamma],
+        [normed, "", "", total],
+        domain=MS,
+        name=name,
+        epsilon=eps,
+    )
     return normed, total
 
 
@@ -344,8 +419,18 @@ def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None
         inputs = [x, g.const(name + ".qweight", q.packed), g.const(name + ".scales", q.scales.astype(np.float32))]
         if q.zero_points is not None:
             inputs.append(g.const(name + ".zero_points", q.zero_points))
-        (y,) = g.op("MatMulNBits", inputs, outs, domain=MS, name=name, K=q.k, N=q.n, bits=q.bits,
-                    block_size=q.block, accuracy_level=g.accuracy_level)
+        (y,) = g.op(
+            "MatMulNBits",
+            inputs,
+            outs,
+            domain=MS,
+            name=name,
+            K=q.k,
+            N=q.n,
+            bits=q.bits,
+            block_size=q.block,
+            accuracy_level=g.accuracy_level,
+        )
         if q.offsets is not None:
             y = _block_offsets(g, name, x, q, y, out if linear.bias is None else None)
     if linear.bias is not None:
@@ -360,10 +445,21 @@ def _gathered_blocks(g: _Graph, name: str, q: BlockQuant) -> str:
     175 MB instead of 933 MB in float32."""
     data = q.packed.reshape(q.n, -1)  # [V, K * bits / 8], MatMulNBits' layout flattened: the same row order
     zero = _gather_zero_points(q)
-    (x,) = g.op("GatherBlockQuantized", [g.const(name + ".qweight", data), "input_ids",
-                                         g.const(name + ".scales", q.scales.astype(np.float32)),
-                                         g.const(name + ".zero_points", zero)],
-                domain=MS, name=name, gather_axis=0, quantize_axis=1, block_size=q.block, bits=q.bits)
+    (x,) = g.op(
+        "GatherBlockQuantized",
+        [
+            g.const(name + ".qweight", data),
+            "input_ids",
+            g.const(name + ".scales", q.scales.astype(np.float32)),
+            g.const(name + ".zero_points", zero),
+        ],
+        domain=MS,
+        name=name,
+        gather_axis=0,
+        quantize_axis=1,
+        block_size=q.block,
+        bits=q.bits,
+    )
     if q.offsets is None:
         return x
     width = q.k // q.offsets.shape[1]
@@ -400,13 +496,21 @@ def _block_offsets(g: _Graph, name: str, x: str, q: BlockQuant, y: str, out: str
 
 # --- the check against torch ----------------------------------------------------------------------------------------
 
+
 def info_of(decoder: Decoder):
     from builder.export import GraphInfo
+
     layers = len(decoder.layers)
-    return GraphInfo(num_layers=layers, num_kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
-                     vocab_size=decoder.vocab, input_names=input_names(layers, decoder.feature_fc is not None),
-                     output_names=output_names(layers),
-                     graph="fused", notes=tuple(decoder.notes))
+    return GraphInfo(
+        num_layers=layers,
+        num_kv_heads=decoder.kv_heads,
+        head_dim=decoder.head_dim,
+        vocab_size=decoder.vocab,
+        input_names=input_names(layers, decoder.feature_fc is not None),
+        output_names=output_names(layers),
+        graph="fused",
+        notes=tuple(decoder.notes),
+    )
 
 
 def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0) -> dict:
@@ -417,8 +521,16 @@ def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0
     import torch
     from builder.export import compare_cases
     from runtime.engines.onnx import FusedEngine
-    engine = FusedEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                         vocab_size=info.vocab_size, max_context=64, initial_slots=8)  # 8: the buffer grows too
+
+    engine = FusedEngine(
+        path,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        max_context=64,
+        initial_slots=8,
+    )  # 8: the buffer grows too
     rng = np.random.default_rng(seed)
     vocab = min(info.vocab_size, int(model.config.vocab_size))
     seq = rng.integers(0, vocab, (2, 16))
@@ -442,7 +554,6 @@ def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0
         "right_padded_batch": (padded[0, :7], reference[0, :7]),
         "batch_row_2": (padded[1], reference[1, :12]),
         "batched_step": (step[:, 0], np.stack([reference[0, 7], reference[1, 12]])),
-        "batched_verify": (wide.reshape(-1, wide.shape[-1]),
-                           np.concatenate([reference[0, 8:11], reference[1, 13:16]])),
+        "batched_verify": (wide.reshape(-1, wide.shape[-1]), np.concatenate([reference[0, 8:11], reference[1, 13:16]])),
     }
     return compare_cases(cases, tolerance, vocab)

@@ -50,8 +50,10 @@ class Estimate:
 
     def basis(self) -> str:
         if self.streamed:
-            return (f"read layer by layer: {STREAMED_EMBEDDING_BYTES:g} bytes per embedding/head element and "
-                    f"{STREAMED_BYTES_PER_PARAMETER:g} per parameter of the larger model, measured")
+            return (
+                f"read layer by layer: {STREAMED_EMBEDDING_BYTES:g} bytes per embedding/head element and "
+                f"{STREAMED_BYTES_PER_PARAMETER:g} per parameter of the larger model, measured"
+            )
         return f"measured {BYTES_PER_PARAMETER:g} bytes per parameter of both models"
 
     def text(self) -> str:
@@ -87,8 +89,11 @@ def estimate(target_config, draft_config=None, streamed: bool = False) -> Estima
     counts = [parameter_count(c) for c in (target_config, draft_config) if c is not None]
     if streamed:
         largest = max((c for c in (target_config, draft_config) if c is not None), key=parameter_count)
-        peak = (BASE_BYTES + STREAMED_EMBEDDING_BYTES * embedding_elements(largest)
-                + STREAMED_BYTES_PER_PARAMETER * parameter_count(largest))
+        peak = (
+            BASE_BYTES
+            + STREAMED_EMBEDDING_BYTES * embedding_elements(largest)
+            + STREAMED_BYTES_PER_PARAMETER * parameter_count(largest)
+        )
         return Estimate(sum(counts), int(peak), True)
     return Estimate(sum(counts), int(BASE_BYTES + BYTES_PER_PARAMETER * sum(counts)))
 
@@ -97,6 +102,7 @@ def available_bytes() -> int | None:
     """What this process may still take: Linux's MemAvailable (runtime.metrics), capped by a cgroup's memory.max
     where one is set."""
     from runtime.metrics import available_memory_bytes
+
     found = available_memory_bytes()
     if found is None:
         return None
@@ -117,7 +123,8 @@ def refuse_if_too_large(needed: Estimate, what: str) -> None:
         raise BuildMemoryError(
             f"{what} needs {needed.text()} ({needed.basis()}) and "
             f"{free / 2**30:.1f} GiB is free: free memory, build on a larger machine, or build the draft and the "
-            "target apart (a smaller draft, e.g. --draft self:layers=N)")
+            "target apart (a smaller draft, e.g. --draft self:layers=N)"
+        )
 
 
 class Watchdog:
@@ -151,8 +158,10 @@ class Watchdog:
         raise BuildMemoryError(self.message())
 
     def message(self) -> str:
-        return (f"the build stopped: less than {self.reserve / 2**20:.0f} MiB of memory was left (peak RSS "
-                f"{_peak_rss() / 2**30:.1f} GiB). Nothing was published. Free memory or use a larger machine")
+        return (
+            f"the build stopped: less than {self.reserve / 2**20:.0f} MiB of memory was left (peak RSS "
+            f"{_peak_rss() / 2**30:.1f} GiB). Nothing was published. Free memory or use a larger machine"
+        )
 
     def _watch(self) -> None:
         critical = 0  # polls in a row, after the signal, with under a third of the reserve left
@@ -193,6 +202,7 @@ def allocate_large_blocks_apart() -> None:
     threshold rises to 32 MB as large blocks are freed, after which a layer's arrays come from the heap, whose freed
     space stays in RSS (a build's peak is its sum of transients, not its largest)."""
     import ctypes
+
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_FROM_BYTES)
     except (OSError, AttributeError):  # not glibc
@@ -205,6 +215,7 @@ def release() -> None:
     which rises to 32 MB as large blocks are freed, come from the heap and stay in RSS until trimmed)."""
     import ctypes
     import gc
+
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -51,15 +51,20 @@ def check_output(out: Path, force: bool, kind: Kind) -> None:
         return  # nothing there, or an empty folder: nothing to lose
     what = kind.name
     if not force:
-        raise kind.error(f"{out} already exists; pass --force to replace it (the old {what} stays until the new "
-                         "one is complete)")
+        raise kind.error(
+            f"{out} already exists; pass --force to replace it (the old {what} stays until the new one is complete)"
+        )
     if out.is_symlink() or not out.is_dir():
-        raise kind.error(f"{out} exists and is not a directory (or is a symbolic link); --force replaces only a "
-                         f"{what} folder. Choose another output path.")
+        raise kind.error(
+            f"{out} exists and is not a directory (or is a symbolic link); --force replaces only a "
+            f"{what} folder. Choose another output path."
+        )
     problem = kind.problem(out)
     if problem:
-        raise kind.error(f"{out} is not a {what} ({problem}); --force replaces only a {what} or an empty folder, so "
-                         "nothing was touched. Choose another output path, or move that folder away yourself.")
+        raise kind.error(
+            f"{out} is not a {what} ({problem}); --force replaces only a {what} or an empty folder, so "
+            "nothing was touched. Choose another output path, or move that folder away yourself."
+        )
 
 
 @contextmanager
@@ -145,8 +150,12 @@ def recover(out: Path) -> None:
             shutil.rmtree(partial, ignore_errors=True)
         finally:
             os.close(held)
-        log.warning("removed %s (%.1f MB), left by a build of %s that was killed or ran out of memory",
-                    partial.name, size / 1e6, out)
+        log.warning(
+            "removed %s (%.1f MB), left by a build of %s that was killed or ran out of memory",
+            partial.name,
+            size / 1e6,
+            out,
+        )
 
 
 def lock(folder: Path, blocking: bool) -> int:
@@ -175,8 +184,7 @@ def _leftovers(out: Path, kind: str) -> list[Path]:
     pattern = re.compile(rf"\.{re.escape(out.name)}\.{kind}-[A-Za-z0-9_]{{8}}")
     if not out.parent.is_dir():
         return []
-    return sorted(p for p in out.parent.iterdir()
-                  if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    return sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
 
 
 def _fsync_tree(root: Path) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 BITS = {"int8": 8, "int4": 4}
 
 
-def quantize(src: Path, dst: Path, quant: str, block_size: int = 32, symmetric: bool = False,
-             accuracy_level: int = 4) -> None:
+def quantize(
+    src: Path, dst: Path, quant: str, block_size: int = 32, symmetric: bool = False, accuracy_level: int = 4
+) -> None:
     """Write ``src`` quantized as ``quant`` to ``dst``. fp32 / fp16 copy the graph as exported (with its external
     data, if any).
 
@@ -34,10 +35,12 @@ def quantize(src: Path, dst: Path, quant: str, block_size: int = 32, symmetric: 
 
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(src))
-    quantizer = MatMulNBitsQuantizer(model, bits=BITS[quant], block_size=block_size, is_symmetric=symmetric,
-                                     accuracy_level=accuracy_level)
+    quantizer = MatMulNBitsQuantizer(
+        model, bits=BITS[quant], block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level
+    )
     quantizer.process()
     large = quantizer.model.model.ByteSize() > 1_800_000_000
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=large)
@@ -47,6 +50,7 @@ def _copy_with_external_data(src: Path, dst: Path, data: Path) -> None:
     """``src`` and its external data as ``dst`` + ``dst``.data, the graph's locations renamed to match."""
     import onnx
     from onnx.external_data_helper import uses_external_data
+
     model = onnx.load(str(src), load_external_data=False)
     for tensor in model.graph.initializer:
         if uses_external_data(tensor):

@@ -47,8 +47,16 @@ class Generation:
 class SpeculativeGenerator:
     """Draft-then-verify generation over one bundle. Thread-compatible: one request at a time per instance."""
 
-    def __init__(self, manifest: Manifest, target: Engine, draft: Engine | None, tokenizer: Tokenizer,
-                 eos_ids: tuple[int, ...] = (), max_k: int | None = None, bridge: VocabBridge | None = None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        target: Engine,
+        draft: Engine | None,
+        tokenizer: Tokenizer,
+        eos_ids: tuple[int, ...] = (),
+        max_k: int | None = None,
+        bridge: VocabBridge | None = None,
+    ):
         self.manifest, self.target, self.draft, self.tokenizer = manifest, target, draft, tokenizer
         self.bridge = bridge  # the vocabularies' bridge where the draft has a tokenizer of its own
         self.eos_ids = tuple(eos_ids)
@@ -64,9 +72,16 @@ class SpeculativeGenerator:
         self._costs_rows = 0
 
     @classmethod
-    def from_bundle(cls, path: str | os.PathLike, threads: int = 0, providers: list | None = None,
-                    verify: bool = True, draft_threads: int | None = None,
-                    device: str | None = None, device_id: int = 0) -> "SpeculativeGenerator":
+    def from_bundle(
+        cls,
+        path: str | os.PathLike,
+        threads: int = 0,
+        providers: list | None = None,
+        verify: bool = True,
+        draft_threads: int | None = None,
+        device: str | None = None,
+        device_id: int = 0,
+    ) -> "SpeculativeGenerator":
         """Load and verify a bundle (every file against its sha256) and open both engines.
 
         threads: ONNX Runtime intra-op threads (0: one per core); draft_threads: the draft's, if different (a small
@@ -77,19 +92,31 @@ class SpeculativeGenerator:
         root = Path(path)
         manifest = load_manifest(root, verify=verify)
         tokenizer = load_tokenizer(root, manifest, verify)
-        engines = open_engines(root, manifest, tokenizer.vocab_size, ("target", "draft"), threads, draft_threads,
-                               providers, device, device_id, verify=verify)
+        engines = open_engines(
+            root,
+            manifest,
+            tokenizer.vocab_size,
+            ("target", "draft"),
+            threads,
+            draft_threads,
+            providers,
+            device,
+            device_id,
+            verify=verify,
+        )
         bridge = None
         if manifest.draft.tokenizer:  # a draft of another family: its tokenizer, bridged to the target's
             draft_tokenizer = load_tokenizer(root, manifest, verify, folder=manifest.draft.tokenizer)
-            bridge = VocabBridge.between(tokenizer.fast, draft_tokenizer.fast, engines["target"].vocab_size,
-                                         engines["draft"].vocab_size)
+            bridge = VocabBridge.between(
+                tokenizer.fast, draft_tokenizer.fast, engines["target"].vocab_size, engines["draft"].vocab_size
+            )
         return cls(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids, bridge=bridge)
 
     # --- requests -------------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: str | list[str], request: DecodeRequest | None = None, *, chat: bool = False,
-                 **options) -> Generation | list[Generation]:
+    def generate(
+        self, prompts: str | list[str], request: DecodeRequest | None = None, *, chat: bool = False, **options
+    ) -> Generation | list[Generation]:
         """Generate for one prompt (returns a Generation) or a list (returns a list, in order), with ``chat``
         through the bundle's chat template.
 
@@ -112,15 +139,15 @@ class SpeculativeGenerator:
         """
         single = isinstance(prompts, str)
         results: dict[int, Generation] = {}
-        for index, _, generation in self._events([prompts] if single else list(prompts), request, chat, None,
-                                                 options):
+        for index, _, generation in self._events([prompts] if single else list(prompts), request, chat, None, options):
             if generation is not None:
                 results[index] = generation
         ordered = [results[i] for i in sorted(results)]
         return ordered[0] if single else ordered
 
-    def stream(self, prompt: str, request: DecodeRequest | None = None, *, chat: bool = False,
-               **options) -> Iterator[str]:
+    def stream(
+        self, prompt: str, request: DecodeRequest | None = None, *, chat: bool = False, **options
+    ) -> Iterator[str]:
         """Yield text as tokens are accepted; the pieces concatenate to generate(prompt, ...).text."""
         self.last_stream: Generation | None = None
         for _, piece, generation in self._events([prompt], request, chat, None, options):
@@ -129,8 +156,9 @@ class SpeculativeGenerator:
             if generation is not None:
                 self.last_stream = generation
 
-    def stream_batch(self, prompts: list[str], request: DecodeRequest | None = None, *, chat: bool = False,
-                     cancelled=None, **options) -> Iterator[tuple[int, str, Generation | None]]:
+    def stream_batch(
+        self, prompts: list[str], request: DecodeRequest | None = None, *, chat: bool = False, cancelled=None, **options
+    ) -> Iterator[tuple[int, str, Generation | None]]:
         """Yield (prompt index, text piece, final Generation or None) as each sequence advances.
 
         ``cancelled(index) -> bool`` is asked after every step for each running sequence: a true answer finishes it
@@ -166,8 +194,15 @@ class SpeculativeGenerator:
                     row.stats.finish_reason = row.finished
                     row.stats.prompt_tokens = len(row.prompt)
                     self.metrics.add(row.stats, self.drafter_name(request) if drafter is not None else "")
-                    done = Generation(texts[row.index], list(row.generated), len(row.prompt), row.finished,
-                                      row.stats, row.logprobs, row.top_logprobs)
+                    done = Generation(
+                        texts[row.index],
+                        list(row.generated),
+                        len(row.prompt),
+                        row.finished,
+                        row.stats,
+                        row.logprobs,
+                        row.top_logprobs,
+                    )
                 if piece or done is not None:
                     yield row.index, piece, done
 
@@ -188,11 +223,20 @@ class SpeculativeGenerator:
         fallback = Fallback() if request.fallback is True else request.fallback
         fmt = request.response_format  # compiled already (the server compiles on a pool of its own), or not
         grammar = fmt if isinstance(fmt, CompiledGrammar) else self.compile_constraint(fmt)
-        return DecodeConfig(request.max_new_tokens, k, params, self.eos_ids, adaptive or None, fallback or None,
-                            request.seed, grammar=grammar,
-                            forced_drafts=request.forced_drafts and request.mode == "speculative",
-                            logprobs=request.logprobs, plan=request.plan,
-                            exact=request.policy == "exact"), request.stops
+        return DecodeConfig(
+            request.max_new_tokens,
+            k,
+            params,
+            self.eos_ids,
+            adaptive or None,
+            fallback or None,
+            request.seed,
+            grammar=grammar,
+            forced_drafts=request.forced_drafts and request.mode == "speculative",
+            logprobs=request.logprobs,
+            plan=request.plan,
+            exact=request.policy == "exact",
+        ), request.stops
 
     def compile_constraint(self, response_format):
         """The compiled grammar of a response_format (None: unconstrained); RequestError when it cannot compile."""
@@ -221,8 +265,10 @@ class SpeculativeGenerator:
     def encode_prompt(self, prompt: str | list[dict], chat: bool) -> list[int]:
         """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages (a server's)."""
         if chat and isinstance(prompt, list):
-            if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                     and isinstance(m.get("content"), str) for m in prompt):
+            if not prompt or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt
+            ):
                 raise RequestError("chat messages must be a non-empty list of {'role': str, 'content': str}")
         elif not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string")
@@ -234,8 +280,10 @@ class SpeculativeGenerator:
         if not ids:
             raise RequestError("prompt encodes to no tokens")
         if len(ids) >= self.max_context:
-            raise RequestError(f"prompt has {len(ids)} tokens; this bundle's context is {self.max_context}, "
-                               "leaving no room to generate. Shorten the prompt.")
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; this bundle's context is {self.max_context}, "
+                "leaving no room to generate. Shorten the prompt."
+            )
         return ids
 
     def drafter_name(self, request: DecodeRequest) -> str:
@@ -250,9 +298,17 @@ class SpeculativeGenerator:
         drafter_kind(kind)  # an unknown kind fails in any mode
         if mode == "target":
             return None
-        return make_drafter(kind, DraftSources(self.target.vocab_size, self.draft,
-                                               getattr(self.target, "has_hidden", False), self.suffix_corpus,
-                                               confidence, self.bridge))
+        return make_drafter(
+            kind,
+            DraftSources(
+                self.target.vocab_size,
+                self.draft,
+                getattr(self.target, "has_hidden", False),
+                self.suffix_corpus,
+                confidence,
+                self.bridge,
+            ),
+        )
 
 
 def merged_request(request: DecodeRequest | None, options: dict) -> DecodeRequest:
@@ -266,9 +322,18 @@ def merged_request(request: DecodeRequest | None, options: dict) -> DecodeReques
     return decode_request(**{**given, **options}) if options else request
 
 
-def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("target", "draft"), threads: int = 0,
-                 draft_threads: int | None = None, providers: list | None = None,
-                 device: str | None = None, device_id: int = 0, verify: bool = True) -> dict[str, Engine]:
+def open_engines(
+    root: Path,
+    manifest: Manifest,
+    tokenizer_vocab: int,
+    roles=("target", "draft"),
+    threads: int = 0,
+    draft_threads: int | None = None,
+    providers: list | None = None,
+    device: str | None = None,
+    device_id: int = 0,
+    verify: bool = True,
+) -> dict[str, Engine]:
     """The bundle's ONNX Runtime engines by role, reading logits over the tokenizer's vocabulary, on ``device``
     (default: the bundle's own) unless explicit ``providers`` are given.
 
@@ -284,18 +349,29 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
         if entry.role not in roles:
             continue
         model, external, attention = read_onnx(root, manifest, entry.engine, verify)
-        session = make_session(model, threads if entry.role == "target" or draft_threads is None else draft_threads,
-                               providers, external)
+        session = make_session(
+            model, threads if entry.role == "target" or draft_threads is None else draft_threads, providers, external
+        )
         del model, external  # the session holds its own copy: free ours before the next engine is read
         min_call_tokens = _min_call_tokens(entry)
-        device_options = ({"cache_device": cache_device, "device_id": device_id} if entry.graph == "export"
-                          else {"min_call_tokens": min_call_tokens,
-                                "class_points": _class_points(entry, attention, manifest.max_context,
-                                                              min_call_tokens)})
+        device_options = (
+            {"cache_device": cache_device, "device_id": device_id}
+            if entry.graph == "export"
+            else {
+                "min_call_tokens": min_call_tokens,
+                "class_points": _class_points(entry, attention, manifest.max_context, min_call_tokens),
+            }
+        )
         engine = engine_class(entry.graph)(
-            root / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-            head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
-            session=session, **device_options)
+            root / entry.engine,
+            num_layers=entry.num_layers,
+            num_kv_heads=entry.num_kv_heads,
+            head_dim=entry.head_dim,
+            vocab_size=entry.vocab_size,
+            max_context=manifest.max_context,
+            session=session,
+            **device_options,
+        )
         if entry.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
             kept = kept_ids(read_verified(root, manifest, entry.vocab_map, verify), entry.vocab_map)
             engine = MappedVocabEngine(engine, kept, manifest.target.vocab_size)
@@ -310,8 +386,7 @@ def open_engines(root: Path, manifest: Manifest, tokenizer_vocab: int, roles=("t
 def _min_call_tokens(entry) -> int:
     """A fused target's calls are at least two tokens wide on every CPU (one-token calls take other kernels:
     runtime.engines.onnx.FusedEngine), also where an older bundle's manifest says 1; a draft need not be exact."""
-    return max(entry.min_call_tokens, 2) if entry.role == "target" and entry.graph == "fused" else \
-        entry.min_call_tokens
+    return max(entry.min_call_tokens, 2) if entry.role == "target" and entry.graph == "fused" else entry.min_call_tokens
 
 
 def _class_points(entry, attention: tuple, max_context: int, min_call_tokens: int) -> tuple[int, ...]:
@@ -335,10 +410,13 @@ def check_call_shapes(engine, root: Path) -> None:
     batched step scores a token otherwise than target-only decoding, the target runs one token a call (exact, and
     slower than target-only), and the process says so once, naming the bundle and the call shape."""
     import logging
+
     if engine.prefill_chunks_differ(engine.vocab_size):
         engine.prefills_in_chunks = False
-        logging.getLogger("draftsmith").warning("bundle %s: on this CPU a prompt prefilled in chunks scores "
-                                                "otherwise; servers prefill each prompt whole", root)
+        logging.getLogger("draftsmith").warning(
+            "bundle %s: on this CPU a prompt prefilled in chunks scores otherwise; servers prefill each prompt whole",
+            root,
+        )
     differing = engine.call_shape_mismatch(engine.vocab_size)
     if differing is None:
         return
@@ -348,7 +426,10 @@ def check_call_shapes(engine, root: Path) -> None:
         logging.getLogger("draftsmith").warning(
             "bundle %s: on this CPU %s scores a token otherwise than target-only decoding, so speculative output "
             "could differ from the target's own; the target now verifies one token a call (exact, but speculation "
-            "will not pay). Please report the CPU (lscpu) and onnxruntime version.", root, differing)
+            "will not pay). Please report the CPU (lscpu) and onnxruntime version.",
+            root,
+            differing,
+        )
 
 
 def kept_ids(data: bytes, where: str) -> np.ndarray:
@@ -376,8 +457,11 @@ def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True, folder: 
     temporary folder for Tokenizer to read, so a file swapped in the bundle after verification cannot reach it.
     """
     prefix = folder.rstrip("/") + "/"
-    files = {rel[len(prefix):]: read_verified(root, manifest, rel, verify)
-             for rel in sorted(manifest.files) if rel.startswith(prefix)}
+    files = {
+        rel[len(prefix) :]: read_verified(root, manifest, rel, verify)
+        for rel in sorted(manifest.files)
+        if rel.startswith(prefix)
+    }
     if "tokenizer.json" not in files:
         raise BundleError(f"{root}: the manifest lists no {prefix}tokenizer.json; rebuild the bundle")
     with tempfile.TemporaryDirectory(prefix="draftsmith-tokenizer-") as private:

@@ -86,6 +86,7 @@ STRICT = ConfigDict(strict=True, extra="forbid")
 
 def raising(error: type[Exception]):
     """Construction raises ``error`` (its message from ``describe``) instead of pydantic's ValidationError."""
+
     def wrap(cls):
         init = cls.__init__
 
@@ -95,8 +96,10 @@ def raising(error: type[Exception]):
                 init(self, *args, **kwargs)
             except ValidationError as err:
                 raise error(describe(err, cls)) from None
+
         cls.__init__ = __init__
         return cls
+
     return wrap
 
 
@@ -143,54 +146,98 @@ class BuildSpec:
         _check(isinstance(self.k, int) and self.k >= 1, "k", "an integer >= 1", self.k)
         _check(isinstance(self.max_k, int) and self.max_k >= self.k, "max_k", f"an integer >= k ({self.k})", self.max_k)
         _check(self.drafter in DRAFTERS, "drafter", f"one of {DRAFTERS}", self.drafter)
-        _check(isinstance(self.draft_confidence, (int, float)) and 0 <= self.draft_confidence < 1,
-               "draft_confidence", "a number in [0, 1)", self.draft_confidence)
+        _check(
+            isinstance(self.draft_confidence, (int, float)) and 0 <= self.draft_confidence < 1,
+            "draft_confidence",
+            "a number in [0, 1)",
+            self.draft_confidence,
+        )
         _check(self.block_size in (16, 32, 64, 128, 256), "block_size", "16, 32, 64, 128 or 256", self.block_size)
         _check(self.accuracy_level in (0, 1, 2, 3, 4), "accuracy_level", "0..4", self.accuracy_level)
         _check(self.opset >= 17, "opset", ">= 17", self.opset)
-        _check(isinstance(self.max_context, int) and self.max_context >= 0, "max_context", "an integer >= 0",
-               self.max_context)
-        _check(isinstance(self.eval_tokens, int) and self.eval_tokens >= 0, "eval_tokens", "an integer >= 0",
-               self.eval_tokens)
+        _check(
+            isinstance(self.max_context, int) and self.max_context >= 0,
+            "max_context",
+            "an integer >= 0",
+            self.max_context,
+        )
+        _check(
+            isinstance(self.eval_tokens, int) and self.eval_tokens >= 0,
+            "eval_tokens",
+            "an integer >= 0",
+            self.eval_tokens,
+        )
         _check(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)
         _check(self.graph in GRAPH_CHOICES, "graph", f"one of {GRAPH_CHOICES}", self.graph)
         if self.graph == "fused":
-            _check(self.device == "cpu", "graph", "'export' for device cuda (the fused graph is ONNX Runtime's CPU "
-                   "kernels; pass --graph export)", self.graph)
+            _check(
+                self.device == "cpu",
+                "graph",
+                "'export' for device cuda (the fused graph is ONNX Runtime's CPU kernels; pass --graph export)",
+                self.graph,
+            )
         if "gguf" in (self.target_quant, self.draft_quant):
-            _check(self.engine_graph == "fused", "graph",
-                   "'fused' for quant gguf (the GGUF blocks are written into the fused graph)", self.graph)
+            _check(
+                self.engine_graph == "fused",
+                "graph",
+                "'fused' for quant gguf (the GGUF blocks are written into the fused graph)",
+                self.graph,
+            )
         _check(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'", self.device)
-        _check(self.trtllm_flavor in TRTLLM_FLAVORS, "trtllm_flavor", "'engine', 'llmapi' or '' (auto)",
-               self.trtllm_flavor)
+        _check(
+            self.trtllm_flavor in TRTLLM_FLAVORS, "trtllm_flavor", "'engine', 'llmapi' or '' (auto)", self.trtllm_flavor
+        )
         for name in ("tp_size", "pp_size", "max_batch_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, name, "an integer >= 1", value)
-        _check(self.kv_cache_dtype in ("", "fp8"), "kv_cache_dtype", "'' (the engines' dtype) or 'fp8'",
-               self.kv_cache_dtype)
+        _check(
+            self.kv_cache_dtype in ("", "fp8"),
+            "kv_cache_dtype",
+            "'' (the engines' dtype) or 'fp8'",
+            self.kv_cache_dtype,
+        )
         for name in ("max_input_len", "max_seq_len"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 0, name, "an integer >= 0 (0: automatic)", value)
         if self.max_input_len and self.max_seq_len:
-            _check(self.max_input_len < self.max_seq_len, "max_input_len", f"< max_seq_len ({self.max_seq_len})",
-                   self.max_input_len)
+            _check(
+                self.max_input_len < self.max_seq_len,
+                "max_input_len",
+                f"< max_seq_len ({self.max_seq_len})",
+                self.max_input_len,
+            )
         if self.backend == "onnxruntime":
             allowed = ONNX_DEVICE_QUANTS[self.device]
             for name in ("target_quant", "draft_quant"):
-                _check(getattr(self, name) in allowed, name,
-                       f"one of {allowed} for backend onnxruntime on device {self.device} (fp16 is the CUDA "
-                       "format, fp32 the CPU one; the other formats need tensorrt_llm)", getattr(self, name))
+                _check(
+                    getattr(self, name) in allowed,
+                    name,
+                    f"one of {allowed} for backend onnxruntime on device {self.device} (fp16 is the CUDA "
+                    "format, fp32 the CPU one; the other formats need tensorrt_llm)",
+                    getattr(self, name),
+                )
             defaults = {"trtllm_flavor": "", "tp_size": 1, "pp_size": 1, "kv_cache_dtype": ""}
             for name, default in defaults.items():
-                _check(getattr(self, name) == default, name,
-                       f"{default!r}: it applies to backend tensorrt_llm only (multi-GPU / TensorRT-LLM option)",
-                       getattr(self, name))
+                _check(
+                    getattr(self, name) == default,
+                    name,
+                    f"{default!r}: it applies to backend tensorrt_llm only (multi-GPU / TensorRT-LLM option)",
+                    getattr(self, name),
+                )
         else:
             for name in ("target_quant", "draft_quant"):
-                _check(getattr(self, name) in TRTLLM_QUANTS, name, f"one of {TRTLLM_QUANTS} for backend tensorrt_llm",
-                       getattr(self, name))
-            _check(self.device == "cuda", "device",
-                   "'cuda' for backend tensorrt_llm (TensorRT-LLM runs on NVIDIA GPUs only)", self.device)
+                _check(
+                    getattr(self, name) in TRTLLM_QUANTS,
+                    name,
+                    f"one of {TRTLLM_QUANTS} for backend tensorrt_llm",
+                    getattr(self, name),
+                )
+            _check(
+                self.device == "cuda",
+                "device",
+                "'cuda' for backend tensorrt_llm (TensorRT-LLM runs on NVIDIA GPUs only)",
+                self.device,
+            )
 
     @property
     def engine_graph(self) -> str:
@@ -239,8 +286,9 @@ class ModelEntry:
         if self.tokenizer:
             _check_relative(self.tokenizer, f"{self.role}.tokenizer")
             if self.role != "draft":
-                raise ValueError(f"{self.role}.tokenizer: only a draft may have a tokenizer of its own, received "
-                                 f"{self.tokenizer!r}")
+                raise ValueError(
+                    f"{self.role}.tokenizer: only a draft may have a tokenizer of its own, received {self.tokenizer!r}"
+                )
 
 
 @raising(ValueError)
@@ -271,19 +319,24 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
         if len(text) > MAX_MANIFEST_CHARS:
-            raise BundleError(f"{MANIFEST} is {len(text)} characters long; a manifest is a few kilobytes (the limit is "
-                              f"{MAX_MANIFEST_CHARS}): not a bundle this tool wrote")
+            raise BundleError(
+                f"{MANIFEST} is {len(text)} characters long; a manifest is a few kilobytes (the limit is "
+                f"{MAX_MANIFEST_CHARS}): not a bundle this tool wrote"
+            )
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, RecursionError) as err:
-            raise BundleError(f"{MANIFEST} is not valid JSON, or nests too deeply ({type(err).__name__}); "
-                              "rebuild the bundle") from None
+            raise BundleError(
+                f"{MANIFEST} is not valid JSON, or nests too deeply ({type(err).__name__}); rebuild the bundle"
+            ) from None
         if not isinstance(data, dict):
             raise BundleError(f"{MANIFEST} must hold a JSON object, found {type(data).__name__}")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise BundleError(f"{MANIFEST} has schema_version {version!r}; this Draftsmith reads {SCHEMA_VERSION}. "
-                              "Rebuild the bundle with this version of build-engines.")
+            raise BundleError(
+                f"{MANIFEST} has schema_version {version!r}; this Draftsmith reads {SCHEMA_VERSION}. "
+                "Rebuild the bundle with this version of build-engines."
+            )
         try:
             return _adapter(cls).validate_json(text)
         except RecursionError:
@@ -410,11 +463,15 @@ def verify_files(root: Path, manifest: Manifest) -> None:
             problems.append(f"{rel}: missing")
         elif sha256_file(path) != want:
             problems.append(f"{rel}: sha256 differs from the manifest (altered or truncated)")
-    problems += [f"{rel}: not listed in the manifest (an unlisted file is never trusted; delete it)"
-                 for rel in tree_entries(Path(root)) if rel not in manifest.files]
+    problems += [
+        f"{rel}: not listed in the manifest (an unlisted file is never trusted; delete it)"
+        for rel in tree_entries(Path(root))
+        if rel not in manifest.files
+    ]
     if problems:
-        raise BundleError(f"bundle {root} failed verification; rebuild it or copy it again:\n  "
-                          + "\n  ".join(problems))
+        raise BundleError(
+            f"bundle {root} failed verification; rebuild it or copy it again:\n  " + "\n  ".join(problems)
+        )
 
 
 def load_manifest(root: str | os.PathLike, verify: bool = True, staging: bool = False) -> Manifest:
@@ -422,16 +479,23 @@ def load_manifest(root: str | os.PathLike, verify: bool = True, staging: bool = 
     refused unless ``staging`` (the build checking its own before publishing it)."""
     root = Path(root)
     if not root.is_dir():
-        set_aside = [p / root.name for p in root.parent.glob(".*.old-*")
-                     if p.name.startswith(f".{root.name}.old-") and (p / root.name).is_dir()]
+        set_aside = [
+            p / root.name
+            for p in root.parent.glob(".*.old-*")
+            if p.name.startswith(f".{root.name}.old-") and (p / root.name).is_dir()
+        ]
         if set_aside:
-            raise BundleError(f"no bundle at {root}, but a replace that was interrupted set the previous one aside in "
-                              f"{set_aside[0]}: run build-engines on {root} again (it puts it back first), or move it "
-                              "back yourself.")
+            raise BundleError(
+                f"no bundle at {root}, but a replace that was interrupted set the previous one aside in "
+                f"{set_aside[0]}: run build-engines on {root} again (it puts it back first), or move it "
+                "back yourself."
+            )
         raise BundleError(f"no bundle at {root}: not a directory. Build one with `build-engines --out {root}`.")
     if STAGING_NAME.match(root.name) and not staging:
-        raise BundleError(f"{root} is a build's staging folder, not a bundle: the build that wrote it was interrupted "
-                          f"or is still running. Load the bundle it was publishing, or rebuild it.")
+        raise BundleError(
+            f"{root} is a build's staging folder, not a bundle: the build that wrote it was interrupted "
+            f"or is still running. Load the bundle it was publishing, or rebuild it."
+        )
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"{root} has no {MANIFEST}: not a bundle, or a build that did not finish. Rebuild it.")
@@ -455,11 +519,14 @@ def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True)
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise BundleError(f"{rel}: cannot be read ({err.strerror or err}); rebuild the bundle or copy it "
-                          "again") from None
+        raise BundleError(
+            f"{rel}: cannot be read ({err.strerror or err}); rebuild the bundle or copy it again"
+        ) from None
     if verify and hashlib.sha256(data).hexdigest() != manifest.files[rel]:
-        raise BundleError(f"{rel}: sha256 differs from the manifest: it changed after verification (copied over or "
-                          "rebuilt while loading?). Load again once the copy is complete.")
+        raise BundleError(
+            f"{rel}: sha256 differs from the manifest: it changed after verification (copied over or "
+            "rebuilt while loading?). Load again once the copy is complete."
+        )
     return data
 
 

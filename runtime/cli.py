@@ -33,34 +33,76 @@ def main():
 @click.option("--seed", type=int, default=None)
 @click.option("--k", type=int, default=None, help="Draft tokens per step (default: the bundle's).")
 @click.option("--adaptive", is_flag=True, help="Adapt k to acceptance as it goes.")
-@click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
-              help="Who drafts: the draft engine (model), n-gram lookup (prompt_lookup), a suffix trie over the "
-                   "context (suffix), or hybrid / hybrid_suffix (lookup or suffix where the context matches, the "
-                   "engine elsewhere). Default: the bundle's drafter.")
-@click.option("--draft-confidence", type=click.FloatRange(0, 1, max_open=True), default=None,
-              help="After its first token a draft row stops where the draft's top probability is under this (0: "
-                   "never). Default: the bundle's.")
+@click.option(
+    "--drafter",
+    type=click.Choice(DRAFTERS),
+    default=None,
+    help="Who drafts: the draft engine (model), n-gram lookup (prompt_lookup), a suffix trie over the "
+    "context (suffix), or hybrid / hybrid_suffix (lookup or suffix where the context matches, the "
+    "engine elsewhere). Default: the bundle's drafter.",
+)
+@click.option(
+    "--draft-confidence",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=None,
+    help="After its first token a draft row stops where the draft's top probability is under this (0: "
+    "never). Default: the bundle's.",
+)
 @click.option("--chat/--no-chat", default=False, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are accepted.")
 @click.option("--no-baseline", is_flag=True, help="Skip the target-only runs (the speedup's and the identity's).")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
 @click.option("--draft-threads", type=int, default=None, help="The draft engine's threads (default: --threads).")
-@click.option("--device", type=click.Choice(DEVICES), default=None,
-              help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).")
+@click.option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default=None,
+    help="Run on cpu, cuda or tensorrt (ONNX Runtime execution providers; default: the bundle's device).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
-def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k, adaptive, drafter, draft_confidence,
-             chat, stop, stream, no_baseline, threads, draft_threads, device, as_json):
+def generate(
+    bundle,
+    prompt,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    k,
+    adaptive,
+    drafter,
+    draft_confidence,
+    chat,
+    stop,
+    stream,
+    no_baseline,
+    threads,
+    draft_threads,
+    device,
+    as_json,
+):
     """Generate from PROMPT with speculative decoding, then target-only, and print acceptance and speedup.
 
     The speedup is over plain target-only decoding (one-token calls unpadded: what a user's decoder runs); identity
     is checked against target-only decoding as exactness defines it (a fused target's padded calls)."""
     from runtime.api import SpeculativeGenerator
+
     try:
-        generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, draft_threads=draft_threads,
-                                                     device=device)
-        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       k=k, chat=chat, stop=list(stop), adaptive=adaptive or None)
+        generator = SpeculativeGenerator.from_bundle(
+            bundle, threads=threads, draft_threads=draft_threads, device=device
+        )
+        options = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            k=k,
+            chat=chat,
+            stop=list(stop),
+            adaptive=adaptive or None,
+        )
         generator.generate(prompt, **{**options, "max_new_tokens": 2})  # warm both engines up
         if stream and not as_json:
             for piece in generator.stream(prompt, drafter=drafter, draft_confidence=draft_confidence, **options):
@@ -84,23 +126,32 @@ def generate(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, k,
         click.echo(result.text)
     click.echo("")
     s = result.stats
-    click.echo(f"speculative: {s.num_emitted_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_second:.1f} tok/s; "
-               f"acceptance rate {s.draft_acceptance_rate:.2f}, mean acceptance length "
-               f"{s.mean_acceptance_length:.2f}, k={generator.default_k if k is None else k}")
+    click.echo(
+        f"speculative: {s.num_emitted_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_second:.1f} tok/s; "
+        f"acceptance rate {s.draft_acceptance_rate:.2f}, mean acceptance length "
+        f"{s.mean_acceptance_length:.2f}, k={generator.default_k if k is None else k}"
+    )
     if baseline is not None:
         p, b = plain.stats, baseline.stats
-        click.echo(f"target-only: {p.num_emitted_tokens} tokens in {p.total_time:.2f} s = "
-                   f"{p.tokens_per_second:.1f} tok/s (plain decoding; {b.tokens_per_second:.1f} with exactness "
-                   "padding)")
-        click.echo(f"speedup over plain decoding: {report['speedup']:.2f}x; identical output: "
-                   f"{report['identical_to_target']}")
+        click.echo(
+            f"target-only: {p.num_emitted_tokens} tokens in {p.total_time:.2f} s = "
+            f"{p.tokens_per_second:.1f} tok/s (plain decoding; {b.tokens_per_second:.1f} with exactness "
+            "padding)"
+        )
+        click.echo(
+            f"speedup over plain decoding: {report['speedup']:.2f}x; identical output: {report['identical_to_target']}"
+        )
 
 
 def _report(result, baseline, plain) -> dict:
     """The JSON report: ``target_only`` is plain decoding (the speedup's base), ``target_only_padded`` the run the
     output must equal."""
-    report = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-              "speculative": result.stats.to_dict()}
+    report = {
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "speculative": result.stats.to_dict(),
+    }
     if baseline is not None:
         report["target_only"] = plain.stats.to_dict()
         report["target_only_padded"] = baseline.stats.to_dict()
@@ -124,53 +175,142 @@ def _key_from_file(path: str, given: str | None) -> str:
 
 @main.command("serve-openai")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind; any but loopback exposes the server (then use --api-key).")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind; any but loopback exposes the server (then use --api-key).",
+)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--api-key", envvar="DRAFTSMITH_API_KEY", show_envvar=True, default=None,
-              help="Required as 'Authorization: Bearer KEY' on every route but /health (default: none).")
-@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Read the key from this file (a Kubernetes Secret's volume): kept out of the environment, which "
-                   "/proc and crash reports show. One trailing newline is dropped.")
+@click.option(
+    "--api-key",
+    envvar="DRAFTSMITH_API_KEY",
+    show_envvar=True,
+    default=None,
+    help="Required as 'Authorization: Bearer KEY' on every route but /health (default: none).",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Read the key from this file (a Kubernetes Secret's volume): kept out of the environment, which "
+    "/proc and crash reports show. One trailing newline is dropped.",
+)
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
-@click.option("--max-queue", type=int, default=256, show_default=True,
-              help="Requests waiting for a row before new ones get 429 (overloaded).")
+@click.option(
+    "--max-queue",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Requests waiting for a row before new ones get 429 (overloaded).",
+)
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime threads (0: all cores).")
 @click.option("--model-name", default=None, help="The model name clients send (default: the bundle's folder name).")
-@click.option("--policy", type=click.Choice(POLICIES), default="exact", show_default=True,
-              help="exact: every answer is bit for bit the same request's alone; throughput: steps where no "
-                   "request drafts run unpadded (answers of a quantized target may then part from a lone run's at "
-                   "near ties).")
-@click.option("--plan/--no-plan", "plan", default=True, show_default=True,
-              help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
-                   "request's acceptance; --no-plan: every request drafts its k.")
-@click.option("--prefill-chunk", default="auto", show_default=True,
-              help="Prompt tokens prefilled per step while other requests decode, so a long prompt never stalls "
-                   "them: a number, auto (the largest chunk that keeps the step's one target call within 1.8x its "
-                   "cost without it, on the measured costs) or 0 (each prompt prefilled whole at admission).")
-@click.option("--drain-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
-              help="On SIGTERM: seconds running requests get to finish (keep it under the pod's grace period).")
-@click.option("--drain-linger", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              help="On SIGTERM: the least seconds new requests get 503 + Retry-After before the port closes (the "
-                   "load balancer's time to see readiness turn false).")
-@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
-              help="Seconds a request may run before it ends with finish_reason 'timeout'.")
-@click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Open connections past which new ones get 503.")
-@click.option("--max-connections-per-client", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Open connections one client address may hold; past it a new one gets 503 (0: no cap; raise it "
-                   "behind a proxy, whose connections all come from its own address).")
-@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-              help="Seconds a connection may take to send a request's headers (idle or trickling ones are closed).")
-@click.option("--health-port", type=click.IntRange(min=1, max=65535), default=None,
-              help="Also serve /health and /health/live on this port, apart from the API's connections, so no "
-                   "client can starve the probes (point the pod's probes at it).")
-@click.option("--max-rows-per-client", type=click.IntRange(min=1), default=None,
-              help="Rows one client address may hold at once (default: no cap; free rows always go first to the "
-                   "clients holding the fewest).")
-def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue, threads, model_name, policy, plan,
-                 prefill_chunk, drain_timeout, drain_linger, request_timeout, max_connections,
-                 max_connections_per_client, header_timeout, health_port, max_rows_per_client):
+@click.option(
+    "--policy",
+    type=click.Choice(POLICIES),
+    default="exact",
+    show_default=True,
+    help="exact: every answer is bit for bit the same request's alone; throughput: steps where no "
+    "request drafts run unpadded (answers of a quantized target may then part from a lone run's at "
+    "near ties).",
+)
+@click.option(
+    "--plan/--no-plan",
+    "plan",
+    default=True,
+    show_default=True,
+    help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
+    "request's acceptance; --no-plan: every request drafts its k.",
+)
+@click.option(
+    "--prefill-chunk",
+    default="auto",
+    show_default=True,
+    help="Prompt tokens prefilled per step while other requests decode, so a long prompt never stalls "
+    "them: a number, auto (the largest chunk that keeps the step's one target call within 1.8x its "
+    "cost without it, on the measured costs) or 0 (each prompt prefilled whole at admission).",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM: seconds running requests get to finish (keep it under the pod's grace period).",
+)
+@click.option(
+    "--drain-linger",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="On SIGTERM: the least seconds new requests get 503 + Retry-After before the port closes (the "
+    "load balancer's time to see readiness turn false).",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds a request may run before it ends with finish_reason 'timeout'.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Open connections past which new ones get 503.",
+)
+@click.option(
+    "--max-connections-per-client",
+    type=click.IntRange(min=0),
+    default=64,
+    show_default=True,
+    help="Open connections one client address may hold; past it a new one gets 503 (0: no cap; raise it "
+    "behind a proxy, whose connections all come from its own address).",
+)
+@click.option(
+    "--header-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds a connection may take to send a request's headers (idle or trickling ones are closed).",
+)
+@click.option(
+    "--health-port",
+    type=click.IntRange(min=1, max=65535),
+    default=None,
+    help="Also serve /health and /health/live on this port, apart from the API's connections, so no "
+    "client can starve the probes (point the pod's probes at it).",
+)
+@click.option(
+    "--max-rows-per-client",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rows one client address may hold at once (default: no cap; free rows always go first to the "
+    "clients holding the fewest).",
+)
+def serve_openai(
+    bundle,
+    host,
+    port,
+    api_key,
+    api_key_file,
+    max_batch,
+    max_queue,
+    threads,
+    model_name,
+    policy,
+    plan,
+    prefill_chunk,
+    drain_timeout,
+    drain_linger,
+    request_timeout,
+    max_connections,
+    max_connections_per_client,
+    header_timeout,
+    health_port,
+    max_rows_per_client,
+):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
     (/health) turns 503, new requests get 503 + Retry-After, running ones finish, then it exits 0."""
@@ -180,21 +320,37 @@ def serve_openai(bundle, host, port, api_key, api_key_file, max_batch, max_queue
         from runtime.serving.connections import ConnectionLimits
         from runtime.serving.openai_server import serve
     except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here
-        raise click.ClickException(f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' "
-                                   f"({err})") from None
+        raise click.ClickException(
+            f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' ({err})"
+        ) from None
     if api_key is None:  # click reads DRAFTSMITH_API_KEY="" as unset; an empty key must not mean "no key"
         api_key = os.environ.get("DRAFTSMITH_API_KEY")
     if api_key is not None and not api_key.strip():
-        raise click.ClickException("the API key is empty (--api-key or DRAFTSMITH_API_KEY): set a key, or unset it "
-                                   "to serve without one")
+        raise click.ClickException(
+            "the API key is empty (--api-key or DRAFTSMITH_API_KEY): set a key, or unset it to serve without one"
+        )
     api_key = api_key.strip() if api_key is not None else None  # a key read from a file ends in a newline
     try:
-        serve(bundle, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-              threads=threads, model_name=model_name, policy=policy, drain_timeout=drain_timeout,
-              drain_linger=drain_linger, request_timeout=request_timeout, max_connections=max_connections,
-              max_rows_per_client=max_rows_per_client, health_port=health_port,
-              connection_limits=ConnectionLimits(header_timeout, max_connections_per_client or None), plan=plan,
-              prefill_chunk=_prefill_chunk(prefill_chunk))
+        serve(
+            bundle,
+            host=host,
+            port=port,
+            api_key=api_key,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            threads=threads,
+            model_name=model_name,
+            policy=policy,
+            drain_timeout=drain_timeout,
+            drain_linger=drain_linger,
+            request_timeout=request_timeout,
+            max_connections=max_connections,
+            max_rows_per_client=max_rows_per_client,
+            health_port=health_port,
+            connection_limits=ConnectionLimits(header_timeout, max_connections_per_client or None),
+            plan=plan,
+            prefill_chunk=_prefill_chunk(prefill_chunk),
+        )
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None
 
@@ -206,8 +362,9 @@ def _prefill_chunk(value: str) -> int | str | None:
     try:
         tokens = int(value)
     except ValueError:
-        raise click.BadParameter(f"expected a number of tokens, auto or 0, received {value!r}",
-                                 param_hint="--prefill-chunk") from None
+        raise click.BadParameter(
+            f"expected a number of tokens, auto or 0, received {value!r}", param_hint="--prefill-chunk"
+        ) from None
     if tokens < 0:
         raise click.BadParameter("expected tokens >= 0", param_hint="--prefill-chunk")
     return tokens or None
@@ -215,13 +372,22 @@ def _prefill_chunk(value: str) -> int | str | None:
 
 # Commands other packages own, added when importable: the one place the runtime names them (tests/test_layout.py);
 # their heavy imports happen inside the commands.
-COMMANDS = (("triton_repo.cli", "triton_repo"), ("triton_repo.cli", "serve"), ("bench.speed", "bench"),
-            ("bench.profile", "profile"), ("bench.tree", "tree_headroom"), ("builder.distill.cli", "distill"),
-            ("bench.load", "load"), ("bench.openai_load", "openai_load"), ("triton_repo.deploy", "deploy"))
+COMMANDS = (
+    ("triton_repo.cli", "triton_repo"),
+    ("triton_repo.cli", "serve"),
+    ("bench.speed", "bench"),
+    ("bench.profile", "profile"),
+    ("bench.tree", "tree_headroom"),
+    ("builder.distill.cli", "distill"),
+    ("bench.load", "load"),
+    ("bench.openai_load", "openai_load"),
+    ("triton_repo.deploy", "deploy"),
+)
 
 
 def _register_optional() -> None:
     import importlib
+
     for module, name in COMMANDS:
         try:
             command = getattr(importlib.import_module(module), name)

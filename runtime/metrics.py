@@ -16,6 +16,7 @@ from typing import Callable
 def __getattr__(name):  # CONTENT_TYPE: the Content-Type header of MetricsRegistry.prometheus()'s text, lazily
     if name == "CONTENT_TYPE":
         from prometheus_client import CONTENT_TYPE_LATEST
+
         return CONTENT_TYPE_LATEST
     raise AttributeError(name)
 
@@ -76,19 +77,37 @@ class RequestStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for name in ("draft_acceptance_rate", "mean_acceptance_length", "system_efficiency",
-                     "acceptance_per_position", "tokens_per_second"):
+        for name in (
+            "draft_acceptance_rate",
+            "mean_acceptance_length",
+            "system_efficiency",
+            "acceptance_per_position",
+            "tokens_per_second",
+        ):
             out[name] = getattr(self, name)
         return out
 
     def merge(self, other: "RequestStats") -> None:
         """Add another request's counters (cumulative metrics)."""
-        for name in ("prompt_tokens", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "verify_slots", "fallback_steps", "draft_time", "verify_time",
-                     "total_time", "time_to_first_token"):
+        for name in (
+            "prompt_tokens",
+            "num_steps",
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "num_emitted_tokens",
+            "verify_slots",
+            "fallback_steps",
+            "draft_time",
+            "verify_time",
+            "total_time",
+            "time_to_first_token",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
-                             (self.drafted_per_position, other.drafted_per_position)):
+        for mine, theirs in (
+            (self.accepted_per_position, other.accepted_per_position),
+            (self.drafted_per_position, other.drafted_per_position),
+        ):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, value in enumerate(theirs):
                 mine[i] += value
@@ -178,13 +197,15 @@ class MetricsRegistry:
             if stats.num_emitted_tokens:
                 self.ttft.observe(stats.time_to_first_token)
             if stats.num_emitted_tokens > 1:
-                self.inter_token.observe(max(0.0, stats.total_time - stats.time_to_first_token)
-                                         / (stats.num_emitted_tokens - 1))
+                self.inter_token.observe(
+                    max(0.0, stats.total_time - stats.time_to_first_token) / (stats.num_emitted_tokens - 1)
+                )
 
     def prometheus(self, more: Callable[[], list] | None = None) -> str:
         """Every metric in Prometheus' text exposition format (served with ``runtime.metrics.CONTENT_TYPE``), and
         the families ``more()`` gives for this export (prometheus_client metric families: a server's scheduler's)."""
         from prometheus_client import CollectorRegistry, generate_latest
+
         with self._lock:
             if self._registry is None:
                 self._registry = CollectorRegistry(auto_describe=False)
@@ -200,40 +221,66 @@ class MetricsRegistry:
         """prometheus_client's collector protocol: the metric families of one consistent snapshot."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
         from prometheus_client.utils import floatToGoString
+
         with self._lock:
             t, p = self.total, self.prefix
             counted = {"requests": self.requests, **{f: getattr(t, f) for _, f in COUNTERS.values() if f != "requests"}}
             out = [CounterMetricFamily(f"{p}_{name}", text, value=counted[f]) for name, (text, f) in COUNTERS.items()]
             out += [CounterMetricFamily(name, text, value=counted[f]) for name, (text, f) in VLLM_COUNTERS.items()]
-            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                          "Accepted tokens per draft position.", labels=["position"])
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=["position"],
+            )
             for i, count in enumerate(t.accepted_per_position):
                 per_pos.add_metric([str(i)], count)
             out.append(per_pos)
-            out += [GaugeMetricFamily(f"{p}_{name}", help_text, value=getattr(t, f))
-                    for name, (help_text, f) in GAUGES.items()]
-            out.append(GaugeMetricFamily(f"{p}_fallback_active", "1 while decoding target-only because of low "
-                                         "acceptance", value=int(self.fallback_active)))
-            by_position = GaugeMetricFamily(f"{p}_acceptance_by_position", "Acceptance rate of draft position i",
-                                            labels=["position"])
+            out += [
+                GaugeMetricFamily(f"{p}_{name}", help_text, value=getattr(t, f))
+                for name, (help_text, f) in GAUGES.items()
+            ]
+            out.append(
+                GaugeMetricFamily(
+                    f"{p}_fallback_active",
+                    "1 while decoding target-only because of low acceptance",
+                    value=int(self.fallback_active),
+                )
+            )
+            by_position = GaugeMetricFamily(
+                f"{p}_acceptance_by_position", "Acceptance rate of draft position i", labels=["position"]
+            )
             for i, rate in enumerate(t.acceptance_per_position):
                 by_position.add_metric([str(i + 1)], rate)
             out.append(by_position)
             out += self._by_drafter()
             for name, help_text, histogram in (
-                    ("time_to_first_token_seconds", "Seconds from a request's start (prefill included) to its first "
-                     "token", self.ttft),
-                    ("inter_token_latency_seconds", "A request's mean seconds per token after its first",
-                     self.inter_token)):
-                out.append(HistogramMetricFamily(f"{p}_{name}", help_text, sum_value=histogram.total,
-                                                 buckets=[(floatToGoString(b), c) for b, c in histogram.cumulative()]))
+                (
+                    "time_to_first_token_seconds",
+                    "Seconds from a request's start (prefill included) to its first token",
+                    self.ttft,
+                ),
+                ("inter_token_latency_seconds", "A request's mean seconds per token after its first", self.inter_token),
+            ):
+                out.append(
+                    HistogramMetricFamily(
+                        f"{p}_{name}",
+                        help_text,
+                        sum_value=histogram.total,
+                        buckets=[(floatToGoString(b), c) for b, c in histogram.cumulative()],
+                    )
+                )
         return out
 
     def _by_drafter(self) -> list:
         from prometheus_client.core import CounterMetricFamily
-        families = [CounterMetricFamily(f"{self.prefix}_{name}", text, labels=["drafter"]) for name, text in (
-            ("drafter_draft_tokens", "Draft tokens proposed, by drafter kind"),
-            ("drafter_accepted_tokens", "Draft tokens accepted, by drafter kind"))]
+
+        families = [
+            CounterMetricFamily(f"{self.prefix}_{name}", text, labels=["drafter"])
+            for name, text in (
+                ("drafter_draft_tokens", "Draft tokens proposed, by drafter kind"),
+                ("drafter_accepted_tokens", "Draft tokens accepted, by drafter kind"),
+            )
+        ]
         for drafter, counts in sorted(self.by_drafter.items()):
             for family, count in zip(families, counts):
                 family.add_metric([drafter], count)
@@ -253,6 +300,7 @@ def peak_rss_bytes() -> int:
     import resource
     import sys
     from pathlib import Path
+
     status = Path("/proc/self/status")
     if status.is_file():
         for line in status.read_text().splitlines():
@@ -265,6 +313,7 @@ def peak_rss_bytes() -> int:
 def available_memory_bytes() -> int | None:
     """The memory the system can give without swapping (Linux's MemAvailable); None where it cannot be read."""
     from pathlib import Path
+
     meminfo = Path("/proc/meminfo")
     if not meminfo.is_file():
         return None

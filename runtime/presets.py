@@ -33,6 +33,7 @@ def load_preset(path: str | Path) -> dict:
     """The preset at ``path`` as a mapping (without ``schema_version``); SpecError when it cannot be read, is not a
     mapping, or has keys or values no preset may have."""
     import yaml
+
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

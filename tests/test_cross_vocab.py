@@ -12,8 +12,18 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from fakes import (LENGTH, BigramEngine, assert_follows_target, exact_prefixes, point_mass_laws,
-                   prefix_frequencies, random_table, run_loop, total_variation, tv_bound)
+from fakes import (
+    LENGTH,
+    BigramEngine,
+    assert_follows_target,
+    exact_prefixes,
+    point_mass_laws,
+    prefix_frequencies,
+    random_table,
+    run_loop,
+    total_variation,
+    tv_bound,
+)
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 from runtime.decoding.sampling import SamplingParams, probabilities
@@ -40,8 +50,8 @@ class WordTokenizer:
         ids, at = [], 0
         while at < len(text):
             for width in range(min(self.longest, len(text) - at), 0, -1):
-                if text[at: at + width] in self.ids:
-                    ids.append(self.ids[text[at: at + width]])
+                if text[at : at + width] in self.ids:
+                    ids.append(self.ids[text[at : at + width]])
                     at += width
                     break
             else:
@@ -52,8 +62,10 @@ class WordTokenizer:
 def word_bridge() -> VocabBridge:
     def table(tokens):
         return [t.encode() for t in tokens], np.zeros(len(tokens), bool)
-    return VocabBridge.from_tables(WordTokenizer(TARGET_TOKENS), WordTokenizer(DRAFT_TOKENS), table(TARGET_TOKENS),
-                                   table(DRAFT_TOKENS))
+
+    return VocabBridge.from_tables(
+        WordTokenizer(TARGET_TOKENS), WordTokenizer(DRAFT_TOKENS), table(TARGET_TOKENS), table(DRAFT_TOKENS)
+    )
 
 
 def cross_loop(method: str, target_table, draft_table, prompts, config: DecodeConfig) -> SpeculativeLoop:
@@ -71,6 +83,7 @@ def target_only(target_table, prompt: list[int], new: int) -> list[int]:
 
 # --- the bridge ---------------------------------------------------------------------------------------------------
 
+
 def test_the_bridge_pairs_tokens_by_their_bytes_both_ways():
     bridge = word_bridge()
     assert bridge.shared == 4
@@ -86,14 +99,23 @@ def test_special_tokens_pair_only_with_special_tokens():
     assert bridge.target_to_draft.tolist() == [-1, 0]
 
 
-@pytest.mark.parametrize("data, text, carry", [("日本".encode()[:-1], "日", b"\xe6\x9c"), (b"ab\xff", "ab\ufffd", b""),
-                                               ("é".encode(), "é", b""), (b"", "", b""), (b"\xc3", "", b"\xc3")])
+@pytest.mark.parametrize(
+    "data, text, carry",
+    [
+        ("日本".encode()[:-1], "日", b"\xe6\x9c"),
+        (b"ab\xff", "ab\ufffd", b""),
+        ("é".encode(), "é", b""),
+        (b"", "", b""),
+        (b"\xc3", "", b"\xc3"),
+    ],
+)
 def test_text_waits_only_for_a_character_cut_in_the_middle(data, text, carry):
     assert split_utf8(data) == (text, carry)
 
 
 def test_the_real_pair_shares_its_special_tokens(tiny_cross_bundle):
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
     bridge, tokenizer = generator.bridge, generator.tokenizer
     end = tokenizer.fast.token_to_id("<|im_end|>")
@@ -102,6 +124,7 @@ def test_the_real_pair_shares_its_special_tokens(tiny_cross_bundle):
 
 
 # --- greedy: the target's own output ------------------------------------------------------------------------------
+
 
 def close_draft(target_table: np.ndarray, seed: int) -> np.ndarray:
     """A draft table over the draft's ids: the target's bigrams on the shared tokens, plus noise."""
@@ -118,8 +141,9 @@ def close_draft(target_table: np.ndarray, seed: int) -> np.ndarray:
 def test_greedy_cross_drafting_equals_target_only(method):
     target_table = random_table(5, 1, scale=3.0)
     prompts = [[0], [1, 4], [4], [2, 3, 0]]
-    loop = cross_loop(method, target_table, close_draft(target_table, 3), prompts,
-                      DecodeConfig(24, 3, SamplingParams(0.0)))
+    loop = cross_loop(
+        method, target_table, close_draft(target_table, 3), prompts, DecodeConfig(24, 3, SamplingParams(0.0))
+    )
     steps = list(loop.run())
     assert [row.generated for row in loop.rows] == [target_only(target_table, p, 24) for p in prompts]
     assert sum(row.stats.num_accepted_tokens for row in loop.rows) > 0  # the draft really drafted
@@ -148,8 +172,9 @@ def test_tli_sampling_follows_the_target_distribution(params):
     target_table, draft_table = random_table(5, 1), random_table(5, 2)
     loop = cross_loop("tli", target_table, draft_table, [[0]] * N, DecodeConfig(LENGTH, 3, params, seed=7))
     first = run_loop(loop)
-    assert_follows_target(loop.rows, first, probabilities(target_table, params), 0,
-                          [tli_law(draft_table, word_bridge(), params)] * 3)
+    assert_follows_target(
+        loop.rows, first, probabilities(target_table, params), 0, [tli_law(draft_table, word_bridge(), params)] * 3
+    )
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.8,top_k=3"])
@@ -176,6 +201,7 @@ def test_a_misstated_draft_law_fails_the_distribution_test(monkeypatch):
     """Recording a q other than the law the token was drawn from (here 20% too small: the restricted law's mass
     before renormalising, roughly) is the bug exactness rests on: the distribution test must see it."""
     import runtime.drafters.cross_vocab as cross_vocab
+
     honest = cross_vocab.draw_next
 
     def understated(logits, tokens, probs, *args):
@@ -189,8 +215,9 @@ def test_a_misstated_draft_law_fails_the_distribution_test(monkeypatch):
     loop = cross_loop("tli", target_table, draft_table, [[0]] * N, DecodeConfig(LENGTH, 3, params, seed=7))
     first = run_loop(loop)
     with pytest.raises(AssertionError, match="law of the tokens"):
-        assert_follows_target(loop.rows, first, probabilities(target_table, params), 0,
-                              [tli_law(draft_table, word_bridge(), params)] * 3)
+        assert_follows_target(
+            loop.rows, first, probabilities(target_table, params), 0, [tli_law(draft_table, word_bridge(), params)] * 3
+        )
 
 
 # --- the real pair end to end ------------------------------------------------------------------------------------
@@ -201,6 +228,7 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "Ünïcödé café — 日�
 @pytest.mark.parametrize("drafter", ["tli", "string"])
 def test_a_cross_bundle_decodes_exactly_with_both_methods(tiny_cross_bundle, drafter):
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
     for prompt in PROMPTS:
         want = generator.generate(prompt, max_new_tokens=24, mode="target")
@@ -212,6 +240,7 @@ def test_a_cross_bundle_decodes_exactly_with_both_methods(tiny_cross_bundle, dra
 def test_same_vocabulary_drafters_are_refused_on_a_cross_bundle_and_the_reverse(tiny_cross_bundle, generator):
     from runtime.api import SpeculativeGenerator
     from runtime.errors import RequestError
+
     cross = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
     assert cross.default_drafter == "tli"
     with pytest.raises(RequestError, match="tokenizer of its own"):
@@ -226,6 +255,7 @@ def test_the_scheduler_serves_both_methods_side_by_side_and_counts_each_apart(ti
     what the request gets alone, and the metrics count each method's draft and accepted tokens under its name."""
     from runtime.api import SpeculativeGenerator
     from runtime.serving.scheduler import Scheduler
+
     generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4)
     options = [dict(drafter="tli", k=3), dict(drafter="string", k=3), dict(mode="target"), dict(k=2)]

@@ -19,12 +19,25 @@ kv = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate import utils as kv_utils  # noqa: E402
 
 from runtime.bundle import load_manifest  # noqa: E402
-from triton_repo.deploy import (AUTOSCALERS, BUNDLE_SOURCES, SERVERS, DeployError, DeployOptions,  # noqa: E402
-                                Measured, kv_cache_mib, manifests, max_tokens_allowed, measure, write_manifests)
+from triton_repo.deploy import (  # noqa: E402
+    AUTOSCALERS,
+    BUNDLE_SOURCES,
+    SERVERS,
+    DeployError,
+    DeployOptions,
+    Measured,
+    kv_cache_mib,
+    manifests,
+    max_tokens_allowed,
+    measure,
+    write_manifests,
+)
 
 FIRST = (1, 30)
-VERSIONS = sorted({v for v in kv_utils.all_versions() if tuple(map(int, v.split(".")[:2])) >= FIRST},
-                  key=lambda v: tuple(map(int, v.split("."))))
+VERSIONS = sorted(
+    {v for v in kv_utils.all_versions() if tuple(map(int, v.split(".")[:2])) >= FIRST},
+    key=lambda v: tuple(map(int, v.split("."))),
+)
 GIVEN = Measured(load_s=4.0, rss_mib=300.0, tokens_per_s=40.0, how="given")
 
 
@@ -42,13 +55,32 @@ def trt_bundle(request, tiny_pair, tmp_path_factory) -> Path:
     """A tensorrt_llm bundle with tp 2 x pp 2, built without a GPU (the engine steps faked)."""
     from builder.trtllm import build as trtllm
     from runtime.bundle import BuildSpec
+
     target, draft = tiny_pair
-    spec = BuildSpec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="fp16", k=3, max_k=6,
-                     max_context=128, backend="tensorrt_llm", device="cuda", trtllm_flavor=request.param,
-                     tp_size=2, pp_size=2)
+    spec = BuildSpec(
+        target=str(target),
+        draft=str(draft),
+        target_quant="fp16",
+        draft_quant="fp16",
+        k=3,
+        max_k=6,
+        max_context=128,
+        backend="tensorrt_llm",
+        device="cuda",
+        trtllm_flavor=request.param,
+        tp_size=2,
+        pp_size=2,
+    )
     out = tmp_path_factory.mktemp("trt-deploy") / "bundle"
-    trtllm.build(spec, out, runner=fake_gpu_runner, version="1.2.1", gpus=4, examples_dir=str(out.parent),
-                 available=lambda name: True)
+    trtllm.build(
+        spec,
+        out,
+        runner=fake_gpu_runner,
+        version="1.2.1",
+        gpus=4,
+        examples_dir=str(out.parent),
+        available=lambda name: True,
+    )
     return out
 
 
@@ -59,8 +91,9 @@ def validate_all(objects: dict[str, dict]) -> None:
             try:
                 used = kv.validate(document, version, strict=True)
             except kv.ValidationError as err:
-                raise AssertionError(f"{name} invalid for Kubernetes {version}: {err.message} at "
-                                     f"{'.'.join(map(str, err.path))}") from None
+                raise AssertionError(
+                    f"{name} invalid for Kubernetes {version}: {err.message} at {'.'.join(map(str, err.path))}"
+                ) from None
             assert used == kv_utils.major_minor(version), (name, version, used)
 
 
@@ -71,15 +104,13 @@ def test_the_schemas_cover_1_30_to_the_newest():
 
 @pytest.mark.parametrize("source,autoscale,key", list(itertools.product(BUNDLE_SOURCES, AUTOSCALERS, ("", "k"))))
 def test_onnx_bundle_manifests_validate_for_every_release(tiny_bundle, source, autoscale, key):
-    options = DeployOptions(bundle_source=source, autoscale=autoscale, bundle_image="reg/bundle:1",
-                            api_key_secret=key)
+    options = DeployOptions(bundle_source=source, autoscale=autoscale, bundle_image="reg/bundle:1", api_key_secret=key)
     validate_all(manifests(tiny_bundle, options, GIVEN))
 
 
 @pytest.mark.parametrize("server,source", list(itertools.product(SERVERS, BUNDLE_SOURCES)))
 def test_trtllm_bundle_manifests_validate_for_every_release(trt_bundle, server, source):
-    objects = manifests(trt_bundle, DeployOptions(server=server, bundle_source=source, bundle_image="reg/b:1"),
-                        GIVEN)
+    objects = manifests(trt_bundle, DeployOptions(server=server, bundle_source=source, bundle_image="reg/b:1"), GIVEN)
     validate_all(objects)
     pod = objects["deployment.yaml"]["spec"]["template"]["spec"]
     server_container = pod["containers"][0]
@@ -157,23 +188,42 @@ def test_queue_autoscaler_names_each_servers_gauge(tiny_bundle, trt_bundle):
 
 # --- issue 38: nothing generated exposes a known-vulnerable endpoint, a root pod, an open network or a key in env ---
 
+
 def test_triton_on_an_onnx_bundle_is_refused_with_the_reason_and_the_alternative(tiny_bundle, tmp_path):
     """The CPU image's tritonserver is 2.51 (nvidia-pytriton 0.7.0), with unauthenticated crash/RCE CVEs: a pod
     serving it on 0.0.0.0 is what docs/operations.md says must never face a network."""
     with pytest.raises(DeployError, match=r"2\.51.*CVE-2025-23310.*--server openai"):
         manifests(tiny_bundle, DeployOptions(server="triton"), GIVEN)
     from runtime.cli import main
+
     out = tmp_path / "k8s"
-    result = CliRunner().invoke(main, ["deploy", "kubernetes", str(tiny_bundle), "--out", str(out), "--server",
-                                       "triton", "--load-seconds", "3", "--memory-mib", "200",
-                                       "--tokens-per-second", "50"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "deploy",
+            "kubernetes",
+            str(tiny_bundle),
+            "--out",
+            str(out),
+            "--server",
+            "triton",
+            "--load-seconds",
+            "3",
+            "--memory-mib",
+            "200",
+            "--tokens-per-second",
+            "50",
+        ],
+    )
     assert result.exit_code != 0 and "--server openai" in result.output and not out.exists()
 
 
-VULNERABLE_TRITON_IMAGES = ["nvcr.io/nvidia/tritonserver:24.10-trtllm-python-py3",
-                            "nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3",
-                            "nvcr.io/nvidia/tritonserver:23.12-py3",
-                            "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3"]
+VULNERABLE_TRITON_IMAGES = [
+    "nvcr.io/nvidia/tritonserver:24.10-trtllm-python-py3",
+    "nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3",
+    "nvcr.io/nvidia/tritonserver:23.12-py3",
+    "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3",
+]
 
 
 @pytest.mark.parametrize("image", VULNERABLE_TRITON_IMAGES)
@@ -228,8 +278,23 @@ def test_the_api_key_comes_from_a_secret_file_and_no_key_is_said_loudly(tiny_bun
     assert mount["readOnly"] is True
     assert _flag(container["command"], "--api-key-file") == f"{mount['mountPath']}/DRAFTSMITH_API_KEY"
     from runtime.cli import main
-    result = CliRunner().invoke(main, ["deploy", "kubernetes", str(tiny_bundle), "--out", str(tmp_path / "k"),
-                                       "--load-seconds", "3", "--memory-mib", "200", "--tokens-per-second", "50"])
+
+    result = CliRunner().invoke(
+        main,
+        [
+            "deploy",
+            "kubernetes",
+            str(tiny_bundle),
+            "--out",
+            str(tmp_path / "k"),
+            "--load-seconds",
+            "3",
+            "--memory-mib",
+            "200",
+            "--tokens-per-second",
+            "50",
+        ],
+    )
     assert result.exit_code == 0 and "WARNING: no API key" in result.output
     assert "WARNING: no API key" in (tmp_path / "k" / "deployment.yaml").read_text()
 
@@ -238,6 +303,7 @@ def test_the_api_key_comes_from_a_secret_file_and_no_key_is_said_loudly(tiny_bun
 def test_serve_openai_reads_its_key_from_a_file(tiny_bundle, tmp_path, monkeypatch, content, given):
     from runtime.cli import main
     from runtime.serving import openai_server
+
     seen = {}
     monkeypatch.setattr(openai_server, "serve", lambda bundle, **kw: seen.update(kw))
     monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
@@ -252,6 +318,7 @@ def test_serve_openai_reads_its_key_from_a_file(tiny_bundle, tmp_path, monkeypat
 def test_serve_openai_refuses_a_bad_key_file(tiny_bundle, tmp_path, monkeypatch, problem):
     from runtime.cli import main
     from runtime.serving import openai_server
+
     monkeypatch.setattr(openai_server, "serve", lambda bundle, **kw: pytest.fail("served"))
     monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
     key = tmp_path / "key"
@@ -272,14 +339,33 @@ def test_bad_options_are_refused_by_name():
 
 def test_command_writes_a_kustomization_and_refuses_to_overwrite(tiny_bundle, tmp_path):
     from runtime.cli import main
+
     out = tmp_path / "k8s"
-    args = ["deploy", "kubernetes", str(tiny_bundle), "--out", str(out), "--autoscale", "queue",
-            "--load-seconds", "3", "--memory-mib", "200", "--tokens-per-second", "50"]
+    args = [
+        "deploy",
+        "kubernetes",
+        str(tiny_bundle),
+        "--out",
+        str(out),
+        "--autoscale",
+        "queue",
+        "--load-seconds",
+        "3",
+        "--memory-mib",
+        "200",
+        "--tokens-per-second",
+        "50",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     kustomization = yaml.safe_load((out / "kustomization.yaml").read_text())
-    assert kustomization["resources"] == ["deployment.yaml", "service.yaml", "pdb.yaml", "networkpolicy.yaml",
-                                          "hpa-queue.yaml"]
+    assert kustomization["resources"] == [
+        "deployment.yaml",
+        "service.yaml",
+        "pdb.yaml",
+        "networkpolicy.yaml",
+        "hpa-queue.yaml",
+    ]
     assert "vllm:num_requests_waiting" in (out / "hpa-queue.yaml").read_text()  # the adapter rule's series
     for name in kustomization["resources"]:
         assert "&id" not in (out / name).read_text()  # no YAML anchors

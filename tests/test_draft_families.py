@@ -23,6 +23,7 @@ def tiny_target(root, architecture: str, layers: int = 2):
 def greedy_identity(bundle, k: int = 2) -> int:
     """Asserts speculative == target-only on PROMPTS; returns the accepted draft tokens."""
     from runtime.api import SpeculativeGenerator
+
     gen = SpeculativeGenerator.from_bundle(bundle, threads=1)
     accepted = 0
     for prompt in PROMPTS:
@@ -40,9 +41,14 @@ def test_truncated_self_draft_of_every_architecture(architecture, tmp_path):
     """``self:layers=1``: the first layer with its own layer type (Gemma: sliding) and rotary table."""
     from builder.build import build
     from runtime.bundle import BuildSpec
+
     target = tiny_target(tmp_path, architecture, layers=2)
-    manifest = build(BuildSpec(target=str(target), draft="self:layers=1", target_quant="fp32", draft_quant="fp32",
-                               k=2, max_context=64), tmp_path / "bundle")
+    manifest = build(
+        BuildSpec(
+            target=str(target), draft="self:layers=1", target_quant="fp32", draft_quant="fp32", k=2, max_context=64
+        ),
+        tmp_path / "bundle",
+    )
     assert manifest.draft.num_layers == 1 and manifest.target.num_layers == 2
     assert max(manifest.report["export_check_max_abs_logit_diff"]["draft"].values()) < 1e-3
     greedy_identity(tmp_path / "bundle")
@@ -52,6 +58,7 @@ def test_truncated_config_keeps_the_first_layer_types():
     from transformers import AutoModelForCausalLM
 
     from builder.build import truncate
+
     model = AutoModelForCausalLM.from_config(tiny_config("Gemma3ForCausalLM", layers=2))
     draft = truncate(model, 1)
     assert draft.config.layer_types == ["sliding_attention"] and draft.config.num_hidden_layers == 1
@@ -65,6 +72,7 @@ def test_feature_config_reads_per_layer_type_rotary_and_norm_conventions():
     from transformers import AutoModelForCausalLM
 
     from builder.distill import feature_draft as fd
+
     config = tiny_config("Gemma3ForCausalLM")
     assert fd.FeatureConfig.of_target(config).rope_theta == 1e6
     assert fd.FeatureConfig.of_target(tiny_config("LlamaForCausalLM", rope_theta=5e5)).rope_theta == 5e5
@@ -81,13 +89,18 @@ def test_a_capped_output_is_refused_before_anything_slow(init, tmp_path):
     from builder.distill.corpus import DistillError
     from builder.distill.pipeline import distill_draft
     from builder.distill.recipe import DistillRecipe
+
     target = tmp_path / "gemma2"
     make_tokenizer(target)
     make_model(target, tiny_config("Gemma2ForCausalLM", final_logit_softcapping=30.0), seed=1)
     (tmp_path / "prompts.txt").write_text("one\ntwo\nthree\n", encoding="utf-8")
     with pytest.raises(DistillError, match="final_logit_softcapping 30.0"):
-        distill_draft(DistillRecipe(init=init, prompts=tmp_path / "prompts.txt", max_steps=1), str(target),
-                      tmp_path / "d", quiet=True)
+        distill_draft(
+            DistillRecipe(init=init, prompts=tmp_path / "prompts.txt", max_steps=1),
+            str(target),
+            tmp_path / "d",
+            quiet=True,
+        )
     assert not (tmp_path / "d").exists()
 
 
@@ -103,20 +116,38 @@ def test_a_feature_draft_for_gemma3_builds_and_stays_exact(tmp_path):
     from builder.distill.pipeline import distill_draft
     from builder.distill.recipe import DistillRecipe
     from runtime.bundle import BuildSpec
+
     torch.set_num_threads(1)
     target = tiny_target(tmp_path, "Gemma3ForCausalLM")
     rng = np.random.default_rng(0)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "add", "return", "print"]
-    (tmp_path / "prompts.txt").write_text("\n".join(" ".join(rng.choice(words, 5)) for _ in range(40)),
-                                          encoding="utf-8")
-    recipe = DistillRecipe(init="feature", prompts=tmp_path / "prompts.txt", max_new_tokens=12, max_steps=30, seed=0,
-                           heldout=0.2, draft_vocab=100)
+    (tmp_path / "prompts.txt").write_text(
+        "\n".join(" ".join(rng.choice(words, 5)) for _ in range(40)), encoding="utf-8"
+    )
+    recipe = DistillRecipe(
+        init="feature",
+        prompts=tmp_path / "prompts.txt",
+        max_new_tokens=12,
+        max_steps=30,
+        seed=0,
+        heldout=0.2,
+        draft_vocab=100,
+    )
     report = distill_draft(recipe, str(target), tmp_path / "draft", quiet=True)
     assert report["draft_kind"] == "feature"
     shell = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert shell["architectures"] == ["LlamaForCausalLM"] and shell["num_hidden_layers"] == 1
-    manifest = build(BuildSpec(target=str(target), draft=str(tmp_path / "draft"), target_quant="fp32",
-                               draft_quant="fp32", k=2, max_context=64), tmp_path / "bundle")
+    manifest = build(
+        BuildSpec(
+            target=str(target),
+            draft=str(tmp_path / "draft"),
+            target_quant="fp32",
+            draft_quant="fp32",
+            k=2,
+            max_context=64,
+        ),
+        tmp_path / "bundle",
+    )
     assert manifest.target.architecture == "Gemma3ForCausalLM" and "features" in manifest.draft.input_names
     assert max(manifest.report["export_check_max_abs_logit_diff"]["draft"].values()) < 1e-3
     greedy_identity(tmp_path / "bundle")

@@ -51,8 +51,9 @@ def test_a_head_of_the_wrong_width_is_refused():
 
 def sample_pairs_reduced(target_table, params, n: int, k: int, seed: int) -> np.ndarray:
     """First-two-token frequencies; 3 new tokens so a first step at k=2 drafts two (at 2 it could draft one)."""
-    loop = SpeculativeLoop(BigramEngine(target_table), ModelDrafter(reduced_draft()), [[0]] * n,
-                           DecodeConfig(3, k, params, seed=seed))
+    loop = SpeculativeLoop(
+        BigramEngine(target_table), ModelDrafter(reduced_draft()), [[0]] * n, DecodeConfig(3, k, params, seed=seed)
+    )
     for _ in loop.run():
         pass
     counts = DraftCounts.of(loop.rows)
@@ -105,19 +106,25 @@ def test_a_reduced_head_draft_builds_and_decodes_like_the_target(tiny_pair, tmp_
     from builder.build import build
     from runtime.api import SpeculativeGenerator
     from runtime.bundle import BuildSpec
+
     target, draft = tiny_pair
     reduced = tmp_path / "draft"
     shutil.copytree(draft, reduced)
     kept = list(range(0, 320, 2))[:150] + [2]  # a stand-in for the most frequent ids; EOS (2) kept
     (reduced / "draft_vocab.json").write_text(json.dumps({"kept_ids": sorted(set(kept))}), encoding="utf-8")
-    manifest = build(BuildSpec(target=str(target), draft=str(reduced), target_quant="fp32", draft_quant="fp32", k=3,
-                               max_context=128), tmp_path / "bundle")
+    manifest = build(
+        BuildSpec(
+            target=str(target), draft=str(reduced), target_quant="fp32", draft_quant="fp32", k=3, max_context=128
+        ),
+        tmp_path / "bundle",
+    )
     assert manifest.draft.vocab_map == "draft/draft_vocab.json" and manifest.draft.vocab_size == 150
     assert manifest.target.vocab_size == 320 and not manifest.target.vocab_map
     assert manifest.report["draft_vocab"]["kept_ids"] == 150
     from click.testing import CliRunner
 
     from builder.cli import main as build_engines
+
     shown = CliRunner().invoke(build_engines, ["inspect", str(tmp_path / "bundle")])
     assert shown.exit_code == 0 and "n/a" in shown.output, shown.output  # no perplexity over a reduced head
     generator = SpeculativeGenerator.from_bundle(tmp_path / "bundle", threads=1)
@@ -129,6 +136,7 @@ def test_a_reduced_head_draft_builds_and_decodes_like_the_target(tiny_pair, tmp_
     sampled = generator.generate("for i in range", max_new_tokens=8, temperature=1.0, seed=3)
     assert len(sampled.token_ids) >= 1
     from bench.speed import Recorder, decode  # the bench times the draft's ONNX Runtime part through the map too
+
     recorder = Recorder(generator)
     try:
         decode(generator, [generator.encode_prompt("def add(a, b):", False)], "speculative", 3, 8, 0.0, 0)

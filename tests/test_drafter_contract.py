@@ -23,23 +23,33 @@ def capability_probes(source: str) -> list[tuple[int, str]]:
     """(line, name) of every ``hasattr(x, "name")`` / ``getattr(x, "name", ...)`` of a drafter capability."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                and node.args[1].value in CAPABILITIES):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("hasattr", "getattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in CAPABILITIES
+        ):
             found.append((node.lineno, node.args[1].value))
     return found
 
 
 def test_no_drafter_capability_is_probed():
-    probes = [f"{path.relative_to(ROOT)}:{line} probes {name!r}"
-              for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
-              for line, name in capability_probes(path.read_text(encoding="utf-8"))]
+    probes = [
+        f"{path.relative_to(ROOT)}:{line} probes {name!r}"
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for line, name in capability_probes(path.read_text(encoding="utf-8"))
+    ]
     assert probes == [], "declare the capability on runtime.drafters.base.Drafter and call it:\n" + "\n".join(probes)
 
 
 def test_the_guard_sees_a_probe():
-    assert capability_probes('if hasattr(d, "take_features"):\n    pass\nx = getattr(d, "takes_prefixes", False)') \
-        == [(1, "take_features"), (3, "takes_prefixes")]
+    assert capability_probes('if hasattr(d, "take_features"):\n    pass\nx = getattr(d, "takes_prefixes", False)') == [
+        (1, "take_features"),
+        (3, "takes_prefixes"),
+    ]
     assert capability_probes('getattr(engine, "takes_features", False)') == []  # an engine's, not a drafter's
 
 
@@ -57,6 +67,7 @@ def sources(draft=None, has_hidden=False, bridge=None) -> DraftSources:
 
 def byte_bridge():
     from runtime.text.vocab_bridge import VocabBridge
+
     table = ([bytes([65 + i]) for i in range(16)], np.zeros(16, bool))
     return VocabBridge.from_tables(None, None, table, table)
 
@@ -72,8 +83,9 @@ def test_every_registered_kind_makes_a_drafter_that_implements_the_contract(name
 
 
 def test_a_kind_that_needs_the_draft_engine_gives_none_without_one_and_an_unknown_kind_is_refused():
-    assert [name for name in DRAFTERS if make_drafter(name, sources()) is None] \
-        == [name for name, kind in REGISTRY.items() if kind.uses_draft_engine]
+    assert [name for name in DRAFTERS if make_drafter(name, sources()) is None] == [
+        name for name, kind in REGISTRY.items() if kind.uses_draft_engine
+    ]
     with pytest.raises(RequestError, match="drafter must be one of"):
         make_drafter("medusa", sources())
 
@@ -108,6 +120,7 @@ def test_the_schema_and_the_clis_read_the_registry():
     from runtime.bundle import DRAFTERS as SCHEMA
     from runtime.cli import generate
     from bench.speed import drafter_labels
+
     assert SCHEMA == tuple(REGISTRY)
     for command in (generate, build_engines):
         choices = [p.type.choices for p in command.params if p.name in ("drafter", "drafter_kind")]
@@ -122,6 +135,7 @@ def test_the_schema_and_the_clis_read_the_registry():
 
 def test_prompt_lookup_through_the_registry_proposes_point_masses():
     from runtime.decoding.sampling import SamplingParams
+
     drafter = make_drafter("prompt_lookup", sources())
     drafter.start([[1, 2, 3, 1, 2]])
     proposal = drafter.propose([2], SamplingParams(), [np.random.default_rng(0)])

@@ -66,6 +66,7 @@ def test_sigterm_under_load_loses_no_request(tiny_bundle, tmp_path):
     retried on the other replica and answered there), none lost or cut short; the stopped one exits 0. The 5-run
     figure: python -m bench.drain BUNDLE --repetitions 5."""
     from bench.drain import run_drain
+
     report = run_drain(tiny_bundle, repetitions=1, duration=5.0, sigterm_after=1.5, log_dir=tmp_path)
     run = report["runs"][0]
     assert run["sent"] > 0 and run["lost"] == 0 and run["truncated"] == 0, run
@@ -84,6 +85,7 @@ def test_triton_sigterm_unloads_then_exits_without_losing_a_request(tiny_bundle,
     the ensemble's readiness turns false at once, later requests are refused before any work, the command exits 0."""
     from bench.drain import triton_drain_once
     from triton_repo.generate import RepoOptions, write_repository
+
     repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=4))
     prompts = ("The quick brown fox", "def add(a, b):", "for i in range(10):")
     reference = {p: generator.generate(p, max_new_tokens=24).text for p in prompts}
@@ -98,6 +100,7 @@ def test_a_drainable_triton_restricts_the_model_repository_api():
     """Unloading models must not be open to every client: the caller's restriction is reused when it covers the
     model-repository API, else a random header is added that only the TritonServer knows."""
     from triton_repo.server import _drain_restriction
+
     theirs = ["statistics:admin-key=one", "model-repository,model-config:admin-key=two"]
     assert _drain_restriction(theirs) == (theirs, ("admin-key", "two"))
     specs, header = _drain_restriction(["statistics:admin-key=one"])
@@ -113,6 +116,7 @@ def test_health_and_refusals_of_a_draining_app(generator):
 
     from runtime.serving.openai_server import create_app
     from runtime.serving.scheduler import Scheduler
+
     scheduler = Scheduler(generator, max_batch=2).start()
     drain = Drain(timeout=5, linger=0)
     app = create_app(scheduler, "tiny", api_key="k", drain=drain)

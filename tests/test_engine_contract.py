@@ -33,10 +33,16 @@ def onnx_engine(bundle, **options):
     entry = manifest.target
     if entry.graph == "fused":
         options["min_call_tokens"] = entry.min_call_tokens
-    return engine_class(entry.graph)(bundle / entry.engine, num_layers=entry.num_layers,
-                                     num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim,
-                                     vocab_size=entry.vocab_size, max_context=manifest.max_context, threads=1,
-                                     **options)
+    return engine_class(entry.graph)(
+        bundle / entry.engine,
+        num_layers=entry.num_layers,
+        num_kv_heads=entry.num_kv_heads,
+        head_dim=entry.head_dim,
+        vocab_size=entry.vocab_size,
+        max_context=manifest.max_context,
+        threads=1,
+        **options,
+    )
 
 
 def tolerance(engine) -> float:
@@ -74,37 +80,59 @@ def real_trtllm_engine():
     from pathlib import Path
 
     from runtime.trtllm.engine import RunnerEngine, open_runner
+
     bundle = Path(os.environ["DRAFTSMITH_TRTLLM_BUNDLE"])
     manifest = load_manifest(bundle, verify=False)
     eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
-    return RunnerEngine(open_runner(bundle / manifest.target.engine, 4), vocab_size=manifest.target.vocab_size,
-                        max_context=manifest.max_context, end_id=eos, pad_id=eos)
+    return RunnerEngine(
+        open_runner(bundle / manifest.target.engine, 4),
+        vocab_size=manifest.target.vocab_size,
+        max_context=manifest.max_context,
+        end_id=eos,
+        pad_id=eos,
+    )
 
 
-@pytest.fixture(params=["onnxruntime-fused", "onnxruntime-int4", "onnxruntime-export", "onnxruntime-fp16",
-                        "onnxruntime-cuda", "tensorrt_llm-adapter", "tensorrt_llm"])
+@pytest.fixture(
+    params=[
+        "onnxruntime-fused",
+        "onnxruntime-int4",
+        "onnxruntime-export",
+        "onnxruntime-fp16",
+        "onnxruntime-cuda",
+        "tensorrt_llm-adapter",
+        "tensorrt_llm",
+    ]
+)
 def engine(request):
     if request.param == "tensorrt_llm":
         return real_trtllm_engine()
-    bundles = {"onnxruntime-fused": "tiny_bundle", "onnxruntime-int4": "tiny_int4_bundle",
-               "onnxruntime-export": "tiny_export_bundle"}
+    bundles = {
+        "onnxruntime-fused": "tiny_bundle",
+        "onnxruntime-int4": "tiny_int4_bundle",
+        "onnxruntime-export": "tiny_export_bundle",
+    }
     if request.param in bundles:
         return onnx_engine(request.getfixturevalue(bundles[request.param]))
     if request.param.startswith("onnxruntime-"):
         import onnxruntime
 
         from runtime.engines.sessions import providers_for
+
         device = "cpu" if request.param == "onnxruntime-fp16" else "cuda"
         if device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-            pytest.skip("onnxruntime-cuda: this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu "
-                        "on a GPU machine; scripts/gpu_check.sh)")
-        return onnx_engine(request.getfixturevalue("tiny_cuda_bundle"), cache_device=device,
-                           providers=providers_for(device))
+            pytest.skip(
+                "onnxruntime-cuda: this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu "
+                "on a GPU machine; scripts/gpu_check.sh)"
+            )
+        return onnx_engine(
+            request.getfixturevalue("tiny_cuda_bundle"), cache_device=device, providers=providers_for(device)
+        )
     bundle = request.getfixturevalue("tiny_bundle")
     from runtime.trtllm.engine import RunnerEngine
+
     base = onnx_engine(bundle)
-    return RunnerEngine(CpuRunner(base), vocab_size=base.vocab_size, max_context=base.max_context, end_id=2,
-                        pad_id=0)
+    return RunnerEngine(CpuRunner(base), vocab_size=base.vocab_size, max_context=base.max_context, end_id=2, pad_id=0)
 
 
 def tokens(rng, batch, width, high=300):
@@ -182,6 +210,7 @@ def test_select_keeps_the_chosen_rows(engine):
 
 def test_adapter_sends_whole_histories_one_request_per_row(tiny_bundle):
     from runtime.trtllm.engine import RunnerEngine
+
     base = onnx_engine(tiny_bundle)
     runner = CpuRunner(base)
     engine = RunnerEngine(runner, vocab_size=base.vocab_size, max_context=base.max_context, end_id=2, pad_id=0)

@@ -21,8 +21,13 @@ def small_disk(tmp_path):
     """A 1 MiB tmpfs (the tiny bundle needs more); skipped where mounting is not permitted."""
     mount = tmp_path / "small"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     yield mount
     subprocess.run(["umount", str(mount)], check=False)
@@ -37,13 +42,26 @@ def test_disk_full_is_a_clear_error_and_leaves_nothing(tiny_pair, small_disk):
 @pytest.mark.slow
 def test_build_killed_at_random_points_never_leaves_a_loadable_partial_bundle(tiny_pair, tmp_path):
     out = tmp_path / "bundle"
-    command = [sys.executable, "-m", "builder.cli", "--target", str(tiny_pair[0]), "--draft", "self",
-               "--draft-quant", "int8", "--out", str(out), "--force"]
+    command = [
+        sys.executable,
+        "-m",
+        "builder.cli",
+        "--target",
+        str(tiny_pair[0]),
+        "--draft",
+        "self",
+        "--draft-quant",
+        "int8",
+        "--out",
+        str(out),
+        "--force",
+    ]
     rng = random.Random(20)
     completed = 0
     for _ in range(20):
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         time.sleep(rng.uniform(0.5, 14.0))
         finished = process.poll() is not None
         if not finished:
@@ -65,8 +83,19 @@ def test_a_killed_build_leaves_a_partial_folder_that_the_next_build_removes(tiny
     """SIGKILL (or the OOM killer) gives a build no chance to clean up; the next build on the same output does, and
     says so."""
     out = tmp_path / "bundle"
-    command = [sys.executable, "-m", "builder.cli", "--target", str(tiny_pair[0]), "--draft", "self",
-               "--draft-quant", "int8", "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "builder.cli",
+        "--target",
+        str(tiny_pair[0]),
+        "--draft",
+        "self",
+        "--draft-quant",
+        "int8",
+        "--out",
+        str(out),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".bundle.partial-*/target")) and process.poll() is None:
@@ -78,6 +107,7 @@ def test_a_killed_build_leaves_a_partial_folder_that_the_next_build_removes(tiny
 
     def stop(name):
         raise KeyboardInterrupt(name)
+
     with pytest.raises(KeyboardInterrupt):
         build(BuildSpec(target=str(tiny_pair[0]), draft="self"), out, on_stage=stop)
     assert not partial.exists() and list(tmp_path.iterdir()) == []

@@ -23,8 +23,9 @@ VOCAB = 5
 class HiddenBigram(BigramEngine):
     """A bigram target whose 'hidden state' after token a is one-hot(a) with a last flag 1 (came from the target)."""
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                exact: bool = True) -> np.ndarray:
+    def forward(
+        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+    ) -> np.ndarray:
         logits = super().forward(cache, tokens, valid)
         cache.extra["hidden"] = states(tokens, 1.0)
         return logits
@@ -55,8 +56,9 @@ class FakeFeatureDraft(BigramEngine):
         true = features[..., VOCAB:] > 0.5
         live = true[..., 0] & (np.ones_like(tokens) if valid is None else valid).astype(bool)
         self.true_pairs |= set(zip(features[..., :VOCAB].argmax(-1)[live].tolist(), tokens[live].tolist()))
-        logits = np.where(true, self.first[tokens] + self.by_feature[features[..., :VOCAB].argmax(-1)],
-                          self.chained[tokens])
+        logits = np.where(
+            true, self.first[tokens] + self.by_feature[features[..., :VOCAB].argmax(-1)], self.chained[tokens]
+        )
         cache.extra["hidden"] = states(tokens, 0.0)
         return logits
 
@@ -67,8 +69,9 @@ def test_feature_drafting_follows_the_target_distribution():
     first, by_feature, chained = random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4)
     n, start, before = 20000, 0, 3  # prompt [3, 0]: the prefill's state after 3 pairs with 0
     drafter = FeatureDrafter(FakeFeatureDraft(first, by_feature, chained))
-    loop = SpeculativeLoop(HiddenBigram(target), drafter, [[before, start]] * n,
-                           DecodeConfig(LENGTH, 3, params, seed=5))
+    loop = SpeculativeLoop(
+        HiddenBigram(target), drafter, [[before, start]] * n, DecodeConfig(LENGTH, 3, params, seed=5)
+    )
     counts = run_loop(loop)
     p = probabilities(target, params)
     q1 = np.tile(probabilities(first[start] + by_feature[before], params), (VOCAB, 1))  # position 1 follows start only
@@ -80,8 +83,12 @@ def test_feature_drafter_drops_its_own_predictions_and_keeps_the_targets():
     """Between steps the draft cache holds only true pairs: fed pairs + pending ones = every token but the first."""
     engine = FakeFeatureDraft(random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4))
     drafter = FeatureDrafter(engine)
-    loop = SpeculativeLoop(HiddenBigram(random_table(VOCAB, 1)), drafter, [[1, 2, 3], [4, 0]],
-                           DecodeConfig(40, 3, SamplingParams(1.0), seed=0))
+    loop = SpeculativeLoop(
+        HiddenBigram(random_table(VOCAB, 1)),
+        drafter,
+        [[1, 2, 3], [4, 0]],
+        DecodeConfig(40, 3, SamplingParams(1.0), seed=0),
+    )
     steps = 0
     for _ in loop.run():
         if any(r.finished for r in loop.rows):
@@ -92,8 +99,9 @@ def test_feature_drafter_drops_its_own_predictions_and_keeps_the_targets():
             assert sum(len(f) for f in drafter.features[b]) == len(drafter.tokens[b])
     assert steps > 3 and drafter.calls > steps
     # every target state went in with the token that followed it: pairs of consecutive tokens of some row
-    consecutive = {pair for row in loop.rows
-                   for pair in zip(row.prompt + row.generated, (row.prompt + row.generated)[1:])}
+    consecutive = {
+        pair for row in loop.rows for pair in zip(row.prompt + row.generated, (row.prompt + row.generated)[1:])
+    }
     assert engine.true_pairs and engine.true_pairs <= consecutive
 
 
@@ -104,11 +112,13 @@ def test_the_feature_drafter_refuses_a_plain_draft_engine():
 
 # --- real engines --------------------------------------------------------------------------------------------------
 
+
 def test_the_target_engine_returns_torchs_final_hidden_states(learnable_target, tmp_path):  # noqa: F811
     import torch
 
     from builder import checkpoint as ckpt
     from builder.distill.continuations import Job, generate_with_engine, target_engine
+
     checkpoint = ckpt.resolve(str(learnable_target[0]))
     model = checkpoint.load_model()
     engine = target_engine(model, checkpoint, tmp_path, "fp32", 4, max_context=64, threads=1)
@@ -136,6 +146,7 @@ def feature_bundle(learnable_target, tmp_path_factory):  # noqa: F811
     from builder.distill.recipe import DistillRecipe
     from runtime.bundle import BuildSpec
     from transformers import AutoModelForCausalLM
+
     torch.set_num_threads(1)
     source, prompts = learnable_target
     root = tmp_path_factory.mktemp("feature")
@@ -148,11 +159,13 @@ def feature_bundle(learnable_target, tmp_path_factory):  # noqa: F811
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (source / name).is_file():
             (target / name).write_bytes((source / name).read_bytes())
-    recipe = DistillRecipe(init="feature", prompts=prompts, max_new_tokens=24, max_steps=150, seed=0, heldout=0.2,
-                           draft_vocab=200)
+    recipe = DistillRecipe(
+        init="feature", prompts=prompts, max_new_tokens=24, max_steps=150, seed=0, heldout=0.2, draft_vocab=200
+    )
     report = distill_draft(recipe, str(target), root / "draft", quiet=True)
-    spec = BuildSpec(target=str(target), draft=str(root / "draft"), target_quant="fp32", draft_quant="fp32", k=3,
-                     max_context=128)
+    spec = BuildSpec(
+        target=str(target), draft=str(root / "draft"), target_quant="fp32", draft_quant="fp32", k=3, max_context=128
+    )
     manifest = build(spec, root / "bundle")
     return root / "bundle", report, manifest
 
@@ -174,6 +187,7 @@ def test_feature_distillation_learns_and_the_bundle_reports_it(feature_bundle):
 
 def test_feature_speculative_greedy_equals_target_only(feature_bundle):
     from runtime.api import SpeculativeGenerator
+
     gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
     prompts = ["the quick brown fox", "def add return for range", "lazy dog keeps"]
     spec = gen.generate(prompts, max_new_tokens=24, k=3, drafter="model", plan=False)  # k=3 at every step
@@ -192,20 +206,24 @@ def test_a_feature_draft_for_another_target_is_refused(feature_bundle, tmp_path)
 
     from builder.build import BuildError, build
     from runtime.bundle import BuildSpec
+
     manifest = feature_bundle[2]
     draft = tmp_path / "draft"
     shutil.copytree(manifest.draft.source, draft)
     config = json.loads((draft / "feature_draft.json").read_text())
     config["target_sha256"] = "0" * 64
     (draft / "feature_draft.json").write_text(json.dumps(config))
-    spec = BuildSpec(target=manifest.spec.target, draft=str(draft), target_quant="fp32", draft_quant="fp32",
-                     max_context=128)
+    spec = BuildSpec(
+        target=manifest.spec.target, draft=str(draft), target_quant="fp32", draft_quant="fp32", max_context=128
+    )
     with pytest.raises(BuildError, match="another target"):
         build(spec, tmp_path / "bundle")
 
 
-@pytest.mark.parametrize("change, message", [({"max_positions": 10 ** 12}, "does not match the target"),
-                                             ({"kind": "other"}, "kind"), (None, "kind")])
+@pytest.mark.parametrize(
+    "change, message",
+    [({"max_positions": 10**12}, "does not match the target"), ({"kind": "other"}, "kind"), (None, "kind")],
+)
 def test_a_hostile_feature_draft_config_is_refused(feature_bundle, tmp_path, change, message):
     """feature_draft.json is data: numbers that would size the graph past the target's (a 10^12-position rotary
     table), another kind, or no object at all get a clear error before anything is built."""
@@ -214,13 +232,15 @@ def test_a_hostile_feature_draft_config_is_refused(feature_bundle, tmp_path, cha
 
     from builder.build import BuildError, build
     from runtime.bundle import BuildSpec
+
     manifest = feature_bundle[2]
     draft = tmp_path / "draft"
     shutil.copytree(manifest.draft.source, draft)
     config = json.loads((draft / "feature_draft.json").read_text())
     (draft / "feature_draft.json").write_text(json.dumps([1] if change is None else {**config, **change}))
-    spec = BuildSpec(target=manifest.spec.target, draft=str(draft), target_quant="fp32", draft_quant="fp32",
-                     max_context=128)
+    spec = BuildSpec(
+        target=manifest.spec.target, draft=str(draft), target_quant="fp32", draft_quant="fp32", max_context=128
+    )
     with pytest.raises(BuildError, match=message):
         build(spec, tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()
@@ -232,6 +252,7 @@ def test_the_scheduler_feeds_the_feature_drafter_as_a_lone_request_does(feature_
     target calls, get the tokens they get alone, with drafts proposed and accepted."""
     from runtime.api import SpeculativeGenerator
     from runtime.serving.scheduler import Scheduler
+
     gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
     scheduler = Scheduler(gen, max_batch=3, policy=policy)
     prompts = ["the quick brown fox", "def add return", "lazy dog keeps target", "over the"]
@@ -252,6 +273,7 @@ def test_the_cost_model_starts_on_a_feature_draft(feature_bundle, policy):
     Answers stay greedy-exact for the fp32 target."""
     from runtime.api import SpeculativeGenerator
     from runtime.serving.scheduler import Scheduler
+
     gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
     scheduler = Scheduler(gen, max_batch=2, policy=policy).start()
     try:
@@ -265,6 +287,7 @@ def test_the_cost_model_starts_on_a_feature_draft(feature_bundle, policy):
 def test_profile_runs_a_feature_draft_bundle(feature_bundle):
     """draftsmith profile feeds a feature draft the features input it takes (zeros of its width)."""
     from bench.profile import profile_bundle
+
     report = profile_bundle(feature_bundle[0], threads=1, past=8, new=2, calls=3)
     assert report["draft"]["calls"] == 3 and report["draft"]["mean_call_ms"] > 0
 
@@ -273,6 +296,7 @@ def test_the_feature_drafter_drafts_on_after_grammar_forced_tokens():
     """A grammar's forced tokens go through the draft's chain like drawn ones (its own predicted features), and the
     draft draws on from there with the law that chain gives: q after forced [2, 1] is chained[1]'s."""
     from runtime.drafters.hybrid import HybridDrafter
+
     params = SamplingParams(1.0)
     first, by_feature, chained = random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4)
     drafter = FeatureDrafter(FakeFeatureDraft(first, by_feature, chained))

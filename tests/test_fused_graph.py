@@ -17,11 +17,22 @@ from runtime.engines.onnx import FusedEngine
 # Rotary scalings on Llama, each changing the angles within the 16 checked positions
 ROPES = {
     "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32, "rope_theta": 500000.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 500000.0,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
-    "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0],
-                 "long_factor": [2.0] * 8, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0],
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    },
 }
 # One tiny model per case: (architecture, config keys over the registry's tiny_config). Windows of 4 tokens are
 # shorter than the checked sequences, so sliding attention is really exercised.
@@ -31,18 +42,23 @@ TINY_MODELS = {
     "MistralForCausalLM": ("MistralForCausalLM", {"sliding_window": 4}),
     "Qwen2ForCausalLM": ("Qwen2ForCausalLM", {}),
     "Qwen3ForCausalLM": ("Qwen3ForCausalLM", {}),
-    "Qwen3ForCausalLM-sliding": ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 4,
-                                                      "max_window_layers": 1}),
+    "Qwen3ForCausalLM-sliding": (
+        "Qwen3ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+    ),
     "Phi3ForCausalLM": ("Phi3ForCausalLM", {}),  # longrope, partial rotary 0.5, fused qkv_proj / gate_up_proj
-    "Phi3ForCausalLM-default": ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "default",
-                                                                        "partial_rotary_factor": 0.5}}),
+    "Phi3ForCausalLM-default": (
+        "Phi3ForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+    ),
     "Gemma2ForCausalLM": ("Gemma2ForCausalLM", {}),  # softcaps 50 / 30 (Gemma 2's defaults)
-    "Gemma2ForCausalLM-softcap": ("Gemma2ForCausalLM", {"final_logit_softcapping": 5.0,
-                                                        "attn_logit_softcapping": 2.0}),  # caps that bite
+    "Gemma2ForCausalLM-softcap": (
+        "Gemma2ForCausalLM",
+        {"final_logit_softcapping": 5.0, "attn_logit_softcapping": 2.0},
+    ),  # caps that bite
     "Gemma3ForCausalLM": ("Gemma3ForCausalLM", {}),
     # transformers' Gemma 3 caps only the logits (it keeps attn_logit_softcapping but never applies it)
-    "Gemma3ForCausalLM-softcap": ("Gemma3ForCausalLM", {"final_logit_softcapping": 5.0,
-                                                        "attn_logit_softcapping": 2.0}),
+    "Gemma3ForCausalLM-softcap": ("Gemma3ForCausalLM", {"final_logit_softcapping": 5.0, "attn_logit_softcapping": 2.0}),
     "SmolLM3ForCausalLM": ("SmolLM3ForCausalLM", {}),  # layer 1 of 2 without rotary embedding
     "GraniteForCausalLM": ("GraniteForCausalLM", {}),
     "Olmo2ForCausalLM": ("Olmo2ForCausalLM", {}),
@@ -57,12 +73,21 @@ def _fused(model, path, accuracy_level: int = 4):
 
 
 def _engine(path, info, **options) -> FusedEngine:
-    return FusedEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                       vocab_size=info.vocab_size, max_context=128, threads=1, **options)
+    return FusedEngine(
+        path,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        max_context=128,
+        threads=1,
+        **options,
+    )
 
 
 def _op_counts(path) -> collections.Counter:
     import onnx
+
     return collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
@@ -84,8 +109,14 @@ def test_fused_graph_matches_torch(case, tmp_path):
     model = _tiny(case, tmp_path)
     decoder, info = _fused(model, tmp_path / "model.onnx")
     report = graph.check_against_torch(model, tmp_path / "model.onnx", info, REGISTRY[architecture].tolerance)
-    assert set(report) == {"prefill", "verify_after_rollback", "right_padded_batch", "batch_row_2", "batched_step",
-                           "batched_verify"}
+    assert set(report) == {
+        "prefill",
+        "verify_after_rollback",
+        "right_padded_batch",
+        "batch_row_2",
+        "batched_step",
+        "batched_verify",
+    }
     assert max(report.values()) < (1e-3 if arch.qk_norm else 1e-4), report  # q/k norms sharpen attention
     ops = _op_counts(tmp_path / "model.onnx")
     assert ops["GroupQueryAttention"] == info.num_layers and "Softmax" not in ops and "Concat" not in ops
@@ -100,6 +131,7 @@ def test_rotary_tables_are_transformers_own(kind, tmp_path):
     """The tables equal the model's rotary module's cos/sin (so the check above tests the scaling) and differ from
     unscaled ones within the checked positions."""
     import torch
+
     model = _tiny(f"LlamaForCausalLM-{kind}", tmp_path)
     table = from_transformers(model, max_context=32).rotary["default"]
     assert table.cos.shape == (34, 8) and table.long is None  # 32 positions + the padding slot; 64 > 32: short
@@ -116,6 +148,7 @@ def test_longrope_switches_factors_per_call_as_transformers_does(tmp_path):
     """Past original_max_position_embeddings transformers rotates a call's new tokens by the long factors (keys
     already cached keep the short ones); the graph does the same, picked by total_sequence_length."""
     import torch
+
     model = _tiny("Phi3ForCausalLM", tmp_path, original_max_position_embeddings=8)
     decoder, info = _fused(model, tmp_path / "model.onnx")
     table = decoder.rotary["default"]
@@ -150,9 +183,18 @@ def test_rotary_tables_follow_the_build_context(tmp_path):
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
-@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                                          "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
-                                          "Olmo2ForCausalLM"])
+@pytest.mark.parametrize(
+    "architecture",
+    [
+        "Qwen3ForCausalLM",
+        "Phi3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "SmolLM3ForCausalLM",
+        "GraniteForCausalLM",
+        "Olmo2ForCausalLM",
+    ],
+)
 def test_quantized_targets_keep_greedy_speculation_identical(architecture, quant, tmp_path):
     """A whole build (fused graph, the build's checks, quantization) of each family with an int4 or int8 target and
     a 1-layer int4 self-draft that is often wrong: greedy speculative output equals target-only output."""
@@ -160,11 +202,22 @@ def test_quantized_targets_keep_greedy_speculation_identical(architecture, quant
     from conftest import make_tokenizer
     from runtime.api import SpeculativeGenerator
     from runtime.bundle import BuildSpec
+
     folder = tmp_path / "target"
     make_tokenizer(folder)
     make_model(folder, tiny_config(architecture), seed=7)
-    manifest = build(BuildSpec(target=str(folder), draft="self:layers=1", target_quant=quant, draft_quant="int4",
-                               block_size=16, k=3, max_context=96), tmp_path / "bundle")
+    manifest = build(
+        BuildSpec(
+            target=str(folder),
+            draft="self:layers=1",
+            target_quant=quant,
+            draft_quant="int4",
+            block_size=16,
+            k=3,
+            max_context=96,
+        ),
+        tmp_path / "bundle",
+    )
     # the tiny Phi-3's longrope switches at 64 < 96 tokens: the build says so
     longrope = [n for n in manifest.report["engine_notes"]["target"] if "longrope" in n]
     assert bool(longrope) == (architecture == "Phi3ForCausalLM")
@@ -195,20 +248,26 @@ def test_unsupported_rotary_scaling_is_refused(tmp_path):
 
 
 def test_a_rotary_dimension_the_kernel_lacks_is_refused_before_running(tmp_path):
-    model = _tiny("Phi3ForCausalLM-default", tmp_path, partial_rotary_factor=0.25,
-                  rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25})  # 8 of 32 dims rotate
+    model = _tiny(
+        "Phi3ForCausalLM-default",
+        tmp_path,
+        partial_rotary_factor=0.25,
+        rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25},
+    )  # 8 of 32 dims rotate
     with pytest.raises(GraphError, match="rotary dimension of 8.*--graph export"):
         from_transformers(model)
 
 
 def _int4(src, dst):
     from builder.quantize import quantize
+
     quantize(src, dst, "int4", 32, False, 4)
 
 
 def _padded_target(tiny_pair, tmp_path, quant: str):
     """The tiny target's fused engine at fp32 or int4, its one-token calls padded to two (min_call_tokens=2)."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
     _, info = _fused(model, tmp_path / "fp32.onnx")
     path = tmp_path / "fp32.onnx"
@@ -258,7 +317,7 @@ def test_a_batched_verify_call_scores_every_row_as_that_row_alone_in_one_run(tin
     tokens = np.zeros((4, 5), np.int64)
     valid = np.zeros((4, 5), np.int64)
     for b, chunk in enumerate(chunks):
-        tokens[b, :len(chunk)], valid[b, :len(chunk)] = chunk, 1
+        tokens[b, : len(chunk)], valid[b, : len(chunk)] = chunk, 1
     logits = engine.forward(batch, tokens, valid)
     hidden = batch.extra["hidden"]
     assert len(runs) == 1 and batch.lengths.tolist() == [12, 5, 13, 11]
@@ -269,8 +328,8 @@ def test_a_batched_verify_call_scores_every_row_as_that_row_alone_in_one_run(tin
         if not chunk:
             continue
         want = engine.forward(alone, np.array([chunk]))[0]
-        assert np.array_equal(logits[b, :len(chunk)], want)
-        assert np.array_equal(hidden[b, :len(chunk)], alone.extra["hidden"][0])
+        assert np.array_equal(logits[b, : len(chunk)], want)
+        assert np.array_equal(hidden[b, : len(chunk)], alone.extra["hidden"][0])
         live = len(prompt) + len(chunk)
         for got, own in zip(batch.past, alone.past):
             assert np.array_equal(got[b, :, :live], own[0, :, :live])
@@ -278,6 +337,7 @@ def test_a_batched_verify_call_scores_every_row_as_that_row_alone_in_one_run(tin
 
 def test_rollback_moves_only_lengths_and_the_buffer_grows(tiny_pair, tmp_path):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
     _, info = _fused(model, tmp_path / "m.onnx")
     engine = _engine(tmp_path / "m.onnx", info, initial_slots=4)
@@ -301,6 +361,7 @@ def test_last_only_scoring_gives_each_rows_last_logits_and_the_same_cache(tiny_p
     full scoring there, the same hidden states and cache, on a fresh cache (one batched call), on a past (row by row)
     and with calls cut at a class point."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
     _, info = _fused(model, tmp_path / "m.onnx")
     engine = _engine(tmp_path / "m.onnx", info, class_points=points)
@@ -319,7 +380,7 @@ def test_last_only_scoring_gives_each_rows_last_logits_and_the_same_cache(tiny_p
                 assert np.array_equal(last_cache.extra["hidden"][b, :n], full_hidden[b, :n])
         assert np.array_equal(last_cache.lengths, full_cache.lengths)
         for a, b in zip(last_cache.past, full_cache.past):
-            assert np.array_equal(a[:, :, :int(full_cache.lengths.max())], b[:, :, :int(full_cache.lengths.max())])
+            assert np.array_equal(a[:, :, : int(full_cache.lengths.max())], b[:, :, : int(full_cache.lengths.max())])
 
 
 # GGUF-faithful weights (builder/gguf/weights.py): tests/test_gguf_types.py
@@ -327,6 +388,7 @@ def test_last_only_scoring_gives_each_rows_last_logits_and_the_same_cache(tiny_p
 
 def test_profile_reports_per_operator_time_and_node_counts(tiny_bundle):
     from bench.profile import profile_bundle
+
     report = profile_bundle(tiny_bundle, threads=1, past=8, new=3, calls=4)
     target = report["target"]
     assert target["calls"] == 4 and target["new_tokens"] == 3 and target["mean_call_ms"] > 0

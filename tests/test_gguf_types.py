@@ -21,24 +21,52 @@ from conftest import make_model, tiny_config
 from runtime.engines.onnx import FusedEngine
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
-          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
-          "IQ4_XS": (0,)}  # byte offsets of each block's fp16 scales / mins (ggml-common.h)
+HALVES = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}  # byte offsets of each block's fp16 scales / mins (ggml-common.h)
 FOUR_BITS = ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")
 SIXTEEN_WIDE = ("Q2_K", "Q3_K", "Q6_K")
-STEMS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-         "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
-          "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
+STEMS = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+}
+Q4_K_M = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q4_K",
+    "ffn_gate": "Q4_K",
+    "ffn_up": "Q4_K",
+    "ffn_down": "Q6_K",
+    "token_embd": "Q6_K",
+}
 
 
 def _kind(name: str):
     import gguf
+
     return getattr(gguf.GGMLQuantizationType, name)
 
 
 def _dequantize(raw: np.ndarray, kind: str, shape) -> np.ndarray:
     from gguf import quants
+
     return quants.dequantize(raw, _kind(kind)).reshape(shape)
 
 
@@ -46,6 +74,7 @@ def random_blocks(kind: str, n: int, k: int, rng, peak: float = 0.15) -> np.ndar
     """uint8 [n, row bytes]: random bytes, fp16 scales (and mins) random positive, scaled so max |w| ~ peak (w is
     linear in them)."""
     import gguf
+
     elements, size = gguf.GGML_QUANT_SIZES[_kind(kind)]
     raw = rng.integers(0, 256, (n, k // elements, size), dtype=np.uint8)
     halves = rng.uniform(0.5, 1.0, (len(HALVES[kind]), n, k // elements))
@@ -53,7 +82,7 @@ def random_blocks(kind: str, n: int, k: int, rng, peak: float = 0.15) -> np.ndar
         if scale is None:
             scale = peak / np.abs(_dequantize(raw.reshape(n, -1), kind, (n, k))).max()
         for at, values in zip(HALVES[kind], halves):
-            raw[..., at:at + 2] = (values * scale).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+            raw[..., at : at + 2] = (values * scale).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
     return raw.reshape(n, -1)
 
 
@@ -72,6 +101,7 @@ def _write_gguf(model, path, types: dict[str, str], permuted_qk: bool = True, se
     ``permuted_qk``), so the model is exactly what the file says."""
     import gguf
     import torch
+
     config = model.config
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -106,16 +136,24 @@ def _linear_session(linear: Linear, k: int, accuracy_level: int, threads: int = 
     """An ONNX Runtime session of y = x @ W (x [1, M, K], as the fused graph's [B, S, K]), W written by builder.graph
     exactly as the fused graph writes it."""
     from onnx import TensorProto, helper
+
     g = graph._Graph()
     g.accuracy_level = accuracy_level
     graph._linear(g, "linear", "x", linear, out="y")
     n = linear.quant.n
     model = helper.make_model(
-        helper.make_graph(g.nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", n])], g.inits),
-        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(graph.MS, 1)])
+        helper.make_graph(
+            g.nodes,
+            "linear",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", k])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", n])],
+            g.inits,
+        ),
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(graph.MS, 1)],
+    )
     model.ir_version = 9
     from runtime.engines.sessions import make_session
+
     return make_session(model.SerializeToString(), threads)
 
 
@@ -130,6 +168,7 @@ def _relative_error(linear: Linear, w: np.ndarray, rng) -> float:
 
 def _blocks_of(kind: str, raw: np.ndarray, n: int, k: int):
     import gguf
+
     elements, size = gguf.GGML_QUANT_SIZES[_kind(kind)]
     return gguf_weights.DECODERS[kind](raw.reshape(n, k // elements, size))
 
@@ -156,8 +195,12 @@ def test_mixed_types_in_one_projection_become_one_exact_matmulnbits():
     byte) stay 4-bit; Q2_K's 16-wide offsets make everyone's offsets 16 wide."""
     rng = np.random.default_rng(7)
     k = 512
-    for kinds, bits, block, offsets in ((("Q4_K", "Q4_0", "Q6_K"), 8, 16, 32), (("Q4_K", "Q4_0", "Q4_1"), 4, 32, 32),
-                                        (("Q4_K", "Q2_K", "IQ4_XS"), 8, 16, 16), (("Q3_K", "Q2_K", "Q4_1"), 4, 16, 16)):
+    for kinds, bits, block, offsets in (
+        (("Q4_K", "Q4_0", "Q6_K"), 8, 16, 32),
+        (("Q4_K", "Q4_0", "Q4_1"), 4, 32, 32),
+        (("Q4_K", "Q2_K", "IQ4_XS"), 8, 16, 16),
+        (("Q3_K", "Q2_K", "Q4_1"), 4, 16, 16),
+    ):
         raws = [random_blocks(kind, n, k, rng) for kind, n in zip(kinds, (24, 8, 16))]
         stacked = gguf_weights._stack([_blocks_of(kind, raw, raw.shape[0], k) for kind, raw in zip(kinds, raws)])
         quant = gguf_weights._pack(stacked)
@@ -169,19 +212,28 @@ def test_mixed_types_in_one_projection_become_one_exact_matmulnbits():
 
 def _engine(path, decoder) -> FusedEngine:
     info = graph.info_of(decoder)
-    return FusedEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                       vocab_size=info.vocab_size, max_context=128, threads=1)
+    return FusedEngine(
+        path,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        max_context=128,
+        threads=1,
+    )
 
 
 def _ops(path):
     import collections
 
     import onnx
+
     return collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
 def _check_model_is_the_file(model, decoder, tmp_path, accuracy_level: int = 0) -> float:
     import torch
+
     graph.build(decoder, tmp_path / "g.onnx", accuracy_level=accuracy_level)
     assert _ops(tmp_path / "g.onnx")["MatMulNBits"] == 4 * len(decoder.layers) + 1  # fused qkv and gate_up, head
     # the embedding is the file's blocks too (GatherBlockQuantized), not a float32 table
@@ -194,12 +246,32 @@ def _check_model_is_the_file(model, decoder, tmp_path, accuracy_level: int = 0) 
     return float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
 
 
-@pytest.mark.parametrize("types", [
-    {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
-     "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q8_0"},  # SmolLM2's file
-    {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
-     "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q4_0"},
-], ids=["q4_1", "q4_0+q8_0"])
+@pytest.mark.parametrize(
+    "types",
+    [
+        {
+            "attn_q": "Q4_1",
+            "attn_k": "Q4_1",
+            "attn_v": "Q4_1",
+            "attn_output": "Q4_1",
+            "ffn_gate": "Q4_1",
+            "ffn_up": "Q4_1",
+            "ffn_down": "Q4_1",
+            "token_embd": "Q8_0",
+        },  # SmolLM2's file
+        {
+            "attn_q": "Q4_0",
+            "attn_k": "Q4_0",
+            "attn_v": "Q4_0",
+            "attn_output": "Q8_0",
+            "ffn_gate": "Q4_0",
+            "ffn_up": "Q4_0",
+            "ffn_down": "Q8_0",
+            "token_embd": "Q4_0",
+        },
+    ],
+    ids=["q4_1", "q4_0+q8_0"],
+)
 @pytest.mark.parametrize("block", [32, 16])
 def test_gguf_blocks_become_matmulnbits_exactly(tmp_path, types, block):
     """Block layout, nibble order, llama.cpp's q/k row order, fused projections and Q4_1's offsets: with fp32
@@ -221,13 +293,33 @@ def _ops_after_build(decoder, tmp_path):
     return _ops(tmp_path / "ops.onnx")
 
 
-@pytest.mark.parametrize("types", [
-    Q4_K_M,
-    {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_1", "ffn_gate": "Q5_K",
-     "ffn_up": "Q5_0", "ffn_down": "Q4_K", "token_embd": "Q8_0"},  # Gemma 3 270M's Q4_K_M mixes Q5_0 and Q8_0
-    {"attn_q": "Q3_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "IQ4_XS", "ffn_gate": "Q2_K",
-     "ffn_up": "IQ4_NL", "ffn_down": "Q4_K", "token_embd": "Q6_K"},
-], ids=["q4_k_m", "q5+q8_0", "q2_k..iq4"])
+@pytest.mark.parametrize(
+    "types",
+    [
+        Q4_K_M,
+        {
+            "attn_q": "Q5_0",
+            "attn_k": "Q5_0",
+            "attn_v": "Q8_0",
+            "attn_output": "Q5_1",
+            "ffn_gate": "Q5_K",
+            "ffn_up": "Q5_0",
+            "ffn_down": "Q4_K",
+            "token_embd": "Q8_0",
+        },  # Gemma 3 270M's Q4_K_M mixes Q5_0 and Q8_0
+        {
+            "attn_q": "Q3_K",
+            "attn_k": "Q3_K",
+            "attn_v": "Q5_K",
+            "attn_output": "IQ4_XS",
+            "ffn_gate": "Q2_K",
+            "ffn_up": "IQ4_NL",
+            "ffn_down": "Q4_K",
+            "token_embd": "Q6_K",
+        },
+    ],
+    ids=["q4_k_m", "q5+q8_0", "q2_k..iq4"],
+)
 @pytest.mark.parametrize("block", [32, 16])
 def test_mixed_type_files_are_built_exactly_and_nothing_is_requantized(tmp_path, types, block):
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
@@ -244,6 +336,7 @@ def test_unpermuted_qk_files_and_a_wrong_flag_is_corrected_and_reported(tmp_path
     """Qwen2's converter writes q/k rows as they are (NEOX rotary): permuted_qk=False builds it exactly; the Llama
     reading (permuted_qk=True) disagrees with the model transformers loaded, so the other order is used, and said."""
     from builder.architectures import REGISTRY
+
     assert REGISTRY["Qwen2ForCausalLM"].gguf_permuted_qk is False
     assert REGISTRY["LlamaForCausalLM"].gguf_permuted_qk is True
     model = make_model(tmp_path / "m", _wide_config("Qwen2ForCausalLM"), seed=4).eval()
@@ -252,8 +345,11 @@ def test_unpermuted_qk_files_and_a_wrong_flag_is_corrected_and_reported(tmp_path
     assert not decoder.notes and decoder.layers[0].qkv.bias is not None  # Qwen2's q/k/v biases are kept
     assert _check_model_is_the_file(model, decoder, tmp_path) < 1e-4
     wrong = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", permuted_qk=True)
-    assert (len(wrong.notes) == 1 and "gguf_permuted_qk (True)" in wrong.notes[0]
-            and "fix the registry entry" in wrong.notes[0])
+    assert (
+        len(wrong.notes) == 1
+        and "gguf_permuted_qk (True)" in wrong.notes[0]
+        and "fix the registry entry" in wrong.notes[0]
+    )
     assert all(np.array_equal(a.qkv.quant.packed, b.qkv.quant.packed) for a, b in zip(wrong.layers, decoder.layers))
 
 
@@ -262,6 +358,7 @@ def test_gguf_types_without_an_exact_form_stay_float_and_are_reported(tmp_path):
     its blocks, and the note names the type."""
     import gguf
     import torch
+
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", Q4_K_M)
     reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
@@ -300,8 +397,10 @@ def test_a_file_that_disagrees_with_the_model_is_refused(tmp_path):
 
 # --- the header check ------------------------------------------------------------------------------------------------
 
-def _header(kvs: bytes = b"", kv_count: int = 0, tensor_count: int = 0, magic: bytes = b"GGUF",
-            version: int = 3) -> bytes:
+
+def _header(
+    kvs: bytes = b"", kv_count: int = 0, tensor_count: int = 0, magic: bytes = b"GGUF", version: int = 3
+) -> bytes:
     return magic + struct.pack("<IQQ", version, tensor_count, kv_count) + kvs
 
 
@@ -310,16 +409,25 @@ def _string(text: bytes) -> bytes:
 
 
 HOSTILE = {
-    "huge array count": (_header(_string(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1 << 60), 1),
-                         "array of 1152921504606846976 items"),
-    "huge scalar array": (_header(_string(b"scores") + struct.pack("<IIQ", 9, 6, 1 << 20) + bytes(64), 1),
-                          "only 64 bytes remain"),
-    "huge string length": (_header(struct.pack("<Q", 1 << 62) + b"x" * 16, 1),
-                           "key-value 0's key"),
-    "huge string value": (_header(_string(b"general.name") + struct.pack("<IQ", 8, 1 << 40) + b"abc", 1),
-                          "'general.name'"),
-    "string array past the end": (_header(_string(b"tokens") + struct.pack("<IIQ", 9, 8, 3) + _string(b"a")
-                                          + struct.pack("<Q", 1 << 40) + bytes(8), 1), "'tokens'[1] runs past"),
+    "huge array count": (
+        _header(_string(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1 << 60), 1),
+        "array of 1152921504606846976 items",
+    ),
+    "huge scalar array": (
+        _header(_string(b"scores") + struct.pack("<IIQ", 9, 6, 1 << 20) + bytes(64), 1),
+        "only 64 bytes remain",
+    ),
+    "huge string length": (_header(struct.pack("<Q", 1 << 62) + b"x" * 16, 1), "key-value 0's key"),
+    "huge string value": (
+        _header(_string(b"general.name") + struct.pack("<IQ", 8, 1 << 40) + b"abc", 1),
+        "'general.name'",
+    ),
+    "string array past the end": (
+        _header(
+            _string(b"tokens") + struct.pack("<IIQ", 9, 8, 3) + _string(b"a") + struct.pack("<Q", 1 << 40) + bytes(8), 1
+        ),
+        "'tokens'[1] runs past",
+    ),
     "huge kv count": (_header(kv_count=1 << 50), "kv_count declares"),
     "huge tensor count": (_header(tensor_count=1 << 50), "tensor_count declares"),
     "truncated": (_header(_string(b"general.alignment") + struct.pack("<I", 4), 1), "general.alignment"),
@@ -346,6 +454,7 @@ def test_hostile_gguf_headers_are_refused_fast_with_the_field_named(tmp_path, ca
 
 def test_the_checkpoint_resolver_checks_a_gguf_header_before_transformers_reads_it(tmp_path):
     from builder.checkpoint import CheckpointError, resolve
+
     path = tmp_path / "tiny.gguf"
     path.write_bytes(HOSTILE["huge array count"][0])
     start = time.perf_counter()
@@ -357,6 +466,7 @@ def test_the_checkpoint_resolver_checks_a_gguf_header_before_transformers_reads_
 def test_real_headers_pass_the_check(tmp_path):
     """A writer-made file with metadata arrays (strings, floats, nested), aligned tensors and a custom alignment."""
     import gguf
+
     writer = gguf.GGUFWriter(str(tmp_path / "ok.gguf"), "llama")
     writer.add_uint32("general.alignment", 64)
     writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "ünï"] * 100)
@@ -373,7 +483,7 @@ def test_real_headers_pass_the_check(tmp_path):
     reader = gguf.GGUFReader(str(tmp_path / "ok.gguf"))
     end = max(t.data_offset + t.n_bytes for t in reader.tensors if t.name == "b")
     del reader
-    (tmp_path / "cut.gguf").write_bytes((tmp_path / "ok.gguf").read_bytes()[:end - 1])  # tensor b cut short
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "ok.gguf").read_bytes()[: end - 1])  # tensor b cut short
     with pytest.raises(gguf_header.GGUFHeaderError, match="'b'"):
         gguf_header.check(tmp_path / "cut.gguf")
 

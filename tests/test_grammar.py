@@ -10,8 +10,15 @@ import pytest
 
 from fakes import BigramEngine, DraftCounts, random_table, total_variation, tv_bound
 from runtime.errors import RequestError
-from runtime.decoding.grammar import (MAX_DEPTH, MAX_SOURCE_BYTES, Constraint, GrammarCompiler, constrain, json_schema,
-                             parse_response_format)
+from runtime.decoding.grammar import (
+    MAX_DEPTH,
+    MAX_SOURCE_BYTES,
+    Constraint,
+    GrammarCompiler,
+    constrain,
+    json_schema,
+    parse_response_format,
+)
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
@@ -28,11 +35,16 @@ def byte_tokenizer() -> str:
     """tokenizer.json text of a byte-level BPE with no merges: one token per byte, so a bigram table over its 257
     ids is a language model llguidance can constrain."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=257, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=257,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["ab"], trainer)
     assert tok.get_vocab_size() == 257
     return tok.to_str()
@@ -51,13 +63,25 @@ def text_of(compiler, tokens: list[int]) -> str:
     return compiler.tokenizer.decode_str([t for t in tokens if t != EOS])
 
 
-def loop_for(compiler, constraint, prompts, params, k=3, draft_seed=2, drafter="model", max_new_tokens=8,
-             forced=True, seed=7):
+def loop_for(
+    compiler, constraint, prompts, params, k=3, draft_seed=2, drafter="model", max_new_tokens=8, forced=True, seed=7
+):
     target = BigramEngine(random_table(257, 1))
-    draft = {"model": lambda: ModelDrafter(BigramEngine(random_table(257, draft_seed))),
-             "lookup": lambda: PromptLookupDrafter(257), "none": lambda: None}[drafter]()
-    config = DecodeConfig(max_new_tokens, k, params, (EOS,), seed=seed, grammar=compiler.compile(constraint),
-                          forced_drafts=forced, logprobs=2)
+    draft = {
+        "model": lambda: ModelDrafter(BigramEngine(random_table(257, draft_seed))),
+        "lookup": lambda: PromptLookupDrafter(257),
+        "none": lambda: None,
+    }[drafter]()
+    config = DecodeConfig(
+        max_new_tokens,
+        k,
+        params,
+        (EOS,),
+        seed=seed,
+        grammar=compiler.compile(constraint),
+        forced_drafts=forced,
+        logprobs=2,
+    )
     return SpeculativeLoop(target, draft, prompts, config)
 
 
@@ -68,6 +92,7 @@ def run(loop) -> list:
 
 
 # --- exactness ----------------------------------------------------------------------------------------------------
+
 
 def exact_law(compiler, constraint, table: np.ndarray, start: int, params: SamplingParams) -> dict:
     """P(output token sequence) under the constrained target alone, by walking every path of the grammar: at each
@@ -128,14 +153,21 @@ def test_an_unmasked_target_fails_the_law_test(compiler, monkeypatch):
         assert all(tuple(r.generated) in law for r in rows)
 
 
-SCHEMA = json_schema({"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["ab", "cd"]},
-                                                      "ok": {"type": "boolean"}},
-                      "required": ["id", "tag", "ok"], "additionalProperties": False})
+SCHEMA = json_schema(
+    {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "tag": {"enum": ["ab", "cd"]}, "ok": {"type": "boolean"}},
+        "required": ["id", "tag", "ok"],
+        "additionalProperties": False,
+    }
+)
 
 
-@pytest.mark.parametrize("constraint", [REGEX, SCHEMA, Constraint("json_object"),
-                                        Constraint("lark", 'start: "v=" NUM ";"\nNUM: /[0-9]{1,4}/')],
-                         ids=["regex", "json_schema", "json_object", "lark"])
+@pytest.mark.parametrize(
+    "constraint",
+    [REGEX, SCHEMA, Constraint("json_object"), Constraint("lark", 'start: "v=" NUM ";"\nNUM: /[0-9]{1,4}/')],
+    ids=["regex", "json_schema", "json_object", "lark"],
+)
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
 def test_greedy_constrained_speculation_equals_constrained_target_only(compiler, constraint, drafter):
     prompts = [[t] for t in range(1, 257, 9)]
@@ -195,19 +227,23 @@ def test_the_matcher_rolls_back_with_the_caches(compiler):
 
 # --- response_format and bounds -----------------------------------------------------------------------------------
 
+
 def test_response_formats():
     assert parse_response_format(None) is None and parse_response_format({"type": "text"}) is None
     assert parse_response_format({"type": "json_object"}) == Constraint("json_object")
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
-    got = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
-                                                                        "strict": True}})
+    got = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
     assert got.kind == "json_schema" and json.loads(got.source) == schema
     assert parse_response_format({"type": "regex", "regex": "a+"}) == Constraint("regex", "a+")
     assert parse_response_format({"type": "grammar", "grammar": 'start: "a"'}).kind == "lark"
-    for bad, words in [({"type": "xml"}, "must be one of"), ({"type": "json_schema"}, "takes the fields"),
-                       ({"type": "json_schema", "json_schema": {"name": "x"}}, "with 'schema'"),
-                       ({"type": "regex", "regex": ""}, "non-empty"), ("json", "expected an object"),
-                       ({"type": "json_schema", "json_schema": {"schema": [1]}}, "must be an object")]:
+    for bad, words in [
+        ({"type": "xml"}, "must be one of"),
+        ({"type": "json_schema"}, "takes the fields"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "with 'schema'"),
+        ({"type": "regex", "regex": ""}, "non-empty"),
+        ("json", "expected an object"),
+        ({"type": "json_schema", "json_schema": {"schema": [1]}}, "must be an object"),
+    ]:
         with pytest.raises(RequestError, match=words):
             parse_response_format(bad)
 
@@ -225,12 +261,15 @@ def test_schema_bounds_are_checked_before_compiling():
         Constraint("regex", "a" * (MAX_SOURCE_BYTES + 1))
 
 
-@pytest.mark.parametrize("constraint,words", [
-    (json_schema({"type": "frobnicate"}), "Invalid type"),
-    (Constraint("regex", "a(b"), "regex"),
-    (Constraint("lark", "start: undefined_rule"), "undefined_rule"),
-    (json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}, "required": ["a"]}), "nowhere"),
-])
+@pytest.mark.parametrize(
+    "constraint,words",
+    [
+        (json_schema({"type": "frobnicate"}), "Invalid type"),
+        (Constraint("regex", "a(b"), "regex"),
+        (Constraint("lark", "start: undefined_rule"), "undefined_rule"),
+        (json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}, "required": ["a"]}), "nowhere"),
+    ],
+)
 def test_a_constraint_that_cannot_compile_is_a_request_error_naming_why(compiler, constraint, words):
     with pytest.raises(RequestError, match="cannot be compiled") as err:
         compiler.compile(constraint)
@@ -241,6 +280,7 @@ def test_a_pathological_regex_costs_bounded_time(compiler):
     """An automaton that explodes ((a|b)*a(a|b){40} has 2^40 DFA states) is built lazily under the lexer's fuel: the
     compile and every mask step stay fast, or the matcher stops with an error; never minutes of work."""
     import time
+
     start = time.perf_counter()
     row = compiler.compile(Constraint("regex", "(a|b)*a(a|b){40}")).start()
     drafted: list[int] = []
@@ -256,11 +296,19 @@ def test_a_pathological_regex_costs_bounded_time(compiler):
 
 # --- the tiny bundle: real engines, a real BPE tokenizer, schemas of every shape -------------------------------------
 
-def constrained_answers(generator, schema: dict, temperature: float, mode: str = "speculative", seed: int = 0,
-                        max_new_tokens: int = 100):
+
+def constrained_answers(
+    generator, schema: dict, temperature: float, mode: str = "speculative", seed: int = 0, max_new_tokens: int = 100
+):
     fmt = {"type": "json_schema", "json_schema": {"name": "case", "schema": schema, "strict": True}}
-    return generator.generate(["JSON:", "The fox"], max_new_tokens=max_new_tokens, temperature=temperature,
-                              seed=seed, mode=mode, response_format=fmt)
+    return generator.generate(
+        ["JSON:", "The fox"],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        mode=mode,
+        response_format=fmt,
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
@@ -269,6 +317,7 @@ def test_every_completed_answer_validates_against_its_schema(generator, temperat
     one cut by max_tokens is finish "length" (the constraint cannot shorten a long string the model insists on)."""
     import jsonschema
     from schemas import schema_cases
+
     completed = invalid = 0
     for case, (shape, schema) in enumerate(schema_cases()):
         for answer in constrained_answers(generator, schema, temperature, seed=case):
@@ -287,6 +336,7 @@ def test_every_completed_answer_validates_against_its_schema(generator, temperat
 
 def test_greedy_constrained_speculation_equals_target_only_on_the_tiny_bundle(generator):
     from schemas import schema_cases
+
     for shape, schema in schema_cases()[::3]:
         spec = constrained_answers(generator, schema, 0.0)
         alone = constrained_answers(generator, schema, 0.0, mode="target")
@@ -295,25 +345,50 @@ def test_greedy_constrained_speculation_equals_target_only_on_the_tiny_bundle(ge
 
 def test_a_schema_that_cannot_compile_is_a_request_error(generator):
     with pytest.raises(RequestError, match="cannot be compiled: .*frobnicate"):
-        generator.generate("x", response_format={"type": "json_schema",
-                                                 "json_schema": {"name": "bad", "schema": {"type": "frobnicate"}}})
+        generator.generate(
+            "x",
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "frobnicate"}}},
+        )
 
 
 # --- the OpenAI server: response_format, tools, through the official client ---------------------------------------
 
 openai_client = pytest.importorskip("openai")
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}}
-EVENT = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 10},
-                                          "day": {"type": "integer", "minimum": 1, "maximum": 31},
-                                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-         "required": ["title", "day", "tags"], "additionalProperties": False}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+EVENT = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 10},
+        "day": {"type": "integer", "minimum": 1, "maximum": 31},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["title", "day", "tags"],
+    "additionalProperties": False,
+}
 MESSAGES = [{"role": "user", "content": "Give me the event as JSON."}]
 
 
@@ -323,6 +398,7 @@ def served(tiny_bundle):
     from runtime.api import SpeculativeGenerator
     from runtime.serving.openai_server import create_app
     from runtime.serving.scheduler import Scheduler
+
     generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4).start()
     server = _Server(create_app(scheduler, "tiny"))
@@ -333,16 +409,22 @@ def served(tiny_bundle):
 
 def test_chat_json_schema_answers_validate_and_equal_generate(served, generator):
     import jsonschema
+
     _, client = served
     fmt = {"type": "json_schema", "json_schema": {"name": "event", "schema": EVENT, "strict": True}}
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=80, temperature=0,
-                                         response_format=fmt)
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=80, temperature=0, response_format=fmt
+    )
     want = generator.generate([MESSAGES], max_new_tokens=80, chat=True, response_format=fmt)[0]
     assert out.choices[0].message.content == want.text
     if out.choices[0].finish_reason == "stop":
         jsonschema.validate(json.loads(want.text), EVENT)
-    sampled = [client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=80, temperature=1.0,
-                                              seed=s, response_format=fmt).choices[0] for s in range(6)]
+    sampled = [
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=80, temperature=1.0, seed=s, response_format=fmt
+        ).choices[0]
+        for s in range(6)
+    ]
     completed = [c for c in sampled if c.finish_reason == "stop"]
     assert completed
     for choice in completed:
@@ -351,13 +433,21 @@ def test_chat_json_schema_answers_validate_and_equal_generate(served, generator)
 
 def test_completions_json_object_and_a_bad_schema(served):
     _, client = served
-    out = client.completions.create(model="tiny", prompt="JSON:", max_tokens=60, temperature=0,
-                                    extra_body={"response_format": {"type": "json_object"}})
+    out = client.completions.create(
+        model="tiny",
+        prompt="JSON:",
+        max_tokens=60,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
     if out.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(out.choices[0].text), dict)
     with pytest.raises(openai_client.BadRequestError, match="cannot be compiled: .*frobnicate"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}})
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}},
+        )
     with pytest.raises(openai_client.BadRequestError, match="response_format.type"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, response_format={"type": "xml"})
 
@@ -365,12 +455,14 @@ def test_completions_json_object_and_a_bad_schema(served):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_forced_tool_calls_are_constrained_to_the_parameters(served, stream):
     import jsonschema
+
     _, client = served
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         calls, reason = [], None
-        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=80, temperature=0, tools=[WEATHER, TIME],
-                      tool_choice=choice)
+        kwargs = dict(
+            model="tiny", messages=MESSAGES, max_tokens=80, temperature=0, tools=[WEATHER, TIME], tool_choice=choice
+        )
         if stream:
             parts: dict = {}
             for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -384,8 +476,10 @@ def test_forced_tool_calls_are_constrained_to_the_parameters(served, stream):
         else:
             out = client.chat.completions.create(**kwargs)
             reason = out.choices[0].finish_reason
-            calls = [{"name": c.function.name, "arguments": c.function.arguments}
-                     for c in out.choices[0].message.tool_calls or []]
+            calls = [
+                {"name": c.function.name, "arguments": c.function.arguments}
+                for c in out.choices[0].message.tool_calls or []
+            ]
             assert (out.choices[0].message.content is None) == bool(calls)
         if reason == "length":
             continue  # cut by max_tokens: no complete call to return
@@ -399,24 +493,50 @@ def test_tool_choice_auto_and_mistakes_are_400s_saying_why(served):
     with pytest.raises(openai_client.BadRequestError, match="tool_choice 'auto'.*not supported"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER])
     with pytest.raises(openai_client.BadRequestError, match="not among the tools"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER],
-                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     with pytest.raises(openai_client.BadRequestError, match="tool_choice needs tools"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, tool_choice="required")
-    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], tool_choice="none",
-                                           max_tokens=4)
+    plain = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=4
+    )
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content is not None
 
 
 def test_bench_on_the_json_workload_with_a_response_format(tiny_bundle, tmp_path):
     from click.testing import CliRunner
     from runtime.cli import main
+
     out = tmp_path / "bench.json"
     from pathlib import Path
+
     event = Path(__file__).resolve().parent.parent / "bench" / "prompts" / "json_event.json"
-    args = ["bench", str(tiny_bundle), "--workload", "json", "--response-format", str(event),
-            "--k", "2", "--prompts", "2", "--max-new-tokens", "24", "--threads", "1", "--no-peers", "--no-memory",
-            "--no-limit", "--quiet", "--json", str(out)]
+    args = [
+        "bench",
+        str(tiny_bundle),
+        "--workload",
+        "json",
+        "--response-format",
+        str(event),
+        "--k",
+        "2",
+        "--prompts",
+        "2",
+        "--max-new-tokens",
+        "24",
+        "--threads",
+        "1",
+        "--no-peers",
+        "--no-memory",
+        "--no-limit",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -431,14 +551,19 @@ def test_bench_on_the_json_workload_with_a_response_format(tiny_bundle, tmp_path
 
 def test_tensorrt_llm_guide_inputs_map_to_constraints():
     from runtime.decoding.grammar import trtllm_guide
+
     assert trtllm_guide(None, None) is None
     assert trtllm_guide("json", None) == Constraint("json_object")
     assert json.loads(trtllm_guide("json_schema", '{"type": "integer"}').source) == {"type": "integer"}
     assert trtllm_guide("regex", "[0-9]+") == Constraint("regex", "[0-9]+")
     assert trtllm_guide("ebnf_grammar", "root ::= [0-9]+") == Constraint("lark", "root ::= [0-9]+")
-    for kind, guide, words in [(None, "x", "needs 'guided_decoding_guide_type'"), ("xml", "x", "must be one of"),
-                               ("regex", None, "is required"), ("json_schema", "{not json", "not a JSON schema"),
-                               ("json_schema", "[" * 100000 + "]" * 100000, "limit is")]:
+    for kind, guide, words in [
+        (None, "x", "needs 'guided_decoding_guide_type'"),
+        ("xml", "x", "must be one of"),
+        ("regex", None, "is required"),
+        ("json_schema", "{not json", "not a JSON schema"),
+        ("json_schema", "[" * 100000 + "]" * 100000, "limit is"),
+    ]:
         with pytest.raises(RequestError, match=words):
             trtllm_guide(kind, guide)
 
@@ -448,17 +573,25 @@ def test_scheduled_constrained_requests_equal_their_lone_runs(generator):
     each gets alone, greedy and seeded-sampled, their logprobs too."""
     from runtime.serving.scheduler import Scheduler
     from schemas import schema_cases
+
     cases = schema_cases()[::9]
-    requests = [dict(prompt=p, max_new_tokens=60, temperature=t, seed=s, logprobs=1,
-                     response_format={"type": "json_schema", "json_schema": {"schema": schema}})
-                for s, ((_, schema), p, t) in enumerate(zip(cases, ["JSON:", "The fox", "x", "def f():"] * 2,
-                                                            [0.0, 1.0] * 4))]
-    requests.append(dict(prompt="The fox", max_new_tokens=30, temperature=0.0, seed=None, logprobs=None,
-                         response_format=None))
+    requests = [
+        dict(
+            prompt=p,
+            max_new_tokens=60,
+            temperature=t,
+            seed=s,
+            logprobs=1,
+            response_format={"type": "json_schema", "json_schema": {"schema": schema}},
+        )
+        for s, ((_, schema), p, t) in enumerate(zip(cases, ["JSON:", "The fox", "x", "def f():"] * 2, [0.0, 1.0] * 4))
+    ]
+    requests.append(
+        dict(prompt="The fox", max_new_tokens=30, temperature=0.0, seed=None, logprobs=None, response_format=None)
+    )
     scheduler = Scheduler(generator, max_batch=4).start()
     try:
-        handles = [scheduler.submit(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"})
-                   for r in requests]
+        handles = [scheduler.submit(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in requests]
         results = [h.result() for h in handles]
     finally:
         scheduler.stop()
@@ -472,11 +605,13 @@ def test_scheduled_constrained_requests_equal_their_lone_runs(generator):
 
 # --- Triton: tensorrtllm_backend's guided-decoding inputs on a real tritonserver -----------------------------------
 
+
 @pytest.fixture(scope="module")
 def triton(tiny_bundle, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
     import test_triton_server as helpers
     from conftest import has_tritonserver
+
     if not has_tritonserver():
         pytest.skip("needs nvidia-pytriton's tritonserver")
     handle = helpers._serve(tiny_bundle, tmp_path_factory.mktemp("triton-guided") / "repo", max_batch_size=4)
@@ -487,14 +622,33 @@ def triton(tiny_bundle, tmp_path_factory):
 @pytest.mark.triton
 def test_triton_guided_decoding_inputs_constrain_the_answer(triton, generator):
     helpers, server = triton
-    body = {"text_input": "JSON:", "max_tokens": 60, "guided_decoding_guide_type": "json_schema",
-            "guided_decoding_guide": json.dumps(EVENT)}
-    want = generator.generate("JSON:", max_new_tokens=60,
-                              response_format={"type": "json_schema", "json_schema": {"schema": EVENT}})
+    body = {
+        "text_input": "JSON:",
+        "max_tokens": 60,
+        "guided_decoding_guide_type": "json_schema",
+        "guided_decoding_guide": json.dumps(EVENT),
+    }
+    want = generator.generate(
+        "JSON:", max_new_tokens=60, response_format={"type": "json_schema", "json_schema": {"schema": EVENT}}
+    )
     assert helpers.http_generate(server, body)["text_output"] == want.text
-    regex = helpers.http_generate(server, {"text_input": "x", "max_tokens": 8, "guided_decoding_guide_type": "regex",
-                                           "guided_decoding_guide": "[0-9]{3}"})
+    regex = helpers.http_generate(
+        server,
+        {
+            "text_input": "x",
+            "max_tokens": 8,
+            "guided_decoding_guide_type": "regex",
+            "guided_decoding_guide": "[0-9]{3}",
+        },
+    )
     assert regex["text_output"].isdigit() and len(regex["text_output"]) == 3
-    error = helpers.http_error(server, {"text_input": "x", "max_tokens": 8, "guided_decoding_guide_type": "json_schema",
-                                        "guided_decoding_guide": '{"type": "frobnicate"}'})
+    error = helpers.http_error(
+        server,
+        {
+            "text_input": "x",
+            "max_tokens": 8,
+            "guided_decoding_guide_type": "json_schema",
+            "guided_decoding_guide": '{"type": "frobnicate"}',
+        },
+    )
     assert "cannot be compiled" in error

@@ -27,9 +27,12 @@ pytest.importorskip("tritonclient.grpc")
 from conftest import has_tritonserver  # noqa: E402
 from test_triton_server import Stream, grpc_inputs, http_generate  # noqa: E402
 
-pytestmark = [pytest.mark.triton,
-              pytest.mark.skipif(not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
-                                 "(pip install --no-deps nvidia-pytriton)")]
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(
+        not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver (pip install --no-deps nvidia-pytriton)"
+    ),
+]
 
 PROMPT = "def add(a, b):"
 LONG = 96  # max_tokens of the requests that must still be running when they are interrupted
@@ -39,8 +42,12 @@ LONG = 96  # max_tokens of the requests that must still be running when they are
 def server(tiny_bundle, tmp_path_factory):
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
-    repo = write_repository(tiny_bundle, tmp_path_factory.mktemp("hardening") / "repo",
-                            RepoOptions(threads=1, max_batch_size=8, max_tokens_limit=LONG))
+
+    repo = write_repository(
+        tiny_bundle,
+        tmp_path_factory.mktemp("hardening") / "repo",
+        RepoOptions(threads=1, max_batch_size=8, max_tokens_limit=LONG),
+    )
     handle = start_server(repo, timeout=180)
     yield handle
     handle.stop()
@@ -74,6 +81,7 @@ def stop_discarding_log(server, timeout: float = 30.0) -> None:
 def stubs(server) -> dict[str, int]:
     """model name -> pid of its Python backend stub."""
     from bench.procmem import stub_pids
+
     out = {}
     for pid in stub_pids(server.process.pid):
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -83,16 +91,38 @@ def stubs(server) -> dict[str, int]:
 
 # --- load -------------------------------------------------------------------------------------------------------
 
+
 def test_load_command_accounts_for_every_request(server, tmp_path):
     """``draftsmith load --url``: 4 clients x 8 s of mixed streamed/HTTP requests; none lost, report well formed."""
     from click.testing import CliRunner
     from runtime.cli import main
+
     out = tmp_path / "load.json"
     grpc_port = server.grpc_url.rsplit(":", 1)[1]
-    result = CliRunner().invoke(main, ["load", "--url", server.url, "--grpc-url", f"127.0.0.1:{grpc_port}",
-                                       "--metrics-url", server.metrics_url, "--clients", "4", "--duration", "8",
-                                       "--max-requests", "400", "--max-tokens", "16", "--rss-every", "20",
-                                       "--json", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "load",
+            "--url",
+            server.url,
+            "--grpc-url",
+            f"127.0.0.1:{grpc_port}",
+            "--metrics-url",
+            server.metrics_url,
+            "--clients",
+            "4",
+            "--duration",
+            "8",
+            "--max-requests",
+            "400",
+            "--max-tokens",
+            "16",
+            "--rss-every",
+            "20",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["lost"] == 0 and report["failed"] == 0, report["errors"]
@@ -111,8 +141,16 @@ def test_memory_does_not_grow_over_1000_requests(server):
     """1,000 mixed requests from 8 clients: none lost, and the server's RSS (tritonserver + stubs) after the last
     requests is within 64 MiB of its RSS after the first 200 (measured: +4 MiB, flat after 400; docs/operations.md)."""
     from bench.load import Endpoints, rss_growth, run_load
-    result = run_load(Endpoints(server.url, server.grpc_url, server.metrics_url, server.process.pid), clients=8,
-                      duration=120, max_requests=1000, max_tokens=8, request_timeout=60, rss_every=100)
+
+    result = run_load(
+        Endpoints(server.url, server.grpc_url, server.metrics_url, server.process.pid),
+        clients=8,
+        duration=120,
+        max_requests=1000,
+        max_tokens=8,
+        request_timeout=60,
+        rss_every=100,
+    )
     assert result.sent == 1000 and result.answered == 1000 and result.lost == 0, result.errors
     growth = rss_growth(result, first=200)
     print(f"1000 requests: RSS {growth}; latency {result.latency_s}")
@@ -123,6 +161,7 @@ def test_memory_does_not_grow_over_1000_requests(server):
 def test_load_refuses_bad_arguments(tmp_path):
     from click.testing import CliRunner
     from runtime.cli import main
+
     result = CliRunner().invoke(main, ["load"])
     assert result.exit_code != 0 and "one of them" in result.output
     result = CliRunner().invoke(main, ["load", str(tmp_path)])
@@ -152,8 +191,9 @@ import time; time.sleep(60)
 def test_client_killed_mid_grpc_stream(server, want):
     """A client process SIGKILLed while its stream is running: the server serves the next request correctly."""
     before = stubs(server)
-    process = subprocess.Popen([sys.executable, "-c", CLIENT, server.grpc_url, str(LONG)], stdout=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, server.grpc_url, str(LONG)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert process.stdout.readline().strip() == "first piece"
         process.kill()
@@ -168,9 +208,12 @@ def test_http_generate_stream_connection_closed(server, want):
     host, port = server.url.removeprefix("http://").split(":")
     for _ in range(3):
         connection = http.client.HTTPConnection(host, int(port), timeout=30)
-        connection.request("POST", "/v2/models/ensemble/generate_stream",
-                           body=json.dumps({"text_input": PROMPT, "max_tokens": LONG, "stream": True}),
-                           headers={"Content-Type": "application/json"})
+        connection.request(
+            "POST",
+            "/v2/models/ensemble/generate_stream",
+            body=json.dumps({"text_input": PROMPT, "max_tokens": LONG, "stream": True}),
+            headers={"Content-Type": "application/json"},
+        )
         response = connection.getresponse()
         assert response.status == 200
         assert response.read(6) == b"data: "  # the first event arrived (chunked); hang up mid-stream
@@ -183,8 +226,9 @@ def test_cancelled_grpc_stream(server, want):
     """stop_stream(cancel_requests=True) while requests run: they are cancelled, the server keeps serving."""
     stream = Stream(server)
     for _ in range(3):
-        stream.client.async_stream_infer("ensemble", grpc_inputs(PROMPT, LONG, stream=True),
-                                         enable_empty_final_response=True)
+        stream.client.async_stream_infer(
+            "ensemble", grpc_inputs(PROMPT, LONG, stream=True), enable_empty_final_response=True
+        )
     result, error = stream.results.get(timeout=60)
     assert error is None
     started = time.monotonic()
@@ -205,6 +249,7 @@ def test_python_stub_killed_mid_request(tiny_bundle, tmp_path, want):
     """
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
+
     repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=4))
     server = start_server(repo, timeout=180)
     try:
@@ -212,8 +257,9 @@ def test_python_stub_killed_mid_request(tiny_bundle, tmp_path, want):
         os.kill(pid, signal.SIGSTOP)  # freeze it so the request is certainly inside it when it dies
         stream = Stream(server)
         try:
-            stream.client.async_stream_infer("ensemble", grpc_inputs(PROMPT, 16, stream=True),
-                                             enable_empty_final_response=True)
+            stream.client.async_stream_infer(
+                "ensemble", grpc_inputs(PROMPT, 16, stream=True), enable_empty_final_response=True
+            )
             time.sleep(1.5)
             os.kill(pid, signal.SIGKILL)
             started = time.monotonic()
@@ -235,8 +281,9 @@ def test_python_stub_killed_mid_request(tiny_bundle, tmp_path, want):
         if outcomes[-1][0] == "answered":  # recovered: the stub was restarted
             assert outcomes[-1][1]["text_output"] == want
         else:  # failed clearly, at once, every time
-            assert all(kind == "failed" and "Stub process" in text and "not healthy" in text
-                       for kind, text in outcomes[-3:]), outcomes
+            assert all(
+                kind == "failed" and "Stub process" in text and "not healthy" in text for kind, text in outcomes[-3:]
+            ), outcomes
             assert "speculative" not in stubs(server)
             assert server.ready()  # what 2.51 reports: ready, although the model cannot answer (documented)
     finally:
@@ -249,13 +296,19 @@ def test_server_restarted_under_load(tiny_bundle, tmp_path):
     from triton_repo.generate import RepoOptions, write_repository
     from bench.load import Endpoints, run_load
     from triton_repo.server import free_port, start_server
+
     repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=8))
     ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server = start_server(repo, timeout=180, **ports)
     endpoints = Endpoints(server.url, server.grpc_url, server.metrics_url)
     results, stop = [], threading.Event()
-    load = threading.Thread(target=lambda: results.append(run_load(
-        endpoints, clients=4, duration=90, max_requests=100_000, max_tokens=16, request_timeout=30, stop=stop)))
+    load = threading.Thread(
+        target=lambda: results.append(
+            run_load(
+                endpoints, clients=4, duration=90, max_requests=100_000, max_tokens=16, request_timeout=30, stop=stop
+            )
+        )
+    )
     load.start()
     try:
         time.sleep(4)
@@ -277,8 +330,10 @@ def test_server_restarted_under_load(tiny_bundle, tmp_path):
     before = [r for r in result.records if r.ended < stop_at]
     after = [r for r in result.records if r.started > ready_at]
     gap = [r for r in result.records if r.ended >= stop_at and r.started <= ready_at]
-    print(f"restart: stopped at {stop_at:.1f} s, down at {down_at:.1f} s, ready again at {ready_at:.1f} s; "
-          f"{len(before)} answered before, {len(gap)} in the gap ({result.failed} failed), {len(after)} after")
+    print(
+        f"restart: stopped at {stop_at:.1f} s, down at {down_at:.1f} s, ready again at {ready_at:.1f} s; "
+        f"{len(before)} answered before, {len(gap)} in the gap ({result.failed} failed), {len(after)} after"
+    )
     print(sorted(result.errors)[:12])
     assert before and all(r.outcome == "answered" for r in before)
     assert len(after) >= 4 and all(r.outcome == "answered" for r in after), [r.error for r in after][:5]
@@ -293,6 +348,7 @@ def test_bundle_altered_after_deployment(tiny_bundle, tmp_path, damage):
     from runtime.bundle import load_manifest
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import ServerError, start_server
+
     repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=2))
     bundle = repo / "speculative" / "bundle"
     rel = max(load_manifest(bundle).files, key=lambda r: (bundle / r).stat().st_size)  # the largest engine file
@@ -307,20 +363,33 @@ def test_bundle_altered_after_deployment(tiny_bundle, tmp_path, damage):
     log = tmp_path / "server.log"
     with pytest.raises(ServerError, match="failed to load"):
         start_server(repo, timeout=180, log_path=log)
-    refused = [line for line in log.read_text(errors="replace").splitlines()
-               if "speculative" in line and rel in line and "altered or truncated" in line]
+    refused = [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        if "speculative" in line and rel in line and "altered or truncated" in line
+    ]
     assert refused, log.read_text()[-3000:]
 
 
 # --- hostile request tensors ------------------------------------------------------------------------------------
 
+
 def _hostile_strategy():
     from hypothesis import strategies as st
-    dtypes = {"BYTES": object, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "FP32": np.float32,
-              "FP64": np.float64, "BOOL": bool, "INT8": np.int8, "FP16": np.float16}
+
+    dtypes = {
+        "BYTES": object,
+        "INT32": np.int32,
+        "INT64": np.int64,
+        "UINT64": np.uint64,
+        "FP32": np.float32,
+        "FP64": np.float64,
+        "BOOL": bool,
+        "INT8": np.int8,
+        "FP16": np.float16,
+    }
     ints = st.sampled_from([-(2**31), -1, 0, 1, 2, 3, 8, 17, 127, 128, 129, 2**31 - 1])
-    floats = st.sampled_from([0.0, -0.0, 0.5, 1.0, 1.0001, -1.0, 2.0, 1e30, float("inf"), float("-inf"),
-                              float("nan")])
+    floats = st.sampled_from([0.0, -0.0, 0.5, 1.0, 1.0001, -1.0, 2.0, 1e30, float("inf"), float("-inf"), float("nan")])
     texts = st.one_of(st.text(max_size=40), st.binary(max_size=40), st.sampled_from([PROMPT, "", "\x00", "\ud7ff"]))
 
     @st.composite
@@ -329,8 +398,10 @@ def _hostile_strategy():
         shape = draw(st.sampled_from([(batch, 1), (batch, 1), (batch, 0), (batch, 3), (batch + 1, 1), (1,)]))
         count = int(np.prod(shape))
         if dtype == "BYTES":
-            values = [v.encode("utf-8", "surrogatepass") if isinstance(v, str) else v
-                      for v in draw(st.lists(texts, min_size=count, max_size=count))]
+            values = [
+                v.encode("utf-8", "surrogatepass") if isinstance(v, str) else v
+                for v in draw(st.lists(texts, min_size=count, max_size=count))
+            ]
             array = np.array(values + [b""], dtype=object)[:count].reshape(shape)
         elif dtype in ("FP32", "FP64", "FP16"):
             array = np.array(draw(st.lists(floats, min_size=count, max_size=count)), dtype=np.float64)
@@ -344,19 +415,34 @@ def _hostile_strategy():
             array = np.array(values, dtype=dtypes[dtype]).reshape(shape)
         return array, dtype
 
-    names = ["text_input", "max_tokens", "temperature", "top_k", "top_p", "num_draft_tokens", "stop_words",
-             "stream", "seed", "end_id", "no_such_input"]
+    names = [
+        "text_input",
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "num_draft_tokens",
+        "stop_words",
+        "stream",
+        "seed",
+        "end_id",
+        "no_such_input",
+    ]
 
-    valid = {"text_input": lambda draw, b: (np.array([[draw(st.sampled_from([PROMPT, "日本語 🙂", "x"])).encode()]] * b,
-                                                        dtype=object), "BYTES"),
-             "max_tokens": lambda draw, b: (np.array([[draw(st.integers(1, 12))]] * b, np.int32), "INT32"),
-             "temperature": lambda draw, b: (np.array([[draw(st.sampled_from([0.0, 0.7]))]] * b, np.float32), "FP32"),
-             "top_k": lambda draw, b: (np.array([[draw(st.sampled_from([0, 5, 50]))]] * b, np.int32), "INT32"),
-             "top_p": lambda draw, b: (np.array([[draw(st.sampled_from([0.5, 1.0]))]] * b, np.float32), "FP32"),
-             "num_draft_tokens": lambda draw, b: (np.array([[draw(st.integers(0, 4))]] * b, np.int32), "INT32"),
-             "stop_words": lambda draw, b: (np.array([[b"\n", b"x"]] * b, dtype=object), "BYTES"),
-             "stream": lambda draw, b: (np.array([[draw(st.booleans())]] * b, bool), "BOOL"),
-             "seed": lambda draw, b: (np.array([[draw(st.integers(0, 2**64 - 1))]] * b, np.uint64), "UINT64")}
+    valid = {
+        "text_input": lambda draw, b: (
+            np.array([[draw(st.sampled_from([PROMPT, "日本語 🙂", "x"])).encode()]] * b, dtype=object),
+            "BYTES",
+        ),
+        "max_tokens": lambda draw, b: (np.array([[draw(st.integers(1, 12))]] * b, np.int32), "INT32"),
+        "temperature": lambda draw, b: (np.array([[draw(st.sampled_from([0.0, 0.7]))]] * b, np.float32), "FP32"),
+        "top_k": lambda draw, b: (np.array([[draw(st.sampled_from([0, 5, 50]))]] * b, np.int32), "INT32"),
+        "top_p": lambda draw, b: (np.array([[draw(st.sampled_from([0.5, 1.0]))]] * b, np.float32), "FP32"),
+        "num_draft_tokens": lambda draw, b: (np.array([[draw(st.integers(0, 4))]] * b, np.int32), "INT32"),
+        "stop_words": lambda draw, b: (np.array([[b"\n", b"x"]] * b, dtype=object), "BYTES"),
+        "stream": lambda draw, b: (np.array([[draw(st.booleans())]] * b, bool), "BOOL"),
+        "seed": lambda draw, b: (np.array([[draw(st.integers(0, 2**64 - 1))]] * b, np.uint64), "UINT64"),
+    }
 
     @st.composite
     def request(draw):
@@ -386,8 +472,12 @@ def test_hostile_request_tensors(server, want):
 
     examples = int(os.environ.get("DRAFTSMITH_HOSTILE_EXAMPLES", "40"))  # more: a longer, randomized search
 
-    @settings(max_examples=examples, deadline=None, derandomize=examples == 40,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=examples == 40,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(_hostile_strategy())
     def check(arrays):
         inputs = []
@@ -426,15 +516,20 @@ def test_hostile_request_tensors(server, want):
 
     check()
     assert len(HOSTILE_TRIED) >= examples
-    print(f"hostile requests: {len(HOSTILE_TRIED)}, answered {HOSTILE_TRIED.count('answered')}, "
-          f"errors {HOSTILE_TRIED.count('error')}")
+    print(
+        f"hostile requests: {len(HOSTILE_TRIED)}, answered {HOSTILE_TRIED.count('answered')}, "
+        f"errors {HOSTILE_TRIED.count('error')}"
+    )
     answered_correctly(server, want)
 
 
 def test_server_sockets_bind_loopback_only(server):
     """Every listening socket of the running server is on 127.0.0.1 (read from /proc/net/tcp{,6})."""
-    ports = {int(server.url.rsplit(":", 1)[1]), int(server.grpc_url.rsplit(":", 1)[1]),
-             int(server.metrics_url.split(":")[2].split("/")[0])}
+    ports = {
+        int(server.url.rsplit(":", 1)[1]),
+        int(server.grpc_url.rsplit(":", 1)[1]),
+        int(server.metrics_url.split(":")[2].split("/")[0]),
+    }
     found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:

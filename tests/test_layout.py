@@ -78,7 +78,7 @@ def imported_from(node: ast.ImportFrom, path: Path) -> str:
     if node.level:
         here = module_name(path)
         parts = (here if path.name == "__init__.py" else here.rpartition(".")[0]).split(".")
-        base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+        base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
     return base
 
 
@@ -179,8 +179,10 @@ def test_no_import_against_the_arrows(package):
 
 
 def test_the_guard_sees_imports_inside_functions_and_by_name():
-    tree = ast.parse("def f():\n    from bench.speed import bench\n    import importlib\n"
-                     "    importlib.import_module('builder.distill')\n    __import__('triton_repo.cli')\n")
+    tree = ast.parse(
+        "def f():\n    from bench.speed import bench\n    import importlib\n"
+        "    importlib.import_module('builder.distill')\n    __import__('triton_repo.cli')\n"
+    )
     assert [m for _, m in imported_modules(tree)] == ["bench.speed", "importlib", "builder.distill", "triton_repo.cli"]
 
 
@@ -195,9 +197,14 @@ def test_the_runtime_names_other_packages_only_in_its_command_table():
     for file in python_files("runtime"):
         rel = file.relative_to(ROOT).as_posix()
         for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(".")[0] in others
-                    and "." in node.value and " " not in node.value
-                    and not (rel == COMMAND_TABLE[0] and node.lineno in lines)):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value.split(".")[0] in others
+                and "." in node.value
+                and " " not in node.value
+                and not (rel == COMMAND_TABLE[0] and node.lineno in lines)
+            ):
                 stray.append(f"{rel}:{node.lineno} {node.value!r}")
     assert stray == []
 
@@ -207,8 +214,10 @@ def test_every_registered_command_exists():
     import importlib
 
     import click
+
     _, modules = command_table(ROOT / COMMAND_TABLE[0], COMMAND_TABLE[1])
     from runtime.cli import COMMANDS
+
     assert [m for m, _ in COMMANDS] == modules
     for module, attribute in COMMANDS:
         assert isinstance(getattr(importlib.import_module(module), attribute), click.Command), (module, attribute)
@@ -221,8 +230,12 @@ def test_no_import_circle():
     described = []
     for circle in import_circles(graph):
         members = set(circle)
-        ties = [f"{modules[a].relative_to(ROOT)}:{line} -> {b}" for a in circle for b, line in graph[a].items()
-                if b in members]
+        ties = [
+            f"{modules[a].relative_to(ROOT)}:{line} -> {b}"
+            for a in circle
+            for b, line in graph[a].items()
+            if b in members
+        ]
         described.append(" ; ".join(ties))
     assert described == []
 
@@ -230,6 +243,7 @@ def test_no_import_circle():
 def test_the_circle_guard_sees_a_lazy_import_and_resolves_relative_ones(tmp_path, monkeypatch):
     """A circle closed only by an import inside a function, and one through ``from . import``, are both found."""
     import test_layout
+
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -250,6 +264,7 @@ def test_a_package_init_counts_as_a_module_on_the_way(tmp_path, monkeypatch):
     too. A package file handing on its modules' names is a circle with every one of them that imports a sibling; one
     importing only a module that imports no sibling is none, and importing its own module is no arrow to itself."""
     import test_layout
+
     facade, quiet, nested = tmp_path / "facade", tmp_path / "quiet", tmp_path / "outer" / "inner"
     for folder in (facade, quiet, nested):
         folder.mkdir(parents=True)
@@ -281,8 +296,9 @@ def test_every_long_module_says_why_at_its_top():
     for package in PACKAGES + ("scripts",):
         for path in sorted((ROOT / package).rglob("*.py")):
             text = path.read_text(encoding="utf-8")
-            if text.count("\n") > LONG_MODULE and "Longer than most modules" not in (ast.get_docstring(
-                    ast.parse(text)) or ""):
+            if text.count("\n") > LONG_MODULE and "Longer than most modules" not in (
+                ast.get_docstring(ast.parse(text)) or ""
+            ):
                 unexplained.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
     assert unexplained == []
 
@@ -313,14 +329,16 @@ def test_every_long_function_says_why(package):
 
 def test_the_function_guard_counts_lines_and_reads_the_reason(tmp_path, monkeypatch):
     import test_layout
+
     body = "".join(f"    x{i} = {i}\n" for i in range(LONG_FUNCTION))
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "m.py").write_text(
-        f"def short():\n{body[:-len(body.splitlines(True)[-1])]}"  # exactly LONG_FUNCTION lines
+        f"def short():\n{body[: -len(body.splitlines(True)[-1])]}"  # exactly LONG_FUNCTION lines
         f"def long():\n{body}"
         f"def stated():\n    '''Longer than 80 lines: one table.'''\n{body}"
         f"def phrase_only():\n    '''Longer than 80 lines:'''\n{body}"
-        f"class C:\n    async def method(self):\n{''.join('    ' + line for line in body.splitlines(True))}")
+        f"class C:\n    async def method(self):\n{''.join('    ' + line for line in body.splitlines(True))}"
+    )
     monkeypatch.setattr(test_layout, "ROOT", tmp_path)
     assert [line.split(" ")[1] for line in long_functions("pkg")] == ["long", "phrase_only", "method"]
 
@@ -372,8 +390,9 @@ def private_uses(path: Path, modules: dict[str, Path]) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if owner(alias.name, modules) is not None:
-                    bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else \
-                        alias.name.split(".")[0]
+                    bound[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else alias.name.split(".")[0]
+                    )
                     if any(is_private(part) for part in alias.name.split(".")) and alias.name != here:
                         found.append((node.lineno, alias.name))
     for node in ast.walk(tree):
@@ -396,7 +415,7 @@ def re_exports(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             source = imported_from(node, path) if isinstance(node, ast.ImportFrom) else node.names[0].name
-            if any(NOQA_F401.search(line) for line in lines[node.lineno - 1:node.end_lineno]):
+            if any(NOQA_F401.search(line) for line in lines[node.lineno - 1 : node.end_lineno]):
                 found.append((node.lineno, source))
             for alias in node.names:
                 if alias.asname == alias.name:  # the re-export idiom (``import a.b as b`` is none: b is a.b)
@@ -405,7 +424,8 @@ def re_exports(path: Path) -> list[tuple[int, str]]:
                     imported[alias.asname or alias.name.split(".")[0]] = (node.lineno, source)
     for node in tree.body:
         if isinstance(node, (ast.Assign, ast.AugAssign)) and "__all__" in [
-                getattr(t, "id", None) for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]:
+            getattr(t, "id", None) for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        ]:
             names = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
             found += [imported[name] for name in names if name in imported]
     return sorted(set(found))
@@ -448,19 +468,29 @@ def test_the_allow_lists_hold_only_what_remains():
 
 def test_the_seam_guards_see_private_names_and_re_exports(tmp_path, monkeypatch):
     import test_layout
+
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "a.py").write_text("class C:\n    _z = 1\n\n\ndef _x():\n    return C._z, __name__\n")
-    (package / "b.py").write_text("import pkg.a\nfrom pkg import a as m\nfrom pkg.a import C, _x\nfrom . import a\n\n"
-                                  "def f(self):\n    return pkg.a._x, m._y, C._z, a._w, self._own, m.__doc__, _x\n")
-    (package / "c.py").write_text("import json as json\nfrom pkg.a import C  # noqa: F401\nimport os.path as path\n"
-                                  "from pkg.a import (_x,  # noqa\n                   C as C)\n"
-                                  "from pkg.b import f\n__all__ = ['f', 'g']\n\n\ndef g():\n    return 1\n")
+    (package / "b.py").write_text(
+        "import pkg.a\nfrom pkg import a as m\nfrom pkg.a import C, _x\nfrom . import a\n\n"
+        "def f(self):\n    return pkg.a._x, m._y, C._z, a._w, self._own, m.__doc__, _x\n"
+    )
+    (package / "c.py").write_text(
+        "import json as json\nfrom pkg.a import C  # noqa: F401\nimport os.path as path\n"
+        "from pkg.a import (_x,  # noqa\n                   C as C)\n"
+        "from pkg.b import f\n__all__ = ['f', 'g']\n\n\ndef g():\n    return 1\n"
+    )
     monkeypatch.setattr(test_layout, "ROOT", tmp_path)
     modules = {module_name(p): p for p in sorted(package.glob("*.py"))}
     assert private_uses(package / "a.py", modules) == []  # its own privates
     assert sorted(private_uses(package / "b.py", modules)) == [
-        (3, "pkg.a._x"), (7, "pkg.a.C._z"), (7, "pkg.a._w"), (7, "pkg.a._x"), (7, "pkg.a._y")]
+        (3, "pkg.a._x"),
+        (7, "pkg.a.C._z"),
+        (7, "pkg.a._w"),
+        (7, "pkg.a._x"),
+        (7, "pkg.a._y"),
+    ]
     assert re_exports(package / "c.py") == [(1, "json"), (2, "pkg.a"), (4, "pkg.a"), (6, "pkg.b")]
     assert re_exports(package / "b.py") == []

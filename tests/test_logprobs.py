@@ -35,8 +35,9 @@ def target_only_logprobs(generator, prompt_ids: list[int], tokens: list[int]) ->
 @pytest.mark.parametrize("constrained", [False, True], ids=["free", "json"])
 def test_speculative_logprobs_equal_target_only(generator, temperature, constrained):
     fmt = {"type": "json_object"} if constrained else None
-    answers = generator.generate(PROMPTS, max_new_tokens=40, temperature=temperature, seed=3, logprobs=3,
-                                 response_format=fmt)
+    answers = generator.generate(
+        PROMPTS, max_new_tokens=40, temperature=temperature, seed=3, logprobs=3, response_format=fmt
+    )
     drafted = 0
     for prompt, answer in zip(PROMPTS, answers):
         drafted += answer.stats.num_accepted_tokens
@@ -74,19 +75,26 @@ def test_scripted_logprobs_are_exact_whatever_is_accepted():
     """Over many sampled rows (drafts accepted and rejected), each token's log-probability is the bigram target's
     log-softmax after the token before it."""
     table = random_table(6, 1)
-    loop = SpeculativeLoop(BigramEngine(table), ModelDrafter(BigramEngine(random_table(6, 2))), [[0]] * 50,
-                           DecodeConfig(12, 3, SamplingParams(1.0), seed=1, logprobs=2))
+    loop = SpeculativeLoop(
+        BigramEngine(table),
+        ModelDrafter(BigramEngine(random_table(6, 2))),
+        [[0]] * 50,
+        DecodeConfig(12, 3, SamplingParams(1.0), seed=1, logprobs=2),
+    )
     for _ in loop.run():
         pass
     logsoft = table - np.log(np.exp(table).sum(axis=1, keepdims=True))
     for row in loop.rows:
         previous = [0] + row.generated[:-1]
         assert np.allclose(row.logprobs, logsoft[previous, row.generated], atol=1e-12)
-        assert all([t for t, _ in top] == list(np.argsort(-logsoft[p], kind="stable")[:2])
-                   for p, top in zip(previous, row.top_logprobs))
+        assert all(
+            [t for t, _ in top] == list(np.argsort(-logsoft[p], kind="stable")[:2])
+            for p, top in zip(previous, row.top_logprobs)
+        )
 
 
 # --- the OpenAI server -------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def served(tiny_bundle):
@@ -95,6 +103,7 @@ def served(tiny_bundle):
     from runtime.api import SpeculativeGenerator
     from runtime.serving.openai_server import create_app
     from runtime.serving.scheduler import Scheduler
+
     generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4).start()
     server = _Server(create_app(scheduler, "tiny"))
@@ -111,16 +120,25 @@ def test_chat_logprobs_whole_and_streamed_are_the_targets(served, generator, fmt
     client = served
     extra = {} if fmt is None else {"response_format": fmt}
     want = generator.generate([MESSAGES], max_new_tokens=24, chat=True, logprobs=2, response_format=fmt)[0]
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
-                                         logprobs=True, top_logprobs=2, **extra)
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, **extra
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens == len(want.token_ids)
     assert np.abs(np.array([c.logprob for c in content]) - np.array(want.logprobs)).max() <= 1e-4
     assert [c.token for c in content] == [generator.tokenizer.decode([t]) for t in want.token_ids]
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
     streamed = []
-    for chunk in client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
-                                                logprobs=True, top_logprobs=2, stream=True, **extra):
+    for chunk in client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        **extra,
+    ):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
@@ -141,6 +159,7 @@ def test_completion_logprobs(served, generator):
 
 def test_bad_logprobs_requests_are_400s(served):
     import openai
+
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         served.chat.completions.create(model="tiny", messages=MESSAGES, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table,
-                   run_loop)
+from fakes import LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table, run_loop
 from runtime.errors import RequestError
 from runtime.drafters.lookup import PromptLookupDrafter, lookup
 from runtime.decoding.sampling import SamplingParams, probabilities
@@ -13,15 +12,18 @@ from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop
 
 
-@pytest.mark.parametrize("history, k, expected", [
-    ([1, 2, 3, 4, 1, 2], 2, [3, 4]),  # match found: what followed "1 2"
-    ([1, 2, 3, 4, 5, 6], 3, []),  # no earlier occurrence of the suffix
-    ([7, 1, 8, 1, 9, 1], 2, [9, 1]),  # several candidates for "1": the latest (before 9) wins, not the one before 8
-    ([5, 6, 5, 6, 5, 6], 4, [5, 6]),  # match at the end of the text: the continuation runs into the suffix itself
-    ([1, 2, 9, 3, 2], 2, [9, 3]),  # the longest n-gram fails ("3 2"), a shorter one ("2") matches
-    ([4, 4, 4], 0, []),  # k = 0: nothing
-    ([3], 2, []),  # too short to match anything
-])
+@pytest.mark.parametrize(
+    "history, k, expected",
+    [
+        ([1, 2, 3, 4, 1, 2], 2, [3, 4]),  # match found: what followed "1 2"
+        ([1, 2, 3, 4, 5, 6], 3, []),  # no earlier occurrence of the suffix
+        ([7, 1, 8, 1, 9, 1], 2, [9, 1]),  # several candidates for "1": the latest (before 9) wins, not the one before 8
+        ([5, 6, 5, 6, 5, 6], 4, [5, 6]),  # match at the end of the text: the continuation runs into the suffix itself
+        ([1, 2, 9, 3, 2], 2, [9, 3]),  # the longest n-gram fails ("3 2"), a shorter one ("2") matches
+        ([4, 4, 4], 0, []),  # k = 0: nothing
+        ([3], 2, []),  # too short to match anything
+    ],
+)
 def test_lookup_table(history, k, expected):
     assert lookup(history, k) == expected
 
@@ -37,8 +39,9 @@ def test_lookup_sampling_follows_the_target_distribution():
     params = SamplingParams(1.0)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0]  # repetitive: lookup always proposes, first "1 2 3"
     n = 20000
-    loop = SpeculativeLoop(BigramEngine(table), PromptLookupDrafter(vocab), [prompt] * n,
-                           DecodeConfig(LENGTH, 3, params, seed=1))
+    loop = SpeculativeLoop(
+        BigramEngine(table), PromptLookupDrafter(vocab), [prompt] * n, DecodeConfig(LENGTH, 3, params, seed=1)
+    )
     first = run_loop(loop)
     assert_follows_target(loop.rows, first, probabilities(table, params), 0, point_mass_laws([1, 2, 3], vocab))
 
@@ -56,13 +59,15 @@ def test_hybrid_sampling_follows_the_target_distribution_from_both_sources():
     stays exact for both kinds of rows (20,000 sequences of 4 tokens of each kind, the first step drafting 3)."""
     from runtime.drafters.hybrid import HybridDrafter
     from runtime.drafters.model import ModelDrafter
+
     vocab, table, draft_table = 4, copying_table(4, 5, [0, 1, 2, 3, 0]), random_table(4, 9)
     params = SamplingParams(1.0)
     repetitive, fresh = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3]  # the first always matches "0 1"; the second cannot
     n = 20000
     drafter = HybridDrafter(ModelDrafter(BigramEngine(draft_table)), vocab)
-    loop = SpeculativeLoop(BigramEngine(table), drafter, [repetitive] * n + [fresh] * n,
-                           DecodeConfig(LENGTH, 3, params, seed=2))
+    loop = SpeculativeLoop(
+        BigramEngine(table), drafter, [repetitive] * n + [fresh] * n, DecodeConfig(LENGTH, 3, params, seed=2)
+    )
     looked_up, modelled = run_loop(loop, groups=2)
     probs = probabilities(table, params)
     assert_follows_target(loop.rows[:n], looked_up, probs, 1, point_mass_laws([2, 3, 0], vocab))
@@ -85,9 +90,21 @@ def test_the_bundle_names_its_default_drafter(tiny_pair, tmp_path):
     from runtime.bundle import BuildSpec, SpecError
     from runtime.drafters.hybrid import HybridDrafter
     from runtime.drafters.model import ModelDrafter
+
     target, draft = tiny_pair
-    build(BuildSpec(target=str(target), draft=str(draft), target_quant="fp32", draft_quant="fp32", k=3,
-                    max_context=128, drafter="hybrid", draft_confidence=0.6), tmp_path / "b")
+    build(
+        BuildSpec(
+            target=str(target),
+            draft=str(draft),
+            target_quant="fp32",
+            draft_quant="fp32",
+            k=3,
+            max_context=128,
+            drafter="hybrid",
+            draft_confidence=0.6,
+        ),
+        tmp_path / "b",
+    )
     generator = SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1)
     assert generator.default_drafter == "hybrid"
     assert isinstance(generator.new_drafter("speculative", None, None), HybridDrafter)
@@ -97,8 +114,10 @@ def test_the_bundle_names_its_default_drafter(tiny_pair, tmp_path):
     with pytest.raises(RequestError, match="draft_confidence"):
         generator.generate("hello", draft_confidence=1.5)
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
-    assert generator.generate(prompt, max_new_tokens=20).token_ids == generator.generate(
-        prompt, max_new_tokens=20, mode="target").token_ids
+    assert (
+        generator.generate(prompt, max_new_tokens=20).token_ids
+        == generator.generate(prompt, max_new_tokens=20, mode="target").token_ids
+    )
     with pytest.raises(SpecError, match="drafter"):
         BuildSpec(target="t", drafter="ngram")
     with pytest.raises(SpecError, match="draft_confidence"):

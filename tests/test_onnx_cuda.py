@@ -27,15 +27,25 @@ HAS_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 def engine_of(bundle, role="target", **options):
     manifest = load_manifest(bundle, verify=False)
     entry = getattr(manifest, role)
-    return OnnxEngine(bundle / entry.engine, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-                      head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=manifest.max_context,
-                      threads=1, **options)
+    return OnnxEngine(
+        bundle / entry.engine,
+        num_layers=entry.num_layers,
+        num_kv_heads=entry.num_kv_heads,
+        head_dim=entry.head_dim,
+        vocab_size=entry.vocab_size,
+        max_context=manifest.max_context,
+        threads=1,
+        **options,
+    )
 
 
 def float_types(path):
     model = onnx.load(str(path))
-    return {onnx.TensorProto.DataType.Name(w.data_type) for w in model.graph.initializer
-            if w.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}, model
+    return {
+        onnx.TensorProto.DataType.Name(w.data_type)
+        for w in model.graph.initializer
+        if w.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    }, model
 
 
 def test_cuda_bundle_has_fp16_target_and_int4_draft(tiny_cuda_bundle):
@@ -43,8 +53,9 @@ def test_cuda_bundle_has_fp16_target_and_int4_draft(tiny_cuda_bundle):
     assert (manifest.spec.device, manifest.target.quant, manifest.draft.quant) == ("cuda", "fp16", "int4")
     types, target = float_types(tiny_cuda_bundle / manifest.target.engine)
     assert "FLOAT16" in types
-    big_fp32 = [w.name for w in target.graph.initializer
-                if w.data_type == onnx.TensorProto.FLOAT and int(np.prod(w.dims)) > 64]
+    big_fp32 = [
+        w.name for w in target.graph.initializer if w.data_type == onnx.TensorProto.FLOAT and int(np.prod(w.dims)) > 64
+    ]
     assert not big_fp32, f"weights left in fp32: {big_fp32[:5]}"
     io = {i.name: i.type.tensor_type.elem_type for i in [*target.graph.input, *target.graph.output]}
     assert io["past.0.key"] == io["present.0.value"] == io["logits"] == onnx.TensorProto.FLOAT16
@@ -84,6 +95,7 @@ def test_fp16_engine_agrees_with_the_fp32_engine(tiny_export_bundle, tiny_cuda_b
 
 def test_cuda_bundle_greedy_equals_target_only_on_cpu(tiny_cuda_bundle):
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(tiny_cuda_bundle, threads=1, device="cpu")
     for prompt in PROMPTS:
         fast = generator.generate(prompt, max_new_tokens=24, k=3)
@@ -115,8 +127,10 @@ def test_io_binding_path_equals_the_plain_path(bundle, request):
 def test_providers_for_each_device():
     everything = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     assert providers_for("cpu", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
-    assert providers_for("cuda", everything, device_id=1) == [("CUDAExecutionProvider", {"device_id": 1}),
-                                                              "CPUExecutionProvider"]
+    assert providers_for("cuda", everything, device_id=1) == [
+        ("CUDAExecutionProvider", {"device_id": 1}),
+        "CPUExecutionProvider",
+    ]
     assert [p if isinstance(p, str) else p[0] for p in providers_for("tensorrt", everything)] == everything
     with pytest.raises(DeviceError, match="onnxruntime-gpu"):
         providers_for("cuda", ["CPUExecutionProvider"])
@@ -130,12 +144,14 @@ def test_providers_for_each_device():
 def test_cuda_bundle_without_a_gpu_provider_fails_early_and_says_what_to_do(tiny_cuda_bundle):
     from runtime.api import SpeculativeGenerator
     from runtime.cli import main
+
     with pytest.raises(DeviceError, match="pip install onnxruntime-gpu"):
         SpeculativeGenerator.from_bundle(tiny_cuda_bundle)
     result = CliRunner().invoke(main, ["generate", str(tiny_cuda_bundle), "hi", "--max-new-tokens", "2"])
     assert result.exit_code == 1 and "device 'cpu'" in result.output
-    result = CliRunner().invoke(main, ["generate", str(tiny_cuda_bundle), "hi", "--max-new-tokens", "4",
-                                       "--device", "cpu", "--json"])
+    result = CliRunner().invoke(
+        main, ["generate", str(tiny_cuda_bundle), "hi", "--max-new-tokens", "4", "--device", "cpu", "--json"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["identical_to_target"] is True
 
@@ -150,6 +166,7 @@ def test_quant_must_suit_the_device(device, quant):
 
 def test_cli_device_cuda_defaults_to_an_fp16_target():
     from builder.cli import _device_defaults, spec_from
+
     spec, _ = spec_from({}, _device_defaults({}, {"target": "t", "device": "cuda"}))
     assert (spec.device, spec.target_quant, spec.draft_quant) == ("cuda", "fp16", "int4")
     spec, _ = spec_from({}, _device_defaults({}, {"target": "t", "device": "cuda", "target_quant": "int8"}))
@@ -163,6 +180,7 @@ def test_triton_repository_of_a_cuda_bundle_places_instances_on_gpus(tiny_cuda_b
     from tritonclient.grpc import model_config_pb2
 
     from triton_repo.generate import write_repository
+
     kinds = {}
     for name, bundle in (("cuda", tiny_cuda_bundle), ("cpu", tiny_bundle)):
         repo = tmp_path / name
@@ -172,10 +190,12 @@ def test_triton_repository_of_a_cuda_bundle_places_instances_on_gpus(tiny_cuda_b
     assert kinds == {"cuda": "KIND_GPU", "cpu": "KIND_CPU"}
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu with CUDAExecutionProvider and a GPU "
-                                          "(scripts/gpu_check.sh)")
+@pytest.mark.skipif(
+    not HAS_CUDA, reason="needs onnxruntime-gpu with CUDAExecutionProvider and a GPU (scripts/gpu_check.sh)"
+)
 def test_cuda_bundle_on_the_gpu_greedy_equals_target_only(tiny_cuda_bundle):
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(tiny_cuda_bundle, device="cuda")
     for prompt in PROMPTS:
         fast = generator.generate(prompt, max_new_tokens=24, k=3)

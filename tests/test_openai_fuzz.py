@@ -19,40 +19,59 @@ from runtime.serving.scheduler import Scheduler  # noqa: E402
 MODEL = "tiny"
 SEEN: set[str] = set()  # distinct hostile bodies sent (the hardening issue counts them)
 
-texts = st.one_of(st.text(max_size=40), st.sampled_from(["", "\ud800", "a\udfffb", "\x00", "\u202e", "🙂" * 30,
-                                                          "x" * 5000]))
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
-                    st.floats(allow_nan=True, allow_infinity=True), texts)
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(texts, inner, max_size=4)), max_leaves=12)
-message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "assistant", "developer",
-                                                                    "tool", "root"]), values),
-                                 "content": st.one_of(texts, values)})
+texts = st.one_of(
+    st.text(max_size=40), st.sampled_from(["", "\ud800", "a\udfffb", "\x00", "\u202e", "🙂" * 30, "x" * 5000])
+)
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True), texts
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(texts, inner, max_size=4)),
+    max_leaves=12,
+)
+message = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["user", "system", "assistant", "developer", "tool", "root"]), values),
+        "content": st.one_of(texts, values),
+    }
+)
 FIELDS = {
-    "model": st.one_of(st.just(MODEL), values), "max_tokens": st.one_of(st.integers(-3, 40), values),
-    "temperature": st.one_of(st.floats(-1, 3), values), "top_p": st.one_of(st.floats(-0.5, 1.5), values),
-    "top_k": st.one_of(st.integers(-2, 50), values), "seed": st.one_of(st.integers(-5, 2 ** 65), values),
-    "stop": st.one_of(texts, st.lists(texts, max_size=20), values), "n": st.one_of(st.integers(-1, 3), values),
-    "stream": st.one_of(st.booleans(), values), "num_draft_tokens": st.one_of(st.integers(-2, 20), values),
+    "model": st.one_of(st.just(MODEL), values),
+    "max_tokens": st.one_of(st.integers(-3, 40), values),
+    "temperature": st.one_of(st.floats(-1, 3), values),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), values),
+    "top_k": st.one_of(st.integers(-2, 50), values),
+    "seed": st.one_of(st.integers(-5, 2**65), values),
+    "stop": st.one_of(texts, st.lists(texts, max_size=20), values),
+    "n": st.one_of(st.integers(-1, 3), values),
+    "stream": st.one_of(st.booleans(), values),
+    "num_draft_tokens": st.one_of(st.integers(-2, 20), values),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), values),
-    "logprobs": values, "response_format": values, "tools": values, "tool_choice": values,
+    "logprobs": values,
+    "response_format": values,
+    "tools": values,
+    "tool_choice": values,
 }
 junk = st.dictionaries(texts, values, max_size=3)
 
 
 def completion_bodies():
-    return st.tuples(st.fixed_dictionaries({"prompt": st.one_of(texts, values)},
-                                           optional=FIELDS), junk).map(lambda pair: {**pair[1], **pair[0]})
+    return st.tuples(st.fixed_dictionaries({"prompt": st.one_of(texts, values)}, optional=FIELDS), junk).map(
+        lambda pair: {**pair[1], **pair[0]}
+    )
 
 
 def chat_bodies():
-    return st.tuples(st.fixed_dictionaries({"messages": st.one_of(st.lists(message, max_size=5), values)},
-                                           optional=FIELDS), junk).map(lambda pair: {**pair[1], **pair[0]})
+    return st.tuples(
+        st.fixed_dictionaries({"messages": st.one_of(st.lists(message, max_size=5), values)}, optional=FIELDS), junk
+    ).map(lambda pair: {**pair[1], **pair[0]})
 
 
 @pytest.fixture(scope="module")
 def client(tiny_bundle):
     from runtime.api import SpeculativeGenerator
+
     scheduler = Scheduler(SpeculativeGenerator.from_bundle(tiny_bundle, threads=1), max_batch=4).start()
     app = create_app(scheduler, MODEL, request_timeout=20)
     loop = asyncio.new_event_loop()
@@ -60,8 +79,9 @@ def client(tiny_bundle):
 
     def post(path: str, body) -> httpx.Response:
         raw = json.dumps(body, allow_nan=True).encode() if not isinstance(body, bytes) else body
-        return loop.run_until_complete(asyncio.wait_for(http.post(path, content=raw, headers={
-            "content-type": "application/json"}), 30))
+        return loop.run_until_complete(
+            asyncio.wait_for(http.post(path, content=raw, headers={"content-type": "application/json"}), 30)
+        )
 
     yield post
     loop.run_until_complete(http.aclose())
@@ -103,8 +123,13 @@ def test_chat_never_answers_a_client_error_with_a_5xx(client, body):
 
 
 @FUZZ
-@given(raw=st.one_of(st.binary(max_size=200), st.text(max_size=200).map(lambda t: t.encode("utf-8", "replace")),
-                     st.sampled_from([b"[" * 10000, b'{"a":' * 5000, b"\xff\xfe", b"", b"null", b"1e999999"])))
+@given(
+    raw=st.one_of(
+        st.binary(max_size=200),
+        st.text(max_size=200).map(lambda t: t.encode("utf-8", "replace")),
+        st.sampled_from([b"[" * 10000, b'{"a":' * 5000, b"\xff\xfe", b"", b"null", b"1e999999"]),
+    )
+)
 def test_bodies_that_are_not_json_objects_are_4xx(client, raw):
     SEEN.add("r" + raw.hex())
     check(client("/v1/completions", raw))

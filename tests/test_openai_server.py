@@ -43,6 +43,7 @@ class _Server:
 @pytest.fixture(scope="module")
 def served(tiny_bundle):
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
     # calibrated: start(calibrate=False) leaves CostModel empty, and step() then fails in np.interp (a scheduler bug)
     scheduler = Scheduler(generator, max_batch=4).start()
@@ -56,6 +57,7 @@ def served(tiny_bundle):
 def reference(tiny_bundle):
     """A generator of its own, decoding one request at a time: what a request gets alone."""
     from runtime.api import SpeculativeGenerator
+
     return SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
 
 
@@ -70,6 +72,7 @@ def _finish(reason: str) -> str:
 
 # --- completions ---------------------------------------------------------------------------------------------------
 
+
 def test_greedy_completion_equals_generate(client, reference):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     want = reference.generate(PROMPT, max_new_tokens=24)
@@ -82,8 +85,16 @@ def test_greedy_completion_equals_generate(client, reference):
 
 def test_streamed_completion_equals_whole_with_usage_chunk(client):
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
@@ -104,14 +115,17 @@ def test_stream_is_server_sent_events_ending_in_done(served):
 def test_stop_strings(client):
     text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
     # the random model's text is mostly broken UTF-8 (U+FFFD): stop at a plain ASCII pair after the start
-    stop = next((text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].isascii()
-                 and text[i:i + 2].isalnum()), None)
+    stop = next(
+        (text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].isascii() and text[i : i + 2].isalnum()),
+        None,
+    )
     assert stop, f"no ASCII pair in the tiny model's text for this test: {text!r}"
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "\x00"])
     assert out.choices[0].text == text[: text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
 
 
@@ -126,12 +140,14 @@ def test_seed_reproduces_sampled_text(client):
 def test_num_draft_tokens_extension_keeps_greedy_text(client):
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     for k in (0, 1, 3):
-        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
-                                        extra_body={"num_draft_tokens": k})
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"num_draft_tokens": k}
+        )
         assert out.choices[0].text == base
 
 
 # --- chat ---------------------------------------------------------------------------------------------------------
+
 
 def test_chat_completion_and_stream(client, reference):
     messages = [{"role": "user", "content": PROMPT}]
@@ -141,8 +157,16 @@ def test_chat_completion_and_stream(client, reference):
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want.text
     assert out.choices[0].finish_reason == _finish(want.finish_reason)
     assert out.usage.prompt_tokens == want.prompt_tokens
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
@@ -156,20 +180,32 @@ def test_chat_messages_render_with_the_template(client, reference):
     ids = reference.tokenizer.encode_chat(messages)
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens <= 12
-    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
-             messages[1]]
+    parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        messages[1],
+    ]
     same = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=12, temperature=0)
     assert same.choices[0].message.content == out.choices[0].message.content
 
 
 # --- errors -------------------------------------------------------------------------------------------------------
 
+
 def test_bad_requests_are_400_in_openais_shape(client):
-    bad = [dict(n=2), dict(prompt=["one", "two"]), dict(prompt=[1, 2, 3]), dict(max_tokens=10_000),
-           dict(stop=[str(i) for i in range(17)]), dict(temperature=3), dict(extra_body={"logprobs": 6}),
-           dict(extra_body={"frequency_penalty": 0.5}), dict(extra_body={"no_such_field": 1}),
-           dict(prompt="x" * 5000), dict(extra_body={"num_draft_tokens": 99}),
-           dict(stream_options={"include_usage": True})]
+    bad = [
+        dict(n=2),
+        dict(prompt=["one", "two"]),
+        dict(prompt=[1, 2, 3]),
+        dict(max_tokens=10_000),
+        dict(stop=[str(i) for i in range(17)]),
+        dict(temperature=3),
+        dict(extra_body={"logprobs": 6}),
+        dict(extra_body={"frequency_penalty": 0.5}),
+        dict(extra_body={"no_such_field": 1}),
+        dict(prompt="x" * 5000),
+        dict(extra_body={"num_draft_tokens": 99}),
+        dict(stream_options={"include_usage": True}),
+    ]
     params = []
     for case in bad:
         with pytest.raises(openai.BadRequestError) as raised:
@@ -182,10 +218,14 @@ def test_bad_requests_are_400_in_openais_shape(client):
     with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: no_such_field"):
         client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"no_such_field": 1})
     with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    harmless = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, user="someone",
-                                         frequency_penalty=0, n=1)
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )
+    harmless = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, user="someone", frequency_penalty=0, n=1
+    )
     assert harmless.choices
 
 
@@ -195,8 +235,9 @@ def test_unknown_model_route_and_bad_json(client, served):
     assert raised.value.code == "model_not_found" and raised.value.param == "model"
     response = httpx.get(served.url + "/v1/nothing-here")
     assert response.status_code == 404 and set(response.json()["error"]) == {"message", "type", "param", "code"}
-    response = httpx.post(served.url + "/v1/completions", content=b"{not json",
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        served.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
     response = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 200_000})
     assert response.status_code == 413 and response.json()["error"]["type"] == "invalid_request_error"
@@ -244,9 +285,15 @@ def test_metrics(client, served):
     assert response.status_code == 200
     assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     text = response.text
-    for name in ("draftsmith_requests_total", "draftsmith_scheduler_steps_total", "draftsmith_scheduler_running",
-                 "draftsmith_scheduler_waiting", "draftsmith_scheduler_cancelled_total",
-                 'vllm:num_requests_running{model_name="tiny"}', "vllm:spec_decode_num_draft_tokens_total"):
+    for name in (
+        "draftsmith_requests_total",
+        "draftsmith_scheduler_steps_total",
+        "draftsmith_scheduler_running",
+        "draftsmith_scheduler_waiting",
+        "draftsmith_scheduler_cancelled_total",
+        'vllm:num_requests_running{model_name="tiny"}',
+        "vllm:spec_decode_num_draft_tokens_total",
+    ):
         assert name in text
     steps = next(line for line in text.splitlines() if line.startswith("draftsmith_scheduler_steps_total "))
     assert float(steps.split()[1]) >= 1
@@ -284,10 +331,20 @@ def test_disconnect_cancels_the_request(client, served, reference, monkeypatch):
 
 # --- the load driver ----------------------------------------------------------------------------------------------
 
+
 def test_load_driver_against_the_server(served):
     from bench.openai_load import run_load
-    report = run_load(served.url, clients=2, duration=60, max_requests=6, max_tokens=16, cancel_fraction=0.34,
-                      check_identical=True, seed=3)
+
+    report = run_load(
+        served.url,
+        clients=2,
+        duration=60,
+        max_requests=6,
+        max_tokens=16,
+        cancel_fraction=0.34,
+        check_identical=True,
+        seed=3,
+    )
     assert report["sent"] == 6 and report["lost"] == 0 and report["failed"] == 0
     assert report["answered"] + report["cancelled"] == 6 and report["answered"] >= 1
     assert report["identical"]["mismatches"] == 0 and report["identical"]["checked"] >= 1
@@ -297,13 +354,25 @@ def test_load_driver_against_the_server(served):
 def test_load_driver_sends_draft_lengths_and_long_prompts(served):
     """The soak's mix: num_draft_tokens up to a maximum and prompts near the context limit, checked alone too."""
     from bench.openai_load import long_prompt_of, mixed_spec, run_load
+
     specs = [mixed_spec(i, 1, 16, 0.0, max_draft_tokens=8, long_prompt="L", long_fraction=0.5) for i in range(40)]
     assert {s.num_draft_tokens for s in specs} - {None} <= set(range(1, 9)) and any(s.num_draft_tokens for s in specs)
     assert any(s.prompt == "L" for s in specs) and any(s.prompt != "L" for s in specs)
     assert len(long_prompt_of(50).split()) == 50
-    report = run_load(served.url, clients=3, duration=60, max_requests=9, max_tokens=12, cancel_fraction=0.0,
-                      check_identical=True, check_limit=4, max_draft_tokens=6, long_prompt_tokens=100,
-                      long_fraction=0.4, seed=5)
+    report = run_load(
+        served.url,
+        clients=3,
+        duration=60,
+        max_requests=9,
+        max_tokens=12,
+        cancel_fraction=0.0,
+        check_identical=True,
+        check_limit=4,
+        max_draft_tokens=6,
+        long_prompt_tokens=100,
+        long_fraction=0.4,
+        seed=5,
+    )
     assert report["sent"] == 9 and report["lost"] == 0 and report["failed"] == 0
     assert report["identical"]["mismatches"] == 0 and report["identical"]["distinct"] <= 4
 
@@ -316,13 +385,15 @@ def test_an_events_data_stays_on_one_line_for_every_line_reader():
 
     from bench.openai_load import sse_lines
     from runtime.serving.openai_server import _sse
+
     text = "a\u2028b\u2029c\x85d\x1ce \u00e9"
     event = _sse({"text": text})
-    assert len(event.splitlines()) == 2 and json.loads(event.splitlines()[0][len("data: "):]) == {"text": text}
+    assert len(event.splitlines()) == 2 and json.loads(event.splitlines()[0][len("data: ") :]) == {"text": text}
 
     class Chunks:
         def iter_text(self):
-            yield from ['data: {"t":"x\u2028', 'y"}\r', '\ndata: [DO', "NE]\n\n"]
+            yield from ['data: {"t":"x\u2028', 'y"}\r', "\ndata: [DO", "NE]\n\n"]
+
     lines = [line for line in sse_lines(Chunks()) if line]
     assert lines == ['data: {"t":"x\u2028y"}', "data: [DONE]"]
 
@@ -333,9 +404,24 @@ def test_load_driver_runs_speculation_on_and_off_beside_hostile_connections(serv
     connections held open from other source addresses, and a health probe timed the whole time."""
     from bench.openai_load import run_load
     from bench.openai_report import level_summary
-    runs = [run_load(served.url, clients=2, duration=60, max_requests=4, max_tokens=8, cancel_fraction=0.0,
-                     seed=2, draft_tokens=draft, idle_connections=6, slow_header_clients=2,
-                     health_url=served.url + "/health", watch_stream=6) for draft in (None, 0)]
+
+    runs = [
+        run_load(
+            served.url,
+            clients=2,
+            duration=60,
+            max_requests=4,
+            max_tokens=8,
+            cancel_fraction=0.0,
+            seed=2,
+            draft_tokens=draft,
+            idle_connections=6,
+            slow_header_clients=2,
+            health_url=served.url + "/health",
+            watch_stream=6,
+        )
+        for draft in (None, 0)
+    ]
     for run in runs:
         assert run["sent"] == 4 and run["answered"] == 4 and run["failed"] == run["lost"] == 0
         assert run["hostile_connections"]["opened"] >= 8 and run["health"]["failed"] == 0

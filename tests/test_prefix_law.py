@@ -55,8 +55,7 @@ def test_the_prefix_target_catches_a_loop_that_forgets_to_roll_back(monkeypatch)
     loop = SpeculativeLoop(target, ModelDrafter(draft), [context] * N, DecodeConfig(LENGTH, 3, params, seed=11))
     first = run_loop(loop)
     with pytest.raises(AssertionError):
-        assert_follows_prefix_target(loop.rows, first, target_law(target, params), context, model_law(draft, params),
-                                     3)
+        assert_follows_prefix_target(loop.rows, first, target_law(target, params), context, model_law(draft, params), 3)
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=IDS)
@@ -66,8 +65,9 @@ def test_prompt_lookup_follows_a_prefix_dependent_target(params):
     context = [0, 1, 2, 3, 0, 1, 2, 3, 0]  # lookup proposes "1 2 3"
     loop = SpeculativeLoop(target, PromptLookupDrafter(vocab), [context] * N, DecodeConfig(LENGTH, 3, params, seed=1))
     first = run_loop(loop)
-    assert_follows_prefix_target(loop.rows, first, target_law(target, params), context,
-                                 point_mass_law([1, 2, 3], vocab), 3)
+    assert_follows_prefix_target(
+        loop.rows, first, target_law(target, params), context, point_mass_law([1, 2, 3], vocab), 3
+    )
 
 
 @pytest.mark.parametrize("params", PARAMS[1:], ids=IDS[1:])
@@ -77,8 +77,9 @@ def test_suffix_drafting_follows_a_prefix_dependent_target(params):
     context = [2, 0, 1, 3, 2, 0, 1, 3, 2, 0, 1, 2, 2, 0]  # the majority continuation of "0" is "1 3 2"
     loop = SpeculativeLoop(target, SuffixDrafter(vocab), [context] * N, DecodeConfig(LENGTH, 3, params, seed=3))
     first = run_loop(loop)
-    assert_follows_prefix_target(loop.rows, first, target_law(target, params), context,
-                                 point_mass_law([1, 3, 2], vocab), 3)
+    assert_follows_prefix_target(
+        loop.rows, first, target_law(target, params), context, point_mass_law([1, 3, 2], vocab), 3
+    )
 
 
 @pytest.mark.parametrize("params", PARAMS[1:], ids=IDS[1:])
@@ -100,10 +101,12 @@ def test_draft_confidence_keeps_the_law_exact():
     target's, and the first step drafts fewer tokens than k in some rows (a varying draft length is exercised)."""
     target, draft = engines()
     params, context = SamplingParams(1.0), [3, 1, 4]
-    loop = SpeculativeLoop(target, ModelDrafter(draft, confidence=0.45), [context] * N,
-                           DecodeConfig(LENGTH, 3, params, seed=13))
+    loop = SpeculativeLoop(
+        target, ModelDrafter(draft, confidence=0.45), [context] * N, DecodeConfig(LENGTH, 3, params, seed=13)
+    )
     first = run_loop(loop)
     from prefix_fakes import exact_joint, observed_joint, total_variation, tv_bound
+
     law = target_law(target, params)
     exact, observed = exact_joint(law, context, VOCAB), observed_joint(loop.rows, VOCAB)
     assert total_variation(observed, exact) < tv_bound(exact, N)

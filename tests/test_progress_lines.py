@@ -33,12 +33,14 @@ def _ticking(engine: BigramEngine, clock: FakeClock) -> BigramEngine:
 def test_generation_says_how_far_it_got_at_least_once_a_minute():
     from builder.distill.continuations import Job, generate_with_engine
     from builder.progress import Heartbeat
+
     clock = FakeClock(step=7.0)  # an engine step every 7 s of the fake clock
     engine = _ticking(BigramEngine(random_table(12, seed=0)), clock)
     lines, advanced = [], []
     beat = Heartbeat("target: training continuations", 10, lines.append, advanced.append, clock=clock)
-    samples = generate_with_engine(engine, [Job([1, 2, 3]) for _ in range(10)], 20, top_k=4, eos_ids=[],
-                                   batch_size=4, advance=beat)
+    samples = generate_with_engine(
+        engine, [Job([1, 2, 3]) for _ in range(10)], 20, top_k=4, eos_ids=[], batch_size=4, advance=beat
+    )
     assert len(samples) == 10 and sum(advanced) == 10 and 0 not in advanced  # the bar sees finished jobs only
     elapsed = clock.now - 1000.0
     assert len(lines) >= int(elapsed // 67)  # never more than a minute and a step without a line
@@ -52,6 +54,7 @@ def test_generation_says_how_far_it_got_at_least_once_a_minute():
 
 def test_time_left_is_the_rate_so_far_or_the_deadline_whichever_comes_first():
     from builder.progress import Heartbeat
+
     clock = FakeClock(step=0.0)
     beat = Heartbeat("gen", 100, lambda line: None, clock=clock)
     assert beat.line(clock.now + 30) == "gen: 0/100 (0%), 30 s, time left not known yet"
@@ -64,6 +67,7 @@ def test_time_left_is_the_rate_so_far_or_the_deadline_whichever_comes_first():
 
 def test_on_a_terminal_the_bar_reports_and_no_lines_are_printed():
     from builder.progress import Heartbeat
+
     clock = FakeClock(step=0.0)
     advanced = []
     beat = Heartbeat("gen", 5, None, advanced.append, clock=clock)
@@ -78,6 +82,7 @@ def test_the_distill_pipeline_prints_generation_lines_into_a_log(monkeypatch):
     from rich.console import Console
 
     from builder.distill import pipeline
+
     log = io.StringIO()
     console = Console(file=log, force_terminal=False, width=200)
     with pipeline._progress(console, quiet=False) as progress:
@@ -100,14 +105,24 @@ def test_the_builds_evaluation_says_how_far_it_got(tiny_pair, tmp_path, monkeypa
     import builder.build
     from builder.progress import Heartbeat
     from runtime.bundle import BuildSpec
+
     ticks = iter(range(0, 100_000, 61))
-    monkeypatch.setattr(builder.build, "Heartbeat",
-                        functools.partial(Heartbeat, clock=lambda: float(next(ticks))))
+    monkeypatch.setattr(builder.build, "Heartbeat", functools.partial(Heartbeat, clock=lambda: float(next(ticks))))
     lines = []
     target, draft = tiny_pair
-    manifest = builder.build.build(BuildSpec(target=str(target), draft=str(draft), k=2, max_context=128,
-                                             target_quant="fp32", draft_quant="fp32", eval_tokens=300),
-                                   tmp_path / "b", say=lines.append)
+    manifest = builder.build.build(
+        BuildSpec(
+            target=str(target),
+            draft=str(draft),
+            k=2,
+            max_context=128,
+            target_quant="fp32",
+            draft_quant="fp32",
+            eval_tokens=300,
+        ),
+        tmp_path / "b",
+        say=lines.append,
+    )
     windows = manifest.report["eval_windows"]
     assert all(re.fullmatch(r"evaluate: windows: \d+/\d+ \(\d+%\), \d+ s, about \d+ s left", x) for x in lines)
     passes = int(re.search(r"/(\d+) ", lines[-1]).group(1))  # every window of every session: one opens at a time

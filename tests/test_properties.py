@@ -43,15 +43,26 @@ def test_any_prompt(fast_generator, prompt, max_new_tokens):
 
 
 @SETTINGS
-@given(temperature=st.floats(allow_nan=True, allow_infinity=True, width=32),
-       top_k=st.one_of(st.none(), st.integers(-5, 400)),
-       top_p=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=32)),
-       k=st.integers(-2, 12), seed=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
-       stop=st.lists(st.text(max_size=4), max_size=3))
+@given(
+    temperature=st.floats(allow_nan=True, allow_infinity=True, width=32),
+    top_k=st.one_of(st.none(), st.integers(-5, 400)),
+    top_p=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=32)),
+    k=st.integers(-2, 12),
+    seed=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+    stop=st.lists(st.text(max_size=4), max_size=3),
+)
 def test_any_parameters(fast_generator, temperature, top_k, top_p, k, seed, stop):
     try:
-        result = fast_generator.generate("def add(a, b):", max_new_tokens=12, temperature=temperature, top_k=top_k,
-                                         top_p=top_p, k=k, seed=seed, stop=stop)
+        result = fast_generator.generate(
+            "def add(a, b):",
+            max_new_tokens=12,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            k=k,
+            seed=seed,
+            stop=stop,
+        )
     except RequestError as err:
         bad_temperature = not math.isfinite(temperature) or temperature < 0
         bad_top_p = top_p is not None and not (0 < top_p <= 1)
@@ -76,6 +87,7 @@ def test_stream_equals_generate_for_any_prompt(fast_generator, prompt, seed, tem
 
 # --- incremental detokenization: tokenizers' DecodeStream gives the text the windowed re-decode gave ---------------
 
+
 def windowed_pieces(tokenizer, chunks: list[list[int]], window: int = 6) -> list[str]:
     """The pieces of the hand-written decoder DecodeStream replaced (re-decode a window, hold a partial character
     back, the whole decode at the end): the oracle the library must match piece for piece."""
@@ -86,16 +98,17 @@ def windowed_pieces(tokenizer, chunks: list[list[int]], window: int = 6) -> list
         if after.endswith("\ufffd") or len(after) < len(before) or not after.startswith(before):
             out.append("")
             continue
-        out.append(after[len(before):])
+        out.append(after[len(before) :])
         text += out[-1]
         read, prefix = len(ids), max(0, len(ids) - window)
     full = tokenizer.decode(ids)
-    out.append(full[len(text):] if full.startswith(text) else "")
+    out.append(full[len(text) :] if full.startswith(text) else "")
     return out
 
 
 def decoder_pieces(tokenizer, chunks: list[list[int]]) -> list[str]:
     from runtime.text.tokenizer import IncrementalDecoder
+
     decoder = IncrementalDecoder(tokenizer)
     return [decoder.push(chunk) for chunk in chunks] + [decoder.flush()]
 
@@ -108,11 +121,14 @@ def token_sequences(tokenizer):
     decoded = [tokenizer.decode([i]) for i in range(vocab)]
     partial = [i for i, text in enumerate(decoded) if "\ufffd" in text]
     special = [i for i, text in enumerate(decoded) if text == ""]
-    some_id = st.one_of(st.sampled_from(partial), st.integers(0, vocab - 1),
-                        *([st.sampled_from(special)] if special else []))
+    some_id = st.one_of(
+        st.sampled_from(partial), st.integers(0, vocab - 1), *([st.sampled_from(special)] if special else [])
+    )
     texts = st.text(st.characters(codec="utf-8", categories=["L", "N", "P", "S", "Zs"]), min_size=1, max_size=40)
-    return st.one_of(st.lists(some_id, min_size=1, max_size=24),
-                     texts.map(lambda text: tokenizer.encode(text, add_special_tokens=False)).filter(bool))
+    return st.one_of(
+        st.lists(some_id, min_size=1, max_size=24),
+        texts.map(lambda text: tokenizer.encode(text, add_special_tokens=False)).filter(bool),
+    )
 
 
 def chunked(draw, ids: list[int]) -> list[list[int]]:
@@ -120,7 +136,7 @@ def chunked(draw, ids: list[int]) -> list[list[int]]:
     chunks, at = [], 0
     while at < len(ids):
         n = draw(st.integers(1, 5))
-        chunks.append(ids[at: at + n])
+        chunks.append(ids[at : at + n])
         at += n
     return chunks
 
@@ -177,6 +193,7 @@ def test_a_stream_that_fails_decodes_whole_from_then_on(tiny_tokenizer):
 
 # --- corrupted manifests and configs ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def manifest_text(tiny_bundle):
     return (tiny_bundle / "manifest.json").read_text()
@@ -186,20 +203,30 @@ def manifest_text(tiny_bundle):
 @given(data=st.data())
 def test_corrupted_manifest_is_a_bundle_error(manifest_text, data):
     from runtime.bundle import BundleError, Manifest
+
     kind = data.draw(st.sampled_from(["truncate", "flip", "replace value"]))
     if kind == "truncate":
         text = manifest_text[: data.draw(st.integers(0, len(manifest_text) - 1))]
     elif kind == "flip":
         at = data.draw(st.integers(0, len(manifest_text) - 1))
-        text = manifest_text[:at] + data.draw(st.characters()) + manifest_text[at + 1:]
+        text = manifest_text[:at] + data.draw(st.characters()) + manifest_text[at + 1 :]
     else:
         import json
+
         doc = json.loads(manifest_text)
         section = data.draw(st.sampled_from(["spec", "target", "draft", None]))
         holder = doc if section is None else doc[section]
         key = data.draw(st.sampled_from(sorted(holder)))
-        holder[key] = data.draw(st.one_of(st.none(), st.integers(), st.text(max_size=5), st.lists(st.integers()),
-                                          st.booleans(), st.floats(allow_nan=False)))
+        holder[key] = data.draw(
+            st.one_of(
+                st.none(),
+                st.integers(),
+                st.text(max_size=5),
+                st.lists(st.integers()),
+                st.booleans(),
+                st.floats(allow_nan=False),
+            )
+        )
         text = json.dumps(doc)
     try:
         Manifest.from_json(text)
@@ -212,6 +239,7 @@ def test_corrupted_manifest_is_a_bundle_error(manifest_text, data):
 def test_corrupted_config_is_a_usage_error(tmp_path_factory, text):
     from click.testing import CliRunner
     from builder.cli import main
+
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"
     path.write_text(text, encoding="utf-8")
     result = CliRunner().invoke(main, ["--config", str(path), "--out", str(path.parent / "o")])

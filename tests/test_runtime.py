@@ -28,6 +28,7 @@ def run_loop(target, draft, prompts, **config):
 
 # --- greedy equivalence on real engines -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 def test_greedy_speculative_equals_target_only(generator, k):
     for prompt in PROMPTS[:2]:
@@ -67,8 +68,9 @@ def test_rollback_continuation_equals_fresh_run_from_accepted_prefix(generator):
     assert first.stats.num_draft_tokens > first.stats.num_accepted_tokens  # rejections happened
     prompt_ids = tok.encode(PROMPTS[0])
     prefix = prompt_ids + first.token_ids[:20]
-    loop = SpeculativeLoop(generator.target, ModelDrafter(generator.draft), [prefix],
-                           DecodeConfig(max_new_tokens=20, k=4))
+    loop = SpeculativeLoop(
+        generator.target, ModelDrafter(generator.draft), [prefix], DecodeConfig(max_new_tokens=20, k=4)
+    )
     for _ in loop.run():
         pass
     assert loop.rows[0].generated == first.token_ids[20:40]
@@ -103,14 +105,16 @@ def test_cancelled_sequence_leaves_the_batch_at_once(generator):
         return index == 0 and steps[0] >= 2
 
     done = {}
-    for index, _, generation in generator.stream_batch([PROMPTS[1], PROMPTS[0]], cancelled=cancelled,
-                                                       max_new_tokens=40, mode="target"):
+    for index, _, generation in generator.stream_batch(
+        [PROMPTS[1], PROMPTS[0]], cancelled=cancelled, max_new_tokens=40, mode="target"
+    ):
         if generation is not None:
             done[index] = generation
     assert done[0].finish_reason == "cancelled" and done[0].stats.num_steps == 2 and len(done[0].token_ids) == 2
     assert steps[0] == 2  # never asked again: the row left the batch
     alone = generator.generate(PROMPTS[0], max_new_tokens=40, mode="target")
     assert done[1].token_ids == alone.token_ids and done[1].finish_reason == alone.finish_reason
+
 
 # --- streaming and text -----------------------------------------------------------------------------------------
 
@@ -126,6 +130,7 @@ def test_stream_never_splits_a_multibyte_character(generator):
     tok = generator.tokenizer
     ids = tok.encode("日本語のテキスト 🙂🚀 café")
     from runtime.text.tokenizer import IncrementalDecoder
+
     decoder = IncrementalDecoder(tok)
     pieces = [decoder.push([i]) for i in ids] + [decoder.flush()]
     assert "".join(pieces) == tok.decode(ids)
@@ -167,6 +172,7 @@ def test_chat_template_is_applied(generator):
 
 # --- control flow over scripted engines -------------------------------------------------------------------------
 
+
 def test_call_counts_with_a_perfect_draft():
     """A draft identical to the target: every step accepts k and adds a bonus; draft calls are k per step."""
     table = random_table(7, 1)
@@ -205,14 +211,22 @@ def test_draft_cache_matches_emitted_tokens_after_every_step():
 
 def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_rejection():
     table = random_table(7, 1)
-    loop = SpeculativeLoop(BigramEngine(table), ModelDrafter(BigramEngine(table)), [[0]],
-                           DecodeConfig(max_new_tokens=60, k=1, adaptive=AdaptiveK(min_k=1, max_k=6)))
+    loop = SpeculativeLoop(
+        BigramEngine(table),
+        ModelDrafter(BigramEngine(table)),
+        [[0]],
+        DecodeConfig(max_new_tokens=60, k=1, adaptive=AdaptiveK(min_k=1, max_k=6)),
+    )
     ks = []
     for _ in loop.run():
         ks.append(loop.k)
     assert ks[:3] == [3, 5, 6]
-    bad = SpeculativeLoop(BigramEngine(table), ModelDrafter(BigramEngine(-table)), [[0]],
-                          DecodeConfig(max_new_tokens=30, k=5, adaptive=AdaptiveK(min_k=1, max_k=6)))
+    bad = SpeculativeLoop(
+        BigramEngine(table),
+        ModelDrafter(BigramEngine(-table)),
+        [[0]],
+        DecodeConfig(max_new_tokens=30, k=5, adaptive=AdaptiveK(min_k=1, max_k=6)),
+    )
     for _ in bad.run():
         pass
     assert bad.k == 1
@@ -221,9 +235,12 @@ def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_rejection():
 def test_fallback_switches_to_target_only_and_reprobes():
     table = random_table(7, 1)
     draft = BigramEngine(-table)
-    loop = SpeculativeLoop(BigramEngine(table), ModelDrafter(draft), [[0]],
-                           DecodeConfig(max_new_tokens=120, k=4, fallback=Fallback(threshold=0.5, window=8,
-                                                                                   probe_every=10)))
+    loop = SpeculativeLoop(
+        BigramEngine(table),
+        ModelDrafter(draft),
+        [[0]],
+        DecodeConfig(max_new_tokens=120, k=4, fallback=Fallback(threshold=0.5, window=8, probe_every=10)),
+    )
     states = []
     loop.on_fallback = states.append
     plain, _ = run_loop(BigramEngine(table), None, [[0]], max_new_tokens=120, k=4)
@@ -247,12 +264,21 @@ def test_draft_confidence_stops_drafting_early():
 
 # --- bad input ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(k=0), "k: expected greater than or equal to 1"), (dict(k=99), "k: expected an integer in"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.1), "top_p"), (dict(top_k=-2), "top_k"),
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(mode="fast"), "mode"), (dict(stop=[""]), "stop"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(k=0), "k: expected greater than or equal to 1"),
+        (dict(k=99), "k: expected an integer in"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.1), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(mode="fast"), "mode"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
 def test_bad_requests_are_clear_errors(generator, kwargs, message):
     with pytest.raises(RequestError, match=message):
         generator.generate("hello", **kwargs)
@@ -268,6 +294,7 @@ def test_empty_and_overlong_prompts(generator):
 def test_tampered_bundle_is_refused(tiny_bundle, tmp_path):
     import shutil
     from runtime.bundle import BundleError
+
     copy = tmp_path / "copy"
     shutil.copytree(tiny_bundle, copy)
     engine = copy / "draft" / "model.onnx"
@@ -280,6 +307,7 @@ def test_tampered_bundle_is_refused(tiny_bundle, tmp_path):
 
 # --- metrics ----------------------------------------------------------------------------------------------------
 
+
 def test_metrics_definitions_and_prometheus_export():
     table = random_table(7, 1)
     gen = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=_IdTokenizer(), eos_ids=())
@@ -291,9 +319,13 @@ def test_metrics_definitions_and_prometheus_export():
     assert s.system_efficiency == pytest.approx(11 / s.verify_slots)
     assert s.acceptance_per_position[:4] == [1.0, 1.0, 1.0, 1.0]
     from prometheus_client.parser import text_string_to_metric_families
+
     text = gen.metrics.prometheus()
-    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
-               for family in text_string_to_metric_families(text) for x in family.samples}
+    samples = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for family in text_string_to_metric_families(text)
+        for x in family.samples
+    }
     assert samples[("draftsmith_accepted_tokens_total", ())] == s.num_accepted_tokens
     assert samples[("draftsmith_requests_total", ())] == 1
     assert samples[("draftsmith_acceptance_by_position", (("position", "1"),))] == 1.0
@@ -307,13 +339,15 @@ def test_metrics_definitions_and_prometheus_export():
     assert samples[("draftsmith_time_to_first_token_seconds_sum", ())] == pytest.approx(s.time_to_first_token)
     assert samples[("draftsmith_inter_token_latency_seconds_count", ())] == 1
     assert samples[("draftsmith_inter_token_latency_seconds_sum", ())] == pytest.approx(
-        (s.total_time - s.time_to_first_token) / (s.num_emitted_tokens - 1))
+        (s.total_time - s.time_to_first_token) / (s.num_emitted_tokens - 1)
+    )
 
 
 def test_metrics_registries_count_apart():
     """Each MetricsRegistry exports through its own prometheus_client registry: two generators in one process never
     share counts (nor clash on names)."""
     from runtime.metrics import CONTENT_TYPE, MetricsRegistry, RequestStats
+
     one, two = MetricsRegistry(), MetricsRegistry()
     one.add(RequestStats(num_emitted_tokens=1, time_to_first_token=0.2, total_time=0.2))
     assert "draftsmith_requests_total 1.0" in one.prometheus()
@@ -329,10 +363,12 @@ def test_metrics_registries_count_apart():
 def test_decoding_never_imports_prometheus_client():
     """Triton's Python backend runs the runtime but cannot import prometheus_client (its ssl import fails in the
     stub's interpreter): only an export imports it."""
-    code = ("import sys\nfrom runtime.metrics import MetricsRegistry, RequestStats\nimport runtime.api\n"
-            "m = MetricsRegistry()\nm.add(RequestStats(num_emitted_tokens=3, total_time=1.0))\n"
-            "assert 'prometheus_client' not in sys.modules\nm.prometheus()\n"
-            "assert 'prometheus_client' in sys.modules\n")
+    code = (
+        "import sys\nfrom runtime.metrics import MetricsRegistry, RequestStats\nimport runtime.api\n"
+        "m = MetricsRegistry()\nm.add(RequestStats(num_emitted_tokens=3, total_time=1.0))\n"
+        "assert 'prometheus_client' not in sys.modules\nm.prometheus()\n"
+        "assert 'prometheus_client' in sys.modules\n"
+    )
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
 
@@ -354,12 +390,27 @@ class _IdTokenizer:
 
 # --- the command line ---------------------------------------------------------------------------------------------
 
+
 def test_generate_command_json(tiny_bundle):
     import json
     from click.testing import CliRunner
     from runtime.cli import main
-    result = CliRunner().invoke(main, ["generate", str(tiny_bundle), "The quick brown", "--max-new-tokens", "20",
-                                       "--k", "3", "--threads", "1", "--json"])
+
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(tiny_bundle),
+            "The quick brown",
+            "--max-new-tokens",
+            "20",
+            "--k",
+            "3",
+            "--threads",
+            "1",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["identical_to_target"] is True
@@ -374,8 +425,10 @@ def test_generate_command_json(tiny_bundle):
 def test_generate_command_stream_and_errors(tiny_bundle, tmp_path):
     from click.testing import CliRunner
     from runtime.cli import main
-    streamed = CliRunner().invoke(main, ["generate", str(tiny_bundle), "def add(a, b):", "--max-new-tokens", "12",
-                                         "--stream", "--threads", "1"])
+
+    streamed = CliRunner().invoke(
+        main, ["generate", str(tiny_bundle), "def add(a, b):", "--max-new-tokens", "12", "--stream", "--threads", "1"]
+    )
     assert streamed.exit_code == 0 and "acceptance rate" in streamed.output and "speedup" in streamed.output
     bad = CliRunner().invoke(main, ["generate", str(tiny_bundle), "hi", "--k", "0"])
     assert bad.exit_code != 0 and "k: expected" in bad.output

@@ -5,8 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import (LENGTH, BigramEngine, assert_follows_target, exact_prefixes, prefix_frequencies, random_table,
-                   run_loop, total_variation)
+from fakes import (
+    LENGTH,
+    BigramEngine,
+    assert_follows_target,
+    exact_prefixes,
+    prefix_frequencies,
+    random_table,
+    run_loop,
+    total_variation,
+)
 from runtime.decoding import sampling
 from runtime.errors import RequestError
 from runtime.decoding.sampling import SamplingParams, probabilities, verify
@@ -25,6 +33,7 @@ def one_hot_logits(choices: list[int], vocab: int = 6) -> np.ndarray:
 
 
 # --- hand-built logits ------------------------------------------------------------------------------------------
+
 
 def test_greedy_all_accepted_gives_bonus_token():
     assert verify([1, 2, 3], [None] * 3, one_hot_logits([1, 2, 3, 4]), GREEDY, None) == (3, 4)
@@ -67,8 +76,9 @@ def test_recovered_token_comes_from_the_residual():
     assert abs(counts[0] / counts.sum() - 0.5) < 0.03
 
 
-@pytest.mark.parametrize("params", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                    dict(temperature=float("nan"))])
+@pytest.mark.parametrize(
+    "params", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(temperature=float("nan"))]
+)
 def test_out_of_range_sampling_parameters(params):
     with pytest.raises(RequestError):
         SamplingParams(**params)
@@ -96,8 +106,12 @@ def exact_pairs(table: np.ndarray, start: int, params: SamplingParams) -> np.nda
 
 
 def run_model_drafter(target_table, draft_table, params, n: int, k: int, seed: int):
-    loop = SpeculativeLoop(BigramEngine(target_table), ModelDrafter(BigramEngine(draft_table)), [[0]] * n,
-                           DecodeConfig(LENGTH, k, params, seed=seed))
+    loop = SpeculativeLoop(
+        BigramEngine(target_table),
+        ModelDrafter(BigramEngine(draft_table)),
+        [[0]] * n,
+        DecodeConfig(LENGTH, k, params, seed=seed),
+    )
     return loop, run_loop(loop)
 
 
@@ -117,14 +131,19 @@ def test_speculative_sampling_follows_the_target_distribution(params):
 def test_the_budget_rule_lets_the_first_step_draft_all_but_one_new_token():
     """max_new_tokens=2 (the old distribution tests) leaves room for one draft token; 4 leaves room for 3."""
     for max_new_tokens, drafted in ((2, 1), (4, 3), (9, 5)):
-        loop = SpeculativeLoop(BigramEngine(random_table(VOCAB, 1)), ModelDrafter(BigramEngine(random_table(VOCAB, 2))),
-                               [[0]] * 20, DecodeConfig(max_new_tokens, 5, SAMPLED, seed=3))
+        loop = SpeculativeLoop(
+            BigramEngine(random_table(VOCAB, 1)),
+            ModelDrafter(BigramEngine(random_table(VOCAB, 2))),
+            [[0]] * 20,
+            DecodeConfig(max_new_tokens, 5, SAMPLED, seed=3),
+        )
         assert run_loop(loop).drafted.tolist() == [20] * drafted
         assert all(len(r.generated) == max_new_tokens for r in loop.rows)
 
 
 def test_a_wrong_acceptance_rule_fails_the_distribution_test(monkeypatch):
     """Resampling from p (not the residual max(0, p - q)) after a rejection is a classic bug: it must be caught."""
+
     def wrong_verify(tokens, draft_probs, logits, params, rng):
         target_probs = probabilities(logits, params)
         for i, token in enumerate(tokens):
@@ -185,6 +204,7 @@ def test_bad_seeds_are_request_errors():
 def test_top_p_on_a_large_vocabulary_is_the_full_sort_nucleus():
     """nucleus() sorts only the most likely candidates when they hold the set: the same set, ties included."""
     from runtime.decoding.sampling import nucleus
+
     rng = np.random.default_rng(0)
     for trial in range(60):
         probs = np.exp(rng.normal(0, [0.5, 3.0, 8.0][trial % 3], 5000))

@@ -35,8 +35,14 @@ def drain(scheduler: Scheduler) -> int:
     return steps
 
 
-SETTINGS = [dict(k=1), dict(k=3, drafter="prompt_lookup"), dict(k=4), dict(mode="target"), dict(k=2, stop=["e"]),
-            dict(k=5, max_new_tokens=7)]
+SETTINGS = [
+    dict(k=1),
+    dict(k=3, drafter="prompt_lookup"),
+    dict(k=4),
+    dict(mode="target"),
+    dict(k=2, stop=["e"]),
+    dict(k=5, max_new_tokens=7),
+]
 
 
 @pytest.mark.parametrize("policy", ["exact", "throughput"])
@@ -82,8 +88,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(generator):
 
     alone = run(0)
     assert run(3) == alone and run(6) == alone
-    assert generator.generate("hello there", max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7,
-                              k=3).token_ids == alone
+    assert (
+        generator.generate("hello there", max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7, k=3).token_ids == alone
+    )
 
 
 @pytest.mark.parametrize("policy", ["exact", "throughput"])
@@ -118,7 +125,8 @@ def test_rows_with_different_temperatures_each_follow_their_own_target_law(gener
         given = pairs[pairs[:, 0] == top, 1]
         conditional = law[top] / law[top].sum()
         assert total_variation(np.bincount(given, minlength=len(table)) / len(given), conditional) < tv_bound(
-            conditional, len(given)), temperature
+            conditional, len(given)
+        ), temperature
     drafted = sum(h.result().stats.num_draft_tokens for h in groups[1.0])
     accepted = sum(h.result().stats.num_accepted_tokens for h in groups[1.0])
     if policy == "exact":
@@ -165,8 +173,14 @@ def test_the_queue_limit_and_the_waiting_limit_refuse_with_overloaded(generator)
 
 def test_bad_requests_fail_at_submit(generator):
     scheduler = Scheduler(generator)
-    for bad in (dict(k=0), dict(max_new_tokens=0), dict(drafter="nope"), dict(seed=-1), dict(timeout=0),
-                dict(stop=[""])):
+    for bad in (
+        dict(k=0),
+        dict(max_new_tokens=0),
+        dict(drafter="nope"),
+        dict(seed=-1),
+        dict(timeout=0),
+        dict(stop=[""]),
+    ):
         with pytest.raises(RequestError):
             scheduler.submit("hello", **bad)
     assert not scheduler.waiting
@@ -186,8 +200,10 @@ def test_an_engine_failure_fails_the_running_rows_and_the_loop_goes_on(generator
         monkeypatch.setattr(generator.target, "forward", flaky)
         with pytest.raises(Unavailable, match="boom"):
             scheduler.submit(PROMPTS[0], max_new_tokens=5).result()
-        assert scheduler.submit(PROMPTS[1], max_new_tokens=5).result().token_ids == generator.generate(
-            PROMPTS[1], max_new_tokens=5).token_ids
+        assert (
+            scheduler.submit(PROMPTS[1], max_new_tokens=5).result().token_ids
+            == generator.generate(PROMPTS[1], max_new_tokens=5).token_ids
+        )
     finally:
         scheduler.stop()
 
@@ -205,8 +221,7 @@ def test_threads_submit_concurrently_and_stop_fails_what_is_left(generator):
     for t in threads:
         t.join()
     for i, got in results.items():
-        assert got.token_ids == generator.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=12,
-                                                   k=1 + i % 4).token_ids
+        assert got.token_ids == generator.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=12, k=1 + i % 4).token_ids
     scheduler.stop()
     with pytest.raises(Unavailable):
         scheduler.submit(PROMPTS[0])
@@ -219,8 +234,13 @@ def test_threads_submit_concurrently_and_stop_fails_what_is_left(generator):
 
 def test_the_plan_stops_drafting_for_a_row_whose_drafts_fail_and_keeps_its_answer(generator):
     vocab = generator.target.vocab_size
-    stale = SpeculativeGenerator(None, generator.target, BigramEngine(random_table(vocab, 9, scale=3.0),
-                                                                      max_context=128), generator.tokenizer, max_k=8)
+    stale = SpeculativeGenerator(
+        None,
+        generator.target,
+        BigramEngine(random_table(vocab, 9, scale=3.0), max_context=128),
+        generator.tokenizer,
+        max_k=8,
+    )
     drafted = {}
     for plan in (False, True):
         scheduler = Scheduler(stale, plan=plan)
@@ -254,7 +274,9 @@ def test_a_client_at_its_row_cap_waits_while_rows_stay_free(generator):
     scheduler.step()
     assert [row.client for row in scheduler.rows] == ["a"] and len(scheduler.waiting) == 1
     drain(scheduler)
-    assert first.result().finish_reason and second.result().token_ids == generator.generate(
-        PROMPTS[1], max_new_tokens=6).token_ids
+    assert (
+        first.result().finish_reason
+        and second.result().token_ids == generator.generate(PROMPTS[1], max_new_tokens=6).token_ids
+    )
     with pytest.raises(ValueError, match="max_rows_per_client"):
         Scheduler(generator, max_rows_per_client=0)

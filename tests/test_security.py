@@ -28,6 +28,7 @@ SOURCE_DIRS = ("bench", "builder", "runtime", "triton_repo", "scripts", "tests")
 
 # --- nothing escapes the repository -----------------------------------------------------------------------------
 
+
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=80))
 def test_any_accepted_model_name_is_one_harmless_path_component(name):
@@ -40,8 +41,10 @@ def test_any_accepted_model_name_is_one_harmless_path_component(name):
     assert Path(name).name == name and not os.path.isabs(name)
 
 
-@pytest.mark.parametrize("name", ["a\0b", "ｅnsemble", "tab\there", "..hidden", "x/..", "C:\\x", "~root", "$HOME",
-                                  "name;rm -rf", "ensemble\r"])
+@pytest.mark.parametrize(
+    "name",
+    ["a\0b", "ｅnsemble", "tab\there", "..hidden", "x/..", "C:\\x", "~root", "$HOME", "name;rm -rf", "ensemble\r"],
+)
 def test_more_odd_model_names_are_refused(name):
     with pytest.raises(RepositoryError):
         check_name(name)
@@ -56,11 +59,12 @@ def test_a_symbolic_link_cannot_lead_out_of_the_repository(tmp_path):
         _inside(root, "link/config.pbtxt")
 
 
-@pytest.mark.parametrize("mount", ['/b/x"\nbackend: "evil', "/b/x\n}\nname: \"other", "/b/\\x"])
+@pytest.mark.parametrize("mount", ['/b/x"\nbackend: "evil', '/b/x\n}\nname: "other', "/b/\\x"])
 def test_a_hostile_bundle_mount_cannot_inject_config(tiny_bundle, mount):
     """Quotes and newlines in a user-chosen path are escaped by protobuf's printer: they stay one string value."""
     from runtime.bundle import load_manifest
     from triton_repo.generate import speculative_config
+
     options = RepoOptions(bundle_mount=mount, copy_bundle=False)
     config = pbtxt.parse(pbtxt.render(speculative_config(options, load_manifest(tiny_bundle), mount)))
     assert config.parameters["bundle"].string_value == mount
@@ -76,9 +80,11 @@ def test_written_repository_stays_inside_its_folder(tiny_bundle, tmp_path):
 
 # --- loopback by default ----------------------------------------------------------------------------------------
 
+
 def test_servers_bind_loopback_by_default():
     from triton_repo.cli import serve
     from triton_repo.server import server_command, start_server
+
     assert inspect.signature(start_server).parameters["host"].default == "127.0.0.1"
     host = next(p for p in serve.params if p.name == "host")
     assert host.default == "127.0.0.1"
@@ -91,17 +97,19 @@ def test_servers_bind_loopback_by_default():
         for flag in ("--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"):
             assert flag in command
     source = inspect.getsource(server_command)
-    assert all(f'--{kind}-address={{host}}' in source for kind in ("http", "grpc", "metrics"))
+    assert all(f"--{kind}-address={{host}}" in source for kind in ("http", "grpc", "metrics"))
 
 
 def test_load_command_starts_its_server_on_loopback():
     from bench import load
+
     source = inspect.getsource(load.load.callback)
     assert "start_server(repo)" in source  # the default host: 127.0.0.1
     assert "0.0.0.0" not in inspect.getsource(load)
 
 
 # --- no build-machine paths or secrets in the repository --------------------------------------------------------
+
 
 def _text_files(repo: Path):
     for path in repo.rglob("*"):
@@ -112,8 +120,14 @@ def _text_files(repo: Path):
 def test_no_build_machine_paths_or_secrets_in_the_repository(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_SECRETshouldneverleak123")
     repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1))
-    forbidden = [str(tmp_path), str(tiny_bundle), str(tiny_bundle.resolve()), str(Path.home()), str(ROOT),
-                 "hf_SECRETshouldneverleak123"]
+    forbidden = [
+        str(tmp_path),
+        str(tiny_bundle),
+        str(tiny_bundle.resolve()),
+        str(Path.home()),
+        str(ROOT),
+        "hf_SECRETshouldneverleak123",
+    ]
     for path, text in _text_files(repo):
         for needle in forbidden:
             assert needle not in text, f"{path.relative_to(repo)} contains {needle!r}"
@@ -124,8 +138,9 @@ def test_no_build_machine_paths_or_secrets_in_the_repository(tiny_bundle, tmp_pa
 
 
 def test_only_the_chosen_mount_path_is_absolute(tiny_bundle, tmp_path):
-    repo = write_repository(tiny_bundle, tmp_path / "repo",
-                            RepoOptions(bundle_mount="/bundles/tiny", copy_bundle=False))
+    repo = write_repository(
+        tiny_bundle, tmp_path / "repo", RepoOptions(bundle_mount="/bundles/tiny", copy_bundle=False)
+    )
     for name in ("preprocessing", "speculative", "postprocessing", "ensemble"):
         config = pbtxt.parse((repo / name / "config.pbtxt").read_text())
         for key, value in config.parameters.items():
@@ -136,6 +151,7 @@ def test_only_the_chosen_mount_path_is_absolute(tiny_bundle, tmp_path):
 
 
 # --- no pickle, no code from data -------------------------------------------------------------------------------
+
 
 def _python_files():
     for folder in SOURCE_DIRS:
@@ -165,8 +181,10 @@ def _unsafe_calls(tree: ast.AST) -> list[str]:
             found.append("torch.load without weights_only=True")
         if owner in ("np", "numpy") and name == "load" and is_true("allow_pickle"):
             found.append("np.load(allow_pickle=True)")
-        if owner == "yaml" and (name in ("unsafe_load", "full_load", "unsafe_load_all") or (
-                name == "load" and "Loader" not in keywords and len(node.args) < 2)):
+        if owner == "yaml" and (
+            name in ("unsafe_load", "full_load", "unsafe_load_all")
+            or (name == "load" and "Loader" not in keywords and len(node.args) < 2)
+        ):
             found.append(f"yaml.{name} (not safe_load)")
         if isinstance(func, ast.Name) and name in ("eval", "exec"):
             found.append(f"builtin {name}()")
@@ -189,8 +207,10 @@ def test_no_pickle_or_code_execution_in_the_code_base():
 
 
 def test_the_scan_finds_what_it_looks_for():
-    bad = ("import pickle\ntorch.load(f)\ntorch.load(f, weights_only=False)\nnp.load(f, allow_pickle=True)\n"
-           "yaml.load(s)\neval(s)\nm(trust_remote_code=True)\nsubprocess.run(c, shell=True)\n")
+    bad = (
+        "import pickle\ntorch.load(f)\ntorch.load(f, weights_only=False)\nnp.load(f, allow_pickle=True)\n"
+        "yaml.load(s)\neval(s)\nm(trust_remote_code=True)\nsubprocess.run(c, shell=True)\n"
+    )
     assert len(_unsafe_calls(ast.parse(bad))) == 8
     good = "torch.load(f, weights_only=True)\nyaml.safe_load(s)\nmodel.eval()\nnp.load(f)\n"
     assert _unsafe_calls(ast.parse(good)) == []

@@ -36,8 +36,9 @@ class Served:
     def __init__(self, app, max_connections: int, limits: ConnectionLimits):
         sock = bound()
         self.port = sock.getsockname()[1]
-        config = server_config(app, "127.0.0.1", self.port, max_connections, limits, log_level="warning",
-                               lifespan="off")
+        config = server_config(
+            app, "127.0.0.1", self.port, max_connections, limits, log_level="warning", lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -88,6 +89,7 @@ def closed_after(sock: socket.socket, limit: float = 5.0) -> float:
 @pytest.fixture(scope="module")
 def scheduler(tiny_bundle):
     from runtime.api import SpeculativeGenerator
+
     scheduler = Scheduler(SpeculativeGenerator.from_bundle(tiny_bundle, threads=1), max_batch=2).start()
     yield scheduler
     scheduler.stop()
@@ -133,8 +135,11 @@ SLOW_CLIENTS = {
     "a byte every 0.1 s": (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 200, 0.1),
     "a header line every 0.1 s": (b"GET /health HTTP/1.1\r\n" + b"X-A: b\r\n" * 40, 0.0),
     "a long path a byte every 0.1 s": (b"GET /" + b"a" * 300, 0.1),
-    "a POST's headers trickled": (b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
-                                  b"Content-Length: 10\r\nX-Pad: " + b"z" * 200, 0.1),
+    "a POST's headers trickled": (
+        b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10\r\nX-Pad: " + b"z" * 200,
+        0.1,
+    ),
 }
 
 
@@ -146,8 +151,10 @@ def test_slow_header_clients_are_cut_at_the_deadline_however_they_trickle(served
     sock, stop = connect(served.port), threading.Event()
     if name == "a header line every 0.1 s":
         lines = data.split(b"\n")
-        sender = threading.Thread(target=lambda: [sock.sendall(line + b"\n") or time.sleep(0.1) for line in lines
-                                                  if not stop.is_set()], daemon=True)
+        sender = threading.Thread(
+            target=lambda: [sock.sendall(line + b"\n") or time.sleep(0.1) for line in lines if not stop.is_set()],
+            daemon=True,
+        )
     else:
         sender = threading.Thread(target=trickle, args=(sock, data, every, stop), daemon=True)
     sender.start()
@@ -173,10 +180,13 @@ def test_a_kept_alive_connection_must_send_its_next_headers_in_time_too(served):
 def test_a_slow_answer_is_not_cut_by_the_header_deadline(served):
     """The deadline covers the headers only: a request that takes longer to answer than header_timeout is answered."""
     with connect(served.port) as sock:
-        body = json.dumps({"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 60,
-                           "temperature": 0}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        body = json.dumps(
+            {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 60, "temperature": 0}
+        ).encode()
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
         time.sleep(0.8)  # the body late: past the header deadline, within the body's own
         sock.sendall(body)
         sock.settimeout(30)
@@ -205,8 +215,9 @@ def test_the_probe_port_answers_while_the_main_port_is_full(scheduler):
     drain = Drain(timeout=5, linger=0)
     sock = bound()
     port = sock.getsockname()[1]
-    probes = ProbeServer(probe_app(drain, lambda live: scheduler_problem(scheduler, live)), "127.0.0.1", port,
-                         sock=sock).start()
+    probes = ProbeServer(
+        probe_app(drain, lambda live: scheduler_problem(scheduler, live)), "127.0.0.1", port, sock=sock
+    ).start()
     idle = [connect(main.port) for _ in range(4)]
     SLOW.add("idle on the main port while probing")
     try:

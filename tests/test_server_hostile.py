@@ -34,6 +34,7 @@ def hostile(kind: str, value) -> None:
 @pytest.fixture(scope="module")
 def generator(tiny_bundle):
     from runtime.api import SpeculativeGenerator
+
     return SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
 
 
@@ -54,14 +55,16 @@ def call(app, method: str, path: str, **options) -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
             return await client.request(method, path, **options)
+
     return asyncio.run(run())
 
 
 def chat(tools=None, **extra) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
     if tools is not None:
-        body.update(tools=[{"type": "function", "function": {"name": "f", "parameters": tools}}],
-                    tool_choice="required")
+        body.update(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": tools}}], tool_choice="required"
+        )
     return body
 
 
@@ -77,7 +80,10 @@ def nested(depth: int, key: str = "a") -> dict:
 BAD_SCHEMAS = [
     {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(700)}},
     {"type": "object", "properties": {"a": {"type": "string", "enum": ["y" * 50] * 900}}},
-    nested(33), nested(35), nested(40, "b"), {"anyOf": [nested(34)]},
+    nested(33),
+    nested(35),
+    nested(40, "b"),
+    {"anyOf": [nested(34)]},
     {"type": "object", "properties": {"a": {"$ref": "#/nope"}}},
     {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}},
@@ -87,8 +93,16 @@ BAD_SCHEMAS = [
 ]
 BAD_FORMATS = [
     {"type": "json_schema", "json_schema": {"name": "x", "schema": nested(36)}},
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
-        f"k{i}": {"type": "integer", "description": "z" * 60} for i in range(600)}}}},
+    {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "x",
+            "schema": {
+                "type": "object",
+                "properties": {f"k{i}": {"type": "integer", "description": "z" * 60} for i in range(600)},
+            },
+        },
+    },
     {"type": "regex", "regex": "x" * 40_000},
     {"type": "grammar", "grammar": "start: undefined_rule"},
     {"type": "grammar", "grammar": "x" * 40_000},
@@ -107,8 +121,9 @@ def test_a_bad_tool_schema_is_a_400_naming_tools(app, schema):
 @pytest.mark.parametrize("fmt", BAD_FORMATS, ids=range(len(BAD_FORMATS)))
 def test_a_bad_response_format_is_a_400_naming_it(app, fmt):
     hostile("response format", fmt)
-    response = call(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4,
-                                                          "response_format": fmt})
+    response = call(
+        app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "response_format": fmt}
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "response_format"
 
@@ -123,15 +138,19 @@ def test_a_grammar_error_mid_decode_is_a_client_error_not_a_500(app, monkeypatch
         raise RequestError("the grammar engine stopped this request: lexer fuel exhausted")
 
     monkeypatch.setattr(grammar.GrammarRow, "commit", out_of_fuel)
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "stream": stream,
-            "response_format": {"type": "json_object"}}
+    body = {
+        "model": MODEL,
+        "prompt": "hi",
+        "max_tokens": 8,
+        "stream": stream,
+        "response_format": {"type": "json_object"},
+    }
     response = call(app, "POST", "/v1/completions", json=body)
     if not stream:
         assert response.status_code == 400 and "grammar" in response.json()["error"]["message"]
         assert response.json()["error"]["param"] == "response_format"
     else:
-        events = [json.loads(line[6:]) for line in response.text.splitlines()
-                  if line.startswith("data: {")]
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
         errors = [e["error"] for e in events if "error" in e]
         assert response.status_code in (200, 400)
         if response.status_code == 200:
@@ -141,6 +160,7 @@ def test_a_grammar_error_mid_decode_is_a_client_error_not_a_500(app, monkeypatch
 
 # --- item 5: log-probabilities are shaped off the event loop ------------------------------------------------------
 
+
 def slow_shaping(monkeypatch, seconds: float) -> None:
     """Stands in for 2,047 tokens x top_logprobs 20 (0.5 s of pure Python): the shaping holds the GIL-free sleep."""
     for name in ("chat_logprobs", "completion_logprobs"):
@@ -149,6 +169,7 @@ def slow_shaping(monkeypatch, seconds: float) -> None:
         def slow(*args, _real=real, **kwargs):
             time.sleep(seconds)
             return _real(*args, **kwargs)
+
         monkeypatch.setattr(openai_responses, name, slow)
 
 
@@ -158,8 +179,10 @@ def test_logprobs_shaping_does_not_freeze_the_event_loop(app, monkeypatch, strea
     if chat_body:
         path, body = "/v1/chat/completions", chat(logprobs=True, top_logprobs=20, stream=stream)
     else:
-        path, body = "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "logprobs": 5,
-                                         "stream": stream}
+        path, body = (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 4, "logprobs": 5, "stream": stream},
+        )
 
     async def run():
         transport = httpx.ASGITransport(app=app)
@@ -186,6 +209,7 @@ def test_logprobs_shaping_does_not_freeze_the_event_loop(app, monkeypatch, strea
 
 # --- item 6: health reads the fault rate ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("with_drain", [False, True])
 def test_a_sticky_engine_fault_turns_readiness_then_liveness_off(generator, monkeypatch, with_drain):
     """Every target call fails (ORT out of memory, a CUDA error): after a few requests /health answers 503 with the
@@ -204,8 +228,7 @@ def test_a_sticky_engine_fault_turns_readiness_then_liveness_off(generator, monk
         assert call(app, "GET", "/health").status_code == 200
         watch = scheduler.health
         for i in range(watch.live_after):
-            response = call(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": f"hi {i}",
-                                                                  "max_tokens": 2})
+            response = call(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": f"hi {i}", "max_tokens": 2})
             assert response.status_code == 500
             if i == watch.ready_after - 1:
                 ready = call(app, "GET", "/health")
@@ -222,6 +245,7 @@ def test_a_sticky_engine_fault_turns_readiness_then_liveness_off(generator, monk
 
 def test_a_fault_watch_recovers_after_a_success_or_a_quiet_spell():
     from runtime.serving.health import FaultWatch
+
     now = [0.0]
     watch = FaultWatch(ready_after=2, live_after=4, retry_after_s=10.0, clock=lambda: now[0])
     assert watch.readiness() is None and watch.liveness() is None
@@ -239,8 +263,10 @@ def test_a_fault_watch_recovers_after_a_success_or_a_quiet_spell():
 
 # --- item 8: grammar compiles are bounded and single-flight -------------------------------------------------------
 
+
 def test_identical_concurrent_schemas_compile_once(generator, monkeypatch):
     from runtime.decoding.grammar import json_schema
+
     compiler = generator.grammar_compiler()
     real, count = compiler._grammar, []
 
@@ -287,15 +313,28 @@ def test_grammar_compiles_are_bounded_and_do_not_starve_plain_requests(scheduler
     async def run():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000", timeout=60) as client:
-            bodies = [{"model": MODEL, "prompt": "hi", "max_tokens": 2, "response_format": {
-                "type": "json_schema", "json_schema": {"name": "s", "schema": {
-                    "type": "object", "properties": {f"k{i}": {"type": "integer"}}}}}} for i in range(count)]
+            bodies = [
+                {
+                    "model": MODEL,
+                    "prompt": "hi",
+                    "max_tokens": 2,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {
+                            "name": "s",
+                            "schema": {"type": "object", "properties": {f"k{i}": {"type": "integer"}}},
+                        },
+                    },
+                }
+                for i in range(count)
+            ]
             for body in bodies:
                 hostile("distinct schemas", body)
             tasks = [asyncio.create_task(client.post("/v1/completions", json=b)) for b in bodies]
             await asyncio.sleep(0.5)
-            plain = await asyncio.wait_for(client.post("/v1/completions", json={
-                "model": MODEL, "prompt": "hi", "max_tokens": 2}), 10)
+            plain = await asyncio.wait_for(
+                client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}), 10
+            )
             gate.set()
             return plain, await asyncio.gather(*tasks)
 
@@ -312,9 +351,21 @@ def test_grammar_compiles_are_bounded_and_do_not_starve_plain_requests(scheduler
 # --- item 9: the key, the scheme, loopback, admission, timeouts -----------------------------------------------------
 
 GOOD_AUTH = ["Bearer s3cret", "bearer s3cret", "BEARER s3cret", "bEaReR s3cret", "Bearer  s3cret", "Bearer s3cret "]
-BAD_AUTH = ["Bearer s3cret2", "Bearer s3cre", "Basic s3cret", "Bearers3cret", "Bearer", "s3cret", "Token s3cret",
-            "Bearer: s3cret", "Bearer s3cret\t x", "Bearer S3CRET", "Bearer \u00a0s3cret", "Bearer s3cret s3cret",
-            "Digest s3cret"]
+BAD_AUTH = [
+    "Bearer s3cret2",
+    "Bearer s3cre",
+    "Basic s3cret",
+    "Bearers3cret",
+    "Bearer",
+    "s3cret",
+    "Token s3cret",
+    "Bearer: s3cret",
+    "Bearer s3cret\t x",
+    "Bearer S3CRET",
+    "Bearer \u00a0s3cret",
+    "Bearer s3cret s3cret",
+    "Digest s3cret",
+]
 
 
 @pytest.mark.parametrize("given", GOOD_AUTH)
@@ -336,6 +387,7 @@ def test_the_cli_strips_the_key(tiny_bundle, monkeypatch, key):
     from click.testing import CliRunner
 
     from runtime.cli import main
+
     hostile("api key", key)
     seen = {}
     monkeypatch.setenv("DRAFTSMITH_API_KEY", key)
@@ -352,15 +404,40 @@ def test_a_key_empty_after_stripping_is_refused(scheduler, key):
         create_app(scheduler, MODEL, api_key=key)
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "::ffff:127.0.0.1",
-                                  "::ffff:127.1.2.3", "localhost", "LocalHost"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        "127.0.0.2",
+        "127.255.255.254",
+        "::1",
+        "::ffff:127.0.0.1",
+        "::ffff:127.1.2.3",
+        "localhost",
+        "LocalHost",
+    ],
+)
 def test_every_loopback_address_is_loopback(host):
     hostile("loopback", host)
     assert openai_server.is_loopback(host)
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.1", "::ffff:10.0.0.1", "128.0.0.1", "127.0.0.1.nip.io",
-                                  "localhost.evil", "", "[::1]", "fe80::1", "::ffff:0.0.0.0"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "0.0.0.0",
+        "::",
+        "10.0.0.1",
+        "::ffff:10.0.0.1",
+        "128.0.0.1",
+        "127.0.0.1.nip.io",
+        "localhost.evil",
+        "",
+        "[::1]",
+        "fe80::1",
+        "::ffff:0.0.0.0",
+    ],
+)
 def test_other_addresses_are_not(host):
     hostile("loopback", host)
     assert not openai_server.is_loopback(host)
@@ -410,8 +487,18 @@ def test_a_timeout_is_reported_as_timeout_not_length(scheduler, generator, monke
     monkeypatch.setattr(engine, "forward", slow)
     app = create_app(scheduler, MODEL, request_timeout=0.2)
     for stream in (False, True):
-        response = call(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "The quick brown fox",
-                                                              "max_tokens": 100, "temperature": 0, "stream": stream})
+        response = call(
+            app,
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "The quick brown fox",
+                "max_tokens": 100,
+                "temperature": 0,
+                "stream": stream,
+            },
+        )
         assert response.status_code == 200
         assert '"finish_reason":"timeout"' in response.text.replace(" ", ""), response.text[-300:]
 
@@ -420,6 +507,7 @@ def test_dependency_floors_exclude_the_advisories():
     import re
     from importlib.metadata import version
     from pathlib import Path
+
     text = Path(__file__).resolve().parents[1].joinpath("pyproject.toml").read_text()
     serve = re.search(r"^serve = \[(.*)\]", text, re.M).group(1)
     floors = dict(re.findall(r'"([a-z0-9]+)>=([0-9.]+)', serve))

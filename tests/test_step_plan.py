@@ -67,6 +67,7 @@ def test_a_planned_batch_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_
     from runtime.api import SpeculativeGenerator
     from runtime.decoding.loop import SpeculativeLoop
     from runtime.text.tokenizer import Tokenizer
+
     tokenizer = Tokenizer(tiny_bundle / "tokenizer")
     vocab = tokenizer.vocab_size
     target = BigramEngine(random_table(vocab, 1, scale=3.0), max_context=128)
@@ -90,4 +91,5 @@ def test_a_planned_batch_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_
 
 def generator_request(**options):
     from runtime.request import DecodeRequest
+
     return DecodeRequest(**options)

@@ -7,8 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fakes import (LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table,
-                   run_loop)
+from fakes import LENGTH, BigramEngine, assert_follows_target, copying_table, point_mass_laws, random_table, run_loop
 from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import lookup
 from runtime.decoding.sampling import SamplingParams, probabilities
@@ -42,14 +41,18 @@ def node_of(trie: SuffixTrie, string) -> int | None:
 
 # --- what it drafts -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("history, limit, expected", [
-    (MAJORITY, 3, [1, 3, 2]),  # the most frequent continuation, where lookup takes the latest (1 2 2)
-    ([1, 2, 3, 9, 2, 4, 1, 2], 2, [3, 9]),  # the longest match ("1 2") decides, not the latest "2" (then 4)
-    ([5, 6, 7, 8, 5, 6], 8, [7, 8, 5, 6]),  # a 2-token match drafts at most 2 * 2 tokens, up to the text's end
-    ([4, 5, 4], 8, [5, 4]),  # a 1-token match: at most 2 tokens
-    ([1, 2, 3, 4, 5], 3, []),  # nothing repeats
-    ([1, 2, 1], 0, []),  # no room to draft
-])
+
+@pytest.mark.parametrize(
+    "history, limit, expected",
+    [
+        (MAJORITY, 3, [1, 3, 2]),  # the most frequent continuation, where lookup takes the latest (1 2 2)
+        ([1, 2, 3, 9, 2, 4, 1, 2], 2, [3, 9]),  # the longest match ("1 2") decides, not the latest "2" (then 4)
+        ([5, 6, 7, 8, 5, 6], 8, [7, 8, 5, 6]),  # a 2-token match drafts at most 2 * 2 tokens, up to the text's end
+        ([4, 5, 4], 8, [5, 4]),  # a 1-token match: at most 2 tokens
+        ([1, 2, 3, 4, 5], 3, []),  # nothing repeats
+        ([1, 2, 1], 0, []),  # no room to draft
+    ],
+)
 def test_suffix_draft_table(history, limit, expected):
     assert draft_of(history, limit) == expected
 
@@ -80,14 +83,24 @@ def test_the_depth_cut_bounds_match_and_draft():
     assert drafter.draft(drafter.rows[0], 8).tokens == [0, 1]  # limit >= depth: a 1-token context, 2 tokens
 
 
-@pytest.mark.parametrize("field, value", [("depth", 1), ("min_match", 0), ("min_frequency", 0.0),
-                                          ("min_frequency", 1.5), ("per_match", 0.0), ("min_score", -1.0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("depth", 1),
+        ("min_match", 0),
+        ("min_frequency", 0.0),
+        ("min_frequency", 1.5),
+        ("per_match", 0.0),
+        ("min_score", -1.0),
+    ],
+)
 def test_out_of_range_settings_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         SuffixConfig(**{field: value})
 
 
 # --- the index: exact counts, built incrementally ---------------------------------------------------------------
+
 
 def test_incremental_counts_equal_a_brute_force_count():
     rng = np.random.default_rng(0)
@@ -97,16 +110,17 @@ def test_incremental_counts_equal_a_brute_force_count():
         before = trie.nodes
         frontier = trie.append(frontier, token)
         assert trie.nodes - before <= depth  # O(depth) per token, nothing rebuilt
-        assert frontier[-1] == node_of(trie, text[max(0, at + 1 - depth): at + 1])
+        assert frontier[-1] == node_of(trie, text[max(0, at + 1 - depth) : at + 1])
     for size in range(1, depth + 1):
-        occurrences = Counter(tuple(text[i: i + size]) for i in range(len(text) - size + 1))
-        continued = Counter(tuple(text[i: i + size]) for i in range(len(text) - size))
+        occurrences = Counter(tuple(text[i : i + size]) for i in range(len(text) - size + 1))
+        continued = Counter(tuple(text[i : i + size]) for i in range(len(text) - size))
         for string, count in occurrences.items():
             node = node_of(trie, string)
             assert trie.count[node] == count
             assert trie.out[node] == (continued[string] if size < depth else 0)
-    assert trie.nodes == 1 + sum(len({tuple(text[i: i + s]) for i in range(len(text) - s + 1)})
-                                 for s in range(1, depth + 1))
+    assert trie.nodes == 1 + sum(
+        len({tuple(text[i : i + s]) for i in range(len(text) - s + 1)}) for s in range(1, depth + 1)
+    )
 
 
 def test_drafting_after_each_step_equals_drafting_from_scratch():
@@ -129,6 +143,7 @@ def test_drafting_after_each_step_equals_drafting_from_scratch():
 
 # --- exact under sampling -----------------------------------------------------------------------------------------
 
+
 def test_suffix_sampling_follows_the_target_distribution():
     """Point-mass proposals keep rejection sampling exact: 20,000 sequences of 4 tokens, the first step drafting the
     majority continuation 1 3 2."""
@@ -148,10 +163,12 @@ def test_hybrid_suffix_sampling_follows_the_target_distribution_from_both_source
     vocab, table, draft_table = 4, copying_table(4, 5, [0, 1, 3, 2]), random_table(4, 9)
     params = SamplingParams(1.0)
     n = 20000
-    drafter = HybridDrafter(ModelDrafter(BigramEngine(draft_table)), vocab, free=SuffixDrafter(vocab,
-                                                                                               config=HYBRID_SUFFIX))
-    loop = SpeculativeLoop(BigramEngine(table), drafter, [MAJORITY] * n + [[3]] * n,
-                           DecodeConfig(LENGTH, 3, params, seed=4))
+    drafter = HybridDrafter(
+        ModelDrafter(BigramEngine(draft_table)), vocab, free=SuffixDrafter(vocab, config=HYBRID_SUFFIX)
+    )
+    loop = SpeculativeLoop(
+        BigramEngine(table), drafter, [MAJORITY] * n + [[3]] * n, DecodeConfig(LENGTH, 3, params, seed=4)
+    )
     suffixed, modelled = run_loop(loop, groups=2)
     probs = probabilities(table, params)
     assert_follows_target(loop.rows[:n], suffixed, probs, 0, point_mass_laws([1, 3, 2], vocab))
@@ -160,6 +177,7 @@ def test_hybrid_suffix_sampling_follows_the_target_distribution_from_both_source
 
 
 # --- through the generator and the bench -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["suffix", "hybrid_suffix"])
 def test_suffix_greedy_equals_target_only(generator, kind):
@@ -173,6 +191,7 @@ def test_suffix_greedy_equals_target_only(generator, kind):
 def test_the_generator_and_bench_build_suffix_drafters(generator):
     from bench.speed import decode, drafter_labels
     from runtime.bundle import DRAFTERS, BuildSpec
+
     assert {"suffix", "hybrid_suffix"} <= set(DRAFTERS)
     assert BuildSpec(target="t", drafter="suffix").drafter == "suffix"
     assert isinstance(generator.new_drafter("speculative", "suffix", 0.0), SuffixDrafter)
@@ -188,6 +207,7 @@ def test_the_generator_and_bench_build_suffix_drafters(generator):
 
 
 # --- the shared corpus --------------------------------------------------------------------------------------------
+
 
 def greedy_run(target: BigramEngine, drafter, prompt: list[int], n: int = 24) -> SpeculativeLoop:
     loop = SpeculativeLoop(target, drafter, [prompt], DecodeConfig(n, 6, GREEDY))

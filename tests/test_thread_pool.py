@@ -29,8 +29,14 @@ def test_sessions_share_one_pool_unless_asked_not_to(mode, pool):
     env = {k: v for k, v in os.environ.items() if k != "DRAFTSMITH_ORT_POOL"}
     if mode:
         env["DRAFTSMITH_ORT_POOL"] = mode
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"pool": pool, "outs": [[0.0, 2.0], [0.0, 2.0]]}  # the first session sized it; both run

@@ -22,6 +22,7 @@ def test_a_depth1_tree_is_priced_by_its_rows():
 @pytest.mark.parametrize("bundle", ["tiny_bundle", "tiny_int4_bundle"])
 def test_tree_attention_keeps_the_main_chain_exact(bundle, request):
     from runtime.bundle import load_manifest
+
     root = request.getfixturevalue(bundle)
     found = tree_attention(root, load_manifest(root), threads=1, trials=2)
     assert found["main_chain_max_abs_diff"] == 0.0  # laid out first, the main chain is the chain verify, bit for bit
@@ -47,11 +48,27 @@ def test_verify_cost_and_the_command(tiny_bundle, tmp_path):
 
     from runtime.api import SpeculativeGenerator
     from runtime.cli import main
+
     costs = verify_cost(SpeculativeGenerator.from_bundle(tiny_bundle, threads=1).target, calls=3)
     assert sorted(costs) == [2, 3, 4, 5, 6, 8] and min(costs.values()) > 0
     out = tmp_path / "tree.json"
-    result = CliRunner().invoke(main, ["tree-headroom", str(tiny_bundle), "--workload", "code", "--prompts", "1",
-                                       "--max-new-tokens", "8", "--threads", "1", "--json", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "tree-headroom",
+            str(tiny_bundle),
+            "--workload",
+            "code",
+            "--prompts",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert set(report) == {"verify_cost_ms", "verify_cost_relative", "workloads", "tree_attention"}

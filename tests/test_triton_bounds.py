@@ -27,9 +27,12 @@ pytest.importorskip("tritonclient.grpc")
 
 from conftest import has_tritonserver  # noqa: E402
 
-pytestmark = [pytest.mark.triton,
-              pytest.mark.skipif(not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
-                                 "(pip install --no-deps nvidia-pytriton)")]
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(
+        not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver (pip install --no-deps nvidia-pytriton)"
+    ),
+]
 
 LONG = 120  # max_tokens_limit of this server; the tiny bundle's context is 128
 PROMPT_LIMIT = 32 * 128  # the default max_prompt_bytes for that context
@@ -43,16 +46,24 @@ NEVER = "zqzqzq"  # a stop string no answer contains: requests batch only with r
 def server(tiny_bundle, tmp_path_factory):
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
-    repo = write_repository(tiny_bundle, tmp_path_factory.mktemp("bounds") / "repo",
-                            RepoOptions(threads=1, max_batch_size=16, max_queue_delay_us=400_000,
-                                        max_tokens_limit=LONG))
+
+    repo = write_repository(
+        tiny_bundle,
+        tmp_path_factory.mktemp("bounds") / "repo",
+        RepoOptions(threads=1, max_batch_size=16, max_queue_delay_us=400_000, max_tokens_limit=LONG),
+    )
     patch = pytest.MonkeyPatch()
     patch.setenv(SECRET, "must-not-reach-the-models")
     patch.setenv(PASSED, "passed-on-request")
     try:
         restriction = f"model-repository:{ADMIN_HEADER}={ADMIN_VALUE}"
-        handle = start_server(repo, timeout=180, pass_env=[PASSED], http_restricted_api=[restriction],
-                              grpc_restricted_protocol=[restriction])
+        handle = start_server(
+            repo,
+            timeout=180,
+            pass_env=[PASSED],
+            http_restricted_api=[restriction],
+            grpc_restricted_protocol=[restriction],
+        )
     finally:
         patch.undo()
     yield handle
@@ -63,13 +74,15 @@ def server(tiny_bundle, tmp_path_factory):
 
 # --- helpers ----------------------------------------------------------------------------------------------------
 
+
 def counters(server) -> dict[tuple[str, str], float]:
     """(metric name, model) -> value, for Triton's execute counter and this project's counters and gauges."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         text = response.read().decode()
     found = {}
-    for name, model, value in re.findall(r'^(nv_inference_exec_count|draftsmith_\w+)\{model="(\w+)"[^}]*\} (\S+)$',
-                                         text, re.M):
+    for name, model, value in re.findall(
+        r'^(nv_inference_exec_count|draftsmith_\w+)\{model="(\w+)"[^}]*\} (\S+)$', text, re.M
+    ):
         found[(name, model)] = found.get((name, model), 0.0) + float(value)
     return found
 
@@ -92,6 +105,7 @@ def delta(before, after, name, model="speculative") -> float:
 def tensors(arrays: dict):
     """name -> (numpy array, Triton dtype) as gRPC inputs; 1-D arrays get the batch dimension."""
     import tritonclient.grpc as grpcclient
+
     inputs = []
     for name, (array, dtype) in arrays.items():
         array = array.reshape(1, -1) if array.ndim == 1 else array
@@ -111,15 +125,22 @@ def ints(value, dtype=np.int32) -> np.ndarray:
 
 def ensemble_request(prompt, max_tokens=16, **extra):
     """Every request sends ``stop_words`` (a batch never mixes requests with and without an optional input)."""
-    arrays = {"text_input": (text(prompt), "BYTES"), "max_tokens": (ints(max_tokens), "INT32"),
-              "stop_words": stop_words([NEVER])}
+    arrays = {
+        "text_input": (text(prompt), "BYTES"),
+        "max_tokens": (ints(max_tokens), "INT32"),
+        "stop_words": stop_words([NEVER]),
+    }
     arrays.update(extra)
     return arrays
 
 
 def speculative_request(prompt, max_tokens=16, **extra):
-    arrays = {"text_input": (text(prompt), "BYTES"), "request_output_len": (ints(max_tokens), "INT32"),
-              "stop_words": stop_words([NEVER]), "stream": (np.array([[False]]), "BOOL")}
+    arrays = {
+        "text_input": (text(prompt), "BYTES"),
+        "request_output_len": (ints(max_tokens), "INT32"),
+        "stop_words": stop_words([NEVER]),
+        "stream": (np.array([[False]]), "BOOL"),
+    }
     arrays.update(extra)
     return arrays
 
@@ -133,6 +154,7 @@ class Streams:
 
     def __init__(self, server, count):
         import tritonclient.grpc as grpcclient
+
         self.clients, self.results = [], []
         for _ in range(count):
             client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -179,15 +201,18 @@ def send_together(server, model, requests) -> list[tuple[str, str | None]]:
 
 def stub_pids(server) -> dict[str, int]:
     from test_hardening_triton import stubs
+
     return stubs(server)
 
 
 # --- item 11: bounds before work --------------------------------------------------------------------------------
 
+
 def test_default_limits_are_written_into_the_configs(tiny_bundle, tmp_path):
     """Without options: max_tokens at most half the context (512 at most), prompts 32 bytes per context token."""
     from triton_repo import pbtxt
     from triton_repo.generate import RepoOptions, write_repository
+
     repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1))
     parameters = {}
     for model in ("preprocessing", "speculative", "postprocessing"):
@@ -195,8 +220,10 @@ def test_default_limits_are_written_into_the_configs(tiny_bundle, tmp_path):
         parameters[model] = {k: v.string_value for k, v in config.parameters.items()}
     assert parameters["speculative"]["max_tokens_limit"] == parameters["preprocessing"]["max_tokens_limit"] == "64"
     assert parameters["speculative"]["max_prompt_bytes"] == parameters["preprocessing"]["max_prompt_bytes"] == "4096"
-    assert (parameters["speculative"]["max_stop_words"], parameters["speculative"]["max_stop_word_bytes"]) == \
-        ("16", "256")
+    assert (parameters["speculative"]["max_stop_words"], parameters["speculative"]["max_stop_word_bytes"]) == (
+        "16",
+        "256",
+    )
     assert parameters["postprocessing"]["max_output_ids"] == "128"
 
 
@@ -206,19 +233,32 @@ def test_hostile_requests_batched_with_good_ones_through_the_ensemble(server, ge
     good = ["The quick brown fox", "for i in range(10):", "x"]
     hostile = {
         "ensemble: 3 MB prompt": (ensemble_request(b"a" * 3_000_000), f"max_prompt_bytes={PROMPT_LIMIT}"),
-        "ensemble: prompt one byte over the limit": (ensemble_request(b"b" * (PROMPT_LIMIT + 1)),
-                                                     f"max_prompt_bytes={PROMPT_LIMIT}"),
+        "ensemble: prompt one byte over the limit": (
+            ensemble_request(b"b" * (PROMPT_LIMIT + 1)),
+            f"max_prompt_bytes={PROMPT_LIMIT}",
+        ),
         "ensemble: max_tokens 10^9": (ensemble_request("hi", 10**9), "max_tokens_limit"),
-        "ensemble: 100k stop words": (ensemble_request("hi", stop_words=stop_words(["zz"] * 100_000)),
-                                      "max_stop_words=16"),
-        "ensemble: 17 stop words": (ensemble_request("hi", stop_words=stop_words([f"s{i}" for i in range(17)])),
-                                    "max_stop_words=16"),
-        "ensemble: one 10 KB stop word": (ensemble_request("hi", stop_words=stop_words(["w" * 10_000])),
-                                          "max_stop_word_bytes=256"),
+        "ensemble: 100k stop words": (
+            ensemble_request("hi", stop_words=stop_words(["zz"] * 100_000)),
+            "max_stop_words=16",
+        ),
+        "ensemble: 17 stop words": (
+            ensemble_request("hi", stop_words=stop_words([f"s{i}" for i in range(17)])),
+            "max_stop_words=16",
+        ),
+        "ensemble: one 10 KB stop word": (
+            ensemble_request("hi", stop_words=stop_words(["w" * 10_000])),
+            "max_stop_word_bytes=256",
+        ),
     }
     HOSTILE.update(hostile)
-    requests = [ensemble_request(good[0]), *[r for r, _ in hostile.values()][:3], ensemble_request(good[1]),
-                *[r for r, _ in hostile.values()][3:], ensemble_request(good[2])]
+    requests = [
+        ensemble_request(good[0]),
+        *[r for r, _ in hostile.values()][:3],
+        ensemble_request(good[1]),
+        *[r for r, _ in hostile.values()][3:],
+        ensemble_request(good[2]),
+    ]
     before = counters(server)
     answers = send_together(server, "ensemble", requests)
     after = settled(server, before)
@@ -242,12 +282,18 @@ def test_direct_calls_to_speculative_are_bounded(server, generator):
     hostile = {
         "speculative: 3 MB prompt": (speculative_request(b"a" * 3_000_000), f"max_prompt_bytes={PROMPT_LIMIT}"),
         "speculative: request_output_len 10^6": (speculative_request("hi", 10**6), "max_tokens_limit"),
-        "speculative: 100k stop words": (speculative_request("hi", stop_words=stop_words(["zz"] * 100_000)),
-                                         "max_stop_words=16"),
-        "speculative: one 1 MB stop word": (speculative_request("hi", stop_words=stop_words([b"w" * 2**20])),
-                                            "max_stop_word_bytes=256"),
-        "speculative: 3 MB prompt of invalid UTF-8": (speculative_request(b"\xff" * 3_000_000),
-                                                       f"max_prompt_bytes={PROMPT_LIMIT}"),
+        "speculative: 100k stop words": (
+            speculative_request("hi", stop_words=stop_words(["zz"] * 100_000)),
+            "max_stop_words=16",
+        ),
+        "speculative: one 1 MB stop word": (
+            speculative_request("hi", stop_words=stop_words([b"w" * 2**20])),
+            "max_stop_word_bytes=256",
+        ),
+        "speculative: 3 MB prompt of invalid UTF-8": (
+            speculative_request(b"\xff" * 3_000_000),
+            f"max_prompt_bytes={PROMPT_LIMIT}",
+        ),
     }
     HOSTILE.update(hostile)
     prompt = "Speculative decoding keeps"
@@ -266,6 +312,7 @@ def test_direct_calls_to_postprocessing_are_bounded(server, generator):
     """``postprocessing``: more ids than the context, and ids outside the vocabulary, are refused one by one; a good
     request in the same batch is decoded."""
     import tritonclient.grpc as grpcclient
+
     vocab = generator.tokenizer.vocab_size
     ids = generator.tokenizer.encode("The quick brown fox")
     hostile = {
@@ -299,6 +346,7 @@ def test_direct_calls_to_postprocessing_are_bounded(server, generator):
 
 # --- item 12: cancellation stops the work -----------------------------------------------------------------------
 
+
 def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, generator):
     """Two requests decoded in one batch; the first one's gRPC stream is cancelled after its first piece (the model
     process paused meanwhile, so the step it lands on does not depend on the machine's speed). It stops at the next
@@ -310,8 +358,10 @@ def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, gene
     other = generator.generate(other_prompt, max_new_tokens=LONG, mode="target", stop=[NEVER])
     assert full.stats.num_steps > other.stats.num_steps  # so a cancelled row still running would show
     HOSTILE.add("gRPC stream cancelled mid-request")
-    requests = [speculative_request(cancelled_prompt, LONG, stream=(np.array([[True]]), "BOOL"), **options),
-                speculative_request(other_prompt, LONG, **options)]
+    requests = [
+        speculative_request(cancelled_prompt, LONG, stream=(np.array([[True]]), "BOOL"), **options),
+        speculative_request(other_prompt, LONG, **options),
+    ]
     before = counters(server)
     streams = Streams(server, 2)
     try:
@@ -347,15 +397,18 @@ def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, gene
 
 # --- item 13: seeded sampling does not depend on the batch ------------------------------------------------------
 
+
 def test_identical_seeded_requests_in_one_batch_sample_as_alone(server, generator):
     prompt, other = "Speculative decoding keeps", "for i in range(10):"
     sampled = {"temperature": (np.array([[0.9]], np.float32), "FP32")}
     options = dict(max_new_tokens=24, temperature=0.9, stop=[NEVER])
     alone = generator.generate(prompt, seed=11, **options).text
     assert generator.generate(prompt, seed=12, **options).text != alone
-    requests = [ensemble_request(prompt, 24, seed=(ints(11, np.uint64), "UINT64"), **sampled),
-                ensemble_request(other, 24, seed=(ints(5, np.uint64), "UINT64"), **sampled),
-                ensemble_request(prompt, 24, seed=(ints(11, np.uint64), "UINT64"), **sampled)]
+    requests = [
+        ensemble_request(prompt, 24, seed=(ints(11, np.uint64), "UINT64"), **sampled),
+        ensemble_request(other, 24, seed=(ints(5, np.uint64), "UINT64"), **sampled),
+        ensemble_request(prompt, 24, seed=(ints(11, np.uint64), "UINT64"), **sampled),
+    ]
     before = counters(server)
     answers = send_together(server, "ensemble", requests)
     after = settled(server, before)
@@ -365,6 +418,7 @@ def test_identical_seeded_requests_in_one_batch_sample_as_alone(server, generato
 
 
 # --- item 14: the server's environment, restricted APIs ---------------------------------------------------------
+
 
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -385,6 +439,7 @@ def test_model_processes_do_not_see_the_callers_secrets(server):
 def test_restricted_apis_need_their_header(server):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
+
     HOSTILE.update({"HTTP repository index without the admin header", "gRPC repository index without the header"})
     request = urllib.request.Request(f"{server.url}/v2/repository/index", data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -405,6 +460,7 @@ def test_restricted_apis_need_their_header(server):
 
 
 # --- last: the log survives a crash -----------------------------------------------------------------------------
+
 
 def test_log_is_kept_after_a_crash(server):
     """SIGKILL the server: ``stop()`` keeps the log it would delete after a clean stop, and kills the model stubs

@@ -8,8 +8,9 @@ import pytest
 from triton_repo.server import CLOSED_BY_DEFAULT, restricted_by_default, server_env
 
 
-@pytest.mark.parametrize("name", ["NVIDIA_API_KEY", "NVIDIA_NGC_TOKEN", "CUDA_SECRET", "ORT_AUTH", "OMP_PASSWORD",
-                                  "LC_CREDENTIALS"])
+@pytest.mark.parametrize(
+    "name", ["NVIDIA_API_KEY", "NVIDIA_NGC_TOKEN", "CUDA_SECRET", "ORT_AUTH", "OMP_PASSWORD", "LC_CREDENTIALS"]
+)
 def test_secret_looking_names_are_not_passed_by_prefix(monkeypatch, name):
     monkeypatch.setenv(name, "s3cret")
     monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "0")
@@ -38,6 +39,7 @@ def test_the_triton_models_tokenizer_comes_from_verified_bytes(tiny_bundle, tmp_
 
     from runtime.api import bundle_tokenizer
     from runtime.bundle import BundleError
+
     copy = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, copy)
     assert bundle_tokenizer(copy / "tokenizer").vocab_size > 0
@@ -47,14 +49,21 @@ def test_the_triton_models_tokenizer_comes_from_verified_bytes(tiny_bundle, tmp_
         bundle_tokenizer(copy / "tokenizer")
 
 
-@pytest.mark.parametrize("path", ['/b/x"\n  }\n}\nparameters: { key: "EXECUTION_ENV_PATH" '
-                                  'value: { string_value: "/tmp/e',
-                                  "/b/a\\\\b", "/b/tab\there", "/b/\x7f"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        '/b/x"\n  }\n}\nparameters: { key: "EXECUTION_ENV_PATH" value: { string_value: "/tmp/e',
+        "/b/a\\\\b",
+        "/b/tab\there",
+        "/b/\x7f",
+    ],
+)
 def test_a_bundle_path_cannot_add_fields_to_an_upstream_config(path):
     """--upstream-models fills upstream's templates as text: a path with a quote and newlines would close the string
     and add a parameter (here a Python execution environment the model would run)."""
     from triton_repo.pbtxt import ConfigError
     from triton_repo.trtllm.layouts import fill_template
+
     template = 'parameters: { key: "engine_dir" value: { string_value: "${engine_dir}" } }\n'
     with pytest.raises(ConfigError, match="cannot hold"):
         fill_template(template, {"engine_dir": path}, "tensorrt_llm/config.pbtxt")

@@ -12,29 +12,55 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 
 from triton_repo import pbtxt  # noqa: E402
-from triton_repo.generate import (ENSEMBLE, POSTPROCESSING, PREPROCESSING, SPECULATIVE, RepoOptions,  # noqa: E402
-                                  RepositoryError, check_name, ensemble_config, postprocessing_config,
-                                  preprocessing_config, speculative_config, write_repository, _inside)
+from triton_repo.generate import (
+    ENSEMBLE,
+    POSTPROCESSING,
+    PREPROCESSING,
+    SPECULATIVE,
+    RepoOptions,  # noqa: E402
+    RepositoryError,
+    check_name,
+    ensemble_config,
+    postprocessing_config,
+    preprocessing_config,
+    speculative_config,
+    write_repository,
+    _inside,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_repo"
 MODELS = (ENSEMBLE, PREPROCESSING, SPECULATIVE, POSTPROCESSING)
 
 # tensorrtllm_backend's ensemble (all_models/inflight_batcher_llm/ensemble/config.pbtxt, 2025): name -> (dtype, dims)
-TRTLLM_INPUTS = {"text_input": ("TYPE_STRING", [1]), "max_tokens": ("TYPE_INT32", [1]),
-                 "stop_words": ("TYPE_STRING", [-1]), "end_id": ("TYPE_INT32", [1]), "top_k": ("TYPE_INT32", [1]),
-                 "top_p": ("TYPE_FP32", [1]), "temperature": ("TYPE_FP32", [1]), "seed": ("TYPE_UINT64", [1]),
-                 "stream": ("TYPE_BOOL", [1]), "num_draft_tokens": ("TYPE_INT32", [1])}
-TRTLLM_OUTPUTS = {"text_output": ("TYPE_STRING", [-1]), "acceptance_rate": ("TYPE_FP32", [1]),
-                  "total_accepted_draft_tokens": ("TYPE_INT32", [1]), "total_draft_tokens": ("TYPE_INT32", [1])}
+TRTLLM_INPUTS = {
+    "text_input": ("TYPE_STRING", [1]),
+    "max_tokens": ("TYPE_INT32", [1]),
+    "stop_words": ("TYPE_STRING", [-1]),
+    "end_id": ("TYPE_INT32", [1]),
+    "top_k": ("TYPE_INT32", [1]),
+    "top_p": ("TYPE_FP32", [1]),
+    "temperature": ("TYPE_FP32", [1]),
+    "seed": ("TYPE_UINT64", [1]),
+    "stream": ("TYPE_BOOL", [1]),
+    "num_draft_tokens": ("TYPE_INT32", [1]),
+}
+TRTLLM_OUTPUTS = {
+    "text_output": ("TYPE_STRING", [-1]),
+    "acceptance_rate": ("TYPE_FP32", [1]),
+    "total_accepted_draft_tokens": ("TYPE_INT32", [1]),
+    "total_draft_tokens": ("TYPE_INT32", [1]),
+}
 
 
 def _golden_configs() -> dict[str, str]:
     options = RepoOptions(instances=2, threads=3, max_batch_size=8)
     manifest = types.SimpleNamespace(max_context=256, spec=types.SimpleNamespace(device="cpu"))
-    return {ENSEMBLE: pbtxt.render(ensemble_config(options)),
-            PREPROCESSING: pbtxt.render(preprocessing_config(options, manifest, "../speculative/bundle/tokenizer")),
-            SPECULATIVE: pbtxt.render(speculative_config(options, manifest, "bundle")),
-            POSTPROCESSING: pbtxt.render(postprocessing_config(options, manifest, "../speculative/bundle/tokenizer"))}
+    return {
+        ENSEMBLE: pbtxt.render(ensemble_config(options)),
+        PREPROCESSING: pbtxt.render(preprocessing_config(options, manifest, "../speculative/bundle/tokenizer")),
+        SPECULATIVE: pbtxt.render(speculative_config(options, manifest, "bundle")),
+        POSTPROCESSING: pbtxt.render(postprocessing_config(options, manifest, "../speculative/bundle/tokenizer")),
+    }
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -52,6 +78,7 @@ def test_config_matches_golden_file(name):
 
 def _io(config, which):
     from tritonclient.grpc import model_config_pb2 as pb
+
     return {t.name: (pb.DataType.Name(t.data_type), list(t.dims)) for t in getattr(config, which)}
 
 
@@ -91,8 +118,9 @@ def test_check_name_accepts(name):
     assert check_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/../b", "/abs", "a/b", "a\\b", "a b", "-dash", "ü",
-                                  "x" * 65, "a..b", "model\n"])
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "../x", "a/../b", "/abs", "a/b", "a\\b", "a b", "-dash", "ü", "x" * 65, "a..b", "model\n"]
+)
 def test_check_name_rejects(name):
     with pytest.raises(RepositoryError):
         check_name(name)
@@ -104,11 +132,17 @@ def test_paths_stay_inside(tmp_path, rel):
         _inside(tmp_path, rel)
 
 
-@pytest.mark.parametrize("kwargs, field", [({"instances": 0}, "instances"), ({"threads": -1}, "threads"),
-                                           ({"max_batch_size": True}, "max_batch_size"),
-                                           ({"bundle_mount": "models/x", "copy_bundle": False}, "bundle_mount"),
-                                           ({"bundle_mount": "/models/../x", "copy_bundle": False}, "bundle_mount"),
-                                           ({"bundle_mount": "/models/x"}, "copy_bundle")])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"instances": 0}, "instances"),
+        ({"threads": -1}, "threads"),
+        ({"max_batch_size": True}, "max_batch_size"),
+        ({"bundle_mount": "models/x", "copy_bundle": False}, "bundle_mount"),
+        ({"bundle_mount": "/models/../x", "copy_bundle": False}, "bundle_mount"),
+        ({"bundle_mount": "/models/x"}, "copy_bundle"),
+    ],
+)
 def test_options_validated(kwargs, field):
     with pytest.raises(RepositoryError, match=field):
         RepoOptions(**kwargs)
@@ -128,14 +162,16 @@ def test_repository_layout_is_relocatable(tiny_bundle, tmp_path):
     assert spec.instance_group[0].count == 2 and spec.max_batch_size == 4
     moved = shutil.move(str(repo), str(tmp_path / "elsewhere"))  # a relocated repository still finds its bundle
     from runtime.bundle import load_manifest
+
     assert load_manifest(Path(moved) / SPECULATIVE / "bundle").default_k >= 1
     pre = pbtxt.parse((Path(moved) / PREPROCESSING / "config.pbtxt").read_text())
     assert (Path(moved) / PREPROCESSING / pre.parameters["tokenizer"].string_value / "tokenizer.json").is_file()
 
 
 def test_repository_with_mounted_bundle(tiny_bundle, tmp_path):
-    repo = write_repository(tiny_bundle, tmp_path / "repo",
-                            RepoOptions(bundle_mount="/bundles/tiny", copy_bundle=False))
+    repo = write_repository(
+        tiny_bundle, tmp_path / "repo", RepoOptions(bundle_mount="/bundles/tiny", copy_bundle=False)
+    )
     assert not (repo / SPECULATIVE / "bundle").exists()
     spec = pbtxt.parse((repo / SPECULATIVE / "config.pbtxt").read_text())
     assert spec.parameters["bundle"].string_value == "/bundles/tiny"
@@ -165,9 +201,11 @@ def test_repository_refuses_non_empty_out_and_bad_limits(tiny_bundle, tmp_path):
 def test_cli_writes_repository(tiny_bundle, tmp_path):
     from click.testing import CliRunner
     from runtime.cli import main
+
     out = tmp_path / "repo"
-    result = CliRunner().invoke(main, ["triton-repo", str(tiny_bundle), str(out), "--instances", "3", "--threads",
-                                       "2", "--max-batch-size", "5"])
+    result = CliRunner().invoke(
+        main, ["triton-repo", str(tiny_bundle), str(out), "--instances", "3", "--threads", "2", "--max-batch-size", "5"]
+    )
     assert result.exit_code == 0, result.output
     spec = pbtxt.parse((out / SPECULATIVE / "config.pbtxt").read_text())
     assert (spec.instance_group[0].count, spec.parameters["threads"].string_value, spec.max_batch_size) == (3, "2", 5)

@@ -22,20 +22,33 @@ pytest.importorskip("tritonclient.grpc")
 
 from conftest import has_tritonserver  # noqa: E402
 
-pytestmark = [pytest.mark.triton,
-              pytest.mark.skipif(not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver "
-                                 "(pip install --no-deps nvidia-pytriton)")]
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(
+        not has_tritonserver(), reason="needs nvidia-pytriton's tritonserver (pip install --no-deps nvidia-pytriton)"
+    ),
+]
 
-PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding keeps", "for i in range(10):",
-           "Ünïcödé café", "日本語の", "emoji 🙂", "print(i * i)"]
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox",
+    "Speculative decoding keeps",
+    "for i in range(10):",
+    "Ünïcödé café",
+    "日本語の",
+    "emoji 🙂",
+    "print(i * i)",
+]
 MAX_TOKENS = 24
 
 
 # --- fixtures ---------------------------------------------------------------------------------------------------
 
+
 def _serve(bundle, out, **options):
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
+
     repo = write_repository(bundle, out, RepoOptions(threads=1, **options))
     return start_server(repo, timeout=180)
 
@@ -59,6 +72,7 @@ def expected(generator):
 
 # --- clients ----------------------------------------------------------------------------------------------------
 
+
 def http_generate(server, body: dict, stream: bool = False):
     url = f"{server.url}/v2/models/ensemble/generate" + ("_stream" if stream else "")
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
@@ -66,7 +80,7 @@ def http_generate(server, body: dict, stream: bool = False):
         raw = response.read().decode()
     if not stream:
         return json.loads(raw)
-    return [json.loads(line[len("data: "):]) for line in raw.splitlines() if line.startswith("data: ")]
+    return [json.loads(line[len("data: ") :]) for line in raw.splitlines() if line.startswith("data: ")]
 
 
 def http_error(server, body: dict) -> str:
@@ -78,9 +92,12 @@ def http_error(server, body: dict) -> str:
 def grpc_inputs(text, max_tokens, stream=False, extra=None):
     """Inputs of one ensemble request; ``extra``: name -> (array, Triton dtype), replacing or adding inputs."""
     import tritonclient.grpc as grpcclient
-    arrays = {"text_input": (np.array([[text if isinstance(text, bytes) else text.encode()]], dtype=object), "BYTES"),
-              "max_tokens": (np.array([[max_tokens]], dtype=np.int32), "INT32"),
-              "stream": (np.array([[stream]], dtype=bool), "BOOL")}
+
+    arrays = {
+        "text_input": (np.array([[text if isinstance(text, bytes) else text.encode()]], dtype=object), "BYTES"),
+        "max_tokens": (np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        "stream": (np.array([[stream]], dtype=bool), "BOOL"),
+    }
     arrays.update(extra or {})
     inputs = []
     for name, (array, dtype) in arrays.items():
@@ -95,6 +112,7 @@ class Stream:
 
     def __init__(self, server):
         import tritonclient.grpc as grpcclient
+
         self.client = grpcclient.InferenceServerClient(server.grpc_url)
         self.results = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.results.put((result, error)))
@@ -127,6 +145,7 @@ def metrics(server) -> dict[str, float]:
 
 
 # --- tests ------------------------------------------------------------------------------------------------------
+
 
 def test_generate_endpoint_equals_runtime(server, expected):
     for prompt in PROMPTS[:4]:
@@ -168,8 +187,10 @@ def test_sixteen_clients_twenty_requests_each(server, expected):
     before = metrics(server)
 
     def client(c: int) -> list[tuple[str, str]]:
-        return [(p, http_generate(server, {"text_input": p, "max_tokens": MAX_TOKENS})["text_output"])
-                for p in (PROMPTS[(c + i) % len(PROMPTS)] for i in range(20))]
+        return [
+            (p, http_generate(server, {"text_input": p, "max_tokens": MAX_TOKENS})["text_output"])
+            for p in (PROMPTS[(c + i) % len(PROMPTS)] for i in range(20))
+        ]
 
     with ThreadPoolExecutor(16) as pool:
         answers = [a for batch in pool.map(client, range(16)) for a in batch]
@@ -190,8 +211,9 @@ def test_malformed_requests_get_errors_and_server_keeps_serving(server, expected
     assert "max_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 0})
     assert "max_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 100_000})
     assert "parse" in http_error(server, {"text_input": "hi", "max_tokens": "eight"})  # Triton's own JSON check
-    assert "num_draft_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 8,
-                                                     "num_draft_tokens": generator.max_k + 1})
+    assert "num_draft_tokens" in http_error(
+        server, {"text_input": "hi", "max_tokens": 8, "num_draft_tokens": generator.max_k + 1}
+    )
     assert "num_draft_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 8, "num_draft_tokens": -1})
     assert "top_p" in http_error(server, {"text_input": "hi", "max_tokens": 8, "top_p": 2.0})
     assert "empty" in http_error(server, {"text_input": "", "max_tokens": 8})
@@ -224,17 +246,19 @@ def test_parameters_reach_the_runtime(server, generator):
     out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "num_draft_tokens": 2})
     assert (out["text_output"], out["total_draft_tokens"]) == (k2.text, k2.stats.num_draft_tokens)
     sampled = generator.generate(prompt, max_new_tokens=12, temperature=0.8, top_k=20, seed=7)
-    out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "temperature": 0.8, "top_k": 20,
-                                 "seed": 7})
+    out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 7})
     assert out["text_output"] == sampled.text
     full = generator.generate(prompt, max_new_tokens=MAX_TOKENS).text
-    stop = full[len(full) // 2: len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     if stop.strip():
         stopped = generator.generate(prompt, max_new_tokens=MAX_TOKENS, stop=[stop])
         stream = Stream(server)
         try:
-            responses, error = stream.collect(grpc_inputs(prompt, MAX_TOKENS, extra={
-                "stop_words": (np.array([[stop.encode()]], dtype=object), "BYTES")}))
+            responses, error = stream.collect(
+                grpc_inputs(
+                    prompt, MAX_TOKENS, extra={"stop_words": (np.array([[stop.encode()]], dtype=object), "BYTES")}
+                )
+            )
         finally:
             stream.close()
         assert error is None
@@ -248,8 +272,10 @@ def test_metrics_count_this_request(server, expected):
     after = metrics(server)
     stats = expected[prompt].stats
     assert after["draftsmith_draft_tokens_total"] - before["draftsmith_draft_tokens_total"] == stats.num_draft_tokens
-    assert (after["draftsmith_accepted_tokens_total"] - before["draftsmith_accepted_tokens_total"]
-            == stats.num_accepted_tokens)
+    assert (
+        after["draftsmith_accepted_tokens_total"] - before["draftsmith_accepted_tokens_total"]
+        == stats.num_accepted_tokens
+    )
     assert after["draftsmith_sequence_steps_total"] - before["draftsmith_sequence_steps_total"] == stats.num_steps
     assert after["draftsmith_target_calls_total"] - before["draftsmith_target_calls_total"] == stats.num_steps + 1
     assert after["draftsmith_emitted_tokens_total"] > before.get("draftsmith_emitted_tokens_total", 0)
@@ -261,15 +287,19 @@ def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
     import tritonclient.http as httpclient
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
-    written = write_repository(tiny_bundle, tmp_path / "written",
-                               RepoOptions(threads=1, streaming=False, max_batch_size=4, plan=False))
+
+    written = write_repository(
+        tiny_bundle, tmp_path / "written", RepoOptions(threads=1, streaming=False, max_batch_size=4, plan=False)
+    )
     moved = shutil.move(str(written), str(tmp_path / "moved"))  # relocatable: nothing points back to "written"
     server = start_server(moved, timeout=180)
     try:
         client = httpclient.InferenceServerClient(f"{server.host}:{server.http_port}")
         inputs = []
-        for name, array, dtype in (("text_input", np.array([[PROMPTS[0].encode()]], dtype=object), "BYTES"),
-                                   ("max_tokens", np.array([[MAX_TOKENS]], np.int32), "INT32")):
+        for name, array, dtype in (
+            ("text_input", np.array([[PROMPTS[0].encode()]], dtype=object), "BYTES"),
+            ("max_tokens", np.array([[MAX_TOKENS]], np.int32), "INT32"),
+        ):
             tensor = httpclient.InferInput(name, list(array.shape), dtype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
@@ -279,7 +309,8 @@ def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
         assert result.as_numpy("text_output").reshape(-1)[0].decode() == want.text
         assert int(result.as_numpy("total_draft_tokens").reshape(-1)[0]) == want.stats.num_draft_tokens
         assert float(result.as_numpy("acceptance_rate").reshape(-1)[0]) == pytest.approx(
-            want.stats.draft_acceptance_rate, abs=1e-6)
+            want.stats.draft_acceptance_rate, abs=1e-6
+        )
         assert "stream" in http_error(server, {"text_input": "hi", "max_tokens": 4, "stream": True})
     finally:
         server.stop()
@@ -287,6 +318,7 @@ def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
 
 def test_server_stops_cleanly(tiny_bundle, tmp_path):
     from triton_repo.server import ServerError, start_server
+
     with pytest.raises(ServerError, match="no model repository"):
         start_server(tmp_path / "missing")
     broken = tmp_path / "broken"
@@ -301,6 +333,7 @@ def test_server_stops_cleanly(tiny_bundle, tmp_path):
 
 def test_server_environment_is_an_allow_list(monkeypatch):
     from triton_repo.server import server_env
+
     monkeypatch.setenv("DRAFTSMITH_TEST_SECRET", "x")
     monkeypatch.setenv("HF_TOKEN", "x")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
@@ -311,10 +344,12 @@ def test_server_environment_is_an_allow_list(monkeypatch):
     assert server_env(pass_env=["HF_TOKEN"])["HF_TOKEN"] == "x"
 
 
-@pytest.mark.parametrize("spec", ["model-repository", "no-such-api:k=v", "model-repository:k", ":k=v",
-                                  "inference:k=v w"])
+@pytest.mark.parametrize(
+    "spec", ["model-repository", "no-such-api:k=v", "model-repository:k", ":k=v", "inference:k=v w"]
+)
 def test_bad_restriction_is_refused_before_starting(spec):
     from triton_repo.server import ServerError, check_restriction
+
     with pytest.raises(ServerError, match="APIS:HEADER=VALUE"):
         check_restriction(spec, "--http-restricted-api")
 
@@ -327,10 +362,24 @@ def test_serve_command_prints_endpoints_and_stops(tiny_bundle, tmp_path):
     import time
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import free_port
+
     repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=2))
     ports = [str(free_port()) for _ in range(3)]
-    command = [sys.executable, "-m", "runtime.cli", "serve", str(repo), "--http-port", ports[0], "--grpc-port",
-               ports[1], "--metrics-port", ports[2], "--http-restricted-api", "model-repository:admin-key=serve-test"]
+    command = [
+        sys.executable,
+        "-m",
+        "runtime.cli",
+        "serve",
+        str(repo),
+        "--http-port",
+        ports[0],
+        "--grpc-port",
+        ports[1],
+        "--metrics-port",
+        ports[2],
+        "--http-restricted-api",
+        "model-repository:admin-key=serve-test",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -370,6 +419,7 @@ def test_serve_command_prints_endpoints_and_stops(tiny_bundle, tmp_path):
 @pytest.mark.slow
 def test_smollm2_through_triton(smollm2_bundle, tmp_path):
     from runtime.api import SpeculativeGenerator
+
     generator = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     want = {p: generator.generate(p, max_new_tokens=32) for p in prompts}
@@ -389,8 +439,7 @@ def test_smollm2_through_triton(smollm2_bundle, tmp_path):
         assert error is None and len(responses) > 1
         assert "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in responses) == want[prompts[0]].text
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda p: http_generate(server, {"text_input": p, "max_tokens": 32}),
-                                    prompts * 2))
+            answers = list(pool.map(lambda p: http_generate(server, {"text_input": p, "max_tokens": 32}), prompts * 2))
         assert [a["text_output"] for a in answers] == [want[p].text for p in prompts * 2]
         assert "max_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 0})
         after = metrics(server)

@@ -17,12 +17,26 @@ FACTS = json.loads((Path(__file__).parent / "fixtures" / "trtllm" / "converters.
 
 
 def plan(architecture: str, quant: str = "fp16", tp: int = 1, pp: int = 1, heads: int = 8, rope: str | None = None):
-    spec = BuildSpec(target="/m/t", draft="/m/d", target_quant=quant, draft_quant=quant, k=2, max_k=4,
-                     backend="tensorrt_llm", device="cuda", tp_size=tp, pp_size=pp)
-    inputs = trtllm_plan.PlanInputs(sources={"target": "/m/t", "draft": "/m/d"},
-                               architectures={"target": architecture, "draft": architecture}, max_context=4096,
-                               examples_dir="/app/examples", heads={"target": heads, "draft": heads},
-                               rope_types={"target": rope, "draft": rope})
+    spec = BuildSpec(
+        target="/m/t",
+        draft="/m/d",
+        target_quant=quant,
+        draft_quant=quant,
+        k=2,
+        max_k=4,
+        backend="tensorrt_llm",
+        device="cuda",
+        tp_size=tp,
+        pp_size=pp,
+    )
+    inputs = trtllm_plan.PlanInputs(
+        sources={"target": "/m/t", "draft": "/m/d"},
+        architectures={"target": architecture, "draft": architecture},
+        max_context=4096,
+        examples_dir="/app/examples",
+        heads={"target": heads, "draft": heads},
+        rope_types={"target": rope, "draft": rope},
+    )
     return trtllm_plan.make_plan(spec, "engine", inputs)
 
 
@@ -80,6 +94,7 @@ def test_rope_scaling_types_are_those_the_runtime_implements():
 def test_rope_type_is_read_from_either_config_spelling():
     class Config:
         rope_scaling = {"rope_type": "llama3", "factor": 8.0}
+
     assert rope_type_of(Config()) == "llama3"
     Config.rope_scaling = {"type": "linear"}
     assert rope_type_of(Config()) == "linear"

@@ -17,14 +17,26 @@ FIXTURES = Path(__file__).parent / "fixtures" / "trtllm"
 FMHA = json.loads((FIXTURES / "paged_context_fmha.json").read_text())
 QUANTIZE = json.loads((FIXTURES / "quantize.json").read_text())
 LLM_ARGS = json.loads((FIXTURES / "llm_args.json").read_text())
-INPUTS = trtllm_plan.PlanInputs(sources={"target": "/m/t", "draft": "/m/d"},
-                           architectures={"target": "LlamaForCausalLM", "draft": "LlamaForCausalLM"},
-                           max_context=2048, examples_dir="/app/examples")
+INPUTS = trtllm_plan.PlanInputs(
+    sources={"target": "/m/t", "draft": "/m/d"},
+    architectures={"target": "LlamaForCausalLM", "draft": "LlamaForCausalLM"},
+    max_context=2048,
+    examples_dir="/app/examples",
+)
 
 
 def spec(**overrides) -> BuildSpec:
-    fields = dict(target="/m/t", draft="/m/d", target_quant="fp8", draft_quant="w4a8_awq", k=3, max_k=6,
-                  backend="tensorrt_llm", device="cuda", kv_cache_dtype="fp8")
+    fields = dict(
+        target="/m/t",
+        draft="/m/d",
+        target_quant="fp8",
+        draft_quant="w4a8_awq",
+        k=3,
+        max_k=6,
+        backend="tensorrt_llm",
+        device="cuda",
+        kv_cache_dtype="fp8",
+    )
     return BuildSpec(**{**fields, **overrides})
 
 
@@ -72,10 +84,12 @@ def test_onnxruntime_refuses_a_kv_cache_dtype():
         spec(kv_cache_dtype="int4")
 
 
-HOSTILE_KV = [({"dtype": "int4"}, "kv_cache_config.dtype: expected one of"),
-              ({"use_uvm": True}, "kv_cache_config.use_uvm: not a key a bundle may set"),
-              ({"free_gpu_memory_fraction": 3}, "kv_cache_config.free_gpu_memory_fraction: expected a number in"),
-              ({"max_tokens": -5}, "kv_cache_config.max_tokens: expected an integer >= 1")]
+HOSTILE_KV = [
+    ({"dtype": "int4"}, "kv_cache_config.dtype: expected one of"),
+    ({"use_uvm": True}, "kv_cache_config.use_uvm: not a key a bundle may set"),
+    ({"free_gpu_memory_fraction": 3}, "kv_cache_config.free_gpu_memory_fraction: expected a number in"),
+    ({"max_tokens": -5}, "kv_cache_config.max_tokens: expected an integer >= 1"),
+]
 
 
 @pytest.mark.parametrize("change,message", HOSTILE_KV)
@@ -84,11 +98,25 @@ def test_a_bundles_kv_cache_config_passes_the_allow_list_only(tiny_pair, tmp_pat
 
     from runtime.bundle import BundleError, load_manifest
     from runtime.trtllm.llmapi import llm_api_kwargs
+
     target, draft = tiny_pair
-    built = spec(target=str(target), draft=str(draft), target_quant="fp16", draft_quant="fp16", max_context=128,
-                 trtllm_flavor="llmapi")
-    trtllm.build(built, tmp_path / "b", runner=trtllm.run_step, version="1.2.1", gpus=1,
-                 examples_dir=str(tmp_path), available=lambda name: True)
+    built = spec(
+        target=str(target),
+        draft=str(draft),
+        target_quant="fp16",
+        draft_quant="fp16",
+        max_context=128,
+        trtllm_flavor="llmapi",
+    )
+    trtllm.build(
+        built,
+        tmp_path / "b",
+        runner=trtllm.run_step,
+        version="1.2.1",
+        gpus=1,
+        examples_dir=str(tmp_path),
+        available=lambda name: True,
+    )
     manifest = load_manifest(tmp_path / "b")
     good = llm_api_kwargs(tmp_path / "b", manifest)
     assert good["kv_cache_config"]["dtype"] == "fp8"
@@ -97,6 +125,7 @@ def test_a_bundles_kv_cache_config_passes_the_allow_list_only(tiny_pair, tmp_pat
     (tmp_path / "b" / "llm_api.yaml").write_text(yaml.safe_dump(data))
     import dataclasses
     import hashlib
+
     digest = hashlib.sha256((tmp_path / "b" / "llm_api.yaml").read_bytes()).hexdigest()
     forged = dataclasses.replace(manifest, files={**manifest.files, "llm_api.yaml": digest})  # hashes kept consistent
     with pytest.raises(BundleError, match="llm_api.yaml is refused") as err:
@@ -108,9 +137,29 @@ def test_cli_dry_run_takes_kv_cache_dtype(tiny_pair):
     from click.testing import CliRunner
 
     from builder.cli import main
+
     target, draft = tiny_pair
-    result = CliRunner().invoke(main, ["--target", str(target), "--draft", str(draft), "--backend", "tensorrt_llm",
-                                       "--trtllm-flavor", "engine", "--target-quant", "fp8", "--draft-quant", "fp8",
-                                       "--kv-cache-dtype", "fp8", "--max-context", "128", "--dry-run"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--backend",
+            "tensorrt_llm",
+            "--trtllm-flavor",
+            "engine",
+            "--target-quant",
+            "fp8",
+            "--draft-quant",
+            "fp8",
+            "--kv-cache-dtype",
+            "fp8",
+            "--max-context",
+            "128",
+            "--dry-run",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "--kv_cache_dtype fp8" in result.output

@@ -14,13 +14,20 @@ from triton_repo.pbtxt import ConfigError, model_config  # noqa: E402
 from triton_repo.trtllm.llmapi_layout import LlmApiLayout, llmapi_repo_files  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_trtllm"
-ENGINE = layouts.EngineLayout("/bundle/target/engine", "/bundle/draft/engine", "/bundle/tokenizer",
-                              max_batch_size=4, target_gpu_device_ids="1")
-LLM_KWARGS = {"model": "/bundle/target/hf", "tokenizer": "/bundle/tokenizer", "dtype": "float16",
-              "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "max_batch_size": 4, "max_seq_len": 2048,
-              "disable_overlap_scheduler": True,
-              "speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 8,
-                                     "speculative_model": "/bundle/draft/hf"}}
+ENGINE = layouts.EngineLayout(
+    "/bundle/target/engine", "/bundle/draft/engine", "/bundle/tokenizer", max_batch_size=4, target_gpu_device_ids="1"
+)
+LLM_KWARGS = {
+    "model": "/bundle/target/hf",
+    "tokenizer": "/bundle/tokenizer",
+    "dtype": "float16",
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "max_batch_size": 4,
+    "max_seq_len": 2048,
+    "disable_overlap_scheduler": True,
+    "speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 8, "speculative_model": "/bundle/draft/hf"},
+}
 
 
 def check_golden(files: dict[str, str], folder: str) -> None:
@@ -36,13 +43,20 @@ def check_golden(files: dict[str, str], folder: str) -> None:
 def test_engine_layout_golden_and_parses():
     files = layouts.engine_repo_files(ENGINE)
     parsed = layouts.parse_all(files)
-    assert sorted(c.name for c in parsed.values()) == ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm",
-                                                       "tensorrt_llm_bls", "tensorrt_llm_draft"]
+    assert sorted(c.name for c in parsed.values()) == [
+        "ensemble",
+        "postprocessing",
+        "preprocessing",
+        "tensorrt_llm",
+        "tensorrt_llm_bls",
+        "tensorrt_llm_draft",
+    ]
     check_golden(files, "engine")
 
 
 def test_llmapi_layout_golden_and_parses():
     import yaml
+
     files = llmapi_repo_files(LlmApiLayout(LLM_KWARGS, max_batch_size=4))
     (config,) = layouts.parse_all(files).values()
     # upstream's model.py refuses batched text_input; batching settings live in model.yaml only
@@ -50,8 +64,11 @@ def test_llmapi_layout_golden_and_parses():
     assert not config.HasField("model_transaction_policy")
     assert [g.kind for g in config.instance_group] == [config.instance_group[0].KIND_CPU]
     model = yaml.safe_load(files["tensorrt_llm/1/model.yaml"])
-    assert model["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 8,
-                                           "speculative_model_dir": "/bundle/draft/hf"}
+    assert model["speculative_config"] == {
+        "decoding_type": "DraftTarget",
+        "max_draft_len": 8,
+        "speculative_model_dir": "/bundle/draft/hf",
+    }
     assert model["triton_config"] == {"max_batch_size": 0, "decoupled": False}
     assert model["max_batch_size"] == 4 and model["disable_overlap_scheduler"] is True
     check_golden(files, "llmapi")
@@ -90,19 +107,30 @@ def make_upstream(root: Path, drop: str = "") -> Path:
     """A stand-in for upstream's inflight_batcher_llm folder: config templates carrying every ${placeholder} the
     generator fills (as strings, numbers and enum values, where upstream's templates have them), plus one more it
     must leave alone, and a 1/ folder with a model file."""
-    ints, enums = {"triton_max_batch_size", "preprocessing_instance_count", "postprocessing_instance_count",
-                   "bls_instance_count"}, {"logits_datatype"}
+    ints, enums = (
+        {
+            "triton_max_batch_size",
+            "preprocessing_instance_count",
+            "postprocessing_instance_count",
+            "bls_instance_count",
+        },
+        {"logits_datatype"},
+    )
     for name, values in layouts._template_values(layouts.EngineLayout("e", "d", "t")).items():
         if name == layouts.DRAFT:
             continue
         keys = [k for k in values if k != drop]
         lines = [f'name: "{name}"', 'backend: "python"']
         lines += [f"max_batch_size: ${{{k}}}" for k in keys if k == "triton_max_batch_size"]
-        lines += [f"instance_group {{ count: ${{{k}}} kind: KIND_CPU }}" for k in keys
-                  if k in ints and k != "triton_max_batch_size"]
+        lines += [
+            f"instance_group {{ count: ${{{k}}} kind: KIND_CPU }}"
+            for k in keys
+            if k in ints and k != "triton_max_batch_size"
+        ]
         lines += [f'output {{ name: "logits" data_type: ${{{k}}} dims: [ -1 ] }}' for k in keys if k in enums]
-        lines += [f'parameters {{ key: "{k}" value {{ string_value: "${{{k}}}" }} }}' for k in keys
-                  if k not in ints | enums] + ['parameters { key: "later" value { string_value: "${later}" } }']
+        lines += [
+            f'parameters {{ key: "{k}" value {{ string_value: "${{{k}}}" }} }}' for k in keys if k not in ints | enums
+        ] + ['parameters { key: "later" value { string_value: "${later}" } }']
         folder = root / name
         (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -113,8 +141,14 @@ def make_upstream(root: Path, drop: str = "") -> Path:
 def test_upstream_templates_are_filled_the_draft_is_the_target_renamed(tmp_path):
     files = layouts.upstream_engine_files(ENGINE, make_upstream(tmp_path / "upstream"))
     parsed = {c.name: c for c in layouts.parse_all(files).values()}
-    assert sorted(parsed) == ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm", "tensorrt_llm_bls",
-                              "tensorrt_llm_draft"]
+    assert sorted(parsed) == [
+        "ensemble",
+        "postprocessing",
+        "preprocessing",
+        "tensorrt_llm",
+        "tensorrt_llm_bls",
+        "tensorrt_llm_draft",
+    ]
     target, draft = parsed["tensorrt_llm"], parsed["tensorrt_llm_draft"]
     assert target.parameters["engine_dir"].string_value == "/bundle/target/engine"
     assert draft.parameters["engine_dir"].string_value == "/bundle/draft/engine"
@@ -145,6 +179,7 @@ def test_write_repo_replaces_only_its_own_repository(tmp_path):
 
 def test_upstream_llmapi_files_are_copied_and_our_model_yaml_replaces_theirs(tmp_path):
     import yaml
+
     source = tmp_path / "llmapi" / "tensorrt_llm"
     (source / "1").mkdir(parents=True)
     (source / "config.pbtxt").write_text('name: "tensorrt_llm"\nbackend: "python"\n')

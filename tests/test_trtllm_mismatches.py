@@ -56,7 +56,7 @@ class FakeExecutor:
         responses = []
         for i, request in enumerate(self.pending):
             draft = request.external_draft_tokens_config.tokens if request.external_draft_tokens_config else []
-            tokens = (list(draft) + [7])[:request.max_tokens] if draft else [7] * request.max_tokens
+            tokens = (list(draft) + [7])[: request.max_tokens] if draft else [7] * request.max_tokens
             result = types.SimpleNamespace(is_final=True, output_token_ids=[tokens])
             responses.append(types.SimpleNamespace(has_error=lambda: False, result=result, request_id=i))
         return responses
@@ -80,17 +80,23 @@ def install_fake_trtllm(monkeypatch):
     executor.OutputConfig = lambda **kw: types.SimpleNamespace(**kw)
     executor.ExternalDraftTokensConfig = lambda tokens: types.SimpleNamespace(tokens=list(tokens))
     package.runtime, package.bindings, bindings.executor = runtime, bindings, executor
-    for name, module in {"tensorrt_llm": package, "tensorrt_llm.runtime": runtime, "tensorrt_llm.bindings": bindings,
-                         "tensorrt_llm.bindings.executor": executor}.items():
+    for name, module in {
+        "tensorrt_llm": package,
+        "tensorrt_llm.runtime": runtime,
+        "tensorrt_llm.bindings": bindings,
+        "tensorrt_llm.bindings.executor": executor,
+    }.items():
         monkeypatch.setitem(sys.modules, name, module)
     return FakeRunner
 
 
 # --- 1. the target runs with KV-cache block reuse on ----------------------------------------------------------------
 
+
 def test_target_block_reuse_cannot_be_turned_off_anywhere(fake_trtllm, tmp_path):
     from runtime.trtllm.engine import open_generator, open_runner
     from triton_repo.trtllm import layouts
+
     facts = fixture("batch_manager.json")["draft_tokens_external_requires"]
     assert facts["kv_cache_enable_block_reuse"] is True
     with pytest.raises(ConfigError, match=facts["error"]):
@@ -103,13 +109,15 @@ def test_target_block_reuse_cannot_be_turned_off_anywhere(fake_trtllm, tmp_path)
     assert "block_reuse" not in inspect.signature(open_generator).parameters  # no way to open a target without it
     for path in GPU_CHECK:
         text = path.read_text()
-        assert "block_reuse=False" not in text and "enable_kv_cache_reuse\": False" not in text, path
+        assert "block_reuse=False" not in text and 'enable_kv_cache_reuse": False' not in text, path
 
 
 # --- 2. the speculative BLS request carries stream --------------------------------------------------------------------
 
+
 def test_speculative_bls_request_carries_stream_false():
     from triton_repo.trtllm.launch import bls_request
+
     facts = fixture("bls_decode.json")
     body = bls_request("hi", 16, num_draft_tokens=3)
     assert set(facts["required_with_num_draft_tokens"]) <= set(body)
@@ -121,8 +129,10 @@ def test_speculative_bls_request_carries_stream_false():
 
 # --- 3. engines open in orchestrator mode with device ids; Triton starts through the launcher ----------------------
 
+
 def test_runners_open_as_upstreams_draft_target_runner_does(fake_trtllm, tmp_path):
     from runtime.trtllm.engine import open_runner
+
     facts = fixture("model_runner_cpp.json")
     open_runner(tmp_path, 4, devices=[2, 3])
     kwargs = fake_trtllm.calls[-1]
@@ -133,6 +143,7 @@ def test_runners_open_as_upstreams_draft_target_runner_does(fake_trtllm, tmp_pat
 
 def test_two_tensorrt_llm_models_start_in_orchestrator_mode():
     from triton_repo.trtllm.launch import engine_launch_args, placement
+
     facts = fixture("launch_triton_server.json")
     args = engine_launch_args("/repo", placement(1))
     assert "--multi-model" in args and "--world_size=1" in args  # the draft-target guide's launch
@@ -143,8 +154,10 @@ def test_two_tensorrt_llm_models_start_in_orchestrator_mode():
 
 # --- 4. the runner's executor attribute ------------------------------------------------------------------------------
 
+
 def test_executor_session_reads_runner_executor(fake_trtllm):
     from runtime.trtllm.engine import ExecutorSession
+
     facts = fixture("model_runner_cpp.json")
     runner = FakeRunner(FakeExecutor())
     assert hasattr(runner, facts["executor_attribute"]) and not hasattr(runner, "session")
@@ -156,9 +169,11 @@ def test_executor_session_reads_runner_executor(fake_trtllm):
 
 # --- 5. container paths: both NVIDIA image layouts --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("image", ["tensorrt_llm release", "tritonserver trtllm-python-py3"])
 def test_examples_models_and_launcher_are_found_in_either_image(image, tmp_path, monkeypatch):
     from runtime.trtllm import paths as trtllm_paths
+
     for name in ("TRTLLM_EXAMPLES", "TRTLLM_TRITON_MODELS", "TRTLLM_LAUNCH_SCRIPT"):
         monkeypatch.delenv(name, raising=False)
     layout = fixture("container_layouts.json")[image]
@@ -169,6 +184,7 @@ def test_examples_models_and_launcher_are_found_in_either_image(image, tmp_path,
     for kind in ("examples", "triton_models", "launch_script"):
         assert trtllm_paths.find(kind, root=tmp_path) == layout[kind], kind
     from triton_repo.trtllm.launch import LAUNCH_SCRIPTS, launch_script
+
     assert layout["launch_script"] in LAUNCH_SCRIPTS and layout["launch_script"] in launch_script(["--model_repo=x"])
 
 
@@ -179,6 +195,7 @@ def test_no_single_image_path_is_hard_coded_in_the_gpu_check():
 
 
 # --- 6. gpu_check.sh: offline, every step with its limit, a dry run -------------------------------------------------
+
 
 def test_gpu_check_needs_no_network():
     for path in GPU_CHECK:
@@ -191,6 +208,7 @@ def test_gpu_check_needs_no_network():
 def test_gpu_check_dry_run_lists_every_step_with_its_limit_and_exits_0():
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
+
     result = subprocess.run(["bash", str(GPU_CHECK[0]), "--dry-run"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     for name, limit, _, _ in gpu_check.STEPS:
@@ -204,6 +222,7 @@ def test_gpu_check_dry_run_lists_every_step_with_its_limit_and_exits_0():
 def test_greedy_comparison_reports_the_first_divergence(monkeypatch, capsys):
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check_tasks as tasks
+
     assert tasks.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and tasks.first_divergence([1], [1]) is None
     assert tasks.first_divergence([1, 2], [1]) == 1
     rows = [types.SimpleNamespace(token_ids=ids) for ids in ([1, 2, 3], [4, 5], [6], [7])]

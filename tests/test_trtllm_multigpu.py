@@ -25,21 +25,35 @@ FIXTURES = Path(__file__).parent / "fixtures" / "trtllm"
 LAUNCH = json.loads((FIXTURES / "launch_triton_server.json").read_text())
 RUNNER = json.loads((FIXTURES / "model_runner_cpp.json").read_text())
 # SmolLM2-135M's config (FACTS.md: 30 layers, hidden 576, 9 query / 3 KV heads); the test suite's tiny pair (4 heads).
-PAIRS = {"smollm2": {"architecture": "LlamaForCausalLM", "heads": 9, "context": 8192},
-         "tiny": {"architecture": "LlamaForCausalLM", "heads": 4, "context": 256}}
+PAIRS = {
+    "smollm2": {"architecture": "LlamaForCausalLM", "heads": 9, "context": 8192},
+    "tiny": {"architecture": "LlamaForCausalLM", "heads": 4, "context": 256},
+}
 
 
 def inputs(pair: str) -> trtllm_plan.PlanInputs:
     facts = PAIRS[pair]
-    return trtllm_plan.PlanInputs(sources={"target": f"/m/{pair}", "draft": f"/m/{pair}"},
-                             architectures={"target": facts["architecture"], "draft": facts["architecture"]},
-                             max_context=facts["context"], examples_dir="/app/examples",
-                             heads={"target": facts["heads"], "draft": facts["heads"]})
+    return trtllm_plan.PlanInputs(
+        sources={"target": f"/m/{pair}", "draft": f"/m/{pair}"},
+        architectures={"target": facts["architecture"], "draft": facts["architecture"]},
+        max_context=facts["context"],
+        examples_dir="/app/examples",
+        heads={"target": facts["heads"], "draft": facts["heads"]},
+    )
 
 
 def spec(**overrides) -> BuildSpec:
-    fields = dict(target="/m/t", draft="self", target_quant="fp16", draft_quant="int8", k=3, max_k=6,
-                  backend="tensorrt_llm", device="cuda", max_context=256)
+    fields = dict(
+        target="/m/t",
+        draft="self",
+        target_quant="fp16",
+        draft_quant="int8",
+        k=3,
+        max_k=6,
+        backend="tensorrt_llm",
+        device="cuda",
+        max_context=256,
+    )
     return BuildSpec(**{**fields, **overrides})
 
 
@@ -49,8 +63,10 @@ def launch_problems(args: list[str], configs: dict, world: int) -> list[str]:
     given = {a.split("=")[0]: (a.split("=", 1)[1] if "=" in a else None) for a in args}
     problems = [f"unknown flag {flag}" for flag in given if flag not in known]
     world_size = int(given.get("--world_size") or 1)
-    params = {name: {k: v["string_value"] for k, v in configs[name]["parameters"].items()}
-              for name in ("tensorrt_llm", "tensorrt_llm_draft")}
+    params = {
+        name: {k: v["string_value"] for k, v in configs[name]["parameters"].items()}
+        for name in ("tensorrt_llm", "tensorrt_llm_draft")
+    }
     if "--multi-model" in given and "--disable-spawn-processes" not in given and world_size != 1:
         problems.append("--multi-model without --disable-spawn-processes needs --world_size 1")
     if "--disable-spawn-processes" in given:
@@ -68,6 +84,7 @@ def launch_problems(args: list[str], configs: dict, world: int) -> list[str]:
 
 
 # --- plans ------------------------------------------------------------------------------------------------------------
+
 
 def test_tiny_pair_tp2_plan_carries_tp_to_every_command():
     steps = trtllm_plan.make_plan(spec(tp_size=2), "engine", inputs("tiny"))
@@ -89,11 +106,19 @@ def test_smollm2_tp2_is_refused_with_the_tp_sizes_its_9_heads_allow():
 
 def _tp2_bundle(flavor: str, tiny_pair, factory) -> Path:
     target, draft = tiny_pair
-    built = spec(target=str(target), draft=str(draft), draft_quant="fp16", max_context=128, tp_size=2,
-                 trtllm_flavor=flavor)
+    built = spec(
+        target=str(target), draft=str(draft), draft_quant="fp16", max_context=128, tp_size=2, trtllm_flavor=flavor
+    )
     out = factory.mktemp(f"tp2-{flavor}") / "bundle"
-    trtllm.build(built, out, runner=fake_gpu_runner, version="1.2.1", gpus=2, examples_dir=str(out.parent),
-                 available=lambda name: True)
+    trtllm.build(
+        built,
+        out,
+        runner=fake_gpu_runner,
+        version="1.2.1",
+        gpus=2,
+        examples_dir=str(out.parent),
+        available=lambda name: True,
+    )
     return out
 
 
@@ -109,8 +134,11 @@ def llmapi_tp2(tiny_pair, tmp_path_factory):
 
 def engine_configs(files: dict) -> dict:
     from google.protobuf import json_format
-    return {c.name: json_format.MessageToDict(c, preserving_proto_field_name=True)
-            for c in layouts.parse_all(files).values()}
+
+    return {
+        c.name: json_format.MessageToDict(c, preserving_proto_field_name=True)
+        for c in layouts.parse_all(files).values()
+    }
 
 
 def launch_args(files: dict) -> list[str]:
@@ -144,9 +172,12 @@ def test_the_launch_checker_catches_what_upstream_refuses(engine_tp2):
     files = layouts.repo_for_bundle(engine_tp2)
     configs = engine_configs(files)
     assert launch_problems(["--model_repo=r", "--multi-model", "--world_size=2"], configs, 2) != []
-    assert launch_problems(["--model_repo=r", "--multi-model", "--disable-spawn-processes", "--world_size=5"],
-                           configs, 2) == ["participant IDs missing with spawning disabled",
-                                           "ranks [] do not fill world_size 5 after the orchestrator's rank 0"]
+    assert launch_problems(
+        ["--model_repo=r", "--multi-model", "--disable-spawn-processes", "--world_size=5"], configs, 2
+    ) == [
+        "participant IDs missing with spawning disabled",
+        "ranks [] do not fill world_size 5 after the orchestrator's rank 0",
+    ]
     assert launch_problems(["--model_repo=r", "--multi-model", "--world_size=1"], configs, 4) != []
 
 
@@ -156,8 +187,12 @@ def test_tp2_llmapi_repository_and_launch(llmapi_tp2):
     files = layouts.repo_for_bundle(llmapi_tp2)
     model = yaml.safe_load(files["tensorrt_llm/1/model.yaml"])
     assert model["tensor_parallel_size"] == 2 and model["kv_cache_config"]["enable_block_reuse"] is True
-    assert launch_args(files) == ["--model_repo=$REPO", "--http_port=8000", "--grpc_port=8001",
-                                  "--metrics_port=8002"]  # one rank: the LLM starts its own TP workers
+    assert launch_args(files) == [
+        "--model_repo=$REPO",
+        "--http_port=8000",
+        "--grpc_port=8001",
+        "--metrics_port=8002",
+    ]  # one rank: the LLM starts its own TP workers
     across = launch_args(layouts.repo_for_bundle(llmapi_tp2, num_nodes=2))
     assert "--world_size=2" in across and "--trtllm_llmapi_launch" in across  # one MPI process per model rank
     assert {a.split("=")[0] for a in across} <= set(LAUNCH["flags_with_value"]) | set(LAUNCH["flags_switch"])
@@ -181,11 +216,14 @@ def test_device_lists_are_validated():
 
 # --- the in-process runtime ----------------------------------------------------------------------------------------
 
+
 def test_tp2_engine_bundle_opens_both_runners_on_their_devices(engine_tp2, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_trtllm_mismatches import FakeRunner, install_fake_trtllm
+
     install_fake_trtllm(monkeypatch)
     from runtime.trtllm.engine import open_generator
+
     open_generator(engine_tp2, target_devices=[0, 1], draft_devices=[2, 3])
     devices = {Path(c["engine_dir"]).parent.name: c["device_ids"] for c in FakeRunner.calls}
     assert devices == {"target": [0, 1], "draft": [2, 3]}
@@ -199,18 +237,25 @@ def test_tp2_engine_bundle_opens_both_runners_on_their_devices(engine_tp2, monke
 def test_launch_sh_runs_the_launcher_it_finds_with_the_repository_path(engine_tp2, tmp_path):
     import shutil
     import subprocess
+
     if shutil.which("python3") is None:
         pytest.skip("launch.sh runs python3")
     repo = layouts.write_trtllm_repository(engine_tp2, tmp_path / "repo with space")
     fake = tmp_path / "launch_triton_server.py"
     fake.write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    result = subprocess.run(["bash", str(repo / "launch.sh"), "--log"], capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "TRTLLM_LAUNCH_SCRIPT": str(fake)})
+    result = subprocess.run(
+        ["bash", str(repo / "launch.sh"), "--log"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "TRTLLM_LAUNCH_SCRIPT": str(fake)},
+    )
     assert result.returncode == 0, result.stderr
     args = json.loads(result.stdout)
     assert args[0] == f"--model_repo={repo.resolve()}" and args[1:3] == ["--multi-model", "--world_size=1"]
     assert args[-1] == "--log"  # extra arguments pass through
     if not any(Path(path).exists() for path in launch.LAUNCH_SCRIPTS):  # outside NVIDIA's images
-        missing = subprocess.run(["bash", str(repo / "launch.sh")], capture_output=True, text=True, timeout=60,
-                                 env={"PATH": "/usr/bin:/bin"})
+        missing = subprocess.run(
+            ["bash", str(repo / "launch.sh")], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}
+        )
         assert missing.returncode == 2 and "launch_triton_server.py not found" in missing.stderr

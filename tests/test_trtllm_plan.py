@@ -15,15 +15,26 @@ from builder.trtllm import plan as trtllm_plan
 from runtime.bundle import BuildSpec, SpecError, load_manifest
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm"
-INPUTS = trtllm_plan.PlanInputs(sources={"target": "/models/target", "draft": "/models/draft"},
-                           architectures={"target": "LlamaForCausalLM", "draft": "LlamaForCausalLM"},
-                           max_context=2048, examples_dir="/opt/TensorRT-LLM/examples")
+INPUTS = trtllm_plan.PlanInputs(
+    sources={"target": "/models/target", "draft": "/models/draft"},
+    architectures={"target": "LlamaForCausalLM", "draft": "LlamaForCausalLM"},
+    max_context=2048,
+    examples_dir="/opt/TensorRT-LLM/examples",
+)
 CASES = [(flavor, quant) for flavor in trtllm_plan.FLAVORS for quant in trtllm_plan.FLAVOR_QUANTS[flavor]]
 
 
 def trt_spec(**overrides) -> BuildSpec:
-    fields = dict(target="/models/target", draft="/models/draft", target_quant="fp16", draft_quant="int4_awq", k=4,
-                  max_k=8, backend="tensorrt_llm", device="cuda")
+    fields = dict(
+        target="/models/target",
+        draft="/models/draft",
+        target_quant="fp16",
+        draft_quant="int4_awq",
+        k=4,
+        max_k=8,
+        backend="tensorrt_llm",
+        device="cuda",
+    )
     return BuildSpec(**{**fields, **overrides})
 
 
@@ -93,13 +104,17 @@ def test_llmapi_plan_records_draft_target_config():
     steps = trtllm_plan.make_plan(trt_spec(k=2, max_k=6), "llmapi", INPUTS)
     llm = steps[-1]
     assert llm.call == "tensorrt_llm.LLM"
-    assert llm.kwargs["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 6,
-                                                "speculative_model": "draft/hf"}
+    assert llm.kwargs["speculative_config"] == {
+        "decoding_type": "DraftTarget",
+        "max_draft_len": 6,
+        "speculative_model": "draft/hf",
+    }
     assert llm.kwargs["disable_overlap_scheduler"] is True
     assert [s.kwargs.get("quant_cfg") for s in steps[:2]] == ["INT4_AWQ_CFG", None]  # draft int4_awq, target fp16
 
 
 # --- validation ------------------------------------------------------------------------------------------------------
+
 
 def test_k_above_max_draft_len_is_refused():
     with pytest.raises(SpecError, match=r"max_k: expected an integer >= k \(9\), received 8"):
@@ -108,8 +123,9 @@ def test_k_above_max_draft_len_is_refused():
 
 @pytest.mark.parametrize("quant", ["int8", "int4", "int8_sq"])
 def test_quant_unsupported_by_llmapi_flavor(quant):
-    with pytest.raises(SpecError, match=f"draft_quant: expected one of .* for TensorRT-LLM flavor 'llmapi', "
-                                        f"received '{quant}'"):
+    with pytest.raises(
+        SpecError, match=f"draft_quant: expected one of .* for TensorRT-LLM flavor 'llmapi', received '{quant}'"
+    ):
         trtllm_plan.make_plan(trt_spec(draft_quant=quant), "llmapi", INPUTS)
 
 
@@ -141,14 +157,24 @@ def test_truncated_self_draft_is_onnx_only():
         trtllm_plan.make_plan(trt_spec(draft="self:layers=1"), "engine", INPUTS)
 
 
-@pytest.mark.parametrize("version,flavor", [("0.21.0", "engine"), ("1.2.1", "engine"), ("1.3.0rc20", "engine"),
-                                            ("1.3.0rc21", "llmapi"), ("1.4.0rc4", "llmapi"), (None, "llmapi")])
+@pytest.mark.parametrize(
+    "version,flavor",
+    [
+        ("0.21.0", "engine"),
+        ("1.2.1", "engine"),
+        ("1.3.0rc20", "engine"),
+        ("1.3.0rc21", "llmapi"),
+        ("1.4.0rc4", "llmapi"),
+        (None, "llmapi"),
+    ],
+)
 def test_flavor_follows_the_installed_version(version, flavor):
     assert trtllm.resolve_flavor(trt_spec(), version) == flavor
     assert trtllm.resolve_flavor(trt_spec(trtllm_flavor="engine"), version) == "engine"  # asked for wins
 
 
 # --- fail fast -------------------------------------------------------------------------------------------------------
+
 
 def test_real_build_without_gpu_or_tensorrt_llm_fails_fast(tmp_path):
     # The checkpoint does not exist: the preflight must fail before anything looks at it.
@@ -170,8 +196,14 @@ def test_engine_flavor_on_a_release_without_trtllm_build_fails_fast(tmp_path):
 def test_missing_tools_are_all_named_at_once(tmp_path):
     spec = trt_spec(target=str(tmp_path / "missing"), trtllm_flavor="engine")
     with pytest.raises(trtllm.TrtllmError) as err:
-        trtllm.build(spec, tmp_path / "b", version="1.2.1", gpus=1, examples_dir=str(tmp_path / "none"),
-                     available=lambda name: False)
+        trtllm.build(
+            spec,
+            tmp_path / "b",
+            version="1.2.1",
+            gpus=1,
+            examples_dir=str(tmp_path / "none"),
+            available=lambda name: False,
+        )
     assert "trtllm-build is not on PATH" in str(err.value) and "set TRTLLM_EXAMPLES=" in str(err.value)
 
 
@@ -184,16 +216,36 @@ def test_more_parallel_ranks_than_gpus_fails_fast(tmp_path):
 # --- the pipeline, with the GPU steps replaced -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flavor,quants", [("engine", ("int8", "int4")), ("engine", ("fp8", "int4_awq")),
-                                           ("llmapi", ("fp16", "fp16")),
-                                           ("llmapi", ("fp8", "int4_awq"))])
+@pytest.mark.parametrize(
+    "flavor,quants",
+    [
+        ("engine", ("int8", "int4")),
+        ("engine", ("fp8", "int4_awq")),
+        ("llmapi", ("fp16", "fp16")),
+        ("llmapi", ("fp8", "int4_awq")),
+    ],
+)
 def test_build_writes_a_verified_bundle_with_the_plan(tiny_pair, tmp_path, flavor, quants):
     target, draft = tiny_pair
-    spec = trt_spec(target=str(target), draft=str(draft), target_quant=quants[0], draft_quant=quants[1],
-                    max_context=128, trtllm_flavor=flavor)
+    spec = trt_spec(
+        target=str(target),
+        draft=str(draft),
+        target_quant=quants[0],
+        draft_quant=quants[1],
+        max_context=128,
+        trtllm_flavor=flavor,
+    )
     stages = []
-    manifest = trtllm.build(spec, tmp_path / "bundle", runner=fake_gpu_runner, version="1.2.1", gpus=1,
-                            examples_dir=str(tmp_path), on_stage=stages.append, available=lambda name: True)
+    manifest = trtllm.build(
+        spec,
+        tmp_path / "bundle",
+        runner=fake_gpu_runner,
+        version="1.2.1",
+        gpus=1,
+        examples_dir=str(tmp_path),
+        on_stage=stages.append,
+        available=lambda name: True,
+    )
     loaded = load_manifest(tmp_path / "bundle")  # every file hashed and verified
     assert loaded == manifest
     assert loaded.spec.backend == "tensorrt_llm" and loaded.spec.trtllm_flavor == flavor
@@ -203,6 +255,7 @@ def test_build_writes_a_verified_bundle_with_the_plan(tiny_pair, tmp_path, flavo
     assert not (tmp_path / "bundle" / "_work").exists()
     if flavor == "llmapi":
         import yaml
+
         kwargs = yaml.safe_load((tmp_path / "bundle" / "llm_api.yaml").read_text())
         assert kwargs["speculative_config"]["max_draft_len"] == 8
     if quants == ("fp16", "fp16"):  # really copied on CPU
@@ -211,22 +264,48 @@ def test_build_writes_a_verified_bundle_with_the_plan(tiny_pair, tmp_path, flavo
 
 def test_build_applies_the_onnx_pair_checks(tiny_pair, tmp_path):
     from builder.pairing import PairingError
+
     target, draft = tiny_pair
     spec = trt_spec(target=str(target), draft=str(draft), max_context=100_000, trtllm_flavor="engine")
     with pytest.raises(PairingError, match="exceeds the pair's usable maximum"):
-        trtllm.build(spec, tmp_path / "b", runner=fake_gpu_runner, version="1.2.1", gpus=1,
-                     examples_dir=str(tmp_path), available=lambda name: True)
+        trtllm.build(
+            spec,
+            tmp_path / "b",
+            runner=fake_gpu_runner,
+            version="1.2.1",
+            gpus=1,
+            examples_dir=str(tmp_path),
+            available=lambda name: True,
+        )
 
 
 def test_cli_dry_run_prints_the_plan(tiny_pair, monkeypatch):
     from click.testing import CliRunner
 
     from builder.cli import main
+
     target, draft = tiny_pair
     monkeypatch.setenv("TRTLLM_EXAMPLES", "/opt/TensorRT-LLM/examples")
-    result = CliRunner().invoke(main, ["--target", str(target), "--draft", str(draft), "--backend", "tensorrt_llm",
-                                       "--trtllm-flavor", "engine", "--draft-quant", "int4", "--k", "3",
-                                       "--max-context", "128", "--dry-run"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--backend",
+            "tensorrt_llm",
+            "--trtllm-flavor",
+            "engine",
+            "--draft-quant",
+            "int4",
+            "--k",
+            "3",
+            "--max-context",
+            "128",
+            "--dry-run",
+        ],
+    )
     assert result.exit_code == 0, result.output
     text = result.output.replace(str(target), "TARGET").replace(str(draft), "DRAFT")
     check_golden("cli-dry-run-engine.txt", text)
@@ -236,8 +315,21 @@ def test_cli_dry_run_reports_validation_errors(tiny_pair):
     from click.testing import CliRunner
 
     from builder.cli import main
+
     target, _ = tiny_pair
-    result = CliRunner().invoke(main, ["--target", str(target), "--backend", "tensorrt_llm", "--trtllm-flavor",
-                                       "llmapi", "--target-quant", "int8_sq", "--dry-run"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "--target",
+            str(target),
+            "--backend",
+            "tensorrt_llm",
+            "--trtllm-flavor",
+            "llmapi",
+            "--target-quant",
+            "int8_sq",
+            "--dry-run",
+        ],
+    )
     assert result.exit_code != 0
     assert "target_quant: expected one of" in result.output and "'llmapi'" in result.output

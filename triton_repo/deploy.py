@@ -111,45 +111,70 @@ class DeployOptions:
         for name, allowed in (("server", SERVERS), ("bundle_source", BUNDLE_SOURCES), ("autoscale", AUTOSCALERS)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}: expected one of {allowed}, received {getattr(self, name)!r}")
-        for name in ("replicas", "threads", "max_batch", "max_queue", "min_replicas", "max_replicas",
-                     "queue_per_replica"):
+        for name in (
+            "replicas",
+            "threads",
+            "max_batch",
+            "max_queue",
+            "min_replicas",
+            "max_replicas",
+            "queue_per_replica",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{name}: expected an integer >= 1, received {value!r}")
         if not problems and self.max_replicas < self.min_replicas:
-            problems.append(f"max_replicas: expected >= min_replicas ({self.min_replicas}), received "
-                            f"{self.max_replicas}")
+            problems.append(
+                f"max_replicas: expected >= min_replicas ({self.min_replicas}), received {self.max_replicas}"
+            )
         if not 1 <= self.cpu_utilization <= 100:
             problems.append(f"cpu_utilization: expected a percentage in [1, 100], received {self.cpu_utilization!r}")
         if not self.drain_linger >= 0:
             problems.append(f"drain_linger: expected seconds >= 0, received {self.drain_linger!r}")
         if self.bundle_source == "image" and not self.bundle_image:
-            problems.append("bundle_image: --bundle-source image needs --bundle-image (an image holding the bundle "
-                            "at /bundle)")
+            problems.append(
+                "bundle_image: --bundle-source image needs --bundle-image (an image holding the bundle at /bundle)"
+            )
         if not _dns_label(self.name):
-            problems.append(f"name: expected a DNS label (lower-case letters, digits, '-'; at most 40), received "
-                            f"{self.name!r}")
+            problems.append(
+                f"name: expected a DNS label (lower-case letters, digits, '-'; at most 40), received {self.name!r}"
+            )
         if problems:
             raise DeployError("; ".join(problems))
 
 
 def _dns_label(name: str) -> bool:
-    return (isinstance(name, str) and 0 < len(name) <= 40 and name[0].isalpha() and name[-1].isalnum()
-            and all(c.islower() or c.isdigit() or c == "-" for c in name))
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 40
+        and name[0].isalpha()
+        and name[-1].isalnum()
+        and all(c.islower() or c.isdigit() or c == "-" for c in name)
+    )
 
 
 # --- measurement ---------------------------------------------------------------------------------------------------
 
-def measure(bundle: str | os.PathLike, threads: int, max_batch: int, policy: str = "exact",
-            timeout: float = 600.0) -> Measured:
+
+def measure(
+    bundle: str | os.PathLike, threads: int, max_batch: int, policy: str = "exact", timeout: float = 600.0
+) -> Measured:
     """Load ``bundle`` in a child process as the OpenAI server does (generator and scheduler), run one request, and
     report the load time, the peak RSS and the decode speed. ONNX Runtime bundles only."""
-    command = [sys.executable, "-c", "import sys, json; from triton_repo.deploy import _measure_here; "
-               "print(json.dumps(_measure_here(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))",
-               str(bundle), str(threads), str(max_batch), policy]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys, json; from triton_repo.deploy import _measure_here; "
+        "print(json.dumps(_measure_here(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))",
+        str(bundle),
+        str(threads),
+        str(max_batch),
+        policy,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).resolve().parents[1]
+    )
     if done.returncode != 0:
         raise DeployError(f"measuring {bundle} failed:\n{done.stderr[-2000:]}")
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -159,29 +184,39 @@ def measure(bundle: str | os.PathLike, threads: int, max_batch: int, policy: str
 def _measure_here(bundle: str, threads: int, max_batch: int, policy: str) -> dict:
     """The child's side of ``measure``."""
     import time
+
     start = time.perf_counter()
     from runtime.api import SpeculativeGenerator
     from runtime.metrics import peak_rss_bytes
     from runtime.serving.scheduler import Scheduler
+
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     scheduler = Scheduler(generator, max_batch=max_batch, policy=policy).start()
     load_s = time.perf_counter() - start
     scheduler.stop()
     generator.generate("The quick brown fox", max_new_tokens=4)  # warm-up
     result = generator.generate("The quick brown fox", max_new_tokens=32)
-    return {"load_s": round(load_s, 2), "rss_mib": round(peak_rss_bytes() / 2**20, 1),
-            "tokens_per_s": round(result.stats.tokens_per_second, 1)}
+    return {
+        "load_s": round(load_s, 2),
+        "rss_mib": round(peak_rss_bytes() / 2**20, 1),
+        "tokens_per_s": round(result.stats.tokens_per_second, 1),
+    }
 
 
 def estimate_trtllm(bundle: Path, manifest: Manifest) -> Measured:
     """Figures for a tensorrt_llm bundle, which cannot be loaded here: conservative guesses from its size."""
     size_mib = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 2**20
-    return Measured(load_s=120 + size_mib / 200, rss_mib=4096 + size_mib, tokens_per_s=20.0,
-                    how="estimated: 120 s + 1 s per 200 MiB to load, 4 GiB + the bundle's size of host memory, "
-                        "20 tokens/s per request (pass --load-seconds, --memory-mib, --tokens-per-second)")
+    return Measured(
+        load_s=120 + size_mib / 200,
+        rss_mib=4096 + size_mib,
+        tokens_per_s=20.0,
+        how="estimated: 120 s + 1 s per 200 MiB to load, 4 GiB + the bundle's size of host memory, "
+        "20 tokens/s per request (pass --load-seconds, --memory-mib, --tokens-per-second)",
+    )
 
 
 # --- sizing -------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Sizing:
@@ -212,8 +247,10 @@ def max_tokens_allowed(manifest: Manifest, server: str) -> int:
     """The largest max_tokens a request may ask of each server with its default limits."""
     if server == "openai":
         from runtime.serving.openai_protocol import Limits
+
         return Limits.for_context(manifest.max_context).max_tokens_limit
     from triton_repo.generate import RepoOptions, request_limits
+
     return request_limits(RepoOptions(), manifest)["max_tokens_limit"]
 
 
@@ -225,12 +262,21 @@ def size(manifest: Manifest, measured: Measured, options: DeployOptions) -> Sizi
     memory = math.ceil((measured.rss_mib + kv_cache_mib(manifest, options.max_batch)) * 1.2 + 128)
     startup = math.ceil((3 * measured.load_s + 30) / STARTUP_PERIOD_S)
     gpus = manifest.spec.tp_size * manifest.spec.pp_size if manifest.spec.backend == "tensorrt_llm" else 0
-    return Sizing(max_tokens=max_tokens, drain_timeout_s=drain, grace_s=drain + PROCESS_STOP_S,
-                  startup_failures=startup, cpu_request_m=cpu, cpu_limit_m=cpu + 1000, memory_request_mib=memory,
-                  memory_limit_mib=math.ceil(memory * 1.5), gpus=gpus)
+    return Sizing(
+        max_tokens=max_tokens,
+        drain_timeout_s=drain,
+        grace_s=drain + PROCESS_STOP_S,
+        startup_failures=startup,
+        cpu_request_m=cpu,
+        cpu_limit_m=cpu + 1000,
+        memory_request_mib=memory,
+        memory_limit_mib=math.ceil(memory * 1.5),
+        gpus=gpus,
+    )
 
 
 # --- commands -----------------------------------------------------------------------------------------------------
+
 
 def trtllm_launch_command(manifest: Manifest, repo: str, exit_timeout_s: int) -> tuple[list[str], dict[str, str]]:
     """(command, environment) starting tritonserver on a tensorrt_llm repository, as PID 1 of a container.
@@ -242,26 +288,59 @@ def trtllm_launch_command(manifest: Manifest, repo: str, exit_timeout_s: int) ->
     the pod's GPUs) with the memory-pool flags it adds on Triton >= 24.06. LLM-API flavor: one rank; the LLM API
     starts its own tp x pp workers.
     """
-    command = ["mpirun", "--allow-run-as-root", "-n", "1", TRITONSERVER, f"--model-repository={repo}",
-               f"--exit-timeout-secs={exit_timeout_s}", f"--grpc-port={GRPC_PORT}", f"--http-port={HTTP_PORT}",
-               f"--metrics-port={METRICS_PORT}"]
+    command = [
+        "mpirun",
+        "--allow-run-as-root",
+        "-n",
+        "1",
+        TRITONSERVER,
+        f"--model-repository={repo}",
+        f"--exit-timeout-secs={exit_timeout_s}",
+        f"--grpc-port={GRPC_PORT}",
+        f"--http-port={HTTP_PORT}",
+        f"--metrics-port={METRICS_PORT}",
+    ]
     env = {}
     if manifest.spec.trtllm_flavor != "llmapi":
         gpus = manifest.spec.tp_size * manifest.spec.pp_size
-        command += ["--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
-                    *[f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(gpus)]]
+        command += [
+            "--pinned-memory-pool-byte-size=0",
+            "--enable-peer-access=false",
+            *[f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(gpus)],
+        ]
         env = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
     command += ["--disable-auto-complete-config", "--backend-config=python,shm-region-prefix-name=prefix0_"]
     return command, env
 
 
 def openai_command(options: DeployOptions, sizing: Sizing) -> list[str]:
-    command = ["draftsmith", "serve-openai", BUNDLE_PATH, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-               "--threads", str(options.threads), "--max-batch", str(options.max_batch),
-               "--max-queue", str(options.max_queue), "--policy", options.policy, "--model-name", options.name,
-               "--drain-timeout", str(sizing.drain_timeout_s), "--drain-linger", str(options.drain_linger),
-               "--request-timeout", str(sizing.drain_timeout_s - options.drain_linger),  # no request outlives a drain
-               "--health-port", str(HEALTH_PORT)]
+    command = [
+        "draftsmith",
+        "serve-openai",
+        BUNDLE_PATH,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--threads",
+        str(options.threads),
+        "--max-batch",
+        str(options.max_batch),
+        "--max-queue",
+        str(options.max_queue),
+        "--policy",
+        options.policy,
+        "--model-name",
+        options.name,
+        "--drain-timeout",
+        str(sizing.drain_timeout_s),
+        "--drain-linger",
+        str(options.drain_linger),
+        "--request-timeout",
+        str(sizing.drain_timeout_s - options.drain_linger),  # no request outlives a drain
+        "--health-port",
+        str(HEALTH_PORT),
+    ]
     if options.api_key_secret:
         command += ["--api-key-file", f"{API_KEY_DIR}/DRAFTSMITH_API_KEY"]
     return command
@@ -269,9 +348,15 @@ def openai_command(options: DeployOptions, sizing: Sizing) -> list[str]:
 
 def trtllm_repo_command(options: DeployOptions) -> list[str]:
     """The tensorrt_llm repository (triton_repo/trtllm/layouts.py), engine paths as the pod sees the bundle."""
-    return ["python3", "-c", "import sys; from triton_repo.trtllm.layouts import write_trtllm_repository as w; "
-            "w(sys.argv[1], sys.argv[2], upstream_models=sys.argv[3] or None)",
-            BUNDLE_PATH, f"{WORK_PATH}/repo", options.upstream_models]
+    return [
+        "python3",
+        "-c",
+        "import sys; from triton_repo.trtllm.layouts import write_trtllm_repository as w; "
+        "w(sys.argv[1], sys.argv[2], upstream_models=sys.argv[3] or None)",
+        BUNDLE_PATH,
+        f"{WORK_PATH}/repo",
+        options.upstream_models,
+    ]
 
 
 def check_server(manifest: Manifest, options: DeployOptions) -> None:
@@ -286,18 +371,21 @@ def check_server(manifest: Manifest, options: DeployOptions) -> None:
             "(CVE-2025-23310, CVE-2025-23311; the Python backend's CVE-2025-23319/23320/23334), fixed only in 2.59.1 "
             "(NGC 25.07), and a pod would put it on the cluster network. Deploy the same bundle with --server openai "
             "(draftsmith serve-openai: the same scheduler, with an API key); keep draftsmith serve (Triton) on "
-            "127.0.0.1 for development (docs/operations.md, \"Security\").")
+            '127.0.0.1 for development (docs/operations.md, "Security").'
+        )
     tag = NGC_TRITON_TAG.fullmatch(options.triton_image)
     if tag and (int(tag[1]), int(tag[2])) < FIRST_FIXED_TRITON:
-        raise DeployError(f"--triton-image {options.triton_image}: Triton releases before 25.07 have unauthenticated "
-                          "crash/RCE CVEs (NVIDIA's August 2025 bulletin: CVE-2025-23310 and others); use 25.07 or "
-                          "later, built with the bundle's TensorRT-LLM")
+        raise DeployError(
+            f"--triton-image {options.triton_image}: Triton releases before 25.07 have unauthenticated "
+            "crash/RCE CVEs (NVIDIA's August 2025 bulletin: CVE-2025-23310 and others); use 25.07 or "
+            "later, built with the bundle's TensorRT-LLM"
+        )
 
 
 # --- manifests ----------------------------------------------------------------------------------------------------
 
-def manifests(bundle: str | os.PathLike, options: DeployOptions, measured: Measured | None = None
-              ) -> dict[str, dict]:
+
+def manifests(bundle: str | os.PathLike, options: DeployOptions, measured: Measured | None = None) -> dict[str, dict]:
     """File name -> Kubernetes object, for ``bundle``; ``measured``: None measures it (``measure``, or
     ``estimate_trtllm`` for a tensorrt_llm bundle)."""
     root = Path(bundle)
@@ -308,58 +396,103 @@ def manifests(bundle: str | os.PathLike, options: DeployOptions, measured: Measu
     check_server(manifest, options)  # before measuring, which loads the bundle
     trtllm = manifest.spec.backend == "tensorrt_llm"
     if measured is None:
-        measured = estimate_trtllm(root, manifest) if trtllm else measure(root, options.threads, options.max_batch,
-                                                                          options.policy)
+        measured = (
+            estimate_trtllm(root, manifest)
+            if trtllm
+            else measure(root, options.threads, options.max_batch, options.policy)
+        )
     sizing = size(manifest, measured, options)
     labels = {"app.kubernetes.io/name": "draftsmith", "app.kubernetes.io/instance": options.name}
-    files = {"deployment.yaml": deployment(manifest, options, sizing, measured, labels),
-             "service.yaml": service(options, labels),
-             "pdb.yaml": {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-                          "metadata": {"name": options.name, "labels": labels},
-                          "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}},
-             "hpa-cpu.yaml": autoscaler(options, labels, _cpu_metric(options)),
-             "hpa-queue.yaml": autoscaler(options, labels, _queue_metric(options, trtllm)),
-             "networkpolicy.yaml": network_policy(options, labels)}
+    files = {
+        "deployment.yaml": deployment(manifest, options, sizing, measured, labels),
+        "service.yaml": service(options, labels),
+        "pdb.yaml": {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": options.name, "labels": labels},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}},
+        },
+        "hpa-cpu.yaml": autoscaler(options, labels, _cpu_metric(options)),
+        "hpa-queue.yaml": autoscaler(options, labels, _queue_metric(options, trtllm)),
+        "networkpolicy.yaml": network_policy(options, labels),
+    }
     return files
 
 
 def deployment(manifest: Manifest, options: DeployOptions, sizing: Sizing, measured: Measured, labels: dict) -> dict:
     trtllm = manifest.spec.backend == "tensorrt_llm"
-    bundle_volume = ({"name": "bundle", "persistentVolumeClaim": {"claimName": options.bundle_pvc, "readOnly": True}}
-                     if options.bundle_source == "pvc" else {"name": "bundle", "emptyDir": {}})
+    bundle_volume = (
+        {"name": "bundle", "persistentVolumeClaim": {"claimName": options.bundle_pvc, "readOnly": True}}
+        if options.bundle_source == "pvc"
+        else {"name": "bundle", "emptyDir": {}}
+    )
     volumes = [bundle_volume, {"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     init = []
     if options.bundle_source == "image":
-        init.append(_container("copy-bundle", options.bundle_image, ["cp", "-R", f"{BUNDLE_PATH}/.", "/mnt/bundle/"],
-                               [{"name": "bundle", "mountPath": "/mnt/bundle"}], _small_resources()))
-    mounts = [{"name": "bundle", "mountPath": BUNDLE_PATH, "readOnly": True},
-              {"name": "work", "mountPath": WORK_PATH}, {"name": "tmp", "mountPath": "/tmp"}]
+        init.append(
+            _container(
+                "copy-bundle",
+                options.bundle_image,
+                ["cp", "-R", f"{BUNDLE_PATH}/.", "/mnt/bundle/"],
+                [{"name": "bundle", "mountPath": "/mnt/bundle"}],
+                _small_resources(),
+            )
+        )
+    mounts = [
+        {"name": "bundle", "mountPath": BUNDLE_PATH, "readOnly": True},
+        {"name": "work", "mountPath": WORK_PATH},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
     if options.server == "triton":
-        init.append(_container("triton-repo", options.image, trtllm_repo_command(options), mounts,
-                               _small_resources()))
+        init.append(_container("triton-repo", options.image, trtllm_repo_command(options), mounts, _small_resources()))
     server = server_container(manifest, options, sizing, mounts)
     if options.api_key_secret:  # a file in a Secret's volume: not in the environment, which /proc and logs show
-        volumes.append({"name": "api-key", "secret": {"secretName": options.api_key_secret, "defaultMode": 0o440,
-                                                      "items": [{"key": "DRAFTSMITH_API_KEY",
-                                                                 "path": "DRAFTSMITH_API_KEY"}]}})
+        volumes.append(
+            {
+                "name": "api-key",
+                "secret": {
+                    "secretName": options.api_key_secret,
+                    "defaultMode": 0o440,
+                    "items": [{"key": "DRAFTSMITH_API_KEY", "path": "DRAFTSMITH_API_KEY"}],
+                },
+            }
+        )
         server["volumeMounts"] = mounts + [{"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}]
     # Pod Security "restricted" for every pod; NVIDIA's Triton image runs as any user (mpirun's
     # --allow-run-as-root is then moot). No service-account token: the server never calls the Kubernetes API.
-    pod = {"terminationGracePeriodSeconds": sizing.grace_s, "automountServiceAccountToken": False,
-           "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
-                               "seccompProfile": {"type": "RuntimeDefault"}},
-           "initContainers": init, "containers": [server], "volumes": volumes}
+    pod = {
+        "terminationGracePeriodSeconds": sizing.grace_s,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "fsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "initContainers": init,
+        "containers": [server],
+        "volumes": volumes,
+    }
     if trtllm:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     if not init:
         del pod["initContainers"]
-    annotations = {"draftsmith/bundle-backend": manifest.spec.backend,
-                   "draftsmith/sizing": json.dumps({**asdict(sizing), **asdict(measured)}, sort_keys=True)}
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": options.name, "labels": labels, "annotations": annotations},
-            "spec": {"replicas": options.replicas, "selector": {"matchLabels": labels},
-                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-                     "template": {"metadata": {"labels": labels}, "spec": pod}}}
+    annotations = {
+        "draftsmith/bundle-backend": manifest.spec.backend,
+        "draftsmith/sizing": json.dumps({**asdict(sizing), **asdict(measured)}, sort_keys=True),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": options.name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "replicas": options.replicas,
+            "selector": {"matchLabels": labels},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
 
 
 def server_container(manifest: Manifest, options: DeployOptions, sizing: Sizing, mounts: list[dict]) -> dict:
@@ -371,11 +504,13 @@ def server_container(manifest: Manifest, options: DeployOptions, sizing: Sizing,
         env.update(launch_env)
     else:
         command = openai_command(options, sizing)
-    server = _container("server", options.triton_image if triton else options.image, command, mounts,
-                        _resources(sizing))
+    server = _container(
+        "server", options.triton_image if triton else options.image, command, mounts, _resources(sizing)
+    )
     server["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    server["ports"] = [{"name": name, "containerPort": port, "protocol": "TCP"}
-                       for name, port in serving_ports(options)]
+    server["ports"] = [
+        {"name": name, "containerPort": port, "protocol": "TCP"} for name, port in serving_ports(options)
+    ]
     ready, live = ("/v2/health/ready", "/v2/health/live") if triton else ("/health", "/health/live")
     # the OpenAI server answers its probes on a port of their own (not in the Service: the kubelet calls it)
     port = "http" if triton else "health"
@@ -402,16 +537,32 @@ def network_policy(options: DeployOptions, labels: dict) -> dict:
     nothing; kubelet probes come from the node, which policies do not govern). Add the namespace of your ingress
     controller or Prometheus to ``from`` if they live elsewhere (docs/operations.md)."""
     ports = [{"protocol": "TCP", "port": name} for name, _ in serving_ports(options)]
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": {"name": options.name, "labels": labels},
-            "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress", "Egress"],
-                     "ingress": [{"from": [{"podSelector": {}}], "ports": ports}], "egress": []}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": options.name, "labels": labels},
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"podSelector": {}}], "ports": ports}],
+            "egress": [],
+        },
+    }
 
 
 def _container(name: str, image: str, command: list[str], mounts: list[dict], resources: dict) -> dict:
-    return {"name": name, "image": image, "command": command, "volumeMounts": mounts, "resources": resources,
-            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                "capabilities": {"drop": ["ALL"]}}}
+    return {
+        "name": name,
+        "image": image,
+        "command": command,
+        "volumeMounts": mounts,
+        "resources": resources,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
 
 
 def _small_resources() -> dict:
@@ -419,33 +570,49 @@ def _small_resources() -> dict:
 
 
 def _resources(sizing: Sizing) -> dict:
-    resources = {"requests": {"cpu": f"{sizing.cpu_request_m}m", "memory": f"{sizing.memory_request_mib}Mi"},
-                 "limits": {"cpu": f"{sizing.cpu_limit_m}m", "memory": f"{sizing.memory_limit_mib}Mi"}}
+    resources = {
+        "requests": {"cpu": f"{sizing.cpu_request_m}m", "memory": f"{sizing.memory_request_mib}Mi"},
+        "limits": {"cpu": f"{sizing.cpu_limit_m}m", "memory": f"{sizing.memory_limit_mib}Mi"},
+    }
     if sizing.gpus:
         resources["limits"]["nvidia.com/gpu"] = sizing.gpus
     return resources
 
 
 def _probe(path: str, period: int, failures: int, port: str = "http") -> dict:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 2,
-            "failureThreshold": failures, "successThreshold": 1}
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+        "successThreshold": 1,
+    }
 
 
 def service(options: DeployOptions, labels: dict) -> dict:
-    ports = [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
-             for name, port in serving_ports(options)]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": options.name, "labels": labels},
-            "spec": {"type": "ClusterIP", "selector": labels, "ports": ports}}
+    ports = [
+        {"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in serving_ports(options)
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": options.name, "labels": labels},
+        "spec": {"type": "ClusterIP", "selector": labels, "ports": ports},
+    }
 
 
 def _cpu_metric(options: DeployOptions) -> dict:
-    return {"type": "Resource", "resource": {"name": "cpu", "target": {
-        "type": "Utilization", "averageUtilization": options.cpu_utilization}}}
+    return {
+        "type": "Resource",
+        "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": options.cpu_utilization}},
+    }
 
 
 # The queue gauge each server exports, as a Prometheus adapter exposes it (its rule renames ':' away; docs).
-QUEUE_METRICS = {"openai": ("vllm:num_requests_waiting", "vllm_num_requests_waiting"),
-                 "triton-trtllm": ("nv_inference_pending_request_count", "nv_inference_pending_request_count")}
+QUEUE_METRICS = {
+    "openai": ("vllm:num_requests_waiting", "vllm_num_requests_waiting"),
+    "triton-trtllm": ("nv_inference_pending_request_count", "nv_inference_pending_request_count"),
+}
 
 
 def queue_metric_name(server: str, trtllm: bool) -> tuple[str, str]:
@@ -455,26 +622,51 @@ def queue_metric_name(server: str, trtllm: bool) -> tuple[str, str]:
 
 def _queue_metric(options: DeployOptions, trtllm: bool) -> dict:
     _, name = queue_metric_name(options.server, trtllm)
-    return {"type": "Pods", "pods": {"metric": {"name": name}, "target": {
-        "type": "AverageValue", "averageValue": str(options.queue_per_replica)}}}
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": name},
+            "target": {"type": "AverageValue", "averageValue": str(options.queue_per_replica)},
+        },
+    }
 
 
 def autoscaler(options: DeployOptions, labels: dict, metric: dict) -> dict:
-    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": {"name": options.name, "labels": labels},
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": options.name},
-                     "minReplicas": options.min_replicas, "maxReplicas": options.max_replicas, "metrics": [metric],
-                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": options.name, "labels": labels},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": options.name},
+            "minReplicas": options.min_replicas,
+            "maxReplicas": options.max_replicas,
+            "metrics": [metric],
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+        },
+    }
 
 
 def kustomization(options: DeployOptions) -> dict:
-    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": ["deployment.yaml", "service.yaml", "pdb.yaml", "networkpolicy.yaml",
-                          f"hpa-{options.autoscale}.yaml"]}
+    return {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [
+            "deployment.yaml",
+            "service.yaml",
+            "pdb.yaml",
+            "networkpolicy.yaml",
+            f"hpa-{options.autoscale}.yaml",
+        ],
+    }
 
 
-def write_manifests(bundle: str | os.PathLike, out: str | os.PathLike, options: DeployOptions,
-                    measured: Measured | None = None, overwrite: bool = False) -> dict[str, dict]:
+def write_manifests(
+    bundle: str | os.PathLike,
+    out: str | os.PathLike,
+    options: DeployOptions,
+    measured: Measured | None = None,
+    overwrite: bool = False,
+) -> dict[str, dict]:
     """``manifests`` written as YAML into ``out`` with a kustomization.yaml (``kubectl apply -k out``)."""
     out = Path(out)
     objects = manifests(bundle, options, measured)
@@ -484,8 +676,9 @@ def write_manifests(bundle: str | os.PathLike, out: str | os.PathLike, options: 
         raise DeployError(f"{out} already holds {', '.join(existing)}; pass --overwrite to replace them")
     out.mkdir(parents=True, exist_ok=True)
     for name, document in files.items():
-        (out / name).write_text(_header(name, options, objects) + yaml.dump(document, Dumper=_Dumper, sort_keys=False),
-                                encoding="utf-8")
+        (out / name).write_text(
+            _header(name, options, objects) + yaml.dump(document, Dumper=_Dumper, sort_keys=False), encoding="utf-8"
+        )
     return objects
 
 
@@ -499,11 +692,15 @@ class _Dumper(yaml.SafeDumper):
 def no_key_warning(options: DeployOptions) -> str | None:
     """What a deployment anyone in its namespace can use without a key says, loudly (None: it has a key)."""
     if options.server == "triton":
-        return ("WARNING: no API key: Triton has no authentication; any pod in this namespace can use it (the "
-                "NetworkPolicy admits no one else). Put an authenticating proxy in front.")
+        return (
+            "WARNING: no API key: Triton has no authentication; any pod in this namespace can use it (the "
+            "NetworkPolicy admits no one else). Put an authenticating proxy in front."
+        )
     if not options.api_key_secret:
-        return ("WARNING: no API key (--api-key-secret): any pod in this namespace can use this server (the "
-                "NetworkPolicy admits no one else).")
+        return (
+            "WARNING: no API key (--api-key-secret): any pod in this namespace can use this server (the "
+            "NetworkPolicy admits no one else)."
+        )
     return None
 
 
@@ -515,11 +712,14 @@ def _header(name: str, options: DeployOptions, objects: dict) -> str:
         return "# written by draftsmith deploy kubernetes\n"
     metric = objects[name]["spec"]["metrics"][0]["pods"]["metric"]["name"]
     series = next(s for s, n in QUEUE_METRICS.values() if n == metric)
-    return ("# Scale on the queue: needs a custom-metrics adapter (e.g. prometheus-adapter) serving the per-pod\n"
-            f"# series {series} as the pods metric {metric}; see docs/operations.md, \"Scaling out\".\n")
+    return (
+        "# Scale on the queue: needs a custom-metrics adapter (e.g. prometheus-adapter) serving the per-pod\n"
+        f'# series {series} as the pods metric {metric}; see docs/operations.md, "Scaling out".\n'
+    )
 
 
 # --- command ------------------------------------------------------------------------------------------------------
+
 
 @click.group("deploy")
 def deploy():
@@ -529,35 +729,73 @@ def deploy():
 @deploy.command("kubernetes")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the manifests.")
-@click.option("--server", type=click.Choice(SERVERS), default="openai", show_default=True,
-              help="openai: draftsmith serve-openai; triton (tensorrt_llm bundles only): NVIDIA's tritonserver on a "
-                   "repository written at pod start.")
+@click.option(
+    "--server",
+    type=click.Choice(SERVERS),
+    default="openai",
+    show_default=True,
+    help="openai: draftsmith serve-openai; triton (tensorrt_llm bundles only): NVIDIA's tritonserver on a "
+    "repository written at pod start.",
+)
 @click.option("--name", default="draftsmith", show_default=True, help="Name of every object (a DNS label).")
-@click.option("--image", default="draftsmith:cpu", show_default=True,
-              help="The image with draftsmith installed (the Dockerfile's); the bundle is not in it.")
+@click.option(
+    "--image",
+    default="draftsmith:cpu",
+    show_default=True,
+    help="The image with draftsmith installed (the Dockerfile's); the bundle is not in it.",
+)
 @click.option("--replicas", type=int, default=2, show_default=True)
 @click.option("--threads", type=int, default=2, show_default=True, help="ONNX Runtime threads per pod (its CPU).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together per pod.")
 @click.option("--max-queue", type=int, default=256, show_default=True)
 @click.option("--policy", type=click.Choice(["exact", "throughput"]), default="exact", show_default=True)
-@click.option("--bundle-source", type=click.Choice(BUNDLE_SOURCES), default="pvc", show_default=True,
-              help="pvc: mount --bundle-pvc read-only; image: an init container copies /bundle from --bundle-image.")
-@click.option("--bundle-pvc", default="draftsmith-bundle", show_default=True,
-              help="A PersistentVolumeClaim holding the bundle at its root.")
+@click.option(
+    "--bundle-source",
+    type=click.Choice(BUNDLE_SOURCES),
+    default="pvc",
+    show_default=True,
+    help="pvc: mount --bundle-pvc read-only; image: an init container copies /bundle from --bundle-image.",
+)
+@click.option(
+    "--bundle-pvc",
+    default="draftsmith-bundle",
+    show_default=True,
+    help="A PersistentVolumeClaim holding the bundle at its root.",
+)
 @click.option("--bundle-image", default="", help="An image holding the bundle at /bundle (--bundle-source image).")
-@click.option("--autoscale", type=click.Choice(AUTOSCALERS), default="cpu", show_default=True,
-              help="Which autoscaler the kustomization applies (both are written): CPU, or the queue length "
-                   "(needs a custom-metrics adapter).")
+@click.option(
+    "--autoscale",
+    type=click.Choice(AUTOSCALERS),
+    default="cpu",
+    show_default=True,
+    help="Which autoscaler the kustomization applies (both are written): CPU, or the queue length "
+    "(needs a custom-metrics adapter).",
+)
 @click.option("--min-replicas", type=int, default=2, show_default=True)
 @click.option("--max-replicas", type=int, default=8, show_default=True)
-@click.option("--drain-linger", type=float, default=5.0, show_default=True,
-              help="Seconds a stopping pod keeps answering 503 (endpoint removal reaching every node).")
-@click.option("--api-key-secret", default="",
-              help="A Secret with key DRAFTSMITH_API_KEY, mounted as a file the server reads (openai server).")
-@click.option("--triton-image", default=TRTLLM_TRITON_IMAGE, show_default=True,
-              help="tensorrt_llm bundles served by Triton: NVIDIA's Triton TRT-LLM image of the bundle's release.")
-@click.option("--upstream-models", default="",
-              help="tensorrt_llm + triton: upstream's inflight_batcher_llm (or llmapi) folder inside --image.")
+@click.option(
+    "--drain-linger",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds a stopping pod keeps answering 503 (endpoint removal reaching every node).",
+)
+@click.option(
+    "--api-key-secret",
+    default="",
+    help="A Secret with key DRAFTSMITH_API_KEY, mounted as a file the server reads (openai server).",
+)
+@click.option(
+    "--triton-image",
+    default=TRTLLM_TRITON_IMAGE,
+    show_default=True,
+    help="tensorrt_llm bundles served by Triton: NVIDIA's Triton TRT-LLM image of the bundle's release.",
+)
+@click.option(
+    "--upstream-models",
+    default="",
+    help="tensorrt_llm + triton: upstream's inflight_batcher_llm (or llmapi) folder inside --image.",
+)
 @click.option("--load-seconds", type=float, default=None, help="Instead of measuring: seconds to load.")
 @click.option("--memory-mib", type=float, default=None, help="Instead of measuring: peak MiB of one server.")
 @click.option("--tokens-per-second", type=float, default=None, help="Instead of measuring: one request's speed.")
@@ -572,9 +810,11 @@ def kubernetes(bundle, out, load_seconds, memory_mib, tokens_per_second, overwri
         raise click.ClickException(str(err)) from None
     sizing = json.loads(objects["deployment.yaml"]["metadata"]["annotations"]["draftsmith/sizing"])
     click.echo(f"wrote {out}: {', '.join(objects)}, kustomization.yaml (autoscaler: hpa-{options.autoscale}.yaml)")
-    click.echo(f"sizing ({sizing['how']}): load {sizing['load_s']} s, peak {sizing['rss_mib']} MiB, "
-               f"{sizing['tokens_per_s']} tok/s -> grace {sizing['grace_s']} s, memory request "
-               f"{sizing['memory_request_mib']} Mi" + (f", {sizing['gpus']} GPU(s)" if sizing["gpus"] else ""))
+    click.echo(
+        f"sizing ({sizing['how']}): load {sizing['load_s']} s, peak {sizing['rss_mib']} MiB, "
+        f"{sizing['tokens_per_s']} tok/s -> grace {sizing['grace_s']} s, memory request "
+        f"{sizing['memory_request_mib']} Mi" + (f", {sizing['gpus']} GPU(s)" if sizing["gpus"] else "")
+    )
     warning = no_key_warning(options)
     if warning:
         click.secho(warning, fg="red", bold=True, err=True)
@@ -593,6 +833,9 @@ def _given(bundle: str, options: DeployOptions, load_s, rss_mib, tokens_per_s) -
         return Measured(**given, how="given")
     root = Path(bundle)
     manifest = load_manifest(root, verify=False)
-    base = (estimate_trtllm(root, manifest) if manifest.spec.backend == "tensorrt_llm"
-            else measure(root, options.threads, options.max_batch, options.policy))
+    base = (
+        estimate_trtllm(root, manifest)
+        if manifest.spec.backend == "tensorrt_llm"
+        else measure(root, options.threads, options.max_batch, options.policy)
+    )
     return replace(base, **{k: v for k, v in given.items() if v is not None}, how=base.how + " (some given)")

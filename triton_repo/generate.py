@@ -117,8 +117,9 @@ class RepoOptions:
 def check_name(name: str) -> str:
     """A model name (one path component of the repository): letters, digits, '_', '.', '-'; no '..', no '/'."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", "..") or ".." in name:
-        raise RepositoryError(f"model name {name!r}: expected 1-64 characters of [A-Za-z0-9_.-] starting with a "
-                              "letter or digit, no '..'")
+        raise RepositoryError(
+            f"model name {name!r}: expected 1-64 characters of [A-Za-z0-9_.-] starting with a letter or digit, no '..'"
+        )
     return name
 
 
@@ -133,6 +134,7 @@ def _inside(root: Path, rel: str) -> Path:
 
 
 # --- the configs, as data ---------------------------------------------------------------------------------------
+
 
 def _tensor(name: str, dtype: str, dims: list[int], optional: bool = False, ragged: bool = False) -> dict:
     """One input or output. ``ragged``: requests whose tensors differ in shape still share a batch (Triton's dynamic
@@ -178,49 +180,82 @@ def _batching(options: RepoOptions) -> dict:
 
 def request_limits(options: RepoOptions, manifest: Manifest) -> dict[str, int]:
     """The bounds every request is checked against before the server works on it (model config parameters)."""
-    return {"max_tokens_limit": options.max_tokens_limit or min(DEFAULT_MAX_TOKENS, manifest.max_context // 2),
-            "max_prompt_bytes": options.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * manifest.max_context,
-            "max_stop_words": options.max_stop_words, "max_stop_word_bytes": options.max_stop_word_bytes}
+    return {
+        "max_tokens_limit": options.max_tokens_limit or min(DEFAULT_MAX_TOKENS, manifest.max_context // 2),
+        "max_prompt_bytes": options.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * manifest.max_context,
+        "max_stop_words": options.max_stop_words,
+        "max_stop_word_bytes": options.max_stop_word_bytes,
+    }
 
 
-def python_model(name: str, options: RepoOptions, inputs: list, outputs: list, instances: dict, parameters: dict,
-                 **more) -> dict:
+def python_model(
+    name: str, options: RepoOptions, inputs: list, outputs: list, instances: dict, parameters: dict, **more
+) -> dict:
     """A Python-backend model's config.pbtxt as data: what every model of the repository declares alike."""
-    return {"name": name, "backend": "python", "max_batch_size": options.max_batch_size,
-            "dynamic_batching": _batching(options), "input": inputs, "output": outputs, "instance_group": [instances],
-            "parameters": _params(parameters), **more}
+    return {
+        "name": name,
+        "backend": "python",
+        "max_batch_size": options.max_batch_size,
+        "dynamic_batching": _batching(options),
+        "input": inputs,
+        "output": outputs,
+        "instance_group": [instances],
+        "parameters": _params(parameters),
+        **more,
+    }
 
 
 def preprocessing_config(options: RepoOptions, manifest: Manifest, tokenizer_rel: str) -> dict:
     limits = request_limits(options, manifest)
     return python_model(
-        PREPROCESSING, options,
+        PREPROCESSING,
+        options,
         [_tensor("text_input", "TYPE_STRING", [1]), _tensor("max_tokens", "TYPE_INT32", [1])],
-        [_tensor("input_ids", "TYPE_INT32", [-1]), _tensor("input_lengths", "TYPE_INT32", [1]),
-         _tensor("request_output_len", "TYPE_INT32", [1])],
+        [
+            _tensor("input_ids", "TYPE_INT32", [-1]),
+            _tensor("input_lengths", "TYPE_INT32", [1]),
+            _tensor("request_output_len", "TYPE_INT32", [1]),
+        ],
         {"count": options.preprocessing_instances, "kind": "KIND_CPU"},
-        {"tokenizer": tokenizer_rel, "max_context": manifest.max_context,
-         **{k: v for k, v in limits.items() if k in ("max_tokens_limit", "max_prompt_bytes")}})
+        {
+            "tokenizer": tokenizer_rel,
+            "max_context": manifest.max_context,
+            **{k: v for k, v in limits.items() if k in ("max_tokens_limit", "max_prompt_bytes")},
+        },
+    )
 
 
 def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str) -> dict:
     return python_model(
-        SPECULATIVE, options,
+        SPECULATIVE,
+        options,
         [_tensor("text_input", "TYPE_STRING", [1]), _tensor("request_output_len", "TYPE_INT32", [1])]
         + [_tensor(n, t, d, optional=True, ragged=-1 in d) for n, t, d in OPTIONAL_INPUTS],
         [_tensor(n, t, d) for n, t, d in OUTPUTS],
         # a CUDA bundle: Triton places each instance on a GPU and passes its id (model_instance_device_id)
         {"count": options.instances, "kind": "KIND_GPU" if manifest.spec.device == "cuda" else "KIND_CPU"},
-        {"bundle": bundle_ref, "threads": options.threads, **request_limits(options, manifest),
-         "policy": options.policy, "max_batch": options.max_batch_size, "max_queue": options.max_queue,
-         "plan": str(options.plan).lower()},
-        model_transaction_policy={"decoupled": options.streaming})
+        {
+            "bundle": bundle_ref,
+            "threads": options.threads,
+            **request_limits(options, manifest),
+            "policy": options.policy,
+            "max_batch": options.max_batch_size,
+            "max_queue": options.max_queue,
+            "plan": str(options.plan).lower(),
+        },
+        model_transaction_policy={"decoupled": options.streaming},
+    )
 
 
 def postprocessing_config(options: RepoOptions, manifest: Manifest, tokenizer_rel: str) -> dict:
-    return python_model(POSTPROCESSING, options, [_tensor("output_ids", "TYPE_INT32", [-1], ragged=True)],
-                        [_tensor("text_output", "TYPE_STRING", [-1])], {"count": 1, "kind": "KIND_CPU"},
-                        {"tokenizer": tokenizer_rel, "max_output_ids": manifest.max_context})
+    return python_model(
+        POSTPROCESSING,
+        options,
+        [_tensor("output_ids", "TYPE_INT32", [-1], ragged=True)],
+        [_tensor("text_output", "TYPE_STRING", [-1])],
+        {"count": 1, "kind": "KIND_CPU"},
+        {"tokenizer": tokenizer_rel, "max_output_ids": manifest.max_context},
+    )
 
 
 def ensemble_config(options: RepoOptions) -> dict:
@@ -232,22 +267,35 @@ def ensemble_config(options: RepoOptions) -> dict:
         "input": [_tensor("text_input", "TYPE_STRING", [1]), _tensor("max_tokens", "TYPE_INT32", [1])]
         + [_tensor(n, t, d, optional=True) for n, t, d in OPTIONAL_INPUTS],
         "output": [_tensor(n, t, d) for n, t, d in OUTPUTS],
-        "ensemble_scheduling": {"step": [
-            {"model_name": PREPROCESSING, "model_version": -1,
-             "input_map": {"text_input": "text_input", "max_tokens": "max_tokens"},
-             "output_map": {"request_output_len": "_request_output_len"}},
-            {"model_name": SPECULATIVE, "model_version": -1,
-             "input_map": {"text_input": "text_input", "request_output_len": "_request_output_len",
-                           **{n: n for n in optional}},
-             "output_map": {n: n for n, _, _ in OUTPUTS}},
-        ]},
+        "ensemble_scheduling": {
+            "step": [
+                {
+                    "model_name": PREPROCESSING,
+                    "model_version": -1,
+                    "input_map": {"text_input": "text_input", "max_tokens": "max_tokens"},
+                    "output_map": {"request_output_len": "_request_output_len"},
+                },
+                {
+                    "model_name": SPECULATIVE,
+                    "model_version": -1,
+                    "input_map": {
+                        "text_input": "text_input",
+                        "request_output_len": "_request_output_len",
+                        **{n: n for n in optional},
+                    },
+                    "output_map": {n: n for n, _, _ in OUTPUTS},
+                },
+            ]
+        },
     }
 
 
 # --- writing ----------------------------------------------------------------------------------------------------
 
-def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, options: RepoOptions | None = None, *,
-                     overwrite: bool = False) -> Path:
+
+def write_repository(
+    bundle: str | os.PathLike, out: str | os.PathLike, options: RepoOptions | None = None, *, overwrite: bool = False
+) -> Path:
     """Write the repository for ``bundle`` (an ONNX Runtime bundle folder, verified against its manifest first) into
     ``out`` (created; must be empty unless ``overwrite``, which replaces only a repository this generator wrote), laid
     out and sized by ``options`` (default: ``RepoOptions()``). Returns the repository path."""
@@ -255,13 +303,17 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, options:
     bundle = Path(bundle)
     manifest = load_manifest(bundle)
     if manifest.spec.backend != "onnxruntime":
-        raise RepositoryError(f"bundle backend {manifest.spec.backend!r}: this generator writes Python-backend "
-                              "repositories for 'onnxruntime' bundles; TensorRT-LLM bundles use trtllm_layouts")
+        raise RepositoryError(
+            f"bundle backend {manifest.spec.backend!r}: this generator writes Python-backend "
+            "repositories for 'onnxruntime' bundles; TensorRT-LLM bundles use trtllm_layouts"
+        )
     out = Path(out)
     _check_output(out, overwrite)
     if options.max_tokens_limit > manifest.max_context:
-        raise RepositoryError(f"max_tokens_limit: expected <= the bundle's max_context {manifest.max_context}, "
-                              f"received {options.max_tokens_limit}")
+        raise RepositoryError(
+            f"max_tokens_limit: expected <= the bundle's max_context {manifest.max_context}, "
+            f"received {options.max_tokens_limit}"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside OUT and swapped in whole: a failure (an option, a bundle copy that does not verify, a full
     # disk) leaves the old repository as it was. A sibling, so relative links into the bundle stay right.
@@ -278,8 +330,9 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, options:
 
 def _write_models(bundle: Path, manifest, out: Path, options: RepoOptions) -> None:
     """The four models' folders and the marker, into the (empty) folder ``out``."""
-    (out / MARKER).write_text("written by draftsmith triton-repo; --overwrite replaces only such folders\n",
-                              encoding="utf-8")
+    (out / MARKER).write_text(
+        "written by draftsmith triton-repo; --overwrite replaces only such folders\n", encoding="utf-8"
+    )
     bundle_ref, tokenizer_ref = _bundle_refs(bundle, out, options)
     models = {
         PREPROCESSING: (preprocessing_config(options, manifest, tokenizer_ref), "preprocessing.py"),
@@ -336,9 +389,11 @@ def _check_output(out: Path, overwrite: bool) -> None:
         raise RepositoryError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     problem = generated_problem(out)
     if problem:
-        raise RepositoryError(f"{out} is not a repository written by draftsmith triton-repo ({problem}); --overwrite "
-                              "replaces only those, so nothing was touched. Choose another folder, or move it away "
-                              "yourself.")
+        raise RepositoryError(
+            f"{out} is not a repository written by draftsmith triton-repo ({problem}); --overwrite "
+            "replaces only those, so nothing was touched. Choose another folder, or move it away "
+            "yourself."
+        )
 
 
 def generated_problem(folder: Path) -> str | None:
@@ -367,6 +422,7 @@ def _place_bundle(bundle: Path, dest: Path, copy: bool) -> None:
             os.link(src, dst)
         except OSError:
             shutil.copy2(src, dst)
+
     shutil.copytree(bundle, dest, copy_function=link_or_copy)
     try:
         load_manifest(dest)

@@ -17,6 +17,7 @@ def model_config(data: dict[str, Any]):
     """Parse ``data`` (ModelConfig's JSON form: field names as in config.pbtxt) into a ModelConfig message."""
     from google.protobuf import json_format
     from tritonclient.grpc import model_config_pb2
+
     missing = _missing_values(data)
     if missing:
         raise ConfigError(f"model config {data.get('name', '?')!r} has no value for: {', '.join(missing)}")
@@ -29,6 +30,7 @@ def model_config(data: dict[str, Any]):
 def render(data: dict[str, Any]) -> str:
     """config.pbtxt text for ``data``."""
     from google.protobuf import text_format
+
     return text_format.MessageToString(model_config(data))
 
 
@@ -36,6 +38,7 @@ def parse(text: str):
     """config.pbtxt text -> ModelConfig (what the tests and the server read back)."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
+
     return text_format.Parse(text, model_config_pb2.ModelConfig())
 
 

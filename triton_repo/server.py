@@ -32,14 +32,40 @@ from typing import Iterable
 
 # What the server and its models need from the environment: where programs, libraries and Python packages are, the
 # locale, temporary files, thread and device settings. Nothing else (tokens, keys, passwords) is passed on.
-PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONDONTWRITEBYTECODE",
-              "VIRTUAL_ENV", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TMP", "TEMP",
-              "TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")
+PASSED_ENV = (
+    "PATH",
+    "LD_LIBRARY_PATH",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONNOUSERSITE",
+    "PYTHONDONTWRITEBYTECODE",
+    "VIRTUAL_ENV",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "TMPDIR",
+    "TMP",
+    "TEMP",
+    "TOKENIZERS_PARALLELISM",
+    "RAYON_NUM_THREADS",
+)
 PASSED_ENV_PREFIXES = ("LC_", "OMP_", "ORT_", "ONNXRUNTIME_", "MKL_", "OPENBLAS_", "CUDA_", "NVIDIA_", "CUDNN_")
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)  # never passed by prefix (NVIDIA_API_KEY)
 # Triton 2.51's restricted categories (--http-restricted-api / --grpc-restricted-protocol APIS:KEY=VALUE)
-RESTRICTABLE = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository", "statistics",
-                "trace", "logging")
+RESTRICTABLE = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
 _RESTRICTION = re.compile(r"([a-z-]+(?:,[a-z-]+)*):([A-Za-z0-9_-]+)=(\S+)")
 
 
@@ -61,9 +87,12 @@ def tritonserver_paths() -> dict[str, Path]:
     """binary, the wheel's backends folder, the Python stub for this interpreter, and the bundled libraries."""
     root = _pytriton_root() / "tritonserver"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    paths = {"binary": root / "bin" / "tritonserver", "backends": root / "backends",
-             "stub": root / "python_backend_stubs" / version / "triton_python_backend_stub",
-             "libs": root.parent.parent / "nvidia_pytriton.libs"}
+    paths = {
+        "binary": root / "bin" / "tritonserver",
+        "backends": root / "backends",
+        "stub": root / "python_backend_stubs" / version / "triton_python_backend_stub",
+        "libs": root.parent.parent / "nvidia_pytriton.libs",
+    }
     missing = [f"{k}: {v}" for k, v in paths.items() if not v.exists()]
     if missing:
         raise ServerError("nvidia-pytriton is incomplete for Python " + version + ": " + "; ".join(missing))
@@ -76,8 +105,9 @@ def prepare_backends(dest: Path | None = None) -> Path:
     dest = Path(dest or tempfile.mkdtemp(prefix="draftsmith-backends-"))
     python = dest / "python"
     if not (python / "triton_python_backend_stub").is_file():
-        shutil.copytree(paths["backends"] / "python", python, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            paths["backends"] / "python", python, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
         shutil.copy2(paths["stub"], python / "triton_python_backend_stub")
         os.chmod(python / "triton_python_backend_stub", 0o755)
     return dest
@@ -151,9 +181,11 @@ class TritonServer:
 
     def _repository(self, path: str, body: dict | None = None) -> list | dict:
         """POST to the model-repository API with the drain header; [] when the server does not answer."""
-        request = urllib.request.Request(f"{self.url}/v2/repository/{path}", data=json.dumps(body or {}).encode(),
-                                         headers={"Content-Type": "application/json", self.drain_header[0]:
-                                                  self.drain_header[1]})
+        request = urllib.request.Request(
+            f"{self.url}/v2/repository/{path}",
+            data=json.dumps(body or {}).encode(),
+            headers={"Content-Type": "application/json", self.drain_header[0]: self.drain_header[1]},
+        )
         try:
             with urllib.request.urlopen(request, timeout=max(5, self.exit_timeout)) as response:
                 text = response.read().decode()
@@ -227,48 +259,90 @@ def check_restriction(spec: str, flag: str) -> str:
     match = _RESTRICTION.fullmatch(spec)
     unknown = [] if match is None else [a for a in match.group(1).split(",") if a not in RESTRICTABLE]
     if match is None or unknown:
-        raise ServerError(f"{flag} {spec!r}: expected APIS:HEADER=VALUE, APIS a comma-separated list of "
-                          f"{', '.join(RESTRICTABLE)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        raise ServerError(
+            f"{flag} {spec!r}: expected APIS:HEADER=VALUE, APIS a comma-separated list of "
+            f"{', '.join(RESTRICTABLE)}" + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
     return spec
 
 
-def server_command(repo: Path, backends: Path, host: str, http_port: int, grpc_port: int, metrics_port: int,
-                   log_verbose: int = 0, http_restricted_api: Iterable[str] = (),
-                   grpc_restricted_protocol: Iterable[str] = (), exit_timeout: int = 10,
-                   explicit_models: bool = False) -> list[str]:
+def server_command(
+    repo: Path,
+    backends: Path,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    log_verbose: int = 0,
+    http_restricted_api: Iterable[str] = (),
+    grpc_restricted_protocol: Iterable[str] = (),
+    exit_timeout: int = 10,
+    explicit_models: bool = False,
+) -> list[str]:
     """The tritonserver command line; each restriction makes its APIs answer only requests with its header;
     exit_timeout: seconds a stop waits for requests in flight (and open client streams); explicit_models: every
     model loaded at start, and unloadable through the model-repository API (restrict it)."""
-    return ([str(tritonserver_paths()["binary"]), f"--model-repository={repo}", f"--backend-directory={backends}",
-             f"--http-address={host}", f"--http-port={http_port}", f"--grpc-address={host}",
-             f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
-             "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
-             f"--log-verbose={log_verbose}", "--exit-on-error=true", "--disable-auto-complete-config",
-             f"--exit-timeout-secs={exit_timeout}"]  # the default, 30 s, is held by any open client stream
-            + (["--model-control-mode=explicit", "--load-model=*"] if explicit_models else [])
-            + [f"--http-restricted-api={check_restriction(s, '--http-restricted-api')}" for s in http_restricted_api]
-            + [f"--grpc-restricted-protocol={check_restriction(s, '--grpc-restricted-protocol')}"
-               for s in grpc_restricted_protocol])
+    return (
+        [
+            str(tritonserver_paths()["binary"]),
+            f"--model-repository={repo}",
+            f"--backend-directory={backends}",
+            f"--http-address={host}",
+            f"--http-port={http_port}",
+            f"--grpc-address={host}",
+            f"--grpc-port={grpc_port}",
+            f"--metrics-address={host}",
+            f"--metrics-port={metrics_port}",
+            "--allow-metrics=true",
+            "--allow-gpu-metrics=false",
+            "--allow-cpu-metrics=false",
+            f"--log-verbose={log_verbose}",
+            "--exit-on-error=true",
+            "--disable-auto-complete-config",
+            f"--exit-timeout-secs={exit_timeout}",
+        ]  # the default, 30 s, is held by any open client stream
+        + (["--model-control-mode=explicit", "--load-model=*"] if explicit_models else [])
+        + [f"--http-restricted-api={check_restriction(s, '--http-restricted-api')}" for s in http_restricted_api]
+        + [
+            f"--grpc-restricted-protocol={check_restriction(s, '--grpc-restricted-protocol')}"
+            for s in grpc_restricted_protocol
+        ]
+    )
 
 
 def server_env(pass_env: Iterable[str] = ()) -> dict[str, str]:
     """The environment of the server and its model processes: the allow-list (``PASSED_ENV``, names starting with
     ``PASSED_ENV_PREFIXES``) and the names in ``pass_env``, never the caller's whole environment."""
     wanted = set(PASSED_ENV) | set(pass_env)
-    env = {k: v for k, v in os.environ.items()
-           if k in wanted or (k.startswith(PASSED_ENV_PREFIXES) and not SECRET_NAME.search(k))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k in wanted or (k.startswith(PASSED_ENV_PREFIXES) and not SECRET_NAME.search(k))
+    }
     libs = str(tritonserver_paths()["libs"])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libs, env.get("LD_LIBRARY_PATH")) if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
 
 
-def start_server(repo: str | os.PathLike, *, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
-                 metrics_port: int = 0, timeout: float = 180.0, log_verbose: int = 0,
-                 log_path: str | os.PathLike | None = None, backends: str | os.PathLike | None = None,
-                 http_restricted_api: Iterable[str] = (), grpc_restricted_protocol: Iterable[str] = (),
-                 pass_env: Iterable[str] = (), keep_log: bool = False, exit_timeout: int = 10,
-                 drainable: bool = False) -> TritonServer:
+def start_server(
+    repo: str | os.PathLike,
+    *,
+    host: str = "127.0.0.1",
+    http_port: int = 0,
+    grpc_port: int = 0,
+    metrics_port: int = 0,
+    timeout: float = 180.0,
+    log_verbose: int = 0,
+    log_path: str | os.PathLike | None = None,
+    backends: str | os.PathLike | None = None,
+    http_restricted_api: Iterable[str] = (),
+    grpc_restricted_protocol: Iterable[str] = (),
+    pass_env: Iterable[str] = (),
+    keep_log: bool = False,
+    exit_timeout: int = 10,
+    drainable: bool = False,
+) -> TritonServer:
     """Start tritonserver on ``repo`` and wait until it is ready.
 
     Args:
@@ -315,15 +389,30 @@ def start_server(repo: str | os.PathLike, *, host: str = "127.0.0.1", http_port:
         http_restricted_api, drain_header = _drain_restriction(http_restricted_api)
     http_restricted_api = restricted_by_default(http_restricted_api, "--http-restricted-api")
     grpc_restricted_protocol = restricted_by_default(list(grpc_restricted_protocol), "--grpc-restricted-protocol")
-    command = server_command(repo, Path(backends), host, *ports, log_verbose=log_verbose,
-                             http_restricted_api=http_restricted_api,
-                             grpc_restricted_protocol=grpc_restricted_protocol, exit_timeout=exit_timeout,
-                             explicit_models=drainable)
+    command = server_command(
+        repo,
+        Path(backends),
+        host,
+        *ports,
+        log_verbose=log_verbose,
+        http_restricted_api=http_restricted_api,
+        grpc_restricted_protocol=grpc_restricted_protocol,
+        exit_timeout=exit_timeout,
+        explicit_models=drainable,
+    )
     env = server_env(pass_env)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = TritonServer(process, host, *ports, log_path=log_path, _cleanup=cleanup, keep_log=keep_log,
-                          exit_timeout=exit_timeout, drain_header=drain_header)
+    server = TritonServer(
+        process,
+        host,
+        *ports,
+        log_path=log_path,
+        _cleanup=cleanup,
+        keep_log=keep_log,
+        exit_timeout=exit_timeout,
+        drain_header=drain_header,
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

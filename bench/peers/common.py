@@ -23,6 +23,7 @@ def skip(peer: str, reason: str) -> dict:
 def quiet_transformers() -> None:
     try:
         from transformers.utils import logging as hf_logging
+
         hf_logging.disable_progress_bar()  # GGUF dequantization bars would tear through the bench's own output
         hf_logging.set_verbosity_error()
     except ImportError:
@@ -31,12 +32,14 @@ def quiet_transformers() -> None:
 
 # --- the bundle's sources -------------------------------------------------------------------------------------------
 
+
 def source_candidates(entry: ModelEntry, bundle: Path) -> list[Path]:
     """Where the checkpoint of ``entry`` may be now, in order: its package (``pkg:``), the absolute path recorded at
     build time, then a relative source against each folder above the bundle (``bundles/x`` built from the project
     root: the grandparent) and the working directory. Candidates are only places to look: the caller checks the
     weights' sha256."""
     from builder.checkpoint import CheckpointError, locate
+
     source = entry.source
     if entry.role == "draft" and (source == "self" or source.startswith("self:")):
         raise ValueError("a self draft has no checkpoint of its own: locate the target's")
@@ -60,6 +63,7 @@ def locate_checkpoint(entry: ModelEntry, bundle: Path, allow_pickle: bool = Fals
 
     Raises PeerError naming every place tried when none holds the same weights."""
     from builder.checkpoint import CheckpointError, resolve
+
     tried = []
     for path in source_candidates(entry, bundle):
         if not path.exists():
@@ -73,8 +77,11 @@ def locate_checkpoint(entry: ModelEntry, bundle: Path, allow_pickle: bool = Fals
         if checkpoint.sha256() == entry.source_sha256:
             return checkpoint
         tried.append(f"{path} (other weights: sha256 differs from the manifest's)")
-    raise PeerError(f"the {entry.role}'s source {entry.source!r} was not found: tried " + "; ".join(tried)
-                    + ". Run the bench from the folder the bundle was built in, or put the checkpoint back.")
+    raise PeerError(
+        f"the {entry.role}'s source {entry.source!r} was not found: tried "
+        + "; ".join(tried)
+        + ". Run the bench from the folder the bundle was built in, or put the checkpoint back."
+    )
 
 
 def target_and_draft(manifest: Manifest, bundle: Path, consent: dict):
@@ -93,6 +100,7 @@ def self_layers(manifest: Manifest) -> int:
 
 
 # --- our own reference ----------------------------------------------------------------------------------------------
+
 
 def strip_eos(ids: list[int], eos_ids) -> list[int]:
     """Greedy ids without a trailing end-of-sequence token (runtimes differ on whether they return it)."""
@@ -116,8 +124,10 @@ def compare_with_ours(rows: list[dict], ours: dict[str, dict], eos_ids) -> list[
         row["speedup_vs_ours_target"] = row["tokens_per_second"] / base if base else None
         decode = row.get("decode_tokens_per_second")  # llama.cpp's tools: the rate after the first token
         if decode:
-            for ours_key, key in (("target_decode_tokens_per_second", "ours_plain_decode_vs_this"),
-                                  ("speculative_decode_tokens_per_second", "ours_speculative_decode_vs_this")):
+            for ours_key, key in (
+                ("target_decode_tokens_per_second", "ours_plain_decode_vs_this"),
+                ("speculative_decode_tokens_per_second", "ours_speculative_decode_vs_this"),
+            ):
                 if mine.get(ours_key):
                     row[key] = mine[ours_key] / decode
         if ids is not None and len(ids) == len(mine["token_ids"]):
@@ -126,8 +136,9 @@ def compare_with_ours(rows: list[dict], ours: dict[str, dict], eos_ids) -> list[
     return rows
 
 
-def timed_rows(peer: str, workload: str, prompts: list[list[int]], modes: dict[str, Callable], k: int,
-                progress, **extra) -> list[dict]:
+def timed_rows(
+    peer: str, workload: str, prompts: list[list[int]], modes: dict[str, Callable], k: int, progress, **extra
+) -> list[dict]:
     """Run each mode's ``generate(ids) -> new ids`` over the prompts (the first one once more, untimed, first) and
     shape the rows; speedup is over the mode named "plain"."""
     results = {}
@@ -144,12 +155,26 @@ def timed_rows(peer: str, workload: str, prompts: list[list[int]], modes: dict[s
             wall += elapsed
             if progress:
                 progress(f"{peer} {mode} {workload}")
-        results[mode] = {"prompts": len(prompts), "tokens": tokens, "wall_seconds": wall,
-                         "tokens_per_second": tokens / wall if wall else 0.0, "token_ids": outputs}
+        results[mode] = {
+            "prompts": len(prompts),
+            "tokens": tokens,
+            "wall_seconds": wall,
+            "tokens_per_second": tokens / wall if wall else 0.0,
+            "token_ids": outputs,
+        }
     base = results.get("plain", {}).get("tokens_per_second")
-    return [{"peer": peer, "workload": workload, "mode": mode, "k": None if mode == "plain" else k, **r,
-             "speedup": r["tokens_per_second"] / base if base else None, **extra.get(mode, {})}
-            for mode, r in results.items()]
+    return [
+        {
+            "peer": peer,
+            "workload": workload,
+            "mode": mode,
+            "k": None if mode == "plain" else k,
+            **r,
+            "speedup": r["tokens_per_second"] / base if base else None,
+            **extra.get(mode, {}),
+        }
+        for mode, r in results.items()
+    ]
 
 
 def is_feature_draft(manifest: Manifest) -> bool:

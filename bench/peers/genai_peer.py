@@ -18,8 +18,15 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from bench.peers.common import (PeerError, is_feature_draft, quiet_transformers, self_layers, skip, target_and_draft,
-                                timed_rows)
+from bench.peers.common import (
+    PeerError,
+    is_feature_draft,
+    quiet_transformers,
+    self_layers,
+    skip,
+    target_and_draft,
+    timed_rows,
+)
 from runtime.bundle import Manifest
 
 CACHE_ENV = "DRAFTSMITH_PEERS_CACHE"
@@ -52,8 +59,10 @@ def _publish(build: Callable[[Path], None], out: Path) -> Path:
 def hf_folder(checkpoint, sha256: str, layers: int = 0) -> Path:
     """A safetensors Hugging Face folder of ``checkpoint`` (its first ``layers`` layers when > 0), what the genai
     builder reads; for a GGUF the dequantized weights (FACTS: drop ``hf_quantizer`` and ``quantization_config``)."""
+
     def save(tmp: Path) -> None:
         from builder import build
+
         quiet_transformers()
         with contextlib.redirect_stderr(io.StringIO()):
             model = checkpoint.load_model()
@@ -65,6 +74,7 @@ def hf_folder(checkpoint, sha256: str, layers: int = 0) -> Path:
             del model.config.quantization_config
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+
     return _publish(save, cache_root() / sha256 / (f"hf-layers{layers}" if layers else "hf"))
 
 
@@ -74,13 +84,26 @@ def genai_graph(hf: Path, precision: str) -> Path:
 
     def run_builder(tmp: Path) -> None:
         with tempfile.TemporaryDirectory(dir=tmp.parent) as scratch:
-            command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
-                       "-p", precision, "-e", "cpu", "-c", scratch]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILDER_TIMEOUT_S,
-                                  cwd=scratch)
+            command = [
+                sys.executable,
+                "-m",
+                "onnxruntime_genai.models.builder",
+                "-i",
+                str(hf),
+                "-o",
+                str(tmp),
+                "-p",
+                precision,
+                "-e",
+                "cpu",
+                "-c",
+                scratch,
+            ]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILDER_TIMEOUT_S, cwd=scratch)
         if done.returncode != 0 or not (tmp / "genai_config.json").is_file():
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise PeerError(f"the onnxruntime-genai builder failed on {hf} ({precision}): " + " | ".join(tail))
+
     return _publish(run_builder, hf.parent / f"genai-{og.__version__}-{hf.name}-{precision}")
 
 
@@ -91,9 +114,11 @@ def speculative_config(target: Path, draft: Path) -> Path:
     target_cfg = json.loads((target / "genai_config.json").read_text(encoding="utf-8"))
     draft_cfg = json.loads((draft / "genai_config.json").read_text(encoding="utf-8"))
     if target_cfg["model"].get("vocab_size") != draft_cfg["model"].get("vocab_size"):
-        raise PeerError(f"ONNX Runtime GenAI speculative decoding needs one vocabulary; the draft's has "
-                        f"{draft_cfg['model'].get('vocab_size')} entries, the target's "
-                        f"{target_cfg['model'].get('vocab_size')}")
+        raise PeerError(
+            f"ONNX Runtime GenAI speculative decoding needs one vocabulary; the draft's has "
+            f"{draft_cfg['model'].get('vocab_size')} entries, the target's "
+            f"{target_cfg['model'].get('vocab_size')}"
+        )
     out = target.parent / f"spec-{target.name}--{draft.parent.name[:16]}-{draft.name}"
 
     def write(tmp: Path) -> None:
@@ -107,6 +132,7 @@ def speculative_config(target: Path, draft: Path) -> Path:
         for name in os.listdir(target):  # the tokenizer files genai loads with the model
             if name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copy2(target / name, tmp / name)
+
     return _publish(write, out)
 
 
@@ -135,6 +161,7 @@ def _genai_model(folder: Path, threads: int, eos_ids: tuple[int, ...], spinning:
     """og.Model over ``folder`` with ``genai_session_options`` on every session (target and draft) and the bundle's
     EOS ids, through a config overlay (the cached files stay as the builder wrote them)."""
     import onnxruntime_genai as og
+
     config = og.Config(str(folder))
     cfg = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
     model: dict = {}
@@ -167,19 +194,29 @@ def _genai_generate(model, max_new_tokens: int, k: int | None = None, stats: lis
             generator.generate_next_token()
         if k and stats is not None:
             stats.append(dict(generator.get_speculative_stats()))
-        return [int(t) for t in generator.get_sequence(0)[len(ids):]]
+        return [int(t) for t in generator.get_sequence(0)[len(ids) :]]
+
     return generate
 
 
 def _speculative_summary(stats: list[dict]) -> dict:
     """Acceptance over the timed prompts (the first entry is the warm-up), from ONNX Runtime GenAI's counters."""
     timed = stats[1:]
-    total = {key: sum(s.get(key, 0) for s in timed) for key in
-             ("draft_tokens_proposed", "draft_tokens_evaluated", "draft_tokens_accepted", "rounds",
-              "draft_forward_passes", "target_forward_passes")}
+    total = {
+        key: sum(s.get(key, 0) for s in timed)
+        for key in (
+            "draft_tokens_proposed",
+            "draft_tokens_evaluated",
+            "draft_tokens_accepted",
+            "rounds",
+            "draft_forward_passes",
+            "target_forward_passes",
+        )
+    }
     evaluated = total["draft_tokens_evaluated"]
-    total["acceptance_rate"] = total["draft_tokens_accepted"] / total["draft_tokens_proposed"] \
-        if total["draft_tokens_proposed"] else 0.0
+    total["acceptance_rate"] = (
+        total["draft_tokens_accepted"] / total["draft_tokens_proposed"] if total["draft_tokens_proposed"] else 0.0
+    )
     total["alpha"] = total["draft_tokens_accepted"] / evaluated if evaluated else 0.0
     return total
 
@@ -208,10 +245,19 @@ def genai_graphs(manifest: Manifest, bundle: Path, consent: dict, progress=None)
     return graphs
 
 
-def run_onnxruntime_genai(manifest: Manifest, bundle: Path, workloads: dict[str, list[list[int]]],
-                          best_k: dict[str, int], max_new_tokens: int, threads: int, eos_ids: tuple[int, ...] = (),
-                          progress: Callable[[str], None] | None = None, allow_pickle: bool = False,
-                          trust_remote_code: bool = False, spinning: bool = False) -> list[dict]:
+def run_onnxruntime_genai(
+    manifest: Manifest,
+    bundle: Path,
+    workloads: dict[str, list[list[int]]],
+    best_k: dict[str, int],
+    max_new_tokens: int,
+    threads: int,
+    eos_ids: tuple[int, ...] = (),
+    progress: Callable[[str], None] | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    spinning: bool = False,
+) -> list[dict]:
     """ONNX Runtime GenAI on its own builder graphs of the bundle's weights: fp32 and int4 targets, each plain and
     speculative with the bundle's draft (built by the same builder); ``spinning``: leave ONNX Runtime's thread
     spinning on (its default) instead of off."""
@@ -219,6 +265,7 @@ def run_onnxruntime_genai(manifest: Manifest, bundle: Path, workloads: dict[str,
     if importlib.util.find_spec("onnxruntime_genai") is None:
         return [skip(peer, "onnxruntime-genai is not installed (pip install draftsmith[peers])")]
     import onnxruntime_genai as og
+
     if not hasattr(og.GeneratorParams, "set_speculative_options"):
         return [skip(peer, f"onnxruntime-genai {og.__version__} has no speculative decoding; upgrade to >= 0.18")]
     consent = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
@@ -233,8 +280,9 @@ def run_onnxruntime_genai(manifest: Manifest, bundle: Path, workloads: dict[str,
         name = f"{peer} {precision}"
         try:
             plain = _genai_model(graphs[precision], threads, eos_ids, spinning)
-            spec = graphs["draft"] and _genai_model(speculative_config(graphs[precision], graphs["draft"]), threads,
-                                                    eos_ids, spinning)
+            spec = graphs["draft"] and _genai_model(
+                speculative_config(graphs[precision], graphs["draft"]), threads, eos_ids, spinning
+            )
         except Exception as err:
             rows.append(skip(name, f"{type(err).__name__}: {err}"))
             continue
@@ -245,8 +293,9 @@ def run_onnxruntime_genai(manifest: Manifest, bundle: Path, workloads: dict[str,
             if spec:
                 modes["speculative"] = _genai_generate(spec, max_new_tokens, k, stats)
             try:
-                mine = timed_rows(name, workload, prompts, modes, k, progress,
-                                   speculative={"draft": graphs["draft_what"]})
+                mine = timed_rows(
+                    name, workload, prompts, modes, k, progress, speculative={"draft": graphs["draft_what"]}
+                )
             except Exception as err:
                 rows.append(skip(name, f"{workload}: {type(err).__name__}: {err}"))
                 continue

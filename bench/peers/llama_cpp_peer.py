@@ -14,9 +14,16 @@ from runtime.bundle import Manifest
 PEER = "llama-cpp-python"  # llama.cpp's own tools are the peer "llama.cpp" (bench.peers.llama_cpp_tools)
 
 
-def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[list[int]]], best_k: dict[str, int],
-                  max_new_tokens: int, threads: int, eos_ids: tuple[int, ...] = (),
-                  progress: Callable[[str], None] | None = None) -> list[dict]:
+def run_llama_cpp(
+    manifest: Manifest,
+    bundle: Path,
+    workloads: dict[str, list[list[int]]],
+    best_k: dict[str, int],
+    max_new_tokens: int,
+    threads: int,
+    eos_ids: tuple[int, ...] = (),
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
     """llama.cpp on the GGUF file the target was built from, as it is: plain decoding and its prompt-lookup drafting.
 
     llama-cpp-python's speculative decoding takes a ``LlamaDraftModel`` (a Python callback that proposes tokens);
@@ -25,12 +32,18 @@ def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[li
     if not manifest.spec.target.endswith(".gguf"):
         return [skip(PEER, "the bundle's target is not a GGUF file")]
     if importlib.util.find_spec("llama_cpp") is None:
-        return [skip(PEER, "llama_cpp is not installed (pip install llama-cpp-python diskcache; it builds "
-                                   "from source, ~7 minutes on 2 cores; on a CPU with AMX see docs/benchmarks.md "
-                                   "for CMAKE_ARGS)")]
+        return [
+            skip(
+                PEER,
+                "llama_cpp is not installed (pip install llama-cpp-python diskcache; it builds "
+                "from source, ~7 minutes on 2 cores; on a CPU with AMX see docs/benchmarks.md "
+                "for CMAKE_ARGS)",
+            )
+        ]
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
         checkpoint = locate_checkpoint(manifest.target, bundle)
         path = str(checkpoint.folder / checkpoint.gguf_file)
     except (PeerError, ImportError) as err:
@@ -41,11 +54,22 @@ def run_llama_cpp(manifest: Manifest, bundle: Path, workloads: dict[str, list[li
         k = best_k.get(workload) or manifest.default_k
         models = {"plain": None, "prompt-lookup": LlamaPromptLookupDecoding(num_pred_tokens=k)}
         for mode, draft in models.items():
-            llm = Llama(model_path=path, n_threads=threads or None, n_threads_batch=threads or None,
-                        n_ctx=longest + max_new_tokens + 8, draft_model=draft, verbose=False)
-            rows += timed_rows(PEER, workload, prompts,
-                                {mode: _llama_generate(llm, max_new_tokens, set(eos_ids) | {llm.token_eos()})},
-                                k, progress)
+            llm = Llama(
+                model_path=path,
+                n_threads=threads or None,
+                n_threads_batch=threads or None,
+                n_ctx=longest + max_new_tokens + 8,
+                draft_model=draft,
+                verbose=False,
+            )
+            rows += timed_rows(
+                PEER,
+                workload,
+                prompts,
+                {mode: _llama_generate(llm, max_new_tokens, set(eos_ids) | {llm.token_eos()})},
+                k,
+                progress,
+            )
             del llm
         plain = rows[-2]["tokens_per_second"]
         rows[-1]["speedup"] = rows[-1]["tokens_per_second"] / plain if plain else None
@@ -56,6 +80,7 @@ def _llama_generate(llm, max_new_tokens: int, eos: set[int]):
     """Greedy ids from ``Llama.generate`` (the loop that consults the draft model), stopping at EOS or the limit.
     ``reset()`` first: ``generate`` would otherwise reuse the cache of a previous prompt's matching prefix and skip
     that prefill (the warm-up runs the first prompt twice)."""
+
     def generate(ids):
         llm.reset()
         out = []
@@ -64,6 +89,7 @@ def _llama_generate(llm, max_new_tokens: int, eos: set[int]):
             if token in eos or len(out) >= max_new_tokens:
                 break
         return out
+
     return generate
 
 
@@ -75,16 +101,25 @@ def llama_cpp_perplexity(manifest: Manifest, bundle: Path, windows: list[list[in
         return skip(PEER, "no GGUF target, or llama_cpp is not installed")
     from bench.quality import perplexity
     from llama_cpp import Llama
+
     try:
         checkpoint = locate_checkpoint(manifest.target, bundle)
     except PeerError as err:
         return skip(PEER, str(err))
     width = max(len(w) for w in windows)
-    llm = Llama(model_path=str(checkpoint.folder / checkpoint.gguf_file), n_ctx=width, n_batch=width,
-                n_threads=threads or None, n_threads_batch=threads or None, logits_all=True, verbose=False)
+    llm = Llama(
+        model_path=str(checkpoint.folder / checkpoint.gguf_file),
+        n_ctx=width,
+        n_batch=width,
+        n_threads=threads or None,
+        n_threads_batch=threads or None,
+        logits_all=True,
+        verbose=False,
+    )
 
     def logits_of(ids):
         llm.reset()
         llm.eval(ids)
         return llm._scores[: len(ids)]  # logits of every evaluated position (logits_all)
+
     return {"peer": PEER, "perplexity": perplexity(logits_of, windows)}

@@ -50,15 +50,26 @@ def tool(name: str) -> Path | None:
     return Path(found) if found else None
 
 
-def run_llama_cpp_tools(manifest: Manifest, bundle: Path, prompts: dict[str, list[str]], max_new_tokens: int,
-                        threads: int, progress: Callable[[str], None] | None = None,
-                        sweep: tuple[tuple[int, float], ...] = DRAFT_SWEEP) -> list[dict]:
+def run_llama_cpp_tools(
+    manifest: Manifest,
+    bundle: Path,
+    prompts: dict[str, list[str]],
+    max_new_tokens: int,
+    threads: int,
+    progress: Callable[[str], None] | None = None,
+    sweep: tuple[tuple[int, float], ...] = DRAFT_SWEEP,
+) -> list[dict]:
     """Rows for llama.cpp's plain, draft-model and n-gram decoding of ``prompts`` ({workload: prompt texts}) on the
     bundle's GGUF target (and its GGUF draft, where the draft is one), or skip rows saying why."""
     plain, speculative = tool(PLAIN_TOOL), tool(SPECULATIVE_TOOL)
     if plain is None:
-        return [skip(PEER, f"{PLAIN_TOOL} not found in ${BIN_ENV} or on PATH: build llama.cpp's tools "
-                           "(docs/benchmarks.md, 'llama.cpp's own tools')")]
+        return [
+            skip(
+                PEER,
+                f"{PLAIN_TOOL} not found in ${BIN_ENV} or on PATH: build llama.cpp's tools "
+                "(docs/benchmarks.md, 'llama.cpp's own tools')",
+            )
+        ]
     try:
         target = _gguf(manifest.target, bundle)
     except PeerError as err:
@@ -70,8 +81,17 @@ def run_llama_cpp_tools(manifest: Manifest, bundle: Path, prompts: dict[str, lis
         if draft is not None:
             for n_max, p_min in sweep:
                 modes[f"draft n-max {n_max} p-min {p_min:g}"] = [
-                    "--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max", str(n_max),
-                    "--spec-draft-p-min", str(p_min), "-td", str(threads or os.cpu_count() or 1)]
+                    "--spec-type",
+                    "draft-simple",
+                    "-md",
+                    str(draft),
+                    "--spec-draft-n-max",
+                    str(n_max),
+                    "--spec-draft-p-min",
+                    str(p_min),
+                    "-td",
+                    str(threads or os.cpu_count() or 1),
+                ]
     rows = []
     for workload, texts in prompts.items():
         for mode, extra in modes.items():
@@ -106,13 +126,30 @@ def _run(binary: Path, model: Path, text: str, max_new_tokens: int, threads: int
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8", delete=False) as handle:
         handle.write(text)
     t = str(threads or os.cpu_count() or 1)
-    command = [str(binary), "-m", str(model), "-f", handle.name, "-n", str(max_new_tokens), "-t", t, "-tb", t,
-               "--temp", "0", "-c", "4096", *extra]
+    command = [
+        str(binary),
+        "-m",
+        str(model),
+        "-f",
+        handle.name,
+        "-n",
+        str(max_new_tokens),
+        "-t",
+        t,
+        "-tb",
+        t,
+        "--temp",
+        "0",
+        "-c",
+        "4096",
+        *extra,
+    ]
     if binary.name == PLAIN_TOOL:
         command += ["-no-cnv", "--no-display-prompt"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False, stdin=subprocess.DEVNULL
+        )
     finally:
         os.unlink(handle.name)
     if done.returncode:
@@ -127,14 +164,23 @@ def parse(log: str, plain: bool) -> dict:
         prompt, runs = PROMPT_EVAL.search(log), EVAL.search(log)
         if not prompt or not runs:
             raise PeerError("llama-completion printed no 'prompt eval time' / 'eval time' lines")
-        return {"new_tokens": int(runs.group(2)) + 1, "ttft_seconds": float(prompt.group(1)) / 1000,
-                "decode_seconds": float(runs.group(1)) / 1000, "decode_tokens": int(runs.group(2)), "accept": None}
+        return {
+            "new_tokens": int(runs.group(2)) + 1,
+            "ttft_seconds": float(prompt.group(1)) / 1000,
+            "decode_seconds": float(runs.group(1)) / 1000,
+            "decode_tokens": int(runs.group(2)),
+            "accept": None,
+        }
     decoded, encoded, accept = DECODED.search(log), ENCODED.search(log), ACCEPT.search(log)
     if not decoded or not encoded:
         raise PeerError("llama-speculative-simple printed no 'encoded' / 'decoded' lines")
-    return {"new_tokens": int(decoded.group(1)), "ttft_seconds": float(encoded.group(2)),
-            "decode_seconds": float(decoded.group(2)), "decode_tokens": int(decoded.group(1)),
-            "accept": float(accept.group(1)) / 100 if accept else None}
+    return {
+        "new_tokens": int(decoded.group(1)),
+        "ttft_seconds": float(encoded.group(2)),
+        "decode_seconds": float(decoded.group(2)),
+        "decode_tokens": int(decoded.group(1)),
+        "accept": float(accept.group(1)) / 100 if accept else None,
+    }
 
 
 def _row(workload: str, mode: str, runs: list[dict]) -> dict:
@@ -143,8 +189,16 @@ def _row(workload: str, mode: str, runs: list[dict]) -> dict:
     ttft = sum(r["ttft_seconds"] for r in runs)
     accepts = [r["accept"] for r in runs if r["accept"] is not None]
     n_max = re.search(r"n-max (\d+)", mode)
-    return {"peer": PEER, "workload": workload, "mode": mode, "k": int(n_max.group(1)) if n_max else None,
-            "prompts": len(runs), "tokens": tokens,
-            "wall_seconds": ttft + decode, "tokens_per_second": tokens / (ttft + decode) if ttft + decode else 0.0,
-            "decode_tokens_per_second": sum(r["decode_tokens"] for r in runs) / decode if decode else 0.0,
-            "ttft_seconds": ttft / len(runs), "acceptance": sum(accepts) / len(accepts) if accepts else None}
+    return {
+        "peer": PEER,
+        "workload": workload,
+        "mode": mode,
+        "k": int(n_max.group(1)) if n_max else None,
+        "prompts": len(runs),
+        "tokens": tokens,
+        "wall_seconds": ttft + decode,
+        "tokens_per_second": tokens / (ttft + decode) if ttft + decode else 0.0,
+        "decode_tokens_per_second": sum(r["decode_tokens"] for r in runs) / decode if decode else 0.0,
+        "ttft_seconds": ttft / len(runs),
+        "acceptance": sum(accepts) / len(accepts) if accepts else None,
+    }

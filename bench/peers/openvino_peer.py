@@ -18,14 +18,20 @@ from typing import Callable
 from bench.peers.common import PeerError, locate_checkpoint, skip, timed_rows
 from runtime.bundle import Manifest
 
-INSTALL = ("pip install --no-deps openvino openvino-genai openvino-tokenizers openvino-telemetry "
-           "(2026.4 was measured)")
+INSTALL = "pip install --no-deps openvino openvino-genai openvino-tokenizers openvino-telemetry (2026.4 was measured)"
 SAMPLE_LOOKUP = (5, 3)  # num_assistant_tokens, max_ngram_size of OpenVINO GenAI's prompt-lookup sample
 
 
-def run_openvino(manifest: Manifest, bundle, workloads: dict[str, list[list[int]]], best_k: dict[str, int],
-                 max_new_tokens: int, threads: int, eos_ids: tuple[int, ...] = (),
-                 progress: Callable[[str], None] | None = None) -> list[dict]:
+def run_openvino(
+    manifest: Manifest,
+    bundle,
+    workloads: dict[str, list[list[int]]],
+    best_k: dict[str, int],
+    max_new_tokens: int,
+    threads: int,
+    eos_ids: tuple[int, ...] = (),
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
     """OpenVINO GenAI on the GGUF file the target was built from: plain greedy decoding and prompt lookup (at the
     bench's best k with 2-grams, and at its sample's 5 tokens with 3-grams), on the same prompt token ids."""
     if not manifest.spec.target.endswith(".gguf"):
@@ -34,6 +40,7 @@ def run_openvino(manifest: Manifest, bundle, workloads: dict[str, list[list[int]
         return [skip("openvino", f"openvino_genai is not installed ({INSTALL})")]
     try:
         import openvino_genai
+
         checkpoint = locate_checkpoint(manifest.target, bundle)
         path = str(checkpoint.folder / checkpoint.gguf_file)
         properties = {"INFERENCE_NUM_THREADS": threads} if threads else {}
@@ -74,4 +81,5 @@ def _generate(pipeline, max_new_tokens: int, eos_ids, lookup: tuple[int, int] | 
         array = np.asarray([ids], dtype=np.int64)
         inputs = openvino_genai.TokenizedInputs(openvino.Tensor(array), openvino.Tensor(np.ones_like(array)))
         return [int(t) for t in pipeline.generate(inputs, config).tokens[0]][:max_new_tokens]
+
     return generate

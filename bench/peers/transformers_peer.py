@@ -9,8 +9,15 @@ import io
 from pathlib import Path
 from typing import Callable
 
-from bench.peers.common import (PeerError, is_feature_draft, quiet_transformers, self_layers, skip, target_and_draft,
-                                timed_rows)
+from bench.peers.common import (
+    PeerError,
+    is_feature_draft,
+    quiet_transformers,
+    self_layers,
+    skip,
+    target_and_draft,
+    timed_rows,
+)
 from runtime.bundle import Manifest
 
 
@@ -25,6 +32,7 @@ def transformers_assistant(manifest: Manifest, target, draft_checkpoint=None):
       token but cost as much as the target, so it could never speed anything up).
     """
     from builder import build
+
     layers = self_layers(manifest)
     if layers:
         return build.truncate(target, layers), f"the target's first {layers} layers (as the bundle's draft)"
@@ -32,18 +40,29 @@ def transformers_assistant(manifest: Manifest, target, draft_checkpoint=None):
         import warnings
         import torch
         from torch.ao.quantization import quantize_dynamic
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assistant = quantize_dynamic(copy.deepcopy(target), {torch.nn.Linear}, dtype=torch.qint8)
-        return assistant, ("the target with torch dynamic int8 Linear layers (stands in for the bundle's int4 "
-                           "self-draft, which transformers cannot run)")
+        return assistant, (
+            "the target with torch dynamic int8 Linear layers (stands in for the bundle's int4 "
+            "self-draft, which transformers cannot run)"
+        )
     return draft_checkpoint.load_model(), f"the draft checkpoint {manifest.spec.draft}"
 
 
-def run_transformers(manifest: Manifest, bundle: Path, workloads: dict[str, list[list[int]]],
-                     best_k: dict[str, int], max_new_tokens: int, threads: int, eos_ids: tuple[int, ...],
-                     progress: Callable[[str], None] | None = None, allow_pickle: bool = False,
-                     trust_remote_code: bool = False) -> list[dict]:
+def run_transformers(
+    manifest: Manifest,
+    bundle: Path,
+    workloads: dict[str, list[list[int]]],
+    best_k: dict[str, int],
+    max_new_tokens: int,
+    threads: int,
+    eos_ids: tuple[int, ...],
+    progress: Callable[[str], None] | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+) -> list[dict]:
     """Plain ``generate`` and ``generate(assistant_model=...)``, greedy, per workload.
 
     ``allow_pickle`` / ``trust_remote_code``: the caller's consent for reloading the source checkpoints (the
@@ -51,6 +70,7 @@ def run_transformers(manifest: Manifest, bundle: Path, workloads: dict[str, list
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
         return [skip("transformers", "transformers/torch not installed (pip install draftsmith[peers])")]
     import torch
+
     quiet_transformers()
     if threads:
         torch.set_num_threads(threads)
@@ -59,8 +79,9 @@ def run_transformers(manifest: Manifest, bundle: Path, workloads: dict[str, list
         target_ckpt, draft_ckpt = target_and_draft(manifest, bundle, consent)
         with contextlib.redirect_stderr(io.StringIO()):  # GGUF dequantization draws its own tqdm bars
             target = target_ckpt.load_model()
-            assistant, what = (None, "") if is_feature_draft(manifest) else transformers_assistant(
-                manifest, target, draft_ckpt)
+            assistant, what = (
+                (None, "") if is_feature_draft(manifest) else transformers_assistant(manifest, target, draft_ckpt)
+            )
     except PeerError as err:
         return [skip("transformers", str(err))]
     except Exception as err:  # a peer failing must not sink the bench
@@ -70,12 +91,18 @@ def run_transformers(manifest: Manifest, bundle: Path, workloads: dict[str, list
     def generator(assisted: bool):
         def generate(ids):
             input_ids = torch.tensor([ids])
-            options = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                           pad_token_id=eos[0] if eos else None, attention_mask=torch.ones_like(input_ids))
+            options = dict(
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0] if eos else None,
+                attention_mask=torch.ones_like(input_ids),
+            )
             if assisted:
                 options["assistant_model"] = assistant
             with torch.inference_mode():
-                return target.generate(input_ids, **options)[0, len(ids):].tolist()
+                return target.generate(input_ids, **options)[0, len(ids) :].tolist()
+
         return generate
 
     rows = []

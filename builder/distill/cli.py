@@ -17,45 +17,99 @@ from runtime.presets import load_preset
 
 
 @click.command("distill")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="A preset with a 'distill:' recipe: distil its target into its 'draft' folder with the recipe's "
-                   "options (flags given here override them); a folder already distilled is kept unless --force.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A preset with a 'distill:' recipe: distil its target into its 'draft' folder with the recipe's "
+    "options (flags given here override them); a folder already distilled is kept unless --force.",
+)
 @click.option("--target", help="Target checkpoint: HF folder, .gguf file or pkg:<package>/<file>.")
-@click.option("--init", "init", default="layers=4", show_default=True,
-              help="layers=N (the target's first N layers, embeddings and head), feature (one layer drafting from "
-                   "the target's own hidden states, EAGLE-style: ONNX teacher engine only) or a draft checkpoint to "
-                   "start from.")
+@click.option(
+    "--init",
+    "init",
+    default="layers=4",
+    show_default=True,
+    help="layers=N (the target's first N layers, embeddings and head), feature (one layer drafting from "
+    "the target's own hidden states, EAGLE-style: ONNX teacher engine only) or a draft checkpoint to "
+    "start from.",
+)
 @click.option("--out", type=click.Path(), help="Folder for the draft (HF format, safetensors).")
-@click.option("--prompts", type=click.Path(), default=None,
-              help="Prompt file ('---'-separated blocks or one per line; '@completion' first line: raw text). "
-                   "Default: the shipped corpus.")
+@click.option(
+    "--prompts",
+    type=click.Path(),
+    default=None,
+    help="Prompt file ('---'-separated blocks or one per line; '@completion' first line: raw text). "
+    "Default: the shipped corpus.",
+)
 @click.option("--minutes", type=float, default=15.0, show_default=True, help="Whole budget: generation + training.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Target tokens per prompt.")
-@click.option("--temperature", type=float, default=0.0, show_default=True,
-              help="Target sampling temperature for the training continuations (0: greedy).")
-@click.option("--loss", type=click.Choice(["kl", "tokens"]), default="kl", show_default=True,
-              help="kl: KL(target || draft) on the target's top-k probabilities; tokens: cross-entropy on its tokens.")
-@click.option("--draft-vocab", type=int, default=0, show_default=True,
-              help="Keep only the N most frequent target tokens in the draft's head (0: full head).")
-@click.option("--samples-per-prompt", type=int, default=1, show_default=True,
-              help="Continuations per training prompt: the first at --temperature, the others sampled at "
-                   "--sample-temperature while the generation share lasts (more distinct text, less overfitting).")
-@click.option("--sample-temperature", type=float, default=1.0, show_default=True,
-              help="Temperature of the extra continuations.")
-@click.option("--generate-share", type=float, default=0.4, show_default=True,
-              help="Share of the budget (after loading) for generating continuations; training gets the rest.")
-@click.option("--teacher-engine", type=click.Choice(["auto", "gguf", "fp32", "torch"]), default="auto",
-              show_default=True,
-              help="What continues the prompts and gives the teacher rows: the target's fused ONNX engine (auto: the "
-                   "GGUF file's own blocks for a .gguf target, else fp32) in continuous batches, or torch.")
-@click.option("--generate-batch", type=int, default=32, show_default=True,
-              help="Rows the ONNX engine continues at once.")
-@click.option("--self-prompts", type=int, default=0, show_default=True,
-              help="Have the target write N user queries from its chat template's user-turn prefix (Magpie) and "
-                   "train on them too (chat models; the held-out prompts stay the shipped ones).")
+@click.option(
+    "--temperature",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Target sampling temperature for the training continuations (0: greedy).",
+)
+@click.option(
+    "--loss",
+    type=click.Choice(["kl", "tokens"]),
+    default="kl",
+    show_default=True,
+    help="kl: KL(target || draft) on the target's top-k probabilities; tokens: cross-entropy on its tokens.",
+)
+@click.option(
+    "--draft-vocab",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Keep only the N most frequent target tokens in the draft's head (0: full head).",
+)
+@click.option(
+    "--samples-per-prompt",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Continuations per training prompt: the first at --temperature, the others sampled at "
+    "--sample-temperature while the generation share lasts (more distinct text, less overfitting).",
+)
+@click.option(
+    "--sample-temperature", type=float, default=1.0, show_default=True, help="Temperature of the extra continuations."
+)
+@click.option(
+    "--generate-share",
+    type=float,
+    default=0.4,
+    show_default=True,
+    help="Share of the budget (after loading) for generating continuations; training gets the rest.",
+)
+@click.option(
+    "--teacher-engine",
+    type=click.Choice(["auto", "gguf", "fp32", "torch"]),
+    default="auto",
+    show_default=True,
+    help="What continues the prompts and gives the teacher rows: the target's fused ONNX engine (auto: the "
+    "GGUF file's own blocks for a .gguf target, else fp32) in continuous batches, or torch.",
+)
+@click.option(
+    "--generate-batch", type=int, default=32, show_default=True, help="Rows the ONNX engine continues at once."
+)
+@click.option(
+    "--self-prompts",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Have the target write N user queries from its chat template's user-turn prefix (Magpie) and "
+    "train on them too (chat models; the held-out prompts stay the shipped ones).",
+)
 @click.option("--heldout", type=float, default=0.1, show_default=True, help="Share of prompts held out.")
-@click.option("--lr", type=float, default=5e-4, show_default=True,
-              help="Peak learning rate of a layers=N draft (a feature draft trains at its own 3e-3).")
+@click.option(
+    "--lr",
+    type=float,
+    default=5e-4,
+    show_default=True,
+    help="Peak learning rate of a layers=N draft (a feature draft trains at its own 3e-3).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0: torch's default).")
 @click.option("--force", is_flag=True, help="Replace the draft folder at --out (only a model folder, or an empty one).")
@@ -64,19 +118,24 @@ from runtime.presets import load_preset
 def distill(ctx, config_path, target, out, threads, force, as_json, **flags):
     """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
     from builder.checkpoint import CheckpointError
+
     recipe = DistillRecipe(**flags)  # the flags are RECIPE_KEYS, with the recipe's defaults
     if config_path is not None:
         try:
             recipe_target, recipe_out, preset = recipe_from(load_preset(config_path), config_path)
         except (DistillError, SpecError) as err:
             raise click.ClickException(str(err)) from None
-        given = {name: flags[name] for name in flags
-                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+        given = {
+            name: flags[name]
+            for name in flags
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        }
         recipe = preset.overridden(given)  # flags override the recipe
         target, out = target or recipe_target, out or recipe_out
         if is_distilled(Path(out)) and not force:
-            click.echo(f"{out} already holds a distilled draft ({REPORT_FILE}); keeping it (--force redoes it)",
-                       err=True)
+            click.echo(
+                f"{out} already holds a distilled draft ({REPORT_FILE}); keeping it (--force redoes it)", err=True
+            )
             return
     if not target or not out:
         raise click.UsageError("give --target and --out, or --config PRESET with a 'distill:' recipe")
@@ -88,14 +147,20 @@ def distill(ctx, config_path, target, out, threads, force, as_json, **flags):
         click.echo(json.dumps(report, indent=2))
         return
     b, a = report["before"], report["after"]
-    click.echo(f"held-out top-1 agreement: {b['top1_agreement']:.3f} -> {a['top1_agreement']:.3f} "
-               f"({report['heldout_prompts']} prompts, {report['heldout_tokens']} target tokens)")
+    click.echo(
+        f"held-out top-1 agreement: {b['top1_agreement']:.3f} -> {a['top1_agreement']:.3f} "
+        f"({report['heldout_prompts']} prompts, {report['heldout_tokens']} target tokens)"
+    )
     if "chained" in a:  # a feature draft: its chained greedy agreement per draft position
-        click.echo(f"chained greedy agreement per draft position: {b['chained']['per_position']} -> "
-                   f"{a['chained']['per_position']} (expected accepted tokens at k=4: "
-                   f"{b['chained']['mean_accepted']:.2f} -> {a['chained']['mean_accepted']:.2f})")
+        click.echo(
+            f"chained greedy agreement per draft position: {b['chained']['per_position']} -> "
+            f"{a['chained']['per_position']} (expected accepted tokens at k=4: "
+            f"{b['chained']['mean_accepted']:.2f} -> {a['chained']['mean_accepted']:.2f})"
+        )
     for k in ("2", "3", "4") if "greedy" in a else ():
-        click.echo(f"greedy acceptance k={k}: {b['greedy'][k]['acceptance']:.3f} -> {a['greedy'][k]['acceptance']:.3f}"
-                   f"  (tokens/step {b['greedy'][k]['tokens_per_step']:.2f} -> {a['greedy'][k]['tokens_per_step']:.2f};"
-                   f" per-position alpha {a['greedy'][k]['alpha']})")
+        click.echo(
+            f"greedy acceptance k={k}: {b['greedy'][k]['acceptance']:.3f} -> {a['greedy'][k]['acceptance']:.3f}"
+            f"  (tokens/step {b['greedy'][k]['tokens_per_step']:.2f} -> {a['greedy'][k]['tokens_per_step']:.2f};"
+            f" per-position alpha {a['greedy'][k]['alpha']})"
+        )
     click.echo(f"time: {report['seconds']}")

@@ -16,8 +16,11 @@ from builder.distill.corpus import Sample
 
 def eos_ids_of(model, tokenizer) -> list[int]:
     ids = set()
-    for value in (getattr(model.config, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)
-                  if getattr(model, "generation_config", None) else None, tokenizer.eos_token_id):
+    for value in (
+        getattr(model.config, "eos_token_id", None),
+        getattr(model.generation_config, "eos_token_id", None) if getattr(model, "generation_config", None) else None,
+        tokenizer.eos_token_id,
+    ):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
@@ -25,27 +28,39 @@ def eos_ids_of(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, seed: int = 0,
-             eos_ids: list[int], pad_id: int, batch_size: int = 16, deadline: float = math.inf,
-             advance: Callable[[int], None] = lambda n: None) -> list[Sample]:
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_ids: list[int],
+    pad_id: int,
+    batch_size: int = 16,
+    deadline: float = math.inf,
+    advance: Callable[[int], None] = lambda n: None,
+) -> list[Sample]:
     """Continue every prompt with the target (left-padded batches of similar length). Stops starting batches at
     ``deadline``; returns the samples made so far, in the order of ``prompts``."""
     import torch
+
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     done: dict[int, Sample] = {}
     torch.manual_seed(seed)
     for start in range(0, len(order), batch_size):
         if start and time.perf_counter() > deadline:  # the first batch always runs
             break
-        rows = order[start: start + batch_size]
+        rows = order[start : start + batch_size]
         width = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for r, i in enumerate(rows):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        options = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                       eos_token_id=eos_ids or None)
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]) :] = 1
+        options = dict(
+            do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids or None
+        )
         if temperature > 0:
             options.update(temperature=temperature, top_k=0, top_p=1.0)
         else:
@@ -85,9 +100,19 @@ class _Row:
     features: list = field(default_factory=list)  # float16 [n, H] chunks: the target's hidden state per position
 
 
-def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k: int, eos_ids: list[int],
-                         seed: int = 0, batch_size: int = 32, deadline: float = math.inf, features: bool = False,
-                         advance: Callable[[int], None] = lambda n: None) -> list[Sample]:
+def generate_with_engine(
+    engine,
+    jobs: list[Job],
+    max_new_tokens: int,
+    *,
+    top_k: int,
+    eos_ids: list[int],
+    seed: int = 0,
+    batch_size: int = 32,
+    deadline: float = math.inf,
+    features: bool = False,
+    advance: Callable[[int], None] = lambda n: None,
+) -> list[Sample]:
     """Continue every job's prompt with the target's ONNX engine (``runtime.engines.onnx.FusedEngine``), filling each
     sample's teacher rows from the same calls: no second teacher pass.
 
@@ -100,6 +125,7 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
     order.
     """
     import torch
+
     generator = torch.Generator().manual_seed(seed)
     waiting = deque(range(len(jobs)))
     rows: list[_Row] = []
@@ -115,7 +141,7 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
             if row.rows_from:  # the prompt without its head rows, then its last token scored alone
                 engine.prefill(one, np.array([row.prompt[:-1]], np.int64))
                 _keep_features(row, one, features)
-            logits = torch.from_numpy(engine.forward(one, np.array([row.prompt[row.rows_from:]], np.int64))[0])
+            logits = torch.from_numpy(engine.forward(one, np.array([row.prompt[row.rows_from :]], np.int64))[0])
             _keep_features(row, one, features)
             ids, probs = _top(logits, top_k)
             row.top_ids.append(ids)
@@ -127,8 +153,14 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
         if len(live) < len(rows):
             for b in sorted(set(range(len(rows))) - set(live)):
                 r = rows[b]
-                done[r.job] = Sample(r.prompt, r.continuation, np.concatenate(r.top_ids), np.concatenate(r.top_probs),
-                                     r.rows_from, np.concatenate(r.features) if features else None)
+                done[r.job] = Sample(
+                    r.prompt,
+                    r.continuation,
+                    np.concatenate(r.top_ids),
+                    np.concatenate(r.top_probs),
+                    r.rows_from,
+                    np.concatenate(r.features) if features else None,
+                )
             advance(len(rows) - len(live))
             rows = [rows[b] for b in live]
             cache = engine.select(cache, np.array(live, np.int64)) if rows else None
@@ -142,8 +174,8 @@ def generate_with_engine(engine, jobs: list[Job], max_new_tokens: int, *, top_k:
         chosen = _choose(logits, [r.temperature for r in rows], generator)
         hidden = cache.extra.get("hidden") if features else None
         for b, r in enumerate(rows):
-            r.top_ids.append(ids[b: b + 1])
-            r.top_probs.append(probs[b: b + 1])
+            r.top_ids.append(ids[b : b + 1])
+            r.top_probs.append(probs[b : b + 1])
             r.continuation.append(int(chosen[b]))
             if hidden is not None:
                 r.features.append(hidden[b].astype(np.float16))
@@ -161,6 +193,7 @@ def _keep_features(row: _Row, cache, wanted: bool) -> None:
 def _top(logits, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """The teacher rows of ``logits`` [N, V]: top-k ids and probabilities at temperature 1."""
     import torch
+
     values, index = torch.softmax(logits, dim=-1).topk(min(top_k, logits.shape[-1]), dim=-1)
     return index.numpy().astype(np.int64), values.numpy().astype(np.float32)
 
@@ -169,6 +202,7 @@ def _choose(logits, temperatures: list[float], generator):
     """Each row's next token: argmax at temperature 0, else a draw from softmax(logits / T) by inverting its CDF
     (one uniform a row; torch.multinomial costs ~1 ms a 49k-wide row here)."""
     import torch
+
     temps = torch.tensor(temperatures, dtype=torch.float32)[:, None]
     greedy = logits.argmax(dim=-1)
     if not (temps > 0).any():
@@ -186,6 +220,7 @@ def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, ma
     from builder.gguf import weights as gguf_weights
     from builder.decoder import GraphError, from_transformers
     from runtime.engines.onnx import FusedEngine
+
     try:
         decoder = from_transformers(model, max_context)  # rotary tables for this many tokens
     except GraphError:
@@ -197,5 +232,12 @@ def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, ma
     else:
         graph.build(decoder, path)
     info = graph.info_of(decoder)
-    return FusedEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                       vocab_size=info.vocab_size, max_context=max_context, threads=threads)
+    return FusedEngine(
+        path,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        max_context=max_context,
+        threads=threads,
+    )

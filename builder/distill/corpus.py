@@ -64,8 +64,9 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
         else:
             prompts.append(Prompt(block))
     if len(prompts) < 2:
-        raise DistillError(f"{path or 'the shipped corpus'}: need at least 2 prompts (some are held out), "
-                           f"found {len(prompts)}")
+        raise DistillError(
+            f"{path or 'the shipped corpus'}: need at least 2 prompts (some are held out), found {len(prompts)}"
+        )
     return prompts
 
 
@@ -80,11 +81,13 @@ def split_prompts(prompts: list, heldout: float, seed: int) -> tuple[list, list]
 
 
 def encode(tokenizer, prompt: Prompt, chat: bool | None, max_tokens: int) -> list[int]:
-    use_chat = (bool((not prompt.completion) if chat is None else chat)
-                and bool(getattr(tokenizer, "chat_template", None)))
+    use_chat = bool((not prompt.completion) if chat is None else chat) and bool(
+        getattr(tokenizer, "chat_template", None)
+    )
     if use_chat:  # transformers renders templates in jinja2's sandbox, as runtime.text.tokenizer does
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], tokenize=False, add_generation_prompt=True
+        )
     else:
         text = prompt.text
     # as the runtime encodes prompts: a rendered chat prompt carries its own special tokens (Tokenizer.encode_chat)
@@ -94,6 +97,7 @@ def encode(tokenizer, prompt: Prompt, chat: bool | None, max_tokens: int) -> lis
 
 def pad(rows: list[list[int]], pad: int = 0):
     import torch
+
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -112,8 +116,9 @@ def batches(samples: list[Sample], tokens: int, shuffle: random.Random | None):
         shuffle.shuffle(order)
         # sort within windows so batches hold similar lengths but their order stays random
         window = 64
-        order = [s for i in range(0, len(order), window)
-                 for s in sorted(order[i: i + window], key=lambda s: len(s.ids))]
+        order = [
+            s for i in range(0, len(order), window) for s in sorted(order[i : i + window], key=lambda s: len(s.ids))
+        ]
     batch: list[Sample] = []
     chunks = []
     for s in order:

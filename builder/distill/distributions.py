@@ -12,10 +12,16 @@ import numpy as np
 from builder.distill.corpus import Sample, batches, pad
 
 
-def teacher(model, samples: list[Sample], top_k: int, tokens_per_batch: int = 1024,
-            advance: Callable[[int], None] = lambda n: None) -> None:
+def teacher(
+    model,
+    samples: list[Sample],
+    top_k: int,
+    tokens_per_batch: int = 1024,
+    advance: Callable[[int], None] = lambda n: None,
+) -> None:
     """Fill each sample's sparse teacher rows: the target's top-k next-token probabilities at every position."""
     import torch
+
     for batch in batches(samples, tokens_per_batch, shuffle=None):
         ids, mask = pad([s.ids for s in batch])
         with torch.no_grad():

@@ -63,6 +63,7 @@ def init_draft(target_model, init: str, allow_pickle: bool = False):
     the target is untouched); otherwise a checkpoint (HF folder or .gguf) to start from."""
     import torch
     from transformers import AutoModelForCausalLM
+
     if init.startswith("layers="):
         layers = check_init(init, target_model.config.num_hidden_layers)
         config = clean_config(target_model.config, layers)
@@ -79,6 +80,7 @@ def init_draft(target_model, init: str, allow_pickle: bool = False):
             raise DistillError(f"--init {init}: the truncated draft has weights the target lacks: {missing[:5]}")
         return draft.eval()
     from builder import checkpoint as ckpt
+
     draft = ckpt.resolve(init, allow_pickle).load_model()
     draft.config = clean_config(draft.config)
     draft.hf_quantizer = None
@@ -113,6 +115,7 @@ def coverage(samples: list[Sample], kept: np.ndarray | None) -> float:
 
 def head_weight(draft, kept):
     import torch
+
     weight = draft.get_output_embeddings().weight
     return weight if kept is None else weight.index_select(0, torch.as_tensor(kept))
 
@@ -126,6 +129,7 @@ def reduce_head(model, kept: np.ndarray):
     """Replace the output head by one over the kept ids only (untied from the embeddings, which stay full).
     The model then returns logits [B, S, len(kept)], column j for token kept[j]."""
     import torch
+
     head = model.get_output_embeddings()
     if int(kept.max()) >= head.weight.shape[0]:
         raise DistillError(f"draft_vocab keeps id {int(kept.max())} but the head has {head.weight.shape[0]} rows")

@@ -25,13 +25,17 @@ class Acceptance:
     greedy: dict = field(default_factory=dict)  # k -> {"acceptance", "tokens_per_step", "alpha"}
 
     def to_dict(self) -> dict:
-        return {"top1_agreement": round(self.top1, 4), "positions": self.positions,
-                "greedy": {str(k): v for k, v in self.greedy.items()}}
+        return {
+            "top1_agreement": round(self.top1, 4),
+            "positions": self.positions,
+            "greedy": {str(k): v for k, v in self.greedy.items()},
+        }
 
 
 def draft_argmax(draft, samples: list[Sample], kept: np.ndarray | None, tokens_per_batch: int = 1024) -> list:
     """Teacher-forced draft argmax (full-vocabulary ids) at every next-token position of each sample."""
     import torch
+
     out = {}
     with torch.no_grad():
         weight = head_weight(draft, kept)
@@ -53,7 +57,7 @@ def acceptance(draft, samples: list[Sample], kept: np.ndarray | None = None, ks=
     for s, pred in zip(samples, predictions):
         start = len(s.prompt) - 1  # position whose next token is the first continuation token
         want = np.asarray(s.continuation, np.int64)
-        matches.append(pred[start: start + len(want)] == want)
+        matches.append(pred[start : start + len(want)] == want)
     total = sum(len(m) for m in matches)
     top1 = float(sum(int(m.sum()) for m in matches) / total) if total else 0.0
     return Acceptance(top1, total, {k: replay(matches, k) for k in ks})
@@ -76,6 +80,8 @@ def replay(matches: list[np.ndarray], k: int) -> dict:
             kept_at[:n] += 1
             drafted, accepted, steps, emitted = drafted + d, accepted + n, steps + 1, emitted + n + 1
             pos += n + 1
-    return {"acceptance": round(accepted / drafted, 4) if drafted else 0.0,
-            "tokens_per_step": round(emitted / steps, 3) if steps else 0.0,
-            "alpha": [round(float(a), 4) for a in kept_at / np.maximum(tried, 1)]}
+    return {
+        "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
+        "tokens_per_step": round(emitted / steps, 3) if steps else 0.0,
+        "alpha": [round(float(a), 4) for a in kept_at / np.maximum(tried, 1)],
+    }

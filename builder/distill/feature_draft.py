@@ -58,12 +58,17 @@ class FeatureConfig:
         model, trained and run with the same tables, and only its sizes come from the target."""
         check_target(config)
         heads = config.num_attention_heads
-        return cls(hidden=config.hidden_size, heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   intermediate=config.intermediate_size, eps=float(config.rms_norm_eps),
-                   rope_theta=float(draft_rope_theta(config)), max_positions=int(config.max_position_embeddings),
-                   target_sha256=target_sha256)
+        return cls(
+            hidden=config.hidden_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate=config.intermediate_size,
+            eps=float(config.rms_norm_eps),
+            rope_theta=float(draft_rope_theta(config)),
+            max_positions=int(config.max_position_embeddings),
+            target_sha256=target_sha256,
+        )
 
 
 def draft_rope_theta(config) -> float:
@@ -84,10 +89,13 @@ def check_target(config) -> None:
     trained against and what it predicts): a capped or scaled output (Gemma 2's final_logit_softcapping, Cohere's
     logit_scale, Granite's logits_scaling)."""
     from builder.distill.draft import output_transform
+
     problem = output_transform(config)
     if problem:
-        raise DistillError(f"a feature draft needs a target whose logits are its head times its final hidden state; "
-                           f"this one has {problem}. Use --init layers=N or an int4 self-draft (--draft self)")
+        raise DistillError(
+            f"a feature draft needs a target whose logits are its head times its final hidden state; "
+            f"this one has {problem}. Use --init layers=N or an int4 self-draft (--draft self)"
+        )
 
 
 def _module():
@@ -102,10 +110,19 @@ def _module():
             self.cfg = cfg
             self.register_buffer("embedding", embedding.detach().float().clone(), persistent=False)
             self.register_buffer("head", head.detach().float().clone(), persistent=False)  # [K, H] kept rows
-            shapes = {"fc": (h, 2 * h), "attn_norm": (h,), "q": (cfg.heads * d, h), "k": (cfg.kv_heads * d, h),
-                      "v": (cfg.kv_heads * d, h), "o": (h, cfg.heads * d), "mlp_norm": (h,),
-                      "gate": (cfg.intermediate, h), "up": (cfg.intermediate, h), "down": (h, cfg.intermediate),
-                      "final_norm": (h,)}
+            shapes = {
+                "fc": (h, 2 * h),
+                "attn_norm": (h,),
+                "q": (cfg.heads * d, h),
+                "k": (cfg.kv_heads * d, h),
+                "v": (cfg.kv_heads * d, h),
+                "o": (h, cfg.heads * d),
+                "mlp_norm": (h,),
+                "gate": (cfg.intermediate, h),
+                "up": (cfg.intermediate, h),
+                "down": (h, cfg.intermediate),
+                "final_norm": (h,),
+            }
             generator = torch.Generator().manual_seed(0)
             for name, shape in shapes.items():
                 if layer and name in layer:
@@ -156,7 +173,7 @@ def _module():
             weights = torch.softmax(torch.cat([scores] + diag_scores, dim=-1), dim=-1)
             out = torch.einsum("bhgst,bhtd->bhgsd", weights[..., :s], base_v)
             for j, (_, dv) in enumerate(diagonal):
-                out = out + weights[..., s + j: s + j + 1] * dv[:, :, None]
+                out = out + weights[..., s + j : s + j + 1] * dv[:, :, None]
             attn = out.reshape(b, cfg.heads, s, cfg.head_dim).transpose(1, 2).reshape(b, s, -1)
             x = x + attn @ self.o.T
             normed = self._norm(x, self.mlp_norm)
@@ -173,6 +190,7 @@ def init_feature_draft(target_model, kept: np.ndarray | None, target_sha256: str
     embeddings and head rows (kept ids) the target's, frozen. Both fc inputs are scaled to unit RMS: the features
     divided by the target's final-norm weight, the embeddings by their RMS (they are ~10x smaller)."""
     import torch
+
     cfg = FeatureConfig.of_target(target_model.config, target_sha256)
     state = {n: t.detach().float() for n, t in target_model.state_dict().items()}
     embedding = state["model.embed_tokens.weight"]
@@ -180,15 +198,19 @@ def init_feature_draft(target_model, kept: np.ndarray | None, target_sha256: str
     if kept is not None:
         head = head[torch.as_tensor(kept)]
     if getattr(target_model.get_output_embeddings(), "bias", None) is not None:
-        raise DistillError("a feature draft needs a target whose output head has no bias (the draft's logits are "
-                           "its head rows times its predicted feature); use --init layers=N")
+        raise DistillError(
+            "a feature draft needs a target whose output head has no bias (the draft's logits are "
+            "its head rows times its predicted feature); use --init layers=N"
+        )
     gamma = effective_norm_weight(target_model.model.norm, cfg.hidden, cfg.eps)
     h = cfg.hidden
-    fc = torch.cat([torch.randn(h, h, generator=torch.Generator().manual_seed(1)) * (0.5 / math.sqrt(h)),
-                    torch.eye(h)], dim=1)  # the layer starts from the feature itself, plus a little of the token
+    fc = torch.cat(
+        [torch.randn(h, h, generator=torch.Generator().manual_seed(1)) * (0.5 / math.sqrt(h)), torch.eye(h)], dim=1
+    )  # the layer starts from the feature itself, plus a little of the token
     draft = _module()(cfg, embedding, head, {"final_norm": gamma.numpy(), "fc": fc.numpy()})
-    scale = torch.cat([torch.full((cfg.hidden,), float(embedding.pow(2).mean().rsqrt())),
-                       1.0 / gamma.abs().clamp(min=1e-3)])
+    scale = torch.cat(
+        [torch.full((cfg.hidden,), float(embedding.pow(2).mean().rsqrt())), 1.0 / gamma.abs().clamp(min=1e-3)]
+    )
     draft.input_scale.copy_(scale)
     return draft
 
@@ -197,6 +219,7 @@ def effective_norm_weight(norm, hidden: int, eps: float):
     """The per-channel scale an RMSNorm module applies, whatever its convention (Llama: x * w; Gemma: x * (1 + w)):
     its output for an input of all ones (RMS 1) times sqrt(1 + eps)."""
     import torch
+
     with torch.no_grad():
         out = norm(torch.ones(1, 1, hidden, dtype=torch.float32))
     return (out.reshape(hidden).double() * math.sqrt(1.0 + eps)).float()
@@ -204,9 +227,11 @@ def effective_norm_weight(norm, hidden: int, eps: float):
 
 # --- training ---------------------------------------------------------------------------------------------------------
 
+
 def _batch(samples: list[Sample]):
     """Right-padded tokens, features and masks of samples that carry features."""
     import torch
+
     width = max(len(s.ids) - 1 for s in samples)
     hidden = samples[0].features.shape[1]
     tokens = torch.zeros((len(samples), width + 1), dtype=torch.long)
@@ -224,13 +249,14 @@ def unrolled(draft, tokens, feats, mask, levels: int, noise: float = 0.0):
     """Each level's (predicted features, logits) over the batch: level s at index i drafts the token at i+s+1 from
     the true pairs up to i and its own chain (see the module docstring)."""
     import torch
+
     b, width = mask.shape
     positions = torch.arange(width)[None].expand(b, width)
     inputs = feats + noise * (torch.rand_like(feats) - 0.5) if noise else feats
     past, outs = [], []
     for s in range(levels):
         # level s: token at i+s+1 (padding past the end: masked out of the loss)
-        toks = torch.nn.functional.pad(tokens[:, s + 1:], (0, s))[:, :width]
+        toks = torch.nn.functional.pad(tokens[:, s + 1 :], (0, s))[:, :width]
         pred, logits, kv = draft.level(toks, inputs, positions + s, past, mask)
         past.append(kv)
         outs.append((pred, logits))
@@ -242,12 +268,13 @@ def feature_loss(draft, batch: list[Sample], levels: int, noise: float, logit_we
     """Sum over levels of smooth-L1(feature) + logit_weight * cross-entropy to the target's kept-vocabulary
     distribution; returns (loss, level-0 top-1 agreement with the target's argmax)."""
     import torch
+
     tokens, feats, mask = _batch(batch)
     total, agree = 0.0, 0.0
     for s, (pred, logits) in enumerate(unrolled(draft, tokens, feats, mask, levels, noise)):
         # level s at index i predicts feature i+s+1 (the target feature exists while i+s+1 < n)
-        target = torch.nn.functional.pad(feats[:, s + 1:], (0, 0, 0, s + 1))
-        valid = torch.nn.functional.pad(mask[:, s + 1:], (0, s + 1)).bool()
+        target = torch.nn.functional.pad(feats[:, s + 1 :], (0, 0, 0, s + 1))
+        valid = torch.nn.functional.pad(mask[:, s + 1 :], (0, s + 1)).bool()
         if not valid.any():
             continue
         p, t, lg = pred[valid], target[valid], logits[valid]
@@ -261,14 +288,25 @@ def feature_loss(draft, batch: list[Sample], levels: int, noise: float, logit_we
     return total, agree
 
 
-def train_feature_draft(draft, samples: list[Sample], *, deadline: float, max_steps: int | None = None,
-                        lr: float = 3e-3, tokens_per_batch: int = 2048, levels: int = 1, noise: float = 0.2,
-                        seed: int = 0, on_step: Callable[[int, float, float], None] = lambda *a: None) -> dict:
+def train_feature_draft(
+    draft,
+    samples: list[Sample],
+    *,
+    deadline: float,
+    max_steps: int | None = None,
+    lr: float = 3e-3,
+    tokens_per_batch: int = 2048,
+    levels: int = 1,
+    noise: float = 0.2,
+    seed: int = 0,
+    on_step: Callable[[int, float, float], None] = lambda *a: None,
+) -> dict:
     """AdamW on the layer and fc (embeddings and head frozen) until ``deadline`` or ``max_steps``; warm-up then
     cosine decay over the budget."""
     import torch
     from builder.distill.corpus import batches
     from builder.distill.training import optimize, set_rate
+
     usable = [s for s in samples if s.features is not None and len(s.ids) > 2]
     if not usable:
         raise DistillError("no training sample carries target features (the teacher must be the ONNX engine)")
@@ -283,22 +321,28 @@ def train_feature_draft(draft, samples: list[Sample], *, deadline: float, max_st
         for batch in batches(usable, tokens_per_batch, shuffle=rng):
             progress = step / max_steps if max_steps else (time.perf_counter() - started) / budget
             if progress >= 1.0:
-                return {"steps": step, "seconds": round(time.perf_counter() - started, 1), "levels": levels,
-                        "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None}
+                return {
+                    "steps": step,
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "levels": levels,
+                    "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None,
+                }
             rate = set_rate(optimizer, lr, step, progress)
             losses.append(optimize(optimizer, feature_loss(draft, batch, levels, noise)[0], params))
             step += 1
             on_step(step, losses[-1], rate)
 
 
-def chained_agreement(draft, samples: list[Sample], kept: np.ndarray | None, levels: int = 4,
-                      tokens_per_batch: int = 4096) -> dict:
+def chained_agreement(
+    draft, samples: list[Sample], kept: np.ndarray | None, levels: int = 4, tokens_per_batch: int = 4096
+) -> dict:
     """Greedy agreement of the chained draft with the target's own continuation, per draft position: position s
     counts where positions 1..s all matched (so it is the share of steps that reach and keep draft token s), and
     ``top1`` is position 1 alone; ``mean_accepted`` = sum over positions, the expected accepted tokens at k=levels.
     Exact for the run-time chain, teacher-forced on the target's tokens (a rejected token ends the chain)."""
     import torch
     from builder.distill.corpus import batches
+
     usable = [s for s in samples if s.features is not None and len(s.continuation) > 1]
     reached = np.zeros(levels)
     positions = 0
@@ -320,11 +364,16 @@ def chained_agreement(draft, samples: list[Sample], kept: np.ndarray | None, lev
                             break
                         reached[lvl] += 1
     rates = reached / max(positions, 1)
-    return {"top1": round(float(rates[0]), 4), "per_position": [round(float(x), 4) for x in rates],
-            "mean_accepted": round(float(rates.sum()), 3), "positions": positions}
+    return {
+        "top1": round(float(rates[0]), 4),
+        "per_position": [round(float(x), 4) for x in rates],
+        "mean_accepted": round(float(rates.sum()), 3),
+        "positions": positions,
+    }
 
 
 # --- saving and the graph -------------------------------------------------------------------------------------------
+
 
 def saved_weights(draft) -> dict[str, np.ndarray]:
     """The weights as saved: the input scales folded into fc (a loaded draft has unit scales)."""
@@ -335,6 +384,7 @@ def saved_weights(draft) -> dict[str, np.ndarray]:
 
 def save_feature_draft(draft, folder: Path) -> None:
     from safetensors.numpy import save_file
+
     save_file(saved_weights(draft), str(folder / WEIGHTS_FILE))
     (folder / CONFIG_FILE).write_text(json.dumps({"kind": "feature", **asdict(draft.cfg)}, indent=2), encoding="utf-8")
 
@@ -346,51 +396,91 @@ def is_feature_draft(folder: Path) -> bool:
 def load_feature_weights(folder: Path) -> tuple[FeatureConfig, dict[str, np.ndarray]]:
     """The config and weights of a saved feature draft, checked for every name and shape (safetensors: no code)."""
     from safetensors.numpy import load_file
+
     folder = Path(folder)
     try:
         data = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.pop("kind", None) != "feature":
-            raise ValueError(f"{CONFIG_FILE} must be an object with \"kind\": \"feature\"")
+            raise ValueError(f'{CONFIG_FILE} must be an object with "kind": "feature"')
         cfg = FeatureConfig(**data)
         weights = load_file(str(folder / WEIGHTS_FILE))
     except (OSError, ValueError, TypeError) as err:
         raise DistillError(f"{folder}: not a readable feature draft ({err}); distill it again") from None
     h, d, i = cfg.hidden, cfg.head_dim, cfg.intermediate
-    shapes = {"fc": (h, 2 * h), "attn_norm": (h,), "q": (cfg.heads * d, h), "k": (cfg.kv_heads * d, h),
-              "v": (cfg.kv_heads * d, h), "o": (h, cfg.heads * d), "mlp_norm": (h,), "gate": (i, h), "up": (i, h),
-              "down": (h, i), "final_norm": (h,)}
+    shapes = {
+        "fc": (h, 2 * h),
+        "attn_norm": (h,),
+        "q": (cfg.heads * d, h),
+        "k": (cfg.kv_heads * d, h),
+        "v": (cfg.kv_heads * d, h),
+        "o": (h, cfg.heads * d),
+        "mlp_norm": (h,),
+        "gate": (i, h),
+        "up": (i, h),
+        "down": (h, i),
+        "final_norm": (h,),
+    }
     for name, shape in shapes.items():
         if name not in weights or tuple(weights[name].shape) != shape:
-            raise DistillError(f"{folder / WEIGHTS_FILE}: {name} must be {shape}, found "
-                               f"{None if name not in weights else tuple(weights[name].shape)}")
+            raise DistillError(
+                f"{folder / WEIGHTS_FILE}: {name} must be {shape}, found "
+                f"{None if name not in weights else tuple(weights[name].shape)}"
+            )
     return cfg, weights
 
 
 def feature_decoder(cfg: FeatureConfig, weights: dict[str, np.ndarray], embedding: np.ndarray, head: np.ndarray):
     """The draft as a builder.graph Decoder (one layer, a ``features`` input, head rows ``head`` [K, H])."""
     from builder.decoder import Decoder, Layer, Linear
+
     w = weights
-    layer = Layer(attn_norm=w["attn_norm"], qkv=Linear(np.concatenate([w["q"], w["k"], w["v"]]).T), o=Linear(w["o"].T),
-                  mlp_norm=w["mlp_norm"], gate_up=Linear(np.concatenate([w["gate"], w["up"]]).T),
-                  down=Linear(w["down"].T))
-    return Decoder(hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                   intermediate=cfg.intermediate, vocab=int(head.shape[0]), eps=cfg.eps, rope_theta=cfg.rope_theta,
-                   max_positions=cfg.max_positions, embedding=np.asarray(embedding, np.float32), layers=[layer],
-                   final_norm=w["final_norm"], head=Linear(np.ascontiguousarray(np.asarray(head, np.float32).T)),
-                   feature_fc=np.ascontiguousarray(w["fc"].T))
+    layer = Layer(
+        attn_norm=w["attn_norm"],
+        qkv=Linear(np.concatenate([w["q"], w["k"], w["v"]]).T),
+        o=Linear(w["o"].T),
+        mlp_norm=w["mlp_norm"],
+        gate_up=Linear(np.concatenate([w["gate"], w["up"]]).T),
+        down=Linear(w["down"].T),
+    )
+    return Decoder(
+        hidden=cfg.hidden,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate=cfg.intermediate,
+        vocab=int(head.shape[0]),
+        eps=cfg.eps,
+        rope_theta=cfg.rope_theta,
+        max_positions=cfg.max_positions,
+        embedding=np.asarray(embedding, np.float32),
+        layers=[layer],
+        final_norm=w["final_norm"],
+        head=Linear(np.ascontiguousarray(np.asarray(head, np.float32).T)),
+        feature_fc=np.ascontiguousarray(w["fc"].T),
+    )
 
 
 def shell_config(cfg: FeatureConfig, target_config):
     """A one-layer Llama config of the draft's shapes, with the target's vocabulary, special token ids and context:
     a Llama layer is what the draft's layer is (feature_decoder), whatever the target's family."""
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=target_config.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-                       num_hidden_layers=1, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                       head_dim=cfg.head_dim, rms_norm_eps=cfg.eps, max_position_embeddings=cfg.max_positions,
-                       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                       tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
-                       **{key: getattr(target_config, key, None) for key in ("bos_token_id", "eos_token_id",
-                                                                             "pad_token_id")})
+
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.eps,
+        max_position_embeddings=cfg.max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        **{key: getattr(target_config, key, None) for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    )
 
 
 def as_transformers(draft, target_config):
@@ -399,12 +489,16 @@ def as_transformers(draft, target_config):
     it."""
     import torch
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     shell = LlamaForCausalLM(shell_config(draft.cfg, target_config))
-    names = {"model.layers.0.input_layernorm.weight": "attn_norm",
-             "model.layers.0.post_attention_layernorm.weight": "mlp_norm", "model.norm.weight": "final_norm",
-             **{f"model.layers.0.self_attn.{x}_proj.weight": x for x in "qkvo"},
-             **{f"model.layers.0.mlp.{x}_proj.weight": x for x in ("gate", "up", "down")}}
+    names = {
+        "model.layers.0.input_layernorm.weight": "attn_norm",
+        "model.layers.0.post_attention_layernorm.weight": "mlp_norm",
+        "model.norm.weight": "final_norm",
+        **{f"model.layers.0.self_attn.{x}_proj.weight": x for x in "qkvo"},
+        **{f"model.layers.0.mlp.{x}_proj.weight": x for x in ("gate", "up", "down")},
+    }
     state = {key: getattr(draft, name).detach().clone() for key, name in names.items()}
     state["model.embed_tokens.weight"] = draft.embedding.clone()
     missing, _ = shell.load_state_dict(state, strict=False)
@@ -416,8 +510,13 @@ def as_transformers(draft, target_config):
 
 def module_from(cfg: FeatureConfig, weights: dict[str, np.ndarray], embedding: np.ndarray, head: np.ndarray):
     import torch
-    return _module()(cfg, torch.from_numpy(np.asarray(embedding, np.float32)),
-                     torch.from_numpy(np.asarray(head, np.float32)), weights)
+
+    return _module()(
+        cfg,
+        torch.from_numpy(np.asarray(embedding, np.float32)),
+        torch.from_numpy(np.asarray(head, np.float32)),
+        weights,
+    )
 
 
 def check_against_torch(path: Path, info, module, tolerance: float, seed: int = 0) -> dict:
@@ -427,8 +526,16 @@ def check_against_torch(path: Path, info, module, tolerance: float, seed: int = 
     import torch
     from builder.export import compare_cases
     from runtime.engines.onnx import FusedEngine
-    engine = FusedEngine(path, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                         vocab_size=info.vocab_size, max_context=32, initial_slots=8)
+
+    engine = FusedEngine(
+        path,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        max_context=32,
+        initial_slots=8,
+    )
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, module.embedding.shape[0], (1, 7))
     feats = rng.standard_normal((1, 5, module.cfg.hidden)).astype(np.float32)
@@ -442,15 +549,18 @@ def check_against_torch(path: Path, info, module, tolerance: float, seed: int = 
         own, own_ref = cache.extra["hidden"][:, -1:], pred[:, -1:]
         past.append(kv)
         for step in range(2):  # chained: the last position's predicted feature with the next token
-            chain.append(engine.forward(cache, tokens[:, 5 + step: 6 + step], features=own)[0, 0])
+            chain.append(engine.forward(cache, tokens[:, 5 + step : 6 + step], features=own)[0, 0])
             own = cache.extra["hidden"]
             # the torch chain: a level over every index, read at the last one (its own diagonal chain)
-            level_tokens = torch.from_numpy(tokens[:, 1 + step: 6 + step])  # index 4 holds token 5 + step
+            level_tokens = torch.from_numpy(tokens[:, 1 + step : 6 + step])  # index 4 holds token 5 + step
             ins = torch.nn.functional.pad(own_ref, (0, 0, 4, 0))
             p, lg, kv = module.level(level_tokens, ins, positions + step + 1, past, mask)
             past.append(kv)
             chain_ref.append(lg[0, -1].numpy())
             own_ref = p[:, -1:]
-    cases = {"pairs": (first[0], ref[0].numpy()), "chain_1": (chain[0][None], chain_ref[0][None]),
-             "chain_2": (chain[1][None], chain_ref[1][None])}
+    cases = {
+        "pairs": (first[0], ref[0].numpy()),
+        "chain_1": (chain[0][None], chain_ref[0][None]),
+        "chain_2": (chain[1][None], chain_ref[1][None]),
+    }
     return compare_cases(cases, tolerance, info.vocab_size)

@@ -30,11 +30,14 @@ def check_target(config, init: str) -> int:
     layers = check_init(init, config.num_hidden_layers)
     if init == "feature":
         from builder.distill.feature_draft import FeatureConfig  # torch-free until a feature draft is asked for
+
         FeatureConfig.of_target(config)  # refuses what a feature draft cannot follow
     elif output_transform(config):
-        raise DistillError(f"--init {init}: the target's logits are not its head times its final hidden state "
-                           f"({output_transform(config)}), which the trainer assumes; use an int4 self-draft "
-                           "(build-engines --draft self)")
+        raise DistillError(
+            f"--init {init}: the target's logits are not its head times its final hidden state "
+            f"({output_transform(config)}), which the trainer assumes; use an int4 self-draft "
+            "(build-engines --draft self)"
+        )
     return layers
 
 
@@ -75,8 +78,16 @@ class _Target:
     pad: int
 
 
-def distill_draft(recipe: DistillRecipe, target: str, out: str | Path, *, threads: int = 0, force: bool = False,
-                  console=None, quiet: bool = False) -> dict:
+def distill_draft(
+    recipe: DistillRecipe,
+    target: str,
+    out: str | Path,
+    *,
+    threads: int = 0,
+    force: bool = False,
+    console=None,
+    quiet: bool = False,
+) -> dict:
     """Distil a draft for ``target`` by ``recipe`` into the Hugging Face folder ``out``; returns the report (also
     written to ``out/distill_report.json``).
 
@@ -86,10 +97,14 @@ def distill_draft(recipe: DistillRecipe, target: str, out: str | Path, *, thread
     """
     import torch
     from rich.console import Console
+
     started = time.perf_counter()
     out = Path(out).absolute()
-    check_out(out, force, (target,) if recipe.init.startswith("layers=") or recipe.init == "feature"
-              else (target, recipe.init))
+    check_out(
+        out,
+        force,
+        (target,) if recipe.init.startswith("layers=") or recipe.init == "feature" else (target, recipe.init),
+    )
     recipe.check()
     console = console or Console(stderr=True, quiet=quiet)
     if threads:
@@ -116,8 +131,10 @@ def _read_prompts(run: _Run):
     recipe = run.recipe
     corpus = load_prompts(recipe.prompts)
     train_prompts, held_prompts = split_prompts(corpus, recipe.heldout, recipe.seed)
-    run.say(f"distill: {len(corpus)} prompts ({len(train_prompts)} train, {len(held_prompts)} held out) from "
-            f"{recipe.prompts or 'the shipped corpus'}")
+    run.say(
+        f"distill: {len(corpus)} prompts ({len(train_prompts)} train, {len(held_prompts)} held out) from "
+        f"{recipe.prompts or 'the shipped corpus'}"
+    )
     return corpus, train_prompts, held_prompts
 
 
@@ -125,6 +142,7 @@ def _load_target(run: _Run) -> _Target:
     """The target, checked against ``init`` from its config alone before its weights load (minutes for a large
     one); its end-of-sequence ids and the padding id torch's batches use."""
     from builder import checkpoint as ckpt
+
     checkpoint = ckpt.resolve(run.target)
     check_target(checkpoint.config, run.recipe.init)
     tokenizer = checkpoint.load_tokenizer()
@@ -148,16 +166,31 @@ def _teacher_engine(run: _Run, target: _Target, work: Path):
     if recipe.teacher_engine == "torch":
         return None
     t0 = time.perf_counter()
-    quant = recipe.teacher_engine if recipe.teacher_engine != "auto" else (
-        "gguf" if target.checkpoint.gguf_file else "fp32")
-    engine = target_engine(target.model, target.checkpoint, work, quant, recipe.accuracy_level,
-                           recipe.max_prompt_tokens + recipe.max_new_tokens + 8, run.threads)
+    quant = (
+        recipe.teacher_engine
+        if recipe.teacher_engine != "auto"
+        else ("gguf" if target.checkpoint.gguf_file else "fp32")
+    )
+    engine = target_engine(
+        target.model,
+        target.checkpoint,
+        work,
+        quant,
+        recipe.accuracy_level,
+        recipe.max_prompt_tokens + recipe.max_new_tokens + 8,
+        run.threads,
+    )
     run.lap("engine", t0)
-    run.say(f"teacher: the target's fused ONNX engine ({quant})" if engine else
-            "teacher: the fused graph cannot express this target; torch generates")
+    run.say(
+        f"teacher: the target's fused ONNX engine ({quant})"
+        if engine
+        else "teacher: the fused graph cannot express this target; torch generates"
+    )
     if engine is None and recipe.features:
-        raise DistillError("--init feature needs the target as a fused ONNX engine, and the fused graph "
-                           "cannot express this target; use --init layers=N")
+        raise DistillError(
+            "--init feature needs the target as a fused ONNX engine, and the fused graph "
+            "cannot express this target; use --init layers=N"
+        )
     return engine
 
 
@@ -170,14 +203,23 @@ def _write_own_prompts(run: _Run, target: _Target, engine, corpus, progress):
         return [], []
     t0 = time.perf_counter()
     share = 0.25 * recipe.generate_share * max(0.0, run.deadline - t0)  # a quarter of the generation share at most
-    made = sample_self_prompts(engine, target.tokenizer, recipe.self_prompts, eos_ids=target.eos, seed=recipe.seed + 7,
-                               known=corpus, batch_size=recipe.generate_batch, deadline=t0 + share,
-                               advance=_task(progress, "target: writing its own prompts", recipe.self_prompts,
-                                             t0 + share))
+    made = sample_self_prompts(
+        engine,
+        target.tokenizer,
+        recipe.self_prompts,
+        eos_ids=target.eos,
+        seed=recipe.seed + 7,
+        known=corpus,
+        batch_size=recipe.generate_batch,
+        deadline=t0 + share,
+        advance=_task(progress, "target: writing its own prompts", recipe.self_prompts, t0 + share),
+    )
     made_ids = _encoded(run, target, made)
     run.lap("self_prompts", t0)
-    run.say(f"self-prompts: {len(made)} distinct user queries kept of {recipe.self_prompts} asked for"
-            + ("" if made else " (no chat template, or none finished: a base model has no user turn)"))
+    run.say(
+        f"self-prompts: {len(made)} distinct user queries kept of {recipe.self_prompts} asked for"
+        + ("" if made else " (no chat template, or none finished: a base model has no user turn)")
+    )
     return made, made_ids
 
 
@@ -193,8 +235,13 @@ def _continue_prompts(run: _Run, target: _Target, engine, progress, train_ids, h
     run.lap("generate", t0)
     if engine is None:
         t0 = time.perf_counter()
-        teacher(target.model, samples, recipe.top_k, recipe.tokens_per_batch,
-                advance=_task(progress, "target: teacher distributions", len(samples)))
+        teacher(
+            target.model,
+            samples,
+            recipe.top_k,
+            recipe.tokens_per_batch,
+            advance=_task(progress, "target: teacher distributions", len(samples)),
+        )
         run.lap("teacher", t0)
     if not samples:
         raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
@@ -223,51 +270,87 @@ def _train_layers(run: _Run, target: _Target, samples, held, kept, progress):
     t0 = time.perf_counter()
     before = acceptance(draft, held, kept)
     measure = time.perf_counter() - t0
-    run.say(f"before: held-out top-1 agreement {before.top1:.3f}, greedy acceptance "
-            + ", ".join(f"k={k} {before.greedy[k]['acceptance']:.3f}" for k in (2, 4)))
+    run.say(
+        f"before: held-out top-1 agreement {before.top1:.3f}, greedy acceptance "
+        + ", ".join(f"k={k} {before.greedy[k]['acceptance']:.3f}" for k in (2, 4))
+    )
     train_deadline = run.deadline - 1.5 * measure - 5
     if recipe.max_steps is None and train_deadline <= time.perf_counter():
         raise DistillError(f"no time left to train within --minutes {recipe.minutes}; raise it")
-    on_step, done = _training_bar(run, progress, "draft: training", train_deadline, lambda step, value, rate, s: (
-        f"training: step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s"))
-    trained = train(draft, samples, deadline=train_deadline, max_steps=recipe.max_steps, lr=recipe.lr, loss=recipe.loss,
-                    kept=kept, tokens_per_batch=recipe.tokens_per_batch, seed=recipe.seed,
-                    train_prompt_positions=recipe.train_prompt_positions, on_step=on_step)
+    on_step, done = _training_bar(
+        run,
+        progress,
+        "draft: training",
+        train_deadline,
+        lambda step, value, rate, s: f"training: step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s",
+    )
+    trained = train(
+        draft,
+        samples,
+        deadline=train_deadline,
+        max_steps=recipe.max_steps,
+        lr=recipe.lr,
+        loss=recipe.loss,
+        kept=kept,
+        tokens_per_batch=recipe.tokens_per_batch,
+        seed=recipe.seed,
+        train_prompt_positions=recipe.train_prompt_positions,
+        on_step=on_step,
+    )
     done()
     run.timings["train"] = trained["seconds"]
     return draft, before, trained
 
 
-def _publish_layers(run: _Run, tokenizer, draft, samples, held, kept, before, trained: dict,
-                    self_prompts_kept: int) -> dict:
+def _publish_layers(
+    run: _Run, tokenizer, draft, samples, held, kept, before, trained: dict, self_prompts_kept: int
+) -> dict:
     """Measure the trained draft (held out, and on as many training prompts for the overfit), write it with its
     report and say how to build with it."""
     after = acceptance(draft, held, kept)
     train_fit = acceptance(draft, samples[: len(held)], kept, ks=(4,))
-    run.say(f"after:  held-out top-1 agreement {after.top1:.3f}, greedy acceptance "
-            + ", ".join(f"k={k} {after.greedy[k]['acceptance']:.3f}" for k in (2, 4))
-            + f" (training prompts: top-1 {train_fit.top1:.3f})")
+    run.say(
+        f"after:  held-out top-1 agreement {after.top1:.3f}, greedy acceptance "
+        + ", ".join(f"k={k} {after.greedy[k]['acceptance']:.3f}" for k in (2, 4))
+        + f" (training prompts: top-1 {train_fit.top1:.3f})"
+    )
     run.lap("total", run.started)
     recipe = run.recipe
     report = {
-        "target": run.target, "init": recipe.init, "loss": recipe.loss, "seed": recipe.seed, "minutes": recipe.minutes,
-        "prompts": recipe.prompts_name, "train_prompts": len(samples), "heldout_prompts": len(held),
+        "target": run.target,
+        "init": recipe.init,
+        "loss": recipe.loss,
+        "seed": recipe.seed,
+        "minutes": recipe.minutes,
+        "prompts": recipe.prompts_name,
+        "train_prompts": len(samples),
+        "heldout_prompts": len(held),
         "train_tokens": sum(len(s.continuation) for s in samples),
         "train_positions": sum(len(s.ids) - 1 - s.rows_from for s in samples),  # positions with teacher rows
         "heldout_tokens": sum(len(s.continuation) for s in held),
-        "max_new_tokens": recipe.max_new_tokens, "generation_temperature": recipe.temperature, "top_k": recipe.top_k,
-        "samples_per_prompt": recipe.samples_per_prompt, "sample_temperature": recipe.sample_temperature,
-        "generate_share": recipe.generate_share, "teacher_engine": recipe.teacher_engine,
-        "self_prompts": recipe.self_prompts, "self_prompts_kept": self_prompts_kept,
+        "max_new_tokens": recipe.max_new_tokens,
+        "generation_temperature": recipe.temperature,
+        "top_k": recipe.top_k,
+        "samples_per_prompt": recipe.samples_per_prompt,
+        "sample_temperature": recipe.sample_temperature,
+        "generate_share": recipe.generate_share,
+        "teacher_engine": recipe.teacher_engine,
+        "self_prompts": recipe.self_prompts,
+        "self_prompts_kept": self_prompts_kept,
         "draft_layers": draft.config.num_hidden_layers,
         "draft_vocab": int(len(kept)) if kept is not None else 0,
         "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
-        "before": before.to_dict(), "after": after.to_dict(), "train_top1_after": round(train_fit.top1, 4),
-        "training": trained, "seconds": run.timings,
+        "before": before.to_dict(),
+        "after": after.to_dict(),
+        "train_top1_after": round(train_fit.top1, 4),
+        "training": trained,
+        "seconds": run.timings,
     }
     publish_draft(draft, tokenizer, run.out, kept, report, run.force)
-    run.say(f"saved the draft to {run.out} ({run.timings['total']:.0f} s in all); build with: "
-            f"build-engines --target {run.target} --draft {run.out}")
+    run.say(
+        f"saved the draft to {run.out} ({run.timings['total']:.0f} s in all); build with: "
+        f"build-engines --target {run.target} --draft {run.out}"
+    )
     return report
 
 
@@ -275,6 +358,7 @@ def _distill_features(run: _Run, target: _Target, samples, held, kept, progress,
     """The feature draft (builder/distill/feature_draft.py): trained on the stored hidden states, measured by its
     chained greedy agreement on the held-out continuations, saved beside a one-layer transformers shell."""
     from builder.distill import feature_draft as fd
+
     recipe = run.recipe
     draft = fd.init_feature_draft(target.model, kept, target.checkpoint.sha256())
     shell_config = target.model.config
@@ -282,58 +366,89 @@ def _distill_features(run: _Run, target: _Target, samples, held, kept, progress,
     t0 = time.perf_counter()
     before = fd.chained_agreement(draft, held, kept)
     measure = time.perf_counter() - t0
-    run.say(f"before: held-out top-1 agreement {before['top1']:.3f}, chained mean accepted "
-            f"{before['mean_accepted']:.2f}")
+    run.say(
+        f"before: held-out top-1 agreement {before['top1']:.3f}, chained mean accepted {before['mean_accepted']:.2f}"
+    )
     train_deadline = run.deadline - 2 * measure - 10
     if recipe.max_steps is None and train_deadline <= time.perf_counter():
         raise DistillError("no time left to train within --minutes; raise it")
-    left = (lambda: "") if recipe.max_steps else (
-        lambda: f", about {max(0.0, train_deadline - time.perf_counter()):.0f} s left")
-    on_step, done = _training_bar(run, progress, "feature draft: training", train_deadline,
-                                  lambda step, value, rate, s: (f"feature draft: training step {step}, loss "
-                                                                f"{value:.4f}, lr {rate:.2e}, {s:.0f} s{left()}"))
-    trained = fd.train_feature_draft(draft, samples, deadline=train_deadline, max_steps=recipe.max_steps,
-                                     seed=recipe.seed, on_step=on_step)
+    left = (
+        (lambda: "")
+        if recipe.max_steps
+        else (lambda: f", about {max(0.0, train_deadline - time.perf_counter()):.0f} s left")
+    )
+    on_step, done = _training_bar(
+        run,
+        progress,
+        "feature draft: training",
+        train_deadline,
+        lambda step, value, rate, s: (
+            f"feature draft: training step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s{left()}"
+        ),
+    )
+    trained = fd.train_feature_draft(
+        draft, samples, deadline=train_deadline, max_steps=recipe.max_steps, seed=recipe.seed, on_step=on_step
+    )
     done()
     progress.stop()
     run.timings["train"] = trained["seconds"]
-    return _publish_features(run, target.tokenizer, draft, shell_config, samples, held, kept, before, trained,
-                             self_prompts_kept)
+    return _publish_features(
+        run, target.tokenizer, draft, shell_config, samples, held, kept, before, trained, self_prompts_kept
+    )
 
 
-def _publish_features(run: _Run, tokenizer, draft, shell_config, samples, held, kept, before: dict, trained: dict,
-                      self_prompts_kept: int) -> dict:
+def _publish_features(
+    run: _Run, tokenizer, draft, shell_config, samples, held, kept, before: dict, trained: dict, self_prompts_kept: int
+) -> dict:
     """Measure the trained feature draft (held out, and on as many training prompts), write it and its transformers
     shell with the report, and say how to build with it."""
     from builder.distill import feature_draft as fd
+
     after = fd.chained_agreement(draft, held, kept)
     train_fit = fd.chained_agreement(draft, samples[: len(held)], kept)
-    run.say(f"after:  held-out top-1 agreement {after['top1']:.3f}, per draft position {after['per_position']}, "
-            f"chained mean accepted at k=4 {after['mean_accepted']:.2f} (training prompts: top-1 "
-            f"{train_fit['top1']:.3f})")
+    run.say(
+        f"after:  held-out top-1 agreement {after['top1']:.3f}, per draft position {after['per_position']}, "
+        f"chained mean accepted at k=4 {after['mean_accepted']:.2f} (training prompts: top-1 "
+        f"{train_fit['top1']:.3f})"
+    )
     run.lap("total", run.started)
     recipe = run.recipe
     report = {
-        "target": run.target, "init": recipe.init, "seed": recipe.seed, "minutes": recipe.minutes,
-        "prompts": recipe.prompts_name, "max_new_tokens": recipe.max_new_tokens,
-        "samples_per_prompt": recipe.samples_per_prompt, "sample_temperature": recipe.sample_temperature,
-        "generate_share": recipe.generate_share, "teacher_engine": recipe.teacher_engine,
-        "self_prompts": recipe.self_prompts, "self_prompts_kept": self_prompts_kept,
-        "train_prompts": len(samples), "heldout_prompts": len(held),
+        "target": run.target,
+        "init": recipe.init,
+        "seed": recipe.seed,
+        "minutes": recipe.minutes,
+        "prompts": recipe.prompts_name,
+        "max_new_tokens": recipe.max_new_tokens,
+        "samples_per_prompt": recipe.samples_per_prompt,
+        "sample_temperature": recipe.sample_temperature,
+        "generate_share": recipe.generate_share,
+        "teacher_engine": recipe.teacher_engine,
+        "self_prompts": recipe.self_prompts,
+        "self_prompts_kept": self_prompts_kept,
+        "train_prompts": len(samples),
+        "heldout_prompts": len(held),
         "train_tokens": sum(len(s.continuation) for s in samples),
         "train_positions": sum(len(s.ids) - 2 for s in samples),
         "heldout_tokens": sum(len(s.continuation) for s in held),
-        "draft_layers": 1, "draft_kind": "feature",
+        "draft_layers": 1,
+        "draft_kind": "feature",
         "draft_vocab": int(len(kept)) if kept is not None else 0,
         "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
         "before": {"top1_agreement": before["top1"], "chained": before},
-        "after": {"top1_agreement": after["top1"], "chained": after}, "train_top1_after": train_fit["top1"],
-        "training": trained, "seconds": run.timings}
+        "after": {"top1_agreement": after["top1"], "chained": after},
+        "train_top1_after": train_fit["top1"],
+        "training": trained,
+        "seconds": run.timings,
+    }
     shell = fd.as_transformers(draft, shell_config)
-    publish_draft(shell, tokenizer, run.out, kept, report, run.force,
-                  also=lambda folder: fd.save_feature_draft(draft, folder))
-    run.say(f"saved the feature draft to {run.out} ({run.timings['total']:.0f} s in all); build with: "
-            f"build-engines --target {run.target} --draft {run.out}")
+    publish_draft(
+        shell, tokenizer, run.out, kept, report, run.force, also=lambda folder: fd.save_feature_draft(draft, folder)
+    )
+    run.say(
+        f"saved the feature draft to {run.out} ({run.timings['total']:.0f} s in all); build with: "
+        f"build-engines --target {run.target} --draft {run.out}"
+    )
     return report
 
 
@@ -347,8 +462,11 @@ def _training_bar(run: _Run, progress, what: str, train_deadline: float, line):
     last_line = [time.perf_counter()]
 
     def on_step(step, value, rate):
-        progress.update(task, completed=step if max_steps else min(total, time.perf_counter() - t0),
-                        description=f"{what} (loss {value:.3f})")
+        progress.update(
+            task,
+            completed=step if max_steps else min(total, time.perf_counter() - t0),
+            description=f"{what} (loss {value:.3f})",
+        )
         if not run.console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
             last_line[0] = time.perf_counter()
             run.say(line(step, value, rate, time.perf_counter() - t0))
@@ -361,17 +479,36 @@ def _engine_continuations(run: _Run, target: _Target, engine, progress, train_id
     continuations come pass after pass, so the deadline cuts the last pass, never a prompt's first one, and only the
     first carries the prompt's own rows."""
     recipe = run.recipe
-    common = {"top_k": recipe.top_k, "eos_ids": target.eos, "batch_size": recipe.generate_batch,
-              "features": recipe.features}
-    held = generate_with_engine(engine, [Job(p) for p in held_ids], recipe.max_new_tokens, seed=recipe.seed,
-                                advance=_task(progress, "target: held-out continuations", len(held_ids)), **common)
+    common = {
+        "top_k": recipe.top_k,
+        "eos_ids": target.eos,
+        "batch_size": recipe.generate_batch,
+        "features": recipe.features,
+    }
+    held = generate_with_engine(
+        engine,
+        [Job(p) for p in held_ids],
+        recipe.max_new_tokens,
+        seed=recipe.seed,
+        advance=_task(progress, "target: held-out continuations", len(held_ids)),
+        **common,
+    )
     gen_deadline = time.perf_counter() + recipe.generate_share * max(0.0, run.deadline - time.perf_counter())
     jobs = [Job(p, recipe.temperature) for p in train_ids]
-    jobs += [Job(p, recipe.sample_temperature, prompt_rows=False)
-             for _ in range(1, recipe.samples_per_prompt) for p in train_ids]
-    samples = generate_with_engine(engine, jobs, recipe.max_new_tokens, seed=recipe.seed + 1, deadline=gen_deadline,
-                                   advance=_task(progress, "target: training continuations", len(jobs), gen_deadline),
-                                   **common)
+    jobs += [
+        Job(p, recipe.sample_temperature, prompt_rows=False)
+        for _ in range(1, recipe.samples_per_prompt)
+        for p in train_ids
+    ]
+    samples = generate_with_engine(
+        engine,
+        jobs,
+        recipe.max_new_tokens,
+        seed=recipe.seed + 1,
+        deadline=gen_deadline,
+        advance=_task(progress, "target: training continuations", len(jobs), gen_deadline),
+        **common,
+    )
     return samples, held
 
 
@@ -379,20 +516,39 @@ def _torch_continuations(run: _Run, target: _Target, progress, train_ids, held_i
     """(training samples, held-out samples) from torch's ``generate``; the teacher rows come after, in one pass."""
     recipe, model, seed = run.recipe, target.model, run.recipe.seed
     common = {"eos_ids": target.eos, "pad_id": target.pad, "batch_size": recipe.batch_prompts}
-    held = generate(model, held_ids, recipe.max_new_tokens, temperature=0.0, seed=seed,
-                    advance=_task(progress, "target: held-out continuations", len(held_ids)), **common)
+    held = generate(
+        model,
+        held_ids,
+        recipe.max_new_tokens,
+        temperature=0.0,
+        seed=seed,
+        advance=_task(progress, "target: held-out continuations", len(held_ids)),
+        **common,
+    )
     gen_deadline = time.perf_counter() + recipe.generate_share * max(0.0, run.deadline - time.perf_counter())
-    samples = generate(model, train_ids, recipe.max_new_tokens, temperature=recipe.temperature, seed=seed,
-                       deadline=gen_deadline,
-                       advance=_task(progress, "target: training continuations", len(train_ids), gen_deadline),
-                       **common)
+    samples = generate(
+        model,
+        train_ids,
+        recipe.max_new_tokens,
+        temperature=recipe.temperature,
+        seed=seed,
+        deadline=gen_deadline,
+        advance=_task(progress, "target: training continuations", len(train_ids), gen_deadline),
+        **common,
+    )
     for extra in range(1, recipe.samples_per_prompt):
         if time.perf_counter() > gen_deadline:
             break
-        samples += generate(model, train_ids, recipe.max_new_tokens, temperature=recipe.sample_temperature,
-                            seed=seed + extra, deadline=gen_deadline,
-                            advance=_task(progress, f"target: sampled continuations {extra + 1}", len(train_ids),
-                                          gen_deadline), **common)
+        samples += generate(
+            model,
+            train_ids,
+            recipe.max_new_tokens,
+            temperature=recipe.sample_temperature,
+            seed=seed + extra,
+            deadline=gen_deadline,
+            advance=_task(progress, f"target: sampled continuations {extra + 1}", len(train_ids), gen_deadline),
+            **common,
+        )
     return samples, held
 
 
@@ -400,11 +556,20 @@ def _task(progress, what: str, total: int, deadline: float = math.inf) -> Heartb
     """A bar for a stage of ``total`` items on a terminal; in a log, where no bar shows, a line a minute."""
     task = progress.add_task(what, total=total)
     console = progress.console
-    return Heartbeat(what, total, None if console.is_terminal else console.print,
-                     lambda n: progress.advance(task, n), deadline)
+    return Heartbeat(
+        what, total, None if console.is_terminal else console.print, lambda n: progress.advance(task, n), deadline
+    )
 
 
 def _progress(console, quiet: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    return Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, disable=quiet, transient=False)
+
+    return Progress(
+        TextColumn("{task.description:<40}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+        transient=False,
+    )

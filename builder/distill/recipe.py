@@ -18,9 +18,24 @@ from pathlib import Path
 
 from builder.distill.corpus import DistillError
 
-RECIPE_KEYS = ("init", "prompts", "minutes", "max_new_tokens", "temperature", "loss", "draft_vocab",
-               "samples_per_prompt", "sample_temperature", "generate_share", "heldout", "lr", "seed", "teacher_engine",
-               "generate_batch", "self_prompts")  # a preset's `distill:` keys, and the command's flags
+RECIPE_KEYS = (
+    "init",
+    "prompts",
+    "minutes",
+    "max_new_tokens",
+    "temperature",
+    "loss",
+    "draft_vocab",
+    "samples_per_prompt",
+    "sample_temperature",
+    "generate_share",
+    "heldout",
+    "lr",
+    "seed",
+    "teacher_engine",
+    "generate_batch",
+    "self_prompts",
+)  # a preset's `distill:` keys, and the command's flags
 TEACHER_ENGINES = ("auto", "gguf", "fp32", "torch")
 
 
@@ -87,13 +102,16 @@ class DistillRecipe:
         if self.draft_vocab < 0:
             raise DistillError(f"--draft-vocab must be >= 0, received {self.draft_vocab}")
         if self.samples_per_prompt < 1 or self.sample_temperature <= 0:
-            raise DistillError(f"--samples-per-prompt must be >= 1 and --sample-temperature > 0, received "
-                               f"{self.samples_per_prompt} and {self.sample_temperature}")
+            raise DistillError(
+                f"--samples-per-prompt must be >= 1 and --sample-temperature > 0, received "
+                f"{self.samples_per_prompt} and {self.sample_temperature}"
+            )
         if self.teacher_engine not in TEACHER_ENGINES:
             raise DistillError(f"--teacher-engine must be auto, gguf, fp32 or torch, received {self.teacher_engine!r}")
         if self.features and self.teacher_engine == "torch":
-            raise DistillError("--init feature trains on the target engine's hidden states: use --teacher-engine "
-                               "auto, gguf or fp32")
+            raise DistillError(
+                "--init feature trains on the target engine's hidden states: use --teacher-engine auto, gguf or fp32"
+            )
         if self.self_prompts < 0:
             raise DistillError(f"--self-prompts must be >= 0, received {self.self_prompts}")
         if self.self_prompts and self.teacher_engine == "torch":

@@ -27,8 +27,10 @@ def save_draft(draft, tokenizer, out: Path, kept: np.ndarray | None, report: dic
     tokenizer.save_pretrained(str(out))
     vocab_file = out / VOCAB_FILE
     if kept is not None:
-        vocab_file.write_text(json.dumps({"kept_ids": [int(t) for t in kept],
-                                          "full_vocab_size": int(draft.config.vocab_size)}), encoding="utf-8")
+        vocab_file.write_text(
+            json.dumps({"kept_ids": [int(t) for t in kept], "full_vocab_size": int(draft.config.vocab_size)}),
+            encoding="utf-8",
+        )
     elif vocab_file.exists():
         vocab_file.unlink()
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
@@ -71,14 +73,17 @@ def check_out(out: Path, force: bool, sources: tuple[str, ...] = ()) -> None:
     for source in sources:
         clash = _overlap(out, source)
         if clash:
-            raise DistillError(f"--out {out} {clash} {source}, which the distillation reads; nothing was touched. "
-                               "Choose an output folder apart from it.")
+            raise DistillError(
+                f"--out {out} {clash} {source}, which the distillation reads; nothing was touched. "
+                "Choose an output folder apart from it."
+            )
     publishing.check_output(out, force, DRAFT)
 
 
 def _overlap(out: Path, source: str) -> str | None:
     """How ``out`` overlaps the file or folder ``source`` names (None: apart, or ``source`` is not a path here)."""
     from builder.checkpoint import CheckpointError, locate
+
     try:
         path = locate(source).resolve()
     except (CheckpointError, OSError):

@@ -27,9 +27,20 @@ def user_turn_prefix(tokenizer) -> list[int] | None:
     return list(tokenizer(head, add_special_tokens=False)["input_ids"])
 
 
-def self_prompts(engine, tokenizer, count: int, *, eos_ids: list[int], seed: int, known: list[Prompt],
-                 temperature: float = 1.0, max_tokens: int = 96, batch_size: int = 32, deadline: float = math.inf,
-                 advance: Callable[[int], None] = lambda n: None) -> list[Prompt]:
+def self_prompts(
+    engine,
+    tokenizer,
+    count: int,
+    *,
+    eos_ids: list[int],
+    seed: int,
+    known: list[Prompt],
+    temperature: float = 1.0,
+    max_tokens: int = 96,
+    batch_size: int = 32,
+    deadline: float = math.inf,
+    advance: Callable[[int], None] = lambda n: None,
+) -> list[Prompt]:
     """Up to ``count`` distinct user queries sampled by the target's ``engine`` from its user-turn prefix.
 
     Kept: queries the model ended itself (an end-of-turn token within ``max_tokens``), of at least three words,
@@ -39,8 +50,17 @@ def self_prompts(engine, tokenizer, count: int, *, eos_ids: list[int], seed: int
     if prefix is None or count <= 0:
         return []
     jobs = [Job(prefix, temperature, prompt_rows=False) for _ in range(count)]
-    samples = generate_with_engine(engine, jobs, max_tokens, top_k=1, eos_ids=eos_ids, seed=seed,
-                                   batch_size=batch_size, deadline=deadline, advance=advance)
+    samples = generate_with_engine(
+        engine,
+        jobs,
+        max_tokens,
+        top_k=1,
+        eos_ids=eos_ids,
+        seed=seed,
+        batch_size=batch_size,
+        deadline=deadline,
+        advance=advance,
+    )
     eos = set(eos_ids)
     seen = {_key(p.text) for p in known}
     kept = []

@@ -15,13 +15,24 @@ from builder.distill.corpus import DistillError, Sample, batches, pad
 from builder.distill.draft import head_weight, hidden_states
 
 
-def train(draft, samples: list[Sample], *, deadline: float, max_steps: int | None = None, lr: float = 5e-4,
-          loss: str = "kl", kept: np.ndarray | None = None, tokens_per_batch: int = 1024, seed: int = 0,
-          train_prompt_positions: bool = True, on_step: Callable[[int, float, float], None] = lambda *a: None,
-          ) -> dict:
+def train(
+    draft,
+    samples: list[Sample],
+    *,
+    deadline: float,
+    max_steps: int | None = None,
+    lr: float = 5e-4,
+    loss: str = "kl",
+    kept: np.ndarray | None = None,
+    tokens_per_batch: int = 1024,
+    seed: int = 0,
+    train_prompt_positions: bool = True,
+    on_step: Callable[[int, float, float], None] = lambda *a: None,
+) -> dict:
     """Train the draft's decoder layers and final norm (embeddings and head frozen) until ``deadline`` or
     ``max_steps``. Learning rate: short warm-up, then cosine decay over the budget (steps or time)."""
     import torch
+
     if loss not in ("kl", "tokens"):
         raise DistillError(f"loss must be 'kl' or 'tokens', received {loss!r}")
     for p in draft.parameters():
@@ -47,11 +58,15 @@ def train(draft, samples: list[Sample], *, deadline: float, max_steps: int | Non
             progress = step / max_steps if max_steps else (time.perf_counter() - started) / budget
             if progress >= 1.0:
                 draft.eval()
-                return {"steps": step, "seconds": round(time.perf_counter() - started, 1),
-                        "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None}
+                return {
+                    "steps": step,
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None,
+                }
             rate = set_rate(optimizer, lr, step, progress)
-            losses.append(optimize(optimizer, _loss(draft, batch, loss, kept, remap, train_prompt_positions),
-                                   trainable))
+            losses.append(
+                optimize(optimizer, _loss(draft, batch, loss, kept, remap, train_prompt_positions), trainable)
+            )
             step += 1
             on_step(step, losses[-1], rate)
 
@@ -67,6 +82,7 @@ def set_rate(optimizer, lr: float, step: int, progress: float) -> float:
 def optimize(optimizer, value, params) -> float:
     """One AdamW step on ``value`` with gradients clipped to norm 1; returns the loss."""
     import torch
+
     optimizer.zero_grad(set_to_none=True)
     value.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -76,6 +92,7 @@ def optimize(optimizer, value, params) -> float:
 
 def _loss(draft, batch: list[Sample], loss: str, kept, remap, prompt_positions: bool):
     import torch
+
     ids, mask = pad([s.ids for s in batch])
     hidden = hidden_states(draft, ids, mask)
     rows, targets_ids, targets_probs = [], [], []
@@ -84,10 +101,10 @@ def _loss(draft, batch: list[Sample], loss: str, kept, remap, prompt_positions: 
         first = 0 if (prompt_positions and loss == "kl") else len(s.prompt) - 1
         if loss == "kl":
             first = max(first, s.rows_from)
-            targets_ids.append(torch.from_numpy(s.top_ids[first - s.rows_from: n - s.rows_from]))
-            targets_probs.append(torch.from_numpy(s.top_probs[first - s.rows_from: n - s.rows_from]))
+            targets_ids.append(torch.from_numpy(s.top_ids[first - s.rows_from : n - s.rows_from]))
+            targets_probs.append(torch.from_numpy(s.top_probs[first - s.rows_from : n - s.rows_from]))
         else:
-            targets_ids.append(torch.tensor(s.ids[first + 1: n + 1])[:, None])
+            targets_ids.append(torch.tensor(s.ids[first + 1 : n + 1])[:, None])
             targets_probs.append(torch.ones(n - first, 1))
         rows.append(hidden[r, first:n])
     h = torch.cat(rows)

@@ -60,8 +60,9 @@ class _Walker:
         self.data, self.path, self.pos, self.items = data, path, 0, 0
 
     def fail(self, what: str):
-        raise GGUFHeaderError(f"{self.path.name}: not a valid GGUF file: {what} (at byte {self.pos} of "
-                              f"{len(self.data)})")
+        raise GGUFHeaderError(
+            f"{self.path.name}: not a valid GGUF file: {what} (at byte {self.pos} of {len(self.data)})"
+        )
 
     def left(self) -> int:
         return len(self.data) - self.pos
@@ -84,7 +85,7 @@ class _Walker:
         if limit is not None and length >= limit:
             self.fail(f"{what} is {length} bytes long; at most {limit - 1} are allowed")
         start = self.take(length, f"{what} ({length} bytes)")
-        return bytes(self.data[start:start + length])
+        return bytes(self.data[start : start + length])
 
     def count(self, n: int, min_size: int, what: str) -> int:
         """``n`` items of at least ``min_size`` bytes each must fit in what is left."""
@@ -110,7 +111,7 @@ def read(path: Path) -> dict[str, TensorInfo]:
 
 
 def _walk(w: _Walker) -> dict[str, TensorInfo]:
-    magic = bytes(w.data[w.take(4, "magic"):w.pos])
+    magic = bytes(w.data[w.take(4, "magic") : w.pos])
     if magic != MAGIC:
         w.pos = 0
         w.fail(f"magic is {magic!r}, not {MAGIC!r}")
@@ -212,6 +213,7 @@ def _tensor_info(w: _Walker, i: int) -> tuple[str, int, tuple[int, ...], int]:
 def _check_data(w: _Walker, infos, start: int, alignment: int) -> dict[str, TensorInfo]:
     """Every tensor of a known type lies inside the file, at an aligned offset, its rows whole blocks."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     available = len(w.data) - start
     tensors = {}
     for name, kind, shape, offset in infos:
@@ -227,7 +229,9 @@ def _check_data(w: _Walker, infos, start: int, alignment: int) -> dict[str, Tens
             elements *= length
         nbytes = elements // block * size
         if offset % alignment or offset + nbytes > available:
-            w.fail(f"tensor {name!r}'s data ({nbytes} bytes at offset {offset}) is misaligned or runs past the end "
-                   f"of the file ({available} data bytes)")
+            w.fail(
+                f"tensor {name!r}'s data ({nbytes} bytes at offset {offset}) is misaligned or runs past the end "
+                f"of the file ({available} data bytes)"
+            )
         tensors[name] = TensorInfo(name, kind.name, shape, start + offset, nbytes)
     return tensors

@@ -55,11 +55,12 @@ class Streamed:
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
         from builder.distill.draft import clean_config
+
         layers = min(CHECK_LAYERS, self.layers)
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(
-                clean_config(self.config, layers),
-                attn_implementation=self.checkpoint.architecture.attn_implementation)
+                clean_config(self.config, layers), attn_implementation=self.checkpoint.architecture.attn_implementation
+            )
         tensors = self._reader.outside + [t for i in range(layers) for t in self._reader.by_layer.get(i, ())]
         state = {name: torch.from_numpy(weights) for name, weights in map(self._named, tensors) if name}
         missing, _ = model.load_state_dict(state, strict=False, assign=True)
@@ -83,8 +84,9 @@ class Streamed:
         return dataclasses.replace(base, layers=LazyLayers(self._layer, ropes), notes=list(base.notes))
 
     def _layer(self, i: int):
-        return layer_of(self._layer_state(i), i, self.checkpoint.architecture,
-                        *attention_of(self.config, i, self._base.rotary))
+        return layer_of(
+            self._layer_state(i), i, self.checkpoint.architecture, *attention_of(self.config, i, self._base.rotary)
+        )
 
     def _layer_state(self, i: int) -> dict[str, np.ndarray]:
         """Layer ``i``'s tensors under transformers' names, dequantized and processed as its GGUF loader does."""
@@ -97,9 +99,11 @@ class Streamed:
         """(transformers' name, float32 weights) of one GGUF tensor, as its loader makes them; (None, None) for a
         tensor it does not load."""
         import gguf
+
         weights = gguf.dequantize(self._reader.read(tensor), tensor.tensor_type)
-        result = self._processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self._name_map,
-                                         parsed_parameters=self._parsed)
+        result = self._processor.process(
+            weights=weights, name=tensor.name, tensor_key_mapping=self._name_map, parsed_parameters=self._parsed
+        )
         name = self._name_map.get(result.name)
         if not name:
             return None, None
@@ -109,11 +113,13 @@ class Streamed:
     @cached_property
     def _parsed(self) -> dict:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
         return load_gguf_checkpoint(str(self.path), return_tensors=False)
 
     @cached_property
     def _processor(self):
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
         architecture = self._reader.architecture
         return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=self._parsed["config"])
 
@@ -123,6 +129,7 @@ class Streamed:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(self.config)
         return get_gguf_hf_weights_map(shell, self._processor)
@@ -140,6 +147,7 @@ class _Reader:
     def __init__(self, path: Path):
         from gguf import GGUFReader
         from builder.gguf.weights import FileBytes
+
         reader = GGUFReader(str(path))
         self.bytes = FileBytes(path)
         field = reader.fields["general.architecture"]
@@ -155,5 +163,5 @@ class _Reader:
 
     def read(self, tensor) -> np.ndarray:
         """``tensor.data`` as the reader gives it (its dtype and shape), read from the file now."""
-        raw = self.bytes[tensor.data_offset:tensor.data_offset + tensor.n_bytes]
+        raw = self.bytes[tensor.data_offset : tensor.data_offset + tensor.n_bytes]
         return raw.view(tensor.data.dtype).reshape(tensor.data.shape)

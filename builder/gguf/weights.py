@@ -57,8 +57,12 @@ from builder.decoder import BlockQuant, Decoder, LazyLayers, Linear
 BLOCK = 32
 # GGUF tensor name stems for the parts of builder.decoder.Layer, first choice first (Phi-3's converter writes q|k|v as
 # one attn_qkv and gate|up as one ffn_up)
-PARTS = {"qkv": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)), "o": (("attn_output",),),
-         "gate_up": (("ffn_gate", "ffn_up"), ("ffn_up",)), "down": (("ffn_down",),)}
+PARTS = {
+    "qkv": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)),
+    "o": (("attn_output",),),
+    "gate_up": (("ffn_gate", "ffn_up"), ("ffn_up",)),
+    "down": (("ffn_down",),),
+}
 ROW_CHUNK = 8192  # rows dequantized at a time by the check against the model
 
 
@@ -110,10 +114,16 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
     if block not in (16, BLOCK):
         raise ValueError(f"GGUF blocks are {BLOCK} wide; they can be written as {BLOCK} or 16, not {block}")
     from builder.gguf import header as gguf_header
+
     tensors = gguf_header.read(gguf_path)  # checked, bounded; the data is mapped, not read
     data = FileBytes(gguf_path)
-    kept = [n for i in range(len(decoder.layers)) for names, _ in _layer_parts(tensors, i).values() for n in names
-            if n not in tensors or tensors[n].kind not in DECODERS]  # left as float weights
+    kept = [
+        n
+        for i in range(len(decoder.layers))
+        for names, _ in _layer_parts(tensors, i).values()
+        for n in names
+        if n not in tensors or tensors[n].kind not in DECODERS
+    ]  # left as float weights
 
     def with_blocks(i: int, layer):
         for part, (names, stems) in _layer_parts(tensors, i).items():
@@ -124,7 +134,8 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
                 decoder.notes.append(
                     f"the file's attn_q / attn_k rows are {'not ' if permuted_qk else ''}{FLIPPED}, unlike what "
                     f"Architecture.gguf_permuted_qk ({permuted_qk}) says for this architecture; they were read in "
-                    "the order that matches the model: fix the registry entry")
+                    "the order that matches the model: fix the registry entry"
+                )
         return layer
 
     if isinstance(decoder.layers, LazyLayers):  # made as the graph is written, one layer at a time
@@ -136,8 +147,10 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
     if head_blocks is not None and (head_blocks.n, head_blocks.k) == (decoder.vocab, decoder.hidden):
         error = _mismatch(head.name, head_blocks, decoder.head.weight)
         if error is not None:
-            raise ValueError(f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
-                             f"file (max |difference| {error:.3g}); the file is inconsistent")
+            raise ValueError(
+                f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
+                f"file (max |difference| {error:.3g}); the file is inconsistent"
+            )
         decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
     elif head is not None:
         kept.append(head.name)
@@ -156,8 +169,10 @@ def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool) -> None
         return
     error = _mismatch(tensor.name, blocks, decoder.embedding.T)
     if error is not None:
-        raise ValueError(f"{tensor.name}: the file's blocks differ from the embedding transformers loaded from the "
-                         f"same file (max |difference| {error:.3g}); the file is inconsistent")
+        raise ValueError(
+            f"{tensor.name}: the file's blocks differ from the embedding transformers loaded from the "
+            f"same file (max |difference| {error:.3g}); the file is inconsistent"
+        )
     decoder.embedding_quant = _pack(blocks)
 
 
@@ -171,10 +186,12 @@ class FileBytes:
 
     def __init__(self, path: Path):
         import os
+
         self._fd = os.open(path, os.O_RDONLY)
 
     def __getitem__(self, span: slice) -> np.ndarray:
         import os
+
         length = span.stop - span.start
         chunk = os.pread(self._fd, length, span.start)
         if len(chunk) != length:
@@ -183,6 +200,7 @@ class FileBytes:
 
     def __del__(self):
         import os
+
         try:
             os.close(self._fd)
         except (AttributeError, OSError):
@@ -198,8 +216,16 @@ def _layer_parts(tensors: dict, i: int) -> dict[str, tuple[list[str], tuple[str,
     return parts
 
 
-def _part(data, tensors: dict, decoder: Decoder, names: list[str], stems: tuple[str, ...], old: Linear,
-          permuted_qk: bool, block: int) -> tuple[Linear | None, bool]:
+def _part(
+    data,
+    tensors: dict,
+    decoder: Decoder,
+    names: list[str],
+    stems: tuple[str, ...],
+    old: Linear,
+    permuted_qk: bool,
+    block: int,
+) -> tuple[Linear | None, bool]:
     """One fused projection from the file's blocks, checked against ``old`` (the model's float weights), and the q/k
     row order that matched; (None, _) where a part has no exact form."""
     orders = (permuted_qk, not permuted_qk) if "attn_q" in stems else (permuted_qk,)
@@ -211,9 +237,11 @@ def _part(data, tensors: dict, decoder: Decoder, names: list[str], stems: tuple[
         error = _mismatch(", ".join(names), stacked, old.weight)
         if error is None:
             return Linear(quant=_pack(split(stacked, block)), bias=old.bias), order
-    raise ValueError(f"{', '.join(names)}: the file's blocks differ from the weights transformers loaded from the "
-                     f"same file (max |difference| {error:.3g}{', in either q/k row order' if len(orders) > 1 else ''})"
-                     "; the file is inconsistent")
+    raise ValueError(
+        f"{', '.join(names)}: the file's blocks differ from the weights transformers loaded from the "
+        f"same file (max |difference| {error:.3g}{', in either q/k row order' if len(orders) > 1 else ''})"
+        "; the file is inconsistent"
+    )
 
 
 def _note(decoder: Decoder, tensors: dict, kept: list[str]) -> None:
@@ -223,7 +251,8 @@ def _note(decoder: Decoder, tensors: dict, kept: list[str]) -> None:
         decoder.notes.append(
             f"{len(kept)} tensors have no exact MatMulNBits form (GGUF types {types}"
             f"{f', {len(missing)} not in the file' if missing else ''}); they stay float32 weights dequantized from "
-            f"the file (exact, but larger and slower): {kept[:4]}...")
+            f"the file (exact, but larger and slower): {kept[:4]}..."
+        )
 
 
 def _mismatch(names: str, blocks: _Blocks, weight: np.ndarray | None) -> float | None:
@@ -232,11 +261,13 @@ def _mismatch(names: str, blocks: _Blocks, weight: np.ndarray | None) -> float |
     if weight is None:
         return None
     if tuple(weight.shape) != (blocks.k, blocks.n):
-        raise ValueError(f"{names}: the GGUF file holds [K={blocks.k}, N={blocks.n}] but the model loaded from it "
-                         f"has {list(weight.shape)}; the file is inconsistent")
+        raise ValueError(
+            f"{names}: the GGUF file holds [K={blocks.k}, N={blocks.n}] but the model loaded from it "
+            f"has {list(weight.shape)}; the file is inconsistent"
+        )
     rows = weight.T
     for start in range(0, blocks.n, ROW_CHUNK):
-        want = rows[start:start + ROW_CHUNK]
+        want = rows[start : start + ROW_CHUNK]
         error = float(np.abs(_dequantized(blocks, start, start + ROW_CHUNK) - want).max(initial=0.0))
         if not error <= 1e-5 * max(float(np.abs(want).max(initial=0.0)), 1e-30):
             return error
@@ -254,12 +285,14 @@ def _dequantized(blocks: _Blocks, start: int, stop: int) -> np.ndarray:
 
 # --- one tensor's blocks ---------------------------------------------------------------------------------------------
 
+
 def _tensor_blocks(data: np.ndarray, tensor, decoder: Decoder, stem: str, permuted_qk: bool) -> _Blocks | None:
     """The blocks of ``tensor`` (a gguf_header.TensorInfo; its bytes in ``data``, the mapped file), in Hugging Face
     row order; None for a missing tensor or a type without an exact form."""
     if tensor is None or tensor.kind not in DECODERS:
         return None
     import gguf
+
     elements, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[tensor.kind]]
     if len(tensor.shape) != 2:
         raise ValueError(f"{tensor.name}: a {tensor.kind} weight must be 2-D, not shape {list(tensor.shape)}")
@@ -284,15 +317,18 @@ def _decoded_rows(data, tensor, n: int, blocks: int, size: int) -> _Blocks:
     for start in range(0, n, DECODE_ROWS):
         rows = min(DECODE_ROWS, n - start)
         offset = tensor.start + start * row_bytes
-        part = DECODERS[tensor.kind](np.asarray(data[offset:offset + rows * row_bytes]).reshape(rows, blocks, size))
+        part = DECODERS[tensor.kind](np.asarray(data[offset : offset + rows * row_bytes]).reshape(rows, blocks, size))
         if out is None:
             if rows == n:
                 return part
-            out = {key: None if value is None else np.empty((n, *value.shape[1:]), value.dtype)
-                   for key, value in vars(part).items() if key != "bits"}
+            out = {
+                key: None if value is None else np.empty((n, *value.shape[1:]), value.dtype)
+                for key, value in vars(part).items()
+                if key != "bits"
+            }
         for key, array in out.items():
             if array is not None:
-                array[start:start + rows] = getattr(part, key)
+                array[start : start + rows] = getattr(part, key)
     return _Blocks(part.bits, **out)
 
 
@@ -446,12 +482,25 @@ def _iq4_xs(raw):
     return _Blocks(8, q, _full(q.shape[:2], 128), scales.reshape(n, -1))
 
 
-DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,
-            "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+DECODERS = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
+}
 FAITHFUL_TYPES = tuple(DECODERS)
 
 
 # --- reshaping, stacking, packing ------------------------------------------------------------------------------------
+
 
 def _unpermute(blocks: _Blocks, heads: int) -> _Blocks:
     """Rows back from llama.cpp's rotary order (per head: pairs interleaved) to Hugging Face's (halves)."""
@@ -472,8 +521,13 @@ def split(blocks: _Blocks, block: int) -> _Blocks:
         return blocks
     parts = blocks.block // block
     n = blocks.n
-    return _Blocks(blocks.bits, blocks.q.reshape(n, -1, block), np.repeat(blocks.zero, parts, axis=1),
-                   np.repeat(blocks.scales, parts, axis=1), blocks.offsets)
+    return _Blocks(
+        blocks.bits,
+        blocks.q.reshape(n, -1, block),
+        np.repeat(blocks.zero, parts, axis=1),
+        np.repeat(blocks.scales, parts, axis=1),
+        blocks.offsets,
+    )
 
 
 def _stack(parts: list[_Blocks]) -> _Blocks:
@@ -489,10 +543,21 @@ def _stack(parts: list[_Blocks]) -> _Blocks:
     widths = [p.k // p.offsets.shape[1] for p in parts if p.offsets is not None]
     if widths:  # the narrowest offset blocks (16: Q2_K) for all; wider ones repeated, none zero
         width = min(widths)
-        offsets = np.concatenate([np.zeros((p.n, p.k // width), np.float32) if p.offsets is None else
-                                  np.repeat(p.offsets, p.k // p.offsets.shape[1] // width, axis=1) for p in parts])
-    return _Blocks(max(p.bits for p in parts), np.concatenate([p.q for p in parts]),
-                   np.concatenate([p.zero for p in parts]), np.concatenate([p.scales for p in parts]), offsets)
+        offsets = np.concatenate(
+            [
+                np.zeros((p.n, p.k // width), np.float32)
+                if p.offsets is None
+                else np.repeat(p.offsets, p.k // p.offsets.shape[1] // width, axis=1)
+                for p in parts
+            ]
+        )
+    return _Blocks(
+        max(p.bits for p in parts),
+        np.concatenate([p.q for p in parts]),
+        np.concatenate([p.zero for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        offsets,
+    )
 
 
 def _pack(blocks: _Blocks) -> BlockQuant:
@@ -509,6 +574,6 @@ def _pack(blocks: _Blocks) -> BlockQuant:
     zero_points = None
     if (zero != 8).any():
         padded = np.zeros((n, zero.shape[1] + zero.shape[1] % 2), np.uint8)
-        padded[:, :zero.shape[1]] = zero
+        padded[:, : zero.shape[1]] = zero
         zero_points = np.ascontiguousarray(padded[:, 0::2] | (padded[:, 1::2] << 4))
     return BlockQuant(4, block, k, n, np.ascontiguousarray(packed), blocks.scales, zero_points, blocks.offsets)

@@ -38,9 +38,19 @@ from typing import Callable
 
 from runtime.trtllm import paths as trtllm_paths
 from builder.trtllm.converters import rope_type_of
+
 # The plan (what each step runs) lives in builder/trtllm/plan.py; this module runs it.
-from builder.trtllm.plan import (CALIB_FILE, LLM_API_FILE, MODELOPT_CONFIGS, PlanInputs, Step, calibration_texts,
-                                 check_flavor, lengths, make_plan)
+from builder.trtllm.plan import (
+    CALIB_FILE,
+    LLM_API_FILE,
+    MODELOPT_CONFIGS,
+    PlanInputs,
+    Step,
+    calibration_texts,
+    check_flavor,
+    lengths,
+    make_plan,
+)
 from runtime.bundle import BuildSpec, Manifest, ModelEntry, SpecError
 
 LAST_ENGINE_RELEASE = "1.3.0rc20"  # GitHub release notes of v1.3.0rc20: the last with the TensorRT backend
@@ -61,6 +71,7 @@ def write_calibration_set(export_dir: str, root: Path) -> None:
 
 # --- versions, flavors and the preflight ----------------------------------------------------------------------------
 
+
 def installed_version() -> str | None:
     """tensorrt_llm's version from package metadata (importing it needs CUDA libraries; this does not)."""
     for name in ("tensorrt_llm", "tensorrt-llm"):
@@ -73,6 +84,7 @@ def installed_version() -> str | None:
 
 def carries_engine_path(version: str) -> bool:
     from packaging.version import Version
+
     return Version(version) <= Version(LAST_ENGINE_RELEASE)
 
 
@@ -101,6 +113,7 @@ def gpu_count(run: Callable = subprocess.run) -> int:
 def tool_available(name: str) -> bool:
     """Is a command (on PATH) or a Python package (importable) present, without importing it."""
     import importlib.util
+
     return shutil.which(name) is not None if name == "trtllm-build" else importlib.util.find_spec(name) is not None
 
 
@@ -109,16 +122,27 @@ def compute_capability(run: Callable = subprocess.run) -> float | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        listing = run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
-                      text=True, timeout=30)
+        listing = run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         values = [float(line) for line in (listing.stdout or "").split() if line.strip()]
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     return min(values) if listing.returncode == 0 and values else None
 
 
-def preflight(spec: BuildSpec, flavor: str, version: str | None, gpus: int, examples_dir: str,
-              available: Callable[[str], bool] = tool_available, capability: float | None = None) -> None:
+def preflight(
+    spec: BuildSpec,
+    flavor: str,
+    version: str | None,
+    gpus: int,
+    examples_dir: str,
+    available: Callable[[str], bool] = tool_available,
+    capability: float | None = None,
+) -> None:
     """Everything a real build needs, checked before any heavy work; raise TrtllmError naming all that is missing.
 
     capability: the GPU's compute capability, when known. An FP8 KV cache in an engine needs SM >= 8.9:
@@ -127,29 +151,38 @@ def preflight(spec: BuildSpec, flavor: str, version: str | None, gpus: int, exam
     """
     problems = []
     if flavor == "engine" and spec.kv_cache_dtype == "fp8" and capability is not None and capability < 8.9:
-        problems.append(f"kv_cache_dtype fp8 needs a GPU of compute capability >= 8.9 (Ada/Hopper) for the engine "
-                        f"flavor; this one reports {capability}: drop --kv-cache-dtype fp8")
+        problems.append(
+            f"kv_cache_dtype fp8 needs a GPU of compute capability >= 8.9 (Ada/Hopper) for the engine "
+            f"flavor; this one reports {capability}: drop --kv-cache-dtype fp8"
+        )
     if version is None:
         problems.append(f"TensorRT-LLM is not installed: {INSTALL_HINT} (on a Linux machine with an NVIDIA GPU)")
     if gpus == 0:
-        problems.append("no NVIDIA GPU is visible (`nvidia-smi -L` lists none): TensorRT-LLM builds and runs on GPUs "
-                        "only; `build-engines --dry-run` prints the plan without one")
+        problems.append(
+            "no NVIDIA GPU is visible (`nvidia-smi -L` lists none): TensorRT-LLM builds and runs on GPUs "
+            "only; `build-engines --dry-run` prints the plan without one"
+        )
     elif spec.tp_size * spec.pp_size > gpus:
         problems.append(f"tp_size x pp_size = {spec.tp_size * spec.pp_size} GPUs per engine, but {gpus} visible")
     if version is not None and flavor == "engine" and not carries_engine_path(version):
-        problems.append(f"tensorrt_llm {version} has no TensorRT engine backend (removed after {LAST_ENGINE_RELEASE}): "
-                        "use --trtllm-flavor llmapi, or install tensorrt-llm<1.3 for the engine flavor")
+        problems.append(
+            f"tensorrt_llm {version} has no TensorRT engine backend (removed after {LAST_ENGINE_RELEASE}): "
+            "use --trtllm-flavor llmapi, or install tensorrt-llm<1.3 for the engine flavor"
+        )
     if flavor == "engine":
         if not available("trtllm-build"):
             problems.append("trtllm-build is not on PATH (it ships with tensorrt-llm <= 1.3.0rc20)")
         if not Path(examples_dir).is_dir():
             looked = ", ".join(trtllm_paths.candidates("examples"))
-            problems.append(f"TensorRT-LLM examples not found at {examples_dir} (looked in {looked}): set "
-                            "TRTLLM_EXAMPLES=/path/to/TensorRT-LLM/examples of the release that matches the wheel")
+            problems.append(
+                f"TensorRT-LLM examples not found at {examples_dir} (looked in {looked}): set "
+                "TRTLLM_EXAMPLES=/path/to/TensorRT-LLM/examples of the release that matches the wheel"
+            )
     elif any(q in MODELOPT_CONFIGS for q in (spec.target_quant, spec.draft_quant)):
         if not available("modelopt"):
-            problems.append("nvidia-modelopt is not installed (ModelOpt quantization): "
-                            "pip install 'nvidia-modelopt[torch]'")
+            problems.append(
+                "nvidia-modelopt is not installed (ModelOpt quantization): pip install 'nvidia-modelopt[torch]'"
+            )
     if problems:
         raise TrtllmError("cannot build TensorRT-LLM engines here:\n  " + "\n  ".join(problems))
 
@@ -160,12 +193,21 @@ Stage = Callable[[str], None]
 Runner = Callable[[Step, Path], None]
 
 
-def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage | None = None,
-          runner: Runner | None = None, examples_dir: str | None = None, version: str | None = None,
-          gpus: int | None = None, available: Callable[[str], bool] = tool_available) -> Manifest:
+def build(
+    spec: BuildSpec,
+    out: str | Path,
+    force: bool = False,
+    on_stage: Stage | None = None,
+    runner: Runner | None = None,
+    examples_dir: str | None = None,
+    version: str | None = None,
+    gpus: int | None = None,
+    available: Callable[[str], bool] = tool_available,
+) -> Manifest:
     """Build a tensorrt_llm bundle at ``out``. ``runner``, ``version``, ``gpus`` and ``available`` stand in for the
     GPU machine in tests."""
     from builder import build as onnx_build
+
     out = Path(out).absolute()
     stage = on_stage or (lambda name: None)
     examples_dir = examples_dir or trtllm_paths.examples_dir()
@@ -173,8 +215,15 @@ def build(spec: BuildSpec, out: str | Path, force: bool = False, on_stage: Stage
     flavor = resolve_flavor(spec, version)
     check_flavor(spec, flavor)
     onnx_build.check_output(out, force)
-    preflight(spec, flavor, version, gpu_count() if gpus is None else gpus, examples_dir, available,
-              compute_capability() if gpus is None else None)
+    preflight(
+        spec,
+        flavor,
+        version,
+        gpu_count() if gpus is None else gpus,
+        examples_dir,
+        available,
+        compute_capability() if gpus is None else None,
+    )
     stage("resolve")
     spec = dataclasses.replace(spec, trtllm_flavor=flavor)
     target, draft, pair, target_tok = resolve_pair(spec)
@@ -199,29 +248,37 @@ def resolve_pair(spec: BuildSpec):
     """The ONNX path's checkpoint resolution and pair checks: (target, draft, Pairing, target tokenizer)."""
     from builder import checkpoint as ckpt
     from builder import pairing
+
     target = ckpt.resolve(spec.target, spec.allow_pickle, spec.trust_remote_code)
     draft = target if spec.draft == "self" else ckpt.resolve(spec.draft, spec.allow_pickle, spec.trust_remote_code)
     target_tok = target.load_tokenizer()
     draft_tok = target_tok if draft is target else draft.load_tokenizer()
     pair = pairing.pair(target_tok, draft_tok, target, draft, spec.max_context)
     if pair.cross:  # the draft engine TensorRT-LLM builds shares the target's vocabulary by construction
-        raise pairing.PairingError(f"{spec.draft} has a tokenizer of its own ({pair.shared_tokens} tokens shared with "
-                                   "the target's): cross-tokenizer drafts need the ONNX Runtime backend (--backend "
-                                   "onnxruntime); TensorRT-LLM drafts share the target's vocabulary")
+        raise pairing.PairingError(
+            f"{spec.draft} has a tokenizer of its own ({pair.shared_tokens} tokens shared with "
+            "the target's): cross-tokenizer drafts need the ONNX Runtime backend (--backend "
+            "onnxruntime); TensorRT-LLM drafts share the target's vocabulary"
+        )
     return target, draft, pair, target_tok
 
 
 def plan_inputs(target, draft, max_context: int, examples_dir: str) -> PlanInputs:
     for checkpoint in (target, draft):
         if checkpoint.gguf_file:
-            raise SpecError(f"target/draft: expected a Hugging Face folder for backend tensorrt_llm (TensorRT-LLM "
-                            f"converts safetensors checkpoints), received the GGUF file {checkpoint.source!r}")
+            raise SpecError(
+                f"target/draft: expected a Hugging Face folder for backend tensorrt_llm (TensorRT-LLM "
+                f"converts safetensors checkpoints), received the GGUF file {checkpoint.source!r}"
+            )
     pair = {"target": target, "draft": draft}
-    return PlanInputs(sources={role: str(c.folder) for role, c in pair.items()},
-                      architectures={role: c.architecture.name for role, c in pair.items()},
-                      max_context=max_context, examples_dir=examples_dir,
-                      heads={role: getattr(c.config, "num_attention_heads", None) for role, c in pair.items()},
-                      rope_types={role: rope_type_of(c.config) for role, c in pair.items()})
+    return PlanInputs(
+        sources={role: str(c.folder) for role, c in pair.items()},
+        architectures={role: c.architecture.name for role, c in pair.items()},
+        max_context=max_context,
+        examples_dir=examples_dir,
+        heads={role: getattr(c.config, "num_attention_heads", None) for role, c in pair.items()},
+        rope_types={role: rope_type_of(c.config) for role, c in pair.items()},
+    )
 
 
 def dry_run(spec: BuildSpec, examples_dir: str | None = None, version: str | None = None) -> tuple[str, list[Step]]:
@@ -243,8 +300,9 @@ def run_step(step: Step, root: Path) -> None:
             (root / output).parent.mkdir(parents=True, exist_ok=True)
         result = subprocess.run(list(step.argv), cwd=root)
         if result.returncode != 0:
-            raise TrtllmError(f"step {step.role}: {step.name} failed (exit {result.returncode}): "
-                              f"{shlex.join(step.argv)}")
+            raise TrtllmError(
+                f"step {step.role}: {step.name} failed (exit {result.returncode}): {shlex.join(step.argv)}"
+            )
     elif step.call == "builder.trtllm.build.write_calibration_set":
         write_calibration_set(root=root, **step.kwargs)
     elif step.call == "builder.trtllm.build.copy_checkpoint":
@@ -253,6 +311,7 @@ def run_step(step: Step, root: Path) -> None:
         modelopt_quantize(root=root, **step.kwargs)
     elif step.call == "tensorrt_llm.LLM":
         import yaml
+
         (root / LLM_API_FILE).write_text(yaml.safe_dump(step.kwargs, sort_keys=False), encoding="utf-8")
     else:
         raise TrtllmError(f"unknown plan call {step.call!r}")
@@ -267,8 +326,9 @@ def copy_checkpoint(model_dir: str, export_dir: str, root: Path) -> None:
             shutil.copy2(path, destination / path.name)
 
 
-def modelopt_quantize(model_dir: str, export_dir: str, quant_cfg: str, dtype: str, calib_samples: int,
-                      root: Path) -> None:
+def modelopt_quantize(
+    model_dir: str, export_dir: str, quant_cfg: str, dtype: str, calib_samples: int, root: Path
+) -> None:
     """ModelOpt post-training quantization on the GPU, calibrated on calibration_texts(), exported for the LLM API.
 
     APIs: modelopt.torch.quantization.quantize(model, config, forward_loop) and
@@ -284,7 +344,7 @@ def modelopt_quantize(model_dir: str, export_dir: str, quant_cfg: str, dtype: st
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer("\n\n".join(calibration_texts()), return_tensors="pt")["input_ids"][0]
     window = 256
-    chunks = [ids[i:i + window] for i in range(0, max(len(ids) - window, 1), window)][:calib_samples]
+    chunks = [ids[i : i + window] for i in range(0, max(len(ids) - window, 1), window)][:calib_samples]
 
     def forward_loop(m):
         with torch.no_grad():
@@ -299,6 +359,7 @@ def modelopt_quantize(model_dir: str, export_dir: str, quant_cfg: str, dtype: st
 
 def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp: Path) -> Manifest:
     from builder.build import eos_ids, tool_versions
+
     entries = {}
     for role, checkpoint, quant in (("target", target, spec.target_quant), ("draft", draft, spec.draft_quant)):
         config = checkpoint.config
@@ -306,17 +367,40 @@ def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp
         engine = f"{role}/engine" if flavor == "engine" else f"{role}/hf"
         size = sum(p.stat().st_size for p in (tmp / engine).rglob("*") if p.is_file())
         entries[role] = ModelEntry(
-            role=role, source=spec.target if role == "target" else spec.draft, source_sha256=checkpoint.sha256(),
-            architecture=checkpoint.architecture.name, quant=quant, engine=engine,
-            num_layers=config.num_hidden_layers, num_kv_heads=getattr(config, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab_size=config.vocab_size,
-            max_context=pair.max_context, size_bytes=size)
+            role=role,
+            source=spec.target if role == "target" else spec.draft,
+            source_sha256=checkpoint.sha256(),
+            architecture=checkpoint.architecture.name,
+            quant=quant,
+            engine=engine,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab_size=config.vocab_size,
+            max_context=pair.max_context,
+            size_bytes=size,
+        )
     _, max_seq_len = lengths(spec, pair.max_context)
-    report = {"trtllm": {"flavor": flavor, "version": version, "plan": [s.to_dict() for s in steps],
-                         "max_seq_len": max_seq_len},
-              "pair_notes": list(pair.notes)}
+    report = {
+        "trtllm": {
+            "flavor": flavor,
+            "version": version,
+            "plan": [s.to_dict() for s in steps],
+            "max_seq_len": max_seq_len,
+        },
+        "pair_notes": list(pair.notes),
+    }
     tools = tool_versions()
     if version:
         tools["tensorrt_llm"] = version
-    return Manifest(spec=spec, target=entries["target"], draft=entries["draft"], files={}, default_k=spec.k,
-                    max_context=max_seq_len, eos_token_ids=eos_ids(target, target_tok), tools=tools, report=report)
+    return Manifest(
+        spec=spec,
+        target=entries["target"],
+        draft=entries["draft"],
+        files={},
+        default_k=spec.k,
+        max_context=max_seq_len,
+        eos_token_ids=eos_ids(target, target_tok),
+        tools=tools,
+        report=report,
+    )

@@ -38,16 +38,37 @@ class Converter:
     pipeline_parallel: bool  # False: the converter refuses pp_size > 1
     weight_only: tuple[str, ...] = ("int8", "int4")  # --weight_only_precision choices Draftsmith uses
 
-    def argv(self, examples_dir: str, source: str, output: str, dtype: str, tp: int, pp: int,
-             weight_only: str | None) -> tuple[str, ...]:
+    def argv(
+        self, examples_dir: str, source: str, output: str, dtype: str, tp: int, pp: int, weight_only: str | None
+    ) -> tuple[str, ...]:
         """The converter's command line, in its own dialect."""
         head = ("python3", f"{examples_dir}/{self.script}")
         if self.dialect == "gemma":
-            args = ("--ckpt-type", "hf", "--model-dir", source, "--output-model-dir", output, "--dtype", dtype,
-                    "--world-size", str(tp))
+            args = (
+                "--ckpt-type",
+                "hf",
+                "--model-dir",
+                source,
+                "--output-model-dir",
+                output,
+                "--dtype",
+                dtype,
+                "--world-size",
+                str(tp),
+            )
         else:
-            args = ("--model_dir", source, "--output_dir", output, "--dtype", dtype, "--tp_size", str(tp),
-                    "--pp_size", str(pp))
+            args = (
+                "--model_dir",
+                source,
+                "--output_dir",
+                output,
+                "--dtype",
+                dtype,
+                "--tp_size",
+                str(tp),
+                "--pp_size",
+                str(pp),
+            )
         quant = ("--use_weight_only", "--weight_only_precision", weight_only) if weight_only else ()
         return head + args + quant
 
@@ -74,8 +95,10 @@ ROPE_SCALING_TYPES = ("linear", "dynamic", "longrope", "llama3", "yarn")
 def converter_for(role: str, architecture: str) -> Converter:
     """The converter row, or SpecError naming every architecture upstream has a converter for."""
     if architecture not in CONVERTERS:
-        raise SpecError(f"{role}: expected an architecture with a TensorRT-LLM convert_checkpoint.py "
-                        f"({', '.join(sorted(CONVERTERS))}), received {architecture!r}")
+        raise SpecError(
+            f"{role}: expected an architecture with a TensorRT-LLM convert_checkpoint.py "
+            f"({', '.join(sorted(CONVERTERS))}), received {architecture!r}"
+        )
     return CONVERTERS[architecture]
 
 
@@ -83,8 +106,10 @@ def check_rope_scaling(role: str, rope_type: str | None) -> None:
     """Refuse a rope scaling the TensorRT runtime has no kernel for (None / 'default': unscaled)."""
     if rope_type in (None, "", "default") or rope_type in ROPE_SCALING_TYPES:
         return
-    raise SpecError(f"{role}: expected a rope scaling TensorRT-LLM implements ({', '.join(ROPE_SCALING_TYPES)}), "
-                    f"received rope_type {rope_type!r}")
+    raise SpecError(
+        f"{role}: expected a rope scaling TensorRT-LLM implements ({', '.join(ROPE_SCALING_TYPES)}), "
+        f"received rope_type {rope_type!r}"
+    )
 
 
 def check_parallelism(role: str, architecture: str, heads: int | None, tp: int, pp: int) -> None:
@@ -92,11 +117,15 @@ def check_parallelism(role: str, architecture: str, heads: int | None, tp: int, 
     problems = []
     if heads and heads % tp:
         valid = [n for n in range(1, heads + 1) if heads % n == 0]
-        problems.append(f"{role}: tp_size expected a divisor of the {heads} attention heads {valid} (TensorRT-LLM's "
-                        f"attention layer asserts num_attention_heads % tp_size == 0), received {tp}")
+        problems.append(
+            f"{role}: tp_size expected a divisor of the {heads} attention heads {valid} (TensorRT-LLM's "
+            f"attention layer asserts num_attention_heads % tp_size == 0), received {tp}"
+        )
     if pp > 1 and not converter_for(role, architecture).pipeline_parallel:
-        problems.append(f"{role}: pp_size expected 1 for {architecture} (its convert_checkpoint.py supports tensor "
-                        f"parallelism only), received {pp}")
+        problems.append(
+            f"{role}: pp_size expected 1 for {architecture} (its convert_checkpoint.py supports tensor "
+            f"parallelism only), received {pp}"
+        )
     if problems:
         raise SpecError("; ".join(problems))
 

@@ -127,18 +127,26 @@ def check_flavor(spec: BuildSpec, flavor: str) -> None:
     """Raise SpecError for what this flavor cannot build (collects both roles)."""
     if flavor not in FLAVORS:
         raise SpecError(f"trtllm_flavor: expected one of {FLAVORS}, received {flavor!r}")
-    problems = [f"{name}: expected one of {FLAVOR_QUANTS[flavor]} for TensorRT-LLM flavor {flavor!r}, "
-                f"received {getattr(spec, name)!r}"
-                for name in ("target_quant", "draft_quant") if getattr(spec, name) not in FLAVOR_QUANTS[flavor]]
+    problems = [
+        f"{name}: expected one of {FLAVOR_QUANTS[flavor]} for TensorRT-LLM flavor {flavor!r}, "
+        f"received {getattr(spec, name)!r}"
+        for name in ("target_quant", "draft_quant")
+        if getattr(spec, name) not in FLAVOR_QUANTS[flavor]
+    ]
     if spec.draft.startswith("self:"):
-        problems.append(f"draft: expected a checkpoint path or 'self' for backend tensorrt_llm (a truncated "
-                        f"self-draft is an ONNX-only option), received {spec.draft!r}")
+        problems.append(
+            f"draft: expected a checkpoint path or 'self' for backend tensorrt_llm (a truncated "
+            f"self-draft is an ONNX-only option), received {spec.draft!r}"
+        )
     if flavor == "engine" and spec.kv_cache_dtype == "fp8":
-        problems += [f"{name}: expected one of {FP8_KV_QUANTS} with kv_cache_dtype 'fp8' (TensorRT-LLM's builder "
-                     "disables paged context FMHA for an FP8 KV cache outside the fp8 / w4a8_awq workflows, which "
-                     "turns off the KV-cache block reuse a draft-target target needs to load), received "
-                     f"{getattr(spec, name)!r}" for name in ("target_quant", "draft_quant")
-                     if getattr(spec, name) not in FP8_KV_QUANTS]
+        problems += [
+            f"{name}: expected one of {FP8_KV_QUANTS} with kv_cache_dtype 'fp8' (TensorRT-LLM's builder "
+            "disables paged context FMHA for an FP8 KV cache outside the fp8 / w4a8_awq workflows, which "
+            "turns off the KV-cache block reuse a draft-target target needs to load), received "
+            f"{getattr(spec, name)!r}"
+            for name in ("target_quant", "draft_quant")
+            if getattr(spec, name) not in FP8_KV_QUANTS
+        ]
     if problems:
         raise SpecError("; ".join(problems))
 
@@ -162,29 +170,69 @@ def make_plan(spec: BuildSpec, flavor: str, inputs: PlanInputs) -> list[Step]:
     else:
         for role in ("draft", "target"):
             steps.append(_hf_step(role, quants[role], inputs.sources[role]))
-        steps.append(Step("bundle", "llm_api", call="tensorrt_llm.LLM", kwargs=llm_api_kwargs(spec, max_seq_len),
-                          outputs=(LLM_API_FILE,)))
+        steps.append(
+            Step(
+                "bundle",
+                "llm_api",
+                call="tensorrt_llm.LLM",
+                kwargs=llm_api_kwargs(spec, max_seq_len),
+                outputs=(LLM_API_FILE,),
+            )
+        )
     return steps
 
 
-def _engine_steps(spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, max_input_len: int,
-                  max_seq_len: int) -> list[Step]:
+def _engine_steps(
+    spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, max_input_len: int, max_seq_len: int
+) -> list[Step]:
     checkpoint = f"_work/{role}.ckpt"
     dtype = DTYPES.get(quant, "float16")
     if quant in QFORMATS:
         # examples/quantization/quantize.py: --model_dir --output_dir --dtype --qformat --calib_dataset --calib_size
         # --tp_size --pp_size --kv_cache_dtype {int8,fp8} (argparse; tests/fixtures/trtllm/quantize.json).
         kv = ("--kv_cache_dtype", spec.kv_cache_dtype) if spec.kv_cache_dtype else ()
-        convert = Step(role, "quantize", argv=(
-            "python3", f"{inputs.examples_dir}/quantization/quantize.py", "--model_dir", inputs.sources[role],
-            "--output_dir", checkpoint, "--dtype", dtype, "--qformat", quant, "--calib_dataset", CALIB_DIR,
-            "--calib_size", str(len(calibration_texts())), "--tp_size", str(spec.tp_size), "--pp_size",
-            str(spec.pp_size), *kv), outputs=(checkpoint,))
+        convert = Step(
+            role,
+            "quantize",
+            argv=(
+                "python3",
+                f"{inputs.examples_dir}/quantization/quantize.py",
+                "--model_dir",
+                inputs.sources[role],
+                "--output_dir",
+                checkpoint,
+                "--dtype",
+                dtype,
+                "--qformat",
+                quant,
+                "--calib_dataset",
+                CALIB_DIR,
+                "--calib_size",
+                str(len(calibration_texts())),
+                "--tp_size",
+                str(spec.tp_size),
+                "--pp_size",
+                str(spec.pp_size),
+                *kv,
+            ),
+            outputs=(checkpoint,),
+        )
     else:
         converter = converter_for(role, inputs.architectures[role])
-        convert = Step(role, "convert", argv=converter.argv(
-            inputs.examples_dir, inputs.sources[role], checkpoint, dtype, spec.tp_size, spec.pp_size,
-            quant if quant in WEIGHT_ONLY else None), outputs=(checkpoint,))
+        convert = Step(
+            role,
+            "convert",
+            argv=converter.argv(
+                inputs.examples_dir,
+                inputs.sources[role],
+                checkpoint,
+                dtype,
+                spec.tp_size,
+                spec.pp_size,
+                quant if quant in WEIGHT_ONLY else None,
+            ),
+            outputs=(checkpoint,),
+        )
     engine = f"{role}/engine"
     # trtllm-build flags, from examples/draft_target_model/README.md ("Build draft and target engines"):
     # --use_paged_context_fmha=enable on both ("must be specified since we need KV-Cache reuse"), --max_batch_size,
@@ -195,18 +243,44 @@ def _engine_steps(spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, ma
     # --gather_generation_logits ("Use --output_generation_logits at runtime instead"); the target verifies
     # draft tokens itself (tests/fixtures/trtllm/trtllm_build.json).
     gemm = ("--gemm_plugin", dtype) if quant in ("fp16", "bf16", "int8", "int4") else ()
-    speculative = (("--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(spec.max_k))
-                   if role == "target" else ())
-    build = Step(role, "build", argv=(
-        "trtllm-build", "--checkpoint_dir", checkpoint, "--output_dir", engine, *gemm,
-        "--use_paged_context_fmha", "enable", "--max_batch_size", str(spec.max_batch_size),
-        "--max_input_len", str(max_input_len), "--max_seq_len", str(max_seq_len), *speculative), outputs=(engine,))
+    speculative = (
+        ("--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(spec.max_k))
+        if role == "target"
+        else ()
+    )
+    build = Step(
+        role,
+        "build",
+        argv=(
+            "trtllm-build",
+            "--checkpoint_dir",
+            checkpoint,
+            "--output_dir",
+            engine,
+            *gemm,
+            "--use_paged_context_fmha",
+            "enable",
+            "--max_batch_size",
+            str(spec.max_batch_size),
+            "--max_input_len",
+            str(max_input_len),
+            "--max_seq_len",
+            str(max_seq_len),
+            *speculative,
+        ),
+        outputs=(engine,),
+    )
     return [convert, build]
 
 
 def _calibration_step() -> Step:
-    return Step("bundle", "calibration", call="builder.trtllm.build.write_calibration_set",
-                kwargs={"export_dir": CALIB_DIR}, outputs=(f"{CALIB_DIR}/{CALIB_FILE}",))
+    return Step(
+        "bundle",
+        "calibration",
+        call="builder.trtllm.build.write_calibration_set",
+        kwargs={"export_dir": CALIB_DIR},
+        outputs=(f"{CALIB_DIR}/{CALIB_FILE}",),
+    )
 
 
 def calibration_texts() -> list[str]:
@@ -217,6 +291,7 @@ def calibration_texts() -> list[str]:
     """
     from builder import evaluate
     from builder.distill.corpus import load_prompts
+
     paragraphs = [p.strip() for p in evaluate.eval_text().split("\n\n") if p.strip()]
     return [prompt.text.strip() for prompt in load_prompts()] + paragraphs
 
@@ -224,14 +299,29 @@ def calibration_texts() -> list[str]:
 def _hf_step(role: str, quant: str, source: str) -> Step:
     export = f"{role}/hf"
     if quant not in MODELOPT_CONFIGS:
-        return Step(role, "copy", call="builder.trtllm.build.copy_checkpoint",
-                    kwargs={"model_dir": source, "export_dir": export}, outputs=(export,))
+        return Step(
+            role,
+            "copy",
+            call="builder.trtllm.build.copy_checkpoint",
+            kwargs={"model_dir": source, "export_dir": export},
+            outputs=(export,),
+        )
     # ModelOpt: modelopt.torch.quantization.quantize(model, config, forward_loop=...) then
     # modelopt.torch.export.export_hf_checkpoint(model, dtype=..., export_dir=...) (modelopt/torch/export/
     # unified_export_hf.py), the "unified HF checkpoint" the PyTorch backend loads.
-    return Step(role, "modelopt", call="builder.trtllm.build.modelopt_quantize",
-                kwargs={"model_dir": source, "export_dir": export, "quant_cfg": MODELOPT_CONFIGS[quant],
-                        "dtype": "float16", "calib_samples": MODELOPT_CALIB_SAMPLES}, outputs=(export,))
+    return Step(
+        role,
+        "modelopt",
+        call="builder.trtllm.build.modelopt_quantize",
+        kwargs={
+            "model_dir": source,
+            "export_dir": export,
+            "quant_cfg": MODELOPT_CONFIGS[quant],
+            "dtype": "float16",
+            "calib_samples": MODELOPT_CALIB_SAMPLES,
+        },
+        outputs=(export,),
+    )
 
 
 def llm_api_kwargs(spec: BuildSpec, max_seq_len: int) -> dict[str, Any]:
@@ -260,8 +350,11 @@ def llm_api_kwargs(spec: BuildSpec, max_seq_len: int) -> dict[str, Any]:
         "max_seq_len": max_seq_len,
         "disable_overlap_scheduler": True,
         "kv_cache_config": kv_cache,
-        "speculative_config": {"decoding_type": DECODING_TYPE, "max_draft_len": spec.max_k,
-                               "speculative_model": "draft/hf"},
+        "speculative_config": {
+            "decoding_type": DECODING_TYPE,
+            "max_draft_len": spec.max_k,
+            "speculative_model": "draft/hf",
+        },
     }
 
 

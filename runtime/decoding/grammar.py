@@ -43,8 +43,14 @@ MAX_DEPTH = 64  # nesting of the schema document (each level of an object schema
 MAX_COMPILED = 64  # compiled grammars kept for reuse (an agent sends the same schema again and again)
 # llguidance's own limits bound the compile and every mask step (its defaults, tightened where a client could
 # make the compile slow): https://github.com/guidance-ai/llguidance, python/llguidance/_lib.pyi LLParserLimits.
-PARSER_LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-                     step_max_items=50_000, max_lexer_states=100_000, verbose_errors=False)
+PARSER_LIMITS = dict(
+    max_grammar_size=200_000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=100_000,
+    verbose_errors=False,
+)
 # JSON output without free whitespace: one layout per value, so a junk model cannot emit whitespace forever, and
 # more of the structure is forced (grammar-forced drafts).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -62,8 +68,9 @@ class Constraint:
         if self.kind not in KINDS:
             raise RequestError(f"constraint kind must be one of {KINDS}, received {self.kind!r}")
         if len(self.source.encode()) > MAX_SOURCE_BYTES:
-            raise RequestError(f"the {self.kind} is {len(self.source.encode())} bytes; the limit is "
-                               f"{MAX_SOURCE_BYTES}. Simplify it")
+            raise RequestError(
+                f"the {self.kind} is {len(self.source.encode())} bytes; the limit is {MAX_SOURCE_BYTES}. Simplify it"
+            )
 
 
 def json_schema(schema: Any) -> Constraint:
@@ -100,16 +107,24 @@ def parse_response_format(value: Any) -> Constraint | None:
     if value is None or isinstance(value, Constraint):
         return value
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise RequestError("response_format: expected an object with a 'type' (text, json_object, json_schema, "
-                           f"regex or grammar), received {value!r:.200}")
+        raise RequestError(
+            "response_format: expected an object with a 'type' (text, json_object, json_schema, "
+            f"regex or grammar), received {value!r:.200}"
+        )
     kind, fields = value["type"], {k: v for k, v in value.items() if k != "type"}
-    expected = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"regex"},
-                "grammar": {"grammar"}}
+    expected = {
+        "text": set(),
+        "json_object": set(),
+        "json_schema": {"json_schema"},
+        "regex": {"regex"},
+        "grammar": {"grammar"},
+    }
     if kind not in expected:
         raise RequestError(f"response_format.type must be one of {sorted(expected)}, received {kind!r}")
     if set(fields) != expected[kind]:
-        raise RequestError(f"response_format of type {kind!r} takes the fields {sorted(expected[kind])}, "
-                           f"received {sorted(fields)}")
+        raise RequestError(
+            f"response_format of type {kind!r} takes the fields {sorted(expected[kind])}, received {sorted(fields)}"
+        )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -119,8 +134,10 @@ def parse_response_format(value: Any) -> Constraint | None:
         allowed = {"name", "schema", "strict", "description"}
         if not isinstance(spec, dict) or "schema" not in spec or set(spec) - allowed:
             got = sorted(spec) if isinstance(spec, dict) else spec
-            raise RequestError("response_format.json_schema: expected an object with 'schema' (and optionally "
-                               f"'name', 'strict', 'description'), received {got!r:.200}")
+            raise RequestError(
+                "response_format.json_schema: expected an object with 'schema' (and optionally "
+                f"'name', 'strict', 'description'), received {got!r:.200}"
+            )
         return json_schema(spec["schema"])
     text = fields[kind]
     if not isinstance(text, str) or not text:
@@ -135,10 +152,12 @@ class GrammarCompiler:
         """tokenizer_json: the bundle's tokenizer.json text; width: logits columns the loop reads; eos_ids: the
         tokens that end a sequence (the grammar allows them where the output is complete)."""
         import llguidance
+
         self.llg = llguidance
         probe = llguidance.LLTokenizer(tokenizer_json)
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=max(width, probe.vocab_size),
-                                                eos_token=list(eos_ids) or None)
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=max(width, probe.vocab_size), eos_token=list(eos_ids) or None
+        )
         self.width = width
         self.eos_ids = tuple(eos_ids) or tuple(self.tokenizer.eos_tokens)
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
@@ -366,13 +385,13 @@ def trtllm_guide(guide_type: str | None, guide: str | None) -> Constraint | None
             raise RequestError("input 'guided_decoding_guide' needs 'guided_decoding_guide_type'")
         return None
     if guide_type not in TRTLLM_GUIDE_TYPES:
-        raise RequestError(f"input 'guided_decoding_guide_type' must be one of {TRTLLM_GUIDE_TYPES}, received "
-                           f"{guide_type!r:.100}")
+        raise RequestError(
+            f"input 'guided_decoding_guide_type' must be one of {TRTLLM_GUIDE_TYPES}, received {guide_type!r:.100}"
+        )
     if guide_type == "json":
         return Constraint("json_object")
     if not guide:
-        raise RequestError(f"input 'guided_decoding_guide' is required with guided_decoding_guide_type "
-                           f"{guide_type!r}")
+        raise RequestError(f"input 'guided_decoding_guide' is required with guided_decoding_guide_type {guide_type!r}")
     if guide_type == "json_schema":
         if len(guide.encode()) > MAX_SOURCE_BYTES:
             raise RequestError(f"the JSON schema is {len(guide.encode())} bytes; the limit is {MAX_SOURCE_BYTES}")

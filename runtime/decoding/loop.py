@@ -27,13 +27,20 @@ from runtime.engines.onnx import Engine, unpadded
 class SpeculativeLoop:
     """Runs a batch to completion; ``run`` yields after every step the tokens each row emitted."""
 
-    def __init__(self, target: Engine, drafter: Drafter | None, prompts: list[list[int]], config: DecodeConfig,
-                 costs: CostModel | None = None):
+    def __init__(
+        self,
+        target: Engine,
+        drafter: Drafter | None,
+        prompts: list[list[int]],
+        config: DecodeConfig,
+        costs: CostModel | None = None,
+    ):
         self.target, self.drafter, self.config = target, drafter, config
         self.costs = costs  # measured call costs: at batch > 1 each step's draft lengths are planned from them
         rngs = row_generators(config.seed, len(prompts))
-        self.rows = [DecodeRow(index=i, prompt=list(p), config=config, rng=rng)
-                     for i, (p, rng) in enumerate(zip(prompts, rngs))]
+        self.rows = [
+            DecodeRow(index=i, prompt=list(p), config=config, rng=rng) for i, (p, rng) in enumerate(zip(prompts, rngs))
+        ]
         self.k = config.k
         self.recent = deque(maxlen=config.fallback.window if config.fallback else 1)  # 1/0 per recent draft token
         self.fallback_steps_left = 0
@@ -63,8 +70,9 @@ class SpeculativeLoop:
         self._prefill(cache, running)
         while running:
             plan = self._plan(running)
-            result = decode_step(self.target, cache, running, [DraftGroup(self.drafter, list(range(len(running))))],
-                                 plan)
+            result = decode_step(
+                self.target, cache, running, [DraftGroup(self.drafter, list(range(len(running))))], plan
+            )
             self._learn(result, plan)
             yield [(row, new) for row, new in zip(running, result.new)]
             keep_rows = np.array([b for b, r in enumerate(running) if not r.finished], dtype=np.int64)
@@ -83,8 +91,9 @@ class SpeculativeLoop:
         if self.drafter is not None:
             self.drafter.start([r.prompt for r in rows])
             hidden = cache.extra.get("hidden")
-            self.drafter.take_features(None if hidden is None
-                                       else [hidden[b, : len(r.prompt) - 1] for b, r in enumerate(rows)])
+            self.drafter.take_features(
+                None if hidden is None else [hidden[b, : len(r.prompt) - 1] for b, r in enumerate(rows)]
+            )
 
     def _plan(self, rows: list[DecodeRow]) -> StepPlan:
         """Every row drafts up to k (within its budget and the context) unless the batch is in fallback; over a
@@ -100,15 +109,22 @@ class SpeculativeLoop:
         """A batch with calibrated costs, whose text does not depend on the plan: greedy, or sampled without a
         seed (a seeded sampled run keeps its fixed k, so the same seed gives the same text)."""
         params = self.config.params
-        return (len(rows) > 1 and self.config.plan and self.costs is not None and self.costs.calibrated
-                and (params.greedy or self.config.seed is None))
+        return (
+            len(rows) > 1
+            and self.config.plan
+            and self.costs is not None
+            and self.costs.calibrated
+            and (params.greedy or self.config.seed is None)
+        )
 
     def planned(self, rows: list[DecodeRow], limits: list[int]) -> list[int]:
         """The draft lengths with the most expected tokens per second of the batch (step_costs), one drafter call
         drafting every row; a row kept from drafting drafts one token every PROBE_EVERY steps."""
         pad = getattr(self.target, "min_call_tokens", 1)
-        ks = plan_draft_lengths(self.costs, PlanInputs([r.acceptance for r in rows], limits, shared_drafter=True,
-                                                       min_width=pad, plain_width=pad))
+        ks = plan_draft_lengths(
+            self.costs,
+            PlanInputs([r.acceptance for r in rows], limits, shared_drafter=True, min_width=pad, plain_width=pad),
+        )
         return with_probes(ks, limits, rows)
 
     def _draft_limit(self, row: DecodeRow) -> int:

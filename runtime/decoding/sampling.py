@@ -129,8 +129,13 @@ def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
     return sample(probs, rng), probs
 
 
-def verify(draft_tokens: list[int], draft_probs: list[np.ndarray | None], target_logits: np.ndarray,
-           params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
+def verify(
+    draft_tokens: list[int],
+    draft_probs: list[np.ndarray | None],
+    target_logits: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
     """Decide one sequence's verify step.
 
     draft_tokens: x_1..x_d; draft_probs: q_1..q_d (None when greedy); target_logits: [d+1, V], row i scores

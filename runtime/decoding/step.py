@@ -99,8 +99,9 @@ def run_directly(rows: list[DecodeRow], work: Callable, *args):
     return work(*args)
 
 
-def decode_step(target, cache, rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan,
-                isolate: Callable = run_directly) -> StepResult:
+def decode_step(
+    target, cache, rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan, isolate: Callable = run_directly
+) -> StepResult:
     """Execute ``plan`` over ``rows`` (see the module docstring). ``isolate(rows, work, *args)`` runs one group's or
     one row's own work; a scheduler passes one that turns a failure into those rows' error (None result) so the
     others go on."""
@@ -109,11 +110,20 @@ def decode_step(target, cache, rows: list[DecodeRow], groups: list[DraftGroup], 
     t0 = time.perf_counter()
     proposals = propose(rows, groups, plan, target.vocab_size, isolate)
     t1 = time.perf_counter()
-    logits, hidden = score(target, cache, [list(prefill[b]) if idle[b] else [row.last] + draft
-                                           for b, (row, (draft, _)) in enumerate(zip(rows, proposals))], plan.alone)
+    logits, hidden = score(
+        target,
+        cache,
+        [
+            list(prefill[b]) if idle[b] else [row.last] + draft
+            for b, (row, (draft, _)) in enumerate(zip(rows, proposals))
+        ],
+        plan.alone,
+    )
     t2 = time.perf_counter()
-    verdicts = [None if idle[b] else isolate([row], verify_row, row, draft, probs, logits[b])
-                for b, (row, (draft, probs)) in enumerate(zip(rows, proposals))]
+    verdicts = [
+        None if idle[b] else isolate([row], verify_row, row, draft, probs, logits[b])
+        for b, (row, (draft, probs)) in enumerate(zip(rows, proposals))
+    ]
     accepted = [verdict[0] if verdict else 0 for verdict in verdicts]
     emitted = [verdict[1] if verdict else [] for verdict in verdicts]
     for group, drafting in zip(groups, plan.drafting):
@@ -121,14 +131,17 @@ def decode_step(target, cache, rows: list[DecodeRow], groups: list[DraftGroup], 
             isolate([rows[b] for b in group.rows], inform, group, drafting, hidden, accepted, emitted)
     keep = cache.lengths - np.array([len(draft) - n for (draft, _), n in zip(proposals, accepted)])
     target.rollback(cache, keep)
-    new = [[] if idle[b] else book(row, len(draft), n, out, plan.fallback, t1 - t0, t2 - t1, target.max_context)
-           for b, (row, (draft, _), n, out) in enumerate(zip(rows, proposals, accepted, emitted))]
+    new = [
+        [] if idle[b] else book(row, len(draft), n, out, plan.fallback, t1 - t0, t2 - t1, target.max_context)
+        for b, (row, (draft, _), n, out) in enumerate(zip(rows, proposals, accepted, emitted))
+    ]
     prefilled = [hidden[b] if idle[b] and prefill[b] else None for b in range(len(rows))]
     return StepResult([len(draft) for draft, _ in proposals], accepted, new, t1 - t0, t2 - t1, prefilled)
 
 
-def propose(rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan, vocab_size: int,
-            isolate: Callable) -> list[tuple[list[int], list]]:
+def propose(
+    rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan, vocab_size: int, isolate: Callable
+) -> list[tuple[list[int], list]]:
     """Each row's draft tokens and their q: one ``propose`` call per drafting group (constrained rows get the
     grammar's forced tokens too, even from a group that does not draft this step)."""
     out: list[tuple[list[int], list]] = [([], [])] * len(rows)
@@ -137,8 +150,7 @@ def propose(rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan, voc
             continue
         members = [rows[b] for b in group.rows]
         limits = [plan.limits[b] for b in group.rows]
-        proposal = isolate(members, propose_group, group.drafter if drafting else None, members, limits,
-                           vocab_size)
+        proposal = isolate(members, propose_group, group.drafter if drafting else None, members, limits, vocab_size)
         for i, b in enumerate(group.rows):
             if proposal is not None:
                 out[b] = (proposal.tokens[i], proposal.probs[i])
@@ -148,8 +160,9 @@ def propose(rows: list[DecodeRow], groups: list[DraftGroup], plan: StepPlan, voc
 def propose_group(drafter: Drafter | None, rows: list[DecodeRow], limits: list[int], vocab_size: int) -> Proposal:
     config = rows[0].config
     if any(row.grammar is not None for row in rows):
-        return propose_constrained(drafter, [row.grammar for row in rows], limits, config,
-                                   [row.rng for row in rows], vocab_size)
+        return propose_constrained(
+            drafter, [row.grammar for row in rows], limits, config, [row.rng for row in rows], vocab_size
+        )
     if drafter is None or not any(limits):
         return Proposal.empty(len(rows))
     return drafter.propose(limits, config.params, [row.rng for row in rows])
@@ -182,8 +195,10 @@ def score(target, cache, chunks: list[list[int]], alone: list[bool] | None = Non
 
 def slices(logits: np.ndarray, states: np.ndarray | None, chunks: list[list[int]]) -> tuple[list, list]:
     """Per row, the logits and hidden states of its chunk's positions."""
-    return ([logits[b, : len(chunk)] for b, chunk in enumerate(chunks)],
-            [None if states is None else states[b, : len(chunk)] for b, chunk in enumerate(chunks)])
+    return (
+        [logits[b, : len(chunk)] for b, chunk in enumerate(chunks)],
+        [None if states is None else states[b, : len(chunk)] for b, chunk in enumerate(chunks)],
+    )
 
 
 def inform(group: DraftGroup, drafted: bool, hidden: list, accepted: list[int], emitted: list[list[int]]) -> None:
@@ -197,8 +212,16 @@ def inform(group: DraftGroup, drafted: bool, hidden: list, accepted: list[int], 
         group.drafter.observe([emitted[b] for b in group.rows])
 
 
-def book(row: DecodeRow, drafted: int, accepted: int, out: list[int], fallback: bool, draft_time: float,
-         verify_time: float, max_context: int) -> list[int]:
+def book(
+    row: DecodeRow,
+    drafted: int,
+    accepted: int,
+    out: list[int],
+    fallback: bool,
+    draft_time: float,
+    verify_time: float,
+    max_context: int,
+) -> list[int]:
     """A row's stats and tokens after its verification; returns the tokens it took."""
     if row.error is not None:
         return []
@@ -231,8 +254,9 @@ def verify_row(row, drafted: list[int], probs: list, logits: np.ndarray) -> tupl
     return n, out
 
 
-def propose_constrained(drafter: Drafter | None, grammars: list, limits: list[int], config: DecodeConfig, rngs: list,
-                        vocab_size: int) -> Proposal:
+def propose_constrained(
+    drafter: Drafter | None, grammars: list, limits: list[int], config: DecodeConfig, rngs: list, vocab_size: int
+) -> Proposal:
     """Drafts under the rows' grammars: the grammar-forced tokens where there are any (point masses, no draft call
     for those rows), the drafter's masked draws elsewhere (``drafter`` None: no drafting this step), each cut at its
     first token the grammar refuses (see runtime/decoding/grammar.py for why both stay exact)."""
@@ -270,7 +294,7 @@ def record_logprobs(row, logits: np.ndarray, out: list[int], top: int) -> None:
 def after_append(row, new: list[int]) -> None:
     """Trim logprobs to the tokens a row took, and end a constrained row whose output is complete."""
     if row.logprobs is not None and len(row.logprobs) > len(row.generated):
-        del row.logprobs[len(row.generated):], row.top_logprobs[len(row.generated):]
+        del row.logprobs[len(row.generated) :], row.top_logprobs[len(row.generated) :]
     if row.grammar is not None and not row.finished and row.grammar.stopped:
         row.finished = "stop"
 

@@ -159,7 +159,7 @@ def plan_draft_lengths(costs: CostModel, inputs: PlanInputs) -> list[int]:
     ks = [min(best, limit) for limit in limits]
     for b in range(len(ks)):
         if ks[b]:
-            without = ks[:b] + [0] + ks[b + 1:]
+            without = ks[:b] + [0] + ks[b + 1 :]
             if rate(without) > rate(ks):
                 ks = without
     return ks

@@ -40,8 +40,9 @@ class Drafter:
         """Take the prompts; the drafter sees every prompt token."""
         raise NotImplementedError
 
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
-                prefixes: list[list[int]] | None = None) -> Proposal:
+    def propose(
+        self, limits: list[int], params: SamplingParams, rngs: list, prefixes: list[list[int]] | None = None
+    ) -> Proposal:
         """Up to limits[b] tokens for each row; ``prefixes`` only where ``takes_prefixes``."""
         raise NotImplementedError
 

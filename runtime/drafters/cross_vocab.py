@@ -58,8 +58,9 @@ class CrossVocabDrafter(Drafter):
 
     # --- proposing ------------------------------------------------------------------------------------------------
 
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
-                prefixes: list[list[int]] | None = None) -> Proposal:
+    def propose(
+        self, limits: list[int], params: SamplingParams, rngs: list, prefixes: list[list[int]] | None = None
+    ) -> Proposal:
         """Up to limits[b] target tokens per row: the committed text the draft has not read is fed first, then the
         draft drafts (a row whose text ends inside a character, or whose draft context is full, drafts nothing)."""
         rows = len(limits)
@@ -84,8 +85,10 @@ class CrossVocabDrafter(Drafter):
                     chunks[b] = [token]
                     self.fed[b].append(token)
         if self.method == "string":
-            tokens = [self._string_proposal(draft, limit, len(draft) >= cap)
-                      for draft, limit, cap in zip(drafts, limits, budget)]
+            tokens = [
+                self._string_proposal(draft, limit, len(draft) >= cap)
+                for draft, limit, cap in zip(drafts, limits, budget)
+            ]
             probs = [point_masses(t, self.target_vocab, params) for t in tokens]
         return Proposal(tokens, probs)
 
@@ -100,8 +103,17 @@ class CrossVocabDrafter(Drafter):
             chunks.append(chunk if room >= 0 else [])
         return chunks
 
-    def _draw(self, b: int, logits: np.ndarray, tokens: list[int], probs: list, drafted: list[int], budget: int,
-              params: SamplingParams, rng) -> int | None:
+    def _draw(
+        self,
+        b: int,
+        logits: np.ndarray,
+        tokens: list[int],
+        probs: list,
+        drafted: list[int],
+        budget: int,
+        params: SamplingParams,
+        rng,
+    ) -> int | None:
         """Row b's next draft token (a draft id to feed the draft next), or None when it stops."""
         if self.method == "string":  # the draft's greedy choice: any text is lossless under exact match
             if self.confidence and drafted and top_probability(logits) < self.confidence:
@@ -145,7 +157,7 @@ class CrossVocabDrafter(Drafter):
             kept, matched = 0, 0
             for token in self.fed[b]:
                 piece = self.bridge.draft_bytes[token]
-                if committed[matched: matched + len(piece)] != piece:
+                if committed[matched : matched + len(piece)] != piece:
                     break
                 kept, matched = kept + 1, matched + len(piece)
             keep[b] = self.base[b] + self.context[b] + kept

@@ -55,8 +55,9 @@ class FeatureDrafter(SamplingDrafter):
         parts = [f for f in self.features[b] if len(f)]
         return np.concatenate(parts) if parts else None
 
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
-                prefixes: list[list[int]] | None = None) -> Proposal:
+    def propose(
+        self, limits: list[int], params: SamplingParams, rngs: list, prefixes: list[list[int]] | None = None
+    ) -> Proposal:
         """Up to limits[b] draft tokens per row; with ``prefixes``, row b's draft starts with prefixes[b] (point
         masses: the grammar forces them), each fed through the chain with the draft's own predicted feature, as a
         drawn token would be, and the draft draws on from there."""
@@ -65,8 +66,10 @@ class FeatureDrafter(SamplingDrafter):
         tokens: list[list[int]] = [list(p) for p in prefixes]
         probs: list[list] = [point_masses(p, self.engine.vocab_size, params) for p in prefixes]
         pending = [self._pending(b) for b in range(rows)]
-        active = [limit > len(prefixes[b]) and pending[b] is not None and len(pending[b]) == len(self.tokens[b])
-                  for b, limit in enumerate(limits)]
+        active = [
+            limit > len(prefixes[b]) and pending[b] is not None and len(pending[b]) == len(self.tokens[b])
+            for b, limit in enumerate(limits)
+        ]
         self.fed = list(active)
         self.base = self.cache.lengths.copy()
         if not any(active):
@@ -79,8 +82,7 @@ class FeatureDrafter(SamplingDrafter):
         while True:
             forcing = [a and step < len(prefixes[b]) for b, a in enumerate(active)]
             drawing = [a and not f for a, f in zip(active, forcing)]
-            drawn = draw_rows(logits, drawing, tokens, probs, limits, params, rngs, self.confidence,
-                              self.grammars)
+            drawn = draw_rows(logits, drawing, tokens, probs, limits, params, rngs, self.confidence, self.grammars)
             nexts = [prefixes[b][step] if forcing[b] else drawn[b] for b in range(rows)]
             active = [a and token is not None for a, token in zip(active, nexts)]
             if not any(active):

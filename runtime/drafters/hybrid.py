@@ -22,11 +22,13 @@ class HybridDrafter(Drafter):
     time it drafts for it.
     """
 
-    def __init__(self, model: ModelDrafter, vocab_size: int, min_ngram: int = 2, max_ngram: int = 3,
-                 free: Drafter | None = None):
+    def __init__(
+        self, model: ModelDrafter, vocab_size: int, min_ngram: int = 2, max_ngram: int = 3, free: Drafter | None = None
+    ):
         self.model = model
-        self.free = free if free is not None else PromptLookupDrafter(vocab_size, max_ngram=max_ngram,
-                                                                       min_ngram=min_ngram)
+        self.free = (
+            free if free is not None else PromptLookupDrafter(vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+        )
         self.looked_up = self.proposed = 0  # rows whose proposal came from the free drafter / all proposing rows
 
     def start(self, prompts: list[list[int]]) -> None:
@@ -45,20 +47,26 @@ class HybridDrafter(Drafter):
     def constrain_rows(self, grammars: list) -> None:
         self.model.constrain_rows(grammars)
 
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
-                prefixes: list[list[int]] | None = None) -> Proposal:
+    def propose(
+        self, limits: list[int], params: SamplingParams, rngs: list, prefixes: list[list[int]] | None = None
+    ) -> Proposal:
         """A row with a prefix (grammar-forced tokens) goes to the model, which drafts on after it; the others
         look up first."""
         prefixes = prefixes or [[] for _ in limits]
         found = self.free.propose([0 if p else limit for p, limit in zip(prefixes, limits)], params, rngs)
         pick = [bool(t) for t in found.tokens]  # rows with a match take the lookup's proposal
         model_limits = [0 if p else limit for p, limit in zip(pick, limits)]
-        drafted = (self.model.propose(model_limits, params, rngs, prefixes=prefixes) if any(prefixes)
-                   else self.model.propose(model_limits, params, rngs))
+        drafted = (
+            self.model.propose(model_limits, params, rngs, prefixes=prefixes)
+            if any(prefixes)
+            else self.model.propose(model_limits, params, rngs)
+        )
         self.looked_up += sum(pick)
         self.proposed += sum(1 for limit in limits if limit > 0)
-        return Proposal([f if p else d for f, d, p in zip(found.tokens, drafted.tokens, pick)],
-                        [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)])
+        return Proposal(
+            [f if p else d for f, d, p in zip(found.tokens, drafted.tokens, pick)],
+            [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)],
+        )
 
     def take_features(self, rows) -> None:
         """A feature drafter as the model: it pairs every step's target hidden states, whoever drafted."""

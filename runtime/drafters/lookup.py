@@ -19,10 +19,10 @@ def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -
         return []
     size = len(history)
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        suffix = history[size - n:]
+        suffix = history[size - n :]
         for start in range(size - n - 1, -1, -1):  # latest match first, never the suffix itself
-            if history[start: start + n] == suffix:
-                follow = history[start + n: start + n + k]
+            if history[start : start + n] == suffix:
+                follow = history[start + n : start + n + k]
                 if follow:
                     return follow
     return []

@@ -40,8 +40,9 @@ class ModelDrafter(SamplingDrafter):
         self.calls += 1
         return last_logits(self.engine, self.cache, chunks)
 
-    def propose(self, limits: list[int], params: SamplingParams, rngs: list,
-                prefixes: list[list[int]] | None = None) -> Proposal:
+    def propose(
+        self, limits: list[int], params: SamplingParams, rngs: list, prefixes: list[list[int]] | None = None
+    ) -> Proposal:
         """Up to limits[b] draft tokens per row; with ``prefixes``, row b's draft starts with prefixes[b] (fixed
         tokens, point masses: the grammar forces them), fed to the draft model with its pending tokens, and the
         model drafts on from there."""
@@ -70,7 +71,7 @@ class ModelDrafter(SamplingDrafter):
             fed = self.fed[b]
             keep[b] = self.base[b] + len(self.pending[b]) + min(n, fed)
             # accepted draft tokens the draft never saw as input, then the recovered/bonus token
-            self.pending[b] = out[min(n, fed):]
+            self.pending[b] = out[min(n, fed) :]
         self.engine.rollback(self.cache, keep)
 
     def observe(self, emitted: list[list[int]]) -> None:
@@ -81,9 +82,17 @@ class ModelDrafter(SamplingDrafter):
         self.pending = [self.pending[r] for r in rows]
 
 
-def draw_rows(logits: np.ndarray, active: list[bool], tokens: list[list[int]], probs: list[list], limits: list[int],
-              params: SamplingParams, rngs: list, confidence: float = 0.0, grammars: list | None = None
-              ) -> list[int | None]:
+def draw_rows(
+    logits: np.ndarray,
+    active: list[bool],
+    tokens: list[list[int]],
+    probs: list[list],
+    limits: list[int],
+    params: SamplingParams,
+    rngs: list,
+    confidence: float = 0.0,
+    grammars: list | None = None,
+) -> list[int | None]:
     """``draw_next`` for every active row of a draft call's logits [B, V]; rows that stop become inactive. Returns
     each row's token to feed the draft next (None: nothing). With ``grammars``, a row that has one draws from its
     logits masked by the grammar (q is then a law over allowed tokens), and stops where its output is complete."""
@@ -101,8 +110,9 @@ def draw_rows(logits: np.ndarray, active: list[bool], tokens: list[list[int]], p
     return drawn
 
 
-def draw_next(logits: np.ndarray, tokens: list[int], probs: list, limit: int, params: SamplingParams, rng,
-              confidence: float = 0.0) -> int | None:
+def draw_next(
+    logits: np.ndarray, tokens: list[int], probs: list, limit: int, params: SamplingParams, rng, confidence: float = 0.0
+) -> int | None:
     """A draft row's next token from its logits, appended with its q to ``tokens``/``probs``; returns the token to
     feed the draft next, or None when the row stops: at its limit, or unsure (top probability under ``confidence``,
     after its first token), when what it has goes to verification."""

@@ -39,12 +39,16 @@ class DrafterKind:
 def model_drafter(sources: DraftSources) -> Drafter:
     """The draft engine's drafter: a feature draft (its graph takes the target's hidden states) or a model."""
     if sources.bridge is not None:
-        raise RequestError("this bundle's draft has a tokenizer of its own: its drafters are 'tli' and 'string' "
-                           "(or the model-free 'prompt_lookup' and 'suffix')")
+        raise RequestError(
+            "this bundle's draft has a tokenizer of its own: its drafters are 'tli' and 'string' "
+            "(or the model-free 'prompt_lookup' and 'suffix')"
+        )
     if getattr(sources.draft, "takes_features", False):  # an engine's graph, not a drafter capability
         if not sources.target_has_hidden:
-            raise RequestError("this bundle's draft drafts from the target's hidden states, but its target engine "
-                               "returns none; rebuild the bundle with this Draftsmith")
+            raise RequestError(
+                "this bundle's draft drafts from the target's hidden states, but its target engine "
+                "returns none; rebuild the bundle with this Draftsmith"
+            )
         return FeatureDrafter(sources.draft, sources.confidence)
     return ModelDrafter(sources.draft, sources.confidence)
 
@@ -65,28 +69,58 @@ def _hybrid_suffix(sources: DraftSources) -> Drafter:
 def _cross(method: str) -> Callable[[DraftSources], Drafter]:
     def make(sources: DraftSources) -> Drafter:
         if sources.bridge is None:
-            raise RequestError(f"the {method!r} drafter drafts with a tokenizer other than the target's; this "
-                               "bundle's draft shares the target's: use 'model'")
+            raise RequestError(
+                f"the {method!r} drafter drafts with a tokenizer other than the target's; this "
+                "bundle's draft shares the target's: use 'model'"
+            )
         return CrossVocabDrafter(sources.draft, sources.bridge, method, sources.vocab_size, sources.confidence)
+
     return make
 
 
-REGISTRY: dict[str, DrafterKind] = {kind.name: kind for kind in (
-    DrafterKind("model", "the bundle's draft engine (a draft model, or a feature draft over the target's hidden "
-                "states)", True, model_drafter),
-    DrafterKind("prompt_lookup", "n-gram lookup in the prompt and the text so far (no draft engine)", False,
-                lambda sources: PromptLookupDrafter(sources.vocab_size)),
-    DrafterKind("hybrid", "prompt lookup where the context has a 2-gram match, the draft engine elsewhere", True,
-                _hybrid),
-    DrafterKind("suffix", "a suffix trie of the prompt, the text and a server's earlier responses (no draft engine)",
-                False, _suffix),
-    DrafterKind("hybrid_suffix", "the suffix drafter where it is sure, the draft engine elsewhere", True,
-                _hybrid_suffix),
-    DrafterKind("tli", "a draft with its own tokenizer, drafting inside the tokens both vocabularies share "
-                "(exact for greedy and sampled decoding)", True, _cross("tli")),
-    DrafterKind("string", "a draft with its own tokenizer: its greedy text re-tokenized for the target, kept where "
-                "it is the target's own choice", True, _cross("string")),
-)}
+REGISTRY: dict[str, DrafterKind] = {
+    kind.name: kind
+    for kind in (
+        DrafterKind(
+            "model",
+            "the bundle's draft engine (a draft model, or a feature draft over the target's hidden states)",
+            True,
+            model_drafter,
+        ),
+        DrafterKind(
+            "prompt_lookup",
+            "n-gram lookup in the prompt and the text so far (no draft engine)",
+            False,
+            lambda sources: PromptLookupDrafter(sources.vocab_size),
+        ),
+        DrafterKind(
+            "hybrid", "prompt lookup where the context has a 2-gram match, the draft engine elsewhere", True, _hybrid
+        ),
+        DrafterKind(
+            "suffix",
+            "a suffix trie of the prompt, the text and a server's earlier responses (no draft engine)",
+            False,
+            _suffix,
+        ),
+        DrafterKind(
+            "hybrid_suffix", "the suffix drafter where it is sure, the draft engine elsewhere", True, _hybrid_suffix
+        ),
+        DrafterKind(
+            "tli",
+            "a draft with its own tokenizer, drafting inside the tokens both vocabularies share "
+            "(exact for greedy and sampled decoding)",
+            True,
+            _cross("tli"),
+        ),
+        DrafterKind(
+            "string",
+            "a draft with its own tokenizer: its greedy text re-tokenized for the target, kept where "
+            "it is the target's own choice",
+            True,
+            _cross("string"),
+        ),
+    )
+}
 DRAFTERS = tuple(REGISTRY)  # the names, in the order help texts list them
 
 

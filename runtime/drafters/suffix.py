@@ -45,14 +45,21 @@ class SuffixConfig:
     min_score: float = 0.0  # propose nothing when the draft's score (expected accepted length) is lower
 
     def __post_init__(self) -> None:
-        checks = [(isinstance(self.depth, int) and self.depth >= 2, "depth", "an integer >= 2", self.depth),
-                  (isinstance(self.min_match, int) and 1 <= self.min_match < self.depth, "min_match",
-                   f"an integer in [1, depth={self.depth})", self.min_match),
-                  (0.0 < self.min_frequency <= 1.0, "min_frequency", "a share in (0, 1]", self.min_frequency),
-                  (self.per_match > 0.0, "per_match", "> 0", self.per_match),
-                  (self.min_score >= 0.0, "min_score", ">= 0", self.min_score)]
-        bad = [f"{name}: expected {expected}, received {received!r}" for ok, name, expected, received in checks
-               if not ok]
+        checks = [
+            (isinstance(self.depth, int) and self.depth >= 2, "depth", "an integer >= 2", self.depth),
+            (
+                isinstance(self.min_match, int) and 1 <= self.min_match < self.depth,
+                "min_match",
+                f"an integer in [1, depth={self.depth})",
+                self.min_match,
+            ),
+            (0.0 < self.min_frequency <= 1.0, "min_frequency", "a share in (0, 1]", self.min_frequency),
+            (self.per_match > 0.0, "per_match", "> 0", self.per_match),
+            (self.min_score >= 0.0, "min_score", ">= 0", self.min_score),
+        ]
+        bad = [
+            f"{name}: expected {expected}, received {received!r}" for ok, name, expected, received in checks if not ok
+        ]
         if bad:
             raise ValueError("suffix drafter settings: " + "; ".join(bad))
 
@@ -228,8 +235,13 @@ class _Row:
     document: list[int] | None = None  # this row's response, for the corpus
 
     def copy(self) -> "_Row":
-        return _Row(self.trie.copy(), list(self.frontier), deque(self.tail, maxlen=self.tail.maxlen), list(self.shared),
-                    self.generation)
+        return _Row(
+            self.trie.copy(),
+            list(self.frontier),
+            deque(self.tail, maxlen=self.tail.maxlen),
+            list(self.shared),
+            self.generation,
+        )
 
 
 class SuffixDrafter(Drafter):

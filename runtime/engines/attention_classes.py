@@ -40,8 +40,15 @@ from pathlib import Path
 
 import numpy as np
 
-ATTENTION_ATTRIBUTES = ("num_heads", "kv_num_heads", "do_rotary", "rotary_interleaved", "local_window_size", "scale",
-                        "softcap")
+ATTENTION_ATTRIBUTES = (
+    "num_heads",
+    "kv_num_heads",
+    "do_rotary",
+    "rotary_interleaved",
+    "local_window_size",
+    "scale",
+    "softcap",
+)
 SEEDS = (0,)  # the probe's random draw (a focused probe shows every point with one)
 DENSE_LIMIT = 1024  # every total compared with the next up to here (~0.3 s)
 SAMPLES = 256  # beyond it: the predicted points and this many other totals checked
@@ -51,11 +58,19 @@ CACHE_ENV = "DRAFTSMITH_CACHE_DIR"  # where measured points are kept ("off": not
 def attention_settings(proto) -> tuple[tuple, ...]:
     """The distinct GroupQueryAttention attribute sets of a graph, as sorted (name, value) pairs."""
     from onnx import helper
+
     found = set()
     for node in proto.graph.node:
         if node.op_type == "GroupQueryAttention":
-            found.add(tuple(sorted((a.name, helper.get_attribute_value(a)) for a in node.attribute
-                                   if a.name in ATTENTION_ATTRIBUTES)))
+            found.add(
+                tuple(
+                    sorted(
+                        (a.name, helper.get_attribute_value(a))
+                        for a in node.attribute
+                        if a.name in ATTENTION_ATTRIBUTES
+                    )
+                )
+            )
     return tuple(sorted(found))
 
 
@@ -64,6 +79,7 @@ def class_points(settings: tuple[tuple, ...], head_dim: int, max_total: int) -> 
     """Totals t (2 <= t <= max_total) at which some layer scores a query with total t + 1 otherwise than with t, on
     this CPU: from the cache file where this CPU's points were measured that far, else measured (and kept)."""
     from concurrent.futures import ThreadPoolExecutor
+
     jobs = [(dict(attributes), seed) for attributes in settings for seed in SEEDS]
     # a one-head probe runs on the calling thread: the settings (Gemma 3: global and sliding) measure side by side
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
@@ -81,8 +97,14 @@ def _points_of(attributes: dict, head_dim: int, max_total: int, seed: int) -> li
     return points
 
 
-def measure(attributes: dict, head_dim: int, max_total: int, seed: int = 0, dense_limit: int = DENSE_LIMIT,
-            samples: int = SAMPLES) -> list[int]:
+def measure(
+    attributes: dict,
+    head_dim: int,
+    max_total: int,
+    seed: int = 0,
+    dense_limit: int = DENSE_LIMIT,
+    samples: int = SAMPLES,
+) -> list[int]:
     """The points up to ``max_total``: every total up to ``dense_limit``; beyond it, the points the dense range's
     spacing predicts, each checked, and ``samples`` other totals checked to be no point. Where the dense range shows
     no single spacing, or a check fails, every remaining total is measured (slow at long contexts; logged)."""
@@ -104,8 +126,13 @@ def measure(attributes: dict, head_dim: int, max_total: int, seed: int = 0, dens
 
 
 def _measure_densely(probe: "AttentionProbe", first: int, last: int, why: str) -> list[int]:
-    logging.getLogger(__name__).warning("measuring GroupQueryAttention's class points at every total from %d to %d "
-                                        "on this CPU (%s); kept for later loads", first, last, why)
+    logging.getLogger(__name__).warning(
+        "measuring GroupQueryAttention's class points at every total from %d to %d "
+        "on this CPU (%s); kept for later loads",
+        first,
+        last,
+        why,
+    )
     return [t for t in range(first, last + 1) if probe.is_point(t)]
 
 
@@ -125,13 +152,14 @@ class AttentionProbe:
         import onnxruntime as ort
 
         from runtime.engines.sessions import make_session
+
         attributes = {**attributes, "num_heads": 1, "kv_num_heads": 1, "do_rotary": 0, "softcap": 0.0}
         self.slots = max_total + self.WIDEST
         self.session = make_session(probe_model(attributes, head_dim, self.slots))  # points do not follow threads
         rng = np.random.default_rng(seed)
         direction = rng.standard_normal(head_dim)
         direction /= np.linalg.norm(direction)
-        scale = float(attributes.get("scale") or 0.0) or head_dim ** -0.5
+        scale = float(attributes.get("scale") or 0.0) or head_dim**-0.5
         ramp = self.FOCUS / scale * np.arange(self.slots)
         keys = ramp[:, None] * direction[None] + rng.standard_normal((self.slots, head_dim))
         self.keys = keys.astype(np.float32)[None, None]
@@ -154,8 +182,15 @@ class AttentionProbe:
     def first_output(self, past: int, width: int) -> np.ndarray:
         """The first new token's output; the new keys and values are the buffers' own rows (written back as they
         are), so the past stays the same pattern whatever was probed before."""
-        return score(self.session, self.binding, self.query, self.keys[0, :, past:past + width],
-                     self.values[0, :, past:past + width], past, width)
+        return score(
+            self.session,
+            self.binding,
+            self.query,
+            self.keys[0, :, past : past + width],
+            self.values[0, :, past : past + width],
+            past,
+            width,
+        )
 
 
 def score(session, binding, query, keys, values, past: int, width: int) -> np.ndarray:
@@ -174,25 +209,33 @@ def score(session, binding, query, keys, values, past: int, width: int) -> np.nd
 def probe_model(attributes: dict, head_dim: int, positions: int) -> bytes:
     """One GroupQueryAttention node with the graph's attributes (rotary tables of base 10000 where it rotates)."""
     from onnx import TensorProto, helper, numpy_helper
+
     names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
     tables = []
     if attributes.get("do_rotary"):
         angles = np.arange(positions)[:, None] * (10000.0 ** (-np.arange(0, head_dim, 2) / head_dim))[None]
-        tables = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
-                  numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+        tables = [
+            numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
+            numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin"),
+        ]
         names += ["cos", "sin"]
-    node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
-                            domain="com.microsoft", **attributes)
+    node = helper.make_node(
+        "GroupQueryAttention", names, ["output", "present_key", "present_value"], domain="com.microsoft", **attributes
+    )
     f = TensorProto.FLOAT
     heads, kv_heads = int(attributes.get("num_heads", 1)), int(attributes.get("kv_num_heads", 1))
     inputs = [helper.make_tensor_value_info("query", f, [1, "s", heads * head_dim])]
     inputs += [helper.make_tensor_value_info(n, f, [1, "s", kv_heads * head_dim]) for n in ("key", "value")]
     inputs += [helper.make_tensor_value_info(n, f, [1, kv_heads, "t", head_dim]) for n in ("past_key", "past_value")]
-    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
-               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    inputs += [
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+    ]
     outputs = [helper.make_tensor_value_info(n, f, None) for n in ("output", "present_key", "present_value")]
-    model = helper.make_model(helper.make_graph([node], "probe", inputs, outputs, tables),
-                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(
+        helper.make_graph([node], "probe", inputs, outputs, tables),
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
+    )
     model.ir_version = 9
     return model.SerializeToString()
 
@@ -203,6 +246,7 @@ def cpu_fingerprint() -> str:
     import platform
 
     import onnxruntime
+
     fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
@@ -240,8 +284,14 @@ def _read_cache() -> dict:
         return {}
     if not isinstance(data, dict):
         return {}
-    return {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("points"), list)
-            and all(isinstance(p, int) for p in v["points"]) and isinstance(v.get("measured_to"), int)}
+    return {
+        k: v
+        for k, v in data.items()
+        if isinstance(v, dict)
+        and isinstance(v.get("points"), list)
+        and all(isinstance(p, int) for p in v["points"])
+        and isinstance(v.get("measured_to"), int)
+    }
 
 
 _cache_lock = threading.Lock()  # settings measured side by side add their entries one at a time

@@ -48,8 +48,9 @@ class Engine(Protocol):
 
     def new_cache(self, batch: int) -> KVCache: ...
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                exact: bool = True) -> np.ndarray:
+    def forward(
+        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+    ) -> np.ndarray:
         """Append tokens [B, S] (valid [B, S] marks real tokens; padding is 0) and return logits [B, S, V]."""
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
@@ -75,9 +76,21 @@ class OnnxEngine:
     IO binding, so on a GPU the cache never crosses PCIe between steps: only ids, mask and logits do.
     """
 
-    def __init__(self, path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
-                 max_context: int, threads: int = 0, providers: list | None = None, session=None,
-                 cache_device: str | None = None, device_id: int = 0):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        vocab_size: int,
+        max_context: int,
+        threads: int = 0,
+        providers: list | None = None,
+        session=None,
+        cache_device: str | None = None,
+        device_id: int = 0,
+    ):
         self.session = session or make_session(path, threads, providers)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.vocab_size, self.max_context = vocab_size, max_context
@@ -88,11 +101,13 @@ class OnnxEngine:
 
     def new_cache(self, batch: int) -> KVCache:
         empty = np.zeros((batch, self.num_kv_heads, 0, self.head_dim), self.dtype)
-        return KVCache(self._to_device([empty] * (2 * self.num_layers)), np.zeros((batch, 0), np.int64),
-                       np.zeros(batch, np.int64))
+        return KVCache(
+            self._to_device([empty] * (2 * self.num_layers)), np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64)
+        )
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                exact: bool = True) -> np.ndarray:
+    def forward(
+        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+    ) -> np.ndarray:
         """One call; the present tensors stay OrtValues and are fed back as the next past without a copy."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         valid = np.ones_like(tokens) if valid is None else valid.astype(np.int64)
@@ -132,8 +147,9 @@ class OnnxEngine:
         return picked
 
     def join(self, cache: KVCache, other: KVCache) -> KVCache:
-        past, mask = stack_rows([p.numpy() for p in cache.past], cache.mask, [p.numpy() for p in other.past],
-                                other.mask)
+        past, mask = stack_rows(
+            [p.numpy() for p in cache.past], cache.mask, [p.numpy() for p in other.past], other.mask
+        )
         return KVCache(self._to_device(past), mask, np.concatenate([cache.lengths, other.lengths]), cache.calls)
 
     def _compact(self, cache: KVCache) -> None:
@@ -143,12 +159,12 @@ class OnnxEngine:
 
     def _to_device(self, arrays: list[np.ndarray]) -> list:
         device = self.cache_device or "cpu"
-        return [self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), device, self.device_id)
-                for a in arrays]
+        return [self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), device, self.device_id) for a in arrays]
 
     @property
     def _ort(self):
         import onnxruntime
+
         return onnxruntime
 
 
@@ -162,12 +178,13 @@ def compact(past: list[np.ndarray], mask: np.ndarray, lengths: np.ndarray) -> tu
     width = int(lengths.max()) if len(lengths) else 0
     if width == slots and bool(mask.all()):
         return past, mask
-    order = np.argsort(mask, axis=1, kind="stable")[:, slots - width:]  # live slots last, in their order
+    order = np.argsort(mask, axis=1, kind="stable")[:, slots - width :]  # live slots last, in their order
     return [np.take_along_axis(p, order[:, None, :, None], axis=2) for p in past], np.take_along_axis(mask, order, 1)
 
 
-def stack_rows(past: list[np.ndarray], mask: np.ndarray, more: list[np.ndarray], more_mask: np.ndarray,
-               time_axis: int = 2) -> tuple[list[np.ndarray], np.ndarray]:
+def stack_rows(
+    past: list[np.ndarray], mask: np.ndarray, more: list[np.ndarray], more_mask: np.ndarray, time_axis: int = 2
+) -> tuple[list[np.ndarray], np.ndarray]:
     """Two batches' cache arrays as one: the shorter side is left-padded with dead slots (mask 0)."""
     width = max(mask.shape[1], more_mask.shape[1])
 
@@ -208,8 +225,10 @@ class MappedVocabEngine:
     def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, **options) -> np.ndarray:
         small = self.engine.forward(cache, tokens, valid, **options)
         if small.shape[-1] != len(self.kept_ids):
-            raise ValueError(f"the draft engine returned {small.shape[-1]} logits per position; its vocabulary map "
-                             f"has {len(self.kept_ids)} ids")
+            raise ValueError(
+                f"the draft engine returned {small.shape[-1]} logits per position; its vocabulary map "
+                f"has {len(self.kept_ids)} ids"
+            )
         full = np.full(small.shape[:-1] + (self.vocab_size,), -np.inf, dtype=small.dtype)
         inside = self.kept_ids < self.vocab_size
         full[..., self.kept_ids[inside]] = small[..., inside]
@@ -262,9 +281,22 @@ class FusedEngine:
     a token otherwise in a verify call: every scored call then runs one token at a time, as target-only does.
     """
 
-    def __init__(self, path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
-                 max_context: int, threads: int = 0, providers: list | None = None, session=None,
-                 initial_slots: int = 256, min_call_tokens: int = 1, class_points: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        vocab_size: int,
+        max_context: int,
+        threads: int = 0,
+        providers: list | None = None,
+        session=None,
+        initial_slots: int = 256,
+        min_call_tokens: int = 1,
+        class_points: tuple[int, ...] = (),
+    ):
         self.session = session or make_session(path, threads, providers)
         self.class_points = np.asarray(class_points, np.int64)  # runtime.engines.attention_classes: calls are cut there
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -288,8 +320,9 @@ class FusedEngine:
 
     def new_cache(self, batch: int) -> KVCache:
         slots = min(self.initial_slots, self.max_context)
-        return KVCache(self._buffers(batch, slots), np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64),
-                       extra={"views": {}})
+        return KVCache(
+            self._buffers(batch, slots), np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), extra={"views": {}}
+        )
 
     def _buffers(self, batch: int, slots: int) -> list[np.ndarray]:
         shape = (batch, self.num_kv_heads, slots, self.head_dim)
@@ -304,19 +337,30 @@ class FusedEngine:
         need = len(self.past_names) * int(np.prod(shape)) * 4
         available = available_memory_bytes()
         if available is not None and need > available:
-            raise MemoryError(f"the batch's KV cache ({rows} rows of {self.max_context} tokens) needs "
-                              f"{need / 2**30:.2f} GiB and {available / 2**30:.2f} GiB is available: lower the batch "
-                              "(--max-batch) or build the bundle with a shorter --max-context")
-        return KVCache([np.full(shape, 0.0, np.float32) for _ in self.past_names], np.zeros((0, 0), np.int64),
-                       np.zeros(0, np.int64), extra={"views": {}})
+            raise MemoryError(
+                f"the batch's KV cache ({rows} rows of {self.max_context} tokens) needs "
+                f"{need / 2**30:.2f} GiB and {available / 2**30:.2f} GiB is available: lower the batch "
+                "(--max-batch) or build the bundle with a shorter --max-context"
+            )
+        return KVCache(
+            [np.full(shape, 0.0, np.float32) for _ in self.past_names],
+            np.zeros((0, 0), np.int64),
+            np.zeros(0, np.int64),
+            extra={"views": {}},
+        )
 
     def add_rows(self, cache: KVCache, count: int) -> KVCache:
         """``cache`` with ``count`` empty rows after its own, in its buffers (grown only past their capacity)."""
         rows = cache.past[0].shape[0]
         if cache.batch + count > rows:
             self._grow(cache, 1 << (cache.batch + count - 1).bit_length(), cache.past[0].shape[2])
-        return KVCache(cache.past, np.zeros((cache.batch + count, 0), np.int64),
-                       np.concatenate([cache.lengths, np.zeros(count, np.int64)]), cache.calls, extra=cache.extra)
+        return KVCache(
+            cache.past,
+            np.zeros((cache.batch + count, 0), np.int64),
+            np.concatenate([cache.lengths, np.zeros(count, np.int64)]),
+            cache.calls,
+            extra=cache.extra,
+        )
 
     def prefill_row(self, cache: KVCache, row: int, tokens) -> np.ndarray | None:
         """Prefill ``tokens`` after what row ``row`` of a batch cache holds (its prompt, or the next chunk of it), in
@@ -339,9 +383,16 @@ class FusedEngine:
 
     scores_last = True  # forward(last=True): the head runs only where a row's last token is
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                score: bool = True, features: np.ndarray | None = None, last: bool = False,
-                exact: bool = True) -> np.ndarray:
+    def forward(
+        self,
+        cache: KVCache,
+        tokens: np.ndarray,
+        valid: np.ndarray | None = None,
+        score: bool = True,
+        features: np.ndarray | None = None,
+        last: bool = False,
+        exact: bool = True,
+    ) -> np.ndarray:
         """Append each row's valid tokens (right-padded in ``tokens``) and return logits [B, S, V]; with ``last``,
         [B, 1, V] at each row's last valid token only (a drafter reads nothing else: the head, and for a reduced
         one its expansion to the vocabulary, then cost one position, not a whole prompt's). A feature draft also
@@ -382,12 +433,18 @@ class FusedEngine:
             widths = np.where(alone, counts + self.min_call_tokens - 1, 0)  # a cut's last call may pad
             self._reserve(cache, int((cache.lengths + widths).max()))  # each row its own chunk, not the widest
             for b in np.flatnonzero(alone):
-                part, h = self._row(cache, b, tokens[b, :counts[b]], score,
-                                    None if features is None else features[b, :counts[b]], last)
-                logits[b, :len(part)] = part
+                part, h = self._row(
+                    cache,
+                    b,
+                    tokens[b, : counts[b]],
+                    score,
+                    None if features is None else features[b, : counts[b]],
+                    last,
+                )
+                logits[b, : len(part)] = part
                 if h is not None:
                     hidden = np.zeros((batch, new, h.shape[-1]), np.float32) if hidden is None else hidden
-                    hidden[b, :counts[b]] = h
+                    hidden[b, : counts[b]] = h
         if self.has_hidden:
             cache.extra["hidden"] = None if hidden is None else hidden[:, :asked]
         cache.lengths = cache.lengths + counts
@@ -401,16 +458,26 @@ class FusedEngine:
         tokens a class point parts."""
         if not self.ragged:
             return counts > 0
-        alone = np.array([c > 0 and len(self._segments(int(n), int(c))) > 1 for n, c in zip(cache.lengths, counts)],
-                         dtype=bool)
+        alone = np.array(
+            [c > 0 and len(self._segments(int(n), int(c))) > 1 for n, c in zip(cache.lengths, counts)], dtype=bool
+        )
         together = (counts > 0) & ~alone
         width = int(np.maximum(counts[together], self.min_call_tokens).max(initial=0))
         if int(cache.lengths.max()) + width > self.max_context + self.min_call_tokens:
             return counts > 0
         return alone
 
-    def _ragged(self, cache: KVCache, tokens: np.ndarray, counts: np.ndarray, alone: np.ndarray, score: bool,
-                features: np.ndarray | None, last: bool, logits: np.ndarray) -> np.ndarray | None:
+    def _ragged(
+        self,
+        cache: KVCache,
+        tokens: np.ndarray,
+        counts: np.ndarray,
+        alone: np.ndarray,
+        score: bool,
+        features: np.ndarray | None,
+        last: bool,
+        logits: np.ndarray,
+    ) -> np.ndarray | None:
         """One call for every row with tokens that is not scored alone: row b takes max(counts[b],
         ``min_call_tokens``) query positions (padded like a lone call of its own, so each row gets the kernels that
         call would give it; tests/test_fused_graph.py checks it bit for bit) after its own past; the other rows
@@ -422,14 +489,18 @@ class FusedEngine:
         queries[(queries == 0) & (cache.lengths == 0)] = 1  # the kernel needs a token in every row: a dead slot
         width = int(queries.max())
         chunk = np.pad(tokens, ((0, 0), (0, max(0, width - tokens.shape[1]))))[:, :width]
-        feats = None if features is None else np.pad(
-            features, ((0, 0), (0, max(0, width - features.shape[1])), (0, 0)))[:, :width]
+        feats = (
+            None
+            if features is None
+            else np.pad(features, ((0, 0), (0, max(0, width - features.shape[1])), (0, 0)))[:, :width]
+        )
         # each row's own tokens within the context, as its lone calls would be; then every row's buffer must hold
         # the whole padded chunk (the kernel's rule)
         self._reserve(cache, int((cache.lengths + np.where(together, counts + self.min_call_tokens - 1, 0)).max()))
         self._reserve(cache, int(cache.lengths.max()) + width)
-        part, hidden = self._run(cache, slice(0, len(tokens)), chunk, cache.lengths + queries,
-                                 width if score else 0, feats, queries)
+        part, hidden = self._run(
+            cache, slice(0, len(tokens)), chunk, cache.lengths + queries, width if score else 0, feats, queries
+        )
         rows = np.flatnonzero(together)
         if last:
             logits[rows, 0] = part[rows, counts[rows] - 1]
@@ -443,8 +514,9 @@ class FusedEngine:
         out[rows, :span] = hidden[rows, :span]
         return out
 
-    def _row(self, cache: KVCache, b: int, tokens: np.ndarray, score: bool, features: np.ndarray | None,
-             last: bool = False):
+    def _row(
+        self, cache: KVCache, b: int, tokens: np.ndarray, score: bool, features: np.ndarray | None, last: bool = False
+    ):
         """Row ``b``'s ``tokens`` [n] in calls cut where a class point parts them (``_segments``), each right-padded
         to ``min_call_tokens``: logits [n, V] (or [0, V]; [1, V] at the last token with ``last``) and hidden states
         [n, H] (None: the graph has none)."""
@@ -472,16 +544,20 @@ class FusedEngine:
         cuts = (np.flatnonzero(np.diff(classes)) + 1).tolist()
         return list(zip([0, *cuts], [*cuts, count]))
 
-    def _one_token_at_a_time(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None,
-                             features: np.ndarray | None, last: bool) -> np.ndarray:
+    def _one_token_at_a_time(
+        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None, features: np.ndarray | None, last: bool
+    ) -> np.ndarray:
         """``forward`` as one call per column: the exact form where the load-time check (``call_shape_mismatch``)
         found a verify call scoring a token otherwise than target-only decoding, whose calls are one token wide."""
         counts = tokens.shape[1] * np.ones(len(tokens), np.int64) if valid is None else valid.sum(axis=1)
         logits, hidden = [], []
         for j in range(tokens.shape[1]):
-            column = None if valid is None else valid[:, j:j + 1]
-            logits.append(self.forward(cache, tokens[:, j:j + 1], column,
-                                       features=None if features is None else features[:, j:j + 1]))
+            column = None if valid is None else valid[:, j : j + 1]
+            logits.append(
+                self.forward(
+                    cache, tokens[:, j : j + 1], column, features=None if features is None else features[:, j : j + 1]
+                )
+            )
             hidden.append(cache.extra.get("hidden"))
         out = np.concatenate(logits, axis=1)
         if self.has_hidden:
@@ -498,10 +574,12 @@ class FusedEngine:
             return None
         tokens = np.random.default_rng(seed).integers(0, vocab, (2, length))
         reference = self._scored(tokens[:1], [1] * (length - 4))
-        shapes = {"a verify call of 4 tokens": lambda: self._scored(tokens[:1], [4, length - 8]),
-                  "a verify call of 2 tokens": lambda: self._scored(tokens[:1], [2] * ((length - 4) // 2)),
-                  "a batched one-token step": lambda: self._scored(tokens, [1] * (length - 4))[:1],
-                  "a batched verify call": lambda: self._scored(tokens, [4, length - 8], ragged=True)[:1]}
+        shapes = {
+            "a verify call of 4 tokens": lambda: self._scored(tokens[:1], [4, length - 8]),
+            "a verify call of 2 tokens": lambda: self._scored(tokens[:1], [2] * ((length - 4) // 2)),
+            "a batched one-token step": lambda: self._scored(tokens, [1] * (length - 4))[:1],
+            "a batched verify call": lambda: self._scored(tokens, [4, length - 8], ragged=True)[:1],
+        }
         for name, scores in shapes.items():
             if not np.array_equal(scores(), reference):
                 return name
@@ -517,28 +595,36 @@ class FusedEngine:
         widths = [1] * (length - 4)
         return not np.array_equal(self._scored(tokens, widths, prefill=(2, 2)), self._scored(tokens, widths))
 
-    def _scored(self, tokens: np.ndarray, widths: list[int], ragged: bool = False,
-                prefill: tuple[int, ...] = (4,)) -> np.ndarray:
+    def _scored(
+        self, tokens: np.ndarray, widths: list[int], ragged: bool = False, prefill: tuple[int, ...] = (4,)
+    ) -> np.ndarray:
         """Logits of ``tokens`` [B, n] past a prefill of 4 (in calls of ``prefill`` tokens), fed in calls of
         ``widths`` tokens (``ragged``: the rows after the first take one token fewer a call, so rows of several
         lengths share each call)."""
         cache = self.new_cache(len(tokens))
         at = 0
         for width in prefill:
-            self.prefill(cache, tokens[:, at:at + width])
+            self.prefill(cache, tokens[:, at : at + width])
             at += width
         at, out = 4, []
         for width in widths:
             valid = np.ones((len(tokens), width), np.int64)
             if ragged:
-                valid[1:, width - 1:] = 0
-            out.append(self.forward(cache, tokens[:, at:at + width] * valid, valid))
+                valid[1:, width - 1 :] = 0
+            out.append(self.forward(cache, tokens[:, at : at + width] * valid, valid))
             at += width
         return np.concatenate(out, axis=1)
 
-    def _run(self, cache: KVCache, rows: slice, tokens: np.ndarray, totals: np.ndarray, keep: int,
-             features: np.ndarray | None = None,
-             queries: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def _run(
+        self,
+        cache: KVCache,
+        rows: slice,
+        tokens: np.ndarray,
+        totals: np.ndarray,
+        keep: int,
+        features: np.ndarray | None = None,
+        queries: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """One session call on ``rows`` of the cache; ``totals``: each row's slot count after the call; ``queries``:
         each row's tokens in it (None: all of ``tokens``' columns); logits for the last ``keep`` positions, and the
         hidden states of all new positions (None: the graph has none)."""
@@ -571,11 +657,11 @@ class FusedEngine:
         values = self._outputs.get(key)
         if values is None:
             ort = self._ort
-            values = {"logits": ort.OrtValue.ortvalue_from_shape_and_type((shape[0], keep, self.head_width),
-                                                                          np.float32)}
+            values = {
+                "logits": ort.OrtValue.ortvalue_from_shape_and_type((shape[0], keep, self.head_width), np.float32)
+            }
             if self.has_hidden:
-                values["hidden"] = ort.OrtValue.ortvalue_from_shape_and_type((*shape, self.hidden_width),
-                                                                             np.float32)
+                values["hidden"] = ort.OrtValue.ortvalue_from_shape_and_type((*shape, self.hidden_width), np.float32)
             if shape[1] <= self.CACHED_TOKENS:
                 if len(self._outputs) >= self.OUTPUT_CACHE:
                     self._outputs.pop(next(iter(self._outputs)))
@@ -644,13 +730,19 @@ class FusedEngine:
         if n + m > rows or used > slots:
             self._grow(cache, max(rows, 1 << (n + m - 1).bit_length()), max(slots, used))
         for buffer, more in zip(cache.past, other.past):
-            buffer[n: n + m, :, :used] = more[:, :, :used]
-        return KVCache(cache.past, np.zeros((n + m, 0), np.int64), np.concatenate([cache.lengths, other.lengths]),
-                       cache.calls, extra=cache.extra)
+            buffer[n : n + m, :, :used] = more[:, :, :used]
+        return KVCache(
+            cache.past,
+            np.zeros((n + m, 0), np.int64),
+            np.concatenate([cache.lengths, other.lengths]),
+            cache.calls,
+            extra=cache.extra,
+        )
 
     @property
     def _ort(self):
         import onnxruntime
+
         return onnxruntime
 
 

@@ -35,6 +35,7 @@ def read_onnx(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> 
 def parse_onnx(model: bytes, where: str):
     import onnx
     from google.protobuf.message import DecodeError
+
     try:
         return onnx.ModelProto.FromString(model)
     except (DecodeError, RecursionError, ValueError) as err:
@@ -44,9 +45,22 @@ def parse_onnx(model: bytes, where: str):
 # Operators an engine may use. Standard ONNX operators are allowed but for control flow (a Loop or Scan runs for as
 # long as its graph says); of ONNX Runtime's contrib operators, those decoder graphs are made of.
 DENIED_ONNX_OPS = frozenset({"Loop", "Scan", "If", "SequenceMap"})
-CONTRIB_OPS = frozenset({"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization",
-                         "SimplifiedLayerNormalization", "SkipLayerNormalization", "RotaryEmbedding", "FastGelu",
-                         "Gelu", "BiasGelu", "QuickGelu", "MultiHeadAttention", "GatherBlockQuantized"})
+CONTRIB_OPS = frozenset(
+    {
+        "GroupQueryAttention",
+        "MatMulNBits",
+        "SkipSimplifiedLayerNormalization",
+        "SimplifiedLayerNormalization",
+        "SkipLayerNormalization",
+        "RotaryEmbedding",
+        "FastGelu",
+        "Gelu",
+        "BiasGelu",
+        "QuickGelu",
+        "MultiHeadAttention",
+        "GatherBlockQuantized",
+    }
+)
 SHAPE_FROM_INPUT_OPS = {"ConstantOfShape": 0, "Expand": 1}  # op -> the input that gives the output's shape
 MAX_CONSTANT_ELEMENTS = 1 << 26  # a constant-shaped output ONNX Runtime would fold (allocate) while loading
 MAX_FOLLOWED = 1024  # elements of a constant small enough to follow through the shape arithmetic ORT folds
@@ -82,8 +96,10 @@ def folding_problems(proto) -> list[str]:
     for node in proto.graph.node:
         elements = _output_elements(node, values, counts)
         if elements is not None and not elements <= MAX_CONSTANT_ELEMENTS:
-            problems.append(f"node {node.name!r}: {node.op_type} of {elements:.3g} elements from constants (ONNX "
-                            f"Runtime would allocate it while loading; the limit is {MAX_CONSTANT_ELEMENTS})")
+            problems.append(
+                f"node {node.name!r}: {node.op_type} of {elements:.3g} elements from constants (ONNX "
+                f"Runtime would allocate it while loading; the limit is {MAX_CONSTANT_ELEMENTS})"
+            )
         folded = _fold(node, values)
         if folded is not None and folded.size <= MAX_FOLLOWED:
             values[node.output[0]] = folded
@@ -95,9 +111,17 @@ def _small_constants(graph) -> tuple[dict, dict]:
     initializer and Constant)."""
     import onnx
     from onnx import numpy_helper
+
     tensors = {t.name: t for t in graph.initializer}
-    tensors.update({n.output[0]: a.t for n in graph.node if n.op_type == "Constant"
-                    for a in n.attribute if a.name == "value" and a.HasField("t")})
+    tensors.update(
+        {
+            n.output[0]: a.t
+            for n in graph.node
+            if n.op_type == "Constant"
+            for a in n.attribute
+            if a.name == "value" and a.HasField("t")
+        }
+    )
     values, counts = {}, {}
     for name, tensor in tensors.items():
         counts[name] = float(np.prod([max(d, 0) for d in tensor.dims])) if tensor.dims else 1.0
@@ -138,8 +162,13 @@ def _fold(node, values: dict):
             if node.op_type in ("Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten"):
                 return inputs[0]
             if node.op_type in ("Mul", "Add", "Sub", "Max", "Min"):
-                function = {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Max": np.maximum,
-                            "Min": np.minimum}[node.op_type]
+                function = {
+                    "Mul": np.multiply,
+                    "Add": np.add,
+                    "Sub": np.subtract,
+                    "Max": np.maximum,
+                    "Min": np.minimum,
+                }[node.op_type]
                 return function(inputs[0], inputs[1]) if len(inputs) == 2 else None
     except ValueError:  # shapes that do not broadcast: ORT refuses the graph itself
         return None
@@ -153,6 +182,7 @@ def _all_nodes(proto):
             for attribute in node.attribute:
                 for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
                     yield from graph_nodes(sub)
+
     yield from graph_nodes(proto.graph)
     for function in proto.functions:
         for node in function.node:
@@ -167,6 +197,7 @@ def external_data_locations(model, where: str) -> set[str]:
     Checked here, not left to ONNX Runtime: older releases follow '..' and absolute locations.
     """
     import onnx
+
     proto = parse_onnx(model, where) if isinstance(model, bytes) else model
     locations, problems = set(), []
     for kind, owner, tensor in _model_tensors(proto):
@@ -178,8 +209,9 @@ def external_data_locations(model, where: str) -> set[str]:
             continue
         location = entries.get("location", "")
         if path_problem(location) or not all(_LOCATION_PART.fullmatch(p) for p in location.split("/")):
-            problems.append(f"tensor {tensor.name!r}: external data location {location!r} is not a plain file name "
-                            "beside the graph")
+            problems.append(
+                f"tensor {tensor.name!r}: external data location {location!r} is not a plain file name beside the graph"
+            )
         else:
             locations.add(location)
     if problems:
@@ -220,7 +252,7 @@ def _node_tensors(node):
 def _attribute_tensors(attribute, owner: str):
     tensors = [attribute.t] if attribute.HasField("t") else []
     tensors += list(attribute.tensors)
-    sparse = ([attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else [])
+    sparse = [attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else []
     for item in sparse + list(attribute.sparse_tensors):
         tensors += [item.values, item.indices]
     for tensor in tensors:

@@ -9,9 +9,11 @@ import os
 
 
 # Where the runtime can run an ONNX bundle, and the execution providers for each (tensorrt: TensorRT EP over CUDA)
-PROVIDERS = {"cpu": ["CPUExecutionProvider"],
-             "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-             "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]}
+PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
 DEVICES = tuple(PROVIDERS)
 
 
@@ -27,6 +29,7 @@ def providers_for(device: str, available: list[str] | None = None, device_id: in
         raise DeviceError(f"device must be one of {DEVICES}, received {device!r}")
     if available is None:
         import onnxruntime
+
         available = onnxruntime.get_available_providers()
     missing = [p for p in PROVIDERS[device][:-1] if p not in available]
     if missing:
@@ -34,9 +37,9 @@ def providers_for(device: str, available: list[str] | None = None, device_id: in
             f"device {device!r} needs ONNX Runtime's {' and '.join(missing)}, but this onnxruntime offers only "
             f"{sorted(available)}. Install the GPU build in place of the CPU one (pip uninstall -y onnxruntime && "
             "pip install onnxruntime-gpu; CUDA 12 and cuDNN 9 must be present), or run on the CPU with device 'cpu' "
-            "(a CUDA bundle's fp16 engines run there too, more slowly).")
-    return [name if name == "CPUExecutionProvider" else (name, {"device_id": device_id})
-            for name in PROVIDERS[device]]
+            "(a CUDA bundle's fp16 engines run there too, more slowly)."
+        )
+    return [name if name == "CPUExecutionProvider" else (name, {"device_id": device_id}) for name in PROVIDERS[device]]
 
 
 POOL_ENV = "DRAFTSMITH_ORT_POOL"  # "session": a pool per session, spinning off (the older setting)
@@ -55,6 +58,7 @@ def session_options(threads: int = 0):
     whole process. ``DRAFTSMITH_ORT_POOL=session`` gives each session its own pool of ``threads``, spinning off.
     """
     import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -66,6 +70,7 @@ def session_options(threads: int = 0):
         return options
     if not _pool:
         from onnxruntime.capi import _pybind_state
+
         size = threads or os.cpu_count() or 1
         _pybind_state.set_global_thread_pool_sizes(size, 1)
         _pool["threads"] = size
@@ -79,21 +84,30 @@ def pool_threads() -> int | None:
     return _pool.get("threads")
 
 
-def make_session(model: str | os.PathLike | bytes, threads: int = 0, providers: list | None = None,
-                 external_data: dict[str, bytes] | None = None, options=None):
+def make_session(
+    model: str | os.PathLike | bytes,
+    threads: int = 0,
+    providers: list | None = None,
+    external_data: dict[str, bytes] | None = None,
+    options=None,
+):
     """An ONNX Runtime session on this process's thread pool (``session_options``).
 
     ``model`` is a path or the graph's bytes; a bundle's loader passes the bytes it verified, with ``external_data``
     (each external-data file's bytes by the location the graph names), so what runs is what was hashed.
     """
     import onnxruntime as ort
+
     options = options or session_options(threads)
     if external_data:  # ONNX Runtime copies them while the session is made
         if not hasattr(options, "add_external_initializers_from_files_in_memory"):
-            raise RuntimeError(f"onnxruntime {ort.__version__} cannot take a graph's external data from memory; "
-                               "upgrade it (pip install -U onnxruntime; 1.32 can)")
+            raise RuntimeError(
+                f"onnxruntime {ort.__version__} cannot take a graph's external data from memory; "
+                "upgrade it (pip install -U onnxruntime; 1.32 can)"
+            )
         names = list(external_data)
         options.add_external_initializers_from_files_in_memory(
-            names, [external_data[n] for n in names], [len(external_data[n]) for n in names])
+            names, [external_data[n] for n in names], [len(external_data[n]) for n in names]
+        )
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"])

@@ -44,16 +44,27 @@ class ConnectionLimits:
 
     def __post_init__(self):
         if not self.header_timeout > 0 or (self.per_client is not None and self.per_client < 1):
-            raise ValueError(f"expected header_timeout > 0 and per_client >= 1 (or None), received "
-                             f"{self.header_timeout!r}, {self.per_client!r}")
+            raise ValueError(
+                f"expected header_timeout > 0 and per_client >= 1 (or None), received "
+                f"{self.header_timeout!r}, {self.per_client!r}"
+            )
 
 
 def _refusal() -> bytes:
-    body = json.dumps({"error": {"message": "too many open connections from this address; close some, or retry "
-                                            "later", "type": "rate_limit_error", "param": None,
-                                 "code": "too_many_connections"}}).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "retry-after: 1\r\nconnection: close\r\n\r\n")
+    body = json.dumps(
+        {
+            "error": {
+                "message": "too many open connections from this address; close some, or retry later",
+                "type": "rate_limit_error",
+                "param": None,
+                "code": "too_many_connections",
+            }
+        }
+    ).encode()
+    head = (
+        f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "retry-after: 1\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -119,13 +130,21 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     return Guarded
 
 
-def server_config(app, host: str, port: int, max_connections: int, limits: ConnectionLimits,
-                  log_level: str = "info", **options) -> uvicorn.Config:
+def server_config(
+    app, host: str, port: int, max_connections: int, limits: ConnectionLimits, log_level: str = "info", **options
+) -> uvicorn.Config:
     """uvicorn's Config for one of the server's ports: at most ``max_connections`` open, the guarded protocol,
     idle keep-alive connections closed after 5 s."""
     options.setdefault("timeout_keep_alive", 5)
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, limit_concurrency=max_connections,
-                          http=guarded_protocol(limits), **options)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        limit_concurrency=max_connections,
+        http=guarded_protocol(limits),
+        **options,
+    )
 
 
 class ProbeServer:
@@ -134,11 +153,21 @@ class ProbeServer:
 
     def __init__(self, app, host: str, port: int, log_level: str = "warning", sock: socket.socket | None = None):
         """``sock``: a socket already bound (a test's free port), else ``host``:``port`` is bound at start."""
-        config = server_config(app, host, port, PROBE_CONNECTIONS, ConnectionLimits(2.0, PROBE_PER_CLIENT),
-                               log_level=log_level, lifespan="off", access_log=False, timeout_keep_alive=2)
+        config = server_config(
+            app,
+            host,
+            port,
+            PROBE_CONNECTIONS,
+            ConnectionLimits(2.0, PROBE_PER_CLIENT),
+            log_level=log_level,
+            lifespan="off",
+            access_log=False,
+            timeout_keep_alive=2,
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock] if sock else None},
-                                       name="draftsmith-probes", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock] if sock else None}, name="draftsmith-probes", daemon=True
+        )
 
     def start(self, timeout: float = 10.0) -> "ProbeServer":
         """Start it and wait until it listens; ValueError when it cannot (the port is taken)."""

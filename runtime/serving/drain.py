@@ -42,11 +42,18 @@ class Drain:
     retry_after: the Retry-After it sends, in seconds.
     """
 
-    def __init__(self, timeout: float = 30.0, linger: float = 2.0, retry_after: int = 1,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        timeout: float = 30.0,
+        linger: float = 2.0,
+        retry_after: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not timeout > 0 or linger < 0 or linger > timeout or retry_after < 1:
-            raise ValueError(f"drain: expected timeout > 0, 0 <= linger <= timeout and retry_after >= 1, received "
-                             f"timeout={timeout!r}, linger={linger!r}, retry_after={retry_after!r}")
+            raise ValueError(
+                f"drain: expected timeout > 0, 0 <= linger <= timeout and retry_after >= 1, received "
+                f"timeout={timeout!r}, linger={linger!r}, retry_after={retry_after!r}"
+            )
         self.timeout, self.linger, self.retry_after, self.clock = timeout, linger, retry_after, clock
         self.started_at: float | None = None
         self._inflight = 0
@@ -102,8 +109,9 @@ class DrainGuard:
         if path not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         if not self.drain.enter():
-            body = error_body("the server is shutting down; retry on another replica", "server_error",
-                              code="server_shutting_down")
+            body = error_body(
+                "the server is shutting down; retry on another replica", "server_error", code="server_shutting_down"
+            )
             return await _json(send, 503, body, self._retry() + [(b"connection", b"close")])
         try:
             await self.app(scope, receive, send)
@@ -139,17 +147,26 @@ def probe_app(drain: Drain, problem: Callable[[bool], str | None]):
             return
         if scope["path"] in (READY_PATH, LIVE_PATH):
             return await guard.probe(scope["path"], send)
-        await _json(send, 404, error_body(f"this port serves only {READY_PATH} and {LIVE_PATH}",
-                                          "invalid_request_error", code="not_found"))
+        await _json(
+            send,
+            404,
+            error_body(
+                f"this port serves only {READY_PATH} and {LIVE_PATH}", "invalid_request_error", code="not_found"
+            ),
+        )
 
     return app
 
 
 async def _json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -173,11 +190,13 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain.draining and not self._drain_logged:
             self._drain_logged = True
-            log.info("SIGTERM: draining (%d requests in flight; up to %.0f s)", self.drain.inflight,
-                     self.drain.timeout)
+            log.info("SIGTERM: draining (%d requests in flight; up to %.0f s)", self.drain.inflight, self.drain.timeout)
         if self.drain.finished():
             if not self.should_exit:
-                log.info("drained (%d requests still in flight) after %.1f s: stopping", self.drain.inflight,
-                         self.drain.clock() - self.drain.started_at)
+                log.info(
+                    "drained (%d requests still in flight) after %.1f s: stopping",
+                    self.drain.inflight,
+                    self.drain.clock() - self.drain.started_at,
+                )
             self.should_exit = True
         return await super().on_tick(counter)

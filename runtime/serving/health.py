@@ -24,11 +24,18 @@ class FaultWatch:
     """Engine failures in a row, and when the last one was; thread-safe (the scheduler's thread writes, the
     probes read)."""
 
-    def __init__(self, ready_after: int = READY_AFTER, live_after: int = LIVE_AFTER,
-                 retry_after_s: float = RETRY_AFTER_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        ready_after: int = READY_AFTER,
+        live_after: int = LIVE_AFTER,
+        retry_after_s: float = RETRY_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not 1 <= ready_after <= live_after or retry_after_s <= 0:
-            raise ValueError(f"expected 1 <= ready_after <= live_after and retry_after_s > 0, received "
-                             f"{ready_after}, {live_after}, {retry_after_s}")
+            raise ValueError(
+                f"expected 1 <= ready_after <= live_after and retry_after_s > 0, received "
+                f"{ready_after}, {live_after}, {retry_after_s}"
+            )
         self.ready_after, self.live_after, self.retry_after_s = ready_after, live_after, retry_after_s
         self.clock = clock
         self.streak, self.last, self.total = 0, 0.0, 0

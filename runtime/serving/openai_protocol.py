@@ -51,29 +51,48 @@ class Limits:
     def for_context(cls, max_context: int, **given: int) -> "Limits":
         chosen = {name: value for name, value in given.items() if value}
         prompt_bytes = chosen.get("max_prompt_bytes", PROMPT_BYTES_PER_TOKEN * max_context)
-        limits = cls(**{"max_tokens_limit": max_context - 1, "max_prompt_bytes": prompt_bytes,
-                        "max_body_bytes": min(4 * prompt_bytes + 65536, MAX_BODY_BYTES), **chosen})
+        limits = cls(
+            **{
+                "max_tokens_limit": max_context - 1,
+                "max_prompt_bytes": prompt_bytes,
+                "max_body_bytes": min(4 * prompt_bytes + 65536, MAX_BODY_BYTES),
+                **chosen,
+            }
+        )
         if not 1 <= limits.max_tokens_limit < max_context:
-            raise ValueError(f"max_tokens_limit: expected an integer in [1, {max_context - 1}] (the bundle's context "
-                             f"is {max_context}), received {limits.max_tokens_limit}")
+            raise ValueError(
+                f"max_tokens_limit: expected an integer in [1, {max_context - 1}] (the bundle's context "
+                f"is {max_context}), received {limits.max_tokens_limit}"
+            )
         return limits
 
 
 # OpenAI fields that would change the output, which this server does not implement: the values that change nothing,
 # the only ones accepted (anything else is a 400 naming the field).
 NEUTRAL: dict[str, tuple] = {
-    "best_of": (None, 1), "echo": (None, False), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-    "logit_bias": (None, {}), "suffix": (None, ""),
-    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
-    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
 }
 
 
 def _neutral(name: str, value: Any) -> Any:
     neutral = NEUTRAL[name]
     if value not in neutral:
-        raise ValueError(f"{name} is not supported by this server (only {' or '.join(map(repr, neutral))}); "
-                         "remove it from the request")
+        raise ValueError(
+            f"{name} is not supported by this server (only {' or '.join(map(repr, neutral))}); "
+            "remove it from the request"
+        )
     return value
 
 
@@ -130,11 +149,17 @@ class SamplingRequest(_Strict):
         """What the scheduler generates for this body, in OpenAI's defaults (temperature 1; limits are checked by
         ``check``); RequestError naming the field at fault."""
         k = self.num_draft_tokens
-        return decode_request(max_new_tokens=self.max_tokens_value or default_max_tokens,
-                              temperature=1.0 if self.temperature is None else self.temperature,
-                              top_k=self.top_k if self.top_k and self.top_k > 0 else None,
-                              top_p=None if self.top_p in (None, 1) else self.top_p, seed=self.seed, stop=self.stop,
-                              k=k or None, mode="target" if k == 0 else "speculative", **self.structure())
+        return decode_request(
+            max_new_tokens=self.max_tokens_value or default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None,
+            top_p=None if self.top_p in (None, 1) else self.top_p,
+            seed=self.seed,
+            stop=self.stop,
+            k=k or None,
+            mode="target" if k == 0 else "speculative",
+            **self.structure(),
+        )
 
     def structure(self) -> dict:
         """The options of structured output and log-probabilities, only those set."""
@@ -167,20 +192,29 @@ class SamplingRequest(_Strict):
         """(param, message) for every bound this request exceeds."""
         problems = []
         if prompt_bytes > limits.max_prompt_bytes:
-            problems.append((self.prompt_field, f"the prompt is {prompt_bytes} bytes; this server's limit is "
-                                                f"{limits.max_prompt_bytes}. Shorten it"))
+            problems.append(
+                (
+                    self.prompt_field,
+                    f"the prompt is {prompt_bytes} bytes; this server's limit is {limits.max_prompt_bytes}. Shorten it",
+                )
+            )
         max_tokens = self.max_tokens_value
         if max_tokens is not None and max_tokens > limits.max_tokens_limit:
             name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) else "max_tokens"
-            problems.append((name, f"{name} is {max_tokens}; this server allows at most {limits.max_tokens_limit} "
-                                   "(prompt and completion share the model's context)"))
+            problems.append(
+                (
+                    name,
+                    f"{name} is {max_tokens}; this server allows at most {limits.max_tokens_limit} "
+                    "(prompt and completion share the model's context)",
+                )
+            )
         if len(self.stop) > limits.max_stop_words:
-            problems.append(("stop", f"{len(self.stop)} stop strings; this server's limit is "
-                                     f"{limits.max_stop_words}"))
+            problems.append(("stop", f"{len(self.stop)} stop strings; this server's limit is {limits.max_stop_words}"))
         longest = max((len(s.encode(errors="replace")) for s in self.stop), default=0)
         if longest > limits.max_stop_word_bytes:
-            problems.append(("stop", f"a stop string of {longest} bytes; this server's limit is "
-                                     f"{limits.max_stop_word_bytes}"))
+            problems.append(
+                ("stop", f"a stop string of {longest} bytes; this server's limit is {limits.max_stop_word_bytes}")
+            )
         if self.stream_options is not None and not self.stream:
             problems.append(("stream_options", "stream_options is only allowed with stream=true"))
         return problems
@@ -204,8 +238,10 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError("expected a non-empty string; lists of several prompts and token-id arrays are not "
-                             "supported (send one request per prompt, as text)")
+            raise ValueError(
+                "expected a non-empty string; lists of several prompts and token-id arrays are not "
+                "supported (send one request per prompt, as text)"
+            )
         return prompt
 
     def prompt_bytes(self) -> int:
@@ -267,10 +303,19 @@ class ToolMode:
     def constraint(self):
         if self.named is not None:
             return json_schema(self.tools[self.named])
-        return json_schema({"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-             "required": ["name", "arguments"], "additionalProperties": False}
-            for name, schema in self.tools.items()]})
+        return json_schema(
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"name": {"const": name}, "arguments": schema},
+                        "required": ["name", "arguments"],
+                        "additionalProperties": False,
+                    }
+                    for name, schema in self.tools.items()
+                ]
+            }
+        )
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -307,10 +352,12 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs: true")
         choice = self.tool_choice
         if self.tools and choice in (None, "auto"):
-            raise ValueError("tool_choice 'auto' (the default when tools are given) is not supported: this server "
-                             "renders no tools into the chat template and does not parse free-form tool calls. "
-                             "Send tool_choice 'required' or {'type': 'function', 'function': {'name': ...}}: the "
-                             "output is then constrained to the tool's parameters")
+            raise ValueError(
+                "tool_choice 'auto' (the default when tools are given) is not supported: this server "
+                "renders no tools into the chat template and does not parse free-form tool calls. "
+                "Send tool_choice 'required' or {'type': 'function', 'function': {'name': ...}}: the "
+                "output is then constrained to the tool's parameters"
+            )
         if choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:

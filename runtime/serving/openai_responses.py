@@ -23,8 +23,11 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class _Response(BaseModel):
@@ -63,23 +66,32 @@ def token_text(tokenizer, token: int) -> str:
 
 def chat_logprobs(tokenizer, tokens: list[int], logprobs: list[float], tops: list[list]) -> ChatLogprobs:
     """OpenAI's chat ``logprobs`` object for tokens and their (target's) log-probabilities."""
+
     def entry(token: int, logprob: float) -> dict:
         raw = tokenizer.token_bytes(token) if hasattr(tokenizer, "token_bytes") else None
         text = token_text(tokenizer, token)
         return {"token": text, "logprob": logprob, "bytes": list(raw if raw is not None else text.encode())}
 
-    return ChatLogprobs(content=[TokenLogprob(**entry(t, lp), top_logprobs=[TopLogprob(**entry(u, v)) for u, v in top])
-                                 for t, lp, top in zip(tokens, logprobs, tops)])
+    return ChatLogprobs(
+        content=[
+            TokenLogprob(**entry(t, lp), top_logprobs=[TopLogprob(**entry(u, v)) for u, v in top])
+            for t, lp, top in zip(tokens, logprobs, tops)
+        ]
+    )
 
 
-def completion_logprobs(tokenizer, tokens: list[int], logprobs: list[float], tops: list[list], top: int,
-                        offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(
+    tokenizer, tokens: list[int], logprobs: list[float], tops: list[list], top: int, offset: int = 0
+) -> CompletionLogprobs:
     """OpenAI's completions ``logprobs`` object; ``offset``: the text length before these tokens."""
     texts = [token_text(tokenizer, t) for t in tokens]
     offsets = list(offset + np.cumsum([0] + [len(t) for t in texts[:-1]])) if texts else []
-    return CompletionLogprobs(tokens=texts, token_logprobs=list(logprobs), text_offset=[int(o) for o in offsets],
-                              top_logprobs=[{token_text(tokenizer, u): v for u, v in row} for row in tops]
-                              if top else None)
+    return CompletionLogprobs(
+        tokens=texts,
+        token_logprobs=list(logprobs),
+        text_offset=[int(o) for o in offsets],
+        top_logprobs=[{token_text(tokenizer, u): v for u, v in row} for row in tops] if top else None,
+    )
 
 
 class CompletionChoice(BaseModel):
@@ -200,12 +212,14 @@ class ResponseShape:
         if not self.chat:
             return CompletionChoice(text=g.text, finish_reason=self.reason(g), logprobs=logprobs)
         calls = tool_calls(self.tool, g.text, self.call_id) if self.tool is not None else None
-        message = (AssistantMessage(content=None, tool_calls=calls) if calls is not None
-                   else AssistantMessage(content=g.text))
+        message = (
+            AssistantMessage(content=None, tool_calls=calls) if calls is not None else AssistantMessage(content=g.text)
+        )
         return ChatChoice(message=message, finish_reason=self.reason(g), logprobs=logprobs)
 
-    def chunk(self, text: str, token_ids: list[int], logprobs, tops, reason: str | None = None,
-              final=None) -> "ChunkChoice | CompletionChoice | None":
+    def chunk(
+        self, text: str, token_ids: list[int], logprobs, tops, reason: str | None = None, final=None
+    ) -> "ChunkChoice | CompletionChoice | None":
         """A streamed chunk's choice (None: nothing to send). A tool call's arguments are sent whole, with the
         final chunk (``final``: the Generation)."""
         lp = self._logprobs(token_ids, logprobs, tops, self.text_sent)
@@ -217,8 +231,11 @@ class ResponseShape:
         if final is None:
             return ChunkChoice(delta=Delta(), logprobs=lp) if lp is not None and lp.content else None
         calls = tool_calls(self.tool, final.text, self.call_id)
-        delta = (Delta(tool_calls=[ToolCallDelta(**call.model_dump()) for call in calls]) if calls
-                 else Delta(content=final.text or None))
+        delta = (
+            Delta(tool_calls=[ToolCallDelta(**call.model_dump()) for call in calls])
+            if calls
+            else Delta(content=final.text or None)
+        )
         return ChunkChoice(delta=delta, finish_reason=reason, logprobs=lp)
 
     def _logprobs(self, tokens, logprobs, tops, offset: int):
@@ -242,5 +259,11 @@ def tool_calls(tool: ToolMode, text: str, call_id: str) -> list["ToolCall"] | No
         name, arguments = value["name"], value["arguments"]
     else:
         return None
-    return [ToolCall(id=call_id, function=FunctionCall(
-        name=name, arguments=json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))))]
+    return [
+        ToolCall(
+            id=call_id,
+            function=FunctionCall(
+                name=name, arguments=json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))
+            ),
+        )
+    ]

@@ -41,8 +41,17 @@ from runtime.errors import RequestError
 from runtime.serving.handles import Event, Overloaded, Unavailable
 from runtime.serving.health import scheduler_problem
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
-from runtime.serving.openai_responses import (ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
-                                      ResponseShape, Usage, error_body, new_id)
+from runtime.serving.openai_responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkChoice,
+    Completion,
+    Delta,
+    ResponseShape,
+    Usage,
+    error_body,
+    new_id,
+)
 from runtime.request import check_text
 from runtime.serving.scheduler import PREFILL_CHUNK, Scheduler
 
@@ -55,8 +64,15 @@ DISCONNECT_POLL_S = 0.5  # how often a request waiting for text checks that its 
 class APIError(Exception):
     """An error response in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.body, self.headers = status, error_body(message, type, param, code), headers
 
@@ -68,9 +84,15 @@ def overloaded(err: Overloaded) -> APIError:
     return APIError(429, str(err), "rate_limit_error", code="server_overloaded", headers={"Retry-After": "1"})
 
 
-def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, limits: Limits | None = None,
-               request_timeout: float | None = None, drain: Drain | None = None,
-               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+def create_app(
+    scheduler: Scheduler,
+    model_name: str,
+    api_key: str | None = None,
+    limits: Limits | None = None,
+    request_timeout: float | None = None,
+    drain: Drain | None = None,
+    allowed_hosts: tuple[str, ...] | None = None,
+) -> FastAPI:
     """The server's app over a started ``scheduler``.
 
     model_name: the one model requests must name; api_key: required as ``Authorization: Bearer KEY`` on every route
@@ -95,8 +117,13 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
 
 def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> None:
     """/health, /v1/models[/{model}] and /metrics: what the server is and how it is doing."""
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "draftsmith",
-            "max_model_len": scheduler.generator.max_context}
+    card = {
+        "id": model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "draftsmith",
+        "max_model_len": scheduler.generator.max_context,
+    }
 
     @app.get("/health")
     async def health() -> dict:
@@ -153,8 +180,9 @@ class _Pools:
         """``work(*args)`` on the grammar pool; Overloaded at once when GRAMMAR_PENDING are already in (the event
         loop is one thread: the count needs no lock)."""
         if self.compiling >= self.max_compiling:
-            raise Overloaded(f"overloaded: {self.compiling} structured-output requests are compiling (the limit); "
-                             "retry later")
+            raise Overloaded(
+                f"overloaded: {self.compiling} structured-output requests are compiling (the limit); retry later"
+            )
         self.compiling += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.grammar, work, *args)
@@ -200,8 +228,9 @@ class _Replies:
             return Response(status_code=499)  # the client went away: nobody reads this
         if pools is None:
             return Response(_json_bytes(chunks.whole(generation)), media_type="application/json")
-        return Response(await pools.shaped(lambda: _json_bytes(chunks.whole(generation))),
-                        media_type="application/json")
+        return Response(
+            await pools.shaped(lambda: _json_bytes(chunks.whole(generation))), media_type="application/json"
+        )
 
     async def submit(self, body: SamplingRequest, prompt, chat: bool, request: Request):
         """(the scheduler's handle, the bridge its events arrive on, the field its own errors name) of a checked
@@ -213,9 +242,15 @@ class _Replies:
         try:
             if decode.response_format is not None:
                 decode = await self.compiled(body, decode)
-            handle = await asyncio.to_thread(self.scheduler.submit, prompt, decode, chat=chat,
-                                             timeout=self.request_timeout, sink=bridge.put,
-                                             client=_client_of(request))  # off the loop: it tokenizes
+            handle = await asyncio.to_thread(
+                self.scheduler.submit,
+                prompt,
+                decode,
+                chat=chat,
+                timeout=self.request_timeout,
+                sink=bridge.put,
+                client=_client_of(request),
+            )  # off the loop: it tokenizes
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:
@@ -264,8 +299,9 @@ class _Replies:
 
 def _json_bytes(model) -> bytes:
     """A response model as JSONResponse writes it (compact, UTF-8, no NaN)."""
-    return json.dumps(model.model_dump(mode="json"), ensure_ascii=False, allow_nan=False,
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        model.model_dump(mode="json"), ensure_ascii=False, allow_nan=False, separators=(",", ":")
+    ).encode()
 
 
 def _prepare_grammars(generator) -> None:
@@ -284,8 +320,12 @@ def _client_of(request: Request) -> str:
 
 def _check_model(model: str, served: str) -> None:
     if model != served:
-        raise APIError(404, f"The model {model!r} does not exist; this server serves {served!r}", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _event_error(error: Exception, param: str | None = None) -> APIError:
@@ -347,8 +387,14 @@ class _Bridge:
 class _Chunks:
     """One request's response objects: whole, or as server-sent events."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, shape: ResponseShape | None = None,
-                 pools: _Pools | None = None):
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        include_usage: bool,
+        shape: ResponseShape | None = None,
+        pools: _Pools | None = None,
+    ):
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.shape = shape or ResponseShape(chat, None)  # log-probabilities and tool calls (openai_protocol.py)
@@ -423,8 +469,9 @@ class _EventStream(StreamingResponse):
     (Starlette then cancels the stream, or its next send fails)."""
 
     def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -461,23 +508,38 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.allowed_hosts is not None and not self.answers(headers.get(b"host", b"")):
-            error = APIError(421, "this server answers only requests addressed to "
-                             f"{' or '.join(self.allowed_hosts)} (the Host header)", code="misdirected_request")
+            error = APIError(
+                421,
+                f"this server answers only requests addressed to {' or '.join(self.allowed_hosts)} (the Host header)",
+                code="misdirected_request",
+            )
             return await error.response()(scope, receive, send)
         if self.key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization")
             if not given or not hmac.compare_digest(bearer_token(given), self.key):
-                message = ("Incorrect API key provided" if given else
-                           "Missing API key: send it as the header 'Authorization: Bearer KEY'")
+                message = (
+                    "Incorrect API key provided"
+                    if given
+                    else "Missing API key: send it as the header 'Authorization: Bearer KEY'"
+                )
                 error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await error.response()(scope, receive, send)
-        if scope["method"] == "POST" and not headers.get(b"content-type", b"").split(b";")[0].strip().lower() == \
-                b"application/json":
-            error = APIError(415, "send the request body as JSON with the header 'Content-Type: application/json'",
-                             code="unsupported_media_type")
+        if (
+            scope["method"] == "POST"
+            and not headers.get(b"content-type", b"").split(b";")[0].strip().lower() == b"application/json"
+        ):
+            error = APIError(
+                415,
+                "send the request body as JSON with the header 'Content-Type: application/json'",
+                code="unsupported_media_type",
+            )
             return await error.response()(scope, receive, send)
-        too_large = APIError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes",
-                             param="body", code="request_too_large")
+        too_large = APIError(
+            413,
+            f"the request body is over this server's limit of {self.max_body_bytes} bytes",
+            param="body",
+            code="request_too_large",
+        )
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_body_bytes:
             return await too_large.response()(scope, receive, send)
@@ -543,7 +605,7 @@ def host_name(header: bytes) -> str:
     """The host of a Host header, without its port ("[::1]:8000" -> "::1")."""
     text = header.decode("latin-1").strip().lower()
     if text.startswith("["):
-        return text[1:text.find("]")] if "]" in text else text
+        return text[1 : text.find("]")] if "]" in text else text
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
@@ -559,9 +621,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        message = (f"Unknown route: {request.method} {request.url.path}" if err.status_code == 404 else
-                   f"{request.method} is not allowed on {request.url.path}" if err.status_code == 405 else
-                   str(err.detail))
+        message = (
+            f"Unknown route: {request.method} {request.url.path}"
+            if err.status_code == 404
+            else f"{request.method} is not allowed on {request.url.path}"
+            if err.status_code == 405
+            else str(err.detail)
+        )
         return APIError(err.status_code, message, code="not_found" if err.status_code == 404 else None).response()
 
     @app.exception_handler(Exception)
@@ -614,9 +680,11 @@ def scheduler_families(scheduler: Scheduler, model_name: str, prefix: str = "dra
     stats = scheduler.stats()
     out = [CounterMetricFamily(f"{prefix}_{name}", text, value=stats[key]) for key, (name, text) in _COUNTERS.items()]
     out += [GaugeMetricFamily(f"{prefix}_{name}", text, value=stats[key]) for key, (name, text) in _GAUGES.items()]
-    lengths = CounterMetricFamily(f"{prefix}_scheduler_draft_length",
-                                  "Row-steps by the draft length the step plan chose (0: the row did not draft)",
-                                  labels=["k"])
+    lengths = CounterMetricFamily(
+        f"{prefix}_scheduler_draft_length",
+        "Row-steps by the draft length the step plan chose (0: the row did not draft)",
+        labels=["k"],
+    )
     for k, count in sorted(scheduler.draft_lengths.items()):
         lengths.add_metric([str(k)], count)
     out.append(lengths)
@@ -627,13 +695,27 @@ def scheduler_families(scheduler: Scheduler, model_name: str, prefix: str = "dra
     return out
 
 
-def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_batch: int = 8, max_queue: int = 256, threads: int = 0, model_name: str | None = None,
-          log_level: str = "info", policy: str = "exact", drain_timeout: float = 30.0,
-          drain_linger: float = 2.0, request_timeout: float = 600.0, max_connections: int = 512,
-          max_rows_per_client: int | None = None, health_port: int | None = None,
-          connection_limits: ConnectionLimits | None = None, plan: bool = True,
-          prefill_chunk: int | str | None = PREFILL_CHUNK) -> None:
+def serve(
+    bundle: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 256,
+    threads: int = 0,
+    model_name: str | None = None,
+    log_level: str = "info",
+    policy: str = "exact",
+    drain_timeout: float = 30.0,
+    drain_linger: float = 2.0,
+    request_timeout: float = 600.0,
+    max_connections: int = 512,
+    max_rows_per_client: int | None = None,
+    health_port: int | None = None,
+    connection_limits: ConnectionLimits | None = None,
+    plan: bool = True,
+    prefill_chunk: int | str | None = PREFILL_CHUNK,
+) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
@@ -643,23 +725,38 @@ def serve(bundle: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key
     loopback only loopback Host names are answered. ``health_port``: /health and /health/live also on that port,
     served apart, so no client can starve the probes."""
     from runtime.api import SpeculativeGenerator
+
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
     limits = connection_limits or ConnectionLimits()
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     _prepare_grammars(generator)
-    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, policy=policy, plan=plan,
-                          max_rows_per_client=max_rows_per_client, prefill_chunk=prefill_chunk).start()
+    scheduler = Scheduler(
+        generator,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        policy=policy,
+        plan=plan,
+        max_rows_per_client=max_rows_per_client,
+        prefill_chunk=prefill_chunk,
+    ).start()
     name = model_name or Path(bundle).resolve().name
     if not api_key and not is_loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)
-    app = create_app(scheduler, name, api_key=api_key, drain=drain, allowed_hosts=allowed_hosts_for(host),
-                     request_timeout=request_timeout)
+    app = create_app(
+        scheduler,
+        name,
+        api_key=api_key,
+        drain=drain,
+        allowed_hosts=allowed_hosts_for(host),
+        request_timeout=request_timeout,
+    )
     config = server_config(app, host, port, max_connections, limits, log_level=log_level, timeout_graceful_shutdown=5)
     server, probes = DrainingServer(config, drain), None
     try:
         if health_port is not None:
-            probes = ProbeServer(probe_app(drain, lambda live: scheduler_problem(scheduler, live)), host,
-                                 health_port).start()
+            probes = ProbeServer(
+                probe_app(drain, lambda live: scheduler_problem(scheduler, live)), host, health_port
+            ).start()
         server.run()
     finally:
         if probes is not None:

@@ -60,8 +60,7 @@ from runtime.engines.onnx import unpadded
 from runtime.errors import RequestError
 from runtime.request import DecodeRequest
 from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
-from runtime.decoding.step_costs import (CostModel, PlanInputs, plan_draft_lengths, step_cost,
-                                         with_probes)
+from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
 from runtime.serving.health import FaultWatch
 from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
 
@@ -93,7 +92,7 @@ class _Row(DecodeRow):
         if self.logprobs is None:
             return None
         sent, self.logprobs_sent = self.logprobs_sent, len(self.logprobs)
-        return self.generated[sent:len(self.logprobs)], self.logprobs[sent:], self.top_logprobs[sent:]
+        return self.generated[sent : len(self.logprobs)], self.logprobs[sent:], self.top_logprobs[sent:]
 
     @property
     def pinned(self) -> bool:
@@ -122,9 +121,17 @@ class Scheduler:
     plan: plan each step's draft lengths from the measured costs (False: every row drafts its k).
     """
 
-    def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 256,
-                 max_wait: float = 60.0, policy: str = "exact", plan: bool = True,
-                 max_rows_per_client: int | None = None, prefill_chunk: int | str | None = PREFILL_CHUNK):
+    def __init__(
+        self,
+        generator: SpeculativeGenerator,
+        max_batch: int = 8,
+        max_queue: int = 256,
+        max_wait: float = 60.0,
+        policy: str = "exact",
+        plan: bool = True,
+        max_rows_per_client: int | None = None,
+        prefill_chunk: int | str | None = PREFILL_CHUNK,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
         if max_batch < 1 or max_queue < 1:
@@ -139,10 +146,15 @@ class Scheduler:
         self.waiting: deque[_Waiting] = deque()
         self.costs = CostModel()
         self.plan = plan
-        if prefill_chunk is not None and prefill_chunk != "auto" and not (isinstance(prefill_chunk, int)
-                                                                         and prefill_chunk >= 1):
-            raise ValueError("prefill_chunk must be an integer >= 1, 'auto' (about one step's cost) or None (every "
-                             "prompt prefilled whole at admission)")
+        if (
+            prefill_chunk is not None
+            and prefill_chunk != "auto"
+            and not (isinstance(prefill_chunk, int) and prefill_chunk >= 1)
+        ):
+            raise ValueError(
+                "prefill_chunk must be an integer >= 1, 'auto' (about one step's cost) or None (every "
+                "prompt prefilled whole at admission)"
+            )
         self.prefill_chunk = prefill_chunk
         # an engine whose chunked prefill scores otherwise on this CPU (the load-time check) prefills whole
         self._chunks = prefill_chunk is not None and getattr(self.target, "prefills_in_chunks", True)
@@ -150,8 +162,19 @@ class Scheduler:
         self._chunk_sizes: dict[int, int] = {}  # decoding rows -> the "auto" chunk (``_auto_chunk``)
         self._predicted = 0.0  # the planned step's predicted seconds (0: not planned)
         self.draft_lengths: collections.Counter = collections.Counter()  # planned draft length -> row-steps
-        self.counters = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "step_time": 0.0, "engine_time": 0.0,
-                         "admitted": 0, "finished": 0, "cancelled": 0, "timed_out": 0, "refused": 0, "failed": 0}
+        self.counters = {
+            "steps": 0,
+            "speculative_steps": 0,
+            "row_steps": 0,
+            "step_time": 0.0,
+            "engine_time": 0.0,
+            "admitted": 0,
+            "finished": 0,
+            "cancelled": 0,
+            "timed_out": 0,
+            "refused": 0,
+            "failed": 0,
+        }
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -161,9 +184,17 @@ class Scheduler:
 
     # --- the outside ----------------------------------------------------------------------------------------------
 
-    def submit(self, prompt, request: DecodeRequest | None = None, *, chat: bool = False,
-               timeout: float | None = None, sink: Callable[[Event], None] | None = None, client: str = "",
-               **options) -> Handle:
+    def submit(
+        self,
+        prompt,
+        request: DecodeRequest | None = None,
+        *,
+        chat: bool = False,
+        timeout: float | None = None,
+        sink: Callable[[Event], None] | None = None,
+        client: str = "",
+        **options,
+    ) -> Handle:
         """Queue one request (a prompt string, or chat messages with ``chat``); what to generate is a DecodeRequest
         (``request``, or its fields as keywords, as SpeculativeGenerator.generate takes them), validated here, so a
         bad one raises RequestError at once (its response format is compiled here too, before it queues).
@@ -174,8 +205,10 @@ class Scheduler:
         if isinstance(request.seed, list):  # the generator takes one seed per prompt; a request is one prompt
             raise RequestError(f"seed: expected an integer >= 0 or None, received {request.seed!r}")
         if request.adaptive or request.fallback:
-            raise RequestError("adaptive and fallback are the Python API's batch options; the scheduler plans "
-                               "each row's draft length at every step")
+            raise RequestError(
+                "adaptive and fallback are the Python API's batch options; the scheduler plans "
+                "each row's draft length at every step"
+            )
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}")
         with self._lock:  # a full queue refuses before any tokenizing or template rendering is spent on it
@@ -242,10 +275,14 @@ class Scheduler:
         c = dict(self.counters)
         steps = max(1, c["steps"])
         planned = sum(self.draft_lengths.values())
-        c.update(running=len(self.rows), waiting=len(self.waiting), mean_batch=c["row_steps"] / steps,
-                 mean_draft_length=sum(k * n for k, n in self.draft_lengths.items()) / max(1, planned),
-                 step_ms=1e3 * c["step_time"] / steps,
-                 overhead_ms=1e3 * (c["step_time"] - c["engine_time"]) / steps)
+        c.update(
+            running=len(self.rows),
+            waiting=len(self.waiting),
+            mean_batch=c["row_steps"] / steps,
+            mean_draft_length=sum(k * n for k, n in self.draft_lengths.items()) / max(1, planned),
+            step_ms=1e3 * c["step_time"] / steps,
+            overhead_ms=1e3 * (c["step_time"] - c["engine_time"]) / steps,
+        )
         return c
 
     # --- the loop -------------------------------------------------------------------------------------------------
@@ -289,8 +326,9 @@ class Scheduler:
             if plan.prefill[b]:
                 isolated([row], self._prefilled, row, len(plan.prefill[b]), result.prefilled[b])
                 continue
-            isolated([row], self._after_step, row, plan.drafting[b], result.drafted[b], result.accepted[b],
-                     result.new[b])
+            isolated(
+                [row], self._after_step, row, plan.drafting[b], result.drafted[b], result.accepted[b], result.new[b]
+            )
         seconds = result.draft_time + result.verify_time
         self.costs.observe(self._predicted, seconds)  # the costs follow how steps actually run
         self._predicted = 0.0
@@ -314,8 +352,7 @@ class Scheduler:
         them: one call for every row where the target takes a ragged batch (runtime/engines/onnx.py), each row
         padded as its lone call would be ("exact") or not at all ("throughput")."""
         idle = [bool(row.prefill_left) for row in self.rows]
-        limits = [self._draft_limit(row) if row.drafter is not None and not i else 0
-                  for row, i in zip(self.rows, idle)]
+        limits = [self._draft_limit(row) if row.drafter is not None and not i else 0 for row, i in zip(self.rows, idle)]
         ks = self._draft_lengths(limits)
         alone = None if self.policy == "throughput" else [True] * len(self.rows)
         return StepPlan(ks, [k > 0 for k in ks], alone, idle=idle, prefill=self._prefill_plan(idle))
@@ -341,8 +378,9 @@ class Scheduler:
         if not self.plan or not self.costs.calibrated or not any(limits):
             return limits
         width = 1 if self.policy == "throughput" else self.padding
-        inputs = PlanInputs([row.acceptance for row in self.rows], limits, shared_drafter=False, min_width=width,
-                            plain_width=width)
+        inputs = PlanInputs(
+            [row.acceptance for row in self.rows], limits, shared_drafter=False, min_width=width, plain_width=width
+        )
         ks = with_probes(plan_draft_lengths(self.costs, inputs), limits, self.rows)
         fixed = [not row.config.plan or (self.policy == "exact" and row.pinned) for row in self.rows]
         ks = [limit if keep else k for k, limit, keep in zip(ks, limits, fixed)]
@@ -525,8 +563,9 @@ class Scheduler:
         held = collections.Counter(row.client for row in self.rows)
         taken = []
         while len(taken) < free:
-            ready = [w for w in self.waiting
-                     if self.max_rows_per_client is None or held[w.client] < self.max_rows_per_client]
+            ready = [
+                w for w in self.waiting if self.max_rows_per_client is None or held[w.client] < self.max_rows_per_client
+            ]
             if not ready:
                 break
             fewest = min(held[w.client] for w in ready)
@@ -542,9 +581,18 @@ class Scheduler:
             drafter.start([w.prompt])
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
-        return _Row(handle=w.handle, prompt=w.prompt, config=w.config, stops=w.stops, drafter=drafter, rng=rng,
-                    decoder=IncrementalDecoder(self.generator.tokenizer), deadline=deadline, client=w.client,
-                    drafter_name=self.generator.drafter_name(w.request) if drafter is not None else "")
+        return _Row(
+            handle=w.handle,
+            prompt=w.prompt,
+            config=w.config,
+            stops=w.stops,
+            drafter=drafter,
+            rng=rng,
+            decoder=IncrementalDecoder(self.generator.tokenizer),
+            deadline=deadline,
+            client=w.client,
+            drafter_name=self.generator.drafter_name(w.request) if drafter is not None else "",
+        )
 
     def _interrupted(self, row: _Row) -> str:
         if row.handle.cancelled:
@@ -574,9 +622,22 @@ class Scheduler:
             self.generator.metrics.add(row.stats, row.drafter_name)
             key = {"cancelled": "cancelled", "timeout": "timed_out"}.get(reason, "finished")
             self.counters[key] += 1
-            row.handle.send(Event(tail, [], final=Generation(row.text, list(row.generated), len(row.prompt), reason,
-                                                             row.stats, row.logprobs, row.top_logprobs),
-                                  logprobs=row.take_logprobs()))
+            row.handle.send(
+                Event(
+                    tail,
+                    [],
+                    final=Generation(
+                        row.text,
+                        list(row.generated),
+                        len(row.prompt),
+                        reason,
+                        row.stats,
+                        row.logprobs,
+                        row.top_logprobs,
+                    ),
+                    logprobs=row.take_logprobs(),
+                )
+            )
         self.cache = self.target.select(self.cache, np.array(keep, dtype=np.int64))
 
     def _refuse_stale(self) -> None:
@@ -592,8 +653,14 @@ class Scheduler:
                 w.handle.send(Event(final=Generation("", [], len(w.prompt), "cancelled")))
             else:
                 self.counters["refused"] += 1
-                w.handle.send(Event(error=Overloaded(f"overloaded: waited {now - w.handle.submitted:.1f} s for a "
-                                                     f"free row (the limit is {self.max_wait:g} s); retry later")))
+                w.handle.send(
+                    Event(
+                        error=Overloaded(
+                            f"overloaded: waited {now - w.handle.submitted:.1f} s for a "
+                            f"free row (the limit is {self.max_wait:g} s); retry later"
+                        )
+                    )
+                )
 
     def _fail_running(self, error: Exception) -> None:
         failed, self.rows = self.rows, []  # gone from stats() before their clients hear of it

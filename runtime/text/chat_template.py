@@ -33,8 +33,15 @@ import threading
 import time
 from collections.abc import Iterator
 
-from runtime.text.template_sizes import (filter_size, format_size, joined_size, measure_inputs, namespace_attributes,
-                                         rendered_size, str_method_size)
+from runtime.text.template_sizes import (
+    filter_size,
+    format_size,
+    joined_size,
+    measure_inputs,
+    namespace_attributes,
+    rendered_size,
+    str_method_size,
+)
 
 TIME_BUDGET = 0.5  # seconds a render may take (real templates take well under a millisecond)
 MAX_ARGUMENT = 100_000  # largest integer a template may pass to a call, filter or * (a width, a repeat count)
@@ -53,6 +60,7 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     controls (``{% break %}``, ``{% continue %}``). Raises ValueError naming what went wrong.
     """
     from jinja2.exceptions import SecurityError
+
     try:
         compiled = _compiled(template)
         variables = dict(variables, messages=messages, add_generation_prompt=add_generation_prompt)
@@ -65,11 +73,13 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
                 pieces.append(piece)
         return "".join(pieces)
     except TemplateBudgetError as err:
-        raise TemplateBudgetError(f"{err}; it was stopped (a template must render a prompt in well under "
-                                  f"{TIME_BUDGET:g} s)") from None
+        raise TemplateBudgetError(
+            f"{err}; it was stopped (a template must render a prompt in well under {TIME_BUDGET:g} s)"
+        ) from None
     except SecurityError as err:
-        raise ValueError(f"the chat template tried something the sandbox forbids ({err}); "
-                         "this template is unsafe, replace it") from None
+        raise ValueError(
+            f"the chat template tried something the sandbox forbids ({err}); this template is unsafe, replace it"
+        ) from None
     except ValueError as err:  # raise_exception, or a value the template could not handle
         raise ValueError(f"the chat template refused the request: {err}") from None
     except (Exception, RecursionError) as err:  # noqa: BLE001 - any failure of hostile code is the request's own
@@ -105,7 +115,8 @@ def _environment():
 
         def wrap_str_format(self, value):  # str.format / format_map, wrapped when the template reads them
             if getattr(value, "__name__", "") in ("format", "format_map") and isinstance(
-                    getattr(value, "__self__", None), str):
+                getattr(value, "__self__", None), str
+            ):
                 _check_brace_format(value.__self__)
             wrapped = super().wrap_str_format(value)
             return None if wrapped is None else _estimated_format(value.__self__, wrapped)
@@ -120,8 +131,9 @@ def _environment():
             args = _check_method(__obj, args, kwargs)
             return _checked(super().call(__context, __obj, *args, **kwargs))
 
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
-                         finalize=_finalized)
+    env = BoundedSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols], finalize=_finalized
+    )
     env.globals.pop("lipsum", None)  # lipsum(n=10**9) is text without bound, and no chat template needs it
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
@@ -200,10 +212,39 @@ def _finalized(value):
 
 # Filters whose results hold only references to their input (or a count): checked after. Every other filter writes
 # text from its input, so its arguments are estimated first (``[big] * 30|string`` would be 30 big strings).
-REFERENCE_FILTERS = frozenset(["length", "count", "first", "last", "random", "min", "max", "select", "reject",
-                               "selectattr", "rejectattr", "map", "groupby", "batch", "slice", "items", "dictsort",
-                               "sort", "reverse", "unique", "list", "attr", "default", "d", "abs", "int", "float",
-                               "bool", "round"])
+REFERENCE_FILTERS = frozenset(
+    [
+        "length",
+        "count",
+        "first",
+        "last",
+        "random",
+        "min",
+        "max",
+        "select",
+        "reject",
+        "selectattr",
+        "rejectattr",
+        "map",
+        "groupby",
+        "batch",
+        "slice",
+        "items",
+        "dictsort",
+        "sort",
+        "reverse",
+        "unique",
+        "list",
+        "attr",
+        "default",
+        "d",
+        "abs",
+        "int",
+        "float",
+        "bool",
+        "round",
+    ]
+)
 
 
 def _bounded_filter(name: str, function):
@@ -235,19 +276,23 @@ def _is_jinja_internal(value) -> bool:
     from jinja2.nodes import EvalContext
     from jinja2.runtime import Context
     from jinja2 import Environment
+
     return isinstance(value, (Context, EvalContext, Environment))
 
 
 def _check_percent_format(text: str, values) -> None:
     import re
+
     widths = [int(w) for w in re.findall(r"%[-+ #0]*(\d+)", text)] + [
-        int(w) for w in re.findall(r"%[-+ #0]*(?:\d+|\*)?\.(\d+)", text)]
+        int(w) for w in re.findall(r"%[-+ #0]*(?:\d+|\*)?\.(\d+)", text)
+    ]
     _check_arguments(widths + list(values if isinstance(values, tuple) else (values,)))
 
 
 def _check_brace_format(text: str) -> None:
     import re
     import string
+
     try:
         specs = [spec for _, _, spec, _ in string.Formatter().parse(text) if spec]
     except ValueError:
@@ -262,15 +307,18 @@ def _check_arguments(values) -> None:
 
 
 def _multiplies_a_sequence(left, right) -> bool:
-    return (hasattr(left, "__len__") and isinstance(right, int)) or (hasattr(right, "__len__") and
-                                                                     isinstance(left, int))
+    return (hasattr(left, "__len__") and isinstance(right, int)) or (
+        hasattr(right, "__len__") and isinstance(left, int)
+    )
 
 
 def _check_size(size: int) -> None:
     if size > MAX_VALUE:  # an estimate stops counting at MAX_VALUE + 1
         amount = f"more than {MAX_VALUE}" if size == MAX_VALUE + 1 else str(size)
-        raise TemplateBudgetError(f"the chat template made, or was about to make, a value of {amount} characters "
-                                  f"or items (the limit is {MAX_VALUE})")
+        raise TemplateBudgetError(
+            f"the chat template made, or was about to make, a value of {amount} characters "
+            f"or items (the limit is {MAX_VALUE})"
+        )
 
 
 def _check_replace(text: str, old="", new="", *rest) -> None:
@@ -294,8 +342,9 @@ def _counted(iterator):
     for item in iterator:
         total += max(1, rendered_size(item, MAX_OUTPUT, _known()))
         if total > MAX_OUTPUT:
-            raise TemplateBudgetError(f"the chat template read more than {MAX_OUTPUT} characters or items from one "
-                                      "iterator")
+            raise TemplateBudgetError(
+                f"the chat template read more than {MAX_OUTPUT} characters or items from one iterator"
+            )
         yield item
 
 
@@ -359,6 +408,7 @@ def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separa
 
 def _strftime_now(format: str) -> str:
     from datetime import datetime
+
     if len(format) > 256:
         raise TemplateBudgetError("the chat template's strftime format is longer than 256 characters")
     return datetime.now().strftime(format)

@@ -66,6 +66,7 @@ def namespace_attributes(value) -> dict | None:
     offers no way to list them; a namespace is how templates keep state across loop iterations, so a budget must
     see into it. Shared: the render's per-line check reads the same attributes (runtime/text/chat_template.py)."""
     from jinja2.utils import Namespace
+
     if not isinstance(value, Namespace):
         return None
     return object.__getattribute__(value, "_Namespace__attrs")
@@ -113,8 +114,7 @@ def _field_count(template) -> int:
     if isinstance(template, bytes):
         return template.count(b"%") + template.count(b"{")
     try:
-        return sum(1 for _, name, _, _ in string.Formatter().parse(template) if name is not None) + \
-            template.count("%")
+        return sum(1 for _, name, _, _ in string.Formatter().parse(template) if name is not None) + template.count("%")
     except ValueError:
         return template.count("%") + template.count("{")
 

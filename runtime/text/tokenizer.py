@@ -13,6 +13,7 @@ class Tokenizer:
 
     def __init__(self, folder: Path):
         from tokenizers import Tokenizer as Fast
+
         self.fast = Fast.from_file(str(folder / "tokenizer.json"))
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
@@ -34,6 +35,7 @@ class Tokenizer:
         logprobs carry them as ``bytes`` for that reason). llguidance reads them from the vocabulary, once."""
         if getattr(self, "_raw", None) is None:
             import llguidance
+
             self._raw = llguidance.LLTokenizer(self.fast.to_str())
         return self._raw.decode_bytes([int(token)])
 
@@ -66,6 +68,7 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer):
         from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
@@ -93,7 +96,7 @@ class IncrementalDecoder:
         full = self.tokenizer.decode(self.ids)
         if (hold_partial and full.endswith("\ufffd")) or not full.startswith(self.text):
             return ""
-        return full[len(self.text):]
+        return full[len(self.text) :]
 
 
 def cut_at_stop(before: str, piece: str, stops: tuple[str, ...]) -> tuple[str, bool]:
@@ -102,7 +105,7 @@ def cut_at_stop(before: str, piece: str, stops: tuple[str, ...]) -> tuple[str, b
     if not stops or not piece:
         return piece, False
     at = find_stop(before + piece, stops, len(before))
-    return (piece, False) if at < 0 else ((before + piece)[:at][len(before):], True)
+    return (piece, False) if at < 0 else ((before + piece)[:at][len(before) :], True)
 
 
 def find_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int:

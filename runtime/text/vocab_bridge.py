@@ -23,6 +23,7 @@ def token_table(fast) -> tuple[list[bytes], np.ndarray]:
     """(bytes of every id, which ids are special) of a ``tokenizers.Tokenizer``; ids the vocabulary does not hold
     (llguidance pads some to a round size) get empty bytes."""
     import llguidance
+
     raw = llguidance.LLTokenizer(fast.to_str())
     size = fast.get_vocab_size(with_added_tokens=True)
     special = np.zeros(size, bool)
@@ -62,19 +63,32 @@ class VocabBridge:
     target_to_draft: np.ndarray  # [target vocab] draft id of the same token, or -1
 
     @classmethod
-    def between(cls, target_fast, draft_fast, target_vocab: int | None = None,
-                draft_vocab: int | None = None) -> "VocabBridge":
+    def between(
+        cls, target_fast, draft_fast, target_vocab: int | None = None, draft_vocab: int | None = None
+    ) -> "VocabBridge":
         """The bridge of two fast tokenizers; ``*_vocab``: ids at or past it are left out (rows of an engine's
         output head: a padded head's extra rows, or a tokenizer longer than the head)."""
         target_bytes, target_special = token_table(target_fast)
         draft_bytes, draft_special = token_table(draft_fast)
-        return cls.from_tables(target_fast, draft_fast, (target_bytes, target_special), (draft_bytes, draft_special),
-                               target_vocab, draft_vocab)
+        return cls.from_tables(
+            target_fast,
+            draft_fast,
+            (target_bytes, target_special),
+            (draft_bytes, draft_special),
+            target_vocab,
+            draft_vocab,
+        )
 
     @classmethod
-    def from_tables(cls, target_fast, draft_fast, target_table: tuple[list[bytes], np.ndarray],
-                    draft_table: tuple[list[bytes], np.ndarray], target_vocab: int | None = None,
-                    draft_vocab: int | None = None) -> "VocabBridge":
+    def from_tables(
+        cls,
+        target_fast,
+        draft_fast,
+        target_table: tuple[list[bytes], np.ndarray],
+        draft_table: tuple[list[bytes], np.ndarray],
+        target_vocab: int | None = None,
+        draft_vocab: int | None = None,
+    ) -> "VocabBridge":
         """The bridge of two vocabularies given as (bytes of every id, which ids are special) (``token_table``)."""
         (target_bytes, target_special), (draft_bytes, draft_special) = target_table, draft_table
         target_vocab = len(target_bytes) if target_vocab is None else min(target_vocab, len(target_bytes))

@@ -18,6 +18,7 @@ def require_tensorrt_llm():
     try:
         import tensorrt_llm
     except ImportError as err:
-        raise TrtllmUnavailable(f"this bundle needs TensorRT-LLM, which is not importable here ({err}): "
-                                f"{INSTALL_HINT}") from None
+        raise TrtllmUnavailable(
+            f"this bundle needs TensorRT-LLM, which is not importable here ({err}): {INSTALL_HINT}"
+        ) from None
     return tensorrt_llm

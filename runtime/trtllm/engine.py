@@ -34,8 +34,14 @@ from runtime.trtllm.llmapi import LlmApiGenerator
 # --- engine flavor: the Engine protocol over ModelRunnerCpp ---------------------------------------------------------
 
 
-def open_runner(engine_dir: Path, max_batch_size: int | None = None, kv_fraction: float = 0.5,
-                block_reuse: bool = True, devices: list[int] | None = None, orchestrator: bool = True):
+def open_runner(
+    engine_dir: Path,
+    max_batch_size: int | None = None,
+    kv_fraction: float = 0.5,
+    block_reuse: bool = True,
+    devices: list[int] | None = None,
+    orchestrator: bool = True,
+):
     """ModelRunnerCpp for one engine, as upstream's draft-target runner opens it.
 
     tensorrt_llm/runtime/model_runner_cpp.py ``from_dir`` keywords; examples/ngram/run_dtm_ngram.py opens the draft
@@ -48,8 +54,13 @@ def open_runner(engine_dir: Path, max_batch_size: int | None = None, kv_fraction
     """
     require_tensorrt_llm()
     from tensorrt_llm.runtime import ModelRunnerCpp
-    kwargs: dict[str, Any] = dict(engine_dir=str(engine_dir), kv_cache_enable_block_reuse=block_reuse,
-                                  kv_cache_free_gpu_memory_fraction=kv_fraction, is_orchestrator_mode=orchestrator)
+
+    kwargs: dict[str, Any] = dict(
+        engine_dir=str(engine_dir),
+        kv_cache_enable_block_reuse=block_reuse,
+        kv_cache_free_gpu_memory_fraction=kv_fraction,
+        is_orchestrator_mode=orchestrator,
+    )
     if devices is not None:
         kwargs["device_ids"] = [int(d) for d in devices]
     if max_batch_size:
@@ -64,8 +75,10 @@ def executor_of(runner):
         executor = getattr(runner, name, None)
         if executor is not None:
             return executor
-    raise BundleError(f"{type(runner).__name__} has neither .executor nor .session: not a ModelRunnerCpp this "
-                      "adapter knows (tensorrt_llm/runtime/model_runner_cpp.py)")
+    raise BundleError(
+        f"{type(runner).__name__} has neither .executor nor .session: not a ModelRunnerCpp this "
+        "adapter knows (tensorrt_llm/runtime/model_runner_cpp.py)"
+    )
 
 
 class ExecutorSession:
@@ -82,18 +95,26 @@ class ExecutorSession:
         self.runner, self.end_id, self.pad_id = runner, end_id, pad_id
         self.executor = executor_of(runner)
 
-    def generate(self, histories: list[list[int]], max_tokens: list[int],
-                 drafts: list[list[int]] | None = None) -> list[list[int]]:
+    def generate(
+        self, histories: list[list[int]], max_tokens: list[int], drafts: list[list[int]] | None = None
+    ) -> list[list[int]]:
         """New tokens per row (the input excluded); with drafts, the target verifies them in the same request."""
         import tensorrt_llm.bindings.executor as executor
+
         requests = []
         for row, history in enumerate(histories):
             draft = drafts[row] if drafts else []
-            requests.append(executor.Request(
-                input_token_ids=list(history), max_tokens=int(max_tokens[row]), end_id=self.end_id,
-                pad_id=self.pad_id, sampling_config=executor.SamplingConfig(top_k=1),
-                output_config=executor.OutputConfig(exclude_input_from_output=True),
-                external_draft_tokens_config=executor.ExternalDraftTokensConfig(draft) if draft else None))
+            requests.append(
+                executor.Request(
+                    input_token_ids=list(history),
+                    max_tokens=int(max_tokens[row]),
+                    end_id=self.end_id,
+                    pad_id=self.pad_id,
+                    sampling_config=executor.SamplingConfig(top_k=1),
+                    output_config=executor.OutputConfig(exclude_input_from_output=True),
+                    external_draft_tokens_config=executor.ExternalDraftTokensConfig(draft) if draft else None,
+                )
+            )
         ids = self.executor.enqueue_requests(requests)
         done: dict[int, list[int]] = {}
         while len(done) < len(ids):
@@ -117,32 +138,49 @@ class ExternalDraftGenerator:
         self.default_k = manifest.default_k
         self.max_k, self.max_context = manifest.spec.max_k, manifest.max_context
 
-    def generate(self, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
-                 k: int | None = None, chat: bool = False, mode: str = "speculative", **unsupported):
+    def generate(
+        self,
+        prompts: str | list[str],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        k: int | None = None,
+        chat: bool = False,
+        mode: str = "speculative",
+        **unsupported,
+    ):
         """SpeculativeGenerator.generate's call and result types, greedy; mode "target" drafts nothing."""
         from runtime.api import Generation
         from runtime.errors import RequestError
+
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be an integer >= 1, received {max_new_tokens!r}")
         given = sorted(key for key, value in unsupported.items() if value not in (None, False, 0, 0.0))
         if temperature or given:
-            raise RequestError("engine-flavor TensorRT-LLM bundles generate greedily in-process (the target verifies "
-                               f"draft tokens itself); not supported here: {given or ['temperature > 0']}. "
-                               "Serve the bundle with Triton or build the llmapi flavor for sampling.")
+            raise RequestError(
+                "engine-flavor TensorRT-LLM bundles generate greedily in-process (the target verifies "
+                f"draft tokens itself); not supported here: {given or ['temperature > 0']}. "
+                "Serve the bundle with Triton or build the llmapi flavor for sampling."
+            )
         k = self.default_k if k is None else k
         if mode not in ("speculative", "target") or not 1 <= k <= self.max_k:
-            raise RequestError(f"mode must be 'speculative' or 'target' and k in [1, {self.max_k}], received "
-                               f"{mode!r}, {k!r}")
+            raise RequestError(
+                f"mode must be 'speculative' or 'target' and k in [1, {self.max_k}], received {mode!r}, {k!r}"
+            )
         single = isinstance(prompts, str)
         rows = [_Row(self._encode(p, chat), max_new_tokens) for p in ([prompts] if single else list(prompts))]
         while any(not row.finished for row in rows):
             self._step([row for row in rows if not row.finished], 0 if mode == "target" else k)
-        results = [Generation(self.tokenizer.decode(row.generated), list(row.generated), len(row.prompt),
-                              row.finished, row.stats) for row in rows]
+        results = [
+            Generation(
+                self.tokenizer.decode(row.generated), list(row.generated), len(row.prompt), row.finished, row.stats
+            )
+            for row in rows
+        ]
         return results[0] if single else results
 
     def _encode(self, prompt: str, chat: bool) -> list[int]:
         from runtime.errors import RequestError
+
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string")
         ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
@@ -152,8 +190,10 @@ class ExternalDraftGenerator:
 
     def _step(self, rows: list["_Row"], k: int) -> None:
         """One draft call and one verify call for every live row."""
-        room = [min(row.budget - len(row.generated), self.max_context - len(row.prompt) - len(row.generated))
-                for row in rows]
+        room = [
+            min(row.budget - len(row.generated), self.max_context - len(row.prompt) - len(row.generated))
+            for row in rows
+        ]
         lengths = [max(0, min(k, r - 1)) for r in room]
         histories = [row.prompt + row.generated for row in rows]
         drafts = [[] for _ in rows]
@@ -161,7 +201,7 @@ class ExternalDraftGenerator:
         if drafting:
             proposed = self.draft.generate([histories[i] for i in drafting], [lengths[i] for i in drafting])
             for i, tokens in zip(drafting, proposed):
-                drafts[i] = list(tokens[:lengths[i]])
+                drafts[i] = list(tokens[: lengths[i]])
         outputs = self.target.generate(histories, [len(d) + 1 for d in drafts], drafts)
         for row, draft, new, limit in zip(rows, drafts, outputs, room):
             row.take(list(new)[:limit], draft, self.eos_ids, limit)
@@ -170,6 +210,7 @@ class ExternalDraftGenerator:
 class _Row:
     def __init__(self, prompt: list[int], budget: int):
         from runtime.metrics import RequestStats
+
         self.prompt, self.budget, self.generated, self.finished = prompt, budget, [], ""
         self.stats = RequestStats(prompt_tokens=len(prompt))
 
@@ -179,7 +220,7 @@ class _Row:
             accepted += 1
         stop = next((i for i, t in enumerate(new) if t in eos_ids), None)
         if stop is not None:
-            new = new[:stop + 1]
+            new = new[: stop + 1]
         self.stats.record_step(len(draft), min(accepted, len(new)), len(new), False)
         self.generated.extend(new)
         if stop is not None:
@@ -201,13 +242,16 @@ class RunnerEngine:
         self.end_id, self.pad_id = end_id, pad_id
 
     def new_cache(self, batch: int) -> KVCache:
-        return KVCache([], np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64),
-                       extra={"tokens": [[] for _ in range(batch)]})
+        return KVCache(
+            [], np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), extra={"tokens": [[] for _ in range(batch)]}
+        )
 
-    def forward(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None,
-                exact: bool = True) -> np.ndarray:
+    def forward(
+        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+    ) -> np.ndarray:
         """Append tokens [B, S] (valid [B, S]: 1 = real token) and return logits [B, S, V] of the new positions."""
         import torch
+
         tokens = np.asarray(tokens, dtype=np.int64)
         valid = np.ones_like(tokens) if valid is None else np.asarray(valid, dtype=np.int64)
         batch, width = tokens.shape
@@ -220,11 +264,12 @@ class RunnerEngine:
             # max_new_tokens=1: a context pass; return_dict=True gives "context_logits" (per request
             # [input_len, vocab] when the engine gathers context logits). With block reuse, only the rows after the
             # reused prefix may be returned, so the new positions are read from the end.
-            out = self.runner.generate(inputs, max_new_tokens=1, end_id=self.end_id, pad_id=self.pad_id,
-                                       return_dict=True)
+            out = self.runner.generate(
+                inputs, max_new_tokens=1, end_id=self.end_id, pad_id=self.pad_id, return_dict=True
+            )
             context = out["context_logits"]
             for i, b in enumerate(rows):
-                rows_logits = _to_numpy(context[i])[-len(new[b]):, : self.vocab_size]
+                rows_logits = _to_numpy(context[i])[-len(new[b]) :, : self.vocab_size]
                 logits[b, np.flatnonzero(valid[b])] = rows_logits
         for b in range(batch):
             histories[b].extend(new[b])
@@ -235,7 +280,7 @@ class RunnerEngine:
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
         for b, history in enumerate(cache.extra["tokens"]):
-            del history[int(keep[b]):]
+            del history[int(keep[b]) :]
         cache.lengths = np.minimum(cache.lengths, keep)
         cache.mask = (np.arange(cache.slots)[None, :] < cache.lengths[:, None]).astype(np.int64)
 
@@ -262,14 +307,20 @@ def _to_numpy(value) -> np.ndarray:
 
 # --- any bundle -----------------------------------------------------------------------------------------------------
 
+
 def default_devices(manifest: Manifest) -> list[int]:
     """GPUs 0 .. tp*pp-1: one per rank of the engine (draft and target share them by default, as the draft-target
     guide recommends when both fit on the same GPUs)."""
     return list(range(manifest.spec.tp_size * manifest.spec.pp_size))
 
 
-def open_generator(path: str | os.PathLike, threads: int = 0, verify: bool = True,
-                   target_devices: list[int] | None = None, draft_devices: list[int] | None = None):
+def open_generator(
+    path: str | os.PathLike,
+    threads: int = 0,
+    verify: bool = True,
+    target_devices: list[int] | None = None,
+    draft_devices: list[int] | None = None,
+):
     """SpeculativeGenerator for onnxruntime bundles, ExternalDraftGenerator for engine-flavor bundles,
     LlmApiGenerator for llmapi bundles.
 
@@ -278,6 +329,7 @@ def open_generator(path: str | os.PathLike, threads: int = 0, verify: bool = Tru
     """
     from runtime.api import SpeculativeGenerator
     from runtime.text.tokenizer import Tokenizer
+
     root = Path(path)
     manifest = load_manifest(root, verify=verify)
     if manifest.spec.backend == "onnxruntime":
@@ -285,15 +337,23 @@ def open_generator(path: str | os.PathLike, threads: int = 0, verify: bool = Tru
     if manifest.spec.trtllm_flavor == "llmapi":
         return LlmApiGenerator.from_bundle(root, verify=False)
     world = manifest.spec.tp_size * manifest.spec.pp_size
-    devices = {"target": list(target_devices or default_devices(manifest)),
-               "draft": list(draft_devices or default_devices(manifest))}
+    devices = {
+        "target": list(target_devices or default_devices(manifest)),
+        "draft": list(draft_devices or default_devices(manifest)),
+    }
     for role, ids in devices.items():
         if len(ids) != world or len(set(ids)) != len(ids) or any(not isinstance(d, int) or d < 0 for d in ids):
-            raise BundleError(f"{role}_devices: expected {world} distinct GPU ids (tp_size x pp_size of the "
-                              f"engine), received {ids}")
+            raise BundleError(
+                f"{role}_devices: expected {world} distinct GPU ids (tp_size x pp_size of the engine), received {ids}"
+            )
     tokenizer = Tokenizer(root / "tokenizer")
     eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
-    sessions = {entry.role: ExecutorSession(open_runner(root / entry.engine, manifest.spec.max_batch_size,
-                                                        devices=devices[entry.role]), end_id=eos, pad_id=eos)
-                for entry in (manifest.target, manifest.draft)}
+    sessions = {
+        entry.role: ExecutorSession(
+            open_runner(root / entry.engine, manifest.spec.max_batch_size, devices=devices[entry.role]),
+            end_id=eos,
+            pad_id=eos,
+        )
+        for entry in (manifest.target, manifest.draft)
+    }
     return ExternalDraftGenerator(manifest, sessions["target"], sessions["draft"], tokenizer, manifest.eos_token_ids)

@@ -23,18 +23,32 @@ from runtime.trtllm.common import require_tensorrt_llm
 # Names: tensorrt_llm/llmapi/llm_args.py (BaseLlmArgs / TorchLlmArgs).
 LLM_API_PATHS = ("model", "tokenizer")
 LLM_API_KEYS = {
-    "model": "path", "tokenizer": "path", "dtype": ("float16", "bfloat16"), "tensor_parallel_size": "count",
-    "pipeline_parallel_size": "count", "max_batch_size": "count", "max_seq_len": "count",
-    "disable_overlap_scheduler": "bool", "kv_cache_config": "nested", "speculative_config": "nested",
+    "model": "path",
+    "tokenizer": "path",
+    "dtype": ("float16", "bfloat16"),
+    "tensor_parallel_size": "count",
+    "pipeline_parallel_size": "count",
+    "max_batch_size": "count",
+    "max_seq_len": "count",
+    "disable_overlap_scheduler": "bool",
+    "kv_cache_config": "nested",
+    "speculative_config": "nested",
 }
 # KvCacheConfig fields a bundle may set (tensorrt_llm/llmapi/llm_args.py: enable_block_reuse, max_tokens,
 # free_gpu_memory_fraction in [0, 1], dtype "auto" or a KV-cache type such as "fp8", "only for the Pytorch backend").
-KV_CACHE_KEYS = {"enable_block_reuse": "bool", "max_tokens": "count", "free_gpu_memory_fraction": "fraction",
-                 "dtype": ("auto", "fp8")}
+KV_CACHE_KEYS = {
+    "enable_block_reuse": "bool",
+    "max_tokens": "count",
+    "free_gpu_memory_fraction": "fraction",
+    "dtype": ("auto", "fp8"),
+}
 # decoding_type: "DraftTarget" (what builds write; DecodingBaseConfig.from_dict's key in 1.0-1.2) or
 # "Draft_Target" (bundles written before that fix); the runtime builds DraftTargetDecodingConfig itself.
-SPECULATIVE_KEYS = {"decoding_type": ("DraftTarget", "Draft_Target"), "max_draft_len": "count",
-                    "speculative_model": "path"}
+SPECULATIVE_KEYS = {
+    "decoding_type": ("DraftTarget", "Draft_Target"),
+    "max_draft_len": "count",
+    "speculative_model": "path",
+}
 LLM_API_REQUIRED = ("model", "tokenizer", "speculative_config")
 
 
@@ -44,6 +58,7 @@ def llm_api_kwargs(root: Path, manifest: Manifest) -> dict[str, Any]:
     Raises BundleError naming every key or value that is refused.
     """
     import yaml
+
     root = Path(root).resolve()
     text = read_verified(root, manifest, "llm_api.yaml").decode("utf-8", errors="replace")  # the bytes hashed
     try:
@@ -53,19 +68,23 @@ def llm_api_kwargs(root: Path, manifest: Manifest) -> dict[str, Any]:
     problems: list[str] = []
     kwargs = _checked(data, LLM_API_KEYS, LLM_API_REQUIRED, root, "", problems)
     if isinstance(data, dict) and "speculative_config" in data:
-        kwargs["speculative_config"] = _checked(data["speculative_config"], SPECULATIVE_KEYS,
-                                                tuple(SPECULATIVE_KEYS), root, "speculative_config.", problems)
+        kwargs["speculative_config"] = _checked(
+            data["speculative_config"], SPECULATIVE_KEYS, tuple(SPECULATIVE_KEYS), root, "speculative_config.", problems
+        )
     if isinstance(data, dict) and "kv_cache_config" in data:
-        kwargs["kv_cache_config"] = _checked(data["kv_cache_config"], KV_CACHE_KEYS, (), root, "kv_cache_config.",
-                                             problems)
+        kwargs["kv_cache_config"] = _checked(
+            data["kv_cache_config"], KV_CACHE_KEYS, (), root, "kv_cache_config.", problems
+        )
     if problems:
-        raise BundleError(f"{root}/llm_api.yaml is refused; rebuild the bundle with build-engines:\n  "
-                          + "\n  ".join(problems))
+        raise BundleError(
+            f"{root}/llm_api.yaml is refused; rebuild the bundle with build-engines:\n  " + "\n  ".join(problems)
+        )
     return kwargs
 
 
-def _checked(data: Any, allowed: dict[str, Any], required: tuple[str, ...], root: Path, where: str,
-             problems: list[str]) -> dict[str, Any]:
+def _checked(
+    data: Any, allowed: dict[str, Any], required: tuple[str, ...], root: Path, where: str, problems: list[str]
+) -> dict[str, Any]:
     if not isinstance(data, dict):
         problems.append(f"{where.rstrip('.') or 'the file'}: expected a mapping, received {type(data).__name__}")
         return {}
@@ -73,9 +92,14 @@ def _checked(data: Any, allowed: dict[str, Any], required: tuple[str, ...], root
     for key, value in data.items():
         rule = allowed.get(key)
         if rule is None:
-            problems.append(f"{where}{key}: not a key a bundle may set (allowed: {', '.join(allowed)})"
-                            + ("; trust_remote_code is granted only by the person running the command"
-                               if key == "trust_remote_code" else ""))
+            problems.append(
+                f"{where}{key}: not a key a bundle may set (allowed: {', '.join(allowed)})"
+                + (
+                    "; trust_remote_code is granted only by the person running the command"
+                    if key == "trust_remote_code"
+                    else ""
+                )
+            )
         elif rule != "nested":
             ok, result = _check_value(rule, value, root)
             if ok:
@@ -122,6 +146,7 @@ def draft_target_config(options: dict[str, Any]):
     """
     require_tensorrt_llm()
     from tensorrt_llm.llmapi import DraftTargetDecodingConfig
+
     fields = getattr(DraftTargetDecodingConfig, "model_fields", {})
     key = "speculative_model" if "speculative_model" in fields else "speculative_model_dir"
     return DraftTargetDecodingConfig(max_draft_len=options["max_draft_len"], **{key: options["speculative_model"]})
@@ -135,8 +160,9 @@ class LlmApiGenerator:
         self.default_k = manifest.default_k
 
     @classmethod
-    def from_bundle(cls, path: str | os.PathLike, verify: bool = True, speculative: bool = True,
-                    **overrides) -> "LlmApiGenerator":
+    def from_bundle(
+        cls, path: str | os.PathLike, verify: bool = True, speculative: bool = True, **overrides
+    ) -> "LlmApiGenerator":
         """speculative=False: the same target without a draft (the baseline). overrides: LLM keywords from the
         caller (the person running the command, e.g. ``kv_cache_config``), never from the bundle."""
         root = Path(path)
@@ -144,24 +170,36 @@ class LlmApiGenerator:
         kwargs = llm_api_kwargs(root, manifest)
         require_tensorrt_llm()
         from tensorrt_llm import LLM
+
         options = kwargs.pop("speculative_config")
         if speculative:
             kwargs["speculative_config"] = draft_target_config(options)
         if "kv_cache_config" in kwargs:  # checked keys only (KV_CACHE_KEYS); LLM takes a KvCacheConfig
             from tensorrt_llm.llmapi import KvCacheConfig
+
             kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
         # trust_remote_code is never taken from the bundle (llm_api_kwargs refuses it); say False explicitly.
         return cls(manifest, LLM(**{**kwargs, **overrides, "trust_remote_code": False}), manifest.eos_token_ids)
 
-    def generate(self, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, **unsupported):
+    def generate(
+        self,
+        prompts: str | list[str],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        **unsupported,
+    ):
         """Same call and result types as SpeculativeGenerator.generate for what the LLM API exposes."""
         from runtime.api import Generation
         from runtime.errors import RequestError
+
         given = {k: v for k, v in unsupported.items() if v not in (None, False, "speculative")}
         if given:
             raise RequestError(f"LLM-API bundles do not support {sorted(given)} (TensorRT-LLM drafts internally)")
         from tensorrt_llm import SamplingParams
+
         params = {"max_tokens": max_new_tokens, "temperature": temperature}
         params.update({k: v for k, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None})
         single = isinstance(prompts, str)
@@ -170,6 +208,7 @@ class LlmApiGenerator:
         for output in outputs:  # RequestOutput: prompt_token_ids, outputs[0] (CompletionOutput: text, token_ids)
             completion = output.outputs[0]
             reason = {"length": "length"}.get(str(completion.finish_reason), "stop")
-            results.append(Generation(completion.text, list(completion.token_ids), len(output.prompt_token_ids),
-                                      reason))
+            results.append(
+                Generation(completion.text, list(completion.token_ids), len(output.prompt_token_ids), reason)
+            )
         return results[0] if single else results

@@ -16,14 +16,18 @@ import os
 from pathlib import Path
 
 LAYOUTS = {
-    "tensorrt_llm release": {"examples": "/app/tensorrt_llm/examples",
-                             "triton_models": "/app/tensorrt_llm/triton_backend/all_models",
-                             "launch_script": "/app/tensorrt_llm/triton_backend/scripts/launch_triton_server.py"},
-    "tritonserver trtllm-python-py3": {"examples": "/app/examples", "triton_models": "/app/all_models",
-                                       "launch_script": "/app/scripts/launch_triton_server.py"},
+    "tensorrt_llm release": {
+        "examples": "/app/tensorrt_llm/examples",
+        "triton_models": "/app/tensorrt_llm/triton_backend/all_models",
+        "launch_script": "/app/tensorrt_llm/triton_backend/scripts/launch_triton_server.py",
+    },
+    "tritonserver trtllm-python-py3": {
+        "examples": "/app/examples",
+        "triton_models": "/app/all_models",
+        "launch_script": "/app/scripts/launch_triton_server.py",
+    },
 }
-ENV = {"examples": "TRTLLM_EXAMPLES", "triton_models": "TRTLLM_TRITON_MODELS",
-       "launch_script": "TRTLLM_LAUNCH_SCRIPT"}
+ENV = {"examples": "TRTLLM_EXAMPLES", "triton_models": "TRTLLM_TRITON_MODELS", "launch_script": "TRTLLM_LAUNCH_SCRIPT"}
 
 
 def candidates(kind: str) -> list[str]:

@@ -21,6 +21,7 @@ class RequestInvalid(ValueError):
 class TritonPythonModel:
     def initialize(self, args):
         from runtime.api import bundle_tokenizer
+
         config = json.loads(args["model_config"])
         parameters = config["parameters"]
         folder = Path(parameters["tokenizer"]["string_value"])
@@ -40,11 +41,13 @@ class TritonPythonModel:
                 texts = self._decode(request)
             except Exception as err:  # noqa: BLE001 - one request's failure never fails its batch
                 message = str(err) if isinstance(err, RequestInvalid) else f"{type(err).__name__}: {err}"
-                responses.append(pb_utils.InferenceResponse(output_tensors=[],
-                                                            error=pb_utils.TritonError(message)))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)))
                 continue
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("text_output", np.array(texts, dtype=np.object_))]))
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("text_output", np.array(texts, dtype=np.object_))]
+                )
+            )
         return responses
 
     def _decode(self, request) -> list[list[bytes]]:
@@ -54,8 +57,10 @@ class TritonPythonModel:
         ids = tensor.as_numpy()
         rows = ids.reshape(ids.shape[0], -1) if ids.ndim > 1 else ids.reshape(1, -1)
         if rows.shape[1] > self.max_output_ids:
-            raise RequestInvalid(f"input 'output_ids' has {rows.shape[1]} ids per row; this server's limit is "
-                                 f"max_output_ids={self.max_output_ids} (the model's context)")
+            raise RequestInvalid(
+                f"input 'output_ids' has {rows.shape[1]} ids per row; this server's limit is "
+                f"max_output_ids={self.max_output_ids} (the model's context)"
+            )
         if rows.size and (rows.min() < 0 or rows.max() >= self.vocab_size):
             raise RequestInvalid(f"input 'output_ids': expected token ids in [0, {self.vocab_size})")
         return [[self.tokenizer.decode([int(i) for i in row]).encode("utf-8")] for row in rows]

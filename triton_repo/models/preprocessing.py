@@ -47,6 +47,7 @@ def _error(message: str):
 class TritonPythonModel:
     def initialize(self, args):
         from runtime.api import bundle_tokenizer
+
         config = json.loads(args["model_config"])
         folder = Path(_param(config, "tokenizer"))
         if not folder.is_absolute():
@@ -67,37 +68,48 @@ class TritonPythonModel:
             except Exception as err:  # noqa: BLE001 - one request's failure never fails its batch
                 responses.append(_error(f"preprocessing failed: {type(err).__name__}: {err}"))
                 continue
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int32)),
-                pb_utils.Tensor("input_lengths", np.asarray([[len(ids)]], dtype=np.int32)),
-                pb_utils.Tensor("request_output_len", np.asarray([[max_tokens]], dtype=np.int32)),
-            ]))
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int32)),
+                        pb_utils.Tensor("input_lengths", np.asarray([[len(ids)]], dtype=np.int32)),
+                        pb_utils.Tensor("request_output_len", np.asarray([[max_tokens]], dtype=np.int32)),
+                    ]
+                )
+            )
         return responses
 
     def _prepare(self, request):
         raw = _scalar(request, "text_input")
         size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
         if size > self.max_prompt_bytes:
-            raise RequestInvalid(f"input 'text_input' is {size} bytes; this server's limit is max_prompt_bytes="
-                                 f"{self.max_prompt_bytes}. Shorten the prompt")
+            raise RequestInvalid(
+                f"input 'text_input' is {size} bytes; this server's limit is max_prompt_bytes="
+                f"{self.max_prompt_bytes}. Shorten the prompt"
+            )
         max_tokens = int(_scalar(request, "max_tokens"))
         if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise RequestInvalid(f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}] "
-                                 f"(this server's max_tokens_limit), received {max_tokens}")
+            raise RequestInvalid(
+                f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}] "
+                f"(this server's max_tokens_limit), received {max_tokens}"
+            )
         if isinstance(raw, str):
             text = raw
         else:
             try:
                 text = bytes(raw).decode("utf-8")
             except UnicodeDecodeError as err:
-                raise RequestInvalid(f"input 'text_input' is not valid UTF-8 ({err.reason} at byte {err.start})") \
-                    from None
+                raise RequestInvalid(
+                    f"input 'text_input' is not valid UTF-8 ({err.reason} at byte {err.start})"
+                ) from None
         if not text:
             raise RequestInvalid("input 'text_input' is empty")
         ids = self.tokenizer.encode(text)
         if not ids:
             raise RequestInvalid("input 'text_input' encodes to no tokens")
         if len(ids) >= self.max_context:
-            raise RequestInvalid(f"input 'text_input' has {len(ids)} tokens; the model's context is "
-                                 f"{self.max_context}, leaving no room to generate")
+            raise RequestInvalid(
+                f"input 'text_input' has {len(ids)} tokens; the model's context is "
+                f"{self.max_context}, leaving no room to generate"
+            )
         return ids, max_tokens

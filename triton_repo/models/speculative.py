@@ -120,13 +120,14 @@ class Request:
 class TritonPythonModel:
     def initialize(self, args):
         from runtime.api import SpeculativeGenerator
+
         config = json.loads(args["model_config"])
         bundle = Path(_param(config, "bundle"))
         if not bundle.is_absolute():
             bundle = Path(args.get("model_repository") or Path(__file__).resolve().parents[1]) / bundle
         self.generator = SpeculativeGenerator.from_bundle(
-            bundle, threads=int(_param(config, "threads")),
-            device_id=int(args.get("model_instance_device_id") or 0))  # the GPU Triton gave this instance
+            bundle, threads=int(_param(config, "threads")), device_id=int(args.get("model_instance_device_id") or 0)
+        )  # the GPU Triton gave this instance
         self.max_tokens_limit = int(_param(config, "max_tokens_limit"))
         self.max_prompt_bytes = int(_param(config, "max_prompt_bytes"))
         self.max_stop_words = int(_param(config, "max_stop_words"))
@@ -146,23 +147,31 @@ class TritonPythonModel:
         }
         self.families, self.metrics = [], {}
         for name, help_text in counters.items():
-            family = pb_utils.MetricFamily(name=f"draftsmith_{name}_total", description=help_text,
-                                           kind=pb_utils.MetricFamily.COUNTER)
+            family = pb_utils.MetricFamily(
+                name=f"draftsmith_{name}_total", description=help_text, kind=pb_utils.MetricFamily.COUNTER
+            )
             self.families.append(family)
             self.metrics[name] = family.Metric(labels=labels)
-        for name, help_text in {"running": "Requests in the scheduler's running batch",
-                                "waiting": "Requests waiting for a row in the scheduler",
-                                "mean_draft_length": "Mean draft length the scheduler's step plan chose per "
-                                                     "row-step"}.items():
-            family = pb_utils.MetricFamily(name=f"draftsmith_{name}", description=help_text,
-                                           kind=pb_utils.MetricFamily.GAUGE)
+        for name, help_text in {
+            "running": "Requests in the scheduler's running batch",
+            "waiting": "Requests waiting for a row in the scheduler",
+            "mean_draft_length": "Mean draft length the scheduler's step plan chose per row-step",
+        }.items():
+            family = pb_utils.MetricFamily(
+                name=f"draftsmith_{name}", description=help_text, kind=pb_utils.MetricFamily.GAUGE
+            )
             self.families.append(family)
             self.metrics[name] = family.Metric(labels=labels)
         self._count_target_calls()
         from runtime.serving.scheduler import Scheduler
-        self.scheduler = Scheduler(self.generator, max_batch=int(_param(config, "max_batch")),
-                                   max_queue=int(_param(config, "max_queue")), policy=_param(config, "policy"),
-                                   plan=_param(config, "plan").lower() == "true")
+
+        self.scheduler = Scheduler(
+            self.generator,
+            max_batch=int(_param(config, "max_batch")),
+            max_queue=int(_param(config, "max_queue")),
+            policy=_param(config, "policy"),
+            plan=_param(config, "plan").lower() == "true",
+        )
         self.scheduler.start()
         self.active: dict[int, Request] = {}  # submitted, final response not sent yet: the watcher's list
         self.active_lock = threading.Lock()
@@ -179,13 +188,16 @@ class TritonPythonModel:
         def counted(*args, **kwargs):
             metric.increment(1)
             return forward(*args, **kwargs)
+
         target.forward = counted
         prefill_row = getattr(target, "prefill_row", None)
         if prefill_row is not None:
+
             def counted_prefill(cache, row, tokens):
                 if len(tokens):
                     metric.increment(1)
                 return prefill_row(cache, row, tokens)
+
             target.prefill_row = counted_prefill
 
     # --- requests ---------------------------------------------------------------------------------------------------
@@ -213,9 +225,11 @@ class TritonPythonModel:
 
     def _submit(self, item):
         from runtime.errors import RequestError
+
         try:
-            item.handle = self.scheduler.submit(item.prompt, item.decode,
-                                                sink=lambda event: self._on_event(item, event))
+            item.handle = self.scheduler.submit(
+                item.prompt, item.decode, sink=lambda event: self._on_event(item, event)
+            )
         except RequestError as err:
             raise RequestInvalid(str(err)) from None
         if self.decoupled:
@@ -287,8 +301,7 @@ class TritonPythonModel:
         self.metrics["request_errors"].increment(1)
         message = _message(err)
         try:
-            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
-                        flags=FINAL)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)), flags=FINAL)
         except Exception:  # noqa: BLE001 - the client is gone; nothing left to tell it
             pass
 
@@ -297,12 +310,16 @@ class TritonPythonModel:
         if prompt is None:
             raise RequestInvalid("input 'text_input' is required")
         if _size(prompt) > self.max_prompt_bytes:
-            raise RequestInvalid(f"input 'text_input' is {_size(prompt)} bytes; this server's limit is "
-                                 f"max_prompt_bytes={self.max_prompt_bytes}. Shorten the prompt")
+            raise RequestInvalid(
+                f"input 'text_input' is {_size(prompt)} bytes; this server's limit is "
+                f"max_prompt_bytes={self.max_prompt_bytes}. Shorten the prompt"
+            )
         max_tokens = _optional(request, "request_output_len")
         if max_tokens is None or not 1 <= int(max_tokens) <= self.max_tokens_limit:
-            raise RequestInvalid(f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}] "
-                                 f"(this server's max_tokens_limit), received {max_tokens}")
+            raise RequestInvalid(
+                f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}] "
+                f"(this server's max_tokens_limit), received {max_tokens}"
+            )
         stops = self._stop_words(_optional(request, "stop_words"))
         prompt = _text(prompt, "text_input")
         if not prompt:
@@ -314,24 +331,38 @@ class TritonPythonModel:
             seed = _optional(request, "random_seed")
         k = _optional(request, "num_draft_tokens")
         if k is not None and not 0 <= int(k) <= self.generator.max_k:  # TensorRT-LLM's convention: 0 = target only
-            raise RequestInvalid(f"input 'num_draft_tokens': expected an integer in [0, {self.generator.max_k}] "
-                                 f"(0: target only), received {k}")
+            raise RequestInvalid(
+                f"input 'num_draft_tokens': expected an integer in [0, {self.generator.max_k}] "
+                f"(0: target only), received {k}"
+            )
         mode, k = ("target", None) if k is not None and int(k) == 0 else ("speculative", k)
         end_id = _optional(request, "end_id")
         if end_id is not None and int(end_id) not in self.generator.eos_ids:
-            raise RequestInvalid(f"input 'end_id': this model ends sequences at {list(self.generator.eos_ids)}; "
-                                 f"another end id is not supported, received {end_id}")
+            raise RequestInvalid(
+                f"input 'end_id': this model ends sequences at {list(self.generator.eos_ids)}; "
+                f"another end id is not supported, received {end_id}"
+            )
         stream = _optional(request, "stream")
         if stream and not self.decoupled:
-            raise RequestInvalid("input 'stream': this repository was written without streaming "
-                                 "(draftsmith triton-repo --no-streaming); send stream=false or use a streaming one")
+            raise RequestInvalid(
+                "input 'stream': this repository was written without streaming "
+                "(draftsmith triton-repo --no-streaming); send stream=false or use a streaming one"
+            )
         from runtime.errors import RequestError
         from runtime.request import decode_request
+
         try:  # validated once, as every entry point does (runtime/request.py); TensorRT-LLM's 0s mean "off"
-            decode = decode_request(max_new_tokens=int(max_tokens), temperature=0.0 if temperature is None
-                                    else temperature, top_k=None if top_k is None or top_k == 0 else top_k,
-                                    top_p=None if top_p is None or top_p == 1 else top_p, seed=seed, k=k,
-                                    stop=stops, mode=mode, **self._guide(request))
+            decode = decode_request(
+                max_new_tokens=int(max_tokens),
+                temperature=0.0 if temperature is None else temperature,
+                top_k=None if top_k is None or top_k == 0 else top_k,
+                top_p=None if top_p is None or top_p == 1 else top_p,
+                seed=seed,
+                k=k,
+                stop=stops,
+                mode=mode,
+                **self._guide(request),
+            )
         except RequestError as err:
             raise RequestInvalid(_input_names(str(err))) from None
         return Request(sender, prompt, decode, bool(stream) if stream is not None else False)
@@ -342,13 +373,17 @@ class TritonPythonModel:
         the schema, regex or grammar is bounded in size before it is decoded, and compiled at submission."""
         from runtime.errors import RequestError
         from runtime.decoding.grammar import MAX_SOURCE_BYTES, trtllm_guide
+
         kind, guide = _optional(request, "guided_decoding_guide_type"), _optional(request, "guided_decoding_guide")
         if guide is not None and _size(guide) > MAX_SOURCE_BYTES:
-            raise RequestInvalid(f"input 'guided_decoding_guide' is {_size(guide)} bytes; the limit is "
-                                 f"{MAX_SOURCE_BYTES}")
+            raise RequestInvalid(
+                f"input 'guided_decoding_guide' is {_size(guide)} bytes; the limit is {MAX_SOURCE_BYTES}"
+            )
         try:
-            constraint = trtllm_guide(None if kind is None else _text(kind, "guided_decoding_guide_type"),
-                                      None if guide is None else _text(guide, "guided_decoding_guide"))
+            constraint = trtllm_guide(
+                None if kind is None else _text(kind, "guided_decoding_guide_type"),
+                None if guide is None else _text(guide, "guided_decoding_guide"),
+            )
         except RequestError as err:
             raise RequestInvalid(str(err)) from None
         return {} if constraint is None else {"response_format": constraint}
@@ -358,19 +393,27 @@ class TritonPythonModel:
         if values is None:
             return []
         if values.size > self.max_stop_words:
-            raise RequestInvalid(f"input 'stop_words' has {values.size} entries; this server's limit is "
-                                 f"max_stop_words={self.max_stop_words}")
+            raise RequestInvalid(
+                f"input 'stop_words' has {values.size} entries; this server's limit is "
+                f"max_stop_words={self.max_stop_words}"
+            )
         longest = max((_size(v) for v in values), default=0)
         if longest > self.max_stop_word_bytes:
-            raise RequestInvalid(f"input 'stop_words' has an entry of {longest} bytes; this server's limit is "
-                                 f"max_stop_word_bytes={self.max_stop_word_bytes}")
+            raise RequestInvalid(
+                f"input 'stop_words' has an entry of {longest} bytes; this server's limit is "
+                f"max_stop_word_bytes={self.max_stop_word_bytes}"
+            )
         return [s for s in (_text(v, "stop_words") for v in values) if s]
 
     # --- responses --------------------------------------------------------------------------------------------------
 
     def _count(self, stats):
-        for name, value in (("draft_tokens", stats.num_draft_tokens), ("accepted_tokens", stats.num_accepted_tokens),
-                            ("sequence_steps", stats.num_steps), ("emitted_tokens", stats.num_emitted_tokens)):
+        for name, value in (
+            ("draft_tokens", stats.num_draft_tokens),
+            ("accepted_tokens", stats.num_accepted_tokens),
+            ("sequence_steps", stats.num_steps),
+            ("emitted_tokens", stats.num_emitted_tokens),
+        ):
             self.metrics[name].increment(value)
 
     def _end_cancelled(self, item, steps: int = 0):
@@ -395,8 +438,9 @@ class TritonPythonModel:
                     how = "already sent by the backend"
             item.final_sent = True
         item.finished.set()
-        pb_utils.Logger.log_info(f"speculative: request cancelled by its client after {steps} steps; decoding "
-                                 f"stopped, final response {how}")
+        pb_utils.Logger.log_info(
+            f"speculative: request cancelled by its client after {steps} steps; decoding stopped, final response {how}"
+        )
 
     def _send(self, item, response, flags=0):
         """Send one response; a client that went away must not end the other requests of its batch. Intermediate
@@ -419,14 +463,19 @@ class TritonPythonModel:
     @staticmethod
     def _response(text, stats):
         """One response; ``stats`` None (a stream's intermediate pieces) reports zeros: totals come with the last."""
-        rate, accepted, drafted = ((stats.draft_acceptance_rate, stats.num_accepted_tokens, stats.num_draft_tokens)
-                                   if stats is not None else (0.0, 0, 0))
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-            pb_utils.Tensor("acceptance_rate", np.array([[rate]], dtype=np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.array([[accepted]], dtype=np.int32)),
-            pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], dtype=np.int32)),
-        ])
+        rate, accepted, drafted = (
+            (stats.draft_acceptance_rate, stats.num_accepted_tokens, stats.num_draft_tokens)
+            if stats is not None
+            else (0.0, 0, 0)
+        )
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+                pb_utils.Tensor("acceptance_rate", np.array([[rate]], dtype=np.float32)),
+                pb_utils.Tensor("total_accepted_draft_tokens", np.array([[accepted]], dtype=np.int32)),
+                pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], dtype=np.int32)),
+            ]
+        )
 
     def finalize(self):
         self.stopping.set()

@@ -44,12 +44,17 @@ class Placement:
         problems = []
         for role in ("target", "draft"):
             ids = getattr(self, f"{role}_devices")
-            if not ids or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in ids) \
-                    or len(set(ids)) != len(ids):
+            if (
+                not ids
+                or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in ids)
+                or len(set(ids)) != len(ids)
+            ):
                 problems.append(f"{role}_devices: expected distinct GPU ids >= 0, received {list(ids)}")
         if len(self.target_devices) != len(self.draft_devices):
-            problems.append(f"draft_devices: expected {len(self.target_devices)} ids (draft and target engines are "
-                            f"built with the same tp x pp), received {len(self.draft_devices)}")
+            problems.append(
+                f"draft_devices: expected {len(self.target_devices)} ids (draft and target engines are "
+                f"built with the same tp x pp), received {len(self.draft_devices)}"
+            )
         if not isinstance(self.num_nodes, int) or self.num_nodes < 1:
             problems.append(f"num_nodes: expected an integer >= 1, received {self.num_nodes!r}")
         if problems:
@@ -78,8 +83,10 @@ def placement(world: int, target_devices=None, draft_devices=None, num_nodes: in
     default = tuple(range(world))
     placed = Placement(tuple(target_devices or default), tuple(draft_devices or default), num_nodes)
     if placed.world != world:
-        raise ConfigError(f"target_devices: expected {world} GPU ids (tp_size x pp_size of the engines), received "
-                          f"{list(placed.target_devices)}")
+        raise ConfigError(
+            f"target_devices: expected {world} GPU ids (tp_size x pp_size of the engines), received "
+            f"{list(placed.target_devices)}"
+        )
     return placed
 
 
@@ -112,19 +119,21 @@ def launch_script(args: list[str], cuda_visible: str = "") -> str:
     found = " ".join(shlex.quote(path) for path in LAUNCH_SCRIPTS)
     quoted = " ".join(a.replace("$REPO", '"$REPO"') if "$REPO" in a else shlex.quote(a) for a in args)
     visible = f"export CUDA_VISIBLE_DEVICES={shlex.quote(cuda_visible)}\n" if cuda_visible else ""
-    return ("#!/usr/bin/env bash\n"
-            "# Start this repository with TensorRT-LLM's own launcher (triton_backend/scripts/launch_triton_server.py)."
-            "\n# Written by Draftsmith; the arguments are in the repository README. Never run by Draftsmith's tests.\n"
-            "set -euo pipefail\n"
-            'REPO=$(cd "$(dirname "$0")" && pwd)\n'
-            'LAUNCH=${TRTLLM_LAUNCH_SCRIPT:-}\n'
-            f"for candidate in {found}; do\n"
-            '  if [ -z "$LAUNCH" ] && [ -f "$candidate" ]; then LAUNCH=$candidate; fi\n'
-            "done\n"
-            'if [ -z "$LAUNCH" ]; then echo "launch_triton_server.py not found; set TRTLLM_LAUNCH_SCRIPT" >&2; '
-            "exit 2; fi\n"
-            f"{visible}"
-            f'exec python3 "$LAUNCH" {quoted} "$@"\n')
+    return (
+        "#!/usr/bin/env bash\n"
+        "# Start this repository with TensorRT-LLM's own launcher (triton_backend/scripts/launch_triton_server.py)."
+        "\n# Written by Draftsmith; the arguments are in the repository README. Never run by Draftsmith's tests.\n"
+        "set -euo pipefail\n"
+        'REPO=$(cd "$(dirname "$0")" && pwd)\n'
+        "LAUNCH=${TRTLLM_LAUNCH_SCRIPT:-}\n"
+        f"for candidate in {found}; do\n"
+        '  if [ -z "$LAUNCH" ] && [ -f "$candidate" ]; then LAUNCH=$candidate; fi\n'
+        "done\n"
+        'if [ -z "$LAUNCH" ]; then echo "launch_triton_server.py not found; set TRTLLM_LAUNCH_SCRIPT" >&2; '
+        "exit 2; fi\n"
+        f"{visible}"
+        f'exec python3 "$LAUNCH" {quoted} "$@"\n'
+    )
 
 
 def bls_request(prompt: str, max_tokens: int, num_draft_tokens: int = 0) -> dict:

@@ -47,12 +47,25 @@ from pathlib import Path
 from typing import Any
 
 from triton_repo.pbtxt import ConfigError, render
-from triton_repo.trtllm.interface import (BLS_IN, BLS_OUT, POST_IN, POST_OUT, PRE_IN, PRE_OUT, TRT_IN, TRT_OUT,
-                                          UPSTREAM_HINT, copied_version_folder, parameter_text, parameters, tensor,
-                                          tensors, upstream_dir)
+from triton_repo.trtllm.interface import (
+    BLS_IN,
+    BLS_OUT,
+    POST_IN,
+    POST_OUT,
+    PRE_IN,
+    PRE_OUT,
+    TRT_IN,
+    TRT_OUT,
+    UPSTREAM_HINT,
+    copied_version_folder,
+    parameter_text,
+    parameters,
+    tensor,
+    tensors,
+    upstream_dir,
+)
 from triton_repo.trtllm.llmapi_layout import LlmApiLayout, llmapi_repo_files
-from triton_repo.trtllm.launch import (Placement, engine_launch_args, launch_script, llmapi_launch_args,
-                                       placement)
+from triton_repo.trtllm.launch import Placement, engine_launch_args, launch_script, llmapi_launch_args, placement
 
 DRAFT, TARGET = "tensorrt_llm_draft", "tensorrt_llm"
 ENGINE_MODELS = ("preprocessing", "postprocessing", TARGET, "tensorrt_llm_bls", "ensemble")
@@ -89,44 +102,66 @@ class EngineLayout:
         if self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size: expected >= 1, received {self.max_batch_size}")
         if not 0 < self.kv_cache_free_gpu_mem_fraction <= 1:
-            raise ConfigError(f"kv_cache_free_gpu_mem_fraction: expected (0, 1], received "
-                              f"{self.kv_cache_free_gpu_mem_fraction}")
+            raise ConfigError(
+                f"kv_cache_free_gpu_mem_fraction: expected (0, 1], received {self.kv_cache_free_gpu_mem_fraction}"
+            )
         if self.enable_kv_cache_reuse is not True:
-            raise ConfigError("enable_kv_cache_reuse: expected True (TensorRT-LLM's batch manager refuses a "
-                              "draft_tokens_external target without it: \"KV cache block reuse must be enabled for "
-                              f"speculative decoding target model\"), received {self.enable_kv_cache_reuse!r}")
+            raise ConfigError(
+                "enable_kv_cache_reuse: expected True (TensorRT-LLM's batch manager refuses a "
+                'draft_tokens_external target without it: "KV cache block reuse must be enabled for '
+                f'speculative decoding target model"), received {self.enable_kv_cache_reuse!r}'
+            )
         if not (self.target_gpu_device_ids or self.target_participant_ids):
             raise ConfigError("target_gpu_device_ids: expected GPU ids (or participant ids across nodes)")
 
     @classmethod
-    def placed(cls, target_engine_dir: str, draft_engine_dir: str, tokenizer_dir: str, where: Placement,
-               **options) -> "EngineLayout":
+    def placed(
+        cls, target_engine_dir: str, draft_engine_dir: str, tokenizer_dir: str, where: Placement, **options
+    ) -> "EngineLayout":
         """The layout with device / participant ids from a Placement: GPU ids on one node; across nodes, MPI ranks
         (rank 0 the orchestrator) and num_nodes, the GPUs left to each rank's node."""
         if where.multi_node:
             ranks = where.participant_ids()
-            ids = {"target_gpu_device_ids": "", "draft_gpu_device_ids": "",
-                   "target_participant_ids": ",".join(map(str, ranks["target"])),
-                   "draft_participant_ids": ",".join(map(str, ranks["draft"])), "num_nodes": where.num_nodes}
+            ids = {
+                "target_gpu_device_ids": "",
+                "draft_gpu_device_ids": "",
+                "target_participant_ids": ",".join(map(str, ranks["target"])),
+                "draft_participant_ids": ",".join(map(str, ranks["draft"])),
+                "num_nodes": where.num_nodes,
+            }
         else:
-            ids = {"target_gpu_device_ids": where.gpu_device_ids("target"),
-                   "draft_gpu_device_ids": where.gpu_device_ids("draft")}
+            ids = {
+                "target_gpu_device_ids": where.gpu_device_ids("target"),
+                "draft_gpu_device_ids": where.gpu_device_ids("draft"),
+            }
         return cls(target_engine_dir, draft_engine_dir, tokenizer_dir, **{**options, **ids})
 
 
 def _batching(layout: EngineLayout) -> dict[str, Any]:
-    return {"preferred_batch_size": [layout.max_batch_size],
-            "max_queue_delay_microseconds": layout.max_queue_delay_microseconds}
+    return {
+        "preferred_batch_size": [layout.max_batch_size],
+        "max_queue_delay_microseconds": layout.max_queue_delay_microseconds,
+    }
 
 
 def preprocessing(layout: EngineLayout) -> dict[str, Any]:
     # model.py indexes parameters['tokenizer_dir'] and ['multimodal_model_path'] (KeyError when absent; "" means
     # none) and looks up every INPUT_ID ... IMAGE_SIZES output config by name at load time.
     return {
-        "name": "preprocessing", "backend": "python", "max_batch_size": layout.max_batch_size,
-        "dynamic_batching": _batching(layout), "input": tensors(PRE_IN), "output": tensors(PRE_OUT),
-        "parameters": parameters({"tokenizer_dir": layout.tokenizer_dir, "add_special_tokens": False,
-                                  "multimodal_model_path": "", "gpt_model_path": layout.target_engine_dir}),
+        "name": "preprocessing",
+        "backend": "python",
+        "max_batch_size": layout.max_batch_size,
+        "dynamic_batching": _batching(layout),
+        "input": tensors(PRE_IN),
+        "output": tensors(PRE_OUT),
+        "parameters": parameters(
+            {
+                "tokenizer_dir": layout.tokenizer_dir,
+                "add_special_tokens": False,
+                "multimodal_model_path": "",
+                "gpt_model_path": layout.target_engine_dir,
+            }
+        ),
         "instance_group": [{"count": layout.instance_count, "kind": "KIND_CPU"}],
     }
 
@@ -134,8 +169,12 @@ def preprocessing(layout: EngineLayout) -> dict[str, Any]:
 def postprocessing(layout: EngineLayout) -> dict[str, Any]:
     # model.py raises for any input but TOKENS_BATCH and SEQUENCE_LENGTH, and returns OUTPUT only.
     return {
-        "name": "postprocessing", "backend": "python", "max_batch_size": layout.max_batch_size,
-        "dynamic_batching": {}, "input": tensors(POST_IN), "output": tensors(POST_OUT),
+        "name": "postprocessing",
+        "backend": "python",
+        "max_batch_size": layout.max_batch_size,
+        "dynamic_batching": {},
+        "input": tensors(POST_IN),
+        "output": tensors(POST_OUT),
         "parameters": parameters({"tokenizer_dir": layout.tokenizer_dir, "skip_special_tokens": True}),
         "instance_group": [{"count": layout.instance_count, "kind": "KIND_CPU"}],
     }
@@ -144,10 +183,13 @@ def postprocessing(layout: EngineLayout) -> dict[str, Any]:
 def tensorrt_llm(layout: EngineLayout, role: str) -> dict[str, Any]:
     """The target's or the draft's tensorrt_llm model: one function, so the two cannot drift apart."""
     return {
-        "name": TARGET if role == "target" else DRAFT, "backend": "tensorrtllm",
+        "name": TARGET if role == "target" else DRAFT,
+        "backend": "tensorrtllm",
         "max_batch_size": layout.max_batch_size,
-        "model_transaction_policy": {"decoupled": layout.decoupled}, "dynamic_batching": _batching(layout),
-        "input": tensors(TRT_IN), "output": tensors(TRT_OUT),
+        "model_transaction_policy": {"decoupled": layout.decoupled},
+        "dynamic_batching": _batching(layout),
+        "input": tensors(TRT_IN),
+        "output": tensors(TRT_OUT),
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
         # Values: the draft-target guide's fill_template call (max_beam_width 1, inflight_fused_batching,
         # exclude_input_in_output, enable_kv_cache_reuse, max_tokens_in_paged_kv_cache, gpu_device_ids); keys left
@@ -159,68 +201,125 @@ def tensorrt_llm(layout: EngineLayout, role: str) -> dict[str, Any]:
 def _trt_values(layout: EngineLayout, role: str, template: bool) -> dict[str, Any]:
     """tensorrt_llm parameter values; template=True: keyed by the config template's ${placeholders}."""
     engine_dir = layout.target_engine_dir if role == "target" else layout.draft_engine_dir
-    placement = {"gpu_device_ids": getattr(layout, f"{role}_gpu_device_ids"),
-                 "participant_ids": getattr(layout, f"{role}_participant_ids"),
-                 "num_nodes": layout.num_nodes if layout.num_nodes > 1 else "",
-                 "max_tokens_in_paged_kv_cache": layout.max_tokens_in_paged_kv_cache or ""}
-    values = {"max_beam_width": 1, "batch_scheduler_policy": "guaranteed_no_evict",
-              "kv_cache_free_gpu_mem_fraction": layout.kv_cache_free_gpu_mem_fraction,
-              "exclude_input_in_output": True, "enable_kv_cache_reuse": layout.enable_kv_cache_reuse,
-              **{key: value for key, value in placement.items() if value != ""}}
+    placement = {
+        "gpu_device_ids": getattr(layout, f"{role}_gpu_device_ids"),
+        "participant_ids": getattr(layout, f"{role}_participant_ids"),
+        "num_nodes": layout.num_nodes if layout.num_nodes > 1 else "",
+        "max_tokens_in_paged_kv_cache": layout.max_tokens_in_paged_kv_cache or "",
+    }
+    values = {
+        "max_beam_width": 1,
+        "batch_scheduler_policy": "guaranteed_no_evict",
+        "kv_cache_free_gpu_mem_fraction": layout.kv_cache_free_gpu_mem_fraction,
+        "exclude_input_in_output": True,
+        "enable_kv_cache_reuse": layout.enable_kv_cache_reuse,
+        **{key: value for key, value in placement.items() if value != ""},
+    }
     if template:
-        return {**values, "triton_backend": "tensorrtllm", "triton_max_batch_size": layout.max_batch_size,
-                "decoupled_mode": layout.decoupled, "batching_strategy": "inflight_fused_batching",
-                "engine_dir": engine_dir, "max_queue_delay_microseconds": layout.max_queue_delay_microseconds,
-                "logits_datatype": "TYPE_FP32"}
-    return {**values, "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "gpt_model_type": "inflight_fused_batching",
-            "gpt_model_path": engine_dir}
+        return {
+            **values,
+            "triton_backend": "tensorrtllm",
+            "triton_max_batch_size": layout.max_batch_size,
+            "decoupled_mode": layout.decoupled,
+            "batching_strategy": "inflight_fused_batching",
+            "engine_dir": engine_dir,
+            "max_queue_delay_microseconds": layout.max_queue_delay_microseconds,
+            "logits_datatype": "TYPE_FP32",
+        }
+    return {
+        **values,
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": engine_dir,
+    }
 
 
 def tensorrt_llm_bls(layout: EngineLayout) -> dict[str, Any]:
     return {
-        "name": "tensorrt_llm_bls", "backend": "python", "max_batch_size": layout.max_batch_size,
+        "name": "tensorrt_llm_bls",
+        "backend": "python",
+        "max_batch_size": layout.max_batch_size,
         "model_transaction_policy": {"decoupled": layout.decoupled},
-        "input": tensors(BLS_IN), "output": tensors(BLS_OUT),
-        "parameters": parameters({"accumulate_tokens": False, "tensorrt_llm_model_name": TARGET,
-                                  "tensorrt_llm_draft_model_name": DRAFT}),
+        "input": tensors(BLS_IN),
+        "output": tensors(BLS_OUT),
+        "parameters": parameters(
+            {"accumulate_tokens": False, "tensorrt_llm_model_name": TARGET, "tensorrt_llm_draft_model_name": DRAFT}
+        ),
         "instance_group": [{"count": layout.instance_count, "kind": "KIND_CPU"}],
     }
 
 
 def ensemble(layout: EngineLayout) -> dict[str, Any]:
     """Target-only text in/text out (the BLS is the speculative entry point); maps checked by check_ensemble."""
+
     def step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> dict[str, Any]:
         return {"model_name": model, "model_version": -1, "input_map": inputs, "output_map": outputs}
+
     return {
-        "name": "ensemble", "platform": "ensemble", "max_batch_size": layout.max_batch_size,
-        "input": [tensor("text_input", "TYPE_STRING", [1]), tensor("max_tokens", "TYPE_INT32", [1]),
-                  tensor("end_id", "TYPE_INT32", [1], optional=True),
-                  tensor("pad_id", "TYPE_INT32", [1], optional=True),
-                  tensor("temperature", "TYPE_FP32", [1], optional=True),
-                  tensor("top_k", "TYPE_INT32", [1], optional=True), tensor("top_p", "TYPE_FP32", [1], optional=True),
-                  tensor("seed", "TYPE_UINT64", [1], optional=True),
-                  tensor("stream", "TYPE_BOOL", [1], optional=True)],
+        "name": "ensemble",
+        "platform": "ensemble",
+        "max_batch_size": layout.max_batch_size,
+        "input": [
+            tensor("text_input", "TYPE_STRING", [1]),
+            tensor("max_tokens", "TYPE_INT32", [1]),
+            tensor("end_id", "TYPE_INT32", [1], optional=True),
+            tensor("pad_id", "TYPE_INT32", [1], optional=True),
+            tensor("temperature", "TYPE_FP32", [1], optional=True),
+            tensor("top_k", "TYPE_INT32", [1], optional=True),
+            tensor("top_p", "TYPE_FP32", [1], optional=True),
+            tensor("seed", "TYPE_UINT64", [1], optional=True),
+            tensor("stream", "TYPE_BOOL", [1], optional=True),
+        ],
         "output": [tensor("text_output", "TYPE_STRING", [-1])],
-        "ensemble_scheduling": {"step": [
-            step("preprocessing", {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "END_ID": "end_id",
-                                   "PAD_ID": "pad_id"},
-                 {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
-                  "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "OUT_END_ID": "_END_ID", "OUT_PAD_ID": "_PAD_ID"}),
-            step(TARGET, {"input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
-                          "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_END_ID", "pad_id": "_PAD_ID",
-                          "temperature": "temperature", "runtime_top_k": "top_k", "runtime_top_p": "top_p",
-                          "seed": "seed", "streaming": "stream"},
-                 {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}),
-            step("postprocessing", {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
-                 {"OUTPUT": "text_output"}),
-        ]},
+        "ensemble_scheduling": {
+            "step": [
+                step(
+                    "preprocessing",
+                    {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "END_ID": "end_id", "PAD_ID": "pad_id"},
+                    {
+                        "INPUT_ID": "_INPUT_ID",
+                        "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+                        "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
+                        "OUT_END_ID": "_END_ID",
+                        "OUT_PAD_ID": "_PAD_ID",
+                    },
+                ),
+                step(
+                    TARGET,
+                    {
+                        "input_ids": "_INPUT_ID",
+                        "input_lengths": "_REQUEST_INPUT_LEN",
+                        "request_output_len": "_REQUEST_OUTPUT_LEN",
+                        "end_id": "_END_ID",
+                        "pad_id": "_PAD_ID",
+                        "temperature": "temperature",
+                        "runtime_top_k": "top_k",
+                        "runtime_top_p": "top_p",
+                        "seed": "seed",
+                        "streaming": "stream",
+                    },
+                    {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"},
+                ),
+                step(
+                    "postprocessing",
+                    {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
+                    {"OUTPUT": "text_output"},
+                ),
+            ]
+        },
     }
 
 
 def engine_configs(layout: EngineLayout) -> dict[str, dict[str, Any]]:
     """Model name -> ModelConfig data of the engine-era draft-target repository."""
-    configs = [preprocessing(layout), postprocessing(layout), tensorrt_llm(layout, "target"),
-               tensorrt_llm(layout, "draft"), tensorrt_llm_bls(layout), ensemble(layout)]
+    configs = [
+        preprocessing(layout),
+        postprocessing(layout),
+        tensorrt_llm(layout, "target"),
+        tensorrt_llm(layout, "draft"),
+        tensorrt_llm_bls(layout),
+        ensemble(layout),
+    ]
     return {c["name"]: c for c in configs}
 
 
@@ -257,20 +356,26 @@ def engine_repo_files(layout: EngineLayout) -> dict[str, str]:
 
 
 def _engine_readme(upstream: bool) -> str:
-    where = ("The `1/` folders were copied from the upstream folder given." if upstream else
-             f"Install the `1/` folders of {', '.join(PYTHON_MODELS)} (model.py, and lib/ for the BLS) from "
-             "TensorRT-LLM's triton_backend/all_models/inflight_batcher_llm/ of the release your tritonserver "
-             "container runs, or regenerate with --upstream-models pointing at that folder. Draftsmith does not "
-             "ship upstream's code.")
-    return ("# Draftsmith TensorRT-LLM draft-target repository (engine era)\n\n"
-            "Entry point: `tensorrt_llm_bls` (text_input, max_tokens, num_draft_tokens; one sequence per request "
-            "when num_draft_tokens > 0; send `stream` too: tensorrt_llm_bls/1/lib/decode.py reads it whenever "
-            "num_draft_tokens is set). Its speculative path reads the target's and draft's configs over gRPC at "
-            "localhost:8001, which launch.sh keeps. Two tensorrt_llm models need orchestrator mode "
-            "(launch_triton_server.py --multi-model), not plain tritonserver.\n" + where + "\n")
+    where = (
+        "The `1/` folders were copied from the upstream folder given."
+        if upstream
+        else f"Install the `1/` folders of {', '.join(PYTHON_MODELS)} (model.py, and lib/ for the BLS) from "
+        "TensorRT-LLM's triton_backend/all_models/inflight_batcher_llm/ of the release your tritonserver "
+        "container runs, or regenerate with --upstream-models pointing at that folder. Draftsmith does not "
+        "ship upstream's code."
+    )
+    return (
+        "# Draftsmith TensorRT-LLM draft-target repository (engine era)\n\n"
+        "Entry point: `tensorrt_llm_bls` (text_input, max_tokens, num_draft_tokens; one sequence per request "
+        "when num_draft_tokens > 0; send `stream` too: tensorrt_llm_bls/1/lib/decode.py reads it whenever "
+        "num_draft_tokens is set). Its speculative path reads the target's and draft's configs over gRPC at "
+        "localhost:8001, which launch.sh keeps. Two tensorrt_llm models need orchestrator mode "
+        "(launch_triton_server.py --multi-model), not plain tritonserver.\n" + where + "\n"
+    )
 
 
 # --- engine era from upstream's templates (fill_template.py semantics) -------------------------------------------
+
 
 def fill_template(text: str, values: dict[str, Any], where: str) -> str:
     """``${key}`` substitution as tools/fill_template.py does it, but strict about our keys.
@@ -280,8 +385,10 @@ def fill_template(text: str, values: dict[str, Any], where: str) -> str:
     """
     missing = [key for key in values if "${" + key + "}" not in text]
     if missing:
-        raise ConfigError(f"{where}: the template has no ${{{'}, ${'.join(missing)}}}: it is not the "
-                          f"inflight_batcher_llm interface this generator fills ({UPSTREAM_HINT})")
+        raise ConfigError(
+            f"{where}: the template has no ${{{'}, ${'.join(missing)}}}: it is not the "
+            f"inflight_batcher_llm interface this generator fills ({UPSTREAM_HINT})"
+        )
     return string.Template(text).safe_substitute({k: _template_text(k, v, where) for k, v in values.items()})
 
 
@@ -292,34 +399,53 @@ def _template_text(key: str, value: Any, where: str) -> str:
     text = parameter_text(value)
     bad = [c for c in text if c in '"\\' or ord(c) < 32 or ord(c) == 127]
     if bad:
-        raise ConfigError(f"{where}: the value for ${{{key}}} ({text[:80]!r}) has {bad[0]!r}, which config.pbtxt "
-                          "cannot hold inside a string; move the bundle to a path without quotes, backslashes or "
-                          "control characters")
+        raise ConfigError(
+            f"{where}: the value for ${{{key}}} ({text[:80]!r}) has {bad[0]!r}, which config.pbtxt "
+            "cannot hold inside a string; move the bundle to a path without quotes, backslashes or "
+            "control characters"
+        )
     return text
 
 
 def _template_values(layout: EngineLayout) -> dict[str, dict[str, Any]]:
     """Per upstream model: the placeholders we fill (names: each config.pbtxt template; values: the guide's)."""
     return {
-        "preprocessing": {"triton_max_batch_size": layout.max_batch_size, "tokenizer_dir": layout.tokenizer_dir,
-                          "add_special_tokens": False, "multimodal_model_path": "",
-                          "engine_dir": layout.target_engine_dir,
-                          "preprocessing_instance_count": layout.instance_count},
-        "postprocessing": {"triton_max_batch_size": layout.max_batch_size, "tokenizer_dir": layout.tokenizer_dir,
-                           "skip_special_tokens": True, "postprocessing_instance_count": layout.instance_count},
+        "preprocessing": {
+            "triton_max_batch_size": layout.max_batch_size,
+            "tokenizer_dir": layout.tokenizer_dir,
+            "add_special_tokens": False,
+            "multimodal_model_path": "",
+            "engine_dir": layout.target_engine_dir,
+            "preprocessing_instance_count": layout.instance_count,
+        },
+        "postprocessing": {
+            "triton_max_batch_size": layout.max_batch_size,
+            "tokenizer_dir": layout.tokenizer_dir,
+            "skip_special_tokens": True,
+            "postprocessing_instance_count": layout.instance_count,
+        },
         TARGET: _trt_values(layout, "target", template=True),
         DRAFT: _trt_values(layout, "draft", template=True),
-        "tensorrt_llm_bls": {"triton_max_batch_size": layout.max_batch_size, "decoupled_mode": layout.decoupled,
-                             "bls_instance_count": layout.instance_count, "accumulate_tokens": False,
-                             "tensorrt_llm_model_name": TARGET, "tensorrt_llm_draft_model_name": DRAFT,
-                             "logits_datatype": "TYPE_FP32"},
+        "tensorrt_llm_bls": {
+            "triton_max_batch_size": layout.max_batch_size,
+            "decoupled_mode": layout.decoupled,
+            "bls_instance_count": layout.instance_count,
+            "accumulate_tokens": False,
+            "tensorrt_llm_model_name": TARGET,
+            "tensorrt_llm_draft_model_name": DRAFT,
+            "logits_datatype": "TYPE_FP32",
+        },
         "ensemble": {"triton_max_batch_size": layout.max_batch_size, "logits_datatype": "TYPE_FP32"},
     }
 
 
 # Placeholders that only some releases' templates have: filled when present.
-_IF_PRESENT = {"max_queue_delay_microseconds": 0, "max_queue_size": 0,
-               "encoder_input_features_data_type": "TYPE_FP16", "prompt_embedding_table_data_type": "TYPE_FP16"}
+_IF_PRESENT = {
+    "max_queue_delay_microseconds": 0,
+    "max_queue_size": 0,
+    "encoder_input_features_data_type": "TYPE_FP16",
+    "prompt_embedding_table_data_type": "TYPE_FP16",
+}
 
 
 def upstream_engine_files(layout: EngineLayout, upstream: str | Path) -> dict[str, str]:
@@ -327,6 +453,7 @@ def upstream_engine_files(layout: EngineLayout, upstream: str | Path) -> dict[st
     from google.protobuf import text_format
 
     from triton_repo.pbtxt import parse
+
     source = upstream_dir(upstream, [f"{m}/config.pbtxt" for m in ENGINE_MODELS])
     files: dict[str, str] = {}
     for name, values in _template_values(layout).items():
@@ -337,8 +464,10 @@ def upstream_engine_files(layout: EngineLayout, upstream: str | Path) -> dict[st
         try:
             config = parse(filled)
         except text_format.ParseError as err:
-            raise ConfigError(f"{folder}/config.pbtxt from {source} does not parse after filling ({err}); "
-                              f"a placeholder outside a string is not filled by this generator") from None
+            raise ConfigError(
+                f"{folder}/config.pbtxt from {source} does not parse after filling ({err}); "
+                f"a placeholder outside a string is not filled by this generator"
+            ) from None
         injected = set(config.parameters) - set(re.findall(r'key:\s*"([^"]*)"', text))
         if injected:  # _template_text refuses what could do this; a second check costs nothing
             raise ConfigError(f"{folder}/config.pbtxt: filling it added parameters {sorted(injected)}")
@@ -351,16 +480,23 @@ def upstream_engine_files(layout: EngineLayout, upstream: str | Path) -> dict[st
 
 # --- files -----------------------------------------------------------------------------------------------------------
 
+
 def write_repo(files: dict[str, str], root: str | Path, overwrite: bool = False) -> Path:
     """Write ``files`` under ``root`` (created; it must not exist unless ``overwrite`` and it holds our README)."""
     root = Path(root)
     if root.exists():
         ours = (root / "README.md").is_file() and "Draftsmith TensorRT-LLM" in (root / "README.md").read_text(
-            encoding="utf-8", errors="replace")
+            encoding="utf-8", errors="replace"
+        )
         if not overwrite or not ours:
-            raise ConfigError(f"{root} exists; " + ("pass overwrite (--force) to replace it" if ours else
-                                                    "it is not a repository this generator wrote: choose another "
-                                                    "path"))
+            raise ConfigError(
+                f"{root} exists; "
+                + (
+                    "pass overwrite (--force) to replace it"
+                    if ours
+                    else "it is not a repository this generator wrote: choose another path"
+                )
+            )
         shutil.rmtree(root)
     for rel, text in files.items():
         path = root / rel
@@ -371,9 +507,16 @@ def write_repo(files: dict[str, str], root: str | Path, overwrite: bool = False)
     return root
 
 
-def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decoupled: bool = False,
-                    upstream_models: str | Path | None = None, target_devices=None, draft_devices=None,
-                    num_nodes: int = 1, **options) -> dict[str, str]:
+def repo_for_bundle(
+    bundle: str | Path,
+    max_batch_size: int | None = None,
+    decoupled: bool = False,
+    upstream_models: str | Path | None = None,
+    target_devices=None,
+    draft_devices=None,
+    num_nodes: int = 1,
+    **options,
+) -> dict[str, str]:
     """The repository files for a tensorrt_llm bundle, chosen by its flavor, with launch.sh.
 
     upstream_models: a copy of upstream's inflight_batcher_llm (engine flavor) or llmapi (LLM-API flavor) folder to
@@ -381,6 +524,7 @@ def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decou
     num_nodes > 1: ranks started up front across nodes (triton_repo/trtllm/launch.py).
     """
     from runtime.bundle import load_manifest
+
     root = Path(bundle).absolute()
     manifest = load_manifest(root)  # every file against its sha256: the repository points at what was verified
     if manifest.spec.backend != "tensorrt_llm":
@@ -389,6 +533,7 @@ def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decou
     where = placement(manifest.spec.tp_size * manifest.spec.pp_size, target_devices, draft_devices, num_nodes)
     if manifest.spec.trtllm_flavor == "llmapi":
         from runtime.trtllm.llmapi import llm_api_kwargs
+
         files = llmapi_repo_files(LlmApiLayout(llm_api_kwargs(root, manifest), batch, decoupled), upstream_models)
         args = llmapi_launch_args("$REPO", where.world, num_nodes)
         explicit = target_devices and not where.multi_node
@@ -396,9 +541,16 @@ def repo_for_bundle(bundle: str | Path, max_batch_size: int | None = None, decou
     # The draft-target guide sizes max_tokens_in_paged_kv_cache for its batch; here every sequence of a full batch
     # at full length, plus the draft tokens the target's engine adds to its max_seq_len (builder.py build()).
     tokens = batch * (manifest.max_context + manifest.spec.max_k)
-    layout = EngineLayout.placed(str(root / manifest.target.engine), str(root / manifest.draft.engine),
-                                 str(root / "tokenizer"), where, max_batch_size=batch, decoupled=decoupled,
-                                 max_tokens_in_paged_kv_cache=tokens, **options)
+    layout = EngineLayout.placed(
+        str(root / manifest.target.engine),
+        str(root / manifest.draft.engine),
+        str(root / "tokenizer"),
+        where,
+        max_batch_size=batch,
+        decoupled=decoupled,
+        max_tokens_in_paged_kv_cache=tokens,
+        **options,
+    )
     files = upstream_engine_files(layout, upstream_models) if upstream_models else engine_repo_files(layout)
     return _with_launch(files, engine_launch_args("$REPO", where))
 
@@ -408,16 +560,19 @@ def _with_launch(files: dict[str, str], args: list[str], cuda_visible: str = "")
     files = dict(files)
     files["launch.sh"] = launch_script(args, cuda_visible)
     shown = " ".join(args).replace("$REPO", "REPO")
-    files["README.md"] += ("\n## Start\n\n    ./launch.sh    # python3 .../launch_triton_server.py " + shown + "\n\n"
-                           "launch.sh finds TensorRT-LLM's launch_triton_server.py in either NVIDIA image "
-                           "(/app/scripts or /app/tensorrt_llm/triton_backend/scripts; TRTLLM_LAUNCH_SCRIPT "
-                           "overrides). Multi-node arguments start the ranks up front: run it under your MPI "
-                           "launcher with one slot per rank.\n")
+    files["README.md"] += (
+        "\n## Start\n\n    ./launch.sh    # python3 .../launch_triton_server.py " + shown + "\n\n"
+        "launch.sh finds TensorRT-LLM's launch_triton_server.py in either NVIDIA image "
+        "(/app/scripts or /app/tensorrt_llm/triton_backend/scripts; TRTLLM_LAUNCH_SCRIPT "
+        "overrides). Multi-node arguments start the ranks up front: run it under your MPI "
+        "launcher with one slot per rank.\n"
+    )
     return files
 
 
-def write_trtllm_repository(bundle: str | Path, out: str | Path, upstream_models: str | Path | None = None,
-                            overwrite: bool = False, **options) -> Path:
+def write_trtllm_repository(
+    bundle: str | Path, out: str | Path, upstream_models: str | Path | None = None, overwrite: bool = False, **options
+) -> Path:
     """repo_for_bundle + write_repo: what ``build-engines --triton-repo`` runs for tensorrt_llm bundles."""
     return write_repo(repo_for_bundle(bundle, upstream_models=upstream_models, **options), out, overwrite)
 
@@ -425,8 +580,19 @@ def write_trtllm_repository(bundle: str | Path, out: str | Path, upstream_models
 def parse_all(files: dict[str, str]) -> dict[str, Any]:
     """Every config.pbtxt parsed back into ModelConfig (what the tests check)."""
     from triton_repo.pbtxt import parse
+
     return {rel: parse(text) for rel, text in files.items() if rel.endswith("config.pbtxt")}
 
 
-__all__ = ["EngineLayout", "engine_configs", "engine_repo_files", "upstream_engine_files", "fill_template",
-           "repo_for_bundle", "write_repo", "write_trtllm_repository", "check_ensemble", "parse_all"]
+__all__ = [
+    "EngineLayout",
+    "engine_configs",
+    "engine_repo_files",
+    "upstream_engine_files",
+    "fill_template",
+    "repo_for_bundle",
+    "write_repo",
+    "write_trtllm_repository",
+    "check_ensemble",
+    "parse_all",
+]
