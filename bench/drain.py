@@ -37,7 +37,7 @@ from pathlib import Path
 import click
 import httpx
 
-from bench.openai_load import Outcome, Spec, mixed_spec, run_one
+from bench.openai_client import Outcome, Spec, mixed_spec, run_one
 
 MODEL = "drained"
 

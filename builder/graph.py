@@ -1,5 +1,8 @@
 """Stage 3 (fused): write a decoder straight to an ONNX graph of ONNX Runtime's fused CPU operators.
 
+Longer than most modules: one graph writer, a short function per block (embedding, layer, attention, norms,
+head, inputs and outputs); the GGUF blocks it writes are builder/gguf/, the quantizer builder/quantize.py.
+
 The exported graph (builder.export) is torch's decoder op by op: ~86 nodes a layer, attention unfused, K/V expanded to
 every query head and the whole cache concatenated on each call. This graph is what ONNX Runtime's own fast decoders
 are made of, written by us from the weights::
@@ -157,12 +160,20 @@ def _fold_external_data(path: Path, data_path: Path) -> None:
 
 
 def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tuple[tuple[str, ...], tuple[str, ...]]:
-    import onnx
-    from onnx import TensorProto, helper
-
+    """The fused decoder into ``g`` and then ``path``: embedding, every layer, the head, then the graph's inputs and
+    outputs."""
     g.accuracy_level = accuracy_level
-    layers = len(decoder.layers)
     rotary = _rotary_inputs(g, decoder)
+    residual, pending = _embed(g, decoder), None  # pending: the block output still to be added to the residual stream
+    for i, layer in enumerate(decoder.layers):
+        residual, pending = _layer(g, i, layer, decoder, rotary, residual, pending)
+    normed, _ = _norm(g, "final_norm", decoder.final_norm, residual, pending, decoder.eps, out="hidden")
+    _head(g, decoder, normed)
+    return _save_graph(g, decoder, path)
+
+
+def _embed(g: "_Graph", decoder: Decoder) -> str:
+    """The input embedding (the file's blocks or float rows), scaled, with a feature draft's features fused in."""
     if decoder.embedding_quant is not None:
         x = _gathered_blocks(g, "embedding", decoder.embedding_quant)
     else:
@@ -173,37 +184,41 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
     if decoder.feature_fc is not None:
         (both,) = g.op("Concat", [x, "features"], name="embed_features", axis=-1)
         (x,) = g.op("MatMul", [both, g.const("feature_fc", decoder.feature_fc.astype(np.float32))], name="fc")
-    residual, pending = x, None  # pending: the block output still to be added to the residual stream
-    for i, layer in enumerate(decoder.layers):
-        normed, residual = _norm(g, f"layers.{i}.attn_norm", layer.attn_norm, residual, pending, decoder.eps)
-        qkv = _linear(g, f"layers.{i}.qkv", normed, layer.qkv)
-        if layer.q_norm is not None:
-            qkv = _qk_norm(g, f"layers.{i}", qkv, layer, decoder)
-        pending = _scaled(
-            g,
-            _linear(g, f"layers.{i}.o", _attention(g, i, qkv, layer, decoder, rotary), layer.o),
-            decoder.residual_scale,
-        )
-        if layer.post_attn_norm is not None:
-            pending = _plain_norm(g, f"layers.{i}.post_attn_norm", layer.post_attn_norm, pending, decoder.eps)
-        normed, residual = _norm(g, f"layers.{i}.mlp_norm", layer.mlp_norm, residual, pending, decoder.eps)
-        gate_up = _linear(g, f"layers.{i}.gate_up", normed, layer.gate_up)
-        gate, up = g.op(
-            "Split",
-            [gate_up, g.const(f"layers.{i}.split", np.array([decoder.intermediate] * 2))],
-            2,
-            name=f"layers.{i}.split",
-            axis=-1,
-        )
-        pending = _scaled(
-            g,
-            _linear(g, f"layers.{i}.down", _gated(g, decoder.activation, gate, up), layer.down),
-            decoder.residual_scale,
-        )
-        if layer.post_mlp_norm is not None:
-            pending = _plain_norm(g, f"layers.{i}.post_mlp_norm", layer.post_mlp_norm, pending, decoder.eps)
-    normed, _ = _norm(g, "final_norm", decoder.final_norm, residual, pending, decoder.eps, out="hidden")
-    # only the last logits_to_keep positions reach the head (0 in a prefill whose logits nobody reads)
+    return x
+
+
+def _layer(g: "_Graph", i: int, layer, decoder: Decoder, rotary, residual: str, pending: str | None) -> tuple[str, str]:
+    """Layer ``i``: attention then the gated MLP, each added to the residual stream by the next norm; returns the
+    residual stream and the MLP's output still to be added."""
+    normed, residual = _norm(g, f"layers.{i}.attn_norm", layer.attn_norm, residual, pending, decoder.eps)
+    qkv = _linear(g, f"layers.{i}.qkv", normed, layer.qkv)
+    if layer.q_norm is not None:
+        qkv = _qk_norm(g, f"layers.{i}", qkv, layer, decoder)
+    pending = _scaled(
+        g, _linear(g, f"layers.{i}.o", _attention(g, i, qkv, layer, decoder, rotary), layer.o), decoder.residual_scale
+    )
+    if layer.post_attn_norm is not None:
+        pending = _plain_norm(g, f"layers.{i}.post_attn_norm", layer.post_attn_norm, pending, decoder.eps)
+    normed, residual = _norm(g, f"layers.{i}.mlp_norm", layer.mlp_norm, residual, pending, decoder.eps)
+    gate_up = _linear(g, f"layers.{i}.gate_up", normed, layer.gate_up)
+    gate, up = g.op(
+        "Split",
+        [gate_up, g.const(f"layers.{i}.split", np.array([decoder.intermediate] * 2))],
+        2,
+        name=f"layers.{i}.split",
+        axis=-1,
+    )
+    pending = _scaled(
+        g, _linear(g, f"layers.{i}.down", _gated(g, decoder.activation, gate, up), layer.down), decoder.residual_scale
+    )
+    if layer.post_mlp_norm is not None:
+        pending = _plain_norm(g, f"layers.{i}.post_mlp_norm", layer.post_mlp_norm, pending, decoder.eps)
+    return residual, pending
+
+
+def _head(g: "_Graph", decoder: Decoder, normed: str) -> None:
+    """The logits of the last logits_to_keep positions (0 in a prefill whose logits nobody reads), softcapped or
+    divided where the model does."""
     (new,) = g.op("Shape", ["input_ids"], start=1, end=2)
     (start,) = g.op("Sub", [new, "logits_to_keep"])
     (kept,) = g.op(
@@ -220,6 +235,14 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
         g.op("Div", [_linear(g, "head", kept, decoder.head), divisor], ["logits"], name="logit_divisor")
     else:
         _linear(g, "head", kept, decoder.head, out="logits")
+
+
+def _save_graph(g: "_Graph", decoder: Decoder, path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The graph's inputs and outputs around ``g``'s nodes, saved to ``path``; returns the input and output names."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    layers = len(decoder.layers)
     dyn = ["batch", "slots"]
     kv_shape = [dyn[0], decoder.kv_heads, dyn[1], decoder.head_dim]
     inputs = [

@@ -139,6 +139,13 @@ class BuildSpec:
     kv_cache_dtype: str = ""  # "": the engines' own dtype; "fp8": FP8 KV cache (TensorRT-LLM only)
 
     def __post_init__(self) -> None:
+        """Every field checked at construction, so a bad preset or manifest fails by name before any work."""
+        self._check_pair_and_decoding()
+        self._check_graph_and_device()
+        self._check_sizes()
+        self._check_backend_formats()
+
+    def _check_pair_and_decoding(self) -> None:
         _check(bool(self.target), "target", "a checkpoint path", self.target)
         _check(bool(self.draft), "draft", "a checkpoint path or 'self'", self.draft)
         _check(self.target_quant in QUANTS, "target_quant", f"one of {QUANTS}", self.target_quant)
@@ -167,6 +174,8 @@ class BuildSpec:
             "an integer >= 0",
             self.eval_tokens,
         )
+
+    def _check_graph_and_device(self) -> None:
         _check(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)
         _check(self.graph in GRAPH_CHOICES, "graph", f"one of {GRAPH_CHOICES}", self.graph)
         if self.graph == "fused":
@@ -187,6 +196,9 @@ class BuildSpec:
         _check(
             self.trtllm_flavor in TRTLLM_FLAVORS, "trtllm_flavor", "'engine', 'llmapi' or '' (auto)", self.trtllm_flavor
         )
+
+    def _check_sizes(self) -> None:
+        """The TensorRT-LLM sizes: GPUs, batch, input and sequence lengths."""
         for name in ("tp_size", "pp_size", "max_batch_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, name, "an integer >= 1", value)
@@ -206,6 +218,9 @@ class BuildSpec:
                 f"< max_seq_len ({self.max_seq_len})",
                 self.max_input_len,
             )
+
+    def _check_backend_formats(self) -> None:
+        """Weight formats the backend and device run, and TensorRT-LLM-only options left at their defaults elsewhere."""
         if self.backend == "onnxruntime":
             allowed = ONNX_DEVICE_QUANTS[self.device]
             for name in ("target_quant", "draft_quant"):

@@ -160,7 +160,7 @@ def test_the_load_time_check_passes_here_and_its_exact_form_matches_target_only(
 
 
 def test_a_failed_check_switches_to_the_exact_form_and_says_so_once(caplog, tmp_path):
-    from runtime import api
+    from runtime.engines import loading
 
     class Differing:
         vocab_size, one_token_calls, prefills_in_chunks = 300, False, True
@@ -174,7 +174,7 @@ def test_a_failed_check_switches_to_the_exact_form_and_says_so_once(caplog, tmp_
     engines = [Differing(), Differing()]
     with caplog.at_level("WARNING", logger="draftsmith"):
         for engine in engines:
-            api.check_call_shapes(engine, tmp_path / "bundle")
+            loading.check_call_shapes(engine, tmp_path / "bundle")
     assert all(engine.one_token_calls and not engine.prefills_in_chunks for engine in engines)
     said = [r.getMessage() for r in caplog.records if "scores a token otherwise" in r.getMessage()]
     assert len(said) == 1 and "a verify call of 4 tokens" in said[0] and str(tmp_path / "bundle") in said[0]

@@ -302,7 +302,7 @@ def test_a_file_swapped_after_verification_is_refused(tiny_bundle, tmp_path, mon
 def test_a_swap_after_reading_cannot_reach_the_session(tiny_bundle, tmp_path, monkeypatch, reference):
     """The file changes after it was read and hashed, while the session is being made: the session comes from the
     verified bytes, so its logits are the original target's."""
-    import runtime.api
+    import runtime.engines.loading
     import runtime.engines.onnx
 
     root = copy_of(tiny_bundle, tmp_path / "b")
@@ -314,7 +314,7 @@ def test_a_swap_after_reading_cannot_reach_the_session(tiny_bundle, tmp_path, mo
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(runtime.engines.onnx, "make_session", swap_then_make)
-    monkeypatch.setattr(runtime.api, "make_session", swap_then_make, raising=False)
+    monkeypatch.setattr(runtime.engines.loading, "make_session", swap_then_make)
     generator = SpeculativeGenerator.from_bundle(root, threads=1)
     np.testing.assert_allclose(first_logits(generator), reference["target"], atol=1e-6)
     assert not np.allclose(reference["draft"], reference["target"], atol=1e-3)  # the swap would have shown

@@ -353,7 +353,8 @@ def test_load_driver_against_the_server(served):
 
 def test_load_driver_sends_draft_lengths_and_long_prompts(served):
     """The soak's mix: num_draft_tokens up to a maximum and prompts near the context limit, checked alone too."""
-    from bench.openai_load import long_prompt_of, mixed_spec, run_load
+    from bench.openai_client import long_prompt_of, mixed_spec
+    from bench.openai_load import run_load
 
     specs = [mixed_spec(i, 1, 16, 0.0, max_draft_tokens=8, long_prompt="L", long_fraction=0.5) for i in range(40)]
     assert {s.num_draft_tokens for s in specs} - {None} <= set(range(1, 9)) and any(s.num_draft_tokens for s in specs)
@@ -383,7 +384,7 @@ def test_an_events_data_stays_on_one_line_for_every_line_reader():
     request to a chunk cut at U+2028 before this)."""
     import json
 
-    from bench.openai_load import sse_lines
+    from bench.openai_client import sse_lines
     from runtime.serving.openai_server import _sse
 
     text = "a\u2028b\u2029c\x85d\x1ce \u00e9"

@@ -1,5 +1,8 @@
 """Start a local ``tritonserver`` (the binary inside the ``nvidia-pytriton`` wheel) on a model repository.
 
+Longer than most modules: starting, probing and stopping one tritonserver process (its paths, command line,
+environment and restrictions) is one subject; the repository it serves is triton_repo/generate.py.
+
 What it takes to run that binary outside NVIDIA's container (see FACTS.md, "A real Triton server on CPU"): the Python
 backend's stub for the running Python version copied next to ``libtriton_python.so``, the wheel's
 ``nvidia_pytriton.libs`` on ``LD_LIBRARY_PATH``, and this interpreter's ``bin`` first on ``PATH`` so the models import

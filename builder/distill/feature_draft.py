@@ -160,21 +160,7 @@ def _module():
             k = (normed @ self.k.T).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
             v = (normed @ self.v.T).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
             q, k = self._rotate(q, positions), self._rotate(k, positions)
-            group = cfg.heads // cfg.kv_heads
-            q = q.view(b, cfg.kv_heads, group, s, cfg.head_dim)
-            scale = 1.0 / math.sqrt(cfg.head_dim)
-            base_k, base_v = (k, v) if not past else past[0]
-            scores = torch.einsum("bhgsd,bhtd->bhgst", q, base_k) * scale
-            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-            allowed = causal[None] & mask[:, None, :].bool()
-            scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-            diagonal = [(pk, pv) for pk, pv in past[1:]] + ([(k, v)] if past else [])
-            diag_scores = [torch.einsum("bhgsd,bhsd->bhgs", q, dk)[..., None] * scale for dk, _ in diagonal]
-            weights = torch.softmax(torch.cat([scores] + diag_scores, dim=-1), dim=-1)
-            out = torch.einsum("bhgst,bhtd->bhgsd", weights[..., :s], base_v)
-            for j, (_, dv) in enumerate(diagonal):
-                out = out + weights[..., s + j : s + j + 1] * dv[:, :, None]
-            attn = out.reshape(b, cfg.heads, s, cfg.head_dim).transpose(1, 2).reshape(b, s, -1)
+            attn = _attention(cfg, q, k, v, past, mask)
             x = x + attn @ self.o.T
             normed = self._norm(x, self.mlp_norm)
             x = x + (torch.nn.functional.silu(normed @ self.gate.T) * (normed @ self.up.T)) @ self.down.T
@@ -182,6 +168,29 @@ def _module():
             return predicted, predicted @ self.head.T, (k, v)
 
     return FeatureDraft
+
+
+def _attention(cfg: FeatureConfig, q, k, v, past: list, mask):
+    """A level's attention output [B, S, heads * D]: to level 0's keys causally (under ``mask``) and to each later
+    level's own key on the diagonal (see ``FeatureDraft.level``); q [B, heads, S, D], k and v [B, Hkv, S, D]."""
+    import torch
+
+    b, _, s, _ = q.shape
+    group = cfg.heads // cfg.kv_heads
+    q = q.view(b, cfg.kv_heads, group, s, cfg.head_dim)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    base_k, base_v = (k, v) if not past else past[0]
+    scores = torch.einsum("bhgsd,bhtd->bhgst", q, base_k) * scale
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None] & mask[:, None, :].bool()
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    diagonal = [(pk, pv) for pk, pv in past[1:]] + ([(k, v)] if past else [])
+    diag_scores = [torch.einsum("bhgsd,bhsd->bhgs", q, dk)[..., None] * scale for dk, _ in diagonal]
+    weights = torch.softmax(torch.cat([scores] + diag_scores, dim=-1), dim=-1)
+    out = torch.einsum("bhgst,bhtd->bhgsd", weights[..., :s], base_v)
+    for j, (_, dv) in enumerate(diagonal):
+        out = out + weights[..., s + j : s + j + 1] * dv[:, :, None]
+    return out.reshape(b, cfg.heads, s, cfg.head_dim).transpose(1, 2).reshape(b, s, -1)
 
 
 def init_feature_draft(target_model, kept: np.ndarray | None, target_sha256: str = ""):

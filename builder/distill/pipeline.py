@@ -1,5 +1,8 @@
 """``distill_draft``: the stages in order, under one wall-clock budget, with progress and the report.
 
+Longer than most modules: the stages are read in the order they run, each a short step; the recipe is
+builder/distill/recipe.py, the training loops builder/distill/training.py and feature_draft.py.
+
 Each stage is a step of its own below, in the order ``distill_draft`` runs them; ``_Run`` carries the recipe, the
 budget and the timings from one to the next, ``_Target`` the loaded target.
 """

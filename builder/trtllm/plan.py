@@ -185,54 +185,69 @@ def make_plan(spec: BuildSpec, flavor: str, inputs: PlanInputs) -> list[Step]:
 def _engine_steps(
     spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, max_input_len: int, max_seq_len: int
 ) -> list[Step]:
+    """One engine's two steps: its checkpoint (quantized or converted), then trtllm-build."""
     checkpoint = f"_work/{role}.ckpt"
     dtype = DTYPES.get(quant, "float16")
     if quant in QFORMATS:
-        # examples/quantization/quantize.py: --model_dir --output_dir --dtype --qformat --calib_dataset --calib_size
-        # --tp_size --pp_size --kv_cache_dtype {int8,fp8} (argparse; tests/fixtures/trtllm/quantize.json).
-        kv = ("--kv_cache_dtype", spec.kv_cache_dtype) if spec.kv_cache_dtype else ()
-        convert = Step(
-            role,
-            "quantize",
-            argv=(
-                "python3",
-                f"{inputs.examples_dir}/quantization/quantize.py",
-                "--model_dir",
-                inputs.sources[role],
-                "--output_dir",
-                checkpoint,
-                "--dtype",
-                dtype,
-                "--qformat",
-                quant,
-                "--calib_dataset",
-                CALIB_DIR,
-                "--calib_size",
-                str(len(calibration_texts())),
-                "--tp_size",
-                str(spec.tp_size),
-                "--pp_size",
-                str(spec.pp_size),
-                *kv,
-            ),
-            outputs=(checkpoint,),
-        )
+        convert = _quantize_step(spec, role, quant, inputs, checkpoint, dtype)
     else:
-        converter = converter_for(role, inputs.architectures[role])
-        convert = Step(
-            role,
-            "convert",
-            argv=converter.argv(
-                inputs.examples_dir,
-                inputs.sources[role],
-                checkpoint,
-                dtype,
-                spec.tp_size,
-                spec.pp_size,
-                quant if quant in WEIGHT_ONLY else None,
-            ),
-            outputs=(checkpoint,),
-        )
+        convert = _convert_step(spec, role, quant, inputs, checkpoint, dtype)
+    return [convert, _build_step(spec, role, quant, checkpoint, dtype, max_input_len, max_seq_len)]
+
+
+def _quantize_step(spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, checkpoint: str, dtype: str) -> Step:
+    # examples/quantization/quantize.py: --model_dir --output_dir --dtype --qformat --calib_dataset --calib_size
+    # --tp_size --pp_size --kv_cache_dtype {int8,fp8} (argparse; tests/fixtures/trtllm/quantize.json).
+    kv = ("--kv_cache_dtype", spec.kv_cache_dtype) if spec.kv_cache_dtype else ()
+    return Step(
+        role,
+        "quantize",
+        argv=(
+            "python3",
+            f"{inputs.examples_dir}/quantization/quantize.py",
+            "--model_dir",
+            inputs.sources[role],
+            "--output_dir",
+            checkpoint,
+            "--dtype",
+            dtype,
+            "--qformat",
+            quant,
+            "--calib_dataset",
+            CALIB_DIR,
+            "--calib_size",
+            str(len(calibration_texts())),
+            "--tp_size",
+            str(spec.tp_size),
+            "--pp_size",
+            str(spec.pp_size),
+            *kv,
+        ),
+        outputs=(checkpoint,),
+    )
+
+
+def _convert_step(spec: BuildSpec, role: str, quant: str, inputs: PlanInputs, checkpoint: str, dtype: str) -> Step:
+    converter = converter_for(role, inputs.architectures[role])
+    return Step(
+        role,
+        "convert",
+        argv=converter.argv(
+            inputs.examples_dir,
+            inputs.sources[role],
+            checkpoint,
+            dtype,
+            spec.tp_size,
+            spec.pp_size,
+            quant if quant in WEIGHT_ONLY else None,
+        ),
+        outputs=(checkpoint,),
+    )
+
+
+def _build_step(
+    spec: BuildSpec, role: str, quant: str, checkpoint: str, dtype: str, max_input_len: int, max_seq_len: int
+) -> Step:
     engine = f"{role}/engine"
     # trtllm-build flags, from examples/draft_target_model/README.md ("Build draft and target engines"):
     # --use_paged_context_fmha=enable on both ("must be specified since we need KV-Cache reuse"), --max_batch_size,
@@ -270,7 +285,7 @@ def _engine_steps(
         ),
         outputs=(engine,),
     )
-    return [convert, build]
+    return build
 
 
 def _calibration_step() -> Step:

@@ -1,5 +1,8 @@
 """Triton Python model ``speculative`` (decoupled): draft-then-verify decoding of a Draftsmith bundle.
 
+Longer than most modules: Triton's Python backend loads a model as this one file; the decoding is the runtime's
+(runtime/serving/scheduler.py), what is here is Triton's side of it (inputs, responses, cancellation, metrics).
+
 Every request is handed to the runtime's in-flight batching scheduler (runtime/serving/scheduler.py) as it arrives:
 ``execute`` only validates and submits, and returns. One scheduler loop owns both engines and, at every step, admits
 waiting requests into the running batch, advances every row once (each with its own sampling parameters, k and seed) and

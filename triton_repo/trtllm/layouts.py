@@ -1,5 +1,8 @@
 """Triton model repositories for tensorrt_llm bundles, rendered from typed data (triton_repo/pbtxt.render).
 
+Longer than most modules: the two layouts are tables of upstream's model configs side by side, each named
+with the upstream file it follows; their shared interface tables are triton_repo/trtllm/interface.py.
+
 Two layouts, one per TensorRT-LLM flavor. Since v0.20 the Triton models live in NVIDIA/TensorRT-LLM under
 ``triton_backend/all_models/`` (tensorrtllm_backend keeps only the container build); the NGC Triton TRT-LLM
 container ships a copy of them.
