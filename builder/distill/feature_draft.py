@@ -525,17 +525,9 @@ def check_against_torch(path: Path, info, module, tolerance: float, seed: int = 
     case; raises builder.export.ExportError past ``tolerance``."""
     import torch
     from builder.export import compare_cases
-    from runtime.engines.onnx import FusedEngine
+    from runtime.engines.onnx import new_engine
 
-    engine = FusedEngine(
-        path,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        max_context=32,
-        initial_slots=8,
-    )
+    engine = new_engine("fused", path, info, 32, initial_slots=8)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, module.embedding.shape[0], (1, 7))
     feats = rng.standard_normal((1, 5, module.cfg.hidden)).astype(np.float32)
