@@ -32,7 +32,7 @@ def profile_entry(
     runtime's own engine class for the entry's graph. Returns {"calls", "mean_call_ms", "ops": {op: {"ms", "nodes"}},
     "stored_nodes", "optimized_nodes"}: per call, the profiler's kernel time per operator type and how many nodes of
     it ran (after ONNX Runtime's fusions)."""
-    from runtime.engines.onnx import engine_class
+    from runtime.engines.onnx import new_engine
     from runtime.engines.sessions import make_session, session_options
     from runtime.decoding.step_costs import scratch_call
 
@@ -42,16 +42,7 @@ def profile_entry(
         options.profile_file_prefix = str(Path(tmp) / "profile")
         session = make_session(root / entry.engine, options=options)
         kwargs = {"min_call_tokens": entry.min_call_tokens} if entry.graph == "fused" else {}
-        engine = engine_class(entry.graph)(
-            root / entry.engine,
-            num_layers=entry.num_layers,
-            num_kv_heads=entry.num_kv_heads,
-            head_dim=entry.head_dim,
-            vocab_size=entry.vocab_size,
-            max_context=max_context,
-            session=session,
-            **kwargs,
-        )
+        engine = new_engine(entry.graph, root / entry.engine, entry, max_context, session=session, **kwargs)
         cache = engine.new_cache(1)
         rng = np.random.default_rng(0)
         scratch_call(engine, cache, rng.integers(0, min(entry.vocab_size, 1000), (1, past)))  # features if a

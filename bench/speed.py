@@ -268,41 +268,25 @@ def run_workloads(
         + [("speculative", k, label) for label in drafters for k in ks]
     )
     runner = {"": (generator, drafter_kind), **drafters}
+
+    def run(label: str, mode: str, k: int | None, token_lists: list[list[int]], limit: int):
+        """One cell's decode of ``token_lists``, ``limit`` new tokens each (warm-up and measured runs alike)."""
+        cell_generator, kind = runner[label]
+        return decode(cell_generator, token_lists, mode, k, limit, temperature, seed, kind, confidence, **structure)
+
     try:
         for name, token_lists in workloads.items():
             for batch in batches:
                 mine = {c: CellRecord(name, batch, c[0], c[1], c[2]) for c in configs}
                 cells += mine.values()
                 for mode, k, label in configs:  # warm-up: first calls allocate, JIT-pick kernels and fill caches
-                    decode(
-                        runner[label][0],
-                        token_lists[:batch],
-                        mode,
-                        k,
-                        min(8, max_new_tokens),
-                        temperature,
-                        seed,
-                        runner[label][1],
-                        confidence,
-                        **structure,
-                    )
+                    run(label, mode, k, token_lists[:batch], min(8, max_new_tokens))
                 recorder.take()
                 for turn, at in enumerate(range(0, len(token_lists), batch)):
                     chunk = token_lists[at : at + batch]
                     shift = turn % len(configs)  # rotated: no configuration always runs first or after another
                     for mode, k, label in configs[shift:] + configs[:shift]:
-                        records, wall = decode(
-                            runner[label][0],
-                            chunk,
-                            mode,
-                            k,
-                            max_new_tokens,
-                            temperature,
-                            seed,
-                            runner[label][1],
-                            confidence,
-                            **structure,
-                        )
+                        records, wall = run(label, mode, k, chunk, max_new_tokens)
                         cell = mine[(mode, k, label)]
                         cell.sequences += records
                         cell.wall += wall

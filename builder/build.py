@@ -34,6 +34,7 @@ from builder import publish as publishing
 from builder.decoder import GraphError, from_transformers
 from builder.progress import Heartbeat
 from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
+from runtime.engines.onnx import new_engine
 
 log = logging.getLogger(__name__)
 Stage = Callable[[str], None]
@@ -388,7 +389,7 @@ def _opener(path: Path, info, kept=None, *, max_context: int, threads: int, voca
     ``kept``, the reduced-head draft compared and scored over the full vocabulary (q = 0 outside the kept ids)."""
 
     def open_engine():
-        engine = evaluate.engine_for(path, info, max_context, threads)
+        engine = new_engine(info.graph, path, info, max_context, threads=threads)
         if kept is not None:
             from runtime.engines.onnx import MappedVocabEngine
 

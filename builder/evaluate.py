@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from importlib import resources
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from builder.memory import release
-from runtime.engines.onnx import OnnxEngine, engine_class
+from runtime.engines.onnx import OnnxEngine
 
 
 EVAL_SET = "data/eval_long.txt"  # the build report's evaluation set (below)
@@ -167,15 +166,3 @@ def nll_sum(logits: np.ndarray, ids: list[int]) -> float:
         picked = shifted[np.arange(len(rows)), ids[start + 1 : start + 1 + len(rows)]]
         total -= float((picked - np.log(np.exp(shifted).sum(axis=-1))).astype(np.float64).sum())
     return total
-
-
-def engine_for(path: Path, info, max_context: int, threads: int = 0) -> OnnxEngine:
-    return engine_class(info.graph)(
-        path,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        max_context=max_context,
-        threads=threads,
-    )

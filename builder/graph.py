@@ -543,17 +543,9 @@ def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0
     ExportError past ``tolerance`` (builder.export.compare_cases)."""
     import torch
     from builder.export import compare_cases
-    from runtime.engines.onnx import FusedEngine
+    from runtime.engines.onnx import new_engine
 
-    engine = FusedEngine(
-        path,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        max_context=64,
-        initial_slots=8,
-    )  # 8: the buffer grows too
+    engine = new_engine("fused", path, info, 64, initial_slots=8)  # 8: the buffer grows too
     rng = np.random.default_rng(seed)
     vocab = min(info.vocab_size, int(model.config.vocab_size))
     seq = rng.integers(0, vocab, (2, 16))

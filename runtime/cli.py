@@ -14,6 +14,7 @@ from runtime.bundle import BundleError
 from runtime.drafters.registry import DRAFTERS
 from runtime.engines.onnx import unpadded
 from runtime.errors import RequestError
+from runtime.serving.cli_options import plan_option
 from runtime.serving.scheduler import POLICIES
 from runtime.engines.sessions import DEVICES, DeviceError
 
@@ -215,14 +216,7 @@ def _key_from_file(path: str, given: str | None) -> str:
     "request drafts run unpadded (answers of a quantized target may then part from a lone run's at "
     "near ties).",
 )
-@click.option(
-    "--plan/--no-plan",
-    "plan",
-    default=True,
-    show_default=True,
-    help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
-    "request's acceptance; --no-plan: every request drafts its k.",
-)
+@plan_option
 @click.option(
     "--prefill-chunk",
     default="auto",

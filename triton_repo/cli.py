@@ -8,6 +8,8 @@ import threading
 
 import click
 
+from runtime.serving.cli_options import plan_option
+
 
 @click.command("triton-repo")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
@@ -67,14 +69,7 @@ import click
     help="The scheduler's: exact (every answer as the same request's alone) or throughput (steps where "
     "no request drafts run unpadded).",
 )
-@click.option(
-    "--plan/--no-plan",
-    "plan",
-    default=True,
-    show_default=True,
-    help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
-    "request's acceptance; --no-plan: every request drafts its k.",
-)
+@plan_option
 @click.option(
     "--max-queue",
     type=int,

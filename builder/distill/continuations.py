@@ -219,7 +219,7 @@ def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, ma
     from builder import graph
     from builder.gguf import weights as gguf_weights
     from builder.decoder import GraphError, from_transformers
-    from runtime.engines.onnx import FusedEngine
+    from runtime.engines.onnx import new_engine
 
     try:
         decoder = from_transformers(model, max_context)  # rotary tables for this many tokens
@@ -232,12 +232,4 @@ def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, ma
     else:
         graph.build(decoder, path)
     info = graph.info_of(decoder)
-    return FusedEngine(
-        path,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        max_context=max_context,
-        threads=threads,
-    )
+    return new_engine("fused", path, info, max_context, threads=threads)

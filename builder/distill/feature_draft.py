@@ -70,6 +70,24 @@ class FeatureConfig:
             target_sha256=target_sha256,
         )
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each weight's shape, in WEIGHT_NAMES order: the one table the torch module is made from and a saved
+        draft's weights are checked against (``load_feature_weights``), so the two never disagree."""
+        h, d, i = self.hidden, self.head_dim, self.intermediate
+        return {
+            "fc": (h, 2 * h),
+            "attn_norm": (h,),
+            "q": (self.heads * d, h),
+            "k": (self.kv_heads * d, h),
+            "v": (self.kv_heads * d, h),
+            "o": (h, self.heads * d),
+            "mlp_norm": (h,),
+            "gate": (i, h),
+            "up": (i, h),
+            "down": (h, i),
+            "final_norm": (h,),
+        }
+
 
 def draft_rope_theta(config) -> float:
     """The base of the draft layer's rotary table. Its layer attends to the whole context, so where the target has
@@ -110,21 +128,8 @@ def _module():
             self.cfg = cfg
             self.register_buffer("embedding", embedding.detach().float().clone(), persistent=False)
             self.register_buffer("head", head.detach().float().clone(), persistent=False)  # [K, H] kept rows
-            shapes = {
-                "fc": (h, 2 * h),
-                "attn_norm": (h,),
-                "q": (cfg.heads * d, h),
-                "k": (cfg.kv_heads * d, h),
-                "v": (cfg.kv_heads * d, h),
-                "o": (h, cfg.heads * d),
-                "mlp_norm": (h,),
-                "gate": (cfg.intermediate, h),
-                "up": (cfg.intermediate, h),
-                "down": (h, cfg.intermediate),
-                "final_norm": (h,),
-            }
             generator = torch.Generator().manual_seed(0)
-            for name, shape in shapes.items():
+            for name, shape in cfg.weight_shapes().items():
                 if layer and name in layer:
                     value = torch.as_tensor(np.asarray(layer[name]), dtype=torch.float32).clone()
                 elif len(shape) == 1:
@@ -415,21 +420,7 @@ def load_feature_weights(folder: Path) -> tuple[FeatureConfig, dict[str, np.ndar
         weights = load_file(str(folder / WEIGHTS_FILE))
     except (OSError, ValueError, TypeError) as err:
         raise DistillError(f"{folder}: not a readable feature draft ({err}); distill it again") from None
-    h, d, i = cfg.hidden, cfg.head_dim, cfg.intermediate
-    shapes = {
-        "fc": (h, 2 * h),
-        "attn_norm": (h,),
-        "q": (cfg.heads * d, h),
-        "k": (cfg.kv_heads * d, h),
-        "v": (cfg.kv_heads * d, h),
-        "o": (h, cfg.heads * d),
-        "mlp_norm": (h,),
-        "gate": (i, h),
-        "up": (i, h),
-        "down": (h, i),
-        "final_norm": (h,),
-    }
-    for name, shape in shapes.items():
+    for name, shape in cfg.weight_shapes().items():
         if name not in weights or tuple(weights[name].shape) != shape:
             raise DistillError(
                 f"{folder / WEIGHTS_FILE}: {name} must be {shape}, found "
@@ -534,17 +525,9 @@ def check_against_torch(path: Path, info, module, tolerance: float, seed: int = 
     case; raises builder.export.ExportError past ``tolerance``."""
     import torch
     from builder.export import compare_cases
-    from runtime.engines.onnx import FusedEngine
+    from runtime.engines.onnx import new_engine
 
-    engine = FusedEngine(
-        path,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        max_context=32,
-        initial_slots=8,
-    )
+    engine = new_engine("fused", path, info, 32, initial_slots=8)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, module.embedding.shape[0], (1, 7))
     feats = rng.standard_normal((1, 5, module.cfg.hidden)).astype(np.float32)

@@ -326,23 +326,14 @@ def _publish_layers(
         "seed": recipe.seed,
         "minutes": recipe.minutes,
         "prompts": recipe.prompts_name,
-        "train_prompts": len(samples),
-        "heldout_prompts": len(held),
-        "train_tokens": sum(len(s.continuation) for s in samples),
-        "train_positions": sum(len(s.ids) - 1 - s.rows_from for s in samples),  # positions with teacher rows
-        "heldout_tokens": sum(len(s.continuation) for s in held),
+        # train_positions: the positions with teacher rows
+        **_data_fields(samples, held, sum(len(s.ids) - 1 - s.rows_from for s in samples)),
         "max_new_tokens": recipe.max_new_tokens,
         "generation_temperature": recipe.temperature,
         "top_k": recipe.top_k,
-        "samples_per_prompt": recipe.samples_per_prompt,
-        "sample_temperature": recipe.sample_temperature,
-        "generate_share": recipe.generate_share,
-        "teacher_engine": recipe.teacher_engine,
-        "self_prompts": recipe.self_prompts,
-        "self_prompts_kept": self_prompts_kept,
+        **_sampling_fields(recipe, self_prompts_kept),
         "draft_layers": draft.config.num_hidden_layers,
-        "draft_vocab": int(len(kept)) if kept is not None else 0,
-        "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
+        **_vocab_fields(held, kept),
         "before": before.to_dict(),
         "after": after.to_dict(),
         "train_top1_after": round(train_fit.top1, 4),
@@ -423,21 +414,11 @@ def _publish_features(
         "minutes": recipe.minutes,
         "prompts": recipe.prompts_name,
         "max_new_tokens": recipe.max_new_tokens,
-        "samples_per_prompt": recipe.samples_per_prompt,
-        "sample_temperature": recipe.sample_temperature,
-        "generate_share": recipe.generate_share,
-        "teacher_engine": recipe.teacher_engine,
-        "self_prompts": recipe.self_prompts,
-        "self_prompts_kept": self_prompts_kept,
-        "train_prompts": len(samples),
-        "heldout_prompts": len(held),
-        "train_tokens": sum(len(s.continuation) for s in samples),
-        "train_positions": sum(len(s.ids) - 2 for s in samples),
-        "heldout_tokens": sum(len(s.continuation) for s in held),
+        **_sampling_fields(recipe, self_prompts_kept),
+        **_data_fields(samples, held, sum(len(s.ids) - 2 for s in samples)),
         "draft_layers": 1,
         "draft_kind": "feature",
-        "draft_vocab": int(len(kept)) if kept is not None else 0,
-        "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
+        **_vocab_fields(held, kept),
         "before": {"top1_agreement": before["top1"], "chained": before},
         "after": {"top1_agreement": after["top1"], "chained": after},
         "train_top1_after": train_fit["top1"],
@@ -453,6 +434,38 @@ def _publish_features(
         f"build-engines --target {run.target} --draft {run.out}"
     )
     return report
+
+
+def _data_fields(samples, held, train_positions: int) -> dict:
+    """The report's counts of the training and held-out data, as both draft kinds' reports give them (in this
+    order); ``train_positions`` is the kind's own count of trained positions."""
+    return {
+        "train_prompts": len(samples),
+        "heldout_prompts": len(held),
+        "train_tokens": sum(len(s.continuation) for s in samples),
+        "train_positions": train_positions,
+        "heldout_tokens": sum(len(s.continuation) for s in held),
+    }
+
+
+def _sampling_fields(recipe, self_prompts_kept: int) -> dict:
+    """The report's record of how the training continuations were made, as both draft kinds' reports give it."""
+    return {
+        "samples_per_prompt": recipe.samples_per_prompt,
+        "sample_temperature": recipe.sample_temperature,
+        "generate_share": recipe.generate_share,
+        "teacher_engine": recipe.teacher_engine,
+        "self_prompts": recipe.self_prompts,
+        "self_prompts_kept": self_prompts_kept,
+    }
+
+
+def _vocab_fields(held, kept) -> dict:
+    """The report's draft vocabulary: its size (0: the full one) and how much of the held-out text it covers."""
+    return {
+        "draft_vocab": int(len(kept)) if kept is not None else 0,
+        "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
+    }
 
 
 def _training_bar(run: _Run, progress, what: str, train_deadline: float, line):

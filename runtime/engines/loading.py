@@ -10,7 +10,7 @@ import numpy as np
 
 from runtime.bundle import BundleError, Manifest, read_verified
 from runtime.engines.attention_classes import class_points
-from runtime.engines.onnx import Engine, MappedVocabEngine, engine_class
+from runtime.engines.onnx import Engine, MappedVocabEngine, new_engine
 from runtime.engines.onnx_checks import read_onnx
 from runtime.engines.sessions import make_session, providers_for
 
@@ -55,15 +55,8 @@ def open_engines(
                 "class_points": _class_points(entry, attention, manifest.max_context, min_call_tokens),
             }
         )
-        engine = engine_class(entry.graph)(
-            root / entry.engine,
-            num_layers=entry.num_layers,
-            num_kv_heads=entry.num_kv_heads,
-            head_dim=entry.head_dim,
-            vocab_size=entry.vocab_size,
-            max_context=manifest.max_context,
-            session=session,
-            **device_options,
+        engine = new_engine(
+            entry.graph, root / entry.engine, entry, manifest.max_context, session=session, **device_options
         )
         if entry.vocab_map:  # a reduced-vocabulary draft head: back to full-vocabulary logits, -inf elsewhere
             kept = kept_ids(read_verified(root, manifest, entry.vocab_map, verify), entry.vocab_map)

@@ -756,6 +756,22 @@ def engine_class(graph: str):
     return ENGINES[graph]
 
 
+def new_engine(graph: str, path: Path, sizes, max_context: int, **options):
+    """The engine for ``graph`` on ``path``, sized by ``sizes``: anything with ``num_layers``, ``num_kv_heads``,
+    ``head_dim`` and ``vocab_size`` (a manifest's ModelEntry, the builder's GraphInfo). Public: the bundle loader,
+    the builder's checks and evaluation and the profiler all open engines from such a record; ``options`` go to the
+    class as they are (threads, session, initial_slots, ...)."""
+    return engine_class(graph)(
+        path,
+        num_layers=sizes.num_layers,
+        num_kv_heads=sizes.num_kv_heads,
+        head_dim=sizes.head_dim,
+        vocab_size=sizes.vocab_size,
+        max_context=max_context,
+        **options,
+    )
+
+
 @contextlib.contextmanager
 def unpadded(engine):
     """The engine's one-token calls unpadded (``min_call_tokens`` 1) for the duration: plain target-only decoding,

@@ -168,23 +168,22 @@ TRT_IN = (
         ("lookahead_verification_set_size", "INT32", [1], "og"),
     ]
 )
+_REQUEST_PERF_OUT = [  # the request's timings and draft acceptance: the engine model and the LLM API model alike
+    (n, "INT64", [1], "")
+    for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+] + [
+    ("acceptance_rate", "FP32", [1], ""),
+    ("total_accepted_draft_tokens", "INT32", [1], ""),
+    ("total_draft_tokens", "INT32", [1], ""),
+]
 _METRICS_OUT = (
     [("batch_index", "INT32", [1], ""), ("sequence_index", "INT32", [1], "")]
     + [
         (n, "INT32", [1], "")
         for n in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
     ]
-    + [
-        (n, "INT64", [1], "")
-        for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
-    ]
-    + [
-        ("acceptance_rate", "FP32", [1], ""),
-        ("total_accepted_draft_tokens", "INT32", [1], ""),
-        ("total_draft_tokens", "INT32", [1], ""),
-        ("num_input_tokens", "INT32", [1], ""),
-        ("num_output_tokens", "INT32", [1], ""),
-    ]
+    + _REQUEST_PERF_OUT
+    + [("num_input_tokens", "INT32", [1], ""), ("num_output_tokens", "INT32", [1], "")]
 )
 _LOGITS_OUT = [
     ("cum_log_probs", "FP32", [-1], ""),
@@ -286,15 +285,7 @@ LLMAPI_OUT = (
         )
     ]
     + [("kv_cache_hit_rate", "FP32", [-1], "")]
-    + [
-        (n, "INT64", [1], "")
-        for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
-    ]
-    + [
-        ("acceptance_rate", "FP32", [1], ""),
-        ("total_accepted_draft_tokens", "INT32", [1], ""),
-        ("total_draft_tokens", "INT32", [1], ""),
-    ]
+    + _REQUEST_PERF_OUT
 )
 
 
