@@ -106,10 +106,12 @@ def run_load(
     def watch_loop() -> None:
         """One more client, greedy, ``watch_stream`` tokens a request back to back: the gaps a running stream sees
         while the others' requests are admitted (a long prompt's prefill must not stall it)."""
-        spec = Spec(prompt=prompts[0], max_tokens=watch_stream, temperature=0.0)
+        spec = Spec(prompt=prompts[0], max_tokens=watch_stream, temperature=0.0, num_draft_tokens=draft_tokens)
         with httpx.Client(headers=headers, timeout=timeout) as client:
-            while time.perf_counter() - start < duration and not clients_done.is_set():
+            while True:  # at least one request, however soon the clients finish
                 watched.extend(run_one(client, base, spec, model, chat).gaps)
+                if time.perf_counter() - start >= duration or clients_done.is_set():
+                    break
 
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
     watcher = threading.Thread(target=watch_loop, daemon=True)
