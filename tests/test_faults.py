@@ -39,26 +39,30 @@ def test_disk_full_is_a_clear_error_and_leaves_nothing(tiny_pair, small_disk):
     assert list(small_disk.iterdir()) == []
 
 
-KILLS = 10
-
-
-@pytest.mark.slow
-def test_build_killed_at_random_points_never_leaves_a_loadable_partial_bundle(tiny_pair, tmp_path):
-    out = tmp_path / "bundle"
-    command = [
+def self_draft_build(target, out) -> list[str]:
+    """The build-engines command line both kill tests run: the tiny target with an int8 self-draft into ``out``."""
+    return [
         sys.executable,
         "-m",
         "builder.cli",
         "--target",
-        str(tiny_pair[0]),
+        str(target),
         "--draft",
         "self",
         "--draft-quant",
         "int8",
         "--out",
         str(out),
-        "--force",
     ]
+
+
+KILLS = 10
+
+
+@pytest.mark.slow
+def test_build_killed_at_random_points_never_leaves_a_loadable_partial_bundle(tiny_pair, tmp_path):
+    out = tmp_path / "bundle"
+    command = [*self_draft_build(tiny_pair[0], out), "--force"]
     started = time.perf_counter()
     assert subprocess.run(command, capture_output=True).returncode == 0  # one whole build: how long it takes here
     whole = time.perf_counter() - started
@@ -86,19 +90,7 @@ def test_a_killed_build_leaves_a_partial_folder_that_the_next_build_removes(tiny
     """SIGKILL (or the OOM killer) gives a build no chance to clean up; the next build on the same output does, and
     says so."""
     out = tmp_path / "bundle"
-    command = [
-        sys.executable,
-        "-m",
-        "builder.cli",
-        "--target",
-        str(tiny_pair[0]),
-        "--draft",
-        "self",
-        "--draft-quant",
-        "int8",
-        "--out",
-        str(out),
-    ]
+    command = self_draft_build(tiny_pair[0], out)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".bundle.partial-*/target")) and process.poll() is None:
