@@ -1,4 +1,5 @@
-"""Stage 2 (fused): a decoder's weights and shape as plain data (Decoder, Layer, Linear, BlockQuant, RotaryTable),
+"""Stage 2 (fused): a decoder's weights and shape as plain data (Decoder, Layer, Linear, BlockQuant, GgufBlocks,
+RotaryTable),
 and ``from_transformers``, which reads them off a transformers model of any registered family (builder/
 architectures.py: the differences from Llama). builder/graph.py writes the fused ONNX graph from a Decoder;
 builder/gguf/weights.py swaps its float linear layers for a GGUF file's own blocks.
@@ -37,13 +38,29 @@ class BlockQuant:
     offsets: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class GgufBlocks:
+    """A weight as a GGUF file stores it, for Draftsmith's GgufMatMul (runtime.engines.gguf_ops): one or more parts
+    side by side along N (a fused q|k|v whose parts differ in type), each ``(type, rows)`` with ``data`` uint8
+    [rows, K / block values * block bytes], the file's blocks for those output rows (in Hugging Face row order)."""
+
+    k: int
+    parts: tuple[tuple[str, np.ndarray], ...]  # (ggml type name, data)
+
+    @property
+    def n(self) -> int:
+        return sum(len(data) for _, data in self.parts)
+
+
 @dataclass
 class Linear:
-    """y = x @ weight + bias. ``weight`` float32 [K, N], or ``quant`` for pre-quantized blocks."""
+    """y = x @ weight + bias. ``weight`` float32 [K, N], or ``quant`` for blocks in MatMulNBits' form, or ``gguf``
+    for a GGUF file's own blocks."""
 
     weight: np.ndarray | None = None
     quant: BlockQuant | None = None
     bias: np.ndarray | None = None
+    gguf: GgufBlocks | None = None
 
 
 @dataclass

@@ -56,6 +56,7 @@ import numpy as np
 from builder.decoder import (
     BlockQuant,
     Decoder,
+    GgufBlocks,
     Layer,
     Linear,
     RotaryTable,
@@ -64,6 +65,8 @@ from builder.decoder import (
     output_names,
     rope_keys,
 )
+
+from runtime.engines import gguf_ops
 
 MS = "com.microsoft"
 
@@ -260,9 +263,10 @@ def _save_graph(g: "_Graph", decoder: Decoder, path: Path) -> tuple[tuple[str, .
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "present")]
     outputs.append(helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "new", decoder.hidden]))
     graph = helper.make_graph(g.nodes, "draftsmith_fused_decoder", inputs, outputs, g.inits)
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)], producer_name="draftsmith"
-    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)]
+    if any(node.domain == gguf_ops.DOMAIN for node in g.nodes):
+        opsets.append(helper.make_opsetid(gguf_ops.DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="draftsmith")
     model.ir_version = 9
     del graph, g.inits[:]  # the model holds its own copies of the (small) protos
     onnx.save_model(model, str(path))  # every large tensor is already in the data file
@@ -433,9 +437,11 @@ def _norm(
 
 
 def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None) -> str:
-    """x @ W (+ offsets correction) (+ bias) as MatMul or MatMulNBits."""
+    """x @ W (+ offsets correction) (+ bias) as MatMul, MatMulNBits or GgufMatMul (a GGUF file's own blocks)."""
     outs = [out] if out and linear.bias is None and (linear.quant is None or linear.quant.offsets is None) else 1
-    if linear.quant is None:
+    if linear.gguf is not None:
+        (y,) = _gguf_matmul(g, name, x, linear.gguf, outs)
+    elif linear.quant is None:
         (y,) = g.op("MatMul", [x, g.const(name + ".weight", np.asarray(linear.weight, np.float32))], outs, name=name)
     else:
         q = linear.quant
@@ -459,6 +465,21 @@ def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None
     if linear.bias is not None:
         (y,) = g.op("Add", [y, g.const(name + ".bias", linear.bias.astype(np.float32))], [out] if out else 1)
     return y
+
+
+def _gguf_matmul(g: _Graph, name: str, x: str, blocks: GgufBlocks, outs) -> list[str]:
+    """Draftsmith's GgufMatMul over the file's blocks, one uint8 initializer a part (runtime.engines.gguf_ops)."""
+    weights = [g.const(f"{name}.gguf{i}", data) for i, (_, data) in enumerate(blocks.parts)]
+    return g.op(
+        gguf_ops.OP,
+        [x, *weights],
+        outs,
+        domain=gguf_ops.DOMAIN,
+        name=name,
+        K=blocks.k,
+        types=[gguf_ops.GGML_TYPE_IDS[kind] for kind, _ in blocks.parts],
+        rows=[len(data) for _, data in blocks.parts],
+    )
 
 
 def _gathered_blocks(g: _Graph, name: str, q: BlockQuant) -> str:

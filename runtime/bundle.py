@@ -44,6 +44,7 @@ from pydantic.dataclasses import dataclass
 from runtime.drafters.registry import DRAFTERS
 
 SCHEMA_VERSION = 1
+GGUF_KERNELS = ("auto", "native", "matmulnbits")
 MANIFEST = "manifest.json"
 # a build's staging folder (builder/publish.py: ".NAME.partial-*"): complete-looking between its manifest and the
 # rename that publishes it, and never a bundle to load
@@ -121,6 +122,10 @@ class BuildSpec:
     block_size: int = 32  # MatMulNBits quantization block size
     symmetric: bool = False  # symmetric (no zero point) weight quantization
     accuracy_level: int = 4  # MatMulNBits compute accuracy: 0 (fp32 activations) .. 4 (int8 activations, fastest)
+    # quant gguf: which kernel multiplies by the file's blocks. "native": Draftsmith's GgufMatMul (the file's bytes
+    # as they are; runtime.engines.gguf_ops, built by setup.sh); "matmulnbits": ONNX Runtime's MatMulNBits (~1.5x
+    # the bytes); "auto": native where the kernel library is built on the building machine
+    gguf_kernel: str = "auto"
     opset: int = 18
     max_context: int = 0  # 0: the usable maximum of the pair
     eval_tokens: int = 0  # tokens of the evaluation set the build report scores (0: all, ~25,000)
@@ -161,6 +166,7 @@ class BuildSpec:
         )
         _check(self.block_size in (16, 32, 64, 128, 256), "block_size", "16, 32, 64, 128 or 256", self.block_size)
         _check(self.accuracy_level in (0, 1, 2, 3, 4), "accuracy_level", "0..4", self.accuracy_level)
+        _check(self.gguf_kernel in GGUF_KERNELS, "gguf_kernel", f"one of {GGUF_KERNELS}", self.gguf_kernel)
         _check(self.opset >= 17, "opset", ">= 17", self.opset)
         _check(
             isinstance(self.max_context, int) and self.max_context >= 0,

@@ -52,7 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.decoder import BlockQuant, Decoder, LazyLayers, Linear
+from builder.decoder import BlockQuant, Decoder, GgufBlocks, LazyLayers, Linear
+from runtime.engines import gguf_ops
 
 BLOCK = 32
 # GGUF tensor name stems for the parts of builder.decoder.Layer, first choice first (Phi-3's converter writes q|k|v as
@@ -92,13 +93,18 @@ class _Blocks:
         return self.q.shape[1] * self.q.shape[2]
 
 
-def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bool = True) -> Decoder:
+def apply(
+    decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bool = True, native: bool = False
+) -> Decoder:
     """``decoder`` (from the dequantized model) with every linear layer the file holds in a faithful type replaced by
     its blocks as they are in the file. Works for a truncated decoder too (its first layers). Each replaced layer is
     first checked against the decoder's own float weights (which transformers dequantized from the same file): a
     file whose blocks say something else is refused (ValueError) rather than built.
 
     Args:
+        native: layers (and the head) whose every part has a type Draftsmith's GgufMatMul multiplies
+            (runtime.engines.gguf_ops.GGML_TYPE_IDS) keep the file's bytes as they are (``Linear.gguf``: ~4.5 bits a
+            Q4_K weight, 6.56 a Q6_K one) instead of MatMulNBits' form (6 and 10 bits); the others take MatMulNBits.
         block: 16 writes each 32-block of the layers as two 16-blocks with the same scale (still exact):
             MatMulNBits with int8 activations (accuracy level 4) quantizes the activations per weight block, so
             halving the block halves the span each activation scale covers. Q6_K's blocks are 16 wide either way.
@@ -127,7 +133,8 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
 
     def with_blocks(i: int, layer):
         for part, (names, stems) in _layer_parts(tensors, i).items():
-            linear, order = _part(data, tensors, decoder, names, stems, getattr(layer, part), permuted_qk, block)
+            old = getattr(layer, part)
+            linear, order = _part(data, tensors, decoder, names, stems, old, permuted_qk, block, native)
             if linear is not None:
                 setattr(layer, part, linear)
             if linear is not None and order != permuted_qk and not any(FLIPPED in n for n in decoder.notes):
@@ -151,7 +158,11 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
                 f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
                 f"file (max |difference| {error:.3g}); the file is inconsistent"
             )
-        decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
+        if native and head.kind in gguf_ops.GGML_TYPE_IDS:
+            raw = _raw_rows(data, head, decoder, "output", permuted_qk)
+            decoder.head = Linear(gguf=GgufBlocks(head_blocks.k, ((head.kind, raw),)))
+        else:
+            decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
     elif head is not None:
         kept.append(head.name)
     _embedding(decoder, data, tensors, permuted_qk)
@@ -225,9 +236,11 @@ def _part(
     old: Linear,
     permuted_qk: bool,
     block: int,
+    native: bool = False,
 ) -> tuple[Linear | None, bool]:
     """One fused projection from the file's blocks, checked against ``old`` (the model's float weights), and the q/k
-    row order that matched; (None, _) where a part has no exact form."""
+    row order that matched; (None, _) where a part has no exact form. ``native``: the file's own bytes
+    (``Linear.gguf``) where every part's type allows it."""
     orders = (permuted_qk, not permuted_qk) if "attn_q" in stems else (permuted_qk,)
     for order in orders:
         blocks = [_tensor_blocks(data, tensors.get(n), decoder, stem, order) for n, stem in zip(names, stems)]
@@ -235,6 +248,11 @@ def _part(
             return None, order
         stacked = _stack(blocks)
         error = _mismatch(", ".join(names), stacked, old.weight)
+        if error is None and native and all(tensors[n].kind in gguf_ops.GGML_TYPE_IDS for n in names):
+            raw = tuple(
+                (tensors[n].kind, _raw_rows(data, tensors[n], decoder, stem, order)) for n, stem in zip(names, stems)
+            )
+            return Linear(gguf=GgufBlocks(stacked.k, raw), bias=old.bias), order
         if error is None:
             return Linear(quant=_pack(split(stacked, block)), bias=old.bias), order
     raise ValueError(
@@ -304,6 +322,23 @@ def _tensor_blocks(data: np.ndarray, tensor, decoder: Decoder, stem: str, permut
             raise ValueError(f"{tensor.name}: {n} rows are not {heads} heads of an even size")
         blocks = _unpermute(blocks, heads)
     return blocks
+
+
+def _raw_rows(data, tensor, decoder: Decoder, stem: str, permuted_qk: bool) -> np.ndarray:
+    """The tensor's bytes as the file holds them, uint8 [N, bytes a row], rows in Hugging Face order (llama.cpp's
+    rotary order undone for attn_q / attn_k: whole rows move, the blocks inside them are untouched)."""
+    n = tensor.shape[1]
+    rows = np.asarray(data[tensor.start : tensor.start + tensor.nbytes]).reshape(n, tensor.nbytes // n)
+    if permuted_qk and stem in ("attn_q", "attn_k"):
+        heads = decoder.heads if stem == "attn_q" else decoder.kv_heads
+        return _rows_unpermuted(rows, heads)
+    return rows
+
+
+def _rows_unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Rows [N, ...] back from llama.cpp's rotary order (per head: pairs interleaved) to Hugging Face's (halves)."""
+    pairs = rows.reshape(heads, len(rows) // heads // 2, 2, *rows.shape[1:])
+    return np.ascontiguousarray(pairs.swapaxes(1, 2).reshape(rows.shape))
 
 
 DECODE_ROWS = 8192  # rows read and unpacked at a time (a 151,936-row table's unpacking temporaries: 1/19 of them)
@@ -504,12 +539,9 @@ FAITHFUL_TYPES = tuple(DECODERS)
 
 def _unpermute(blocks: _Blocks, heads: int) -> _Blocks:
     """Rows back from llama.cpp's rotary order (per head: pairs interleaved) to Hugging Face's (halves)."""
-    head_dim = blocks.n // heads
 
     def rows(a):
-        if a is None:
-            return None
-        return np.ascontiguousarray(a.reshape(heads, head_dim // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
+        return None if a is None else _rows_unpermuted(a, heads)
 
     return _Blocks(blocks.bits, rows(blocks.q), rows(blocks.zero), rows(blocks.scales), rows(blocks.offsets))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.engines import gguf_ops
 from runtime.engines.attention_classes import attention_settings
 from runtime.bundle import BundleError, Manifest, path_problem, read_verified
 
@@ -61,6 +62,8 @@ CONTRIB_OPS = frozenset(
         "GatherBlockQuantized",
     }
 )
+# Draftsmith's own operators (runtime.engines.gguf_ops), each checked against its weights before the library sees it
+OWN_OPS = {gguf_ops.DOMAIN: frozenset({gguf_ops.OP})}
 SHAPE_FROM_INPUT_OPS = {"ConstantOfShape": 0, "Expand": 1}  # op -> the input that gives the output's shape
 MAX_CONSTANT_ELEMENTS = 1 << 26  # a constant-shaped output ONNX Runtime would fold (allocate) while loading
 MAX_FOLLOWED = 1024  # elements of a constant small enough to follow through the shape arithmetic ORT folds
@@ -78,11 +81,42 @@ def check_operators(proto, where: str) -> None:
         elif domain == "com.microsoft":
             if node.op_type not in CONTRIB_OPS:
                 problems.append(f"node {node.name!r}: com.microsoft {node.op_type} is not an operator engines use")
+        elif node.op_type in OWN_OPS.get(domain, ()):
+            problems += gguf_matmul_problems(node, proto.graph)
         else:
             problems.append(f"node {node.name!r}: operator domain {domain!r} (custom operators are not allowed)")
     problems += folding_problems(proto)
     if problems:
         raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
+
+
+def gguf_matmul_problems(node, graph) -> list[str]:
+    """What is wrong with a GgufMatMul node: attributes that do not describe its weights (each part an initializer
+    uint8 [rows, K / block values * block bytes] of a type the operator knows), or no library here to run it."""
+    import onnx
+    from onnx import helper
+
+    where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.OP}"
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    k, types, rows = attributes.get("K"), list(attributes.get("types") or ()), list(attributes.get("rows") or ())
+    shapes = {t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer}
+    names = {v: n for n, v in gguf_ops.GGML_TYPE_IDS.items()}
+    if not isinstance(k, int) or k <= 0 or not types or len(types) != len(rows) or len(node.input) != len(types) + 1:
+        return [f"{where}: attributes K, types and rows do not describe its {len(node.input) - 1} weight inputs"]
+    problems = []
+    for weight, type_id, count in zip(node.input[1:], types, rows):
+        name = names.get(type_id)
+        if name is None:
+            problems.append(f"{where}: ggml type {type_id} is not one the operator multiplies ({sorted(names)})")
+            continue
+        values, size = gguf_ops.BLOCK_SHAPES[name]
+        want = (onnx.TensorProto.UINT8, (count, k // values * size))
+        if k % values or shapes.get(weight) != want:
+            problems.append(f"{where}: weight {weight!r} is not an initializer uint8 {list(want[1])} of {name} blocks")
+    reason = gguf_ops.unavailable_reason()
+    if reason is not None:
+        problems.append(f"{where}: this engine multiplies by GGUF blocks with Draftsmith's kernels, but {reason}")
+    return problems
 
 
 def folding_problems(proto) -> list[str]:
