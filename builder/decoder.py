@@ -41,11 +41,13 @@ class BlockQuant:
 @dataclass(frozen=True)
 class GgufBlocks:
     """A weight as a GGUF file stores it, for Draftsmith's GgufMatMul (runtime.engines.gguf_ops): one or more parts
-    side by side along N (a fused q|k|v whose parts differ in type), each ``(type, rows)`` with ``data`` uint8
-    [rows, K / block values * block bytes], the file's blocks for those output rows (in Hugging Face row order)."""
+    side by side along N (a fused q|k|v whose parts differ in type), each ``(type, data)`` with ``data`` uint8
+    [rows, K / block values * block bytes], the file's blocks for those output rows (in Hugging Face row order), as
+    they are (layout 0) or with every 16 rows regrouped for the column kernels (layout 1)."""
 
     k: int
     parts: tuple[tuple[str, np.ndarray], ...]  # (ggml type name, data)
+    layout: int = 0  # 0: the file's rows as they are; 1: groups of 16 rows regrouped (weights.interleave16)
 
     @property
     def n(self) -> int:

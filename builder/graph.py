@@ -479,6 +479,7 @@ def _gguf_matmul(g: _Graph, name: str, x: str, blocks: GgufBlocks, outs) -> list
         K=blocks.k,
         types=[gguf_ops.GGML_TYPE_IDS[kind] for kind, _ in blocks.parts],
         rows=[len(data) for _, data in blocks.parts],
+        layout=blocks.layout,
     )
 
 

@@ -26,6 +26,7 @@ from builder.decoder import from_transformers
 from builder.gguf import weights as gguf_weights
 from conftest import make_model
 from runtime.engines import gguf_ops
+from builder.gguf.weights import interleave16
 from test_gguf_types import Q4_K_M, _dequantize, _engine, _ops, _wide_config, _write_gguf, random_blocks
 
 pytestmark = pytest.mark.skipif(not gguf_ops.available(), reason=f"{gguf_ops.unavailable_reason()}")
@@ -40,15 +41,17 @@ def _library():
     return library
 
 
-def _dot(isa: str, kind: str, raw: np.ndarray, k: int, x: np.ndarray) -> np.ndarray | None:
-    """y [M, N] from one instruction set's kernels called directly (None where this CPU lacks it)."""
+def _dot(isa: str, kind: str, raw: np.ndarray, k: int, x: np.ndarray, layout: int = 0) -> np.ndarray | None:
+    """y [M, N] from one instruction set's kernels called directly (None where this CPU lacks it); ``raw``: the
+    file's rows, regrouped here for layout 1."""
     x = np.ascontiguousarray(x, np.float32)
-    raw = np.ascontiguousarray(raw)
+    raw = np.ascontiguousarray(interleave16(kind, raw) if layout else raw)
     y = np.zeros((len(x), len(raw)), np.float32)
     pointer = ctypes.c_void_p
     code = _library().DraftsmithGgufDot(
         isa.encode(),
         gguf_ops.GGML_TYPE_IDS[kind],
+        layout,
         raw.ctypes.data_as(pointer),
         ctypes.c_int64(len(raw)),
         ctypes.c_int64(k),
@@ -80,15 +83,17 @@ def rounding_bound(w: np.ndarray, d: np.ndarray) -> np.ndarray:
     return (d.astype(np.float64) / 2) @ np.abs(w.astype(np.float64)).T
 
 
+@pytest.mark.parametrize("layout", [0, 1], ids=["rows", "columns16"])
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("isa", ISAS)
-def test_every_block_type_is_the_files_weights_times_int8_activations(kind, isa):
+def test_every_block_type_is_the_files_weights_times_int8_activations(kind, isa, layout):
     rng = np.random.default_rng(TYPES.index(kind))
-    k = 512 if kind.endswith("_K") else 224  # 224: an odd number of 32-blocks (the kernels' pair tail)
-    raw = random_blocks(kind, 37, k, rng)
-    w = _dequantize(raw, kind, (37, k))
+    k = 512 if kind.endswith("_K") else 224  # 224: an odd number of 32-blocks (the row kernels' pair tail)
+    rows = 48 if layout else 37
+    raw = random_blocks(kind, rows, k, rng)
+    w = _dequantize(raw, kind, (rows, k))
     x = rng.standard_normal((7, k)).astype(np.float32)
-    y = _dot(isa, kind, raw, k, x)
+    y = _dot(isa, kind, raw, k, x, layout)
     if y is None:
         pytest.skip(f"this CPU does not run the {isa} kernels")
     dequantized, d = _quantized(x, _span(kind))
@@ -98,22 +103,46 @@ def test_every_block_type_is_the_files_weights_times_int8_activations(kind, isa)
     assert (np.abs(y - exact) <= rounding_bound(w, d) * (1 + 1e-4) + 1e-6).all()
 
 
+@pytest.mark.parametrize("layout", [0, 1], ids=["rows", "columns16"])
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_rows_result_does_not_depend_on_the_calls_rows(kind, isa):
+def test_a_rows_result_does_not_depend_on_the_calls_rows(kind, isa, layout):
     """Bit for bit: each row alone, and inside calls of 2..9 rows (tiles of 4 and their remainders)."""
     rng = np.random.default_rng(7)
     k = 256 if kind.endswith("_K") else 96
-    raw = random_blocks(kind, 21, k, rng)
+    raw = random_blocks(kind, 32 if layout else 21, k, rng)
     x = rng.standard_normal((9, k)).astype(np.float32)
-    alone = [_dot(isa, kind, raw, k, x[i : i + 1]) for i in range(9)]
+    alone = [_dot(isa, kind, raw, k, x[i : i + 1], layout) for i in range(9)]
     if alone[0] is None:
         pytest.skip(f"this CPU does not run the {isa} kernels")
     alone = np.concatenate(alone)
     for rows in range(2, 10):
         for start in range(0, 9 - rows + 1, 3):
-            together = _dot(isa, kind, raw, k, x[start : start + rows])
+            together = _dot(isa, kind, raw, k, x[start : start + rows], layout)
             assert np.array_equal(together, alone[start : start + rows]), (rows, start)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_column_layout_is_the_file_regrouped_and_every_cpu_computes_it_alike(kind):
+    """interleave16 moves bytes only (Q5_0's high bits: bits), the column kernels give the row
+    kernels' values up to summation order (the portable ones read the layout back into rows: exactly theirs), and
+    the AVX2 and AVX-512 column kernels agree bit for bit (exact integer sums, the same float steps in each lane)."""
+    rng = np.random.default_rng(3)
+    k = 512 if kind.endswith("_K") else 128
+    raw = random_blocks(kind, 32, k, rng)
+    regrouped = interleave16(kind, raw)
+    assert regrouped.shape == raw.shape
+    if kind == "Q5_0":  # its high bits move one by one
+        assert np.unpackbits(regrouped).sum() == np.unpackbits(raw).sum()
+    else:
+        assert np.array_equal(np.sort(regrouped, None), np.sort(raw, None))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    rows = _dot("scalar", kind, raw, k, x)
+    columns = {isa: _dot(isa, kind, raw, k, x, 1) for isa in ISAS}
+    assert np.array_equal(columns["scalar"], rows)
+    simd = [y for isa, y in columns.items() if isa != "scalar" and y is not None]
+    assert all(np.abs(y - rows).max() <= 1e-5 * np.abs(rows).max() for y in simd)
+    assert all(np.array_equal(y, simd[0]) for y in simd)
 
 
 def _op_session(parts: list[tuple[str, np.ndarray]], k: int, threads: int = 2):
@@ -347,12 +376,13 @@ def test_an_emulated_avx2_cpu_picks_the_avx2_kernels_and_they_hold(tmp_path):
         "from runtime.engines import gguf_ops\n"
         "failures = []\n"
         "for kind in t.TYPES:\n"
-        "    for check in (t.test_every_block_type_is_the_files_weights_times_int8_activations,\n"
-        "                  t.test_a_rows_result_does_not_depend_on_the_calls_rows):\n"
-        "        try:\n"
-        "            check(kind, 'avx2')\n"
-        "        except AssertionError as err:\n"
-        "            failures.append(f'{kind} {check.__name__}: {err}')\n"
+        "    for layout in (0, 1):\n"
+        "        for check in (t.test_every_block_type_is_the_files_weights_times_int8_activations,\n"
+        "                      t.test_a_rows_result_does_not_depend_on_the_calls_rows):\n"
+        "            try:\n"
+        "                check(kind, 'avx2', layout)\n"
+        "            except AssertionError as err:\n"
+        "                failures.append(f'{kind} {layout} {check.__name__}: {err}')\n"
         "print(json.dumps({'kernels': gguf_ops.kernels(), 'failures': failures}))\n"
     )
     done = subprocess.run(

@@ -160,7 +160,7 @@ def apply(
             )
         if native and head.kind in gguf_ops.GGML_TYPE_IDS:
             raw = _raw_rows(data, head, decoder, "output", permuted_qk)
-            decoder.head = Linear(gguf=GgufBlocks(head_blocks.k, ((head.kind, raw),)))
+            decoder.head = Linear(gguf=gguf_blocks(head_blocks.k, ((head.kind, raw),)))
         else:
             decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
     elif head is not None:
@@ -252,7 +252,7 @@ def _part(
             raw = tuple(
                 (tensors[n].kind, _raw_rows(data, tensors[n], decoder, stem, order)) for n, stem in zip(names, stems)
             )
-            return Linear(gguf=GgufBlocks(stacked.k, raw), bias=old.bias), order
+            return Linear(gguf=gguf_blocks(stacked.k, raw), bias=old.bias), order
         if error is None:
             return Linear(quant=_pack(split(stacked, block)), bias=old.bias), order
     raise ValueError(
@@ -333,6 +333,55 @@ def _raw_rows(data, tensor, decoder: Decoder, stem: str, permuted_qk: bool) -> n
         heads = decoder.heads if stem == "attn_q" else decoder.kv_heads
         return _rows_unpermuted(rows, heads)
     return rows
+
+
+def gguf_blocks(k: int, parts: tuple[tuple[str, np.ndarray], ...]) -> GgufBlocks:
+    """The file's rows for GgufMatMul, regrouped for its column kernels (layout 1: 16 outputs a vector, a few times
+    cheaper per extra row of a call than reading rows one by one) where every part's rows come in groups of 16."""
+    if all(len(data) % 16 == 0 for _, data in parts):
+        return GgufBlocks(k, tuple((kind, interleave16(kind, data)) for kind, data in parts), layout=1)
+    return GgufBlocks(k, parts)
+
+
+def interleave16(kind: str, rows: np.ndarray) -> np.ndarray:
+    """The file's rows [N, bytes a row] (N a multiple of 16) in GgufMatMul's column layout (layout 1): for each group
+    of 16 rows and each block, the 16 rows' fp16 scales side by side, their packed scale bytes and quant bytes four
+    at a time row after row (planes and quads), Q5_0's high bits as 64-bit words per four values
+    (runtime/engines/gguf_ops/src/x16_layout.h has the table). The same bytes in another order, viewed as [N,
+    bytes a row]: a regrouping, exact and no larger."""
+    elements, size = gguf_ops.BLOCK_SHAPES[kind]
+    n, row_bytes = rows.shape
+    b = rows.reshape(n // 16, 16, row_bytes // size, size).transpose(0, 2, 1, 3)  # [groups, blocks, 16 rows, size]
+
+    def side_by_side(lo: int, hi: int) -> np.ndarray:  # a field of each row, rows one after another
+        return b[..., lo:hi].reshape(*b.shape[:2], -1)
+
+    def quads(lo: int, hi: int) -> np.ndarray:  # bytes lo..hi of each row, four at a time, rows side by side
+        x = b[..., lo:hi]
+        return x.reshape(*x.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4).reshape(*b.shape[:2], -1)
+
+    def q6_stream() -> np.ndarray:  # Q6_K's quant bytes in reading order: per half and t, two ql quads, a qh quad
+        groups, blocks = b.shape[:2]
+        ql = quads(0, 128).reshape(groups, blocks, 2, 2, 8, 64).transpose(0, 1, 2, 4, 3, 5)  # [h, t, odd]
+        qh = quads(128, 192).reshape(groups, blocks, 2, 8, 1, 64)
+        return np.concatenate([ql, qh], axis=4).reshape(groups, blocks, -1)
+
+    def high_bit_words(lo: int) -> np.ndarray:  # Q5_0's qh: word e, bit 4c + j = row c's bit of value 4e + j
+        bits = np.unpackbits(b[..., lo : lo + 4], axis=-1, bitorder="little")  # [g, blocks, 16, 32]
+        bits = bits.reshape(*bits.shape[:3], 8, 4).transpose(0, 1, 3, 2, 4).reshape(*b.shape[:2], 8, 64)
+        return np.packbits(bits, axis=-1, bitorder="little").reshape(*b.shape[:2], -1)
+
+    fields = {
+        "Q8_0": lambda: [side_by_side(0, 2), quads(2, 34)],
+        "Q4_0": lambda: [side_by_side(0, 2), quads(2, 18)],
+        "Q4_1": lambda: [side_by_side(0, 2), side_by_side(2, 4), quads(4, 20)],
+        "Q5_0": lambda: [side_by_side(0, 2), high_bit_words(2), quads(6, 22)],
+        "Q4_K": lambda: [side_by_side(0, 2), side_by_side(2, 4), quads(4, 16), quads(16, 144)],
+        "Q6_K": lambda: [side_by_side(208, 210), quads(192, 208), q6_stream()],
+    }[kind]()
+    out = np.concatenate(fields, axis=-1)
+    assert out.shape[-1] == 16 * size and elements in (32, 256)
+    return np.ascontiguousarray(out).reshape(n, row_bytes)
 
 
 def _rows_unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -99,10 +99,13 @@ def gguf_matmul_problems(node, graph) -> list[str]:
     where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.OP}"
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     k, types, rows = attributes.get("K"), list(attributes.get("types") or ()), list(attributes.get("rows") or ())
+    layout = attributes.get("layout", 0)
     shapes = {t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer}
     names = {v: n for n, v in gguf_ops.GGML_TYPE_IDS.items()}
     if not isinstance(k, int) or k <= 0 or not types or len(types) != len(rows) or len(node.input) != len(types) + 1:
         return [f"{where}: attributes K, types and rows do not describe its {len(node.input) - 1} weight inputs"]
+    if layout not in (0, 1) or (layout == 1 and any(not isinstance(n, int) or n % 16 for n in rows)):
+        return [f"{where}: layout {layout!r} is not 0, or 1 with rows in groups of 16"]
     problems = []
     for weight, type_id, count in zip(node.input[1:], types, rows):
         name = names.get(type_id)

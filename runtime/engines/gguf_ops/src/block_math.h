@@ -50,14 +50,16 @@ inline int8_t to_int8(float x, float inverse) { return static_cast<int8_t>(std::
 
 // dsums16 / dsums32 of a block whose q are in natural order.
 inline void super_sums(SuperQ8* out) {
-  int sums16[16];
   for (int g = 0; g < 16; ++g) {
     int sum = 0;
     for (int i = 0; i < 16; ++i) sum += out->q[16 * g + i];
-    sums16[g] = sum;
+    out->sums16[g] = static_cast<int16_t>(sum);
     out->dsums16[g] = out->d * static_cast<float>(sum);
   }
-  for (int j = 0; j < 8; ++j) out->dsums32[j] = out->d * static_cast<float>(sums16[2 * j] + sums16[2 * j + 1]);
+  for (int j = 0; j < 8; ++j) {
+    out->sums32[j] = static_cast<int16_t>(out->sums16[2 * j] + out->sums16[2 * j + 1]);
+    out->dsums32[j] = out->d * static_cast<float>(out->sums32[j]);
+  }
 }
 
 // 256 values in natural order; sums over each 16 and each 32.
@@ -70,7 +72,7 @@ inline void quantize_super_natural(const float* x, SuperQ8* out) {
   super_sums(out);
 }
 
-inline void quantize_block32(const float* x, int8_t* q, float* d, float* dsum) {
+inline void quantize_block32(const float* x, int8_t* q, float* d, float* dsum, int32_t* sum) {
   float amax = 0.0f;
   for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
   float inverse;
@@ -81,6 +83,7 @@ inline void quantize_block32(const float* x, int8_t* q, float* d, float* dsum) {
     total += q[i];
   }
   *dsum = *d * static_cast<float>(total);
+  *sum = total;
 }
 
 }  // namespace

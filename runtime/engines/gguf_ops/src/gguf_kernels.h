@@ -42,7 +42,8 @@ struct alignas(64) SuperQ8 {
   float dsums16[16];  // d * sum of q over each 16 values, natural order
   float dsums32[8];   // d * sum of q over each 32 values, natural order
   float d;
-  float pad_[7];
+  int16_t sums16[16];  // the sums themselves (|sum| <= 32 * 127 fits)
+  int16_t sums32[8];
 };
 
 // A call's activations: m rows of k values in the forms its parts read (each computed only where a part needs it).
@@ -55,24 +56,35 @@ struct Activations {
   const int8_t* q32 = nullptr;      // [m][k]
   const float* d32 = nullptr;       // [m][k / 32]
   const float* dsums32 = nullptr;   // [m][k / 32]
+  const int32_t* sums32 = nullptr;  // [m][k / 32]: the sums themselves
   const float* wide32 = nullptr;    // [m][k / 64][wide32_floats]
 };
 
-// One weight part: rows of `type` blocks, `row_bytes` apart.
+// How a part's blocks are laid out. kRows: the file's rows as they are (row n's blocks contiguous). kColumns16:
+// the same bytes regrouped so that 16 output rows sit side by side: for each group of 16 rows and each block, the
+// 16 rows' scales (as planes of 16) and then their quant bytes four at a time, row after row (x16_layout.md and
+// builder/gguf/weights.py's interleave16 say where each byte goes). Same bits, same size; one 64-byte load then
+// feeds a dot product of 16 outputs with 4 activations broadcast to every lane.
+enum Layout : int { kRows = 0, kColumns16 = 1 };
+constexpr int kGroup = 16;
+
+// One weight part: rows of `type` blocks, `row_bytes` apart (kRows), or groups of 16 rows, 16 * row_bytes apart
+// (kColumns16).
 struct WeightPart {
   int type;
   int64_t rows;
   int64_t row_bytes;
   const uint8_t* data;
+  int layout = kRows;
 };
 
-// What one instruction set provides. `quantize_*` write one row; `dot` computes y[m * ldy + n] for rows m in
+// What one instruction set provides. `quantize_*` write one row (for parts of `layout`); `dot` computes y[m * ldy + n] for rows m in
 // [m0, m1) and weight rows n in [n0, n1) of `part`.
 struct Kernels {
   const char* name;
   int wide32_floats;  // floats of `wide` a pair of 32-blocks takes (0: none)
-  void (*quantize_super)(const float* x, int64_t k, SuperQ8* out);
-  void (*quantize_32)(const float* x, int64_t k, int8_t* q, float* d, float* dsums, float* wide);
+  void (*quantize_super)(const float* x, int64_t k, SuperQ8* out, int layout);
+  void (*quantize_32)(const float* x, int64_t k, int8_t* q, float* d, float* dsums, int32_t* sums, float* wide);
   void (*dot)(const WeightPart& part, int64_t n0, int64_t n1, const Activations& act, int64_t m0, int64_t m1,
               float* y, int64_t ldy);
 };

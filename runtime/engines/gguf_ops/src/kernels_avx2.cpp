@@ -4,6 +4,8 @@
 // values are the same on every CPU.
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "block_math.h"
 #include "gguf_kernels.h"
 
@@ -30,12 +32,14 @@ inline __m256i scaled_dot(__m256i a, __m256i b, __m256i scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), scale);
 }
 
-void quantize_super(const float* x, int64_t k, SuperQ8* out) {
+void quantize_super(const float* x, int64_t k, SuperQ8* out, int /*layout*/) {
   for (int64_t s = 0; s < k / kSuper; ++s) quantize_super_natural(x + s * kSuper, &out[s]);
 }
 
-void quantize_32(const float* x, int64_t k, int8_t* q, float* d, float* dsums, float* /*wide*/) {
-  for (int64_t b = 0; b < k / kBlock; ++b) quantize_block32(x + b * kBlock, q + b * kBlock, &d[b], &dsums[b]);
+void quantize_32(const float* x, int64_t k, int8_t* q, float* d, float* dsums, int32_t* sums, float* /*wide*/) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    quantize_block32(x + b * kBlock, q + b * kBlock, &d[b], &dsums[b], &sums[b]);
+  }
 }
 
 // --- Q4_K ----------------------------------------------------------------------------------------------------------
@@ -170,6 +174,216 @@ void block32_rows(int type, int bytes, const uint8_t* w, int64_t blocks, const A
   for (int r = 0; r < MR; ++r) y[r * ldy] = hsum(acc[r]) + acc_offset[r];
 }
 
+// --- kColumns16: each group of 16 rows as two halves of 8 rows a vector --------------------------------------------
+//
+// The AVX-512 kernels' structure with 32-byte vectors: a 64-byte quad vector of the layout is two halves (rows 0-7,
+// 8-15), and the four-byte dot products are vpmaddubsw + vpmaddwd (no VNNI). Q8_0's signed bytes go through
+// vpsignb (|w| times x with w's sign), the others are unsigned.
+
+inline __m256i quad(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, 4);
+  return _mm256_set1_epi32(four);
+}
+
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+
+inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int K>
+inline __m256i byte_of(__m256i v) {
+  if constexpr (K == 3) return _mm256_srli_epi32(v, 24);
+  return _mm256_and_si256(_mm256_srli_epi32(v, 8 * K), _mm256_set1_epi32(0xFF));
+}
+
+template <int K>
+inline __m256i signed_byte_of(__m256i v) {
+  return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * K), 24);
+}
+
+template <int MR>
+void q4k_x8(const uint8_t* w, int half, int64_t supers, const SuperQ8* a, float* y, int64_t ldy) {
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi32(0x3F3F3F3F);
+  const __m256i four = _mm256_set1_epi32(0x0F0F0F0F), top = _mm256_set1_epi32(0x30303030);
+  const int at = 32 * half;
+  for (int64_t s = 0; s < supers; ++s, w += 2304) {
+    const __m256i pa = load(w + 64 + at), pb = load(w + 128 + at), pc = load(w + 192 + at);
+    const __m256i sc_lo = _mm256_and_si256(pa, six);
+    const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(pc, four), _mm256_and_si256(_mm256_srli_epi32(pa, 2), top));
+    const __m256i scales[8] = {byte_of<0>(sc_lo), byte_of<1>(sc_lo), byte_of<2>(sc_lo), byte_of<3>(sc_lo),
+                               byte_of<0>(sc_hi), byte_of<1>(sc_hi), byte_of<2>(sc_hi), byte_of<3>(sc_hi)};
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i low[MR], high[MR];
+      for (int r = 0; r < MR; ++r) low[r] = high[r] = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t) {
+        const __m256i v = load(w + 256 + 64 * (8 * c + t) + at);
+        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* x = a[r * supers + s].q + 64 * c + 4 * t;
+          low[r] = dot4(low[r], lo, quad(x));
+          high[r] = dot4(high[r], hi, quad(x + 32));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(low[r], scales[2 * c]),
+                                                             _mm256_mullo_epi32(high[r], scales[2 * c + 1])));
+      }
+    }
+    const __m256i mn_lo = _mm256_and_si256(pb, six);
+    const __m256i mn_hi =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(pc, 4), four), _mm256_and_si256(_mm256_srli_epi32(pb, 2), top));
+    const __m256i mins[8] = {byte_of<0>(mn_lo), byte_of<1>(mn_lo), byte_of<2>(mn_lo), byte_of<3>(mn_lo),
+                             byte_of<0>(mn_hi), byte_of<1>(mn_hi), byte_of<2>(mn_hi), byte_of<3>(mn_hi)};
+    const __m256 d = halves8(w + 16 * half), dmin = halves8(w + 32 + 16 * half);
+    for (int r = 0; r < MR; ++r) {
+      const SuperQ8& x = a[r * supers + s];
+      __m256i min_sum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) min_sum = _mm256_add_epi32(min_sum, _mm256_mullo_epi32(mins[j], _mm256_set1_epi32(x.sums32[j])));
+      const __m256 dx = _mm256_set1_ps(x.d);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_mul_ps(dmin, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy + 8 * half, acc[r]);
+}
+
+template <int MR, int TH>
+inline void q6k_quarter(const uint8_t* w, int at, int half, const SuperQ8* a, int64_t supers, int64_t s,
+                        const __m256i* planes, __m256i* isum) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
+  const int sub = 8 * half + TH;
+  __m256i acc[MR][4];
+  for (int r = 0; r < MR; ++r) {
+    const SuperQ8& x = a[r * supers + s];
+    for (int g = 0; g < 4; ++g) acc[r][g] = _mm256_set1_epi32(-32 * x.sums16[sub + (g == 1 ? 4 : g == 2 ? 2 : g == 3 ? 6 : 0)]);
+  }
+  for (int t = 4 * TH; t < 4 * TH + 4; ++t) {
+    const uint8_t* p = w + 288 + 192 * (8 * half + t) + at;
+    const __m256i ql0 = load(p), ql1 = load(p + 64), qh = load(p + 128);
+    const __m256i v[4] = {
+        _mm256_or_si256(_mm256_and_si256(ql0, nibble), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), nibble), _mm256_and_si256(qh, bits)),
+        _mm256_or_si256(_mm256_and_si256(ql1, nibble), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), nibble),
+                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits)),
+    };
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* x = a[r * supers + s].q + 128 * half + 4 * t;
+      acc[r][0] = dot4(acc[r][0], v[0], quad(x));
+      acc[r][1] = dot4(acc[r][1], v[1], quad(x + 64));
+      acc[r][2] = dot4(acc[r][2], v[2], quad(x + 32));
+      acc[r][3] = dot4(acc[r][3], v[3], quad(x + 96));
+    }
+  }
+  const __m256i scales[4] = {signed_byte_of<TH>(planes[2 * half]), signed_byte_of<TH>(planes[2 * half + 1]),
+                             signed_byte_of<TH + 2>(planes[2 * half]), signed_byte_of<TH + 2>(planes[2 * half + 1])};
+  for (int r = 0; r < MR; ++r) {
+    for (int g = 0; g < 4; ++g) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(acc[r][g], scales[g]));
+  }
+}
+
+template <int MR>
+void q6k_x8(const uint8_t* w, int half8, int64_t supers, const SuperQ8* a, float* y, int64_t ldy) {
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const int at = 32 * half8;
+  for (int64_t s = 0; s < supers; ++s, w += 3360) {
+    const __m256i planes[4] = {load(w + 32 + at), load(w + 96 + at), load(w + 160 + at), load(w + 224 + at)};
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      q6k_quarter<MR, 0>(w, at, half, a, supers, s, planes, isum);
+      q6k_quarter<MR, 1>(w, at, half, a, supers, s, planes, isum);
+    }
+    const __m256 d = halves8(w + 16 * half8);
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a[r * supers + s].d)),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy + 8 * half8, acc[r]);
+}
+
+template <int MR>
+void block32_x8(int type, int bytes, const uint8_t* w, int half, int64_t blocks, const Activations& act, int64_t m,
+                float* y, int64_t ldy) {
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int offset = type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;  // Q8_0: signed, through vpsignb
+  const int qs_at = type == kQ4_1 ? 64 : type == kQ5_0 ? 96 : 32;
+  const int at = 32 * half;
+  for (int64_t b = 0; b < blocks; ++b, w += kGroup * bytes) {
+    __m256i dot[MR];
+    for (int r = 0; r < MR; ++r) dot[r] = _mm256_set1_epi32(-offset * act.sums32[(m + r) * blocks + b]);
+    if (type == kQ8_0) {
+      for (int t = 0; t < 8; ++t) {
+        const __m256i v = load(w + 32 + 64 * t + at), magnitude = _mm256_sign_epi8(v, v);
+        for (int r = 0; r < MR; ++r) {
+          dot[r] = dot4(dot[r], magnitude, _mm256_sign_epi8(quad(act.q32 + (m + r) * act.k + 32 * b + 4 * t), v));
+        }
+      }
+    } else {
+      for (int t = 0; t < 4; ++t) {
+        const __m256i v = load(w + qs_at + 64 * t + at);
+        __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        if (type == kQ5_0) {
+          lo = _mm256_or_si256(lo, fifth_bits(load_u32(w + 32 + 8 * t + 4 * half)));
+          hi = _mm256_or_si256(hi, fifth_bits(load_u32(w + 32 + 8 * (t + 4) + 4 * half)));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* x = act.q32 + (m + r) * act.k + 32 * b + 4 * t;
+          dot[r] = dot4(dot4(dot[r], lo, quad(x)), hi, quad(x + 16));
+        }
+      }
+    }
+    const __m256 d = halves8(w + 16 * half);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m + r) * blocks + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(act.d32[i])), acc[r]);
+      if (type == kQ4_1) acc[r] = _mm256_fmadd_ps(halves8(w + 32 + 16 * half), _mm256_set1_ps(act.dsums32[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy + 8 * half, acc[r]);
+}
+
+template <int MR>
+void columns(const WeightPart& part, int bytes, int64_t n, const Activations& act, int64_t m, float* y, int64_t ldy) {
+  const uint8_t* w = part.data + n * part.row_bytes;
+  float* out = y + m * ldy + n;
+  for (int half = 0; half < 2; ++half) {
+    if (part.type == kQ4_K) {
+      q4k_x8<MR>(w, half, act.k / kSuper, act.super + m * (act.k / kSuper), out, ldy);
+    } else if (part.type == kQ6_K) {
+      q6k_x8<MR>(w, half, act.k / kSuper, act.super + m * (act.k / kSuper), out, ldy);
+    } else {
+      block32_x8<MR>(part.type, bytes, w, half, act.k / kBlock, act, m, out, ldy);
+    }
+  }
+}
+
+void dot_columns(const WeightPart& part, int bytes, int64_t n0, int64_t n1, const Activations& act, int64_t m0,
+                 int64_t m1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; n += kGroup) {
+    for (int64_t m = m0; m < m1; m += kTile) {
+      switch (smaller(kTile, m1 - m)) {
+        case 4: columns<4>(part, bytes, n, act, m, y, ldy); break;
+        case 3: columns<3>(part, bytes, n, act, m, y, ldy); break;
+        case 2: columns<2>(part, bytes, n, act, m, y, ldy); break;
+        default: columns<1>(part, bytes, n, act, m, y, ldy); break;
+      }
+    }
+  }
+}
+
 template <int MR>
 void rows(const WeightPart& part, int bytes, int64_t n, const Activations& act, int64_t m, float* y, int64_t ldy) {
   const uint8_t* w = part.data + n * part.row_bytes;
@@ -187,6 +401,10 @@ void dot(const WeightPart& part, int64_t n0, int64_t n1, const Activations& act,
          int64_t ldy) {
   int elements = 0, bytes = 0;
   block_shape(part.type, &elements, &bytes);
+  if (part.layout == kColumns16) {
+    dot_columns(part, bytes, n0, n1, act, m0, m1, y, ldy);
+    return;
+  }
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = smaller(n1, c0 + kChunk);
     for (int64_t m = m0; m < m1; m += kTile) {

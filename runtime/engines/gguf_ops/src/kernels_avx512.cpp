@@ -10,6 +10,8 @@
 // bits into that same order, so one quantized copy serves a fused projection of both types.
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "block_math.h"
 #include "gguf_kernels.h"
 
@@ -34,7 +36,11 @@ inline float fp16(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 
 // --- activations -----------------------------------------------------------------------------------------------
 
-void quantize_super(const float* x, int64_t k, SuperQ8* out) {
+void quantize_super(const float* x, int64_t k, SuperQ8* out, int layout) {
+  if (layout == kColumns16) {  // the column kernels read natural order
+    for (int64_t s = 0; s < k / kSuper; ++s) quantize_super_natural(x + s * kSuper, &out[s]);
+    return;
+  }
   for (int64_t s = 0; s < k / kSuper; ++s, x += kSuper) {
     __m512 amax = _mm512_setzero_ps();
     for (int i = 0; i < 16; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * i)));
@@ -48,17 +54,25 @@ void quantize_super(const float* x, int64_t k, SuperQ8* out) {
       sums16[g] = _mm512_reduce_add_epi32(q);
       _mm_store_si128(reinterpret_cast<__m128i*>(o.q + 32 * kSlot[g / 2] + 16 * (g % 2)), _mm512_cvtsepi32_epi8(q));
     }
-    for (int g = 0; g < 16; ++g) o.dsums16[g] = o.d * static_cast<float>(sums16[g]);
-    for (int j = 0; j < 8; ++j) o.dsums32[j] = o.d * static_cast<float>(sums16[2 * j] + sums16[2 * j + 1]);
+    for (int g = 0; g < 16; ++g) {
+      o.sums16[g] = static_cast<int16_t>(sums16[g]);
+      o.dsums16[g] = o.d * static_cast<float>(sums16[g]);
+    }
+    for (int j = 0; j < 8; ++j) {
+      o.sums32[j] = static_cast<int16_t>(sums16[2 * j] + sums16[2 * j + 1]);
+      o.dsums32[j] = o.d * static_cast<float>(o.sums32[j]);
+    }
   }
 }
 
 // wide: per pair of blocks, [d0 x8, d1 x8] and [d0*sum0, 0 x7, d1*sum1, 0 x7] (the lanes vpdpbusd sums each block in).
 constexpr int kWide = 32;
 
-void quantize_32(const float* x, int64_t k, int8_t* q, float* d, float* dsums, float* wide) {
+void quantize_32(const float* x, int64_t k, int8_t* q, float* d, float* dsums, int32_t* sums, float* wide) {
   const int64_t blocks = k / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) quantize_block32(x + b * kBlock, q + b * kBlock, &d[b], &dsums[b]);
+  for (int64_t b = 0; b < blocks; ++b) {
+    quantize_block32(x + b * kBlock, q + b * kBlock, &d[b], &dsums[b], &sums[b]);
+  }
   for (int64_t p = 0; p < blocks / 2; ++p, wide += kWide) {
     for (int i = 0; i < kWide; ++i) wide[i] = i < 8 ? d[2 * p] : i < 16 ? d[2 * p + 1] : 0.0f;
     wide[16] = dsums[2 * p];
@@ -276,6 +290,224 @@ void pair_rows(int type, int bytes, const uint8_t* w, int64_t blocks, const Acti
   for (int r = 0; r < MR; ++r) y[r * ldy] = hsum(acc[r]) + tail[r];
 }
 
+// --- kColumns16: 16 output rows a vector, activations broadcast four bytes at a time -------------------------------
+//
+// One vpdpbusd multiplies 16 rows by 4 activations; a block's integer sums land per row in its lane, so nothing is
+// summed across lanes and the 16 outputs are stored as they are. Per activation row and super-block the work is
+// 64 vpdpbusd plus the block scales: a few times cheaper per row than the row kernels, which is what keeps a call
+// of several tokens close to the cost of one.
+
+inline __m512i quad(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, 4);
+  return _mm512_set1_epi32(four);
+}
+
+inline __m512 halves(const uint8_t* p) {  // 16 fp16 values as floats
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
+
+template <int K>
+inline __m512i byte_of(__m512i v) {  // byte K of each dword, zero-extended
+  if constexpr (K == 3) return _mm512_srli_epi32(v, 24);
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * K), _mm512_set1_epi32(0xFF));
+}
+
+template <int K>
+inline __m512i signed_byte_of(__m512i v) {  // byte K of each dword, sign-extended
+  return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * K), 24);
+}
+
+// Q4_K: 8 sub-blocks of 32 with 6-bit scales sc and mins mn; y += d * dx * sum_j sc_j isum_j - dmin * dx *
+// sum_j mn_j sums_j.
+template <int MR>
+void q4k_x16(const uint8_t* w, int64_t supers, const SuperQ8* a, float* y, int64_t ldy) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi32(0x3F3F3F3F);
+  const __m512i four = _mm512_set1_epi32(0x0F0F0F0F), top = _mm512_set1_epi32(0x30303030);
+  for (int64_t s = 0; s < supers; ++s, w += 2304) {
+    const __m512i pa = load64(w + 64), pb = load64(w + 128), pc = load64(w + 192);
+    const __m512i sc_lo = _mm512_and_si512(pa, six);
+    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(pc, four), _mm512_and_si512(_mm512_srli_epi32(pa, 2), top));
+    const __m512i scales[8] = {byte_of<0>(sc_lo), byte_of<1>(sc_lo), byte_of<2>(sc_lo), byte_of<3>(sc_lo),
+                               byte_of<0>(sc_hi), byte_of<1>(sc_hi), byte_of<2>(sc_hi), byte_of<3>(sc_hi)};
+    __m512i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i low[MR], high[MR];
+      for (int r = 0; r < MR; ++r) low[r] = high[r] = _mm512_setzero_si512();
+      for (int t = 0; t < 8; ++t) {
+        const __m512i v = load64(w + 256 + 64 * (8 * c + t));
+        const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* x = a[r * supers + s].q + 64 * c + 4 * t;
+          low[r] = _mm512_dpbusd_epi32(low[r], lo, quad(x));
+          high[r] = _mm512_dpbusd_epi32(high[r], hi, quad(x + 32));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(low[r], scales[2 * c]),
+                                                             _mm512_mullo_epi32(high[r], scales[2 * c + 1])));
+      }
+    }
+    const __m512i mn_lo = _mm512_and_si512(pb, six);
+    const __m512i mn_hi =
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(pc, 4), four), _mm512_and_si512(_mm512_srli_epi32(pb, 2), top));
+    const __m512i low16 = _mm512_set1_epi32(0xFF), high16 = _mm512_set1_epi32(0xFF0000);
+    const __m512i min_pairs[4] = {  // (mn_2i | mn_2i+1 << 16) for vpdpwssd
+        _mm512_or_si512(_mm512_and_si512(mn_lo, low16), _mm512_and_si512(_mm512_slli_epi32(mn_lo, 8), high16)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(mn_lo, 16), low16), _mm512_and_si512(_mm512_srli_epi32(mn_lo, 8), high16)),
+        _mm512_or_si512(_mm512_and_si512(mn_hi, low16), _mm512_and_si512(_mm512_slli_epi32(mn_hi, 8), high16)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(mn_hi, 16), low16), _mm512_and_si512(_mm512_srli_epi32(mn_hi, 8), high16)),
+    };
+    const __m512 d = halves(w), dmin = halves(w + 32);
+    for (int r = 0; r < MR; ++r) {
+      const SuperQ8& x = a[r * supers + s];
+      __m512i mins = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) mins = _mm512_dpwssd_epi32(mins, min_pairs[p], quad(reinterpret_cast<const int8_t*>(x.sums32 + 2 * p)));
+      const __m512 dx = _mm512_set1_ps(x.d);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Q6_K: 16 sub-blocks of 16 with int8 scales, q = 4 low bits (ql) | 2 high bits (qh) << 4, w = d * sc * (q - 32).
+// Each sub-block's sum starts at -32 * sum(x) so that q can be multiplied unsigned. For half h and quads t of one
+// quarter th, the four groups of 32 values give the sub-blocks 8h + th (+4, +2, +6).
+template <int MR, int TH>
+inline void q6k_quarter(const uint8_t* w, int half, const SuperQ8* a, int64_t supers, int64_t s, const __m512i* planes,
+                        __m512i* isum) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bits = _mm512_set1_epi8(0x30);
+  const int sub = 8 * half + TH;
+  __m512i acc[MR][4];
+  for (int r = 0; r < MR; ++r) {
+    const SuperQ8& x = a[r * supers + s];
+    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_set1_epi32(-32 * x.sums16[sub + (g == 1 ? 4 : g == 2 ? 2 : g == 3 ? 6 : 0)]);
+  }
+  for (int t = 4 * TH; t < 4 * TH + 4; ++t) {
+    const uint8_t* at = w + 288 + 192 * (8 * half + t);
+    const __m512i ql0 = load64(at), ql1 = load64(at + 64), qh = load64(at + 128);
+    const __m512i v[4] = {
+        _mm512_or_si512(_mm512_and_si512(ql0, nibble), _mm512_and_si512(_mm512_slli_epi16(qh, 4), bits)),  // +0
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), nibble), _mm512_and_si512(qh, bits)),  // +64
+        _mm512_or_si512(_mm512_and_si512(ql1, nibble), _mm512_and_si512(_mm512_slli_epi16(qh, 2), bits)),  // +32
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), nibble),
+                        _mm512_and_si512(_mm512_srli_epi16(qh, 2), bits)),  // +96
+    };
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* x = a[r * supers + s].q + 128 * half + 4 * t;
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], v[0], quad(x));
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], v[1], quad(x + 64));
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], v[2], quad(x + 32));
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], v[3], quad(x + 96));
+    }
+  }
+  // scales of sub-blocks sub, sub + 4, sub + 2, sub + 6: planes 2h, 2h + 1; bytes TH, TH + 2
+  const __m512i scales[4] = {signed_byte_of<TH>(planes[2 * half]), signed_byte_of<TH>(planes[2 * half + 1]),
+                             signed_byte_of<TH + 2>(planes[2 * half]), signed_byte_of<TH + 2>(planes[2 * half + 1])};
+  for (int r = 0; r < MR; ++r) {
+    for (int g = 0; g < 4; ++g) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(acc[r][g], scales[g]));
+  }
+}
+
+template <int MR>
+void q6k_x16(const uint8_t* w, int64_t supers, const SuperQ8* a, float* y, int64_t ldy) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s, w += 3360) {
+    const __m512i planes[4] = {load64(w + 32), load64(w + 96), load64(w + 160), load64(w + 224)};
+    __m512i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+    for (int half = 0; half < 2; ++half) {
+      q6k_quarter<MR, 0>(w, half, a, supers, s, planes, isum);
+      q6k_quarter<MR, 1>(w, half, a, supers, s, planes, isum);
+    }
+    const __m512 d = halves(w);
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(a[r * supers + s].d)),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// The 32-wide types: each block's sum starts at -offset * sum(x) (the stored unsigned q carry the offset), Q4_1
+// adds m * dx * sum(x).
+template <int MR>
+void block32_x16(int type, int bytes, const uint8_t* w, int64_t blocks, const Activations& act, int64_t m, float* y,
+                 int64_t ldy) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+  const int offset = type == kQ8_0 ? 128 : type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;
+  const int qs_at = type == kQ4_1 ? 64 : type == kQ5_0 ? 96 : 32;
+  for (int64_t b = 0; b < blocks; ++b, w += kGroup * bytes) {
+    __m512i dot[MR];
+    for (int r = 0; r < MR; ++r) dot[r] = _mm512_set1_epi32(-offset * act.sums32[(m + r) * blocks + b]);
+    if (type == kQ8_0) {
+      for (int t = 0; t < 8; ++t) {
+        const __m512i v = _mm512_xor_si512(load64(w + 32 + 64 * t), _mm512_set1_epi8(static_cast<char>(0x80)));
+        for (int r = 0; r < MR; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], v, quad(act.q32 + (m + r) * act.k + 32 * b + 4 * t));
+      }
+    } else {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = load64(w + qs_at + 64 * t);
+        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if (type == kQ5_0) {
+          uint64_t low_bits, high_bits;
+          std::memcpy(&low_bits, w + 32 + 8 * t, 8);
+          std::memcpy(&high_bits, w + 32 + 8 * (t + 4), 8);
+          lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_cvtu64_mask64(low_bits), sixteen));
+          hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_cvtu64_mask64(high_bits), sixteen));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* x = act.q32 + (m + r) * act.k + 32 * b + 4 * t;
+          dot[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r], lo, quad(x)), hi, quad(x + 16));
+        }
+      }
+    }
+    const __m512 d = halves(w);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (m + r) * blocks + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(act.d32[at])), acc[r]);
+      if (type == kQ4_1) acc[r] = _mm512_fmadd_ps(halves(w + 32), _mm512_set1_ps(act.dsums32[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <int MR>
+void columns(const WeightPart& part, int bytes, int64_t n, const Activations& act, int64_t m, float* y, int64_t ldy) {
+  const uint8_t* w = part.data + n * part.row_bytes;  // n is a group's first row: groups are 16 rows of bytes
+  float* out = y + m * ldy + n;
+  if (part.type == kQ4_K) {
+    q4k_x16<MR>(w, act.k / kSuper, act.super + m * (act.k / kSuper), out, ldy);
+  } else if (part.type == kQ6_K) {
+    q6k_x16<MR>(w, act.k / kSuper, act.super + m * (act.k / kSuper), out, ldy);
+  } else {
+    block32_x16<MR>(part.type, bytes, w, act.k / kBlock, act, m, out, ldy);
+  }
+}
+
+void dot_columns(const WeightPart& part, int bytes, int64_t n0, int64_t n1, const Activations& act, int64_t m0,
+                 int64_t m1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; n += kGroup) {
+    for (int64_t m = m0; m < m1; m += kTile) {
+      switch (smaller(kTile, m1 - m)) {
+        case 4: columns<4>(part, bytes, n, act, m, y, ldy); break;
+        case 3: columns<3>(part, bytes, n, act, m, y, ldy); break;
+        case 2: columns<2>(part, bytes, n, act, m, y, ldy); break;
+        default: columns<1>(part, bytes, n, act, m, y, ldy); break;
+      }
+    }
+  }
+}
+
 // --- the tiling --------------------------------------------------------------------------------------------------
 
 template <int MR>
@@ -295,6 +527,10 @@ void dot(const WeightPart& part, int64_t n0, int64_t n1, const Activations& act,
          int64_t ldy) {
   int elements = 0, bytes = 0;
   block_shape(part.type, &elements, &bytes);
+  if (part.layout == kColumns16) {
+    dot_columns(part, bytes, n0, n1, act, m0, m1, y, ldy);
+    return;
+  }
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = smaller(n1, c0 + kChunk);
     for (int64_t m = m0; m < m1; m += kTile) {

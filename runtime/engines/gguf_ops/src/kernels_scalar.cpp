@@ -2,21 +2,24 @@
 #include <cmath>
 #include <cstring>
 
+#include <vector>
+
 #include "block_math.h"
 #include "gguf_kernels.h"
+#include "x16_layout.h"
 
 namespace draftsmith {
 namespace {
 
-void quantize_super(const float* x, int64_t k, SuperQ8* out) {
+void quantize_super(const float* x, int64_t k, SuperQ8* out, int /*layout*/) {
   for (int64_t s = 0; s < k / kSuper; ++s) {
     quantize_super_natural(x + s * kSuper, &out[s]);
   }
 }
 
-void quantize_32(const float* x, int64_t k, int8_t* q, float* d, float* dsums, float* /*wide*/) {
+void quantize_32(const float* x, int64_t k, int8_t* q, float* d, float* dsums, int32_t* sums, float* /*wide*/) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    quantize_block32(x + b * kBlock, q + b * kBlock, &d[b], &dsums[b]);
+    quantize_block32(x + b * kBlock, q + b * kBlock, &d[b], &dsums[b], &sums[b]);
   }
 }
 
@@ -70,13 +73,26 @@ float dot_block32(int type, const uint8_t* row, int bytes, int64_t blocks, const
   return acc;
 }
 
+// Row n's blocks in the file's layout: the part's own row, or (kColumns16) put back together from its group.
+const uint8_t* row_of(const WeightPart& part, int64_t n, int elements, int bytes, int64_t k, std::vector<uint8_t>* buffer) {
+  if (part.layout == kRows) return part.data + n * part.row_bytes;
+  const int64_t blocks = k / elements;
+  buffer->resize(static_cast<size_t>(part.row_bytes));
+  const uint8_t* group = part.data + (n / kGroup) * kGroup * part.row_bytes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    row_block(part.type, group + b * kGroup * bytes, static_cast<int>(n % kGroup), buffer->data() + b * bytes);
+  }
+  return buffer->data();
+}
+
 void dot(const WeightPart& part, int64_t n0, int64_t n1, const Activations& act, int64_t m0, int64_t m1, float* y,
          int64_t ldy) {
   int elements = 0, bytes = 0;
   block_shape(part.type, &elements, &bytes);
   const int64_t blocks = act.k / elements;
+  std::vector<uint8_t> buffer;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = part.data + n * part.row_bytes;
+    const uint8_t* row = row_of(part, n, elements, bytes, act.k, &buffer);
     for (int64_t m = m0; m < m1; ++m) {
       float value;
       if (part.type == kQ4_K) {

@@ -45,8 +45,10 @@ struct Call {
   int8_t* q32;
   float* d32;
   float* dsums32;
+  int32_t* sums32;
   float* wide32;
   bool need_super, need_32;
+  int layout;
   float* y;
   int64_t ldy;
 };
@@ -54,11 +56,12 @@ struct Call {
 void quantize_row(const Call& call, int64_t m) {
   const int64_t k = call.act.k;
   const float* x = call.a + m * k;
-  if (call.need_super) call.kernels->quantize_super(x, k, call.super + m * (k / kSuper));
+  if (call.need_super) call.kernels->quantize_super(x, k, call.super + m * (k / kSuper), call.layout);
   if (call.need_32) {
     const int64_t blocks = k / kBlock;
     float* wide = call.wide32 ? call.wide32 + m * (blocks / 2) * call.kernels->wide32_floats : nullptr;
-    call.kernels->quantize_32(x, k, call.q32 + m * k, call.d32 + m * blocks, call.dsums32 + m * blocks, wide);
+    call.kernels->quantize_32(x, k, call.q32 + m * k, call.d32 + m * blocks, call.dsums32 + m * blocks,
+                              call.sums32 + m * blocks, wide);
   }
 }
 
@@ -76,6 +79,7 @@ struct Scratch {
   std::vector<SuperQ8> super;
   std::vector<int8_t> q32;
   std::vector<float> d32, dsums32, wide32;
+  std::vector<int32_t> sums32;
 };
 
 thread_local Scratch scratch;
@@ -86,7 +90,8 @@ struct GgufMatMulKernel {
     k_ = kernel_info.GetAttribute<int64_t>("K");
     types_ = kernel_info.GetAttributes<int64_t>("types");
     rows_ = kernel_info.GetAttributes<int64_t>("rows");
-    (void)api;
+    layout_ = optional_attribute(api, info, "layout", kRows);
+    if (layout_ != kRows && layout_ != kColumns16) throw std::invalid_argument("GgufMatMul: layout must be 0 or 1");
     if (types_.empty() || types_.size() != rows_.size()) {
       throw std::invalid_argument("GgufMatMul: 'types' and 'rows' must name the same, non-zero number of parts");
     }
@@ -97,9 +102,9 @@ struct GgufMatMulKernel {
       if (!block_shape(static_cast<int>(types_[p]), &elements, &bytes)) {
         throw std::invalid_argument("GgufMatMul: unsupported ggml type " + std::to_string(types_[p]));
       }
-      if (k_ % elements || rows_[p] <= 0) {
-        throw std::invalid_argument("GgufMatMul: part " + std::to_string(p) + " has K not a whole number of blocks "
-                                    "or no rows");
+      if (k_ % elements || rows_[p] <= 0 || (layout_ == kColumns16 && rows_[p] % kGroup)) {
+        throw std::invalid_argument("GgufMatMul: part " + std::to_string(p) + " has K not a whole number of blocks, "
+                                    "no rows, or (layout 1) rows not a multiple of 16");
       }
       need_super_ = need_super_ || is_k_quant(static_cast<int>(types_[p]));
       need_32_ = need_32_ || !is_k_quant(static_cast<int>(types_[p]));
@@ -109,7 +114,8 @@ struct GgufMatMulKernel {
     }
     n_ = column;
     const int64_t threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
-    const int64_t per_unit = std::max(kMinRowsPerUnit, (n_ + threads * kUnitsPerThread - 1) / (threads * kUnitsPerThread));
+    int64_t per_unit = std::max(kMinRowsPerUnit, (n_ + threads * kUnitsPerThread - 1) / (threads * kUnitsPerThread));
+    per_unit = (per_unit + kGroup - 1) / kGroup * kGroup;  // whole groups of 16 rows
     for (size_t p = 0; p < types_.size(); ++p) {
       for (int64_t n0 = 0; n0 < rows_[p]; n0 += per_unit) {
         units_.push_back({static_cast<int>(p), n0, std::min(rows_[p], n0 + per_unit)});
@@ -161,7 +167,7 @@ struct GgufMatMulKernel {
       throw std::invalid_argument("GgufMatMul: weight part " + std::to_string(p) + " must be uint8 [" +
                                   std::to_string(rows_[p]) + ", " + std::to_string(row_bytes_[p]) + "]");
     }
-    return {static_cast<int>(types_[p]), rows_[p], row_bytes_[p], weight.GetTensorData<uint8_t>()};
+    return {static_cast<int>(types_[p]), rows_[p], row_bytes_[p], weight.GetTensorData<uint8_t>(), layout_};
   }
 
   Call prepare(const float* a, int64_t m, float* y) const {
@@ -174,6 +180,7 @@ struct GgufMatMulKernel {
     call.ldy = n_;
     call.need_super = need_super_;
     call.need_32 = need_32_;
+    call.layout = layout_;
     call.act.m = m;
     call.act.k = k_;
     if (need_super_) {
@@ -186,12 +193,15 @@ struct GgufMatMulKernel {
       grow(scratch.q32, m * k_);
       grow(scratch.d32, blocks);
       grow(scratch.dsums32, blocks);
+      grow(scratch.sums32, blocks);
       call.q32 = scratch.q32.data();
       call.d32 = scratch.d32.data();
       call.dsums32 = scratch.dsums32.data();
+      call.sums32 = scratch.sums32.data();
       call.act.q32 = call.q32;
       call.act.d32 = call.d32;
       call.act.dsums32 = call.dsums32;
+      call.act.sums32 = call.sums32;
       if (kernels_->wide32_floats) {
         grow(scratch.wide32, m * (k_ / kBlock / 2) * kernels_->wide32_floats);
         call.wide32 = scratch.wide32.data();
@@ -206,8 +216,18 @@ struct GgufMatMulKernel {
     if (buffer.size() < static_cast<size_t>(size)) buffer.resize(static_cast<size_t>(size));
   }
 
+  static int64_t optional_attribute(const OrtApi& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
+    int64_t value = fallback;
+    OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value);
+    if (status != nullptr) {  // absent: the default
+      api.ReleaseStatus(status);
+      return fallback;
+    }
+    return value;
+  }
+
   const Kernels* kernels_;
-  int64_t k_ = 0, n_ = 0;
+  int64_t k_ = 0, n_ = 0, layout_ = kRows;
   std::vector<int64_t> types_, rows_, row_bytes_, columns_;
   std::vector<WorkUnit> units_;
   bool need_super_ = false, need_32_ = false;
@@ -266,26 +286,28 @@ DRAFTSMITH_EXPORT const char* DraftsmithGgufKernels() { return draftsmith::best_
 
 // Y[m, n] = A[m, :] . W[n, :] for one part of `type` blocks, outside any session: the tests' way to reach each
 // instruction set's kernels directly (`isa`: "avx512-vnni", "avx2", "scalar"; returns 0 on success).
-DRAFTSMITH_EXPORT int DraftsmithGgufDot(const char* isa, int type, const uint8_t* weights, int64_t rows, int64_t k, const float* a,
-                      int64_t m, float* y) {
+DRAFTSMITH_EXPORT int DraftsmithGgufDot(const char* isa, int type, int layout, const uint8_t* weights, int64_t rows,
+                                        int64_t k, const float* a, int64_t m, float* y) {
   using namespace draftsmith;
   const Kernels* kernels = kernels_named(isa);
   if (kernels == nullptr) return 2;
   int elements = 0, bytes = 0;
   if (!block_shape(type, &elements, &bytes) || k % elements || k % kBlock) return 1;
+  if (layout != kRows && (layout != kColumns16 || rows % kGroup)) return 1;
   std::vector<SuperQ8> super(static_cast<size_t>(m * (k / kSuper)) + 1);
   std::vector<int8_t> q32(static_cast<size_t>(m * k));
   std::vector<float> d32(static_cast<size_t>(m * (k / kBlock))), dsums32(d32.size());
+  std::vector<int32_t> sums32(d32.size());
   std::vector<float> wide(static_cast<size_t>(m * (k / kBlock / 2) * kernels->wide32_floats) + 1);
   Activations act;
   act.m = m;
   act.k = k;
   for (int64_t row = 0; row < m; ++row) {
     if (is_k_quant(type)) {
-      kernels->quantize_super(a + row * k, k, super.data() + row * (k / kSuper));
+      kernels->quantize_super(a + row * k, k, super.data() + row * (k / kSuper), layout);
     } else {
       kernels->quantize_32(a + row * k, k, q32.data() + row * k, d32.data() + row * (k / kBlock),
-                           dsums32.data() + row * (k / kBlock),
+                           dsums32.data() + row * (k / kBlock), sums32.data() + row * (k / kBlock),
                            wide.data() + row * (k / kBlock / 2) * kernels->wide32_floats);
     }
   }
@@ -293,8 +315,9 @@ DRAFTSMITH_EXPORT int DraftsmithGgufDot(const char* isa, int type, const uint8_t
   act.q32 = q32.data();
   act.d32 = d32.data();
   act.dsums32 = dsums32.data();
+  act.sums32 = sums32.data();
   act.wide32 = wide.data();
-  const WeightPart part{type, rows, k / elements * bytes, weights};
+  const WeightPart part{type, rows, k / elements * bytes, weights, layout};
   kernels->dot(part, 0, rows, act, 0, m, y, rows);
   return 0;
 }
