@@ -1,4 +1,7 @@
-"""GGUF-faithful weights: a GGUF file's quantized blocks written as ONNX Runtime MatMulNBits, not re-quantized.
+"""GGUF-faithful weights: a GGUF file's quantized blocks kept as they are, never re-quantized — for Draftsmith's
+GgufMatMul (runtime.engines.gguf_ops: the file's bytes, regrouped 16 rows at a time by ``interleave16``; ``apply(...,
+native=True)``), or written as ONNX Runtime MatMulNBits, exactly, where that library is not built or a type has no
+kernel of ours.
 
 Re-quantizing a dequantized Q4_1 file quantizes its weights twice and gives a worse model than the file the user gave
 us (SmolLM2: perplexity 24.4 against 16.7). Each GGUF block type below maps exactly onto MatMulNBits (one row per
