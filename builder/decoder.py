@@ -164,6 +164,9 @@ class Decoder:
     # the embedding in a GGUF file's own blocks (builder.gguf.weights): a GatherBlockQuantized of the token rows
     # (+ their blocks' offsets) instead of a float32 table, exact to the file; ``embedding`` then only says its shape
     embedding_quant: BlockQuant | None = None
+    # ... or the file's own bytes read by GgufGather (runtime.engines.gguf_ops); a tied head's blocks are the same
+    # object as ``head.gguf``'s, written once and read by both
+    embedding_gguf: GgufBlocks | None = None
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:

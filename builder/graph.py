@@ -91,11 +91,18 @@ class _Graph:
         self.nodes, self.inits, self.count = [], [], 0
         self.accuracy_level = 4
         self.data, self.location = data, location
+        self._written: dict[int, tuple[np.ndarray, str]] = {}  # id -> (the array, its name): one array, one copy
 
     def const(self, name: str, array: np.ndarray) -> str:
         """``array`` as an initializer; a large one may be a view in any order (a transposed head): it is written
-        in row chunks, never copied whole."""
+        in row chunks, never copied whole. An array written before (a tied embedding and head reading the same
+        GGUF blocks) is not written again: its first name is returned."""
         from onnx import numpy_helper
+
+        if id(array) in self._written and self._written[id(array)][0] is array:
+            return self._written[id(array)][1]
+        if array.nbytes >= EXTERNAL_FROM_BYTES:
+            self._written[id(array)] = (array, name)
 
         if self.data is None or array.nbytes < EXTERNAL_FROM_BYTES:
             self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
@@ -177,7 +184,9 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
 
 def _embed(g: "_Graph", decoder: Decoder) -> str:
     """The input embedding (the file's blocks or float rows), scaled, with a feature draft's features fused in."""
-    if decoder.embedding_quant is not None:
+    if decoder.embedding_gguf is not None:
+        x = _gguf_gather(g, "embedding", decoder.embedding_gguf)
+    elif decoder.embedding_quant is not None:
         x = _gathered_blocks(g, "embedding", decoder.embedding_quant)
     else:
         g.const("embedding", np.asarray(decoder.embedding, np.float32))  # no copy of a float32 array
@@ -481,6 +490,22 @@ def _gguf_matmul(g: _Graph, name: str, x: str, blocks: GgufBlocks, outs) -> list
         rows=[len(data) for _, data in blocks.parts],
         layout=blocks.layout,
     )
+
+
+def _gguf_gather(g: _Graph, name: str, blocks: GgufBlocks) -> str:
+    """The rows ``input_ids`` picks from a table in the file's own bytes (GgufGather); a tied head's blocks are the
+    same initializer as the head's GgufMatMul reads (``_Graph.const`` writes one array once)."""
+    ((kind, data),) = blocks.parts
+    (x,) = g.op(
+        gguf_ops.GATHER,
+        [g.const(name + ".gguf", data), "input_ids"],
+        domain=gguf_ops.DOMAIN,
+        name=name,
+        K=blocks.k,
+        type=gguf_ops.GGML_TYPE_IDS[kind],
+        layout=blocks.layout,
+    )
+    return x
 
 
 def _gathered_blocks(g: _Graph, name: str, q: BlockQuant) -> str:

@@ -217,10 +217,13 @@ def test_native_engines_are_the_file_at_its_own_size(tmp_path, types):
     _write_gguf(model, tmp_path / "m.gguf", types)
     decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", native=True)
     assert all(layer.qkv.gguf and layer.o.gguf and layer.gate_up.gguf and layer.down.gguf for layer in decoder.layers)
-    assert decoder.head.gguf is not None
+    assert decoder.head.gguf is not None and decoder.embedding_gguf is decoder.head.gguf  # tied: one table, shared
     graph.build(decoder, tmp_path / "g.onnx")
     ops = _ops(tmp_path / "g.onnx")
     assert ops[gguf_ops.OP] == 4 * len(decoder.layers) + 1 and ops["MatMulNBits"] == 0
+    assert ops[gguf_ops.GATHER] == 1 and ops["GatherBlockQuantized"] == 0
+    uint8 = _uint8_initializer_bytes(tmp_path / "g.onnx")
+    assert uint8 == sum(t.nbytes for t in _tensors(tmp_path / "m.gguf").values() if t.kind != "F32")  # the file's
     stored = sum(data.nbytes for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
                  for _, data in lin.gguf.parts)  # fmt: skip
     file_bytes = sum(t.nbytes for name, t in _tensors(tmp_path / "m.gguf").items() if name.startswith("blk."))
@@ -240,6 +243,13 @@ def test_native_engines_are_the_file_at_its_own_size(tmp_path, types):
     assert errors[0] <= 2 * errors[1] and agreement[0] >= agreement[1] - 1 / 16, (errors, agreement)
 
 
+def _uint8_initializer_bytes(path) -> int:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return sum(int(np.prod(t.dims)) for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8)
+
+
 def _tensors(path):
     from builder.gguf import header
 
@@ -254,6 +264,49 @@ def test_a_type_the_operator_lacks_keeps_matmulnbits_for_that_projection(tmp_pat
     layer = decoder.layers[0]
     assert layer.gate_up.gguf is None and layer.gate_up.quant is not None
     assert layer.qkv.gguf is not None and layer.down.gguf is not None
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("layout", [0, 1], ids=["rows", "columns16"])
+def test_the_gather_reads_each_row_as_the_file_holds_it(kind, layout):
+    """GgufGather (an embedding from the file's bytes) returns the gguf package's dequantized rows (float32 products
+    of the same numbers: within 1e-6 of the largest), for ids in any shape, and refuses an id outside the table."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from runtime.engines.sessions import make_session
+
+    rng = np.random.default_rng(5)
+    k = 512 if kind.endswith("_K") else 96
+    raw = random_blocks(kind, 32, k, rng)
+    table = interleave16(kind, raw) if layout else raw
+    node = helper.make_node(
+        gguf_ops.GATHER,
+        ["w", "ids"],
+        ["y"],
+        domain=gguf_ops.DOMAIN,
+        K=k,
+        type=gguf_ops.GGML_TYPE_IDS[kind],
+        layout=layout,
+    )
+    model = helper.make_model(
+        helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", k])],
+            [numpy_helper.from_array(table, "w")],
+        ),
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gguf_ops.DOMAIN, 1)],
+    )
+    model.ir_version = 9
+    session = make_session(model.SerializeToString(), 1)
+    ids = np.array([[0, 31, 5], [17, 17, 2]], np.int64)
+    got = session.run(None, {"ids": ids})[0]
+    want = _dequantize(raw, kind, (32, k))[ids]
+    assert got.shape == (2, 3, k) and np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    for bad in (32, -1, 2**40):
+        with pytest.raises(Exception, match="not a row of the table"):
+            session.run(None, {"ids": np.array([[bad]], np.int64)})
 
 
 # --- without the library ------------------------------------------------------------------------------------------

@@ -168,15 +168,16 @@ def apply(
             decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
     elif head is not None:
         kept.append(head.name)
-    _embedding(decoder, data, tensors, permuted_qk)
+    _embedding(decoder, data, tensors, permuted_qk, native)
     _note(decoder, tensors, kept)
     return decoder
 
 
-def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool) -> None:
-    """The embedding as the file's own blocks (GatherBlockQuantized, builder.graph), checked like every layer against
-    the float table transformers dequantized from the same file; it stays float32 where the file's type has no
-    exact form or the table's shape is not the file's."""
+def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool, native: bool = False) -> None:
+    """The embedding as the file's own blocks, checked like every layer against the float table transformers
+    dequantized from the same file: read by GgufGather from the file's bytes (``native`` and a type it knows; a
+    tied head's very bytes where the file has no output.weight), else GatherBlockQuantized (builder.graph). It stays
+    float32 where the file's type has no exact form or the table's shape is not the file's."""
     tensor = tensors.get("token_embd.weight")
     blocks = _tensor_blocks(data, tensor, decoder, "token_embd", permuted_qk)
     if blocks is None or (blocks.n, blocks.k) != tuple(decoder.embedding.shape) or blocks.block < 16:
@@ -187,6 +188,12 @@ def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool) -> None
             f"{tensor.name}: the file's blocks differ from the embedding transformers loaded from the "
             f"same file (max |difference| {error:.3g}); the file is inconsistent"
         )
+    if native and tensor.kind in gguf_ops.GGML_TYPE_IDS:
+        head = decoder.head.gguf
+        tied = "output.weight" not in tensors and head is not None and head.parts[0][0] == tensor.kind
+        rows = _raw_rows(data, tensor, decoder, "token_embd", permuted_qk)
+        decoder.embedding_gguf = head if tied else GgufBlocks(blocks.k, ((tensor.kind, rows),))
+        return
     decoder.embedding_quant = _pack(blocks)
 
 

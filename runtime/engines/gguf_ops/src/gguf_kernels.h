@@ -98,6 +98,9 @@ const Kernels& best_kernels();
 // The kernels of one instruction set by name ("avx512-vnni", "avx2", "scalar"); null where this CPU lacks it.
 const Kernels* kernels_named(const char* isa);
 
+// Row n of `part` (either layout) as the file's float32 values, out [k] (dequantize.cpp).
+void dequantize_row(const WeightPart& part, int64_t n, int64_t k, float* out);
+
 // fp16 bits to float, exactly (subnormals included).
 float half_to_float(uint16_t h);
 

@@ -1,4 +1,4 @@
-// The ONNX Runtime operator ai.draftsmith.GgufMatMul: Y = A @ W^T where W is one or more parts of GGUF blocks side by
+// The ONNX Runtime operators ai.draftsmith.GgufMatMul and GgufGather (below). GgufMatMul: Y = A @ W^T where W is one or more parts of GGUF blocks side by
 // side (a fused q|k|v whose parts have different types), each part a uint8 tensor [rows, row_bytes] holding the
 // file's blocks for those output rows. Attributes: K (input width), types (ggml type id per part), rows (outputs per
 // part). A float [..., K] -> Y float [..., sum(rows)].
@@ -132,6 +132,17 @@ struct GgufMatMulKernel {
     }
   }
 
+ public:
+  static int64_t optional_attribute(const OrtApi& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
+    int64_t value = fallback;
+    OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value);
+    if (status != nullptr) {  // absent: the default
+      api.ReleaseStatus(status);
+      return fallback;
+    }
+    return value;
+  }
+
  private:
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext context(raw);
@@ -216,16 +227,6 @@ struct GgufMatMulKernel {
     if (buffer.size() < static_cast<size_t>(size)) buffer.resize(static_cast<size_t>(size));
   }
 
-  static int64_t optional_attribute(const OrtApi& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
-    int64_t value = fallback;
-    OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value);
-    if (status != nullptr) {  // absent: the default
-      api.ReleaseStatus(status);
-      return fallback;
-    }
-    return value;
-  }
-
   const Kernels* kernels_;
   int64_t k_ = 0, n_ = 0, layout_ = kRows;
   std::vector<int64_t> types_, rows_, row_bytes_, columns_;
@@ -255,7 +256,78 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, true> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+// ai.draftsmith.GgufGather: rows of a GGUF weight (an embedding, or a tied head's blocks read by the embedding too)
+// as float32: inputs W uint8 [V, row_bytes] (layout 0 or 1, as GgufMatMul's), ids int64 [...]; attributes K, type,
+// layout; output float [..., K]. Every id is checked to be a row of W.
+struct GgufGatherKernel {
+  GgufGatherKernel(const OrtApi& api, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo kernel_info(info);
+    k_ = kernel_info.GetAttribute<int64_t>("K");
+    type_ = static_cast<int>(kernel_info.GetAttribute<int64_t>("type"));
+    layout_ = static_cast<int>(GgufMatMulKernel::optional_attribute(api, info, "layout", kRows));
+    int elements = 0, bytes = 0;
+    if (!block_shape(type_, &elements, &bytes) || k_ <= 0 || k_ % elements || (layout_ != kRows && layout_ != kColumns16)) {
+      throw std::invalid_argument("GgufGather: K, type and layout must name whole blocks of a known type");
+    }
+    row_bytes_ = k_ / elements * bytes;
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
+    try {
+      Compute(raw);
+      return nullptr;
+    } catch (const std::exception& error) {
+      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, error.what());
+    }
+  }
+
+ private:
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext context(raw);
+    Ort::ConstValue weight = context.GetInput(0), ids = context.GetInput(1);
+    const std::vector<int64_t> wshape = weight.GetTensorTypeAndShapeInfo().GetShape();
+    if (wshape.size() != 2 || wshape[1] != row_bytes_ || (layout_ == kColumns16 && wshape[0] % kGroup)) {
+      throw std::invalid_argument("GgufGather: W must be uint8 [rows, " + std::to_string(row_bytes_) + "]");
+    }
+    std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
+    const int64_t count = static_cast<int64_t>(ids.GetTensorTypeAndShapeInfo().GetElementCount());
+    const int64_t* id = ids.GetTensorData<int64_t>();
+    for (int64_t i = 0; i < count; ++i) {
+      if (id[i] < 0 || id[i] >= wshape[0]) {
+        throw std::invalid_argument("GgufGather: token id " + std::to_string(id[i]) + " is not a row of the table");
+      }
+    }
+    shape.push_back(k_);
+    float* out = context.GetOutput(0, shape).GetTensorMutableData<float>();
+    const WeightPart part{type_, wshape[0], row_bytes_, weight.GetTensorData<uint8_t>(), layout_};
+    for (int64_t i = 0; i < count; ++i) dequantize_row(part, id[i], k_, out + i * k_);
+  }
+
+  int64_t k_ = 0, row_bytes_ = 0;
+  int type_ = 0, layout_ = kRows;
+};
+
+struct GgufGatherOp : Ort::CustomOpBase<GgufGatherOp, GgufGatherKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new GgufGatherKernel(api, info);
+      return nullptr;
+    } catch (const std::exception& error) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, error.what());
+    }
+  }
+  const char* GetName() const { return "GgufGather"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 GgufMatMulOp the_op;
+GgufGatherOp the_gather;
 std::mutex domains_lock;
 std::vector<Ort::CustomOpDomain> domains;  // kept alive while the library is loaded
 
@@ -272,6 +344,7 @@ DRAFTSMITH_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* o
   try {
     Ort::CustomOpDomain domain{draftsmith::kDomain};
     domain.Add(&draftsmith::the_op);
+    domain.Add(&draftsmith::the_gather);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> guard(draftsmith::domains_lock);
     draftsmith::domains.push_back(std::move(domain));
