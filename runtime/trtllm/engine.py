@@ -246,10 +246,24 @@ class RunnerEngine:
             [], np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), extra={"tokens": [[] for _ in range(batch)]}
         )
 
+    scores_last = True  # forward(last=True): only each row's last position is converted and kept
+
+    def prefill(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
+        """Prompt tokens whose logits nobody reads: only recorded. Every ``forward`` sends each row's whole history
+        (the runner keeps no state of ours), so the next call scores the prompt with its new tokens anyway."""
+        self._append(cache, np.asarray(tokens, dtype=np.int64), valid)
+
     def forward(
-        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+        self,
+        cache: KVCache,
+        tokens: np.ndarray,
+        valid: np.ndarray | None = None,
+        exact: bool = True,
+        last: bool = False,
     ) -> np.ndarray:
-        """Append tokens [B, S] (valid [B, S]: 1 = real token) and return logits [B, S, V] of the new positions."""
+        """Append tokens [B, S] (valid [B, S]: 1 = real token) and return logits [B, S, V] of the new positions;
+        with ``last``, [B, 1, V] at each row's last new token (the rest of the runner's context logits are never
+        copied to the host)."""
         import torch
 
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -258,7 +272,7 @@ class RunnerEngine:
         histories = cache.extra["tokens"]
         new = [[int(t) for t, v in zip(tokens[b], valid[b]) if v] for b in range(batch)]
         rows = [b for b in range(batch) if new[b]]
-        logits = np.zeros((batch, width, self.vocab_size), np.float32)
+        logits = np.zeros((batch, 1 if last else width, self.vocab_size), np.float32)
         if rows:
             inputs = [torch.tensor(histories[b] + new[b], dtype=torch.int32) for b in rows]
             # max_new_tokens=1: a context pass; return_dict=True gives "context_logits" (per request
@@ -269,14 +283,22 @@ class RunnerEngine:
             )
             context = out["context_logits"]
             for i, b in enumerate(rows):
-                rows_logits = _to_numpy(context[i])[-len(new[b]) :, : self.vocab_size]
-                logits[b, np.flatnonzero(valid[b])] = rows_logits
-        for b in range(batch):
-            histories[b].extend(new[b])
+                if last:
+                    logits[b, 0] = _to_numpy(context[i][-1:])[0, : self.vocab_size]
+                else:
+                    rows_logits = _to_numpy(context[i])[-len(new[b]) :, : self.vocab_size]
+                    logits[b, np.flatnonzero(valid[b])] = rows_logits
+        self._append(cache, tokens, valid)
+        return logits
+
+    def _append(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None) -> None:
+        """Each row's valid tokens joined to its history; mask, lengths and the call count follow."""
+        valid = np.ones_like(tokens) if valid is None else np.asarray(valid, dtype=np.int64)
+        for b, history in enumerate(cache.extra["tokens"]):
+            history.extend(int(t) for t, v in zip(tokens[b], valid[b]) if v)
         cache.mask = np.concatenate([cache.mask, valid], axis=1)
         cache.lengths = cache.lengths + valid.sum(axis=1)
         cache.calls += 1
-        return logits
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
         for b, history in enumerate(cache.extra["tokens"]):
