@@ -388,8 +388,12 @@ class Scheduler:
         return ks
 
     def _draft_limit(self, row: _Row) -> int:
+        """Draft tokens the row may propose: k, within its budget and the context; 0 once its drafter is done with
+        it (``can_draft``: a cross-tokenizer draft whose context the row's text outgrew)."""
         budget = row.config.max_new_tokens - len(row.generated) - 1
         context = self.target.max_context - len(row.prompt) - len(row.generated)
+        if row.drafter is not None and not all(row.drafter.can_draft() or [True]):
+            return 0
         return max(0, min(row.config.k, budget, context))
 
     def _after_step(self, row: _Row, drafting: bool, drafted: int, accepted: int, new: list[int]) -> None:
