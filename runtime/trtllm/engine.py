@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.bundle import BundleError, Manifest, load_manifest
+from runtime.bundle import BundleError, Manifest, load_manifest, verify_files
 from runtime.engines.onnx import KVCache
 from runtime.trtllm.common import require_tensorrt_llm
 from runtime.trtllm.llmapi import LlmApiGenerator
@@ -349,15 +349,18 @@ def open_generator(
     target_devices / draft_devices (engine flavor): the GPU of each rank (tp x pp ids each; default
     ``default_devices``), passed as ModelRunnerCpp ``device_ids`` in orchestrator mode.
     """
-    from runtime.api import SpeculativeGenerator
-    from runtime.text.tokenizer import Tokenizer
+    from runtime.api import SpeculativeGenerator, load_tokenizer
 
     root = Path(path)
-    manifest = load_manifest(root, verify=verify)
+    # which loader: each verifies the files it loads as it loads them (from the bytes it hashed, where it can), so
+    # no file is swapped in between a check here and a load there
+    manifest = load_manifest(root, verify=False)
     if manifest.spec.backend == "onnxruntime":
-        return SpeculativeGenerator.from_bundle(root, threads=threads, verify=False)
+        return SpeculativeGenerator.from_bundle(root, threads=threads, verify=verify)
     if manifest.spec.trtllm_flavor == "llmapi":
-        return LlmApiGenerator.from_bundle(root, verify=False)
+        return LlmApiGenerator.from_bundle(root, verify=verify)
+    if verify:  # ModelRunnerCpp reads its engine folders itself
+        verify_files(root, manifest)
     world = manifest.spec.tp_size * manifest.spec.pp_size
     devices = {
         "target": list(target_devices or default_devices(manifest)),
@@ -368,7 +371,7 @@ def open_generator(
             raise BundleError(
                 f"{role}_devices: expected {world} distinct GPU ids (tp_size x pp_size of the engine), received {ids}"
             )
-    tokenizer = Tokenizer(root / "tokenizer")
+    tokenizer = load_tokenizer(root, manifest, verify)  # from the bytes it checked
     eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
     sessions = {
         entry.role: ExecutorSession(
