@@ -54,7 +54,7 @@ def engines(export_generator):
     saved = []
     for engine in (export_generator.target, export_generator.draft):
         assert isinstance(engine, OnnxEngine)
-        saved.append((engine, engine.session, engine.prefill_positions))
+        saved.append((engine, engine.session, vars(engine).get("prefill_positions")))
         engine.session, engine.prefill_positions = Recording(engine.session), CHUNK
     yield export_generator.target, export_generator.draft
     for engine, session, positions in saved:

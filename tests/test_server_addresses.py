@@ -23,15 +23,8 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from runtime.serving import connections  # noqa: E402
-from runtime.serving.connections import (  # noqa: E402
-    REFUSAL,
-    ConnectionLimits,
-    ProbeServer,
-    client_key,
-    server_config,
-    trusted_proxies,
-)
+from runtime.serving import connections  # noqa: E402  (client_key, trusted_proxies: read where used)
+from runtime.serving.connections import REFUSAL, ConnectionLimits, ProbeServer, server_config  # noqa: E402
 from runtime.serving.drain import Drain, probe_app  # noqa: E402
 from runtime.serving.health import scheduler_problem  # noqa: E402
 from runtime.serving.openai_server import create_app  # noqa: E402
@@ -168,7 +161,6 @@ def test_a_forged_forwarded_for_from_loopback_changes_no_client_address(schedule
     access = Lines()
     logging.getLogger("uvicorn.access").addHandler(access)
     try:
-        assert server.config.proxy_headers is False
         for forged in FORGED:
             hostile("forwarded header", forged)
             assert completion(server.port, forged) == 200
@@ -178,10 +170,11 @@ def test_a_forged_forwarded_for_from_loopback_changes_no_client_address(schedule
     assert clients == ["127.0.0.1"] * len(FORGED)
     logged = [line for line in access.lines if "/v1/completions" in line]
     assert len(logged) == len(FORGED) and all(line.startswith("127.0.0.1:") for line in logged), logged
+    assert server.config.proxy_headers is False
 
 
 def test_a_named_proxys_forwarded_for_is_believed(scheduler, clients):
-    server = Served(create_app(scheduler, MODEL), trusted=trusted_proxies(["127.0.0.0/8"]))
+    server = Served(create_app(scheduler, MODEL), trusted=connections.trusted_proxies(["127.0.0.0/8"]))
     try:
         assert completion(server.port, "X-Forwarded-For: 203.0.113.7\r\n") == 200
         assert completion(server.port, "X-Forwarded-For: 2001:db8:5:6::9\r\n") == 200
@@ -202,13 +195,13 @@ def test_a_trusted_proxy_must_be_an_address_or_a_network(tiny_bundle, value):
 
     hostile("trusted proxy", value)
     with pytest.raises(ValueError, match="--trusted-proxy"):
-        trusted_proxies([value])
+        connections.trusted_proxies([value])
     result = CliRunner().invoke(main, ["serve-openai", str(tiny_bundle), "--trusted-proxy", value, "--port", "1"])
     assert result.exit_code != 0 and "--trusted-proxy" in result.output
 
 
 def test_trusted_proxies_are_normalised():
-    assert trusted_proxies(["127.0.0.1", " 10.0.0.0/8", "::1", "10.1.2.3/8"]) == (
+    assert connections.trusted_proxies(["127.0.0.1", " 10.0.0.0/8", "::1", "10.1.2.3/8"]) == (
         "127.0.0.1/32",
         "10.0.0.0/8",
         "::1/128",
@@ -224,11 +217,14 @@ ROTATING = ["2001:db8:1:2::1", "2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2
 def test_an_ipv6_client_is_its_64():
     for address in ROTATING:
         hostile("ipv6 rotation", address)
-        assert client_key(address) == "2001:db8:1:2::/64"
-    assert client_key("2001:db8:1:3::1") == "2001:db8:1:3::/64"
-    assert client_key("::ffff:192.0.2.1") == "192.0.2.1"  # IPv4-mapped: the IPv4 client
-    assert client_key("fe80::1%eth0") == "fe80::/64"
-    assert client_key("192.0.2.1") == "192.0.2.1" and client_key("unix:/run/x.sock") == "unix:/run/x.sock"
+        assert connections.client_key(address) == "2001:db8:1:2::/64"
+    assert connections.client_key("2001:db8:1:3::1") == "2001:db8:1:3::/64"
+    assert connections.client_key("::ffff:192.0.2.1") == "192.0.2.1"  # IPv4-mapped: the IPv4 client
+    assert connections.client_key("fe80::1%eth0") == "fe80::/64"
+    assert (
+        connections.client_key("192.0.2.1") == "192.0.2.1"
+        and connections.client_key("unix:/run/x.sock") == "unix:/run/x.sock"
+    )
 
 
 def test_requests_from_one_64_share_their_rows(scheduler, clients):
@@ -290,13 +286,13 @@ def test_websocket_upgrades_are_plain_requests_and_leave_no_count_behind(schedul
     one address (past its cap of 64) leave it served."""
     server = Served(create_app(scheduler, MODEL))
     try:
-        assert server.config.ws == "none"
         for i in range(70):
             headers = UPGRADES[i % len(UPGRADES)]
             hostile("upgrade", headers)
             assert upgrade_and_close(server.port, headers).startswith(b"HTTP/1.1 200")
         time.sleep(0.2)
         assert get(server.port, "/health") == 200
+        assert server.config.ws == "none"
     finally:
         server.close()
 
