@@ -424,6 +424,26 @@ def test_requests_in_flight_past_max_connections_get_503_with_retry_after(schedu
         server.close()
 
 
+@pytest.mark.parametrize("soft, hard, want", [(1024, 1 << 20, 5120), (1024, 2048, 2048), (65536, 1 << 20, 65536)])
+def test_the_open_file_limit_is_raised_to_what_the_bounds_need(monkeypatch, soft, hard, want):
+    """4096 pending connections and 512 in flight need more files than a common soft limit of 1024: past it
+    asyncio stops accepting (every client waits). Raised as far as the hard limit allows, with a warning short of
+    it."""
+    import resource
+
+    limits = [(soft, hard)]
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: limits[-1])
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, value: limits.append(value))
+    warnings = Lines()
+    logging.getLogger("uvicorn.error").addHandler(warnings)  # uvicorn's logging config may stop propagation
+    try:
+        assert connections.raise_file_limit(5120) == want
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(warnings)
+    assert limits[-1][0] == want
+    assert any("open-file limit" in line for line in warnings.lines) == (want < 5120)
+
+
 def test_connection_limits_are_checked():
     for bad in ((1.0, 1, 0), (1.0, 1, -5), (1.0, None, 1.5)):
         with pytest.raises(ValueError):

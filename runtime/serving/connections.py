@@ -127,7 +127,7 @@ def trusted_proxies(values) -> tuple[str, ...]:
 class InFlight:
     """ASGI: requests in flight past ``limit`` get 503 with Retry-After at once, before any work (uvicorn's
     ``limit_concurrency`` counted idle connections too; a connection still sending its headers is the pending
-    budget's, runtime/serving/connections.py)."""
+    budget's, ``guarded_protocol``)."""
 
     def __init__(self, app, limit: int):
         if limit < 1:
@@ -259,8 +259,10 @@ def raise_file_limit(needed: int) -> int:
     except ImportError:  # not a POSIX system: nothing to raise
         return needed
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
+    if soft == resource.RLIM_INFINITY:
         return needed
+    if soft >= needed:
+        return soft
     target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
     if target > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
