@@ -325,17 +325,23 @@ def bundle_tokenizer(folder: Path) -> Tokenizer:
     return load_tokenizer(root, load_manifest(root, verify=False))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # what Tokenizer reads
+MAX_TOKENIZER_FILE_BYTES = 64 << 20  # the largest tokenizer.json known is ~33 MB (Gemma 3's 262k vocabulary)
+
+
 def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True, folder: str = "tokenizer") -> Tokenizer:
     """The bundle's tokenizer (``folder``: another one it holds, a draft's own), made from its files' verified bytes.
 
-    Each listed file of the folder is read once and checked (``read_verified``), then written to a private
-    temporary folder for Tokenizer to read, so a file swapped in the bundle after verification cannot reach it.
+    Only the files Tokenizer reads (TOKENIZER_FILES, directly in the folder) are read, each at most
+    MAX_TOKENIZER_FILE_BYTES: a manifest naming an engine's folder as a tokenizer's (``"draft"``) must not read a
+    model into memory. Each is read once and checked (``read_verified``), then written to a private temporary folder
+    for Tokenizer to read, so a file swapped in the bundle after verification cannot reach it.
     """
     prefix = folder.rstrip("/") + "/"
     files = {
-        rel[len(prefix) :]: read_verified(root, manifest, rel, verify)
-        for rel in sorted(manifest.files)
-        if rel.startswith(prefix)
+        name: read_verified(root, manifest, prefix + name, verify, max_bytes=MAX_TOKENIZER_FILE_BYTES)
+        for name in TOKENIZER_FILES
+        if prefix + name in manifest.files
     }
     if "tokenizer.json" not in files:
         raise BundleError(f"{root}: the manifest lists no {prefix}tokenizer.json; rebuild the bundle")

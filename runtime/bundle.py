@@ -528,8 +528,9 @@ def load_manifest(root: str | os.PathLike, verify: bool = True, staging: bool = 
     return manifest
 
 
-def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> bytes:
-    """The bytes of bundle file ``rel``, read once and (with ``verify``) checked against the manifest's sha256.
+def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True, max_bytes: int | None = None) -> bytes:
+    """The bytes of bundle file ``rel``, read once and (with ``verify``) checked against the manifest's sha256;
+    ``max_bytes``: BundleError past that many, of which no more than one byte more is read.
 
     Load from these bytes, never by reopening the path: an in-place copy or a concurrent rebuild could change the
     file between the check and the load.
@@ -538,11 +539,14 @@ def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True)
         raise BundleError(f"{rel}: not listed in the manifest's files, so it is not part of the bundle; rebuild it")
     path = bundle_path(root, rel)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as handle:
+            data = handle.read(-1 if max_bytes is None else max_bytes + 1)
     except OSError as err:
         raise BundleError(
             f"{rel}: cannot be read ({err.strerror or err}); rebuild the bundle or copy it again"
         ) from None
+    if max_bytes is not None and len(data) > max_bytes:
+        raise BundleError(f"{rel}: over the {max_bytes} bytes such a file may have; not a file this tool wrote")
     if verify and hashlib.sha256(data).hexdigest() != manifest.files[rel]:
         raise BundleError(
             f"{rel}: sha256 differs from the manifest: it changed after verification (copied over or "

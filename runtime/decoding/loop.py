@@ -99,6 +99,9 @@ class SpeculativeLoop:
         """Every row drafts up to k (within its budget and the context) unless the batch is in fallback; over a
         batch with measured costs, each row as far as pays (``planned``)."""
         limits = [self._draft_limit(r) for r in rows]
+        usable = self.drafter.can_draft() if self.drafter is not None else None
+        if usable is not None:  # rows the drafter is done with for good (can_draft) get no draft length
+            limits = [limit if ok else 0 for limit, ok in zip(limits, usable)]
         drafting = self.drafter is not None and not self.in_fallback and any(limits)
         if drafting and self._plans_by_cost(rows):
             limits = self.planned(rows, limits)

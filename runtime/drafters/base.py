@@ -65,3 +65,9 @@ class Drafter:
     def constrain_rows(self, grammars: list) -> None:
         """Per row, the GrammarRow its draws must be masked by (None: unconstrained). Model-free drafters propose
         text, which the step cuts at the grammar's first refusal, so they ignore it."""
+
+    def can_draft(self) -> list[bool] | None:
+        """Per row, whether it can still propose: False for good where a row has outgrown what the drafter holds (a
+        cross-tokenizer draft whose context its text no longer fits), so the planners stop giving it a draft length
+        and its steps are plain target steps. None: every row can."""
+        return None

@@ -388,8 +388,12 @@ class Scheduler:
         return ks
 
     def _draft_limit(self, row: _Row) -> int:
+        """Draft tokens the row may propose: k, within its budget and the context; 0 once its drafter is done with
+        it (``can_draft``: a cross-tokenizer draft whose context the row's text outgrew)."""
         budget = row.config.max_new_tokens - len(row.generated) - 1
         context = self.target.max_context - len(row.prompt) - len(row.generated)
+        if row.drafter is not None and not all(row.drafter.can_draft() or [True]):
+            return 0
         return max(0, min(row.config.k, budget, context))
 
     def _after_step(self, row: _Row, drafting: bool, drafted: int, accepted: int, new: list[int]) -> None:
@@ -426,11 +430,10 @@ class Scheduler:
                 self._refuse_admission(w, err)
         prefill = self._prefill_in_place if hasattr(self.target, "prefill_row") else self._prefill_and_join
         states = prefill([w for w, _ in ready]) if ready else []
-        if ready:  # the engine's health: did any prefill go through?
-            (self.health.failed if all(isinstance(s, Exception) for s in states) else self.health.succeeded)()
+        own = bool(ready) and self._judge_admission(states)
         for (w, row), state in zip(ready, states):
             if isinstance(state, Exception):
-                self._refuse_admission(w, state)
+                self._refuse_admission(w, own_failure(state, len(w.prompt)) if own else state)
             elif state is PENDING:  # prefilled a chunk a step from the next step on (``_prefill_chunk``)
                 row.prefill_left = list(w.prompt[:-1])
                 self.rows.append(row)
@@ -439,6 +442,17 @@ class Scheduler:
                 self.rows.append(row)
                 self.counters["admitted"] += 1
         return time.perf_counter() - start
+
+    def _judge_admission(self, states: list) -> bool:
+        """The engine's health after an admission's prefills; True when those that failed failed on their own. Any
+        prefill that went through is a success. When all failed, the engine is tried on a call of one token
+        (``engine_answers``): if it answers, the failures were the prompts' own (one too big for the memory left,
+        ...), which never count against the engine, so a client cannot make the server unready with them."""
+        if not all(isinstance(s, Exception) for s in states) or engine_answers(self.target):
+            self.health.succeeded()
+            return True
+        self.health.failed()
+        return False
 
     def _prefill_chunk(self, budget: int | None = None) -> float:
         """Prefill up to ``budget`` (default ``_chunk()``) prompt tokens of the rows still prefilling, oldest first,
@@ -507,7 +521,8 @@ class Scheduler:
             return False
 
     def _refuse_admission(self, w: _Waiting, err: Exception) -> None:
-        w.handle.send(Event(error=Unavailable(f"admission failed: {err}")))
+        error = err if isinstance(err, RequestError) else Unavailable(f"admission failed: {err}")
+        w.handle.send(Event(error=error))
 
     def _prefill_in_place(self, taken: list[_Waiting]) -> list:
         """Each admitted prompt (but its last token) prefilled in a row of its own in the batch cache, with the
@@ -697,6 +712,27 @@ def isolated(rows: list[DecodeRow], work: Callable, *args):
         for row in rows:
             row.error = err
         return None
+
+
+def engine_answers(engine) -> bool:
+    """Whether ``engine`` still runs a call: one token on a fresh one-row cache. A sticky fault (ONNX Runtime out
+    of memory on every call, a CUDA error) fails it too; a prompt too big for the memory left does not."""
+    try:
+        engine.forward(engine.new_cache(1), np.zeros((1, 1), np.int64))
+    except Exception:
+        return False
+    return True
+
+
+def own_failure(error: Exception, tokens: int) -> Exception:
+    """What a request whose admission failed on its own (the engine answers) receives: a prompt that ran out of
+    memory is the request's error (400: shorten it), anything else as it is."""
+    if isinstance(error, MemoryError):
+        return RequestError(
+            f"admission failed: prefilling this prompt ({tokens} tokens) needs more memory than the server has "
+            "free; shorten the prompt"
+        )
+    return error
 
 
 def row_failure(error: Exception) -> Exception:
