@@ -41,11 +41,14 @@ from bench.stats import (
 from runtime.drafters.registry import DRAFTERS
 from runtime.engines.onnx import MappedVocabEngine, unpadded
 from runtime.text.prompt_files import parse_prompts
+from builder.distill.corpus import HELDOUT_SETS, load_heldout
 from runtime.request import decode_request
 from runtime.engines.sessions import DEVICES, DeviceError
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning", "json")  # json: with --response-format prompts/json_event.json
-CHAT_BY_DEFAULT = ("chat", "reasoning", "json")  # through the chat template unless --no-chat; code: completions
+# prompts no distillation trains on (builder/data/heldout-*.txt, the distiller's held-out sets): measure drafts there
+HELDOUT_WORKLOADS = tuple(HELDOUT_SETS)
+CHAT_BY_DEFAULT = ("chat", "reasoning", "json", "heldout-chat")  # through the chat template unless --no-chat
 
 
 # --- prompts --------------------------------------------------------------------------------------------------------
@@ -56,10 +59,13 @@ def load_workload(spec: str) -> tuple[str, list[str]]:
     if spec in BUILTIN_WORKLOADS:
         text = resources.files("bench").joinpath("prompts", f"{spec}.txt").read_text(encoding="utf-8")
         return spec, parse_prompts(text)
+    if spec in HELDOUT_WORKLOADS:
+        return spec, [prompt.text for prompt in load_heldout([spec])]
     path = Path(spec)
     if not path.is_file():
         raise click.BadParameter(
-            f"{spec!r} is neither a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) nor a prompt file",
+            f"{spec!r} is neither a built-in workload ({', '.join(BUILTIN_WORKLOADS + HELDOUT_WORKLOADS)}) nor a "
+            "prompt file",
             param_hint="--workload",
         )
     prompts = parse_prompts(path.read_text(encoding="utf-8"))

@@ -135,30 +135,18 @@ def test_the_target_engine_returns_torchs_final_hidden_states(learnable_target, 
 
 
 @pytest.fixture(scope="module")
-def feature_bundle(learnable_target, tmp_path_factory):  # noqa: F811
-    """A target whose every attention output is zeroed (its next-token law is a function of the current token,
-    which one MLP can learn from a few thousand tokens: a random 2-layer target could not be imitated on so little
-    data, so the test would measure noise), a feature draft distilled for it and the bundle of both."""
+def feature_bundle(per_token_target, tmp_path_factory):
+    """A feature draft distilled for ``per_token_target`` and the bundle of both."""
     import torch
 
     from builder.build import build
     from builder.distill.pipeline import distill_draft
     from builder.distill.recipe import DistillRecipe
     from runtime.bundle import BuildSpec
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    source, prompts = learnable_target
+    target, prompts = per_token_target
     root = tmp_path_factory.mktemp("feature")
-    target = root / "target"
-    model = AutoModelForCausalLM.from_pretrained(str(source))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).is_file():
-            (target / name).write_bytes((source / name).read_bytes())
     recipe = DistillRecipe(
         init="feature", prompts=prompts, max_new_tokens=24, max_steps=150, seed=0, heldout=0.2, draft_vocab=200
     )

@@ -112,6 +112,7 @@ def generate_with_engine(
     deadline: float = math.inf,
     features: bool = False,
     advance: Callable[[int], None] = lambda n: None,
+    sink: Callable[[int, Sample], None] | None = None,
 ) -> list[Sample]:
     """Continue every job's prompt with the target's ONNX engine (``runtime.engines.onnx.FusedEngine``), filling each
     sample's teacher rows from the same calls: no second teacher pass.
@@ -122,7 +123,8 @@ def generate_with_engine(
     ``generate``. ``features``: keep the target's final hidden state at every position too (float16; a feature
     draft's training data, from the calls already made). Stops admitting at
     ``deadline`` (the first job always runs) and finishes the rows already running; returns the samples made, in job
-    order.
+    order. ``sink(job, sample)``: each sample is handed over as it finishes instead (its features need not stay in
+    memory: builder/distill/shards.py writes them), and the list returned is empty.
     """
     import torch
 
@@ -161,6 +163,8 @@ def generate_with_engine(
                     r.rows_from,
                     np.concatenate(r.features) if features else None,
                 )
+                if sink is not None:
+                    sink(r.job, done.pop(r.job))
             advance(len(rows) - len(live))
             rows = [rows[b] for b in live]
             cache = engine.select(cache, np.array(live, np.int64)) if rows else None
