@@ -216,7 +216,7 @@ def decode(
     )
     config, _ = generator.decode_config(request)
     drafter = generator.new_drafter(mode, drafter_kind, confidence)
-    planned = drafter is not None and len(token_lists) > 1 and config.plan
+    planned = drafter is not None and config.plan
     costs = generator.step_costs(len(token_lists)) if planned else None
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config, costs)
     records = [SequenceRecord() for _ in token_lists]

@@ -79,6 +79,43 @@ def test_feature_drafting_follows_the_target_distribution():
     assert_follows_target(loop.rows, counts, p, start, [q1, q_chained, q_chained])
 
 
+class ReducedFeatureDraft(FakeFeatureDraft):
+    """FakeFeatureDraft with a reduced head: logits over ``kept`` ids only (column j is token kept[j]), as a draft
+    distilled with ``draft_vocab`` returns them."""
+
+    def __init__(self, kept, *tables):
+        super().__init__(*tables)
+        self.kept = np.asarray(kept)
+
+    def forward(self, cache, tokens, valid=None, features=None):
+        return super().forward(cache, tokens, valid, features)[..., self.kept]
+
+
+def test_a_reduced_head_feature_draft_follows_the_target_distribution():
+    """The draft's law is zero outside its kept ids (runtime.engines.onnx.MappedVocabEngine): tokens it can never
+    propose come back through the residual, and the output still follows the target's law exactly."""
+    from runtime.engines.onnx import MappedVocabEngine
+
+    params = SamplingParams(1.0)
+    target = random_table(VOCAB, 1)
+    first, by_feature, chained = random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4)
+    kept = [0, 2, 3]  # tokens 1 and 4 are never drafted
+    n, start, before = 20000, 0, 3
+    engine = MappedVocabEngine(ReducedFeatureDraft(kept, first, by_feature, chained), kept, VOCAB)
+    loop = SpeculativeLoop(
+        HiddenBigram(target), FeatureDrafter(engine), [[before, start]] * n, DecodeConfig(LENGTH, 3, params, seed=6)
+    )
+    counts = run_loop(loop)
+    outside = np.full(VOCAB, -np.inf)
+    outside[kept] = 0.0
+    q1 = np.tile(probabilities(first[start] + by_feature[before] + outside, params), (VOCAB, 1))
+    q_chained = probabilities(chained + outside, params)
+    assert q_chained[:, [1, 4]].max() == 0.0
+    assert_follows_target(loop.rows, counts, probabilities(target, params), start, [q1, q_chained, q_chained])
+    emitted = {t for row in loop.rows for t in row.generated}
+    assert {1, 4} <= emitted  # the target's own tokens outside the draft's head still come out
+
+
 def test_feature_drafter_drops_its_own_predictions_and_keeps_the_targets():
     """Between steps the draft cache holds only true pairs: fed pairs + pending ones = every token but the first."""
     engine = FakeFeatureDraft(random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4))

@@ -7,7 +7,8 @@ In order, under the recipe's ``minutes`` (counted over every run of the same wor
    the target is never whole in torch fp32);
 2. the greedy continuations of the held-out prompts (``heldout_prompts``: sets no training text holds);
 3. pairs for ``generate_share`` of the budget: continuations of the training prompts in continuous batches (the
-   first at ``temperature``, the others sampled at ``sample_temperature``) for ``1 - prefill_share`` of that time, then windows of ``prefill_text`` in batched prefill for the rest
+   first at ``temperature``, the others sampled at ``sample_temperature``) for ``1 - prefill_share`` of that time,
+   then windows of ``prefill_text`` in batched prefill for the rest
    (builder/distill/prefill.py) -- each sample the target's hidden state at every position, in shards on disk;
 4. the reduced vocabulary (the ``draft_vocab`` most frequent tokens of all that text), the draft, training with a
    checkpoint every few minutes (builder/distill/checkpoints.py), its chained agreement on the held-out
@@ -28,7 +29,8 @@ from builder.distill.draft import coverage, kept_vocabulary
 from builder.distill.prefill import text_files, text_windows
 from builder.distill.run import Run, check_target, progress_bars, publish_features, task, training_bar
 
-WINDOWS_PER_SECOND = 0.5  # windows planned per second of prefill time: more than 2 cores prefill (~0.1-0.2 at 512)
+# tokens a second of prefill time the windows are planned for: more than 2 cores prefill a 1.5B target (~100)
+PLANNED_TOKENS_PER_SECOND = 300
 
 
 def distill_resumable(run: Run, quiet: bool, work: str | Path | None) -> dict:
@@ -159,11 +161,14 @@ def _pairs(run: Run, clock, engine, tokenizer, train_ids, eos, held_sets, progre
 
 
 def _prefill(run: Run, clock, engine, tokenizer, held_sets, deadline: float, progress):
-    """The prefilled windows of ``prefill_text`` (planned for more time than is left, made until ``deadline``)."""
+    """The prefilled windows of ``prefill_text``, made until ``deadline``: planned from the recipe alone (a resumed
+    run plans the same windows) for more than the data share of the budget can prefill."""
     recipe = run.recipe
     files = text_files(list(recipe.prefill_text))
     exclude = [p.text for _, prompts in held_sets for p in prompts]
-    count = recipe.prefill_rows * math.ceil(WINDOWS_PER_SECOND * recipe.minutes * 60 / recipe.prefill_rows)
+    data_seconds = recipe.generate_share * recipe.minutes * 60
+    planned = PLANNED_TOKENS_PER_SECOND * recipe.prefill_share * data_seconds / recipe.prefill_length
+    count = recipe.prefill_rows * max(1, math.ceil(planned / recipe.prefill_rows))
     windows = text_windows(tokenizer, files, recipe.prefill_length, count, seed=recipe.seed, exclude=exclude)
     store = clock.store("prefill", {"windows": pairs.sha_of(windows)})
     left = len(windows) - len(store.done())

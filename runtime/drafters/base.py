@@ -62,6 +62,10 @@ class Drafter:
         """The target's hidden states [n_b, H] of the tokens its last call fed, per row (None: the engine returns
         none). Called after the prefill and after every target call; ignored unless ``reads_features``."""
 
+    def use_costs(self, costs) -> None:
+        """The measured call costs of the target and draft calls (runtime.decoding.step_costs.CostModel), given
+        once by the loop that plans its steps by them; ignored unless the drafter chooses by cost (the hybrid)."""
+
     def constrain_rows(self, grammars: list) -> None:
         """Per row, the GrammarRow its draws must be masked by (None: unconstrained). Model-free drafters propose
         text, which the step cuts at the grammar's first refusal, so they ignore it."""

@@ -579,6 +579,8 @@ class Scheduler:
         drafter = self.generator.new_drafter(w.request.mode, w.request.drafter, w.request.draft_confidence)
         if drafter is not None:
             drafter.start([w.prompt])
+            if self.plan and w.config.plan:
+                drafter.use_costs(self.costs)  # a hybrid picks its source per step by them
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
         return _Row(
