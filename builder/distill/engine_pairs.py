@@ -57,6 +57,11 @@ class WorkFolder:
         partial.write_text(json.dumps(record), encoding="utf-8")
         os.replace(partial, self.path / CLOCK)
 
+    def reset(self) -> None:
+        """Forget the seconds spent (a finished distillation: a later one in the folder reuses its data, not its
+        time)."""
+        (self.path / CLOCK).unlink(missing_ok=True)
+
     def store(self, name: str, fingerprint: dict) -> ShardStore:
         return ShardStore(self.path / name, {**self.fingerprint, **fingerprint})
 

@@ -149,12 +149,14 @@ def publish_features(
     trained: dict,
     self_prompts_kept: int,
     extra: dict | None = None,
+    after: dict | None = None,
 ) -> dict:
-    """Measure the trained feature draft (held out, and on as many training prompts), write it and its transformers
-    shell with the report (``extra``: the flow's own fields, last), and say how to build with it."""
+    """Measure the trained feature draft (held out, unless ``after`` holds that measure already, and on as many
+    training prompts), write it and its transformers shell with the report (``extra``: the flow's own fields, last),
+    and say how to build with it."""
     from builder.distill import feature_draft as fd
 
-    after = fd.chained_agreement(draft, held, kept)
+    after = after or fd.chained_agreement(draft, held, kept)
     train_fit = fd.chained_agreement(draft, samples[: len(held)], kept)
     run.say(
         f"after:  held-out top-1 agreement {after['top1']:.3f}, per draft position {after['per_position']}, "
