@@ -318,6 +318,18 @@ def test_engine_sampled_continuations_are_seeded_and_stop_at_the_deadline(learna
     assert len({tuple(s.continuation) for s in one}) > 1 and all(len(s.continuation) == 12 for s in one)
     late = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], batch_size=2, deadline=time.perf_counter())
     assert len(late) == 1  # past the deadline only the first job runs
+    handed = []  # the same when each sample goes to a sink as it finishes (none is kept)
+    kept = generate_with_engine(
+        engine,
+        jobs,
+        12,
+        top_k=4,
+        eos_ids=[],
+        batch_size=2,
+        deadline=time.perf_counter(),
+        sink=lambda job, sample: handed.append(job),
+    )
+    assert kept == [] and len(handed) == 1
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_users_message(learnable_target):
