@@ -150,3 +150,16 @@ def test_the_hybrid_takes_the_free_proposal_only_where_it_pays():
     hybrid.use_costs(costs({(1, 1): 1.0, (1, 4): 1.2}, {1: 2.0}))  # a draft call dearer than a step
     hybrid.rates[0] = [0.3, 0.9]
     assert hybrid.free_pays(0, 3, [3])
+
+
+def test_a_model_free_drafter_is_charged_no_draft_calls():
+    """Prompt lookup and the suffix trie draft without the draft engine: the plan prices their drafts at the verify
+    alone, so a draft engine dearer than a step does not keep them from drafting."""
+    from runtime.drafters.lookup import PromptLookupDrafter
+    from runtime.drafters.suffix import SuffixDrafter
+
+    dear = costs({(1, 1): 1.0, (1, 5): 1.2}, {1: 3.0})
+    paid = PlanInputs([0.6], [4], shared_drafter=True, min_width=1, plain_width=1, paid=[True])
+    free = PlanInputs([0.6], [4], shared_drafter=True, min_width=1, plain_width=1, paid=[False])
+    assert plan_draft_lengths(dear, paid) == [0] and plan_draft_lengths(dear, free) == [4]
+    assert not PromptLookupDrafter(8).calls_draft_engine and not SuffixDrafter(8).calls_draft_engine

@@ -125,7 +125,14 @@ class SpeculativeLoop:
         pad = getattr(self.target, "min_call_tokens", 1)
         ks = plan_draft_lengths(
             self.costs,
-            PlanInputs([r.acceptance for r in rows], limits, shared_drafter=True, min_width=pad, plain_width=pad),
+            PlanInputs(
+                [r.acceptance for r in rows],
+                limits,
+                shared_drafter=True,
+                min_width=pad,
+                plain_width=pad,
+                paid=[self.drafter.calls_draft_engine] * len(rows),
+            ),
         )
         return with_probes(ks, limits, rows)
 

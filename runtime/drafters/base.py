@@ -34,6 +34,7 @@ class Drafter:
     """Base of every drafter; the hooks after the first five are optional capabilities with their defaults."""
 
     reads_features = False  # take_features receives the target's final hidden states (a feature draft)
+    calls_draft_engine = True  # its drafts cost draft-engine calls (False: model-free; the step plan charges none)
     takes_prefixes = False  # propose(prefixes=...) drafts on after given tokens (grammar-forced ones)
 
     def start(self, prompts: list[list[int]]) -> None:

@@ -379,7 +379,12 @@ class Scheduler:
             return limits
         width = 1 if self.policy == "throughput" else self.padding
         inputs = PlanInputs(
-            [row.acceptance for row in self.rows], limits, shared_drafter=False, min_width=width, plain_width=width
+            [row.acceptance for row in self.rows],
+            limits,
+            shared_drafter=False,
+            min_width=width,
+            plain_width=width,
+            paid=[row.drafter is not None and row.drafter.calls_draft_engine for row in self.rows],
         )
         ks = with_probes(plan_draft_lengths(self.costs, inputs), limits, self.rows)
         fixed = [not row.config.plan or (self.policy == "exact" and row.pinned) for row in self.rows]
