@@ -216,7 +216,9 @@ def decode(
     )
     config, _ = generator.decode_config(request)
     drafter = generator.new_drafter(mode, drafter_kind, confidence)
-    planned = drafter is not None and config.plan
+    # a lone request keeps its k: planned, its steps would emit fewer tokens, and a stop string split
+    # across two steps leaks its first part (cut_at_stop cannot take back text already sent)
+    planned = drafter is not None and config.plan and len(token_lists) > 1
     costs = generator.step_costs(len(token_lists)) if planned else None
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config, costs)
     records = [SequenceRecord() for _ in token_lists]

@@ -170,7 +170,9 @@ class SpeculativeGenerator:
         config, stops = self.decode_config(request)
         token_lists = [self.encode_prompt(p, chat) for p in prompts]
         drafter = self.new_drafter(request.mode, request.drafter, request.draft_confidence)
-        planned = drafter is not None and config.plan
+        # a lone request keeps its k: planned, its steps would emit fewer tokens, and a stop string split
+        # across two steps leaks its first part (cut_at_stop cannot take back text already sent)
+        planned = drafter is not None and config.plan and len(token_lists) > 1
         costs = self.step_costs(len(token_lists)) if planned else None
         loop = SpeculativeLoop(self.target, drafter, token_lists, config, costs)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
