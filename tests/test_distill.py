@@ -222,7 +222,7 @@ def test_the_commands_flags_are_the_recipes_keys_with_its_defaults():
     fields = {f.name: f.default for f in dataclasses.fields(DistillRecipe)}
     flags = {p.name: p.default for p in distill.params}
     assert set(RECIPE_KEYS) <= set(fields)
-    assert set(RECIPE_KEYS) == set(flags) - {"config_path", "target", "out", "threads", "force", "as_json"}
+    assert set(RECIPE_KEYS) == set(flags) - {"config_path", "target", "out", "threads", "work", "force", "as_json"}
     assert {key: flags[key] for key in RECIPE_KEYS} == {key: fields[key] for key in RECIPE_KEYS}
 
 

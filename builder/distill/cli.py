@@ -105,6 +105,7 @@ from runtime.presets import load_preset
 @click.option(
     "--prefill-text",
     multiple=True,
+    default=(),
     help="Feature drafts: a text source the target's engine reads whole (batched prefill) for training pairs: "
     "python:PACKAGE (an installed package's files), a file or a folder (repeatable). With it the data and "
     "training are kept in --work and a killed run resumes.",
@@ -128,6 +129,7 @@ from runtime.presets import load_preset
 @click.option(
     "--heldout-prompts",
     multiple=True,
+    default=(),
     help="Held-out prompts: heldout-code, heldout-chat (shipped) or a prompt file (repeatable; default: a "
     "--heldout share of the corpus).",
 )
