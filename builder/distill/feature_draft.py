@@ -532,9 +532,11 @@ def as_transformers(draft, target_config):
     it."""
     import torch
     from transformers import LlamaForCausalLM
+    from transformers.initialization import no_init_weights
 
     torch.manual_seed(0)
-    shell = LlamaForCausalLM(shell_config(draft.cfg, target_config))
+    with no_init_weights():  # every weight is replaced below: a random 151,936-row table would cost a copy more
+        shell = LlamaForCausalLM(shell_config(draft.cfg, target_config))
     names = {
         "model.layers.0.input_layernorm.weight": "attn_norm",
         "model.layers.0.post_attention_layernorm.weight": "mlp_norm",
@@ -543,8 +545,9 @@ def as_transformers(draft, target_config):
         **{f"model.layers.0.mlp.{x}_proj.weight": x for x in ("gate", "up", "down")},
     }
     state = {key: getattr(draft, name).detach().clone() for key, name in names.items()}
-    state["model.embed_tokens.weight"] = draft.embedding.clone()
-    missing, _ = shell.load_state_dict(state, strict=False)
+    state["model.embed_tokens.weight"] = draft.embedding  # the draft's own table (frozen), not a copy
+    missing, _ = shell.load_state_dict(state, strict=False, assign=True)
+    shell.tie_weights()  # the head is the (assigned) embedding, as the config says
     missing = [m for m in missing if m != "lm_head.weight" and not m.endswith("rotary_emb.inv_freq")]
     if missing:
         raise DistillError(f"the feature draft's Llama shell has weights the draft lacks: {missing[:4]}")
