@@ -458,9 +458,10 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
         raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
     try:
         cfg, weights = fd.load_feature_weights(draft_ckpt.folder)
-        own = fd.FeatureConfig.of_target(target_ckpt.config)  # refuses a target a feature draft cannot follow
+        # refuses a target a feature draft cannot follow, and an MLP wider than the target's
+        own = fd.FeatureConfig.of_target(target_ckpt.config, intermediate=cfg.intermediate)
     except DistillError as err:
-        raise BuildError(str(err)) from None
+        raise BuildError(f"{draft_ckpt.source}: {err}") from None
     if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
         raise BuildError(
             f"{draft_ckpt.source} was trained on the hidden states of another target "

@@ -170,7 +170,9 @@ class SpeculativeGenerator:
         config, stops = self.decode_config(request)
         token_lists = [self.encode_prompt(p, chat) for p in prompts]
         drafter = self.new_drafter(request.mode, request.drafter, request.draft_confidence)
-        planned = drafter is not None and len(token_lists) > 1 and config.plan
+        # a lone request keeps its k: planned, its steps would emit fewer tokens, and a stop string split
+        # across two steps leaks its first part (cut_at_stop cannot take back text already sent)
+        planned = drafter is not None and config.plan and len(token_lists) > 1
         costs = self.step_costs(len(token_lists)) if planned else None
         loop = SpeculativeLoop(self.target, drafter, token_lists, config, costs)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
@@ -249,10 +251,12 @@ class SpeculativeGenerator:
         return self._grammars
 
     def step_costs(self, rows: int) -> CostModel:
-        """This machine's measured call costs for batches of up to ``rows`` (at least 8) rows, which plan a batch's
-        steps (runtime/decoding/step_costs.py): measured once, on first need (seconds; again for a larger batch)."""
-        largest = max(self._costs_rows, 8, rows) if self._costs is not None else max(8, rows)
-        if self._costs is None or rows > self._costs_rows:
+        """This machine's measured call costs for batches of up to ``rows`` rows (a lone row's alone, else at least
+        8), which plan every step's draft lengths (runtime/decoding/step_costs.py): measured once, on first need
+        (seconds; again for a larger batch)."""
+        wanted = 1 if rows == 1 else max(8, rows)
+        largest = max(self._costs_rows, wanted)
+        if self._costs is None or wanted > self._costs_rows:
             costs = CostModel()
             costs.calibrate(self.target, self.draft, largest, min(self.max_k, 8) + 1)
             self._costs, self._costs_rows = costs, largest

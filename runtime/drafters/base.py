@@ -34,6 +34,7 @@ class Drafter:
     """Base of every drafter; the hooks after the first five are optional capabilities with their defaults."""
 
     reads_features = False  # take_features receives the target's final hidden states (a feature draft)
+    calls_draft_engine = True  # its drafts cost draft-engine calls (False: model-free; the step plan charges none)
     takes_prefixes = False  # propose(prefixes=...) drafts on after given tokens (grammar-forced ones)
 
     def start(self, prompts: list[list[int]]) -> None:
@@ -61,6 +62,10 @@ class Drafter:
     def take_features(self, rows: list[np.ndarray] | None) -> None:
         """The target's hidden states [n_b, H] of the tokens its last call fed, per row (None: the engine returns
         none). Called after the prefill and after every target call; ignored unless ``reads_features``."""
+
+    def use_costs(self, costs) -> None:
+        """The measured call costs of the target and draft calls (runtime.decoding.step_costs.CostModel), given
+        once by the loop that plans its steps by them; ignored unless the drafter chooses by cost (the hybrid)."""
 
     def constrain_rows(self, grammars: list) -> None:
         """Per row, the GrammarRow its draws must be masked by (None: unconstrained). Model-free drafters propose

@@ -379,7 +379,12 @@ class Scheduler:
             return limits
         width = 1 if self.policy == "throughput" else self.padding
         inputs = PlanInputs(
-            [row.acceptance for row in self.rows], limits, shared_drafter=False, min_width=width, plain_width=width
+            [row.acceptance for row in self.rows],
+            limits,
+            shared_drafter=False,
+            min_width=width,
+            plain_width=width,
+            paid=[row.drafter is not None and row.drafter.calls_draft_engine for row in self.rows],
         )
         ks = with_probes(plan_draft_lengths(self.costs, inputs), limits, self.rows)
         fixed = [not row.config.plan or (self.policy == "exact" and row.pinned) for row in self.rows]
@@ -594,6 +599,8 @@ class Scheduler:
         drafter = self.generator.new_drafter(w.request.mode, w.request.drafter, w.request.draft_confidence)
         if drafter is not None:
             drafter.start([w.prompt])
+            if self.plan and w.config.plan:
+                drafter.use_costs(self.costs)  # a hybrid picks its source per step by them
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
         return _Row(
