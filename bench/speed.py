@@ -180,10 +180,12 @@ def decode(
     forced_drafts: bool = True,
     top_p: float | None = None,
     policy: str = "exact",
+    plan: bool = True,
 ) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
     public steps: decode_config, new_drafter), recording each step as it is yielded. ``response_format`` constrains
-    every answer (target-only decoding too: the baseline is constrained target-only decoding)."""
+    every answer (target-only decoding too: the baseline is constrained target-only decoding). ``plan``: each
+    step's draft lengths from the measured costs, ``k`` the most (False: ``k`` every step)."""
     from runtime.decoding.loop import SpeculativeLoop
 
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
@@ -213,12 +215,11 @@ def decode(
         response_format=response_format,
         forced_drafts=forced_drafts,
         policy=policy,
+        plan=plan,
     )
     config, _ = generator.decode_config(request)
     drafter = generator.new_drafter(mode, drafter_kind, confidence)
-    # a lone request keeps its k: planned, its steps would emit fewer tokens, and a stop string split
-    # across two steps leaks its first part (cut_at_stop cannot take back text already sent)
-    planned = drafter is not None and config.plan and len(token_lists) > 1
+    planned = drafter is not None and config.plan
     costs = generator.step_costs(len(token_lists)) if planned else None
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config, costs)
     records = [SequenceRecord() for _ in token_lists]

@@ -23,7 +23,7 @@ from runtime.decoding.grammar import CompiledGrammar, GrammarCompiler, parse_res
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.request import DecodeRequest, check_text, decode_request
 from runtime.decoding.sampling import SamplingParams
-from runtime.text.tokenizer import IncrementalDecoder, Tokenizer, cut_at_stop
+from runtime.text.tokenizer import IncrementalDecoder, StopText, Tokenizer
 from runtime.text.vocab_bridge import VocabBridge
 
 
@@ -170,14 +170,12 @@ class SpeculativeGenerator:
         config, stops = self.decode_config(request)
         token_lists = [self.encode_prompt(p, chat) for p in prompts]
         drafter = self.new_drafter(request.mode, request.drafter, request.draft_confidence)
-        # a lone request keeps its k: planned, its steps would emit fewer tokens, and a stop string split
-        # across two steps leaks its first part (cut_at_stop cannot take back text already sent)
-        planned = drafter is not None and config.plan and len(token_lists) > 1
+        planned = drafter is not None and config.plan
         costs = self.step_costs(len(token_lists)) if planned else None
         loop = SpeculativeLoop(self.target, drafter, token_lists, config, costs)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
         decoders = [IncrementalDecoder(self.tokenizer) for _ in prompts]
-        texts = [""] * len(prompts)
+        texts = [StopText(stops) for _ in prompts]
         for step in loop.run():
             for row, new in step:
                 if cancelled is not None and not row.finished and cancelled(row.index):
@@ -185,15 +183,18 @@ class SpeculativeGenerator:
                 piece = decoders[row.index].push(new) if new else ""
                 if row.finished:
                     piece += decoders[row.index].flush()
-                piece = self._apply_stops(row, texts, piece, stops)
-                texts[row.index] += piece
+                piece, stopped = texts[row.index].push(piece)
+                if stopped:
+                    row.finished = "stop"  # the loop drops finished rows after this step
+                elif row.finished:
+                    piece += texts[row.index].flush()
                 done = None
                 if row.finished:
                     row.stats.finish_reason = row.finished
                     row.stats.prompt_tokens = len(row.prompt)
                     self.metrics.add(row.stats, self.drafter_name(request) if drafter is not None else "")
                     done = Generation(
-                        texts[row.index],
+                        texts[row.index].text,
                         list(row.generated),
                         len(row.prompt),
                         row.finished,
@@ -203,12 +204,6 @@ class SpeculativeGenerator:
                     )
                 if piece or done is not None:
                     yield row.index, piece, done
-
-    def _apply_stops(self, row, texts, piece, stops) -> str:
-        piece, stopped = cut_at_stop(texts[row.index], piece, stops)
-        if stopped:
-            row.finished = "stop"  # the loop drops finished rows after this step
-        return piece
 
     def decode_config(self, request: DecodeRequest) -> tuple[DecodeConfig, tuple[str, ...]]:
         """A validated request as this bundle decodes it (its default k, k within its max_k, the response format

@@ -263,8 +263,8 @@ def test_the_bench_decodes_with_the_draft_confidence_it_is_given(generator):
     from bench.speed import decode
 
     ids = generator.encode_prompt("def add(a, b):", False)
-    (free,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.0)
-    (sure,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.9999)
+    (free,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.0, plan=False)
+    (sure,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.9999, plan=False)
     assert max(s[0] for s in free.steps) == 4
     assert max(s[0] for s in sure.steps) == 1  # after its first token the draft is never that sure
     assert sure.token_ids == free.token_ids  # greedy: the same output whatever the draft length

@@ -62,7 +62,7 @@ from runtime.request import DecodeRequest
 from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
 from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
 from runtime.serving.health import FaultWatch
-from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
+from runtime.text.tokenizer import IncrementalDecoder, StopText
 
 POLICIES = ("exact", "throughput")
 PREFILL_CHUNK = "auto"  # prompt tokens prefilled per step while other rows decode: "auto" sizes it (_chunk)
@@ -81,7 +81,7 @@ class _Row(DecodeRow):
     decoder: IncrementalDecoder
     drafter_name: str  # its drafter's kind ("": none), the label of its acceptance metrics
     deadline: float | None
-    text: str = ""
+    sent: StopText  # the text its client got, stop strings applied
     client: str = ""  # who sent it (_Waiting.client)
     logprobs_sent: int = 0  # generated tokens whose log-probabilities went out in events
     prefill_left: list[int] = field(default_factory=list)  # prompt tokens still to prefill (chunked prefill)
@@ -406,16 +406,13 @@ class Scheduler:
         piece = row.decoder.push(new) if new else ""
         if row.finished:
             piece += row.decoder.flush()
-        piece = self._apply_stops(row, piece)
-        row.text += piece
-        if piece:
-            row.handle.send(Event(piece, new, logprobs=row.take_logprobs()))
-
-    def _apply_stops(self, row: _Row, piece: str) -> str:
-        piece, stopped = cut_at_stop(row.text, piece, row.stops)
+        piece, stopped = row.sent.push(piece)
         if stopped:
             row.finished = "stop"
-        return piece
+        elif row.finished:
+            piece += row.sent.flush()
+        if piece:
+            row.handle.send(Event(piece, new, logprobs=row.take_logprobs()))
 
     # --- admission and retirement ---------------------------------------------------------------------------------
 
@@ -611,6 +608,7 @@ class Scheduler:
             drafter=drafter,
             rng=rng,
             decoder=IncrementalDecoder(self.generator.tokenizer),
+            sent=StopText(w.stops),
             deadline=deadline,
             client=w.client,
             drafter_name=self.generator.drafter_name(w.request) if drafter is not None else "",
@@ -639,7 +637,7 @@ class Scheduler:
                 continue
             row.finished = reason
             tail = row.decoder.flush() if reason in ("cancelled", "timeout") else ""
-            row.text += tail
+            tail = row.sent.push(tail)[0] + row.sent.flush() if reason in ("cancelled", "timeout") else row.sent.flush()
             row.stats.finish_reason, row.stats.prompt_tokens = reason, len(row.prompt)
             self.generator.metrics.add(row.stats, row.drafter_name)
             key = {"cancelled": "cancelled", "timeout": "timed_out"}.get(reason, "finished")
@@ -649,7 +647,7 @@ class Scheduler:
                     tail,
                     [],
                     final=Generation(
-                        row.text,
+                        row.sent.text,
                         list(row.generated),
                         len(row.prompt),
                         reason,
