@@ -17,6 +17,7 @@ from __future__ import annotations
 
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from bench.stats import (
     where_time_goes,
 )
 from runtime.drafters.registry import DRAFTERS
-from runtime.engines.onnx import MappedVocabEngine, unpadded
+from runtime.engines.base import Call
 from runtime.text.prompt_files import parse_prompts
 from builder.distill.corpus import HELDOUT_SETS, load_heldout
 from runtime.request import decode_request
@@ -92,78 +93,35 @@ def int_list(values, name: str) -> list[int]:
 # --- instrumentation ------------------------------------------------------------------------------------------------
 
 
-class _TimedSession:
-    """An InferenceSession stand-in that times every ``run*`` method (``run``, ``run_with_ort_values``,
-    ``run_with_iobinding``) into ``last`` and passes everything else through."""
-
-    def __init__(self, session):
-        self._session = session
-        self.last = 0.0
-
-    def __getattr__(self, name):
-        attribute = getattr(self._session, name)
-        if not (name.startswith("run") and callable(attribute)):
-            return attribute
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return attribute(*args, **kwargs)
-            finally:
-                self.last += time.perf_counter() - start
-
-        return timed
-
-
 class Recorder:
-    """Wraps the engines of a generator so every forward call is timed (whole call and ORT part) into ``calls``."""
+    """Every call of a generator's engines, timed (the whole call and its ONNX Runtime part) into ``calls``: the
+    engines' own observers (runtime/engines/base.py), so nothing of theirs is wrapped or patched."""
 
     def __init__(self, generator, drafts: list | None = None):
         """``drafts``: draft engines besides the generator's (other bundles' drafts a bench compares)."""
         self.calls: list[EngineCall] = []
-        self._undo = []
-        wrapped = set()
+        self._watched = []
         for role, engine in [("target", generator.target), ("draft", generator.draft)] + [
             ("draft", d) for d in drafts or []
         ]:
-            if engine is not None and id(engine) not in wrapped:
-                wrapped.add(id(engine))
-                self._wrap(role, engine)
+            if engine is not None and all(engine is not e for e, _ in self._watched):
+                observer = functools.partial(self._record, role)
+                engine.watch(observer)
+                self._watched.append((engine, observer))
 
-    def _wrap(self, role: str, engine) -> None:
-        holder = engine.engine if isinstance(engine, MappedVocabEngine) else engine  # the session's owner
-        session = getattr(holder, "session", None)
-        timed = _TimedSession(session) if session is not None else None
-        if timed is not None:
-            holder.session = timed
-        inner = engine.forward
-
-        def forward(cache, tokens, valid=None, **options):  # options: FusedEngine's score=False from prefill
-            prefill = getattr(cache, "calls", 1) == 0
-            if timed is not None:
-                timed.last = 0.0
-            start = time.perf_counter()
-            out = inner(cache, tokens, valid, **options)
-            seconds = time.perf_counter() - start
-            shape = getattr(tokens, "shape", (1, 1))
-            self.calls.append(
-                EngineCall(role, prefill, seconds, timed.last if timed else seconds, int(shape[1]), int(shape[0]))
-            )
-            return out
-
-        engine.forward = forward
-        self._undo.append((engine, holder, session))
+    def _record(self, role: str, call: Call) -> None:
+        """A prompt's prefill, and a drafter's first call on its prompt, count as prefill."""
+        prefill = call.kind != "forward" or call.first
+        self.calls.append(EngineCall(role, prefill, call.seconds, call.session_seconds, call.width, call.rows))
 
     def take(self) -> list[EngineCall]:
         calls, self.calls = self.calls, []
         return calls
 
     def close(self) -> None:
-        for engine, holder, session in self._undo:
-            engine.__dict__.pop("forward", None)
-            if session is not None:
-                holder.session = session
-        self._undo = []
+        for engine, observer in self._watched:
+            engine.unwatch(observer)
+        self._watched = []
 
 
 def decode(
@@ -189,22 +147,9 @@ def decode(
     from runtime.decoding.loop import SpeculativeLoop
 
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
-        with unpadded(generator.target):
-            return decode(
-                generator,
-                token_lists,
-                "target",
-                k,
-                max_new_tokens,
-                temperature,
-                seed,
-                drafter_kind,
-                confidence,
-                response_format,
-                forced_drafts,
-                top_p,
-            )
-    policy = policy if mode == "speculative" else "exact"  # target-only is measured padded and plain anyway
+        mode, policy = "target", "throughput"
+    elif mode == "target":
+        policy = "exact"  # target-only is measured padded and plain anyway
     request = decode_request(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -244,7 +189,7 @@ def decode(
 def pads(engine) -> bool:
     """Whether the target pads its one-token calls for exactness: then target-only decoding is measured twice,
     padded (what speculation is identical to) and plain (the speedup's baseline)."""
-    return getattr(engine, "min_call_tokens", 1) > 1
+    return engine.min_call_tokens > 1
 
 
 def run_workloads(

@@ -407,7 +407,7 @@ def _opener(path: Path, info, kept=None, *, max_context: int, threads: int, voca
     def open_engine():
         engine = new_engine(info.graph, path, info, max_context, threads=threads)
         if kept is not None:
-            from runtime.engines.onnx import MappedVocabEngine
+            from runtime.engines.mapped import MappedVocabEngine
 
             engine = MappedVocabEngine(engine, kept, vocab_size)
         return engine

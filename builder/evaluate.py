@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from builder.memory import release
-from runtime.engines.onnx import OnnxEngine
+from runtime.engines.base import Engine
 
 
 EVAL_SET = "data/eval_long.txt"  # the build report's evaluation set (below)
@@ -35,16 +35,16 @@ def eval_windows(ids: list[int], max_context: int, limit: int = 0) -> list[list[
     return [ids[i : i + width] for i in range(0, len(ids), width) if len(ids[i : i + width]) > 1]
 
 
-def logits_of(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = None) -> np.ndarray:
+def logits_of(engine: Engine, ids: list[int], features: np.ndarray | None = None) -> np.ndarray:
     """Teacher-forced logits [len(ids), V]. A feature draft scores ids[1:] from the target's hidden states
     ``features`` [len(ids), H] (pair j: the state after token j with token j+1), so its row j predicts token j+2."""
     return _forward(engine, ids, features)[0]
 
 
-def _forward(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = None):
+def _forward(engine: Engine, ids: list[int], features: np.ndarray | None = None):
     """(teacher-forced logits, the final hidden states [len(ids), H] or None where the graph has none)."""
     cache = engine.new_cache(1)
-    if getattr(engine, "takes_features", False):
+    if engine.takes_features:
         logits = engine.forward(cache, np.array([ids[1:]], np.int64), features=features[None, :-1])[0]
     else:
         logits = engine.forward(cache, np.array([ids], np.int64))[0]
@@ -52,7 +52,7 @@ def _forward(engine: OnnxEngine, ids: list[int], features: np.ndarray | None = N
     return logits, None if hidden is None else hidden[0]
 
 
-Opener = Callable[[], OnnxEngine]
+Opener = Callable[[], Engine]
 
 
 def passes(
@@ -136,7 +136,7 @@ def _score(
     """One session over every window: {"argmax": [per window], "nll": summed, "scored": tokens}, and (target) each
     window's final hidden states."""
     engine = opener()
-    takes_features = getattr(engine, "takes_features", False)
+    takes_features = engine.takes_features
     result = {"argmax": [], "nll": 0.0, "scored": 0}
     hidden = [] if want_hidden else None
     for w, ids in enumerate(windows):

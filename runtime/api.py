@@ -298,7 +298,7 @@ class SpeculativeGenerator:
             DraftSources(
                 self.target.vocab_size,
                 self.draft,
-                getattr(self.target, "has_hidden", False),
+                self.target.has_hidden,
                 self.suffix_corpus,
                 confidence,
                 self.bridge,

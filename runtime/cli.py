@@ -12,7 +12,6 @@ import click
 
 from runtime.bundle import BundleError
 from runtime.drafters.registry import DRAFTERS
-from runtime.engines.onnx import unpadded
 from runtime.errors import RequestError
 from runtime.serving.cli_options import plan_option
 from runtime.serving.scheduler import POLICIES
@@ -115,8 +114,7 @@ def generate(
         baseline = plain = None
         if not no_baseline:
             baseline = generator.generate(prompt, mode="target", **options)
-            with unpadded(generator.target):
-                plain = generator.generate(prompt, mode="target", **options)
+            plain = generator.generate(prompt, mode="target", policy="throughput", **options)
     except (BundleError, RequestError, DeviceError) as err:
         raise click.ClickException(str(err)) from None
     report = _report(result, baseline, plain)

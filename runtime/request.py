@@ -1,22 +1,32 @@
-"""The decoding settings one request may carry, validated once into one typed object (``DecodeRequest``) that every
-entry point passes down: the Python API, the CLI, the scheduler, the OpenAI server and the Triton model.
+"""The front door: a request admitted once, the same way for every entry point (the Python API, the CLI, the OpenAI
+server, the Triton model), as vLLM's ``Processor.process_inputs`` does for its offline ``LLM`` and its server alike.
 
-A pydantic model (strict types, frozen, unknown keys refused), so every caller gets the same rules and the same
-messages, naming the field, what was expected and what was received. The bounds that depend on the bundle (k up to
-its ``max_k``, a drafter that needs its draft engine) and compiling a response format are the generator's, on top.
+``DecodeRequest`` holds the decoding settings one request may carry, validated once (a pydantic model: strict
+types, frozen, unknown keys refused), so every caller gets the same rules and the same messages, naming the field,
+what was expected and what was received. ``Limits`` are a server's bounds, checked before any work. ``FrontDoor``
+does the rest on a bundle: the response format compiled, the prompt's text checked and tokenized, the bundle's
+bounds (k up to its ``max_k``, the context), the drafter made, into one ``Admitted`` that the scheduler runs. A
+protocol (runtime/serving/openai_protocol.py, the Triton model) only maps its own names to these and back
+(``renamed``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from runtime.bundle import describe
-from runtime.decoding.config import AdaptiveK, Fallback
+from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
+from runtime.decoding.grammar import CompiledGrammar
+from runtime.decoding.sampling import SamplingParams
+from runtime.drafters.base import Drafter
 from runtime.drafters.registry import DRAFTERS
 from runtime.errors import RequestError
+from runtime.loaded import LoadedBundle
 
 Seed = Optional[Union[int, list[Optional[int]]]]  # one for the batch, or one per prompt
 MIN_TEMPERATURE = 1e-5  # smaller positive temperatures decode greedily (as vLLM's sampling epsilon)
@@ -116,3 +126,201 @@ def decode_request(**fields) -> DecodeRequest:
         return DecodeRequest(**fields)
     except ValidationError as err:
         raise RequestError(describe(err, DecodeRequest)) from None
+
+
+def merged_request(request: DecodeRequest | None, options: dict) -> DecodeRequest:
+    """``request`` with ``options`` on top, validated (RequestError naming every wrong field); options alone when
+    there is no request."""
+    if request is None:
+        return decode_request(**options)
+    if not isinstance(request, DecodeRequest):
+        raise RequestError(f"request: expected a runtime.request.DecodeRequest, received {type(request).__name__}")
+    given = {name: getattr(request, name) for name in request.model_fields_set}
+    return decode_request(**{**given, **options}) if options else request
+
+
+def renamed(message: str, names: dict[str, str], form: str = "{}") -> str:
+    """A front-door message (``field: why; field: why``) in a protocol's own names: ``names`` maps DecodeRequest's
+    (max_new_tokens, k, stop, prompt, ...) to the protocol's, ``form`` writes one (the Triton model's "input '{}'")."""
+
+    def one(match: re.Match) -> str:
+        return f"{match.group(1)}{form.format(names.get(match.group(2), match.group(2)))}:"
+
+    return re.sub(r"(^|; )(\w+):", one, message)
+
+
+# --- bounds: what a server lets a request ask for, checked before any work ------------------------------------------
+
+PROMPT_BYTES_PER_TOKEN = 32  # a prompt longer than this many bytes per context token cannot fit: refused untokenized
+MESSAGE_BYTES = 16  # what one chat message counts for beyond its content (its role and the template's markers)
+MAX_BODY_BYTES = 16 << 20  # whatever the context: an HTTP body is read whole before it is parsed
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A server's per-request bounds, every one checked before any decoding, template rendering or tokenizing
+    (``check``); both servers take theirs from ``for_context`` (0: derived from the bundle's context)."""
+
+    max_tokens_limit: int  # largest max_new_tokens; also the default where a protocol's is "up to the context"
+    max_prompt_bytes: int  # a prompt (all message contents together) in UTF-8 bytes
+    max_stop_words: int = 16  # stop strings per request: each one is searched at every step
+    max_stop_word_bytes: int = 256
+    max_body_bytes: int = 0  # an HTTP request body (the OpenAI server's)
+
+    @classmethod
+    def for_context(cls, max_context: int, **given: int) -> "Limits":
+        chosen = {name: value for name, value in given.items() if value}
+        prompt_bytes = chosen.get("max_prompt_bytes", PROMPT_BYTES_PER_TOKEN * max_context)
+        limits = cls(
+            **{
+                "max_tokens_limit": max_context - 1,
+                "max_prompt_bytes": prompt_bytes,
+                "max_body_bytes": min(4 * prompt_bytes + 65536, MAX_BODY_BYTES),
+                **chosen,
+            }
+        )
+        if not 1 <= limits.max_tokens_limit < max_context:
+            raise ValueError(
+                f"max_tokens_limit: expected an integer in [1, {max_context - 1}] (the bundle's context "
+                f"is {max_context}), received {limits.max_tokens_limit}"
+            )
+        return limits
+
+    def check(self, prompt_bytes: int, max_new_tokens: int | None, stop_sizes: Sequence[int]) -> None:
+        """RequestError naming every bound the request passes (sizes only: nothing is decoded or tokenized yet);
+        its ``field`` is the first of them."""
+        problems = []
+        if prompt_bytes > self.max_prompt_bytes:
+            problems.append(
+                ("prompt", f"{prompt_bytes} bytes; this server's limit is max_prompt_bytes={self.max_prompt_bytes}")
+            )
+        if max_new_tokens is not None and max_new_tokens > self.max_tokens_limit:
+            problems.append(
+                (
+                    "max_new_tokens",
+                    f"{max_new_tokens}; this server allows at most max_tokens_limit={self.max_tokens_limit} "
+                    "(prompt and completion share the model's context)",
+                )
+            )
+        if len(stop_sizes) > self.max_stop_words:
+            problems.append(
+                ("stop", f"{len(stop_sizes)} stop strings; the limit is max_stop_words={self.max_stop_words}")
+            )
+        longest = max(stop_sizes, default=0)
+        if longest > self.max_stop_word_bytes:
+            problems.append(
+                ("stop", f"one of {longest} bytes; the limit is max_stop_word_bytes={self.max_stop_word_bytes}")
+            )
+        if problems:
+            raise RequestError("; ".join(f"{field}: {why}" for field, why in problems), problems[0][0])
+
+
+def text_bytes(value) -> int:
+    """A prompt's size in UTF-8 bytes, without decoding raw bytes: a string, bytes, or chat messages (their contents,
+    plus MESSAGE_BYTES each: ten thousand empty messages are not an empty prompt, each costs the template a turn)."""
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, str):
+        return len(value.encode(errors="replace"))  # a lone surrogate is refused later, with its own message
+    return sum(text_bytes(m.get("content", "")) + MESSAGE_BYTES for m in value if isinstance(m, dict))
+
+
+# --- the door --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request through the front door: what the scheduler runs (runtime/serving/scheduler.py)."""
+
+    prompts: list[list[int]]  # token ids, one list per sequence (a server's request: one)
+    config: DecodeConfig
+    stops: tuple[str, ...]
+    drafter: Drafter | None  # the drafter of all its sequences (one call drafts them all), made here once
+    drafter_name: str  # its kind ("" without one): the label of its acceptance metrics
+
+
+class FrontDoor:
+    """Admits requests to one bundle, the same way for the Python API, the OpenAI server and the Triton model: a
+    protocol maps its own names to a DecodeRequest and calls, in order, ``limits.check`` (servers: bounds before
+    work), ``compile`` (a response format; a server runs it on a pool of its own) and ``admit`` (the prompt's text,
+    its tokens, the bundle's bounds, the drafter)."""
+
+    def __init__(self, bundle: LoadedBundle, limits: Limits | None = None):
+        """``limits`` None: no server bounds (the Python API's caller is trusted with its own process)."""
+        self.bundle, self.limits = bundle, limits
+
+    def compile(self, request: DecodeRequest) -> DecodeRequest:
+        """``request`` with its response format compiled over the bundle's tokenizer (RequestError naming
+        response_format when it cannot compile); as it is when there is none or it is compiled already."""
+        fmt = request.response_format
+        if fmt is None or isinstance(fmt, CompiledGrammar):
+            return request
+        try:
+            grammar = self.bundle.compile_constraint(fmt)
+        except RequestError as err:
+            raise RequestError(str(err), "response_format") from None
+        return request.model_copy(update={"response_format": grammar})
+
+    def admit(self, prompts: list, request: DecodeRequest, chat: bool = False) -> Admitted:
+        """The request as the scheduler runs it: each prompt (a string, or with ``chat`` a list of {"role",
+        "content"} messages) checked as text and tokenized, the request within the bundle's bounds, its response
+        format compiled (unless it is already), its drafter made. RequestError naming the field at fault."""
+        request = self.compile(request)
+        config = self.decode_config(request)
+        ids = [self.tokenize(prompt, chat) for prompt in prompts]
+        if isinstance(request.seed, list) and len(request.seed) != len(ids):
+            raise RequestError(f"seed: expected one seed per prompt ({len(ids)}), received {len(request.seed)}", "seed")
+        drafter = self.bundle.new_drafter(request.mode, request.drafter, request.draft_confidence)
+        name = self.bundle.drafter_name(request.drafter) if drafter is not None else ""
+        return Admitted(ids, config, request.stops, drafter, name)
+
+    def decode_config(self, request: DecodeRequest) -> DecodeConfig:
+        """A validated request as this bundle decodes it (its default k, k within its max_k, its EOS)."""
+        bundle = self.bundle
+        k = bundle.default_k if request.k is None else request.k
+        if k > bundle.max_k:
+            raise RequestError(f"k: expected an integer in [1, {bundle.max_k}] for this bundle, received {k!r}", "k")
+        adaptive = AdaptiveK(min_k=1, max_k=bundle.max_k) if request.adaptive is True else request.adaptive
+        fallback = Fallback() if request.fallback is True else request.fallback
+        return DecodeConfig(
+            request.max_new_tokens,
+            k,
+            SamplingParams(request.temperature, request.top_k, request.top_p),
+            bundle.eos_ids,
+            adaptive or None,
+            fallback or None,
+            request.seed,
+            grammar=request.response_format,
+            forced_drafts=request.forced_drafts and request.mode == "speculative",
+            logprobs=request.logprobs,
+            plan=request.plan,
+            exact=request.policy == "exact",
+        )
+
+    def tokenize(self, prompt, chat: bool) -> list[int]:
+        """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages: valid text, a
+        template that renders, and room left in the context to generate."""
+        field = "messages" if chat else "prompt"
+        if chat and isinstance(prompt, list):
+            if not prompt or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt
+            ):
+                raise RequestError("messages: a non-empty list of {'role': str, 'content': str}", field)
+        elif not isinstance(prompt, str) or not prompt:
+            raise RequestError("prompt: a non-empty string", "prompt")
+        check_text(prompt, field)
+        tokenizer = self.bundle.tokenizer
+        try:
+            ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
+        except ValueError as err:  # no template, or one that fails or breaks the sandbox
+            raise RequestError(str(err), field) from None
+        if not ids:
+            raise RequestError(f"{field}: encodes to no tokens", field)
+        if len(ids) >= self.bundle.max_context:
+            raise RequestError(
+                f"{field}: {len(ids)} tokens; this bundle's context is {self.bundle.max_context}, leaving no room to "
+                "generate. Shorten the prompt",
+                field,
+            )
+        return ids

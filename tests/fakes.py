@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.engines.onnx import KVCache, live_keep_mask, stack_rows
+from runtime.engines.base import Engine, KVCache, last_positions, live_keep_mask
+from runtime.engines.onnx import stack_rows
 
 
-class TokenCache:
+class TokenCache(Engine):
     """A fake engine's KV cache: the slot tokens themselves, rolled back through the same live-slot mask as
     OnnxEngine (the cache methods every scripted engine shares)."""
 
@@ -45,9 +46,7 @@ class BigramEngine(TokenCache):
         self.calls = 0
         self.tokens_fed = 0
 
-    def forward(
-        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
-    ) -> np.ndarray:
+    def compute(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, *, last=False, **_):
         valid = np.ones_like(tokens) if valid is None else valid
         cache.past = [np.concatenate([cache.past[0], tokens], axis=1)]
         cache.mask = np.concatenate([cache.mask, valid.astype(np.int64)], axis=1)
@@ -55,7 +54,8 @@ class BigramEngine(TokenCache):
         cache.calls += 1
         self.calls += 1
         self.tokens_fed += int(valid.sum())
-        return self.table[tokens]  # each position's next-token logits depend on its own token only
+        logits = self.table[tokens]  # each position's next-token logits depend on its own token only
+        return last_positions(logits, valid) if last else logits
 
 
 def random_table(vocab: int, seed: int, scale: float = 1.5) -> np.ndarray:

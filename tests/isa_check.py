@@ -13,7 +13,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.engines.attention_classes import AttentionProbe, attention_settings, class_points  # noqa: E402
-from runtime.engines.onnx import FusedEngine  # noqa: E402
+from runtime.engines.call_checks import call_shape_mismatch, prefill_chunks_differ  # noqa: E402
+from runtime.engines.fused import FusedEngine  # noqa: E402
 
 
 def probe_failures(head_dim: int, settings: tuple) -> list[str]:
@@ -60,10 +61,10 @@ def engine_failures(path: Path, info: dict) -> tuple[list[int], list[str]]:
         class_points=points,
     )
     failures = []
-    mismatch = engine.call_shape_mismatch(info["vocab_size"])
+    mismatch = call_shape_mismatch(engine, info["vocab_size"])
     if mismatch:
         failures.append(f"load-time check: {mismatch}")
-    if engine.prefill_chunks_differ(info["vocab_size"]):
+    if prefill_chunks_differ(engine, info["vocab_size"]):
         failures.append("a prefill in chunks")
     tokens = np.random.default_rng(0).integers(3, 300, 69).tolist()
     reference = last_logits(engine, tokens, 6, 1)

@@ -16,7 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from fakes import LENGTH, DraftCounts, TokenCache, rate_bound, total_variation, tv_bound
-from runtime.engines.onnx import KVCache
+from runtime.engines.base import KVCache, last_positions
 from runtime.decoding.sampling import probabilities
 
 
@@ -51,9 +51,7 @@ class PrefixEngine(TokenCache):
             logits = logits + self.base.logits_after(prefix)
         return logits
 
-    def forward(
-        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
-    ) -> np.ndarray:
+    def compute(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, *, last=False, **_):
         valid = np.ones_like(tokens) if valid is None else valid
         live = [self.live_tokens(cache, b) for b in range(len(tokens))]
         out = np.zeros(tokens.shape + (self.vocab_size,))
@@ -68,7 +66,7 @@ class PrefixEngine(TokenCache):
         cache.lengths = cache.lengths + valid.sum(axis=1)
         cache.calls += 1
         self.calls += 1
-        return out
+        return last_positions(out, valid) if last else out
 
 
 def exact_joint(law, context: list[int], vocab: int, length: int = LENGTH) -> np.ndarray:

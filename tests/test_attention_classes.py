@@ -15,7 +15,8 @@ import pytest
 from isa_check import last_logits
 from runtime.engines import attention_classes
 from runtime.engines.attention_classes import AttentionProbe, attention_settings, class_points, measure
-from runtime.engines.onnx import FusedEngine
+from runtime.engines.call_checks import call_shape_mismatch, prefill_chunks_differ
+from runtime.engines.fused import FusedEngine
 
 
 def settings_of(head_dim: int, window: int = -1) -> tuple[tuple, ...]:
@@ -151,25 +152,22 @@ def test_a_batched_step_scores_as_target_only(wide_head_int4, length):
 def test_the_load_time_check_passes_here_and_its_exact_form_matches_target_only(wide_head_int4):
     path, info = wide_head_int4
     engine = _engine(path, info)
-    assert engine.call_shape_mismatch(info.vocab_size) is None  # verify calls, batched steps, ragged verify calls
-    assert not engine.prefill_chunks_differ(info.vocab_size)  # a server's chunked prefill
+    assert call_shape_mismatch(engine, info.vocab_size) is None  # verify calls, batched steps, ragged verify calls
+    assert not prefill_chunks_differ(engine, info.vocab_size)  # a server's chunked prefill
     tokens = np.random.default_rng(5).integers(3, 300, 20).tolist()
     reference = last_logits(engine, tokens, 6, 1)
     engine.one_token_calls = True  # the form a CPU that fails the check gets: verify calls one token at a time
     assert np.array_equal(last_logits(engine, tokens, 6, 7), reference)
 
 
-def test_a_failed_check_switches_to_the_exact_form_and_says_so_once(caplog, tmp_path):
+def test_a_failed_check_switches_to_the_exact_form_and_says_so_once(caplog, tmp_path, monkeypatch):
     from runtime.engines import loading
 
     class Differing:
         vocab_size, one_token_calls, prefills_in_chunks = 300, False, True
 
-        def call_shape_mismatch(self, vocab):
-            return "a verify call of 4 tokens"
-
-        def prefill_chunks_differ(self, vocab):
-            return True
+    monkeypatch.setattr(loading, "call_shape_mismatch", lambda engine, vocab: "a verify call of 4 tokens")
+    monkeypatch.setattr(loading, "prefill_chunks_differ", lambda engine, vocab: True)
 
     engines = [Differing(), Differing()]
     with caplog.at_level("WARNING", logger="draftsmith"):

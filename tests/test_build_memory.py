@@ -28,7 +28,7 @@ def test_the_parameter_count_from_a_config_is_the_models(architecture, tied, tmp
 def test_a_graph_streamed_to_external_data_computes_what_the_one_file_graph_does(tmp_path, monkeypatch):
     from builder import graph
     from builder.decoder import from_transformers
-    from runtime.engines.onnx import FusedEngine
+    from runtime.engines.fused import FusedEngine
 
     model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
     decoder = from_transformers(model, 64)

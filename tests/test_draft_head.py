@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fakes import BigramEngine, DraftCounts, pair_frequencies, random_table
-from runtime.engines.onnx import MappedVocabEngine
+from runtime.engines.mapped import MappedVocabEngine
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.loop import SpeculativeLoop

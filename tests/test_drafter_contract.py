@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from runtime.drafters.base import Drafter
+from runtime.engines.base import Engine
 from runtime.drafters.registry import DRAFTERS, REGISTRY, DraftSources, make_drafter
 from runtime.errors import RequestError
 
@@ -19,8 +20,9 @@ PACKAGES = ("bench", "builder", "runtime", "triton_repo")
 CAPABILITIES = {name for name in vars(Drafter) if not name.startswith("_")} | {"grammars"}
 
 
-def capability_probes(source: str) -> list[tuple[int, str]]:
-    """(line, name) of every ``hasattr(x, "name")`` / ``getattr(x, "name", ...)`` of a drafter capability."""
+def capability_probes(source: str, capabilities: set[str] = CAPABILITIES) -> list[tuple[int, str]]:
+    """(line, name) of every ``hasattr(x, "name")`` / ``getattr(x, "name", ...)`` of a capability (a drafter's by
+    default; tests/test_engine_contract.py asks for an engine's)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if (
@@ -29,7 +31,7 @@ def capability_probes(source: str) -> list[tuple[int, str]]:
             and node.func.id in ("hasattr", "getattr")
             and len(node.args) >= 2
             and isinstance(node.args[1], ast.Constant)
-            and node.args[1].value in CAPABILITIES
+            and node.args[1].value in capabilities
         ):
             found.append((node.lineno, node.args[1].value))
     return found
@@ -53,9 +55,8 @@ def test_the_guard_sees_a_probe():
     assert capability_probes('getattr(engine, "takes_features", False)') == []  # an engine's, not a drafter's
 
 
-class _Engine:
+class _Engine(Engine):
     vocab_size = 16
-    takes_features = False
 
 
 CROSS = ("tli", "string")  # the kinds of a draft with its own tokenizer: they take the vocabularies' bridge

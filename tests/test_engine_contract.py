@@ -1,4 +1,5 @@
-"""The runtime's Engine contract (runtime/engines/onnx.py), run for every backend.
+"""The runtime's Engine contract (runtime/engines/base.py), run for every backend, and the guard that keeps its
+capabilities declared rather than probed.
 
 onnxruntime-fused: the tiny bundle's target engine (the fused CPU graph, builder/graph.py; the default).
 onnxruntime-int4: the tiny int4 bundle's target (fused, int8 activations, one-token calls padded to two).
@@ -23,7 +24,9 @@ import numpy as np
 import pytest
 
 from runtime.bundle import load_manifest
+from runtime.engines.base import Engine
 from runtime.engines.onnx import engine_class
+from test_drafter_contract import PACKAGES, ROOT, capability_probes
 
 ATOL = 2e-4
 
@@ -46,7 +49,7 @@ def onnx_engine(bundle, **options):
 
 
 def tolerance(engine) -> float:
-    if getattr(engine, "min_call_tokens", 1) > 1:
+    if engine.min_call_tokens > 1:
         return 5e-2  # int8 activations: a call's rows are rounded together
     return 3e-2 if getattr(engine, "dtype", None) == np.float16 else ATOL
 
@@ -234,3 +237,73 @@ def test_join_appends_rows_that_continue_as_if_alone(engine):
     for i, history in enumerate((first[1], second[0])):
         fresh = engine.forward(engine.new_cache(1), np.concatenate([history, nxt[i]])[None])
         np.testing.assert_allclose(out[i, 0], fresh[0, -1], atol=tolerance(engine))
+
+
+def test_the_last_position_alone_is_what_the_whole_call_scores_there(engine):
+    """``last=True`` (a drafter's read): each row's logits at its last valid token, as the full call scores them."""
+    rng = np.random.default_rng(6)
+    ids = tokens(rng, 2, 5)
+    valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    whole = engine.forward(engine.new_cache(2), ids * valid, valid)
+    last = engine.forward(engine.new_cache(2), ids * valid, valid, last=True)
+    assert last.shape == (2, 1, engine.vocab_size)
+    for row, at in enumerate((4, 2)):
+        np.testing.assert_allclose(last[row, 0], whole[row, at], atol=tolerance(engine))
+
+
+def test_admitted_rows_continue_as_if_alone_and_the_running_rows_are_untouched(engine):
+    """``admit_rows`` (a scheduler's admission): new rows after the running ones, each prefilled with its prompt
+    (one with none yet), then a step over all of them scores each row as its own history alone does."""
+    rng = np.random.default_rng(7)
+    running = tokens(rng, 1, 6)
+    cache = engine.new_cache(1)
+    engine.forward(cache, running)
+    prompts = [tokens(rng, 1, 4)[0].tolist(), []]
+    cache, states = engine.admit_rows(cache, prompts)
+    assert cache.batch == 3 and cache.lengths.tolist() == [6, 4, 0] and len(states) == 2
+    nxt = tokens(rng, 3, 1)
+    out = engine.forward(cache, nxt)
+    for row, history in enumerate((running[0].tolist(), prompts[0], prompts[1])):
+        fresh = engine.forward(engine.new_cache(1), np.array([history + [int(nxt[row, 0])]]))
+        np.testing.assert_allclose(out[row, 0], fresh[0, -1], atol=tolerance(engine))
+
+
+def test_every_call_is_reported_to_the_engines_observers_and_only_to_theirs(engine):
+    seen, other = [], []
+    engine.watch(seen.append)
+    try:
+        cache = engine.new_cache(2)
+        engine.prefill(cache, tokens(np.random.default_rng(8), 2, 3))
+        engine.forward(cache, tokens(np.random.default_rng(9), 2, 1), exact=False)
+    finally:
+        engine.unwatch(seen.append)
+    engine.forward(engine.new_cache(1), tokens(np.random.default_rng(10), 1, 1))
+    assert [(c.kind, c.rows, c.width, c.first, c.exact) for c in seen] == [
+        ("prefill", 2, 3, True, True),
+        ("forward", 2, 1, False, False),
+    ]
+    assert all(c.seconds >= c.session_seconds >= 0 for c in seen) and other == []
+
+
+ENGINE_CAPABILITIES = {name for name in vars(Engine) if not name.startswith("_")} | {"engine", "scores_last"}
+
+
+def test_no_engine_capability_is_probed():
+    """Every capability is declared on runtime.engines.base.Engine with its default and read as it is: no
+    ``hasattr``/``getattr`` of one anywhere in the packages (and no reaching into a wrapper for its engine)."""
+    probes = [
+        f"{path.relative_to(ROOT)}:{line} probes {name!r}"
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for line, name in capability_probes(path.read_text(encoding="utf-8"), ENGINE_CAPABILITIES)
+    ]
+    assert probes == [], "declare the capability on runtime.engines.base.Engine and read it:\n" + "\n".join(probes)
+
+
+def test_the_engine_guard_sees_a_probe():
+    source = 'pad = getattr(target, "min_call_tokens", 1)\nif hasattr(engine, "prefill_rows"):\n    inner = getattr(e, "engine", e)'
+    assert capability_probes(source, ENGINE_CAPABILITIES) == [
+        (1, "min_call_tokens"),
+        (2, "prefill_rows"),
+        (3, "engine"),
+    ]

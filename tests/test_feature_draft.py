@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fakes import LENGTH, BigramEngine, assert_follows_target, random_table, run_loop
-from runtime.engines.onnx import KVCache
+from runtime.engines.base import KVCache, last_positions
 from runtime.drafters.feature import FeatureDrafter
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
@@ -23,10 +23,10 @@ VOCAB = 5
 class HiddenBigram(BigramEngine):
     """A bigram target whose 'hidden state' after token a is one-hot(a) with a last flag 1 (came from the target)."""
 
-    def forward(
-        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
-    ) -> np.ndarray:
-        logits = super().forward(cache, tokens, valid)
+    has_hidden = True
+
+    def compute(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, **options):
+        logits = super().compute(cache, tokens, valid, **options)
         cache.extra["hidden"] = states(tokens, 1.0)
         return logits
 
@@ -51,8 +51,8 @@ class FakeFeatureDraft(BigramEngine):
         self.first, self.by_feature, self.chained = first, by_feature, chained
         self.true_pairs = set()  # (token whose state it is, the token fed with it) for every target state fed
 
-    def forward(self, cache, tokens, valid=None, features=None):
-        super().forward(cache, tokens, valid)
+    def compute(self, cache, tokens, valid=None, *, last=False, features=None, **_):
+        super().compute(cache, tokens, valid)
         true = features[..., VOCAB:] > 0.5
         live = true[..., 0] & (np.ones_like(tokens) if valid is None else valid).astype(bool)
         self.true_pairs |= set(zip(features[..., :VOCAB].argmax(-1)[live].tolist(), tokens[live].tolist()))
@@ -60,7 +60,7 @@ class FakeFeatureDraft(BigramEngine):
             true, self.first[tokens] + self.by_feature[features[..., :VOCAB].argmax(-1)], self.chained[tokens]
         )
         cache.extra["hidden"] = states(tokens, 0.0)
-        return logits
+        return last_positions(logits, valid) if last else logits
 
 
 def test_feature_drafting_follows_the_target_distribution():
@@ -87,14 +87,14 @@ class ReducedFeatureDraft(FakeFeatureDraft):
         super().__init__(*tables)
         self.kept = np.asarray(kept)
 
-    def forward(self, cache, tokens, valid=None, features=None):
-        return super().forward(cache, tokens, valid, features)[..., self.kept]
+    def compute(self, cache, tokens, valid=None, **options):
+        return super().compute(cache, tokens, valid, **options)[..., self.kept]
 
 
 def test_a_reduced_head_feature_draft_follows_the_target_distribution():
-    """The draft's law is zero outside its kept ids (runtime.engines.onnx.MappedVocabEngine): tokens it can never
+    """The draft's law is zero outside its kept ids (runtime.engines.mapped.MappedVocabEngine): tokens it can never
     propose come back through the residual, and the output still follows the target's law exactly."""
-    from runtime.engines.onnx import MappedVocabEngine
+    from runtime.engines.mapped import MappedVocabEngine
 
     params = SamplingParams(1.0)
     target = random_table(VOCAB, 1)

@@ -12,7 +12,7 @@ from builder.architectures import REGISTRY
 from builder.decoder import ROPE_KINDS, GraphError, RotaryTable, from_transformers
 from builder.export import ExportError
 from conftest import make_model, tiny_config
-from runtime.engines.onnx import FusedEngine
+from runtime.engines.fused import FusedEngine
 
 # Rotary scalings on Llama, each changing the angles within the 16 checked positions
 ROPES = {
@@ -310,7 +310,7 @@ def test_a_batched_verify_call_scores_every_row_as_that_row_alone_in_one_run(tin
     chunks = [rng.integers(0, 300, n).tolist() for n in (3, 1, 0, 5)]
     batch = engine.new_cache(4)
     for b, prompt in enumerate(prompts):
-        engine.prefill_row(batch, b, prompt)
+        engine.prefill_rows(batch, [b], [prompt])
     runs = []
     session_run = engine.session.run_with_iobinding
     engine.session.run_with_iobinding = lambda binding: runs.append(1) or session_run(binding)

@@ -18,7 +18,7 @@ from builder.gguf import header as gguf_header
 from builder.gguf import weights as gguf_weights
 from builder.decoder import Linear, from_transformers
 from conftest import make_model, tiny_config
-from runtime.engines.onnx import FusedEngine
+from runtime.engines.fused import FusedEngine
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 HALVES = {

@@ -175,16 +175,14 @@ def test_prompts_too_big_for_the_memory_left_are_400s_and_the_server_stays_ready
 
     gen = generator if graph == "fused" else export_generator
     engine = gen.target
-    name = "prefill_row" if hasattr(engine, "prefill_row") else "prefill"
-    real = getattr(engine, name)
+    real = engine.prefill_rows
 
-    def short_of_memory(cache, *args):
-        tokens = np.asarray(args[-1] if name == "prefill_row" else args[0])
-        if tokens.shape[-1] > 30:
+    def short_of_memory(cache, rows, chunks):
+        if max(len(chunk) for chunk in chunks) > 30:
             raise MemoryError("Unable to allocate 9.4 GiB for an array")
-        return real(cache, *args)
+        return real(cache, rows, chunks)
 
-    monkeypatch.setattr(engine, name, short_of_memory)
+    monkeypatch.setattr(engine, "prefill_rows", short_of_memory)
     scheduler = Scheduler(gen, max_batch=2, prefill_chunk=None).start(calibrate=False)
     app = create_app(scheduler, "tiny", drain=Drain())
     try:

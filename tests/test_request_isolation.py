@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engines.onnx import FusedEngine
+from runtime.engines.fused import FusedEngine
 from runtime.serving.scheduler import Scheduler
 
 LINE = "for i in range(10): print(i * i)\n"
@@ -241,20 +241,22 @@ def test_the_auto_chunk_keeps_the_step_call_within_its_gap_bound(generator):
     assert scheduler._chunk(0) == CHUNK_BOUNDS[1]  # nobody decodes: nobody waits on a step
 
 
-def test_a_throughput_batch_runs_its_target_calls_unpadded_and_restores_the_padding(generator):
-    """policy="throughput" over a batch (Python API, bench): the target's calls run unpadded while it decodes (a
-    row that does not draft scores one token), and the target pads again afterwards; "exact" pads throughout."""
+def test_a_throughput_batch_asks_for_unpadded_calls_and_leaves_the_engine_as_it_was(generator):
+    """policy="throughput" over a batch (Python API, bench): every decode call asks the target for unpadded kernels
+    (``exact=False``, per call), "exact" asks for lone-call kernels throughout, and the engine itself never changes
+    (its min_call_tokens stays 2: nothing about a call is set on a shared engine)."""
     engine = fused(generator)
     generator.step_costs(2)  # measured first (its own calls, both padded and unpadded)
     seen = []
-    forward = engine.forward
-    engine.forward = lambda *args, **kw: seen.append(engine.min_call_tokens) or forward(*args, **kw)
+    engine.watch(seen.append)
     try:
         prompts = ["def add(a, b):", "The quick brown"]
         fast = generator.generate(prompts, max_new_tokens=10, k=2, policy="throughput")
         throughput, seen[:] = list(seen), []
         exact = generator.generate(prompts, max_new_tokens=10, k=2)
     finally:
-        engine.forward = forward
-    assert set(throughput) == {1} and set(seen) == {2} and engine.min_call_tokens == 2
+        engine.unwatch(seen.append)
+    decoding = [c for c in throughput if c.kind == "forward"]
+    assert decoding and not any(c.exact for c in decoding)
+    assert all(c.exact for c in seen if c.kind == "forward") and engine.min_call_tokens == 2
     assert all(r.token_ids for r in fast) and all(r.token_ids for r in exact)

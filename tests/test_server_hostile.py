@@ -219,9 +219,8 @@ def test_a_sticky_engine_fault_turns_readiness_then_liveness_off(generator, monk
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    for name in ("forward", "prefill_row", "prefill"):
-        if hasattr(generator.target, name):
-            monkeypatch.setattr(generator.target, name, broken)
+    for name in ("forward", "prefill_rows", "prefill"):
+        monkeypatch.setattr(generator.target, name, broken)
     scheduler = Scheduler(generator, max_batch=2).start()
     app = create_app(scheduler, MODEL, drain=Drain() if with_drain else None)
     try:
@@ -456,17 +455,15 @@ def test_a_server_bound_to_another_loopback_address_checks_host_names(monkeypatc
 
 def test_one_failing_admission_fails_only_its_own_request(generator, monkeypatch):
     engine = generator.target
-    name = "prefill_row" if hasattr(engine, "prefill_row") else "prefill"
-    real = getattr(engine, name)
+    real = engine.prefill_rows
     poison = generator.encode_prompt("poison pill", False)[:-1]
 
-    def picky(cache, *args):
-        tokens = args[-1]
-        if list(map(int, tokens[0] if getattr(tokens, "ndim", 1) == 2 else tokens)) == poison:
+    def picky(cache, rows, chunks):
+        if any(list(map(int, chunk)) == poison for chunk in chunks):
             raise MemoryError("this request's prefill ran out of memory")
-        return real(cache, *args)
+        return real(cache, rows, chunks)
 
-    monkeypatch.setattr(engine, name, picky)
+    monkeypatch.setattr(engine, "prefill_rows", picky)
     scheduler = Scheduler(generator, max_batch=4)
     handles = [scheduler.submit(p, max_new_tokens=3) for p in ("hello there", "poison pill", "The quick")]
     while scheduler.step():

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.engines.onnx import Engine
+from runtime.engines.base import Engine
 
 
 def prefill(engine: Engine, cache, chunks: list[list[int]]) -> None:
-    """Feed prompts whose logits nobody reads; an engine with a ``prefill`` skips its output head for them."""
-    if not hasattr(engine, "prefill"):
-        feed(engine, cache, chunks)
-        return
+    """Feed prompts whose logits nobody reads (the engine may skip its output head for them)."""
     tokens, valid = padded(chunks)
     engine.prefill(cache, tokens, valid)
 
@@ -29,16 +26,13 @@ def padded(chunks: list[list[int]], min_width: int = 1) -> tuple[np.ndarray, np.
 
 
 def last_logits(engine: Engine, cache, chunks: list[list[int]], **options) -> np.ndarray:
-    """Feed per-row chunks in one call; the logits after each row's last token [B, V] (junk for empty rows). An
-    engine that ``scores_last`` runs its head there alone (a drafter reads nothing else)."""
+    """Feed per-row chunks in one call; the logits after each row's last token [B, V] (junk for empty rows): the
+    engine's head runs there alone where it can (a drafter reads nothing else)."""
     tokens, valid = padded(chunks)
-    if getattr(engine, "scores_last", False):
-        return engine.forward(cache, tokens, valid, last=True, **options)[:, 0]
-    logits = engine.forward(cache, tokens, valid, **options)
-    return logits[np.arange(len(chunks)), np.maximum(valid.sum(axis=1) - 1, 0)]
+    return engine.forward(cache, tokens, valid, last=True, **options)[:, 0]
 
 
-def feed(engine: Engine, cache, chunks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def feed(engine: Engine, cache, chunks: list[list[int]], exact: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """One forward call over per-row chunks of different lengths, right-padded; padding slots stay masked."""
     tokens, valid = padded(chunks)
-    return engine.forward(cache, tokens, valid), valid
+    return engine.forward(cache, tokens, valid, exact=exact), valid

@@ -9,7 +9,6 @@ with d = 0 (no drafter calls). What is this loop's own: the batch-wide adaptive 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from typing import Iterator
@@ -21,7 +20,7 @@ from runtime.decoding.config import DecodeConfig, row_generators
 from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, decode_step
 from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, with_probes
 from runtime.drafters.base import Drafter
-from runtime.engines.onnx import Engine, unpadded
+from runtime.engines.base import Engine
 
 
 class SpeculativeLoop:
@@ -59,11 +58,7 @@ class SpeculativeLoop:
         return self.fallback_steps_left > 0
 
     def run(self) -> Iterator[list[tuple[DecodeRow, list[int]]]]:
-        """The batch's steps; with ``config.exact`` False the target's calls run unpadded (engines.onnx.unpadded)."""
-        with contextlib.nullcontext() if self.config.exact else unpadded(self.target):
-            yield from self._steps()
-
-    def _steps(self) -> Iterator[list[tuple[DecodeRow, list[int]]]]:
+        """The batch's steps; with ``config.exact`` False the target's calls run unpadded."""
         start = time.perf_counter()
         running = self.rows
         for row in running:
@@ -108,7 +103,7 @@ class SpeculativeLoop:
         if drafting and self._plans_by_cost(rows):
             limits = self.planned(rows, limits)
             drafting = any(limits)
-        return StepPlan(limits, [drafting], fallback=self.in_fallback)
+        return StepPlan(limits, [drafting], fallback=self.in_fallback, exact=self.config.exact)
 
     def _plans_by_cost(self, rows: list[DecodeRow]) -> bool:
         """Calibrated costs (any batch, a lone row too: k from the measured verify curve, 0 where drafting does not
@@ -125,7 +120,7 @@ class SpeculativeLoop:
     def planned(self, rows: list[DecodeRow], limits: list[int]) -> list[int]:
         """The draft lengths with the most expected tokens per second of the batch (step_costs), one drafter call
         drafting every row; a row kept from drafting drafts one token every PROBE_EVERY steps."""
-        pad = getattr(self.target, "min_call_tokens", 1)
+        pad = self.target.min_call_tokens if self.config.exact else 1
         ks = plan_draft_lengths(
             self.costs,
             PlanInputs(

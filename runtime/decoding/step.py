@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from runtime.decoding.calls import feed, padded
+from runtime.decoding.calls import feed
 from runtime.decoding.config import DecodeConfig
 from runtime.drafters.base import Drafter, Proposal
 from runtime.decoding.grammar import constrain, forced_proposals, token_logprobs
@@ -76,7 +76,9 @@ class StepPlan:
 
     limits: list[int]  # per row: draft tokens it may propose (0: none)
     drafting: list[bool]  # per group: its drafter is called (else it observes what its rows emit)
-    alone: list[bool] | None = None  # per row: scored with the kernels it would get alone; None: one call as is
+    # every row scored with the kernels its lone call would take (padded to the target's min_call_tokens); False:
+    # one-token calls unpadded (the "throughput" policy, plain decoding): cheaper, exact only to the last bits
+    exact: bool = True
     fallback: bool = False  # the step runs target-only because acceptance fell (recorded in the rows' stats)
     idle: list[bool] | None = None  # per row: sits this step out (its prompt is still being prefilled); None: none
     # per idle row: the prompt tokens it feeds in this step's target call (chunked prefill riding in the step's one
@@ -117,7 +119,7 @@ def decode_step(
             list(prefill[b]) if idle[b] else [row.last] + draft
             for b, (row, (draft, _)) in enumerate(zip(rows, proposals))
         ],
-        plan.alone,
+        plan.exact,
     )
     t2 = time.perf_counter()
     verdicts = [
@@ -168,29 +170,11 @@ def propose_group(drafter: Drafter | None, rows: list[DecodeRow], limits: list[i
     return drafter.propose(limits, config.params, [row.rng for row in rows])
 
 
-def score(target, cache, chunks: list[list[int]], alone: list[bool] | None = None) -> tuple[list, list]:
+def score(target, cache, chunks: list[list[int]], exact: bool = True) -> tuple[list, list]:
     """Each row's target logits for its chunk [last, x_1..x_d], and its hidden states for them (None where the
-    engine returns none: a feature drafter's input).
-
-    ``alone`` None: one call for the batch as it is. Otherwise rows scored alone share a call at least two columns
-    wide, so a fused engine runs it row by row, each row with the kernels a lone request gets; the other rows then
-    take one batched call of one token each (``exact=False``: the batched kernels)."""
-    if alone is None:
-        logits = feed(target, cache, chunks)[0]
-        return slices(logits, cache.extra.get("hidden"), chunks)
-    out: list = [None] * len(chunks)
-    hidden: list = [None] * len(chunks)
-    for scored_alone in (True, False):
-        part = [chunk if a == scored_alone else [] for chunk, a in zip(chunks, alone)]
-        if not any(part):
-            continue
-        width = 2 if scored_alone and len(part) > 1 else 1  # a lone row needs no padding beyond min_call_tokens
-        logits = target.forward(cache, *padded(part, min_width=width), exact=scored_alone)
-        got, states = slices(logits, cache.extra.get("hidden"), part)
-        for b, chunk in enumerate(part):
-            if chunk:
-                out[b], hidden[b] = got[b], states[b]
-    return out, hidden
+    engine returns none: a feature drafter's input), in one call (``exact``: see StepPlan)."""
+    logits = feed(target, cache, chunks, exact)[0]
+    return slices(logits, cache.extra.get("hidden"), chunks)
 
 
 def slices(logits: np.ndarray, states: np.ndarray | None, chunks: list[list[int]]) -> tuple[list, list]:

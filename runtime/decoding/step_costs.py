@@ -96,22 +96,8 @@ def timed_call(engine, rows: int, width: int, past: int, repeats: int) -> float:
 def scratch_call(engine, cache, tokens: np.ndarray, exact: bool = True) -> None:
     """A forward call on made-up tokens, for timing; a feature draft engine gets zero features of its width.
     ``exact`` False: one-token calls unpadded (what a target-only batched step costs)."""
-    inner = getattr(engine, "engine", engine)
-    features = None
-    if getattr(inner, "takes_features", False):
-        width = next(i.shape[-1] for i in inner.session.get_inputs() if i.name == "features")
-        features = np.zeros(tokens.shape + (width,), np.float32)
-    padding = getattr(inner, "min_call_tokens", 1)
-    if not exact and padding > 1:
-        inner.min_call_tokens = 1
-    try:
-        if features is None:
-            engine.forward(cache, tokens)
-        else:
-            engine.forward(cache, tokens, features=features)
-    finally:
-        if not exact and padding > 1:
-            inner.min_call_tokens = padding
+    features = np.zeros(tokens.shape + (engine.feature_width,), np.float32) if engine.takes_features else None
+    engine.forward(cache, tokens, exact=exact, features=features)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -25,7 +25,7 @@ class FeatureDrafter(SamplingDrafter):
     reads_features = True
 
     def __init__(self, engine, confidence: float = 0.0):
-        if not getattr(engine, "takes_features", False):
+        if not engine.takes_features:
             raise ValueError("the feature drafter needs a feature draft engine (draftsmith distill --init feature)")
         self.engine, self.confidence = engine, confidence
         self.calls = 0

@@ -43,7 +43,7 @@ def model_drafter(sources: DraftSources) -> Drafter:
             "this bundle's draft has a tokenizer of its own: its drafters are 'tli' and 'string' "
             "(or the model-free 'prompt_lookup' and 'suffix')"
         )
-    if getattr(sources.draft, "takes_features", False):  # an engine's graph, not a drafter capability
+    if sources.draft is not None and sources.draft.takes_features:  # the draft engine's graph
         if not sources.target_has_hidden:
             raise RequestError(
                 "this bundle's draft drafts from the target's hidden states, but its target engine "

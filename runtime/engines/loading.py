@@ -10,7 +10,10 @@ import numpy as np
 
 from runtime.bundle import BundleError, Manifest, read_verified
 from runtime.engines.attention_classes import class_points
-from runtime.engines.onnx import Engine, MappedVocabEngine, new_engine
+from runtime.engines.base import Engine
+from runtime.engines.call_checks import call_shape_mismatch, prefill_chunks_differ
+from runtime.engines.mapped import MappedVocabEngine
+from runtime.engines.onnx import new_engine
 from runtime.engines.onnx_checks import read_onnx
 from runtime.engines.sessions import make_session, providers_for
 
@@ -71,7 +74,7 @@ def open_engines(
 
 def _min_call_tokens(entry) -> int:
     """A fused target's calls are at least two tokens wide on every CPU (one-token calls take other kernels:
-    runtime.engines.onnx.FusedEngine), also where an older bundle's manifest says 1; a draft need not be exact."""
+    runtime.engines.fused.FusedEngine), also where an older bundle's manifest says 1; a draft need not be exact."""
     return max(entry.min_call_tokens, 2) if entry.role == "target" and entry.graph == "fused" else entry.min_call_tokens
 
 
@@ -92,18 +95,19 @@ _warned: set[str] = set()
 
 
 def check_call_shapes(engine, root: Path) -> None:
-    """The exactness the runtime promises, checked on this CPU before a bundle serves: where a verify call or a
-    batched step scores a token otherwise than target-only decoding, the target runs one token a call (exact, and
-    slower than target-only), and the process says so once, naming the bundle and the call shape."""
+    """The exactness the runtime promises, checked on this CPU before a bundle serves (runtime/engines/
+    call_checks.py): where a verify call or a batched step scores a token otherwise than target-only decoding, the
+    target runs one token a call (exact, and slower than target-only), and the process says so once, naming the
+    bundle and the call shape. What it sets on the engine is set once, here, before any request runs."""
     import logging
 
-    if engine.prefill_chunks_differ(engine.vocab_size):
+    if prefill_chunks_differ(engine, engine.vocab_size):
         engine.prefills_in_chunks = False
         logging.getLogger("draftsmith").warning(
             "bundle %s: on this CPU a prompt prefilled in chunks scores otherwise; servers prefill each prompt whole",
             root,
         )
-    differing = engine.call_shape_mismatch(engine.vocab_size)
+    differing = call_shape_mismatch(engine, engine.vocab_size)
     if differing is None:
         return
     engine.one_token_calls = True

@@ -1,5 +1,5 @@
-"""What a request submitted to the scheduler gets back: its events, a handle to read and cancel them, and the two
-errors that are not the request's own fault (runtime/serving/scheduler.py)."""
+"""What a request submitted to the scheduler gets back: its events, ending in its ``Generation``, a handle to read
+and cancel them, and the two errors that are not the request's own fault (runtime/serving/scheduler.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from runtime.api import Generation
 from runtime.errors import RequestError
+from runtime.metrics import RequestStats
+
+
+@dataclass
+class Generation:
+    """One sequence's result."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    # "stop" (EOS or a stop string), "length" (max_new_tokens), "context", "timeout" or "cancelled"
+    finish_reason: str
+    stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[float] | None = None  # with logprobs: the target's log-probability of each token of token_ids
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the n most likely (token, logprob)
 
 
 class Overloaded(RequestError):
@@ -56,6 +70,19 @@ class Handle:
 
     def send(self, event: Event) -> None:
         self._sink(event)
+
+    def ready(self) -> list[Event]:
+        """The events sent so far and not read yet, without waiting (a caller driving the steps itself reads them
+        after each step); only when no ``sink`` was given."""
+        events = []
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return events
+            if event.last:
+                self.outcome = event
+            events.append(event)
 
     def __iter__(self) -> Iterator[Event]:
         """Events until the last one (blocking); only when no ``sink`` was given. Once the last was read, nothing."""

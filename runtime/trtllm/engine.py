@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from runtime.bundle import BundleError, Manifest, load_manifest, verify_files
-from runtime.engines.onnx import KVCache
+from runtime.engines.base import Engine, KVCache
 from runtime.trtllm.common import require_tensorrt_llm
 from runtime.trtllm.llmapi import LlmApiGenerator
 
@@ -230,8 +230,8 @@ class _Row:
         self.stats.finish_reason = self.finished
 
 
-class RunnerEngine:
-    """runtime.engines.onnx.Engine over a runner with ModelRunnerCpp's ``generate`` (or any object with that method).
+class RunnerEngine(Engine):
+    """runtime.engines.base.Engine over a runner with ModelRunnerCpp's ``generate`` (or any object with that method).
 
     State lives in the KVCache: ``extra["tokens"]`` holds each row's live token ids; ``mask``/``lengths`` mirror
     them so the speculative loop sees the same cache fields as with ONNX engines (``past`` stays empty).
@@ -246,27 +246,28 @@ class RunnerEngine:
             [], np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), extra={"tokens": [[] for _ in range(batch)]}
         )
 
-    scores_last = True  # forward(last=True): only each row's last position is converted and kept
-
-    def prefill(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
-        """Prompt tokens whose logits nobody reads: only recorded. Every ``forward`` sends each row's whole history
-        (the runner keeps no state of ours), so the next call scores the prompt with its new tokens anyway."""
-        self._append(cache, np.asarray(tokens, dtype=np.int64), valid)
-
-    def forward(
+    def compute(
         self,
         cache: KVCache,
         tokens: np.ndarray,
         valid: np.ndarray | None = None,
+        *,
         exact: bool = True,
         last: bool = False,
-    ) -> np.ndarray:
+        score: bool = True,
+        features: np.ndarray | None = None,
+    ) -> np.ndarray | None:
         """Append tokens [B, S] (valid [B, S]: 1 = real token) and return logits [B, S, V] of the new positions;
         with ``last``, [B, 1, V] at each row's last new token (the rest of the runner's context logits are never
-        copied to the host)."""
+        copied to the host). Without ``score`` (a prompt whose logits nobody reads) they are only recorded: every
+        call sends each row's whole history (the runner keeps no state of ours), so the next call scores the prompt
+        with its new tokens anyway."""
         import torch
 
         tokens = np.asarray(tokens, dtype=np.int64)
+        if not score:
+            self._append(cache, tokens, valid)
+            return None
         valid = np.ones_like(tokens) if valid is None else np.asarray(valid, dtype=np.int64)
         batch, width = tokens.shape
         histories = cache.extra["tokens"]

@@ -183,25 +183,10 @@ class TritonPythonModel:
         self.watcher.start()
 
     def _count_target_calls(self):
-        """Count the target engine's calls: a batch step is one call, however many sequences it verifies; an
-        admitted prompt's prefill (in its own row of the batch cache) is one."""
-        target = self.generator.target
-        forward, metric = target.forward, self.metrics["target_calls"]
-
-        def counted(*args, **kwargs):
-            metric.increment(1)
-            return forward(*args, **kwargs)
-
-        target.forward = counted
-        prefill_row = getattr(target, "prefill_row", None)
-        if prefill_row is not None:
-
-            def counted_prefill(cache, row, tokens):
-                if len(tokens):
-                    metric.increment(1)
-                return prefill_row(cache, row, tokens)
-
-            target.prefill_row = counted_prefill
+        """Count the target engine's calls (its observer: runtime/engines/base.py): a batch step is one call,
+        however many sequences it verifies; an admitted prompt's prefill is one."""
+        metric = self.metrics["target_calls"]
+        self.generator.target.watch(lambda call: metric.increment(1))
 
     # --- requests ---------------------------------------------------------------------------------------------------
 

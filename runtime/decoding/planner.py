@@ -1,0 +1,167 @@
+"""How a step is planned: every row's draft length (0 included), under the policies its group runs with.
+
+A group is the rows one drafter serves, one ``propose`` call drafting them all: a server's request is a group of
+one row, a Python API batch one group of all its rows. Its ``GroupPolicy`` decides how far its rows may draft from
+what its steps achieved: its request's k, moved by ``AdaptiveK`` (up after a fully accepted step, down otherwise),
+or none while ``Fallback`` holds it target-only because acceptance fell (re-probing after a while). Over the whole
+batch the measured call costs then pick each row's length up to that limit, the lengths that make the most expected
+tokens per second (runtime/decoding/step_costs.py); a seeded sampled row keeps its limit where its text must not
+depend on what else runs (whether a step drafts changes how its random stream is used).
+
+Deciding is kept apart from executing (runtime/decoding/step.py), as vLLM keeps ``schedule()`` apart from its
+model runner: the scheduler (runtime/serving/scheduler.py) asks ``plan_lengths`` and runs the plan.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.decoding.config import DecodeConfig
+from runtime.decoding.step import DecodeRow
+from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
+from runtime.drafters.base import Drafter
+
+
+@dataclass
+class GroupPolicy:
+    """A group's planning state: its current k (``AdaptiveK`` moves it) and its recent acceptance (``Fallback``)."""
+
+    config: DecodeConfig
+    k: int = 0
+    recent: deque = field(default_factory=deque)  # 1/0 per recent draft token
+    fallback_steps_left: int = 0
+
+    def __post_init__(self) -> None:
+        self.k = self.config.k
+        self.recent = deque(maxlen=self.config.fallback.window if self.config.fallback else 1)
+
+    @property
+    def in_fallback(self) -> bool:
+        return self.fallback_steps_left > 0
+
+    def limit(self, row: DecodeRow, max_context: int) -> int:
+        """Draft tokens worth proposing: k, but never past the row's budget or the context."""
+        budget = row.config.max_new_tokens - len(row.generated) - 1
+        return max(0, min(self.k, budget, max_context - row.total))
+
+    def learn(self, drafted: list[int], accepted: list[int], drafting: bool) -> bool | None:
+        """The rolling acceptance (fallback) and adaptive k from what a step achieved in the group's rows; returns
+        the fallback state where it changed (None: it did not)."""
+        for d, n in zip(drafted, accepted):
+            self.recent.extend([1] * n + [0] * (d > n))
+        changed, fallback = None, self.config.fallback
+        if fallback:
+            if self.in_fallback:
+                self.fallback_steps_left -= 1
+                if self.fallback_steps_left == 0:
+                    self.recent.clear()  # re-probe: judge the draft afresh
+                    changed = False
+            elif len(self.recent) == self.recent.maxlen and np.mean(self.recent) < fallback.threshold:
+                self.fallback_steps_left = fallback.probe_every
+                changed = True
+        if self.config.adaptive and drafting:
+            full = all(n == d and d for n, d in zip(accepted, drafted))
+            self.k = self.config.adaptive.next(self.k, full)
+        return changed
+
+
+@dataclass
+class Group:
+    """Rows one drafter serves (one ``Admitted`` request), and how their steps are planned."""
+
+    drafter: Drafter | None
+    policy: GroupPolicy
+    name: str = ""  # its drafter's kind: the label of its acceptance metrics
+
+
+@dataclass
+class LengthPlan:
+    """The draft side of one step's plan (runtime/decoding/step.py's StepPlan takes it)."""
+
+    limits: list[int]  # per row: draft tokens it may propose (0: none)
+    drafting: list[bool]  # per group: its drafter is called
+    fallback: list[bool]  # per row: its group runs target-only because acceptance fell
+    predicted: float = 0.0  # the step's seconds by the measured costs (0: not planned by them)
+
+
+@dataclass(frozen=True)
+class Planning:
+    """How a scheduler plans: ``by_cost`` (lengths from measured costs; False: every row drafts its limit),
+    ``exact`` (its policy: rows scored with lone-call kernels, seeded sampled rows at their limit) and ``width``
+    (a scored row's least width in the target's call)."""
+
+    by_cost: bool
+    exact: bool
+    width: int
+
+
+def plan_lengths(
+    rows: list[DecodeRow],
+    groups: list[Group],
+    members: list[list[int]],
+    idle: list[bool],
+    costs: CostModel,
+    planning: Planning,
+    max_context: int,
+) -> LengthPlan:
+    """Each row's draft length this step: its group's limit (0 for a row still prefilling, a group without a
+    drafter unless the grammar forces tokens, a row its drafter is done with), then, over every row of a drafting
+    group, the lengths the measured costs pick (``planning.by_cost``), each row kept from drafting probing again
+    every PROBE_EVERY steps; a request that asked for no plan, and a seeded sampled row under "exact", keep their
+    limits. ``members[g]``: group g's rows (positions in ``rows``)."""
+    limits = group_limits(rows, groups, members, idle, max_context)
+    drafting = [g.drafter is not None and not g.policy.in_fallback and any(limits[b] for b in m) for g, m in zip(groups, members)]
+    fallback = [False] * len(rows)
+    planned = [False] * len(rows)
+    for group, rows_of, drafts in zip(groups, members, drafting):
+        for b in rows_of:
+            fallback[b], planned[b] = group.policy.in_fallback, drafts
+    inputs_limits = [limit if p else 0 for limit, p in zip(limits, planned)]
+    if not (planning.by_cost and costs.calibrated and any(inputs_limits)):
+        return LengthPlan(limits, drafting, fallback)
+    inputs = PlanInputs(
+        [row.acceptance for row in rows],
+        inputs_limits,
+        shared_drafter=len(groups) == 1,
+        min_width=planning.width,
+        plain_width=planning.width,
+        paid=[g.drafter is not None and g.drafter.calls_draft_engine for g in row_groups(groups, members, len(rows))],
+    )
+    ks = with_probes(plan_draft_lengths(costs, inputs), inputs_limits, rows)
+    fixed = [not p or not row.config.plan or (planning.exact and pinned(row, g)) for p, row, g in zip(planned, rows, row_groups(groups, members, len(rows)))]
+    ks = [limit if keep else k for k, limit, keep in zip(ks, limits, fixed)]
+    drafting = [d and any(ks[b] for b in m) for d, m in zip(drafting, members)]
+    return LengthPlan(ks, drafting, fallback, step_cost(costs, ks, inputs))
+
+
+def group_limits(
+    rows: list[DecodeRow], groups: list[Group], members: list[list[int]], idle: list[bool], max_context: int
+) -> list[int]:
+    """Each row's draft limit by its group's policy (see ``plan_lengths``)."""
+    limits = [0] * len(rows)
+    for group, rows_of in zip(groups, members):
+        usable = group.drafter.can_draft() if group.drafter is not None else None
+        for i, b in enumerate(rows_of):
+            row = rows[b]
+            forced = row.grammar is not None and row.config.forced_drafts
+            if idle[b] or (group.drafter is None and not forced) or (usable is not None and not usable[i]):
+                continue
+            limits[b] = group.policy.limit(row, max_context)
+    return limits
+
+
+def row_groups(groups: list[Group], members: list[list[int]], rows: int) -> list[Group]:
+    """Each row's group."""
+    out: list = [None] * rows
+    for group, rows_of in zip(groups, members):
+        for b in rows_of:
+            out[b] = group
+    return out
+
+
+def pinned(row: DecodeRow, group: Group) -> bool:
+    """A seeded sampled row that drafts: planning it by costs would make its text depend on timing."""
+    return group.drafter is not None and row.config.seed is not None and not row.config.params.greedy

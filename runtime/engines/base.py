@@ -1,0 +1,202 @@
+"""The engine contract: what the decode step, the drafters and the scheduler ask of a compiled model.
+
+One base class instead of a Protocol plus probes (as the drafters' runtime/drafters/base.py): every capability an
+engine may have is declared here with the default an engine without it gets, so callers read each one and never
+``hasattr``/``getattr`` for it (tests/test_engine_contract.py fails on a probe). An engine owns no sequence state; a
+``KVCache`` does. Like llama.cpp's ``llama_decode(ctx, batch)``, a call says what it wants as data: which tokens are
+real (``valid``), whether logits are read at every new position, at each row's last one only (``last``) or not at
+all (``prefill``), and whether the call must score each row as its lone call would (``exact``); nothing about a
+call is set on the engine.
+
+A subclass implements ``compute`` (and the cache methods); the public calls (``forward``, ``prefill``,
+``prefill_rows``) are the base class's, so every call an engine makes is reported to its observers (``watch``: the
+Triton model's metrics and the bench's timings) without anyone wrapping or patching a method.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass
+class KVCache:
+    """Per-batch cache state. Shapes: past[j] [B, H_kv, T, D]; mask [B, T] (1 = live slot); lengths [B] live tokens."""
+
+    past: list
+    mask: np.ndarray
+    lengths: np.ndarray
+    calls: int = 0  # forward calls made on this cache (tests count them)
+    extra: dict = field(default_factory=dict)  # backend-specific state; "hidden": the last call's hidden states
+
+    @property
+    def batch(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def slots(self) -> int:
+        return int(self.mask.shape[1])
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call an engine made, as its observers see it."""
+
+    kind: str  # "forward", "prefill" (no logits read) or "prefill_rows" (prompts of admitted rows, in place)
+    rows: int  # the call's batch (B)
+    width: int  # new positions per row (S)
+    seconds: float  # the whole call
+    session_seconds: float  # inside its runtime's sessions (ONNX Runtime's run); the whole call where it has none
+    first: bool  # the first call on its cache (a prompt's prefill, a drafter's first call)
+    exact: bool = True  # it asked for lone-call kernels (``compute``'s ``exact``)
+
+
+CallObserver = Callable[[Call], None]
+
+
+class Engine:
+    """Base of every engine; the members after the first group are capabilities with their defaults."""
+
+    vocab_size: int  # logits columns callers read (the tokenizer's vocabulary)
+    max_context: int  # the longest sequence
+
+    min_call_tokens = 1  # an exact call pads each row's tokens to this many (FusedEngine: 2, see there)
+    has_hidden = False  # calls leave their final hidden states [B, S, H] in cache.extra["hidden"]
+    takes_features = False  # compute needs ``features`` [B, S, feature_width] (a feature draft's graph)
+    feature_width = 0
+    prefills_in_chunks = False  # a prompt prefilled in several calls leaves the cache one call would (checked)
+    session_seconds = 0.0  # seconds its runtime's sessions have run so far (what a Call's session_seconds counts)
+    observers: tuple = ()  # told of every call (``watch``)
+
+    # --- what a subclass implements -------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int) -> KVCache:
+        """An empty cache of ``batch`` rows."""
+        raise NotImplementedError
+
+    def compute(
+        self,
+        cache: KVCache,
+        tokens: np.ndarray,
+        valid: np.ndarray | None = None,
+        *,
+        exact: bool = True,
+        last: bool = False,
+        score: bool = True,
+        features: np.ndarray | None = None,
+    ) -> np.ndarray | None:
+        """Append each row's valid tokens (tokens [B, S], right-padded; valid [B, S] marks real ones, None: all);
+        return logits [B, S, V] of every new position, [B, 1, V] at each row's last valid token with ``last``, or
+        nothing with ``score`` False (an engine may then skip its head). ``exact``: every row scored with the
+        kernels its lone call would take (``min_call_tokens``); False: one-token calls unpadded."""
+        raise NotImplementedError
+
+    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
+        """Keep only the first keep[b] live tokens of each row."""
+        raise NotImplementedError
+
+    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
+        """A cache holding only the given rows (sequences that are still running)."""
+        raise NotImplementedError
+
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        """A cache holding cache's rows, then other's (requests admitted into a running batch)."""
+        raise NotImplementedError
+
+    # --- capabilities with their defaults ----------------------------------------------------------------------------
+
+    def admit_rows(self, cache: KVCache, chunks: list[list[int]]) -> tuple[KVCache, list[np.ndarray | None]]:
+        """``cache`` with ``len(chunks)`` new rows after its own, row i prefilled with ``chunks[i]`` (an admitted
+        prompt but its last token; [] for none yet), each as its lone prefill would be, and their hidden states
+        (``prefill_rows``). Default: prefilled in a cache of their own, then joined. On failure it raises and
+        ``cache`` holds its own rows as before (a scheduler then admits each prompt alone)."""
+        fresh = self.new_cache(len(chunks))
+        states = self.prefill_rows(fresh, list(range(len(chunks))), chunks)
+        return self.join(cache, fresh), states
+
+    def reserved_cache(self, rows: int) -> KVCache:
+        """A server's empty batch cache; an engine that can (FusedEngine) takes the memory of ``rows`` rows of the
+        whole context at once, so no request makes the process grow. Default: an empty cache that grows (``admit_rows``)."""
+        return self.new_cache(0)
+
+    def compute_rows(self, cache: KVCache, rows: list[int], chunks: list[list[int]]) -> list[np.ndarray | None]:
+        """``prefill_rows``' work. Default: one call in which only the given rows have (valid) tokens, so the others
+        stay as they are; their hidden states from ``cache.extra["hidden"]`` where the engine returns them."""
+        width = max(len(chunk) for chunk in chunks)
+        tokens = np.zeros((cache.batch, width), np.int64)
+        valid = np.zeros((cache.batch, width), np.int64)
+        for row, chunk in zip(rows, chunks):
+            tokens[row, : len(chunk)], valid[row, : len(chunk)] = chunk, 1
+        self.compute(cache, tokens, valid, score=False)
+        hidden = cache.extra.get("hidden") if self.has_hidden else None
+        return [None if hidden is None else hidden[row, : len(chunk)] for row, chunk in zip(rows, chunks)]
+
+    # --- the calls (observed) ---------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        cache: KVCache,
+        tokens: np.ndarray,
+        valid: np.ndarray | None = None,
+        *,
+        exact: bool = True,
+        last: bool = False,
+        features: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """``compute`` with its logits read (see there)."""
+        return self._observed(
+            "forward",
+            cache,
+            np.shape(tokens),
+            lambda: self.compute(cache, tokens, valid, exact=exact, last=last, features=features),
+            exact,
+        )
+
+    def prefill(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
+        """Append prompt tokens whose logits nobody reads (the next call feeds each prompt's last token again)."""
+        self._observed("prefill", cache, np.shape(tokens), lambda: self.compute(cache, tokens, valid, score=False))
+
+    def prefill_rows(self, cache: KVCache, rows: list[int], chunks: list[list[int]]) -> list[np.ndarray | None]:
+        """Prefill ``chunks[i]`` after what row ``rows[i]`` of a batch cache holds (an admitted prompt, or its next
+        chunk), in place, each as its lone prefill would; the other rows stay as they are. Returns each row's hidden
+        states [n_i, H] (None: the engine returns none). On failure the rows may hold part of their chunk: the
+        caller rolls them back (``rollback``) or drops them (``select``)."""
+        if not any(chunks):
+            return [None for _ in rows]
+        shape = (len(rows), max(len(chunk) for chunk in chunks))
+        return self._observed("prefill_rows", cache, shape, lambda: self.compute_rows(cache, rows, chunks))
+
+    def watch(self, observer: CallObserver) -> None:
+        """Report every call to ``observer`` (a Triton model's call counter, the bench's timings) from now on."""
+        self.observers = (*self.observers, observer)
+
+    def unwatch(self, observer: CallObserver) -> None:
+        self.observers = tuple(o for o in self.observers if o != observer)
+
+    def _observed(self, kind: str, cache: KVCache, shape: tuple, work: Callable, exact: bool = True):
+        if not self.observers:
+            return work()
+        first, start, session = cache.calls == 0, time.perf_counter(), self.session_seconds
+        out = work()
+        seconds = time.perf_counter() - start
+        inside = self.session_seconds - session
+        width = int(shape[1]) if len(shape) > 1 else 1
+        call = Call(kind, int(shape[0]), width, seconds, inside or seconds, first, exact)
+        for observer in self.observers:
+            observer(call)
+        return out
+
+
+def last_positions(logits: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """Logits [B, S, V] cut to [B, 1, V] at each row's last valid position (an engine that computes every position
+    answers ``last`` with it)."""
+    counts = np.full(len(logits), logits.shape[1]) if valid is None else np.asarray(valid).sum(axis=1)
+    return logits[np.arange(len(logits)), np.maximum(counts - 1, 0)][:, None]
+
+
+def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """mask with every live slot past the first keep[b] of its row cleared."""
+    return mask * (np.cumsum(mask, axis=1) <= keep[:, None])
