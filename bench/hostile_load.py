@@ -1,6 +1,8 @@
 """What a soak holds open beside its well-behaved clients: idle connections that never send a byte, slow-header
 clients that trickle their headers, and a probe that times the server's health endpoint the whole time
-(``draftsmith openai-load --idle-connections N --slow-header-clients M --health-url URL``; issue 38's soak).
+(``draftsmith openai-load --idle-connections N --slow-header-clients M --health-url URL``; issue 38's soak); and a
+client that sends one hostile ``response_format`` in a loop (``--hostile-format JSON``; issue 48's soak: a regex
+whose masks would stall every stream).
 
 Idle and slow connections come from loopback source addresses 127.0.0.2 and up, ``PER_SOURCE`` to an address, as
 many hosts would open them; each is reopened as soon as the server closes it, so the server holds them all the time.
@@ -9,6 +11,7 @@ many hosts would open them; each is reopened as soon as the server closes it, so
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -80,6 +83,54 @@ class HostileConnections:
                 self.closed_by_server += 1
                 break
         writer.close()
+
+
+class HostileFormat:
+    """One more client that sends ``fmt`` as the response_format of a short completion, back to back, until
+    ``stop``; counts the answers by status code and times them. Its requests are not the soak's: a refusal (400) is
+    what a fixed server answers, so they are reported apart from the clients' outcomes."""
+
+    def __init__(self, base: str, model: str, fmt: dict, headers: dict, timeout: float):
+        self.base, self.model, self.fmt, self.headers, self.timeout = base, model, fmt, headers, timeout
+        self.statuses: dict[str, int] = {}
+        self.latencies: list[float] = []
+        self.first_error = ""
+        self._stop, self._answered = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "HostileFormat":
+        """Start the loop, and return once its first request was answered: the soak's clients then start beside a
+        client already at it."""
+        self._thread.start()
+        self._answered.wait(self.timeout)
+        return self
+
+    def _run(self) -> None:
+        body = {"model": self.model, "prompt": "x", "max_tokens": 16, "response_format": self.fmt}
+        with httpx.Client(headers=self.headers, timeout=self.timeout) as client:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                try:
+                    response = client.post(self.base + "/v1/completions", json=body)
+                    status = str(response.status_code)
+                    if response.status_code != 200 and not self.first_error:
+                        self.first_error = response.text[:300]
+                except httpx.HTTPError as err:
+                    status = type(err).__name__
+                self.latencies.append(time.perf_counter() - start)
+                self.statuses[status] = self.statuses.get(status, 0) + 1
+                self._answered.set()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout)
+        return {
+            "response_format": json.dumps(self.fmt)[:200],
+            "sent": len(self.latencies),
+            "by_status": dict(sorted(self.statuses.items())),
+            "max_latency_s": max(self.latencies, default=0.0),
+            "first_error": self.first_error,
+        }
 
 
 class HealthProbe:

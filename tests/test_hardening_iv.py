@@ -362,3 +362,28 @@ def test_hostile_input_count():
     total = sum(len(v) for v in HOSTILE.values())
     print({k: len(v) for k, v in HOSTILE.items()}, total)
     assert total >= 60
+
+
+def test_the_load_tool_sends_a_hostile_format_beside_its_clients(scheduler):
+    """``openai-load --hostile-format``: one more client sends the issue's regex in a loop; the server refuses each
+    at once (400) and the clients' requests all finish."""
+    from bench.openai_load import run_load
+    from test_openai_server import _Server
+
+    server = _Server(create_app(scheduler, MODEL))
+    try:
+        report = run_load(
+            server.url,
+            clients=2,
+            duration=60,
+            max_requests=4,
+            max_tokens=8,
+            cancel_fraction=0.0,
+            hostile_format={"type": "regex", "regex": "a{250000}"},
+        )
+    finally:
+        server.close()
+    assert report["sent"] == 4 and report["failed"] == 0 and report["lost"] == 0
+    hostile_client = report["hostile_format"]
+    assert hostile_client["sent"] >= 1 and set(hostile_client["by_status"]) == {"400"}
+    assert "expands to more than" in hostile_client["first_error"]
