@@ -97,6 +97,8 @@ REGEXES = [
     "(?P<n>[0-9]{200}){200}",
     "[[:alpha:]]{50000}",
     "[a-z&&[^q]]{50000}",
+    "a{ 20000 }",
+    "a{020000}",
 ]
 GRAMMARS = [
     "start: /a{250000}/",
@@ -110,6 +112,7 @@ GRAMMARS = [
     'start: c{20}\nc: d{20}\nd: e{30}\ne: "q"',
     'root ::= "a"{250000}',  # GBNF, converted to Lark by llguidance
     'root ::= [ab]{300} [cd]{300} ("e"{200}){100}',
+    '%ignore /a{250000}/\nstart: "x"',
 ]
 SCHEMA_PATTERNS = [
     {"type": "string", "pattern": "a{250000}"},

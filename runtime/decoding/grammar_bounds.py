@@ -243,9 +243,10 @@ def lark_size(grammar: str, limit: int = MAX_EXPANDED) -> tuple[int, str]:
 
 
 def _definitions(grammar: str) -> dict[str, str]:
-    """Each definition's name and its text (from after its colon to the next definition or directive)."""
+    """Each definition's name and its text (from after its colon to the next definition), and under "%" what
+    comes before the first one (``%ignore /.../`` and other directives)."""
     starts = list(_DEFINITION.finditer(grammar))
-    bodies: dict[str, str] = {}
+    bodies: dict[str, str] = {"%": grammar[: starts[0].start() if starts else len(grammar)]}  # directives first
     for i, match in enumerate(starts):
         end = starts[i + 1].start() if i + 1 < len(starts) else len(grammar)
         bodies[match.group(1)] = bodies.get(match.group(1), "") + "|" + grammar[match.end() : end]
