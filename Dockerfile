@@ -17,13 +17,18 @@
 # libpython3.11.so.1.0 (the official python images are built --enable-shared) and libexpat, all in this base.
 
 FROM python:3.11-slim AS wheel
+# a compiler and cmake for Draftsmith's GGUF kernel library (runtime/engines/gguf_ops), built here and shipped inside
+# the wheel; its build fetches ONNX Runtime's API headers from Debian (libonnxruntime-dev, unpacked, not installed)
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ cmake && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY runtime runtime
 COPY triton_repo triton_repo
 COPY bench bench
 COPY builder builder
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN rm -rf runtime/engines/gguf_ops/build && python -m runtime.engines.gguf_ops.build \
+    && rm -rf runtime/engines/gguf_ops/build/cmake runtime/engines/gguf_ops/build/ort-headers \
+    && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim
 # 1: add tritonserver (nvidia-pytriton 0.7.0 ships Triton 2.51 and the Python backend stub for Python 3.11, the

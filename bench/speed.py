@@ -41,11 +41,14 @@ from bench.stats import (
 from runtime.drafters.registry import DRAFTERS
 from runtime.engines.onnx import MappedVocabEngine, unpadded
 from runtime.text.prompt_files import parse_prompts
+from builder.distill.corpus import HELDOUT_SETS, load_heldout
 from runtime.request import decode_request
 from runtime.engines.sessions import DEVICES, DeviceError
 
 BUILTIN_WORKLOADS = ("code", "chat", "reasoning", "json")  # json: with --response-format prompts/json_event.json
-CHAT_BY_DEFAULT = ("chat", "reasoning", "json")  # through the chat template unless --no-chat; code: completions
+# prompts no distillation trains on (builder/data/heldout-*.txt, the distiller's held-out sets): measure drafts there
+HELDOUT_WORKLOADS = tuple(HELDOUT_SETS)
+CHAT_BY_DEFAULT = ("chat", "reasoning", "json", "heldout-chat")  # through the chat template unless --no-chat
 
 
 # --- prompts --------------------------------------------------------------------------------------------------------
@@ -56,10 +59,13 @@ def load_workload(spec: str) -> tuple[str, list[str]]:
     if spec in BUILTIN_WORKLOADS:
         text = resources.files("bench").joinpath("prompts", f"{spec}.txt").read_text(encoding="utf-8")
         return spec, parse_prompts(text)
+    if spec in HELDOUT_WORKLOADS:
+        return spec, [prompt.text for prompt in load_heldout([spec])]
     path = Path(spec)
     if not path.is_file():
         raise click.BadParameter(
-            f"{spec!r} is neither a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) nor a prompt file",
+            f"{spec!r} is neither a built-in workload ({', '.join(BUILTIN_WORKLOADS + HELDOUT_WORKLOADS)}) nor a "
+            "prompt file",
             param_hint="--workload",
         )
     prompts = parse_prompts(path.read_text(encoding="utf-8"))
@@ -174,10 +180,12 @@ def decode(
     forced_drafts: bool = True,
     top_p: float | None = None,
     policy: str = "exact",
+    plan: bool = True,
 ) -> tuple[list[SequenceRecord], float]:
     """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
     public steps: decode_config, new_drafter), recording each step as it is yielded. ``response_format`` constrains
-    every answer (target-only decoding too: the baseline is constrained target-only decoding)."""
+    every answer (target-only decoding too: the baseline is constrained target-only decoding). ``plan``: each
+    step's draft lengths from the measured costs, ``k`` the most (False: ``k`` every step)."""
     from runtime.decoding.loop import SpeculativeLoop
 
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
@@ -207,10 +215,11 @@ def decode(
         response_format=response_format,
         forced_drafts=forced_drafts,
         policy=policy,
+        plan=plan,
     )
     config, _ = generator.decode_config(request)
     drafter = generator.new_drafter(mode, drafter_kind, confidence)
-    planned = drafter is not None and len(token_lists) > 1 and config.plan
+    planned = drafter is not None and config.plan
     costs = generator.step_costs(len(token_lists)) if planned else None
     loop = SpeculativeLoop(generator.target, drafter, token_lists, config, costs)
     records = [SequenceRecord() for _ in token_lists]
@@ -453,8 +462,9 @@ PEER_NAMES = ("transformers", "llama.cpp", "llama-cpp-python", "onnxruntime-gena
     default=None,
     help="What drafts: the draft engine (model; tli or string for a draft with its own tokenizer), n-gram "
     "lookup in the context (prompt_lookup), a suffix trie over the context (suffix), or either of those "
-    "where it matches and the engine elsewhere (hybrid, hybrid_suffix); model@BUNDLE: another bundle's "
-    "draft over this bundle's target (their target tokenizers must be the same). A comma list runs "
+    "where it matches and the engine elsewhere (hybrid, hybrid_suffix); KIND@BUNDLE (model@B, hybrid@B): "
+    "drafter KIND with another bundle's draft over this bundle's target (their target tokenizers must be the "
+    "same). A comma list runs "
     "each, interleaved in one run; the first is the one best k and the recommended k are chosen for. "
     "Default: the bundle's drafter.",
 )
@@ -676,26 +686,24 @@ def _settle(options: BenchOptions, generator, ks: list[int]) -> BenchOptions:
 
 
 def drafter_labels(text: str) -> list[str]:
-    """The --drafter list: kinds (DRAFTERS) and model@BUNDLE entries, the first a kind; BadParameter otherwise."""
+    """The --drafter list: kinds (DRAFTERS) and KIND@BUNDLE entries, the first a kind; BadParameter otherwise."""
     labels = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    wrong = [label for label in labels if label not in DRAFTERS and not label.startswith("model@")]
+    wrong = [label for label in labels if label not in DRAFTERS and label.partition("@")[0] not in DRAFTERS]
     if not labels or wrong or labels[0] not in DRAFTERS:
         raise click.BadParameter(
-            f"expected drafter kinds {DRAFTERS} or model@BUNDLE, the first a kind; received {text!r}",
+            f"expected drafter kinds {DRAFTERS} or KIND@BUNDLE, the first a kind; received {text!r}",
             param_hint="--drafter",
         )
     return labels
 
 
 def drafters_of(options: BenchOptions, generator) -> dict[str, tuple]:
-    """label -> (generator, drafter kind) for every --drafter entry; model@BUNDLE pairs that bundle's draft engine
-    with this generator's target (its target tokenizer must be this one's, byte for byte)."""
+    """label -> (generator, drafter kind) for every --drafter entry; KIND@BUNDLE drafts by KIND with that bundle's
+    draft engine over this generator's target (its target tokenizer must be this one's, byte for byte)."""
     out = {}
     for label in drafter_labels(options.drafter_kind):
-        if not label.startswith("model@"):
-            out[label] = (generator, label)
-            continue
-        out[label] = (_borrowed_draft(generator, Path(label[len("model@") :]), options), "model")
+        kind, _, other = label.partition("@")
+        out[label] = (_borrowed_draft(generator, Path(other), options), kind) if other else (generator, label)
     return out
 
 
@@ -707,11 +715,11 @@ def _borrowed_draft(generator, other: Path, options: BenchOptions):
     try:
         manifest = load_manifest(other)
     except BundleError as err:
-        raise click.ClickException(f"--drafter model@{other}: {err}") from None
+        raise click.ClickException(f"--drafter KIND@{other}: {err}") from None
     key = "tokenizer/tokenizer.json"
     if manifest.files.get(key) != generator.manifest.files.get(key) or manifest.draft.tokenizer:
         raise click.ClickException(
-            f"--drafter model@{other}: that bundle's draft does not share this bundle's target "
+            f"--drafter KIND@{other}: that bundle's draft does not share this bundle's target "
             "tokenizer (its tokenizer/tokenizer.json differs, or its draft has its own)"
         )
     draft = open_engines(

@@ -30,6 +30,7 @@ from builder import checkpoint as ckpt
 from builder import evaluate, export, graph, memory, pairing, quantize
 from builder.gguf import stream as gguf_stream
 from builder.gguf import weights as gguf_weights
+from runtime.engines import gguf_ops
 from builder import publish as publishing
 from builder.decoder import GraphError, from_transformers
 from builder.progress import Heartbeat
@@ -86,6 +87,7 @@ def build(
     started = time.perf_counter()
     with staging(out, force) as tmp, _disk_errors(out):
         stage("resolve")
+        _check_gguf_kernel(spec)
         target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
         try:
             memory.refuse_if_too_large(_memory_needed(spec, target_ckpt, draft_ckpt), "this build")
@@ -96,6 +98,20 @@ def build(
             raise BuildError(str(err)) from None
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
         return finish(tmp, manifest, out, stage)
+
+
+def _check_gguf_kernel(spec: BuildSpec) -> None:
+    """A build that asks for the native GGUF kernel where its library is not built fails before any work."""
+    reason = gguf_ops.unavailable_reason()
+    if spec.gguf_kernel == "native" and "gguf" in (spec.target_quant, spec.draft_quant) and reason is not None:
+        raise BuildError(f"--gguf-kernel native: {reason}; or build with --gguf-kernel matmulnbits")
+
+
+def native_gguf(spec: BuildSpec) -> bool:
+    """Whether quant gguf engines are written with Draftsmith's GgufMatMul (``spec.gguf_kernel`` resolved here)."""
+    if spec.gguf_kernel == "matmulnbits" or spec.engine_graph != "fused":
+        return False
+    return spec.gguf_kernel == "native" or gguf_ops.available()
 
 
 def _memory_needed(spec: BuildSpec, target_ckpt, draft_ckpt) -> memory.Estimate:
@@ -442,9 +458,10 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
         raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
     try:
         cfg, weights = fd.load_feature_weights(draft_ckpt.folder)
-        own = fd.FeatureConfig.of_target(target_ckpt.config)  # refuses a target a feature draft cannot follow
+        # refuses a target a feature draft cannot follow, and an MLP wider than the target's
+        own = fd.FeatureConfig.of_target(target_ckpt.config, intermediate=cfg.intermediate)
     except DistillError as err:
-        raise BuildError(str(err)) from None
+        raise BuildError(f"{draft_ckpt.source}: {err}") from None
     if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
         raise BuildError(
             f"{draft_ckpt.source} was trained on the hidden states of another target "
@@ -511,8 +528,9 @@ def _reference_path(work: Path, role: str, model: _Model, quant: str, spec: Buil
     window), whose session holds the file's bytes, not 4 bytes a parameter (6.2 GB for a 1.5B model). Else the fp32
     graph."""
     if quant == "gguf" and model is not None and model.streamed is not None and spec.engine_graph == "fused":
-        # accuracy level 0: the engine is itself that reference
-        return work.parent / role / "model.onnx" if spec.accuracy_level == 0 else work / f"{role}.reference.onnx"
+        # accuracy level 0 in MatMulNBits' form: the engine is itself that reference
+        itself = spec.accuracy_level == 0 and not native_gguf(spec)
+        return work.parent / role / "model.onnx" if itself else work / f"{role}.reference.onnx"
     return work / f"{role}.onnx"
 
 
@@ -583,22 +601,35 @@ def _quantize(
             f"16); block_size {spec.block_size} would quantize them again"
         )
 
-    def blocks():
+    def blocks(native: bool):
         return gguf_weights.apply(
             model.decoder(layers),
             checkpoint.folder / checkpoint.gguf_file,
             spec.block_size,
             permuted_qk=checkpoint.architecture.gguf_permuted_qk,
+            native=native,
         )
 
-    decoder = blocks()
+    native = native_gguf(spec)
+    decoder = blocks(native)
     graph.build(decoder, dst, spec.accuracy_level)
-    notes = list(decoder.notes)
+    notes = list(decoder.notes) + _kernel_notes(spec, native)
     if reference is not None and reference not in (src, dst):
         del decoder  # its head and embedding blocks: the reference makes its own
         memory.release()
-        graph.build(blocks(), reference, 0)
+        graph.build(blocks(False), reference, 0)  # MatMulNBits at accuracy level 0: the file's weights in fp32
     return notes
+
+
+def _kernel_notes(spec: BuildSpec, native: bool) -> list[str]:
+    """What the report says about the kernel that multiplies by the file's blocks."""
+    if native:
+        return [f"the file's blocks as they are, multiplied by Draftsmith's GgufMatMul ({gguf_ops.kernels()} here)"]
+    if spec.gguf_kernel == "auto" and spec.engine_graph == "fused":
+        return [
+            f"ONNX Runtime's MatMulNBits form (~1.5x the file's bytes a token, slower): {gguf_ops.unavailable_reason()}"
+        ]
+    return []
 
 
 def truncate(model, layers: int):

@@ -78,6 +78,12 @@ class DefaultGroup(click.Group):
 @click.option("--block-size", type=int, help="Quantization block size (16..256).")
 @click.option("--symmetric/--asymmetric", default=None, help="Symmetric weight quantization.")
 @click.option("--accuracy-level", type=int, help="MatMulNBits accuracy level 0..4 (4: int8 compute, fastest).")
+@click.option(
+    "--gguf-kernel",
+    type=click.Choice(["auto", "native", "matmulnbits"]),
+    help="quant gguf: multiply by the file's blocks with Draftsmith's GgufMatMul (native: the file's bytes; built "
+    "by setup.sh) or ONNX Runtime's MatMulNBits (~1.5x the bytes). auto (default): native where it is built.",
+)
 @click.option("--max-context", type=int, help="Cap the context (default: the pair's usable maximum).")
 @click.option(
     "--eval-tokens",

@@ -1,4 +1,5 @@
-"""Stage 2 (fused): a decoder's weights and shape as plain data (Decoder, Layer, Linear, BlockQuant, RotaryTable),
+"""Stage 2 (fused): a decoder's weights and shape as plain data (Decoder, Layer, Linear, BlockQuant, GgufBlocks,
+RotaryTable),
 and ``from_transformers``, which reads them off a transformers model of any registered family (builder/
 architectures.py: the differences from Llama). builder/graph.py writes the fused ONNX graph from a Decoder;
 builder/gguf/weights.py swaps its float linear layers for a GGUF file's own blocks.
@@ -37,13 +38,31 @@ class BlockQuant:
     offsets: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class GgufBlocks:
+    """A weight as a GGUF file stores it, for Draftsmith's GgufMatMul (runtime.engines.gguf_ops): one or more parts
+    side by side along N (a fused q|k|v whose parts differ in type), each ``(type, data)`` with ``data`` uint8
+    [rows, K / block values * block bytes], the file's blocks for those output rows (in Hugging Face row order), as
+    they are (layout 0) or with every 16 rows regrouped for the column kernels (layout 1)."""
+
+    k: int
+    parts: tuple[tuple[str, np.ndarray], ...]  # (ggml type name, data)
+    layout: int = 0  # 0: the file's rows as they are; 1: groups of 16 rows regrouped (weights.interleave16)
+
+    @property
+    def n(self) -> int:
+        return sum(len(data) for _, data in self.parts)
+
+
 @dataclass
 class Linear:
-    """y = x @ weight + bias. ``weight`` float32 [K, N], or ``quant`` for pre-quantized blocks."""
+    """y = x @ weight + bias. ``weight`` float32 [K, N], or ``quant`` for blocks in MatMulNBits' form, or ``gguf``
+    for a GGUF file's own blocks."""
 
     weight: np.ndarray | None = None
     quant: BlockQuant | None = None
     bias: np.ndarray | None = None
+    gguf: GgufBlocks | None = None
 
 
 @dataclass
@@ -145,6 +164,9 @@ class Decoder:
     # the embedding in a GGUF file's own blocks (builder.gguf.weights): a GatherBlockQuantized of the token rows
     # (+ their blocks' offsets) instead of a float32 table, exact to the file; ``embedding`` then only says its shape
     embedding_quant: BlockQuant | None = None
+    # ... or the file's own bytes read by GgufGather (runtime.engines.gguf_ops); a tied head's blocks are the same
+    # object as ``head.gguf``'s, written once and read by both
+    embedding_gguf: GgufBlocks | None = None
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:

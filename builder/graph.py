@@ -56,6 +56,7 @@ import numpy as np
 from builder.decoder import (
     BlockQuant,
     Decoder,
+    GgufBlocks,
     Layer,
     Linear,
     RotaryTable,
@@ -64,6 +65,8 @@ from builder.decoder import (
     output_names,
     rope_keys,
 )
+
+from runtime.engines import gguf_ops
 
 MS = "com.microsoft"
 
@@ -88,11 +91,18 @@ class _Graph:
         self.nodes, self.inits, self.count = [], [], 0
         self.accuracy_level = 4
         self.data, self.location = data, location
+        self._written: dict[int, tuple[np.ndarray, str]] = {}  # id -> (the array, its name): one array, one copy
 
     def const(self, name: str, array: np.ndarray) -> str:
         """``array`` as an initializer; a large one may be a view in any order (a transposed head): it is written
-        in row chunks, never copied whole."""
+        in row chunks, never copied whole. An array written before (a tied embedding and head reading the same
+        GGUF blocks) is not written again: its first name is returned."""
         from onnx import numpy_helper
+
+        if id(array) in self._written and self._written[id(array)][0] is array:
+            return self._written[id(array)][1]
+        if array.nbytes >= EXTERNAL_FROM_BYTES:
+            self._written[id(array)] = (array, name)
 
         if self.data is None or array.nbytes < EXTERNAL_FROM_BYTES:
             self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
@@ -174,7 +184,9 @@ def _write(decoder: Decoder, path: Path, accuracy_level: int, g: "_Graph") -> tu
 
 def _embed(g: "_Graph", decoder: Decoder) -> str:
     """The input embedding (the file's blocks or float rows), scaled, with a feature draft's features fused in."""
-    if decoder.embedding_quant is not None:
+    if decoder.embedding_gguf is not None:
+        x = _gguf_gather(g, "embedding", decoder.embedding_gguf)
+    elif decoder.embedding_quant is not None:
         x = _gathered_blocks(g, "embedding", decoder.embedding_quant)
     else:
         g.const("embedding", np.asarray(decoder.embedding, np.float32))  # no copy of a float32 array
@@ -260,9 +272,10 @@ def _save_graph(g: "_Graph", decoder: Decoder, path: Path) -> tuple[tuple[str, .
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in cache_names(layers, "present")]
     outputs.append(helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "new", decoder.hidden]))
     graph = helper.make_graph(g.nodes, "draftsmith_fused_decoder", inputs, outputs, g.inits)
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)], producer_name="draftsmith"
-    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)]
+    if any(node.domain == gguf_ops.DOMAIN for node in g.nodes):
+        opsets.append(helper.make_opsetid(gguf_ops.DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="draftsmith")
     model.ir_version = 9
     del graph, g.inits[:]  # the model holds its own copies of the (small) protos
     onnx.save_model(model, str(path))  # every large tensor is already in the data file
@@ -433,9 +446,11 @@ def _norm(
 
 
 def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None) -> str:
-    """x @ W (+ offsets correction) (+ bias) as MatMul or MatMulNBits."""
+    """x @ W (+ offsets correction) (+ bias) as MatMul, MatMulNBits or GgufMatMul (a GGUF file's own blocks)."""
     outs = [out] if out and linear.bias is None and (linear.quant is None or linear.quant.offsets is None) else 1
-    if linear.quant is None:
+    if linear.gguf is not None:
+        (y,) = _gguf_matmul(g, name, x, linear.gguf, outs)
+    elif linear.quant is None:
         (y,) = g.op("MatMul", [x, g.const(name + ".weight", np.asarray(linear.weight, np.float32))], outs, name=name)
     else:
         q = linear.quant
@@ -459,6 +474,38 @@ def _linear(g: _Graph, name: str, x: str, linear: Linear, out: str | None = None
     if linear.bias is not None:
         (y,) = g.op("Add", [y, g.const(name + ".bias", linear.bias.astype(np.float32))], [out] if out else 1)
     return y
+
+
+def _gguf_matmul(g: _Graph, name: str, x: str, blocks: GgufBlocks, outs) -> list[str]:
+    """Draftsmith's GgufMatMul over the file's blocks, one uint8 initializer a part (runtime.engines.gguf_ops)."""
+    weights = [g.const(f"{name}.gguf{i}", data) for i, (_, data) in enumerate(blocks.parts)]
+    return g.op(
+        gguf_ops.OP,
+        [x, *weights],
+        outs,
+        domain=gguf_ops.DOMAIN,
+        name=name,
+        K=blocks.k,
+        types=[gguf_ops.GGML_TYPE_IDS[kind] for kind, _ in blocks.parts],
+        rows=[len(data) for _, data in blocks.parts],
+        layout=blocks.layout,
+    )
+
+
+def _gguf_gather(g: _Graph, name: str, blocks: GgufBlocks) -> str:
+    """The rows ``input_ids`` picks from a table in the file's own bytes (GgufGather); a tied head's blocks are the
+    same initializer as the head's GgufMatMul reads (``_Graph.const`` writes one array once)."""
+    ((kind, data),) = blocks.parts
+    (x,) = g.op(
+        gguf_ops.GATHER,
+        [g.const(name + ".gguf", data), "input_ids"],
+        domain=gguf_ops.DOMAIN,
+        name=name,
+        K=blocks.k,
+        type=gguf_ops.GGML_TYPE_IDS[kind],
+        layout=blocks.layout,
+    )
+    return x
 
 
 def _gathered_blocks(g: _Graph, name: str, q: BlockQuant) -> str:

@@ -3,7 +3,9 @@ far it got and the time left, at least once a minute. Used by the build's evalua
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -49,3 +51,26 @@ class Heartbeat:
         share = f" ({self.done / self.total:.0%})" if self.total else ""
         remaining = f"about {left:.0f} s left" if left < math.inf else "time left not known yet"
         return f"{self.what}: {self.done}/{self.total}{share}, {elapsed:.0f} s, {remaining}"
+
+
+@contextlib.contextmanager
+def ticking(what: str, say: Callable[[str], None] | None, every: float = 60.0):
+    """A line ``what: N s`` every ``every`` seconds while the block runs, for a stage that reports nothing of its own
+    (writing a large engine); nothing where ``say`` is None (a terminal, whose bars show the stage)."""
+    if say is None:
+        yield
+        return
+    stop = threading.Event()
+    started = time.perf_counter()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            say(f"{what}: {time.perf_counter() - started:.0f} s")
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

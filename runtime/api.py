@@ -23,7 +23,7 @@ from runtime.decoding.grammar import CompiledGrammar, GrammarCompiler, parse_res
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.request import DecodeRequest, check_text, decode_request
 from runtime.decoding.sampling import SamplingParams
-from runtime.text.tokenizer import IncrementalDecoder, Tokenizer, UnsafeTokenizer, cut_at_stop
+from runtime.text.tokenizer import IncrementalDecoder, StopText, Tokenizer, UnsafeTokenizer
 from runtime.text.vocab_bridge import VocabBridge
 
 
@@ -170,12 +170,12 @@ class SpeculativeGenerator:
         config, stops = self.decode_config(request)
         token_lists = [self.encode_prompt(p, chat) for p in prompts]
         drafter = self.new_drafter(request.mode, request.drafter, request.draft_confidence)
-        planned = drafter is not None and len(token_lists) > 1 and config.plan
+        planned = drafter is not None and config.plan
         costs = self.step_costs(len(token_lists)) if planned else None
         loop = SpeculativeLoop(self.target, drafter, token_lists, config, costs)
         loop.on_fallback = lambda state: setattr(self.metrics, "fallback_active", state)
         decoders = [IncrementalDecoder(self.tokenizer) for _ in prompts]
-        texts = [""] * len(prompts)
+        texts = [StopText(stops) for _ in prompts]
         for step in loop.run():
             for row, new in step:
                 if cancelled is not None and not row.finished and cancelled(row.index):
@@ -183,15 +183,18 @@ class SpeculativeGenerator:
                 piece = decoders[row.index].push(new) if new else ""
                 if row.finished:
                     piece += decoders[row.index].flush()
-                piece = self._apply_stops(row, texts, piece, stops)
-                texts[row.index] += piece
+                piece, stopped = texts[row.index].push(piece)
+                if stopped:
+                    row.finished = "stop"  # the loop drops finished rows after this step
+                elif row.finished:
+                    piece += texts[row.index].flush()
                 done = None
                 if row.finished:
                     row.stats.finish_reason = row.finished
                     row.stats.prompt_tokens = len(row.prompt)
                     self.metrics.add(row.stats, self.drafter_name(request) if drafter is not None else "")
                     done = Generation(
-                        texts[row.index],
+                        texts[row.index].text,
                         list(row.generated),
                         len(row.prompt),
                         row.finished,
@@ -201,12 +204,6 @@ class SpeculativeGenerator:
                     )
                 if piece or done is not None:
                     yield row.index, piece, done
-
-    def _apply_stops(self, row, texts, piece, stops) -> str:
-        piece, stopped = cut_at_stop(texts[row.index], piece, stops)
-        if stopped:
-            row.finished = "stop"  # the loop drops finished rows after this step
-        return piece
 
     def decode_config(self, request: DecodeRequest) -> tuple[DecodeConfig, tuple[str, ...]]:
         """A validated request as this bundle decodes it (its default k, k within its max_k, the response format
@@ -249,10 +246,12 @@ class SpeculativeGenerator:
         return self._grammars
 
     def step_costs(self, rows: int) -> CostModel:
-        """This machine's measured call costs for batches of up to ``rows`` (at least 8) rows, which plan a batch's
-        steps (runtime/decoding/step_costs.py): measured once, on first need (seconds; again for a larger batch)."""
-        largest = max(self._costs_rows, 8, rows) if self._costs is not None else max(8, rows)
-        if self._costs is None or rows > self._costs_rows:
+        """This machine's measured call costs for batches of up to ``rows`` rows (a lone row's alone, else at least
+        8), which plan every step's draft lengths (runtime/decoding/step_costs.py): measured once, on first need
+        (seconds; again for a larger batch)."""
+        wanted = 1 if rows == 1 else max(8, rows)
+        largest = max(self._costs_rows, wanted)
+        if self._costs is None or wanted > self._costs_rows:
             costs = CostModel()
             costs.calibrate(self.target, self.draft, largest, min(self.max_k, 8) + 1)
             self._costs, self._costs_rows = costs, largest
@@ -325,17 +324,23 @@ def bundle_tokenizer(folder: Path) -> Tokenizer:
     return load_tokenizer(root, load_manifest(root, verify=False))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # what Tokenizer reads
+MAX_TOKENIZER_FILE_BYTES = 64 << 20  # the largest tokenizer.json known is ~33 MB (Gemma 3's 262k vocabulary)
+
+
 def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True, folder: str = "tokenizer") -> Tokenizer:
     """The bundle's tokenizer (``folder``: another one it holds, a draft's own), made from its files' verified bytes.
 
-    Each listed file of the folder is read once and checked (``read_verified``), then written to a private
-    temporary folder for Tokenizer to read, so a file swapped in the bundle after verification cannot reach it.
+    Only the files Tokenizer reads (TOKENIZER_FILES, directly in the folder) are read, each at most
+    MAX_TOKENIZER_FILE_BYTES: a manifest naming an engine's folder as a tokenizer's (``"draft"``) must not read a
+    model into memory. Each is read once and checked (``read_verified``), then written to a private temporary folder
+    for Tokenizer to read, so a file swapped in the bundle after verification cannot reach it.
     """
     prefix = folder.rstrip("/") + "/"
     files = {
-        rel[len(prefix) :]: read_verified(root, manifest, rel, verify)
-        for rel in sorted(manifest.files)
-        if rel.startswith(prefix)
+        name: read_verified(root, manifest, prefix + name, verify, max_bytes=MAX_TOKENIZER_FILE_BYTES)
+        for name in TOKENIZER_FILES
+        if prefix + name in manifest.files
     }
     if "tokenizer.json" not in files:
         raise BundleError(f"{root}: the manifest lists no {prefix}tokenizer.json; rebuild the bundle")

@@ -44,6 +44,7 @@ from pydantic.dataclasses import dataclass
 from runtime.drafters.registry import DRAFTERS
 
 SCHEMA_VERSION = 1
+GGUF_KERNELS = ("auto", "native", "matmulnbits")
 MANIFEST = "manifest.json"
 # a build's staging folder (builder/publish.py: ".NAME.partial-*"): complete-looking between its manifest and the
 # rename that publishes it, and never a bundle to load
@@ -121,6 +122,10 @@ class BuildSpec:
     block_size: int = 32  # MatMulNBits quantization block size
     symmetric: bool = False  # symmetric (no zero point) weight quantization
     accuracy_level: int = 4  # MatMulNBits compute accuracy: 0 (fp32 activations) .. 4 (int8 activations, fastest)
+    # quant gguf: which kernel multiplies by the file's blocks. "native": Draftsmith's GgufMatMul (the file's bytes
+    # as they are; runtime.engines.gguf_ops, built by setup.sh); "matmulnbits": ONNX Runtime's MatMulNBits (~1.5x
+    # the bytes); "auto": native where the kernel library is built on the building machine
+    gguf_kernel: str = "auto"
     opset: int = 18
     max_context: int = 0  # 0: the usable maximum of the pair
     eval_tokens: int = 0  # tokens of the evaluation set the build report scores (0: all, ~25,000)
@@ -161,6 +166,7 @@ class BuildSpec:
         )
         _check(self.block_size in (16, 32, 64, 128, 256), "block_size", "16, 32, 64, 128 or 256", self.block_size)
         _check(self.accuracy_level in (0, 1, 2, 3, 4), "accuracy_level", "0..4", self.accuracy_level)
+        _check(self.gguf_kernel in GGUF_KERNELS, "gguf_kernel", f"one of {GGUF_KERNELS}", self.gguf_kernel)
         _check(self.opset >= 17, "opset", ">= 17", self.opset)
         _check(
             isinstance(self.max_context, int) and self.max_context >= 0,
@@ -522,8 +528,9 @@ def load_manifest(root: str | os.PathLike, verify: bool = True, staging: bool = 
     return manifest
 
 
-def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True) -> bytes:
-    """The bytes of bundle file ``rel``, read once and (with ``verify``) checked against the manifest's sha256.
+def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True, max_bytes: int | None = None) -> bytes:
+    """The bytes of bundle file ``rel``, read once and (with ``verify``) checked against the manifest's sha256;
+    ``max_bytes``: BundleError past that many, of which no more than one byte more is read.
 
     Load from these bytes, never by reopening the path: an in-place copy or a concurrent rebuild could change the
     file between the check and the load.
@@ -532,11 +539,14 @@ def read_verified(root: Path, manifest: Manifest, rel: str, verify: bool = True)
         raise BundleError(f"{rel}: not listed in the manifest's files, so it is not part of the bundle; rebuild it")
     path = bundle_path(root, rel)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as handle:
+            data = handle.read(-1 if max_bytes is None else max_bytes + 1)
     except OSError as err:
         raise BundleError(
             f"{rel}: cannot be read ({err.strerror or err}); rebuild the bundle or copy it again"
         ) from None
+    if max_bytes is not None and len(data) > max_bytes:
+        raise BundleError(f"{rel}: over the {max_bytes} bytes such a file may have; not a file this tool wrote")
     if verify and hashlib.sha256(data).hexdigest() != manifest.files[rel]:
         raise BundleError(
             f"{rel}: sha256 differs from the manifest: it changed after verification (copied over or "

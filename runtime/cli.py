@@ -252,15 +252,32 @@ def _key_from_file(path: str, given: str | None) -> str:
     type=click.IntRange(min=1),
     default=512,
     show_default=True,
-    help="Open connections past which new ones get 503.",
+    help="Requests in flight (headers received, answer not finished) past which new ones get 503; connections "
+    "still sending their headers count apart (--max-pending-connections).",
+)
+@click.option(
+    "--max-pending-connections",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="Connections that have not sent a complete request (new, or kept alive between requests) held at once; "
+    "past it the one waiting longest is closed, so a new client always gets in.",
+)
+@click.option(
+    "--trusted-proxy",
+    multiple=True,
+    metavar="ADDR",
+    help="An IP address or network (CIDR) of a proxy in front of the server whose X-Forwarded-For names the "
+    "client (repeatable). Default: none, and the TCP peer is the client for --max-rows-per-client, the "
+    "fewest-rows order and the logs.",
 )
 @click.option(
     "--max-connections-per-client",
     type=click.IntRange(min=0),
     default=64,
     show_default=True,
-    help="Open connections one client address may hold; past it a new one gets 503 (0: no cap; raise it "
-    "behind a proxy, whose connections all come from its own address).",
+    help="Open connections one client address (an IPv6 /64) may hold; past it a new one gets 503 (0: no cap; "
+    "raise it behind a proxy, whose connections all come from its own address).",
 )
 @click.option(
     "--header-timeout",
@@ -300,6 +317,8 @@ def serve_openai(
     drain_linger,
     request_timeout,
     max_connections,
+    max_pending_connections,
+    trusted_proxy,
     max_connections_per_client,
     header_timeout,
     health_port,
@@ -341,9 +360,12 @@ def serve_openai(
             max_connections=max_connections,
             max_rows_per_client=max_rows_per_client,
             health_port=health_port,
-            connection_limits=ConnectionLimits(header_timeout, max_connections_per_client or None),
+            connection_limits=ConnectionLimits(
+                header_timeout, max_connections_per_client or None, max_pending_connections
+            ),
             plan=plan,
             prefill_chunk=_prefill_chunk(prefill_chunk),
+            trusted_proxy=tuple(trusted_proxy),
         )
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None

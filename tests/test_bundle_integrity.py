@@ -874,3 +874,67 @@ def test_a_build_refuses_a_tokenizer_that_grows_text_before_any_heavy_work(tiny_
     with pytest.raises(CheckpointError, match=f"{target}/tokenizer.json: its normalizer"):
         build(BuildSpec(target=str(target), draft="self", k=2, max_context=64), tmp_path / "out", on_stage=record)
     assert stages == ["resolve", "pair"] and not (tmp_path / "out").exists()
+
+
+# --- 6b. Hardening IV (item 8): one verified load, and a tokenizer folder reads only a tokenizer -------------------
+
+
+def test_open_generator_loads_what_it_verified(tiny_bundle, tmp_path, monkeypatch):
+    """open_generator verified the bundle, then loaded it again with verify=False: an engine swapped in between
+    loaded unchecked. Now the loader verifies the bytes it loads."""
+    import runtime.trtllm.engine
+    from runtime.trtllm.engine import open_generator
+
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    swapped = (root / "draft" / "model.onnx").read_bytes()  # another valid engine
+    real = runtime.trtllm.engine.load_manifest
+
+    def verify_then_swap(path, verify=True):
+        manifest = real(path, verify=verify)
+        (root / "target" / "model.onnx").write_bytes(swapped)
+        return manifest
+
+    monkeypatch.setattr(runtime.trtllm.engine, "load_manifest", verify_then_swap)
+    with pytest.raises(BundleError, match="target/model.onnx: sha256 differs from the manifest"):
+        open_generator(root, threads=1)
+
+
+def _tokenizer_in(root: Path, folder: str) -> None:
+    """The draft's tokenizer files put straight into ``folder`` (an engine's), which the manifest then names."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "draft" / "tokenizer" / name, root / folder / name)
+    edit_manifest(root, lambda data: data["draft"].update(tokenizer=folder))
+    rehash(root)
+
+
+@pytest.mark.parametrize("folder", ["draft", "target"])
+def test_a_tokenizer_folder_naming_an_engines_folder_reads_no_engine(tiny_cross_bundle, tmp_path, monkeypatch, folder):
+    """A manifest naming "draft" as the draft's tokenizer folder made the loader read every file under draft/,
+    model.onnx included, into memory; only the files a tokenizer is made of are read."""
+    import runtime.api
+
+    root = copy_of(tiny_cross_bundle, tmp_path / "b")
+    _tokenizer_in(root, folder)
+    read, real = [], runtime.api.read_verified
+
+    def recording(root_, manifest, rel, *args, **kwargs):
+        read.append(rel)
+        return real(root_, manifest, rel, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.api, "read_verified", recording)
+    generator = SpeculativeGenerator.from_bundle(root, threads=1)
+    assert generator.bridge is not None
+    mine = [rel for rel in read if rel.startswith(folder + "/")]
+    assert mine == [f"{folder}/tokenizer.json", f"{folder}/tokenizer_config.json"], read
+
+
+@pytest.mark.parametrize("where", ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"])
+def test_a_tokenizer_file_over_its_bound_is_refused_without_reading_it_whole(tiny_bundle, tmp_path, where):
+    from runtime.api import MAX_TOKENIZER_FILE_BYTES
+
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    with open(root / where, "r+b") as handle:  # sparse: no disk spent
+        handle.truncate(MAX_TOKENIZER_FILE_BYTES + 4096)
+    rehash(root)
+    with pytest.raises(BundleError, match=f"{where}: over the {MAX_TOKENIZER_FILE_BYTES} bytes"):
+        SpeculativeGenerator.from_bundle(root, threads=1)

@@ -232,7 +232,7 @@ def test_a_cross_bundle_decodes_exactly_with_both_methods(tiny_cross_bundle, dra
     generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
     for prompt in PROMPTS:
         want = generator.generate(prompt, max_new_tokens=24, mode="target")
-        got = generator.generate(prompt, max_new_tokens=24, drafter=drafter, k=3)
+        got = generator.generate(prompt, max_new_tokens=24, drafter=drafter, k=3, plan=False)  # drafts every step
         assert got.token_ids == want.token_ids, (drafter, prompt)
         assert got.stats.num_draft_tokens > 0
 
@@ -284,3 +284,58 @@ def test_a_confidence_floor_drafts_less_and_stays_exact(method):
         assert [row.generated for row in loop.rows] == [target_only(target_table, p, 24) for p in prompts]
         drafted.append(sum(row.stats.num_draft_tokens for row in loop.rows))
     assert 0 < drafted[1] < drafted[0]
+
+
+# --- a row whose text outgrows the draft's context (Hardening IV, item 8) ---------------------------------------------
+
+
+def counting_bridge() -> tuple[VocabBridge, list[int]]:
+    """The word bridge, recording the length of every text it tokenizes for the draft."""
+    bridge, lengths = word_bridge(), []
+    real = bridge.draft_ids
+
+    def draft_ids(text: str) -> list[int]:
+        lengths.append(len(text))
+        return real(text)
+
+    bridge.draft_ids = draft_ids
+    return bridge, lengths
+
+
+@pytest.mark.parametrize("method", ["tli", "string"])
+def test_a_row_that_outgrows_the_drafts_context_stops_drafting_for_good(method):
+    """The target's "ab" is two draft tokens, so the draft's count of a text outruns the target's: once the row's
+    text no longer fits the draft's context it is done drafting. Before, every step re-tokenized its whole unread
+    text (quadratic in the answer's length) and kept proposing nothing."""
+    target_table = random_table(5, 1, scale=3.0)
+    target_table[:, 4] += 6.0  # the target writes "ab" over and over: two draft tokens each
+    bridge, lengths = counting_bridge()
+    drafter = CrossVocabDrafter(BigramEngine(close_draft(target_table, 3), max_context=24), bridge, method, 5)
+    proposed = []
+    real_propose = drafter.propose
+    drafter.propose = lambda *args, **kwargs: proposed.append(1) or real_propose(*args, **kwargs)
+    loop = SpeculativeLoop(BigramEngine(target_table), drafter, [[0]], DecodeConfig(120, 3, SamplingParams(0.0)))
+    steps = len(list(loop.run()))
+    assert [row.generated for row in loop.rows] == [target_only(target_table, [0], 120)]
+    assert drafter.can_draft() == [False] and drafter.unfed == [b""]
+    assert sum(lengths) < 3 * 2 * 121  # each committed character tokenized about once (before: ~n^2 / 2)
+    assert len(proposed) < steps / 2  # the planner stopped asking (before: every step)
+
+
+def test_the_scheduler_plans_no_draft_for_a_row_done_drafting(tiny_cross_bundle, monkeypatch):
+    """In-flight batching: a row whose text outgrew the draft's context gets draft length 0 from then on (before:
+    k every step, for a proposal that was always empty); its answer is the target's own."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.serving.scheduler import Scheduler
+
+    generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    want = generator.generate(prompt, max_new_tokens=60, mode="target").token_ids
+    monkeypatch.setattr(generator.draft, "max_context", 40)  # a draft whose context the answer outgrows
+    scheduler = Scheduler(generator, max_batch=2)
+    handle = scheduler.submit(prompt, max_new_tokens=60, drafter="tli", k=3)
+    while scheduler.busy:
+        scheduler.step()
+    assert handle.result().token_ids == want
+    planned = scheduler.draft_lengths
+    assert planned[0] > 2 * planned[3] and planned[3] > 0, planned

@@ -222,7 +222,7 @@ def test_the_commands_flags_are_the_recipes_keys_with_its_defaults():
     fields = {f.name: f.default for f in dataclasses.fields(DistillRecipe)}
     flags = {p.name: p.default for p in distill.params}
     assert set(RECIPE_KEYS) <= set(fields)
-    assert set(RECIPE_KEYS) == set(flags) - {"config_path", "target", "out", "threads", "force", "as_json"}
+    assert set(RECIPE_KEYS) == set(flags) - {"config_path", "target", "out", "threads", "work", "force", "as_json"}
     assert {key: flags[key] for key in RECIPE_KEYS} == {key: fields[key] for key in RECIPE_KEYS}
 
 
@@ -318,6 +318,18 @@ def test_engine_sampled_continuations_are_seeded_and_stop_at_the_deadline(learna
     assert len({tuple(s.continuation) for s in one}) > 1 and all(len(s.continuation) == 12 for s in one)
     late = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], batch_size=2, deadline=time.perf_counter())
     assert len(late) == 1  # past the deadline only the first job runs
+    handed = []  # the same when each sample goes to a sink as it finishes (none is kept)
+    kept = generate_with_engine(
+        engine,
+        jobs,
+        12,
+        top_k=4,
+        eos_ids=[],
+        batch_size=2,
+        deadline=time.perf_counter(),
+        sink=lambda job, sample: handed.append(job),
+    )
+    assert kept == [] and len(handed) == 1
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_users_message(learnable_target):

@@ -139,7 +139,7 @@ def test_a_reduced_head_draft_builds_and_decodes_like_the_target(tiny_pair, tmp_
 
     recorder = Recorder(generator)
     try:
-        decode(generator, [generator.encode_prompt("def add(a, b):", False)], "speculative", 3, 8, 0.0, 0)
+        decode(generator, [generator.encode_prompt("def add(a, b):", False)], "speculative", 3, 8, 0.0, 0, plan=False)
         calls = recorder.take()
     finally:
         recorder.close()

@@ -79,6 +79,43 @@ def test_feature_drafting_follows_the_target_distribution():
     assert_follows_target(loop.rows, counts, p, start, [q1, q_chained, q_chained])
 
 
+class ReducedFeatureDraft(FakeFeatureDraft):
+    """FakeFeatureDraft with a reduced head: logits over ``kept`` ids only (column j is token kept[j]), as a draft
+    distilled with ``draft_vocab`` returns them."""
+
+    def __init__(self, kept, *tables):
+        super().__init__(*tables)
+        self.kept = np.asarray(kept)
+
+    def forward(self, cache, tokens, valid=None, features=None):
+        return super().forward(cache, tokens, valid, features)[..., self.kept]
+
+
+def test_a_reduced_head_feature_draft_follows_the_target_distribution():
+    """The draft's law is zero outside its kept ids (runtime.engines.onnx.MappedVocabEngine): tokens it can never
+    propose come back through the residual, and the output still follows the target's law exactly."""
+    from runtime.engines.onnx import MappedVocabEngine
+
+    params = SamplingParams(1.0)
+    target = random_table(VOCAB, 1)
+    first, by_feature, chained = random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4)
+    kept = [0, 2, 3]  # tokens 1 and 4 are never drafted
+    n, start, before = 20000, 0, 3
+    engine = MappedVocabEngine(ReducedFeatureDraft(kept, first, by_feature, chained), kept, VOCAB)
+    loop = SpeculativeLoop(
+        HiddenBigram(target), FeatureDrafter(engine), [[before, start]] * n, DecodeConfig(LENGTH, 3, params, seed=6)
+    )
+    counts = run_loop(loop)
+    outside = np.full(VOCAB, -np.inf)
+    outside[kept] = 0.0
+    q1 = np.tile(probabilities(first[start] + by_feature[before] + outside, params), (VOCAB, 1))
+    q_chained = probabilities(chained + outside, params)
+    assert q_chained[:, [1, 4]].max() == 0.0
+    assert_follows_target(loop.rows, counts, probabilities(target, params), start, [q1, q_chained, q_chained])
+    emitted = {t for row in loop.rows for t in row.generated}
+    assert {1, 4} <= emitted  # the target's own tokens outside the draft's head still come out
+
+
 def test_feature_drafter_drops_its_own_predictions_and_keeps_the_targets():
     """Between steps the draft cache holds only true pairs: fed pairs + pending ones = every token but the first."""
     engine = FakeFeatureDraft(random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4))
@@ -135,30 +172,18 @@ def test_the_target_engine_returns_torchs_final_hidden_states(learnable_target, 
 
 
 @pytest.fixture(scope="module")
-def feature_bundle(learnable_target, tmp_path_factory):  # noqa: F811
-    """A target whose every attention output is zeroed (its next-token law is a function of the current token,
-    which one MLP can learn from a few thousand tokens: a random 2-layer target could not be imitated on so little
-    data, so the test would measure noise), a feature draft distilled for it and the bundle of both."""
+def feature_bundle(per_token_target, tmp_path_factory):
+    """A feature draft distilled for ``per_token_target`` and the bundle of both."""
     import torch
 
     from builder.build import build
     from builder.distill.pipeline import distill_draft
     from builder.distill.recipe import DistillRecipe
     from runtime.bundle import BuildSpec
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    source, prompts = learnable_target
+    target, prompts = per_token_target
     root = tmp_path_factory.mktemp("feature")
-    target = root / "target"
-    model = AutoModelForCausalLM.from_pretrained(str(source))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).is_file():
-            (target / name).write_bytes((source / name).read_bytes())
     recipe = DistillRecipe(
         init="feature", prompts=prompts, max_new_tokens=24, max_steps=150, seed=0, heldout=0.2, draft_vocab=200
     )

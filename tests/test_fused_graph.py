@@ -394,3 +394,18 @@ def test_profile_reports_per_operator_time_and_node_counts(tiny_bundle):
     assert target["calls"] == 4 and target["new_tokens"] == 3 and target["mean_call_ms"] > 0
     assert target["ops"]["GroupQueryAttention"]["nodes"] == 2  # one per layer, as stored
     assert target["stored_nodes"]["GroupQueryAttention"] == 2 and "draft" in report
+
+
+def test_profile_reports_each_call_widths_cost_over_one_tokens_and_the_weight_bytes_read(tiny_bundle):
+    from bench.profile import profile_bundle, weight_bytes
+
+    report = profile_bundle(tiny_bundle, threads=1, past=8, new=(1, 2, 4), calls=3)
+    target = report["target"]
+    assert sorted(target["by_new"]) == [1, 2, 4] and target["ratio"][1] == 1.0
+    assert all(target["by_new"][n]["new_tokens"] == n for n in (1, 2, 4))
+    assert target["ratio"][4] == round(target["by_new"][4]["mean_call_ms"] / target["by_new"][1]["mean_call_ms"], 3)
+    stored = weight_bytes(tiny_bundle / "target" / "model.onnx")
+    graph_bytes = (tiny_bundle / "target" / "model.onnx").stat().st_size
+    linear = {op: n for op, n in stored.items() if op in ("MatMul", "MatMulNBits", "GgufMatMul")}
+    assert linear and all(0 < n <= graph_bytes for n in stored.values())  # the tiny graph holds its weights inline
+    assert target["by_new"][1]["weight_bytes"] == stored

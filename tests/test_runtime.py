@@ -311,7 +311,7 @@ def test_tampered_bundle_is_refused(tiny_bundle, tmp_path):
 def test_metrics_definitions_and_prometheus_export():
     table = random_table(7, 1)
     gen = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=_IdTokenizer(), eos_ids=())
-    result = gen.generate("ab", max_new_tokens=11, k=4)
+    result = gen.generate("ab", max_new_tokens=11, k=4, plan=False)  # k every step: the definitions' counts
     s = result.stats
     assert s.num_emitted_tokens == 11
     assert s.draft_acceptance_rate == s.num_accepted_tokens / s.num_draft_tokens == 1.0
@@ -434,3 +434,27 @@ def test_generate_command_stream_and_errors(tiny_bundle, tmp_path):
     assert bad.exit_code != 0 and "k: expected" in bad.output
     missing = CliRunner().invoke(main, ["generate", str(tmp_path / "none"), "hi"])
     assert missing.exit_code != 0 and "no bundle at" in missing.output
+
+
+@pytest.mark.parametrize(
+    "pieces, stops, sent, stopped",
+    [
+        (["abc E", "N", "D more"], ("END",), "abc ", True),  # the stop straddles three steps: nothing of it is sent
+        (["abc E", "x"], ("END",), "abc Ex", False),  # held, then sent once it cannot be a stop
+        (["xxa", "bc"], ("ab", "abc"), "xx", True),  # the earliest stop wins
+        (["ten ", "to one"], ("one",), "ten to ", True),
+        (["no stop here"], (), "no stop here", False),
+    ],
+)
+def test_a_stop_string_split_across_steps_never_leaks_its_first_part(pieces, stops, sent, stopped):
+    from runtime.text.tokenizer import StopText
+
+    text, got, ended = StopText(stops), [], False
+    for piece in pieces:
+        out, ended = text.push(piece)
+        got.append(out)
+        if ended:
+            break
+    if not ended:
+        got.append(text.flush())  # the sequence ends otherwise: what was held goes out
+    assert "".join(got) == text.text == sent and ended == stopped

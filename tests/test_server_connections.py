@@ -1,6 +1,7 @@
 """Connections that send nothing, or trickle their headers, cannot take the OpenAI server down: real sockets against
 a real uvicorn (small limits, so each test runs in seconds). Before Hardening III, N idle connections filled
-``limit_concurrency`` with no timer running and /health answered 503 until they left."""
+``limit_concurrency`` with no timer running and /health answered 503 until they left; since Hardening IV they have
+a budget of their own and never count against the requests in flight (tests/test_server_addresses.py)."""
 
 from __future__ import annotations
 
@@ -104,11 +105,11 @@ def served(scheduler, request):
 
 
 @pytest.mark.parametrize("served", [(6, 0.5, None)], indirect=True)
-def test_idle_connections_are_closed_so_health_and_requests_come_back(served):
+def test_idle_connections_are_closed_at_the_deadline_and_never_block_a_request(served):
     idle = [connect(served.port) for _ in range(6)]
     SLOW.add("idle x6")
     time.sleep(0.1)
-    assert get(served.port, "/health")[0] == 503  # full: uvicorn's limit_concurrency, as before
+    assert get(served.port, "/health")[0] == 200  # idle ones are not requests in flight (before: 503)
     started = time.monotonic()
     for sock in idle:
         assert closed_after(sock) < 2.0
@@ -219,7 +220,12 @@ def test_the_probe_port_answers_while_the_main_port_is_full(scheduler):
         probe_app(drain, lambda live: scheduler_problem(scheduler, live)), "127.0.0.1", port, sock=sock
     ).start()
     idle = [connect(main.port) for _ in range(4)]
-    SLOW.add("idle on the main port while probing")
+    for held in idle:  # requests in flight: headers in, the body never comes (its own 30 s deadline)
+        held.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 50\r\n\r\n"
+        )
+    SLOW.add("requests in flight on the main port while probing")
     try:
         time.sleep(0.1)
         assert get(main.port, "/health")[0] == 503

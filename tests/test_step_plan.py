@@ -93,3 +93,73 @@ def generator_request(**options):
     from runtime.request import DecodeRequest
 
     return DecodeRequest(**options)
+
+
+def test_a_lone_row_drafts_as_far_as_the_measured_verify_curve_pays():
+    """Batch 1 is planned too: a verify nearly as cheap as a plain step drafts the whole limit, one that costs a
+    step per token drafts nothing (plain decoding), whatever the draft's acceptance."""
+    lone = PlanInputs([0.7], [4], shared_drafter=True, min_width=1, plain_width=1)
+    flat = costs({(1, 1): 1.0, (1, 5): 1.1}, {1: 0.05})
+    assert plan_draft_lengths(flat, lone) == [4]
+    linear = costs({(1, 1): 1.0, (1, 5): 5.0}, {1: 0.05})
+    assert plan_draft_lengths(linear, lone) == [0]
+    padded = PlanInputs([0.7], [4], shared_drafter=True, min_width=2, plain_width=2)  # "exact": width 2 either way
+    assert plan_draft_lengths(costs({(1, 1): 1.0, (1, 2): 2.0, (1, 5): 5.0}, {1: 0.05}), padded) == [1]
+
+
+def test_a_lone_planned_row_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_bundle):
+    from runtime.api import SpeculativeGenerator
+    from runtime.decoding.loop import SpeculativeLoop
+    from runtime.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_bundle / "tokenizer")
+    vocab = tokenizer.vocab_size
+    target = BigramEngine(random_table(vocab, 1, scale=3.0), max_context=128)
+    wrong = BigramEngine(random_table(vocab, 9, scale=3.0), max_context=128)
+    generator = SpeculativeGenerator(None, target, wrong, tokenizer, max_k=8)
+    config, _ = generator.decode_config(generator_request(max_new_tokens=60, k=4))
+    prompt = [tokenizer.encode("hello there")]
+    model = costs({(1, 1): 1.0, (1, 5): 1.6}, {1: 0.2})
+    reference = SpeculativeLoop(target, None, prompt, config)
+    for _ in reference.run():
+        pass
+    drafted = {}
+    for planned in (None, model):
+        loop = SpeculativeLoop(target, generator.new_drafter("speculative", "model", None), prompt, config, planned)
+        for _ in loop.run():
+            pass
+        drafted[planned is not None] = loop.rows[0].stats.num_draft_tokens
+        assert loop.rows[0].generated == reference.rows[0].generated
+    assert drafted[True] < drafted[False] / 3
+
+
+def test_the_hybrid_takes_the_free_proposal_only_where_it_pays():
+    """Each source's expected tokens (the row's own acceptance of it) over what its step would cost by the measured
+    curve: a free draft beats a cheap, sure model only when it is as sure; it always wins without costs."""
+    from runtime.drafters.hybrid import HybridDrafter
+    from runtime.drafters.model import ModelDrafter
+
+    hybrid = HybridDrafter(ModelDrafter(BigramEngine(random_table(12, 2))), 12)
+    hybrid.start([[1, 2, 3, 1, 2]])
+    assert hybrid.free_pays(0, 3, [3])  # no costs: the free proposal wherever there is one
+    hybrid.use_costs(costs({(1, 1): 1.0, (1, 4): 1.2}, {1: 0.05}))
+    hybrid.rates[0] = [0.2, 0.9]  # the free source is rarely right here, the model mostly
+    assert not hybrid.free_pays(0, 3, [3])
+    hybrid.rates[0] = [0.9, 0.2]
+    assert hybrid.free_pays(0, 3, [3])
+    hybrid.use_costs(costs({(1, 1): 1.0, (1, 4): 1.2}, {1: 2.0}))  # a draft call dearer than a step
+    hybrid.rates[0] = [0.3, 0.9]
+    assert hybrid.free_pays(0, 3, [3])
+
+
+def test_a_model_free_drafter_is_charged_no_draft_calls():
+    """Prompt lookup and the suffix trie draft without the draft engine: the plan prices their drafts at the verify
+    alone, so a draft engine dearer than a step does not keep them from drafting."""
+    from runtime.drafters.lookup import PromptLookupDrafter
+    from runtime.drafters.suffix import SuffixDrafter
+
+    dear = costs({(1, 1): 1.0, (1, 5): 1.2}, {1: 3.0})
+    paid = PlanInputs([0.6], [4], shared_drafter=True, min_width=1, plain_width=1, paid=[True])
+    free = PlanInputs([0.6], [4], shared_drafter=True, min_width=1, plain_width=1, paid=[False])
+    assert plan_draft_lengths(dear, paid) == [0] and plan_draft_lengths(dear, free) == [4]
+    assert not PromptLookupDrafter(8).calls_draft_engine and not SuffixDrafter(8).calls_draft_engine

@@ -4,7 +4,8 @@
 - its draft-model speculation: ``llama-speculative-simple --spec-type draft-simple`` with the bundle's draft where
   that is a GGUF file of its own, swept over ``--spec-draft-n-max`` and ``--spec-draft-p-min`` (its best setting
   is the row a comparison should take);
-- its n-gram speculation (``--spec-type ngram-simple``), which needs no draft model.
+- its n-gram speculation (``--spec-type ngram-simple`` and ``ngram-mod``, its strongest on code), which needs no
+  draft model.
 
 The tools are found in ``$LLAMA_CPP_BIN`` or on PATH. Build them from the llama.cpp source that llama-cpp-python's
 source package vendors (docs/benchmarks.md has the cmake line; ~10-15 minutes on 2 cores). Each prompt is given as
@@ -78,6 +79,7 @@ def run_llama_cpp_tools(
     modes: dict[str, list[str]] = {"plain": []}
     if speculative is not None:
         modes["ngram-simple"] = ["--spec-type", "ngram-simple"]
+        modes["ngram-mod"] = ["--spec-type", "ngram-mod"]
         if draft is not None:
             for n_max, p_min in sweep:
                 modes[f"draft n-max {n_max} p-min {p_min:g}"] = [

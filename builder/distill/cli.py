@@ -102,6 +102,37 @@ from runtime.presets import load_preset
     help="Have the target write N user queries from its chat template's user-turn prefix (Magpie) and "
     "train on them too (chat models; the held-out prompts stay the shipped ones).",
 )
+@click.option(
+    "--prefill-text",
+    multiple=True,
+    default=(),
+    help="Feature drafts: a text source the target's engine reads whole (batched prefill) for training pairs: "
+    "python:PACKAGE (an installed package's files), a file or a folder (repeatable). With it the data and "
+    "training are kept in --work and a killed run resumes.",
+)
+@click.option("--prefill-length", type=int, default=512, show_default=True, help="Tokens a prefilled window.")
+@click.option("--prefill-rows", type=int, default=1, show_default=True, help="Prefilled windows an engine call.")
+@click.option(
+    "--prefill-share",
+    type=float,
+    default=0.7,
+    show_default=True,
+    help="Share of the data time for prefilled windows (the rest: sampled continuations of the prompts).",
+)
+@click.option(
+    "--draft-intermediate",
+    type=int,
+    default=0,
+    show_default=True,
+    help="A feature draft's MLP width (0: the target's; narrower drafts and trains faster).",
+)
+@click.option(
+    "--heldout-prompts",
+    multiple=True,
+    default=(),
+    help="Held-out prompts: heldout-code, heldout-chat (shipped) or a prompt file (repeatable; default: a "
+    "--heldout share of the corpus).",
+)
 @click.option("--heldout", type=float, default=0.1, show_default=True, help="Share of prompts held out.")
 @click.option(
     "--lr",
@@ -112,10 +143,17 @@ from runtime.presets import load_preset
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0: torch's default).")
+@click.option(
+    "--work",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --prefill-text: the folder of the data, engine and checkpoints a killed run resumes from "
+    "(default: OUT.work beside the draft).",
+)
 @click.option("--force", is_flag=True, help="Replace the draft folder at --out (only a model folder, or an empty one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def distill(ctx, config_path, target, out, threads, force, as_json, **flags):
+def distill(ctx, config_path, target, out, threads, work, force, as_json, **flags):
     """Train a draft to imitate TARGET on its own outputs; print acceptance before and after on held-out prompts."""
     from builder.checkpoint import CheckpointError
 
@@ -140,7 +178,7 @@ def distill(ctx, config_path, target, out, threads, force, as_json, **flags):
     if not target or not out:
         raise click.UsageError("give --target and --out, or --config PRESET with a 'distill:' recipe")
     try:
-        report = distill_draft(recipe, target, out, threads=threads, force=force)
+        report = distill_draft(recipe, target, out, threads=threads, force=force, work=work)
     except (DistillError, CheckpointError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:

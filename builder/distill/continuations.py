@@ -112,6 +112,7 @@ def generate_with_engine(
     deadline: float = math.inf,
     features: bool = False,
     advance: Callable[[int], None] = lambda n: None,
+    sink: Callable[[int, Sample], None] | None = None,
 ) -> list[Sample]:
     """Continue every job's prompt with the target's ONNX engine (``runtime.engines.onnx.FusedEngine``), filling each
     sample's teacher rows from the same calls: no second teacher pass.
@@ -122,7 +123,8 @@ def generate_with_engine(
     ``generate``. ``features``: keep the target's final hidden state at every position too (float16; a feature
     draft's training data, from the calls already made). Stops admitting at
     ``deadline`` (the first job always runs) and finishes the rows already running; returns the samples made, in job
-    order.
+    order. ``sink(job, sample)``: each sample is handed over as it finishes instead (its features need not stay in
+    memory: builder/distill/shards.py writes them), and the list returned is empty.
     """
     import torch
 
@@ -131,36 +133,22 @@ def generate_with_engine(
     rows: list[_Row] = []
     cache = None
     done: dict[int, Sample] = {}
+    made = 0  # samples finished (handed to ``sink`` or kept in ``done``)
     eos = set(eos_ids)
     while True:
-        while waiting and len(rows) < batch_size and (not (done or rows) or time.perf_counter() < deadline):
-            i = waiting.popleft()
-            job = jobs[i]
-            row = _Row(i, list(job.prompt), job.temperature, 0 if job.prompt_rows else len(job.prompt) - 1)
-            one = engine.new_cache(1)
-            if row.rows_from:  # the prompt without its head rows, then its last token scored alone
-                engine.prefill(one, np.array([row.prompt[:-1]], np.int64))
-                _keep_features(row, one, features)
-            logits = torch.from_numpy(engine.forward(one, np.array([row.prompt[row.rows_from :]], np.int64))[0])
-            _keep_features(row, one, features)
-            ids, probs = _top(logits, top_k)
-            row.top_ids.append(ids)
-            row.top_probs.append(probs)
-            row.continuation.append(int(_choose(logits[-1:], [row.temperature], generator)[0]))
+        while waiting and len(rows) < batch_size and (not (made or rows) or time.perf_counter() < deadline):
+            row, one = _admit(engine, waiting.popleft(), jobs, top_k, features, generator)
             rows.append(row)
             cache = one if cache is None else engine.join(cache, one)
         live = [b for b, r in enumerate(rows) if r.continuation[-1] not in eos and len(r.continuation) < max_new_tokens]
         if len(live) < len(rows):
             for b in sorted(set(range(len(rows))) - set(live)):
-                r = rows[b]
-                done[r.job] = Sample(
-                    r.prompt,
-                    r.continuation,
-                    np.concatenate(r.top_ids),
-                    np.concatenate(r.top_probs),
-                    r.rows_from,
-                    np.concatenate(r.features) if features else None,
-                )
+                sample = _sample_of(rows[b], features)
+                if sink is not None:
+                    sink(rows[b].job, sample)
+                else:
+                    done[rows[b].job] = sample
+            made += len(rows) - len(live)
             advance(len(rows) - len(live))
             rows = [rows[b] for b in live]
             cache = engine.select(cache, np.array(live, np.int64)) if rows else None
@@ -180,6 +168,37 @@ def generate_with_engine(
             if hidden is not None:
                 r.features.append(hidden[b].astype(np.float16))
         advance(0)  # a step, no row finished: lets a Heartbeat report on time
+
+
+def _admit(engine, i: int, jobs: list[Job], top_k: int, features: bool, generator):
+    """(row, its cache) for job ``i``: its prompt prefilled alone (with logits for its teacher rows) and its first
+    token chosen."""
+    import torch
+
+    job = jobs[i]
+    row = _Row(i, list(job.prompt), job.temperature, 0 if job.prompt_rows else len(job.prompt) - 1)
+    one = engine.new_cache(1)
+    if row.rows_from:  # the prompt without its head rows, then its last token scored alone
+        engine.prefill(one, np.array([row.prompt[:-1]], np.int64))
+        _keep_features(row, one, features)
+    logits = torch.from_numpy(engine.forward(one, np.array([row.prompt[row.rows_from :]], np.int64))[0])
+    _keep_features(row, one, features)
+    ids, probs = _top(logits, top_k)
+    row.top_ids.append(ids)
+    row.top_probs.append(probs)
+    row.continuation.append(int(_choose(logits[-1:], [row.temperature], generator)[0]))
+    return row, one
+
+
+def _sample_of(row: _Row, features: bool) -> Sample:
+    return Sample(
+        row.prompt,
+        row.continuation,
+        np.concatenate(row.top_ids),
+        np.concatenate(row.top_probs),
+        row.rows_from,
+        np.concatenate(row.features) if features else None,
+    )
 
 
 def _keep_features(row: _Row, cache, wanted: bool) -> None:

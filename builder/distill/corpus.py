@@ -70,6 +70,23 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     return prompts
 
 
+# the shipped held-out sets (builder/data/NAME.txt): name -> whether its prompts are raw completions. No corpus a
+# distillation trains on holds them (tests/test_distill_corpus.py), and the bench measures them (--workload NAME)
+HELDOUT_SETS = {"heldout-code": True, "heldout-chat": False}
+
+
+def load_heldout(names: list[str]) -> list[Prompt]:
+    """Held-out prompts: each name a shipped set (HELDOUT_SETS) or a prompt file (``load_prompts``' format)."""
+    prompts: list[Prompt] = []
+    for name in names:
+        if name in HELDOUT_SETS:
+            text = resources.files("builder").joinpath(f"data/{name}.txt").read_text(encoding="utf-8")
+            prompts += [Prompt(block, completion=HELDOUT_SETS[name]) for block in parse_prompts(text)]
+        else:
+            prompts += load_prompts(name)
+    return prompts
+
+
 def split_prompts(prompts: list, heldout: float, seed: int) -> tuple[list, list]:
     """(train, held out): a seeded shuffle; at least one prompt on each side."""
     order = list(range(len(prompts)))

@@ -22,6 +22,7 @@ runtime drives it with runtime.drafters.feature.FeatureDrafter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -52,10 +53,11 @@ class FeatureConfig:
     target_sha256: str = ""  # the target whose features it was trained on (build-engines refuses another)
 
     @classmethod
-    def of_target(cls, config, target_sha256: str = "") -> "FeatureConfig":
+    def of_target(cls, config, target_sha256: str = "", intermediate: int = 0) -> "FeatureConfig":
         """The draft layer's shapes for ``config`` (a transformers config). The layer is always a plain Llama-style
         one (RMSNorm, SiLU MLP, default rotary, full attention) whatever the target's family: it is the draft's own
-        model, trained and run with the same tables, and only its sizes come from the target."""
+        model, trained and run with the same tables, and only its sizes come from the target. ``intermediate``: the
+        MLP's width (0: the target's; narrower costs less a draft call and trains faster, ``check_width``)."""
         check_target(config)
         heads = config.num_attention_heads
         return cls(
@@ -63,7 +65,7 @@ class FeatureConfig:
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate=config.intermediate_size,
+            intermediate=check_width(intermediate, config.intermediate_size) or config.intermediate_size,
             eps=float(config.rms_norm_eps),
             rope_theta=float(draft_rope_theta(config)),
             max_positions=int(config.max_position_embeddings),
@@ -87,6 +89,21 @@ class FeatureConfig:
             "down": (h, i),
             "final_norm": (h,),
         }
+
+
+def check_width(intermediate: int, target_intermediate: int) -> int:
+    """``intermediate`` if it is a width a draft layer may have: 0 (the target's) or 1 .. the target's own MLP width
+    (a saved draft's config is data: it must not size a graph past the target's)."""
+    if (
+        isinstance(intermediate, bool)
+        or not isinstance(intermediate, int)
+        or not 0 <= intermediate <= target_intermediate
+    ):
+        raise DistillError(
+            f"draft_intermediate must be in [0, {target_intermediate}] (0: the target's MLP width), "
+            f"received {intermediate}"
+        )
+    return intermediate
 
 
 def draft_rope_theta(config) -> float:
@@ -198,17 +215,18 @@ def _attention(cfg: FeatureConfig, q, k, v, past: list, mask):
     return out.reshape(b, cfg.heads, s, cfg.head_dim).transpose(1, 2).reshape(b, s, -1)
 
 
-def init_feature_draft(target_model, kept: np.ndarray | None, target_sha256: str = ""):
+def init_feature_draft(target_model, kept: np.ndarray | None, target_sha256: str = "", intermediate: int = 0):
     """A fresh feature draft for ``target_model``: a randomly initialised layer (measured: 0.37 held-out top-1
     after 150 s against 0.28 from a copy of the target's last layer), the final norm from the target's, the
     embeddings and head rows (kept ids) the target's, frozen. Both fc inputs are scaled to unit RMS: the features
-    divided by the target's final-norm weight, the embeddings by their RMS (they are ~10x smaller)."""
+    divided by the target's final-norm weight, the embeddings by their RMS (they are ~10x smaller).
+    ``target_model`` needs only the embedding, final norm and head: a GGUF target's first layers
+    (builder.gguf.stream.Streamed.reference) serve. ``intermediate``: the layer's MLP width (0: the target's)."""
     import torch
 
-    cfg = FeatureConfig.of_target(target_model.config, target_sha256)
-    state = {n: t.detach().float() for n, t in target_model.state_dict().items()}
-    embedding = state["model.embed_tokens.weight"]
-    head = state.get("lm_head.weight", embedding)
+    cfg = FeatureConfig.of_target(target_model.config, target_sha256, intermediate)
+    embedding = target_model.get_input_embeddings().weight.detach().float()  # no copy of an fp32 weight
+    head = target_model.get_output_embeddings().weight.detach().float()  # the embedding itself where tied
     if kept is not None:
         head = head[torch.as_tensor(kept)]
     if getattr(target_model.get_output_embeddings(), "bias", None) is not None:
@@ -314,37 +332,62 @@ def train_feature_draft(
     noise: float = 0.2,
     seed: int = 0,
     on_step: Callable[[int, float, float], None] = lambda *a: None,
+    checkpoint: tuple[Path, dict] | None = None,
+    save_every: float = 300.0,
 ) -> dict:
     """AdamW on the layer and fc (embeddings and head frozen) until ``deadline`` or ``max_steps``; warm-up then
-    cosine decay over the budget."""
+    cosine decay over the budget. Epoch e's batches are shuffled by ``seed + e``.
+
+    ``checkpoint`` (folder, fingerprint): the run saves its weights, optimizer state and position there every
+    ``save_every`` seconds (builder/distill/checkpoints.py) and, started again with a checkpoint of the same
+    fingerprint, resumes from it: the same batches follow, and the schedule spans the seconds already trained plus
+    those left until ``deadline``."""
     import torch
-    from builder.distill.corpus import batches
+    from builder.distill import checkpoints
     from builder.distill.training import optimize, set_rate
 
     usable = [s for s in samples if s.features is not None and len(s.ids) > 2]
     if not usable:
         raise DistillError("no training sample carries target features (the teacher must be the ONNX engine)")
-    params = [p for p in draft.parameters() if p.requires_grad]
+    named = {name: p for name, p in draft.named_parameters() if p.requires_grad}
+    params = list(named.values())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    rng = random.Random(seed)
     torch.manual_seed(seed)
-    started = time.perf_counter()
-    budget = max(deadline - started, 1e-9)
-    step, losses = 0, []
+    at = (checkpoint and checkpoints.load(*checkpoint, named, optimizer)) or checkpoints.Position()
+    resumed, started, last_save = at.step, time.perf_counter(), time.perf_counter()
+    budget = max(at.elapsed + deadline - started, 1e-9)
+    losses: list[float] = []
+
+    def trained() -> float:
+        return at.elapsed + time.perf_counter() - started
+
     while True:
-        for batch in batches(usable, tokens_per_batch, shuffle=rng):
-            progress = step / max_steps if max_steps else (time.perf_counter() - started) / budget
+        epoch = batches_of(usable, tokens_per_batch, seed + at.epoch)
+        for batch in epoch[at.batch :]:
+            progress = at.step / max_steps if max_steps else trained() / budget
             if progress >= 1.0:
                 return {
-                    "steps": step,
-                    "seconds": round(time.perf_counter() - started, 1),
+                    "steps": at.step,
+                    "resumed_at_step": resumed,
+                    "seconds": round(trained(), 1),
                     "levels": levels,
                     "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None,
                 }
-            rate = set_rate(optimizer, lr, step, progress)
+            rate = set_rate(optimizer, lr, at.step, progress)
             losses.append(optimize(optimizer, feature_loss(draft, batch, levels, noise)[0], params))
-            step += 1
-            on_step(step, losses[-1], rate)
+            at.step, at.batch = at.step + 1, at.batch + 1
+            on_step(at.step, losses[-1], rate)
+            if checkpoint and time.perf_counter() - last_save > save_every:
+                checkpoints.save(*checkpoint, dataclasses.replace(at, elapsed=trained()), named, optimizer)
+                last_save = time.perf_counter()
+        at.epoch, at.batch = at.epoch + 1, 0
+
+
+def batches_of(samples: list[Sample], tokens: int, seed: int) -> list[list[Sample]]:
+    """One epoch's batches, shuffled by ``seed`` (builder.distill.corpus.batches)."""
+    from builder.distill.corpus import batches
+
+    return batches(samples, tokens, shuffle=random.Random(seed))
 
 
 def chained_agreement(
@@ -489,9 +532,11 @@ def as_transformers(draft, target_config):
     it."""
     import torch
     from transformers import LlamaForCausalLM
+    from transformers.initialization import no_init_weights
 
     torch.manual_seed(0)
-    shell = LlamaForCausalLM(shell_config(draft.cfg, target_config))
+    with no_init_weights():  # every weight is replaced below: a random 151,936-row table would cost a copy more
+        shell = LlamaForCausalLM(shell_config(draft.cfg, target_config))
     names = {
         "model.layers.0.input_layernorm.weight": "attn_norm",
         "model.layers.0.post_attention_layernorm.weight": "mlp_norm",
@@ -500,8 +545,9 @@ def as_transformers(draft, target_config):
         **{f"model.layers.0.mlp.{x}_proj.weight": x for x in ("gate", "up", "down")},
     }
     state = {key: getattr(draft, name).detach().clone() for key, name in names.items()}
-    state["model.embed_tokens.weight"] = draft.embedding.clone()
-    missing, _ = shell.load_state_dict(state, strict=False)
+    state["model.embed_tokens.weight"] = draft.embedding  # the draft's own table (frozen), not a copy
+    missing, _ = shell.load_state_dict(state, strict=False, assign=True)
+    shell.tie_weights()  # the head is the (assigned) embedding, as the config says
     missing = [m for m in missing if m != "lm_head.weight" and not m.endswith("rotary_emb.inv_freq")]
     if missing:
         raise DistillError(f"the feature draft's Llama shell has weights the draft lacks: {missing[:4]}")

@@ -3,71 +3,38 @@
 Longer than most modules: the stages are read in the order they run, each a short step; the recipe is
 builder/distill/recipe.py, the training loops builder/distill/training.py and feature_draft.py.
 
-Each stage is a step of its own below, in the order ``distill_draft`` runs them; ``_Run`` carries the recipe, the
+Each stage is a step of its own below, in the order ``distill_draft`` runs them; ``Run`` carries the recipe, the
 budget and the timings from one to the next, ``_Target`` the loaded target.
 """
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from builder.distill.continuations import Job, eos_ids_of, generate, generate_with_engine, target_engine
 from builder.distill.corpus import DistillError, encode, load_prompts, split_prompts
 from builder.distill.distributions import teacher
-from builder.distill.draft import check_init, coverage, init_draft, kept_vocabulary, output_transform
+from builder.distill.draft import init_draft, kept_vocabulary
 from builder.distill.evaluation import acceptance
 from builder.distill.recipe import DistillRecipe
+from builder.distill.resumable import distill_resumable
 from builder.distill.save import check_out, publish_draft
 from builder.distill.self_prompts import self_prompts as sample_self_prompts
 from builder.distill.training import train
-from builder.progress import Heartbeat
-
-
-def check_target(config, init: str) -> int:
-    """Everything ``init`` needs of the target's ``config``, checked before anything slow runs; returns what
-    ``check_init`` does (the layer count of ``layers=N``, else 0)."""
-    layers = check_init(init, config.num_hidden_layers)
-    if init == "feature":
-        from builder.distill.feature_draft import FeatureConfig  # torch-free until a feature draft is asked for
-
-        FeatureConfig.of_target(config)  # refuses what a feature draft cannot follow
-    elif output_transform(config):
-        raise DistillError(
-            f"--init {init}: the target's logits are not its head times its final hidden state "
-            f"({output_transform(config)}), which the trainer assumes; use an int4 self-draft "
-            "(build-engines --draft self)"
-        )
-    return layers
-
-
-@dataclass
-class _Run:
-    """One distillation's recipe, what is not recipe, and the timings, handed from step to step."""
-
-    recipe: DistillRecipe
-    target: str
-    out: Path
-    force: bool
-    threads: int
-    console: object
-    started: float
-    timings: dict = field(default_factory=dict)
-
-    @property
-    def deadline(self) -> float:
-        """When the whole budget (``minutes``) is spent."""
-        return self.started + self.recipe.minutes * 60
-
-    def say(self, text: str) -> None:
-        self.console.print(text)
-
-    def lap(self, name: str, since: float) -> None:
-        """The seconds since ``since``, as the report's timing ``name``."""
-        self.timings[name] = round(time.perf_counter() - since, 1)
+from builder.distill.run import (
+    Run,
+    check_target,
+    data_fields,
+    progress_bars,
+    publish_features,
+    sampling_fields,
+    task,
+    training_bar,
+    vocab_fields,
+)
 
 
 @dataclass
@@ -90,13 +57,15 @@ def distill_draft(
     force: bool = False,
     console=None,
     quiet: bool = False,
+    work: str | Path | None = None,
 ) -> dict:
     """Distil a draft for ``target`` by ``recipe`` into the Hugging Face folder ``out``; returns the report (also
     written to ``out/distill_report.json``).
 
     ``threads``: torch's (0: its default, and the teacher engine's); ``force``: replace the draft folder at ``out``
     (only a draft folder); ``console``: a rich console for progress and lines (default: stderr's, silent with
-    ``quiet``). The recipe says what the budget covers (``DistillRecipe``).
+    ``quiet``). The recipe says what the budget covers (``DistillRecipe``). ``work``: where a resumable recipe
+    (``prefill_text``) keeps its data and checkpoints (None: OUT.work beside the draft).
     """
     import torch
     from rich.console import Console
@@ -113,11 +82,13 @@ def distill_draft(
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(recipe.seed)
-    run = _Run(recipe, target, out, force, threads, console, started)
+    run = Run(recipe, target, out, force, threads, console, started)
+    if recipe.resumable:  # pairs by batched prefill, kept on disk with the training's checkpoints
+        return distill_resumable(run, quiet, work)
     corpus, train_prompts, held_prompts = _read_prompts(run)
     loaded = _load_target(run)
     train_ids, held_ids = _encoded(run, loaded, train_prompts), _encoded(run, loaded, held_prompts)
-    with tempfile.TemporaryDirectory(prefix="draftsmith-teacher-") as work, _progress(console, quiet) as progress:
+    with tempfile.TemporaryDirectory(prefix="draftsmith-teacher-") as work, progress_bars(console, quiet) as progress:
         engine = _teacher_engine(run, loaded, Path(work))
         made, made_ids = _write_own_prompts(run, loaded, engine, corpus, progress)
         samples, held = _continue_prompts(run, loaded, engine, progress, train_ids + made_ids, held_ids)
@@ -129,7 +100,7 @@ def distill_draft(
     return _publish_layers(run, loaded.tokenizer, draft, samples, held, kept, before, trained, len(made))
 
 
-def _read_prompts(run: _Run):
+def _read_prompts(run: Run):
     """(corpus, training prompts, held-out prompts), read before the target loads so a bad file fails at once."""
     recipe = run.recipe
     corpus = load_prompts(recipe.prompts)
@@ -141,7 +112,7 @@ def _read_prompts(run: _Run):
     return corpus, train_prompts, held_prompts
 
 
-def _load_target(run: _Run) -> _Target:
+def _load_target(run: Run) -> _Target:
     """The target, checked against ``init`` from its config alone before its weights load (minutes for a large
     one); its end-of-sequence ids and the padding id torch's batches use."""
     from builder import checkpoint as ckpt
@@ -156,12 +127,12 @@ def _load_target(run: _Run) -> _Target:
     return _Target(checkpoint, tokenizer, model, eos, pad)
 
 
-def _encoded(run: _Run, target: _Target, prompts) -> list[list[int]]:
+def _encoded(run: Run, target: _Target, prompts) -> list[list[int]]:
     """The prompts' token ids as the runtime will see them (chat template or raw text, cut to the last tokens)."""
     return [encode(target.tokenizer, p, run.recipe.chat, run.recipe.max_prompt_tokens) for p in prompts]
 
 
-def _teacher_engine(run: _Run, target: _Target, work: Path):
+def _teacher_engine(run: Run, target: _Target, work: Path):
     """The target as the fused ONNX engine the bundle will run, which continues the prompts and gives the teacher
     rows in the same calls; None where torch does (asked for, or the fused graph cannot express the target, which
     a feature draft cannot do without: it learns from the engine's hidden states)."""
@@ -197,7 +168,7 @@ def _teacher_engine(run: _Run, target: _Target, work: Path):
     return engine
 
 
-def _write_own_prompts(run: _Run, target: _Target, engine, corpus, progress):
+def _write_own_prompts(run: Run, target: _Target, engine, corpus, progress):
     """(prompts, their ids): the user queries the target writes itself (``self_prompts``, the Magpie method) in a
     quarter of the generation share at most, the distinct finished ones; none unless asked for and the ONNX engine
     runs (it samples them)."""
@@ -215,7 +186,7 @@ def _write_own_prompts(run: _Run, target: _Target, engine, corpus, progress):
         known=corpus,
         batch_size=recipe.generate_batch,
         deadline=t0 + share,
-        advance=_task(progress, "target: writing its own prompts", recipe.self_prompts, t0 + share),
+        advance=task(progress, "target: writing its own prompts", recipe.self_prompts, t0 + share),
     )
     made_ids = _encoded(run, target, made)
     run.lap("self_prompts", t0)
@@ -226,7 +197,7 @@ def _write_own_prompts(run: _Run, target: _Target, engine, corpus, progress):
     return made, made_ids
 
 
-def _continue_prompts(run: _Run, target: _Target, engine, progress, train_ids, held_ids):
+def _continue_prompts(run: Run, target: _Target, engine, progress, train_ids, held_ids):
     """(training samples, held-out samples), each with the target's teacher rows: from the ONNX engine's own calls,
     or torch's ``generate`` and then one teacher-forced pass. Refuses a budget that left no training sample."""
     recipe = run.recipe
@@ -243,7 +214,7 @@ def _continue_prompts(run: _Run, target: _Target, engine, progress, train_ids, h
             samples,
             recipe.top_k,
             recipe.tokens_per_batch,
-            advance=_task(progress, "target: teacher distributions", len(samples)),
+            advance=task(progress, "target: teacher distributions", len(samples)),
         )
         run.lap("teacher", t0)
     if not samples:
@@ -251,7 +222,7 @@ def _continue_prompts(run: _Run, target: _Target, engine, progress, train_ids, h
     return samples, held
 
 
-def _choose_vocabulary(run: _Run, target: _Target, samples):
+def _choose_vocabulary(run: Run, target: _Target, samples):
     """The token ids a reduced draft head keeps (``draft_vocab``: the most frequent in the continuations, EOS
     always); None for the full head."""
     size = run.recipe.draft_vocab
@@ -263,7 +234,7 @@ def _choose_vocabulary(run: _Run, target: _Target, samples):
     return kept_vocabulary(samples, size, vocab, target.eos)
 
 
-def _train_layers(run: _Run, target: _Target, samples, held, kept, progress):
+def _train_layers(run: Run, target: _Target, samples, held, kept, progress):
     """(draft, its acceptance before training, the training's record): a layers=N or given draft, measured on the
     held-out continuations first (that measurement's time, again, is kept back for the one after), then trained until
     the budget's end."""
@@ -280,7 +251,7 @@ def _train_layers(run: _Run, target: _Target, samples, held, kept, progress):
     train_deadline = run.deadline - 1.5 * measure - 5
     if recipe.max_steps is None and train_deadline <= time.perf_counter():
         raise DistillError(f"no time left to train within --minutes {recipe.minutes}; raise it")
-    on_step, done = _training_bar(
+    on_step, done = training_bar(
         run,
         progress,
         "draft: training",
@@ -306,7 +277,7 @@ def _train_layers(run: _Run, target: _Target, samples, held, kept, progress):
 
 
 def _publish_layers(
-    run: _Run, tokenizer, draft, samples, held, kept, before, trained: dict, self_prompts_kept: int
+    run: Run, tokenizer, draft, samples, held, kept, before, trained: dict, self_prompts_kept: int
 ) -> dict:
     """Measure the trained draft (held out, and on as many training prompts for the overfit), write it with its
     report and say how to build with it."""
@@ -327,13 +298,13 @@ def _publish_layers(
         "minutes": recipe.minutes,
         "prompts": recipe.prompts_name,
         # train_positions: the positions with teacher rows
-        **_data_fields(samples, held, sum(len(s.ids) - 1 - s.rows_from for s in samples)),
+        **data_fields(samples, held, sum(len(s.ids) - 1 - s.rows_from for s in samples)),
         "max_new_tokens": recipe.max_new_tokens,
         "generation_temperature": recipe.temperature,
         "top_k": recipe.top_k,
-        **_sampling_fields(recipe, self_prompts_kept),
+        **sampling_fields(recipe, self_prompts_kept),
         "draft_layers": draft.config.num_hidden_layers,
-        **_vocab_fields(held, kept),
+        **vocab_fields(held, kept),
         "before": before.to_dict(),
         "after": after.to_dict(),
         "train_top1_after": round(train_fit.top1, 4),
@@ -348,7 +319,7 @@ def _publish_layers(
     return report
 
 
-def _distill_features(run: _Run, target: _Target, samples, held, kept, progress, self_prompts_kept: int) -> dict:
+def _distill_features(run: Run, target: _Target, samples, held, kept, progress, self_prompts_kept: int) -> dict:
     """The feature draft (builder/distill/feature_draft.py): trained on the stored hidden states, measured by its
     chained greedy agreement on the held-out continuations, saved beside a one-layer transformers shell."""
     from builder.distill import feature_draft as fd
@@ -371,7 +342,7 @@ def _distill_features(run: _Run, target: _Target, samples, held, kept, progress,
         if recipe.max_steps
         else (lambda: f", about {max(0.0, train_deadline - time.perf_counter()):.0f} s left")
     )
-    on_step, done = _training_bar(
+    on_step, done = training_bar(
         run,
         progress,
         "feature draft: training",
@@ -386,111 +357,12 @@ def _distill_features(run: _Run, target: _Target, samples, held, kept, progress,
     done()
     progress.stop()
     run.timings["train"] = trained["seconds"]
-    return _publish_features(
+    return publish_features(
         run, target.tokenizer, draft, shell_config, samples, held, kept, before, trained, self_prompts_kept
     )
 
 
-def _publish_features(
-    run: _Run, tokenizer, draft, shell_config, samples, held, kept, before: dict, trained: dict, self_prompts_kept: int
-) -> dict:
-    """Measure the trained feature draft (held out, and on as many training prompts), write it and its transformers
-    shell with the report, and say how to build with it."""
-    from builder.distill import feature_draft as fd
-
-    after = fd.chained_agreement(draft, held, kept)
-    train_fit = fd.chained_agreement(draft, samples[: len(held)], kept)
-    run.say(
-        f"after:  held-out top-1 agreement {after['top1']:.3f}, per draft position {after['per_position']}, "
-        f"chained mean accepted at k=4 {after['mean_accepted']:.2f} (training prompts: top-1 "
-        f"{train_fit['top1']:.3f})"
-    )
-    run.lap("total", run.started)
-    recipe = run.recipe
-    report = {
-        "target": run.target,
-        "init": recipe.init,
-        "seed": recipe.seed,
-        "minutes": recipe.minutes,
-        "prompts": recipe.prompts_name,
-        "max_new_tokens": recipe.max_new_tokens,
-        **_sampling_fields(recipe, self_prompts_kept),
-        **_data_fields(samples, held, sum(len(s.ids) - 2 for s in samples)),
-        "draft_layers": 1,
-        "draft_kind": "feature",
-        **_vocab_fields(held, kept),
-        "before": {"top1_agreement": before["top1"], "chained": before},
-        "after": {"top1_agreement": after["top1"], "chained": after},
-        "train_top1_after": train_fit["top1"],
-        "training": trained,
-        "seconds": run.timings,
-    }
-    shell = fd.as_transformers(draft, shell_config)
-    publish_draft(
-        shell, tokenizer, run.out, kept, report, run.force, also=lambda folder: fd.save_feature_draft(draft, folder)
-    )
-    run.say(
-        f"saved the feature draft to {run.out} ({run.timings['total']:.0f} s in all); build with: "
-        f"build-engines --target {run.target} --draft {run.out}"
-    )
-    return report
-
-
-def _data_fields(samples, held, train_positions: int) -> dict:
-    """The report's counts of the training and held-out data, as both draft kinds' reports give them (in this
-    order); ``train_positions`` is the kind's own count of trained positions."""
-    return {
-        "train_prompts": len(samples),
-        "heldout_prompts": len(held),
-        "train_tokens": sum(len(s.continuation) for s in samples),
-        "train_positions": train_positions,
-        "heldout_tokens": sum(len(s.continuation) for s in held),
-    }
-
-
-def _sampling_fields(recipe, self_prompts_kept: int) -> dict:
-    """The report's record of how the training continuations were made, as both draft kinds' reports give it."""
-    return {
-        "samples_per_prompt": recipe.samples_per_prompt,
-        "sample_temperature": recipe.sample_temperature,
-        "generate_share": recipe.generate_share,
-        "teacher_engine": recipe.teacher_engine,
-        "self_prompts": recipe.self_prompts,
-        "self_prompts_kept": self_prompts_kept,
-    }
-
-
-def _vocab_fields(held, kept) -> dict:
-    """The report's draft vocabulary: its size (0: the full one) and how much of the held-out text it covers."""
-    return {
-        "draft_vocab": int(len(kept)) if kept is not None else 0,
-        "draft_vocab_coverage_heldout": round(coverage(held, kept), 4),
-    }
-
-
-def _training_bar(run: _Run, progress, what: str, train_deadline: float, line):
-    """(on_step, done) for a training loop: a bar on a terminal, by steps under ``max_steps`` else by seconds until
-    ``train_deadline``; in a log, where no bar shows, ``line(step, loss, lr, seconds)`` once a minute."""
-    max_steps = run.recipe.max_steps
-    total = max_steps or max(1, int(train_deadline - time.perf_counter()))
-    task = progress.add_task(what, total=total)
-    t0 = time.perf_counter()
-    last_line = [time.perf_counter()]
-
-    def on_step(step, value, rate):
-        progress.update(
-            task,
-            completed=step if max_steps else min(total, time.perf_counter() - t0),
-            description=f"{what} (loss {value:.3f})",
-        )
-        if not run.console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
-            last_line[0] = time.perf_counter()
-            run.say(line(step, value, rate, time.perf_counter() - t0))
-
-    return on_step, lambda: progress.update(task, completed=total)
-
-
-def _engine_continuations(run: _Run, target: _Target, engine, progress, train_ids, held_ids):
+def _engine_continuations(run: Run, target: _Target, engine, progress, train_ids, held_ids):
     """(training samples, held-out samples) from the ONNX engine, teacher rows included; the extra sampled
     continuations come pass after pass, so the deadline cuts the last pass, never a prompt's first one, and only the
     first carries the prompt's own rows."""
@@ -506,7 +378,7 @@ def _engine_continuations(run: _Run, target: _Target, engine, progress, train_id
         [Job(p) for p in held_ids],
         recipe.max_new_tokens,
         seed=recipe.seed,
-        advance=_task(progress, "target: held-out continuations", len(held_ids)),
+        advance=task(progress, "target: held-out continuations", len(held_ids)),
         **common,
     )
     gen_deadline = time.perf_counter() + recipe.generate_share * max(0.0, run.deadline - time.perf_counter())
@@ -522,13 +394,13 @@ def _engine_continuations(run: _Run, target: _Target, engine, progress, train_id
         recipe.max_new_tokens,
         seed=recipe.seed + 1,
         deadline=gen_deadline,
-        advance=_task(progress, "target: training continuations", len(jobs), gen_deadline),
+        advance=task(progress, "target: training continuations", len(jobs), gen_deadline),
         **common,
     )
     return samples, held
 
 
-def _torch_continuations(run: _Run, target: _Target, progress, train_ids, held_ids):
+def _torch_continuations(run: Run, target: _Target, progress, train_ids, held_ids):
     """(training samples, held-out samples) from torch's ``generate``; the teacher rows come after, in one pass."""
     recipe, model, seed = run.recipe, target.model, run.recipe.seed
     common = {"eos_ids": target.eos, "pad_id": target.pad, "batch_size": recipe.batch_prompts}
@@ -538,7 +410,7 @@ def _torch_continuations(run: _Run, target: _Target, progress, train_ids, held_i
         recipe.max_new_tokens,
         temperature=0.0,
         seed=seed,
-        advance=_task(progress, "target: held-out continuations", len(held_ids)),
+        advance=task(progress, "target: held-out continuations", len(held_ids)),
         **common,
     )
     gen_deadline = time.perf_counter() + recipe.generate_share * max(0.0, run.deadline - time.perf_counter())
@@ -549,7 +421,7 @@ def _torch_continuations(run: _Run, target: _Target, progress, train_ids, held_i
         temperature=recipe.temperature,
         seed=seed,
         deadline=gen_deadline,
-        advance=_task(progress, "target: training continuations", len(train_ids), gen_deadline),
+        advance=task(progress, "target: training continuations", len(train_ids), gen_deadline),
         **common,
     )
     for extra in range(1, recipe.samples_per_prompt):
@@ -562,30 +434,7 @@ def _torch_continuations(run: _Run, target: _Target, progress, train_ids, held_i
             temperature=recipe.sample_temperature,
             seed=seed + extra,
             deadline=gen_deadline,
-            advance=_task(progress, f"target: sampled continuations {extra + 1}", len(train_ids), gen_deadline),
+            advance=task(progress, f"target: sampled continuations {extra + 1}", len(train_ids), gen_deadline),
             **common,
         )
     return samples, held
-
-
-def _task(progress, what: str, total: int, deadline: float = math.inf) -> Heartbeat:
-    """A bar for a stage of ``total`` items on a terminal; in a log, where no bar shows, a line a minute."""
-    task = progress.add_task(what, total=total)
-    console = progress.console
-    return Heartbeat(
-        what, total, None if console.is_terminal else console.print, lambda n: progress.advance(task, n), deadline
-    )
-
-
-def _progress(console, quiet: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description:<40}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=quiet,
-        transient=False,
-    )

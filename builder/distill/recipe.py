@@ -35,6 +35,12 @@ RECIPE_KEYS = (
     "teacher_engine",
     "generate_batch",
     "self_prompts",
+    "prefill_text",
+    "prefill_length",
+    "prefill_rows",
+    "prefill_share",
+    "draft_intermediate",
+    "heldout_prompts",
 )  # a preset's `distill:` keys, and the command's flags
 TEACHER_ENGINES = ("auto", "gguf", "fp32", "torch")
 
@@ -58,6 +64,15 @@ class DistillRecipe:
     ``self_prompts`` > 0: before the continuations, the target samples that many user queries from its chat
     template's user-turn prefix (builder/distill/self_prompts.py, the Magpie method); the distinct, finished ones join
     the training prompts (the held-out prompts stay the shipped ones).
+
+    ``prefill_text`` (feature drafts): text sources the target's engine reads whole in batched prefill, windows of
+    ``prefill_length`` tokens, ``prefill_rows`` a call (builder/distill/prefill.py): the bulk of the pairs at the
+    cost of a prefill rather than of generation. With it the distillation keeps its data and training on disk and
+    resumes where a killed run stopped (builder/distill/resumable.py); ``generate_share`` of the budget then goes to
+    data, ``prefill_share`` of that to the windows and the rest to sampled continuations of the training prompts.
+    ``draft_intermediate``: the draft layer's MLP width (0: the target's). ``heldout_prompts``: the held-out set,
+    shipped sets (``heldout-code``, ``heldout-chat``) or prompt files, none of it in the training corpus (empty: a
+    ``heldout`` share of the corpus).
     """
 
     # RECIPE_KEYS: a preset's `distill:` block and the command's flags
@@ -77,6 +92,12 @@ class DistillRecipe:
     teacher_engine: str = "auto"
     generate_batch: int = 32
     self_prompts: int = 0
+    prefill_text: tuple[str, ...] = ()  # sources: python:PACKAGE, a file or a folder (feature drafts)
+    prefill_length: int = 512  # tokens a prefilled window
+    prefill_rows: int = 1  # windows an engine call
+    prefill_share: float = 0.7  # of the data time: prefilled windows (the rest: sampled continuations)
+    draft_intermediate: int = 0  # a feature draft's MLP width (0: the target's)
+    heldout_prompts: tuple[str, ...] = ()  # shipped held-out sets or prompt files (empty: a share of the corpus)
     # the Python API's alone
     top_k: int = 32  # teacher probabilities kept per position
     batch_prompts: int = 16  # rows of torch's generate
@@ -86,11 +107,17 @@ class DistillRecipe:
     chat: bool | None = None  # through the chat template (None: every prompt not marked @completion)
     train_prompt_positions: bool = True
     accuracy_level: int = 4  # the ONNX teacher engine's MatMulNBits accuracy level
+    checkpoint_seconds: float = 300.0  # a resumable training's checkpoint interval (tests: 0, every step)
 
     @property
     def features(self) -> bool:
         """A feature draft (builder/distill/feature_draft.py) rather than a truncated or given checkpoint."""
         return self.init == "feature"
+
+    @property
+    def resumable(self) -> bool:
+        """Data made by batched prefill, kept on disk with the training's checkpoints (builder/distill/resumable.py)."""
+        return bool(self.prefill_text)
 
     @property
     def prompts_name(self) -> str:
@@ -120,6 +147,22 @@ class DistillRecipe:
             raise DistillError(f"--generate-batch must be >= 1, received {self.generate_batch}")
         if not 0 < self.generate_share < 1:
             raise DistillError(f"--generate-share must be in (0, 1), received {self.generate_share}")
+        self._check_prefill()
+
+    def _check_prefill(self) -> None:
+        if self.prefill_text and not self.features:
+            raise DistillError("--prefill-text makes a feature draft's pairs: use it with --init feature")
+        if self.prefill_length < 16 or self.prefill_rows < 1:
+            raise DistillError(
+                f"--prefill-length must be >= 16 and --prefill-rows >= 1, received {self.prefill_length} and "
+                f"{self.prefill_rows}"
+            )
+        if not 0 <= self.prefill_share <= 1:
+            raise DistillError(f"--prefill-share must be in [0, 1], received {self.prefill_share}")
+        if self.draft_intermediate < 0 or (self.draft_intermediate and not self.features):
+            raise DistillError(
+                f"--draft-intermediate is a feature draft's MLP width (>= 0), received {self.draft_intermediate}"
+            )
 
     def overridden(self, values: dict) -> DistillRecipe:
         """This recipe with ``values`` (RECIPE_KEYS only) in place of its own: the flags given over a preset's."""
@@ -137,4 +180,6 @@ def recipe_from(config: dict, path) -> tuple[str, str, DistillRecipe]:
         raise DistillError(f"{path}: unknown distill option(s) {unknown}; known: {list(RECIPE_KEYS)}")
     if not config.get("target") or not config.get("draft"):
         raise DistillError(f"{path} must name the target and, as 'draft', the folder the recipe distils into")
-    return str(config["target"]), str(config["draft"]), DistillRecipe(**block)
+    lists = ("prefill_text", "heldout_prompts")  # YAML lists; the recipe holds tuples, as the flags give them
+    sequences = {key: tuple(block[key]) for key in lists if isinstance(block.get(key), list)}
+    return str(config["target"]), str(config["draft"]), DistillRecipe(**{**block, **sequences})

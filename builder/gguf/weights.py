@@ -1,4 +1,7 @@
-"""GGUF-faithful weights: a GGUF file's quantized blocks written as ONNX Runtime MatMulNBits, not re-quantized.
+"""GGUF-faithful weights: a GGUF file's quantized blocks kept as they are, never re-quantized — for Draftsmith's
+GgufMatMul (runtime.engines.gguf_ops: the file's bytes, regrouped 16 rows at a time by ``interleave16``; ``apply(...,
+native=True)``), or written as ONNX Runtime MatMulNBits, exactly, where that library is not built or a type has no
+kernel of ours.
 
 Re-quantizing a dequantized Q4_1 file quantizes its weights twice and gives a worse model than the file the user gave
 us (SmolLM2: perplexity 24.4 against 16.7). Each GGUF block type below maps exactly onto MatMulNBits (one row per
@@ -52,7 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.decoder import BlockQuant, Decoder, LazyLayers, Linear
+from builder.decoder import BlockQuant, Decoder, GgufBlocks, LazyLayers, Linear
+from runtime.engines import gguf_ops
 
 BLOCK = 32
 # GGUF tensor name stems for the parts of builder.decoder.Layer, first choice first (Phi-3's converter writes q|k|v as
@@ -92,13 +96,18 @@ class _Blocks:
         return self.q.shape[1] * self.q.shape[2]
 
 
-def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bool = True) -> Decoder:
+def apply(
+    decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bool = True, native: bool = False
+) -> Decoder:
     """``decoder`` (from the dequantized model) with every linear layer the file holds in a faithful type replaced by
     its blocks as they are in the file. Works for a truncated decoder too (its first layers). Each replaced layer is
     first checked against the decoder's own float weights (which transformers dequantized from the same file): a
     file whose blocks say something else is refused (ValueError) rather than built.
 
     Args:
+        native: layers (and the head) whose every part has a type Draftsmith's GgufMatMul multiplies
+            (runtime.engines.gguf_ops.GGML_TYPE_IDS) keep the file's bytes as they are (``Linear.gguf``: ~4.5 bits a
+            Q4_K weight, 6.56 a Q6_K one) instead of MatMulNBits' form (6 and 10 bits); the others take MatMulNBits.
         block: 16 writes each 32-block of the layers as two 16-blocks with the same scale (still exact):
             MatMulNBits with int8 activations (accuracy level 4) quantizes the activations per weight block, so
             halving the block halves the span each activation scale covers. Q6_K's blocks are 16 wide either way.
@@ -127,7 +136,8 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
 
     def with_blocks(i: int, layer):
         for part, (names, stems) in _layer_parts(tensors, i).items():
-            linear, order = _part(data, tensors, decoder, names, stems, getattr(layer, part), permuted_qk, block)
+            old = getattr(layer, part)
+            linear, order = _part(data, tensors, decoder, names, stems, old, permuted_qk, block, native)
             if linear is not None:
                 setattr(layer, part, linear)
             if linear is not None and order != permuted_qk and not any(FLIPPED in n for n in decoder.notes):
@@ -151,18 +161,23 @@ def apply(decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bo
                 f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
                 f"file (max |difference| {error:.3g}); the file is inconsistent"
             )
-        decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
+        if native and head.kind in gguf_ops.GGML_TYPE_IDS:
+            raw = _raw_rows(data, head, decoder, "output", permuted_qk)
+            decoder.head = Linear(gguf=gguf_blocks(head_blocks.k, ((head.kind, raw),)))
+        else:
+            decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
     elif head is not None:
         kept.append(head.name)
-    _embedding(decoder, data, tensors, permuted_qk)
+    _embedding(decoder, data, tensors, permuted_qk, native)
     _note(decoder, tensors, kept)
     return decoder
 
 
-def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool) -> None:
-    """The embedding as the file's own blocks (GatherBlockQuantized, builder.graph), checked like every layer against
-    the float table transformers dequantized from the same file; it stays float32 where the file's type has no
-    exact form or the table's shape is not the file's."""
+def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool, native: bool = False) -> None:
+    """The embedding as the file's own blocks, checked like every layer against the float table transformers
+    dequantized from the same file: read by GgufGather from the file's bytes (``native`` and a type it knows; a
+    tied head's very bytes where the file has no output.weight), else GatherBlockQuantized (builder.graph). It stays
+    float32 where the file's type has no exact form or the table's shape is not the file's."""
     tensor = tensors.get("token_embd.weight")
     blocks = _tensor_blocks(data, tensor, decoder, "token_embd", permuted_qk)
     if blocks is None or (blocks.n, blocks.k) != tuple(decoder.embedding.shape) or blocks.block < 16:
@@ -173,6 +188,12 @@ def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool) -> None
             f"{tensor.name}: the file's blocks differ from the embedding transformers loaded from the "
             f"same file (max |difference| {error:.3g}); the file is inconsistent"
         )
+    if native and tensor.kind in gguf_ops.GGML_TYPE_IDS:
+        head = decoder.head.gguf
+        tied = "output.weight" not in tensors and head is not None and head.parts[0][0] == tensor.kind
+        rows = _raw_rows(data, tensor, decoder, "token_embd", permuted_qk)
+        decoder.embedding_gguf = head if tied else GgufBlocks(blocks.k, ((tensor.kind, rows),))
+        return
     decoder.embedding_quant = _pack(blocks)
 
 
@@ -225,9 +246,11 @@ def _part(
     old: Linear,
     permuted_qk: bool,
     block: int,
+    native: bool = False,
 ) -> tuple[Linear | None, bool]:
     """One fused projection from the file's blocks, checked against ``old`` (the model's float weights), and the q/k
-    row order that matched; (None, _) where a part has no exact form."""
+    row order that matched; (None, _) where a part has no exact form. ``native``: the file's own bytes
+    (``Linear.gguf``) where every part's type allows it."""
     orders = (permuted_qk, not permuted_qk) if "attn_q" in stems else (permuted_qk,)
     for order in orders:
         blocks = [_tensor_blocks(data, tensors.get(n), decoder, stem, order) for n, stem in zip(names, stems)]
@@ -235,6 +258,11 @@ def _part(
             return None, order
         stacked = _stack(blocks)
         error = _mismatch(", ".join(names), stacked, old.weight)
+        if error is None and native and all(tensors[n].kind in gguf_ops.GGML_TYPE_IDS for n in names):
+            raw = tuple(
+                (tensors[n].kind, _raw_rows(data, tensors[n], decoder, stem, order)) for n, stem in zip(names, stems)
+            )
+            return Linear(gguf=gguf_blocks(stacked.k, raw), bias=old.bias), order
         if error is None:
             return Linear(quant=_pack(split(stacked, block)), bias=old.bias), order
     raise ValueError(
@@ -304,6 +332,72 @@ def _tensor_blocks(data: np.ndarray, tensor, decoder: Decoder, stem: str, permut
             raise ValueError(f"{tensor.name}: {n} rows are not {heads} heads of an even size")
         blocks = _unpermute(blocks, heads)
     return blocks
+
+
+def _raw_rows(data, tensor, decoder: Decoder, stem: str, permuted_qk: bool) -> np.ndarray:
+    """The tensor's bytes as the file holds them, uint8 [N, bytes a row], rows in Hugging Face order (llama.cpp's
+    rotary order undone for attn_q / attn_k: whole rows move, the blocks inside them are untouched)."""
+    n = tensor.shape[1]
+    rows = np.asarray(data[tensor.start : tensor.start + tensor.nbytes]).reshape(n, tensor.nbytes // n)
+    if permuted_qk and stem in ("attn_q", "attn_k"):
+        heads = decoder.heads if stem == "attn_q" else decoder.kv_heads
+        return _rows_unpermuted(rows, heads)
+    return rows
+
+
+def gguf_blocks(k: int, parts: tuple[tuple[str, np.ndarray], ...]) -> GgufBlocks:
+    """The file's rows for GgufMatMul, regrouped for its column kernels (layout 1: 16 outputs a vector, a few times
+    cheaper per extra row of a call than reading rows one by one) where every part's rows come in groups of 16."""
+    if all(len(data) % 16 == 0 for _, data in parts):
+        return GgufBlocks(k, tuple((kind, interleave16(kind, data)) for kind, data in parts), layout=1)
+    return GgufBlocks(k, parts)
+
+
+def interleave16(kind: str, rows: np.ndarray) -> np.ndarray:
+    """The file's rows [N, bytes a row] (N a multiple of 16) in GgufMatMul's column layout (layout 1): for each group
+    of 16 rows and each block, the 16 rows' fp16 scales side by side, their packed scale bytes and quant bytes four
+    at a time row after row (planes and quads), Q5_0's high bits as 64-bit words per four values
+    (runtime/engines/gguf_ops/src/x16_layout.h has the table). The same bytes in another order, viewed as [N,
+    bytes a row]: a regrouping, exact and no larger."""
+    elements, size = gguf_ops.BLOCK_SHAPES[kind]
+    n, row_bytes = rows.shape
+    b = rows.reshape(n // 16, 16, row_bytes // size, size).transpose(0, 2, 1, 3)  # [groups, blocks, 16 rows, size]
+
+    def side_by_side(lo: int, hi: int) -> np.ndarray:  # a field of each row, rows one after another
+        return b[..., lo:hi].reshape(*b.shape[:2], -1)
+
+    def quads(lo: int, hi: int) -> np.ndarray:  # bytes lo..hi of each row, four at a time, rows side by side
+        x = b[..., lo:hi]
+        return x.reshape(*x.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4).reshape(*b.shape[:2], -1)
+
+    def q6_stream() -> np.ndarray:  # Q6_K's quant bytes in reading order: per half and t, two ql quads, a qh quad
+        groups, blocks = b.shape[:2]
+        ql = quads(0, 128).reshape(groups, blocks, 2, 2, 8, 64).transpose(0, 1, 2, 4, 3, 5)  # [h, t, odd]
+        qh = quads(128, 192).reshape(groups, blocks, 2, 8, 1, 64)
+        return np.concatenate([ql, qh], axis=4).reshape(groups, blocks, -1)
+
+    def high_bit_words(lo: int) -> np.ndarray:  # Q5_0's qh: word e, bit 4c + j = row c's bit of value 4e + j
+        bits = np.unpackbits(b[..., lo : lo + 4], axis=-1, bitorder="little")  # [g, blocks, 16, 32]
+        bits = bits.reshape(*bits.shape[:3], 8, 4).transpose(0, 1, 3, 2, 4).reshape(*b.shape[:2], 8, 64)
+        return np.packbits(bits, axis=-1, bitorder="little").reshape(*b.shape[:2], -1)
+
+    fields = {
+        "Q8_0": lambda: [side_by_side(0, 2), quads(2, 34)],
+        "Q4_0": lambda: [side_by_side(0, 2), quads(2, 18)],
+        "Q4_1": lambda: [side_by_side(0, 2), side_by_side(2, 4), quads(4, 20)],
+        "Q5_0": lambda: [side_by_side(0, 2), high_bit_words(2), quads(6, 22)],
+        "Q4_K": lambda: [side_by_side(0, 2), side_by_side(2, 4), quads(4, 16), quads(16, 144)],
+        "Q6_K": lambda: [side_by_side(208, 210), quads(192, 208), q6_stream()],
+    }[kind]()
+    out = np.concatenate(fields, axis=-1)
+    assert out.shape[-1] == 16 * size and elements in (32, 256)
+    return np.ascontiguousarray(out).reshape(n, row_bytes)
+
+
+def _rows_unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Rows [N, ...] back from llama.cpp's rotary order (per head: pairs interleaved) to Hugging Face's (halves)."""
+    pairs = rows.reshape(heads, len(rows) // heads // 2, 2, *rows.shape[1:])
+    return np.ascontiguousarray(pairs.swapaxes(1, 2).reshape(rows.shape))
 
 
 DECODE_ROWS = 8192  # rows read and unpacked at a time (a 151,936-row table's unpacking temporaries: 1/19 of them)
@@ -504,12 +598,9 @@ FAITHFUL_TYPES = tuple(DECODERS)
 
 def _unpermute(blocks: _Blocks, heads: int) -> _Blocks:
     """Rows back from llama.cpp's rotary order (per head: pairs interleaved) to Hugging Face's (halves)."""
-    head_dim = blocks.n // heads
 
     def rows(a):
-        if a is None:
-            return None
-        return np.ascontiguousarray(a.reshape(heads, head_dim // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
+        return None if a is None else _rows_unpermuted(a, heads)
 
     return _Blocks(blocks.bits, rows(blocks.q), rows(blocks.zero), rows(blocks.scales), rows(blocks.offsets))
 

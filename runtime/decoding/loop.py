@@ -36,7 +36,9 @@ class SpeculativeLoop:
         costs: CostModel | None = None,
     ):
         self.target, self.drafter, self.config = target, drafter, config
-        self.costs = costs  # measured call costs: at batch > 1 each step's draft lengths are planned from them
+        self.costs = costs  # measured call costs: each step's draft lengths are planned from them
+        if drafter is not None and costs is not None and config.plan:
+            drafter.use_costs(costs)  # a hybrid picks its source per row by them
         rngs = row_generators(config.seed, len(prompts))
         self.rows = [
             DecodeRow(index=i, prompt=list(p), config=config, rng=rng) for i, (p, rng) in enumerate(zip(prompts, rngs))
@@ -96,9 +98,12 @@ class SpeculativeLoop:
             )
 
     def _plan(self, rows: list[DecodeRow]) -> StepPlan:
-        """Every row drafts up to k (within its budget and the context) unless the batch is in fallback; over a
-        batch with measured costs, each row as far as pays (``planned``)."""
+        """Every row drafts up to k (within its budget and the context) unless the batch is in fallback; with
+        measured costs, each row as far as pays (``planned``)."""
         limits = [self._draft_limit(r) for r in rows]
+        usable = self.drafter.can_draft() if self.drafter is not None else None
+        if usable is not None:  # rows the drafter is done with for good (can_draft) get no draft length
+            limits = [limit if ok else 0 for limit, ok in zip(limits, usable)]
         drafting = self.drafter is not None and not self.in_fallback and any(limits)
         if drafting and self._plans_by_cost(rows):
             limits = self.planned(rows, limits)
@@ -106,12 +111,12 @@ class SpeculativeLoop:
         return StepPlan(limits, [drafting], fallback=self.in_fallback)
 
     def _plans_by_cost(self, rows: list[DecodeRow]) -> bool:
-        """A batch with calibrated costs, whose text does not depend on the plan: greedy, or sampled without a
-        seed (a seeded sampled run keeps its fixed k, so the same seed gives the same text)."""
+        """Calibrated costs (any batch, a lone row too: k from the measured verify curve, 0 where drafting does not
+        pay), and a text that does not depend on the plan: greedy, or sampled without a seed (a seeded sampled run
+        keeps its fixed k, so the same seed gives the same text)."""
         params = self.config.params
         return (
-            len(rows) > 1
-            and self.config.plan
+            self.config.plan
             and self.costs is not None
             and self.costs.calibrated
             and (params.greedy or self.config.seed is None)
@@ -123,7 +128,14 @@ class SpeculativeLoop:
         pad = getattr(self.target, "min_call_tokens", 1)
         ks = plan_draft_lengths(
             self.costs,
-            PlanInputs([r.acceptance for r in rows], limits, shared_drafter=True, min_width=pad, plain_width=pad),
+            PlanInputs(
+                [r.acceptance for r in rows],
+                limits,
+                shared_drafter=True,
+                min_width=pad,
+                plain_width=pad,
+                paid=[self.drafter.calls_draft_engine] * len(rows),
+            ),
         )
         return with_probes(ks, limits, rows)
 

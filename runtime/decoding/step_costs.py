@@ -129,6 +129,7 @@ class PlanInputs:
     shared_drafter: bool  # one drafter call drafts every row (SpeculativeLoop); else one drafter per row
     min_width: int = 2  # a scored row's width in the target call (the target's min_call_tokens)
     plain_width: int = 2  # a step where no row drafts: 1 where the policy lets it run unpadded
+    paid: list[bool] | None = None  # per row: its drafts cost draft calls (False: a model-free drafter); None: all
 
 
 def step_cost(costs: CostModel, ks: list[int], inputs: PlanInputs) -> float:
@@ -136,7 +137,8 @@ def step_cost(costs: CostModel, ks: list[int], inputs: PlanInputs) -> float:
     rows = len(ks)
     if not any(ks):
         return costs.call_cost([inputs.plain_width] * rows)
-    draft = max(ks) * costs.draft_cost(rows) if inputs.shared_drafter else sum(ks) * costs.draft_cost(1)
+    paid = [k if p else 0 for k, p in zip(ks, inputs.paid or [True] * rows)]
+    draft = max(paid) * costs.draft_cost(rows) if inputs.shared_drafter else sum(paid) * costs.draft_cost(1)
     return draft + costs.call_cost([max(k + 1, inputs.min_width) for k in ks])
 
 

@@ -34,6 +34,7 @@ class Drafter:
     """Base of every drafter; the hooks after the first five are optional capabilities with their defaults."""
 
     reads_features = False  # take_features receives the target's final hidden states (a feature draft)
+    calls_draft_engine = True  # its drafts cost draft-engine calls (False: model-free; the step plan charges none)
     takes_prefixes = False  # propose(prefixes=...) drafts on after given tokens (grammar-forced ones)
 
     def start(self, prompts: list[list[int]]) -> None:
@@ -62,6 +63,16 @@ class Drafter:
         """The target's hidden states [n_b, H] of the tokens its last call fed, per row (None: the engine returns
         none). Called after the prefill and after every target call; ignored unless ``reads_features``."""
 
+    def use_costs(self, costs) -> None:
+        """The measured call costs of the target and draft calls (runtime.decoding.step_costs.CostModel), given
+        once by the loop that plans its steps by them; ignored unless the drafter chooses by cost (the hybrid)."""
+
     def constrain_rows(self, grammars: list) -> None:
         """Per row, the GrammarRow its draws must be masked by (None: unconstrained). Model-free drafters propose
         text, which the step cuts at the grammar's first refusal, so they ignore it."""
+
+    def can_draft(self) -> list[bool] | None:
+        """Per row, whether it can still propose: False for good where a row has outgrown what the drafter holds (a
+        cross-tokenizer draft whose context its text no longer fits), so the planners stop giving it a draft length
+        and its steps are plain target steps. None: every row can."""
+        return None

@@ -15,6 +15,10 @@ The target's committed tokens are the only state of record. The draft's cache ho
 prefix of the committed text; committed bytes it has not read yet wait in ``unfed`` and are re-tokenized for the
 draft when it next drafts. After a step, the draft keeps the tokens it drafted as far as their bytes are a prefix of
 what the step committed, and rolls back the rest.
+
+The two tokenizers count the same text differently, so a row's text can outgrow the draft's context while the
+target's still has room. Such a row is done drafting for good (``can_draft``): its unread text is dropped, never
+re-tokenized again, and the planners give it no draft length.
 """
 
 from __future__ import annotations
@@ -51,7 +55,11 @@ class CrossVocabDrafter(Drafter):
         self.unfed = [self.bridge.bytes_of(p) for p in prompts]  # committed bytes the draft has not read
         self.fed: list[list[int]] = [[] for _ in prompts]  # per row: draft tokens it drafted and fed this step
         self.context = [0] * len(prompts)  # per row: draft tokens of committed text fed this step
+        self.full = [False] * len(prompts)  # per row: its text outgrew the draft's context (done drafting)
         self.base = self.cache.lengths.copy()
+
+    def can_draft(self) -> list[bool]:
+        return [not full for full in self.full]
 
     def constrain_rows(self, grammars: list) -> None:
         self.grammars = grammars
@@ -94,13 +102,17 @@ class CrossVocabDrafter(Drafter):
 
     def _context_chunks(self, limits: list[int]) -> list[list[int]]:
         """Per row, the draft tokens of the committed text it has not read (whole characters only); [] where the
-        row does not draft this step (its limit is 0, its text ends inside a character, its context is full)."""
+        row does not draft this step (its limit is 0, its text ends inside a character, its context is full). A
+        row whose unread text leaves no room for even one draft token is full for good (``full``): the committed
+        text only grows, so it is never tokenized for the draft again."""
         chunks = []
         for b, limit in enumerate(limits):
             text, carry = split_utf8(self.unfed[b])
-            chunk = self.bridge.draft_ids(text) if limit > 0 and not carry else []
-            room = self.engine.max_context - int(self.cache.lengths[b]) - len(chunk) - limit - 1
-            chunks.append(chunk if room >= 0 else [])
+            chunk = self.bridge.draft_ids(text) if limit > 0 and not carry and not self.full[b] else []
+            room = self.engine.max_context - int(self.cache.lengths[b]) - len(chunk) - 1
+            if room < 1:
+                self.full[b], self.unfed[b] = True, b""
+            chunks.append(chunk if room >= limit else [])
         return chunks
 
     def _draw(
@@ -152,7 +164,7 @@ class CrossVocabDrafter(Drafter):
         for b, out in enumerate(emitted):
             committed = self.bridge.bytes_of(out)
             if not self.context[b]:  # the row fed nothing this step
-                self.unfed[b] = self.unfed[b] + committed
+                self.unfed[b] = b"" if self.full[b] else self.unfed[b] + committed
                 continue
             kept, matched = 0, 0
             for token in self.fed[b]:
@@ -165,11 +177,15 @@ class CrossVocabDrafter(Drafter):
         self.engine.rollback(self.cache, keep)
 
     def observe(self, emitted: list[list[int]]) -> None:
-        self.unfed = [unfed + self.bridge.bytes_of(out) for unfed, out in zip(self.unfed, emitted)]
+        self.unfed = [
+            b"" if full else unfed + self.bridge.bytes_of(out)
+            for unfed, out, full in zip(self.unfed, emitted, self.full)
+        ]
 
     def keep_rows(self, rows: np.ndarray) -> None:
         self.cache = self.engine.select(self.cache, rows)
         self.unfed = [self.unfed[r] for r in rows]
+        self.full = [self.full[r] for r in rows]
         self.fed = [self.fed[r] for r in rows]
         self.context = [self.context[r] for r in rows]
         self.base = self.base[rows]

@@ -1,4 +1,4 @@
-"""The hybrid drafter: a model-free drafter where it finds a proposal, the draft model elsewhere."""
+"""The hybrid drafter: a model-free drafter where its proposal pays, the draft model elsewhere."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from runtime.drafters.base import Drafter, Proposal
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
 from runtime.decoding.sampling import SamplingParams
+from runtime.decoding.step_costs import expected_tokens
+
+PRIOR = 0.6  # a row's acceptance estimate of each source before it has drafted
 
 
 class HybridDrafter(Drafter):
@@ -20,6 +23,11 @@ class HybridDrafter(Drafter):
     (a point mass, or the model's distribution), so the acceptance rule stays exact row by row. The model drafter
     treats a row that looked up as a row that drafted nothing: it catches up on everything that row emitted the next
     time it drafts for it.
+
+    Given the measured call costs (``use_costs``: the step plan's, runtime/decoding/step_costs.py), a row takes the
+    free proposal only where it pays more than the model's: each source's expected tokens from the row's own
+    acceptance of it (running estimates, ``rates``), over what the step would cost, the model's draft calls and the
+    verify call of each width read from the measured curve. Without costs every row with a free proposal takes it.
     """
 
     def __init__(
@@ -30,10 +38,16 @@ class HybridDrafter(Drafter):
             free if free is not None else PromptLookupDrafter(vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
         )
         self.looked_up = self.proposed = 0  # rows whose proposal came from the free drafter / all proposing rows
+        self.costs = None  # the measured call costs (use_costs); None: the free proposal wherever there is one
+
+    def use_costs(self, costs) -> None:
+        self.costs = costs
 
     def start(self, prompts: list[list[int]]) -> None:
         self.model.start(prompts)
         self.free.start(prompts)
+        self.rates = [[PRIOR, PRIOR] for _ in prompts]  # per row: acceptance of the free source, of the model
+        self.sources: list[tuple[bool, int]] = []  # per row this step: (free?, tokens proposed)
 
     @property
     def takes_prefixes(self) -> bool:
@@ -54,7 +68,7 @@ class HybridDrafter(Drafter):
         look up first."""
         prefixes = prefixes or [[] for _ in limits]
         found = self.free.propose([0 if p else limit for p, limit in zip(prefixes, limits)], params, rngs)
-        pick = [bool(t) for t in found.tokens]  # rows with a match take the lookup's proposal
+        pick = [bool(t) and self.free_pays(b, len(t), limits) for b, t in enumerate(found.tokens)]
         model_limits = [0 if p else limit for p, limit in zip(pick, limits)]
         drafted = (
             self.model.propose(model_limits, params, rngs, prefixes=prefixes)
@@ -63,16 +77,36 @@ class HybridDrafter(Drafter):
         )
         self.looked_up += sum(pick)
         self.proposed += sum(1 for limit in limits if limit > 0)
-        return Proposal(
-            [f if p else d for f, d, p in zip(found.tokens, drafted.tokens, pick)],
-            [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)],
-        )
+        tokens = [f if p else d for f, d, p in zip(found.tokens, drafted.tokens, pick)]
+        self.sources = [(p, len(t)) for p, t in zip(pick, tokens)]
+        return Proposal(tokens, [f if p else d for f, d, p in zip(found.probs, drafted.probs, pick)])
+
+    def free_pays(self, b: int, length: int, limits: list[int]) -> bool:
+        """Whether row ``b``'s free proposal of ``length`` tokens makes more tokens a second than the model's best
+        draft within its limit would, by the measured costs (True without them)."""
+        costs = self.costs
+        if costs is None or not costs.calibrated:
+            return True
+        rows = len(limits)
+        free_rate, model_rate = self.rates[b]
+
+        def per_second(tokens: float, drafted: int, by_model: bool) -> float:
+            draft = drafted * costs.draft_cost(rows) if by_model else 0.0
+            return tokens / max(draft + costs.call_cost([drafted + 1] * rows), 1e-9)
+
+        free = per_second(expected_tokens(free_rate, length), length, False)
+        model = max((per_second(expected_tokens(model_rate, k), k, True) for k in range(1, limits[b] + 1)), default=0.0)
+        return free >= model
 
     def take_features(self, rows) -> None:
         """A feature drafter as the model: it pairs every step's target hidden states, whoever drafted."""
         self.model.take_features(rows)
 
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
+        for b, ((free, drafted), n) in enumerate(zip(self.sources, accepted)):
+            if drafted:  # the source's acceptance estimate for this row moves a fifth of the way to this step's
+                self.rates[b][0 if free else 1] = 0.8 * self.rates[b][0 if free else 1] + 0.2 * n / drafted
+        self.sources = []
         self.free.settle(accepted, emitted)
         self.model.settle(accepted, emitted)
 
@@ -81,5 +115,6 @@ class HybridDrafter(Drafter):
         self.model.observe(emitted)
 
     def keep_rows(self, rows: np.ndarray) -> None:
+        self.rates = [self.rates[r] for r in rows]
         self.free.keep_rows(rows)
         self.model.keep_rows(rows)

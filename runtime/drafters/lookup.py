@@ -29,6 +29,8 @@ def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -
 
 
 class PromptLookupDrafter(Drafter):
+    calls_draft_engine = False  # n-gram matches: no model
+
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
 

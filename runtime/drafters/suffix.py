@@ -251,6 +251,8 @@ class SuffixDrafter(Drafter):
     proposes nothing when neither is that sure (what a hybrid uses to leave the row to a draft model).
     """
 
+    calls_draft_engine = False  # a trie walk: no model
+
     def __init__(self, vocab_size: int, corpus: SuffixCorpus | None = None, config: SuffixConfig = SuffixConfig()):
         if corpus is not None and corpus.depth != config.depth:
             raise ValueError(f"suffix corpus depth {corpus.depth} differs from the drafter's {config.depth}")

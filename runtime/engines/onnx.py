@@ -68,8 +68,15 @@ def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return mask * (np.cumsum(mask, axis=1) <= keep[:, None])
 
 
+PREFILL_POSITIONS = 256  # OnnxEngine: positions one call of a prompt's prefill takes (``prefill_positions``)
+
+
 class OnnxEngine:
     """A decoder graph exported by builder.export, run with ONNX Runtime.
+
+    A prompt (``prefill``, and ``forward(last=True)``, a drafter's first call) is fed in calls of at most
+    ``prefill_positions`` positions: the graph scores every position it takes, and a whole 32k-token prompt in one
+    call would make S x V logits and S x S attention scores per head (tens of gigabytes).
 
     ``cache_device`` None keeps the cache in ONNX Runtime's CPU memory and runs plain ``run_with_ort_values``;
     "cuda" (or "cpu", which tests use to exercise the same path) binds the present tensors to that device with an
@@ -98,6 +105,9 @@ class OnnxEngine:
         self.past_names = [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
         self.output_names = ["logits"] + [n.replace("past", "present", 1) for n in self.past_names]
         self.dtype = np.float16 if "float16" in self.session.get_inputs()[3].type else np.float32
+        # positions (rows x tokens) one prompt call takes: bounds its logits (positions x V) and its attention
+        # scores (positions x heads x context), which a whole 32k-token prompt would make tens of gigabytes of
+        self.prefill_positions = PREFILL_POSITIONS
 
     def new_cache(self, batch: int) -> KVCache:
         empty = np.zeros((batch, self.num_kv_heads, 0, self.head_dim), self.dtype)
@@ -105,9 +115,42 @@ class OnnxEngine:
             self._to_device([empty] * (2 * self.num_layers)), np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64)
         )
 
+    scores_last = True  # forward(last=True): a prompt in chunks, logits kept at each row's last token only
+
+    def prefill(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
+        """Prompt tokens whose logits nobody reads: ``forward(last=True)``, its one row of logits dropped. This
+        graph has no switch for its head, so each of its calls makes logits for every position it takes; fed in
+        chunks of at most ``prefill_positions`` positions, that is a chunk's worth, never a whole prompt's."""
+        self.forward(cache, tokens, valid, last=True)
+
     def forward(
-        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+        self,
+        cache: KVCache,
+        tokens: np.ndarray,
+        valid: np.ndarray | None = None,
+        exact: bool = True,
+        last: bool = False,
     ) -> np.ndarray:
+        """Append tokens [B, S] and return logits [B, S, V]; with ``last``, [B, 1, V] at each row's last valid
+        token only (right-padded rows; junk for a row with none), fed in chunks as ``prefill`` is, so a drafter's
+        first call on a long prompt holds a chunk's logits, never S x V of them."""
+        if not last:
+            return self._call(cache, tokens, valid)
+        counts = np.full(len(tokens), tokens.shape[1]) if valid is None else np.asarray(valid).sum(axis=1)
+        out = np.zeros((len(tokens), 1, self.vocab_size), np.float32)
+        for start, stop in self._spans(tokens.shape):
+            logits = self._call(cache, tokens[:, start:stop], None if valid is None else valid[:, start:stop])
+            rows = np.flatnonzero((counts - 1 >= start) & (counts - 1 < stop))
+            out[rows, 0] = logits[rows, counts[rows] - 1 - start]
+        return out
+
+    def _spans(self, shape: tuple[int, int]) -> list[tuple[int, int]]:
+        """[start, stop) column ranges of a call of ``shape`` [B, S] whose chunks hold at most ``prefill_positions``
+        positions (B x width; at least one column)."""
+        width = max(1, self.prefill_positions // max(1, shape[0]))
+        return [(start, min(start + width, shape[1])) for start in range(0, shape[1], width)]
+
+    def _call(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
         """One call; the present tensors stay OrtValues and are fed back as the next past without a copy."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         valid = np.ones_like(tokens) if valid is None else valid.astype(np.int64)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.engines import gguf_ops
 from runtime.engines.attention_classes import attention_settings
 from runtime.bundle import BundleError, Manifest, path_problem, read_verified
 
@@ -61,6 +62,8 @@ CONTRIB_OPS = frozenset(
         "GatherBlockQuantized",
     }
 )
+# Draftsmith's own operators (runtime.engines.gguf_ops), each checked against its weights before the library sees it
+OWN_OPS = {gguf_ops.DOMAIN: frozenset({gguf_ops.OP, gguf_ops.GATHER})}
 SHAPE_FROM_INPUT_OPS = {"ConstantOfShape": 0, "Expand": 1}  # op -> the input that gives the output's shape
 MAX_CONSTANT_ELEMENTS = 1 << 26  # a constant-shaped output ONNX Runtime would fold (allocate) while loading
 MAX_FOLLOWED = 1024  # elements of a constant small enough to follow through the shape arithmetic ORT folds
@@ -78,11 +81,70 @@ def check_operators(proto, where: str) -> None:
         elif domain == "com.microsoft":
             if node.op_type not in CONTRIB_OPS:
                 problems.append(f"node {node.name!r}: com.microsoft {node.op_type} is not an operator engines use")
+        elif node.op_type == gguf_ops.GATHER and domain == gguf_ops.DOMAIN:
+            problems += gguf_gather_problems(node, proto.graph)
+        elif node.op_type in OWN_OPS.get(domain, ()):
+            problems += gguf_matmul_problems(node, proto.graph)
         else:
             problems.append(f"node {node.name!r}: operator domain {domain!r} (custom operators are not allowed)")
     problems += folding_problems(proto)
     if problems:
         raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
+
+
+def gguf_matmul_problems(node, graph) -> list[str]:
+    """What is wrong with a GgufMatMul node: attributes that do not describe its weights (each part an initializer
+    uint8 [rows, K / block values * block bytes] of a type the operator knows), or no library here to run it."""
+    import onnx
+    from onnx import helper
+
+    where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.OP}"
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    k, types, rows = attributes.get("K"), list(attributes.get("types") or ()), list(attributes.get("rows") or ())
+    layout = attributes.get("layout", 0)
+    shapes = {t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer}
+    names = {v: n for n, v in gguf_ops.GGML_TYPE_IDS.items()}
+    if not isinstance(k, int) or k <= 0 or not types or len(types) != len(rows) or len(node.input) != len(types) + 1:
+        return [f"{where}: attributes K, types and rows do not describe its {len(node.input) - 1} weight inputs"]
+    if layout not in (0, 1) or (layout == 1 and any(not isinstance(n, int) or n % 16 for n in rows)):
+        return [f"{where}: layout {layout!r} is not 0, or 1 with rows in groups of 16"]
+    problems = []
+    for weight, type_id, count in zip(node.input[1:], types, rows):
+        name = names.get(type_id)
+        if name is None:
+            problems.append(f"{where}: ggml type {type_id} is not one the operator multiplies ({sorted(names)})")
+            continue
+        values, size = gguf_ops.BLOCK_SHAPES[name]
+        want = (onnx.TensorProto.UINT8, (count, k // values * size))
+        if k % values or shapes.get(weight) != want:
+            problems.append(f"{where}: weight {weight!r} is not an initializer uint8 {list(want[1])} of {name} blocks")
+    reason = gguf_ops.unavailable_reason()
+    if reason is not None:
+        problems.append(f"{where}: this engine multiplies by GGUF blocks with Draftsmith's kernels, but {reason}")
+    return problems
+
+
+def gguf_gather_problems(node, graph) -> list[str]:
+    """What is wrong with a GgufGather node: its table not an initializer uint8 [rows, K / block values * block
+    bytes] of a type the operator knows (rows in groups of 16 for layout 1), or no library here to run it."""
+    import onnx
+    from onnx import helper
+
+    where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.GATHER}"
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    k, type_id, layout = attributes.get("K"), attributes.get("type"), attributes.get("layout", 0)
+    name = {v: n for n, v in gguf_ops.GGML_TYPE_IDS.items()}.get(type_id)
+    shapes = {t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer}
+    if name is None or not isinstance(k, int) or k <= 0 or len(node.input) != 2 or layout not in (0, 1):
+        return [f"{where}: attributes K, type and layout do not describe a GGUF table"]
+    values, size = gguf_ops.BLOCK_SHAPES[name]
+    kind, dims = shapes.get(node.input[0], (None, ()))
+    if k % values or kind != onnx.TensorProto.UINT8 or len(dims) != 2 or dims[1] != k // values * size:
+        return [f"{where}: table {node.input[0]!r} is not an initializer uint8 [rows, {k // values * size}]"]
+    if layout == 1 and dims[0] % 16:
+        return [f"{where}: layout 1 needs rows in groups of 16"]
+    reason = gguf_ops.unavailable_reason()
+    return [] if reason is None else [f"{where}: this engine reads GGUF blocks with Draftsmith's kernels, but {reason}"]
 
 
 def folding_problems(proto) -> list[str]:

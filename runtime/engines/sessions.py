@@ -56,12 +56,17 @@ def session_options(threads: int = 0):
     speculative and +25-30% target-only tok/s against per-session pools with spinning off; shared/FACTS.md,
     "Thread spinning, measured again"). The first session's ``threads`` (0: one per core) sizes the pool for the
     whole process. ``DRAFTSMITH_ORT_POOL=session`` gives each session its own pool of ``threads``, spinning off.
+    The GGUF kernel library (runtime.engines.gguf_ops) is registered where it is built; its operator runs on the
+    same pool.
     """
     import onnxruntime as ort
+
+    from runtime.engines import gguf_ops
 
     options = ort.SessionOptions()
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    gguf_ops.register(options)  # the GGUF-block matmul, where it is built (a graph that needs it is checked apart)
     if os.environ.get(POOL_ENV, "global") == "session" and not _pool:
         options.inter_op_num_threads = 1  # thread counts on a session are refused (warned) under a global pool
         options.intra_op_num_threads = threads

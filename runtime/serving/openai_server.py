@@ -35,7 +35,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.api import Generation
-from runtime.serving.connections import ConnectionLimits, ProbeServer, server_config
+from runtime.serving.connections import (
+    ConnectionLimits,
+    ProbeServer,
+    client_key,
+    raise_file_limit,
+    server_config,
+    trusted_proxies,
+)
 from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
 from runtime.serving.handles import Event, Overloaded, Unavailable
@@ -322,8 +329,9 @@ def _prepare_grammars(generator) -> None:
 
 
 def _client_of(request: Request) -> str:
-    """Whom the scheduler shares rows among: the peer's address (never a header a client could set)."""
-    return request.client.host if request.client else ""
+    """Whom the scheduler shares rows among: the peer's address (never a header a client could set, unless its
+    peer is a proxy named by ``--trusted-proxy``), an IPv6 one by its /64 (``client_key``)."""
+    return client_key(request.client.host) if request.client else ""
 
 
 def _check_model(model: str, served: str) -> None:
@@ -723,19 +731,23 @@ def serve(
     connection_limits: ConnectionLimits | None = None,
     plan: bool = True,
     prefill_chunk: int | str | None = PREFILL_CHUNK,
+    trusted_proxy: tuple[str, ...] = (),
 ) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
     at least ``drain_linger`` seconds of 503s), then returns. Bounded by default: a request runs at most
-    ``request_timeout`` seconds, at most ``max_connections`` connections are open (uvicorn answers 503 past it),
-    a connection must send its request's headers within 10 s and one client address holds at most 64 connections
-    (``connection_limits``, runtime/serving/connections.py), idle keep-alive connections close after 5 s, and on
-    loopback only loopback Host names are answered. ``health_port``: /health and /health/live also on that port,
-    served apart, so no client can starve the probes."""
+    ``request_timeout`` seconds, at most ``max_connections`` requests are in flight (503 past it), a connection
+    must send its request's headers within 10 s, at most 4096 connections wait for theirs (the oldest is closed
+    past it) and one client (an address, an IPv6 /64) holds at most 64 connections (``connection_limits``,
+    runtime/serving/connections.py), idle keep-alive connections close after 5 s, and on loopback only loopback Host
+    names are answered. ``trusted_proxy``: addresses or networks whose X-Forwarded-For names the client (none: the
+    TCP peer is the client). ``health_port``: /health and /health/live also on that port, served apart, so no
+    client can starve the probes."""
     from runtime.api import SpeculativeGenerator
 
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
     limits = connection_limits or ConnectionLimits()
+    trusted = trusted_proxies(trusted_proxy)
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     _prepare_grammars(generator)
     scheduler = Scheduler(
@@ -758,7 +770,10 @@ def serve(
         allowed_hosts=allowed_hosts_for(host),
         request_timeout=request_timeout,
     )
-    config = server_config(app, host, port, max_connections, limits, log_level=log_level, timeout_graceful_shutdown=5)
+    raise_file_limit(max_connections + limits.pending + 512)  # both ports' connections, and the process's own files
+    config = server_config(
+        app, host, port, max_connections, limits, log_level=log_level, trusted=trusted, timeout_graceful_shutdown=5
+    )
     server, probes = DrainingServer(config, drain), None
     try:
         if health_port is not None:

@@ -62,7 +62,7 @@ from runtime.request import DecodeRequest
 from runtime.serving.handles import Event, Handle, Overloaded, Unavailable
 from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
 from runtime.serving.health import FaultWatch
-from runtime.text.tokenizer import IncrementalDecoder, cut_at_stop
+from runtime.text.tokenizer import IncrementalDecoder, StopText
 
 POLICIES = ("exact", "throughput")
 PREFILL_CHUNK = "auto"  # prompt tokens prefilled per step while other rows decode: "auto" sizes it (_chunk)
@@ -81,7 +81,7 @@ class _Row(DecodeRow):
     decoder: IncrementalDecoder
     drafter_name: str  # its drafter's kind ("": none), the label of its acceptance metrics
     deadline: float | None
-    text: str = ""
+    sent: StopText  # the text its client got, stop strings applied
     client: str = ""  # who sent it (_Waiting.client)
     logprobs_sent: int = 0  # generated tokens whose log-probabilities went out in events
     prefill_left: list[int] = field(default_factory=list)  # prompt tokens still to prefill (chunked prefill)
@@ -379,7 +379,12 @@ class Scheduler:
             return limits
         width = 1 if self.policy == "throughput" else self.padding
         inputs = PlanInputs(
-            [row.acceptance for row in self.rows], limits, shared_drafter=False, min_width=width, plain_width=width
+            [row.acceptance for row in self.rows],
+            limits,
+            shared_drafter=False,
+            min_width=width,
+            plain_width=width,
+            paid=[row.drafter is not None and row.drafter.calls_draft_engine for row in self.rows],
         )
         ks = with_probes(plan_draft_lengths(self.costs, inputs), limits, self.rows)
         fixed = [not row.config.plan or (self.policy == "exact" and row.pinned) for row in self.rows]
@@ -388,8 +393,12 @@ class Scheduler:
         return ks
 
     def _draft_limit(self, row: _Row) -> int:
+        """Draft tokens the row may propose: k, within its budget and the context; 0 once its drafter is done with
+        it (``can_draft``: a cross-tokenizer draft whose context the row's text outgrew)."""
         budget = row.config.max_new_tokens - len(row.generated) - 1
         context = self.target.max_context - len(row.prompt) - len(row.generated)
+        if row.drafter is not None and not all(row.drafter.can_draft() or [True]):
+            return 0
         return max(0, min(row.config.k, budget, context))
 
     def _after_step(self, row: _Row, drafting: bool, drafted: int, accepted: int, new: list[int]) -> None:
@@ -397,16 +406,13 @@ class Scheduler:
         piece = row.decoder.push(new) if new else ""
         if row.finished:
             piece += row.decoder.flush()
-        piece = self._apply_stops(row, piece)
-        row.text += piece
-        if piece:
-            row.handle.send(Event(piece, new, logprobs=row.take_logprobs()))
-
-    def _apply_stops(self, row: _Row, piece: str) -> str:
-        piece, stopped = cut_at_stop(row.text, piece, row.stops)
+        piece, stopped = row.sent.push(piece)
         if stopped:
             row.finished = "stop"
-        return piece
+        elif row.finished:
+            piece += row.sent.flush()
+        if piece:
+            row.handle.send(Event(piece, new, logprobs=row.take_logprobs()))
 
     # --- admission and retirement ---------------------------------------------------------------------------------
 
@@ -426,11 +432,10 @@ class Scheduler:
                 self._refuse_admission(w, err)
         prefill = self._prefill_in_place if hasattr(self.target, "prefill_row") else self._prefill_and_join
         states = prefill([w for w, _ in ready]) if ready else []
-        if ready:  # the engine's health: did any prefill go through?
-            (self.health.failed if all(isinstance(s, Exception) for s in states) else self.health.succeeded)()
+        own = bool(ready) and self._judge_admission(states)
         for (w, row), state in zip(ready, states):
             if isinstance(state, Exception):
-                self._refuse_admission(w, state)
+                self._refuse_admission(w, own_failure(state, len(w.prompt)) if own else state)
             elif state is PENDING:  # prefilled a chunk a step from the next step on (``_prefill_chunk``)
                 row.prefill_left = list(w.prompt[:-1])
                 self.rows.append(row)
@@ -439,6 +444,17 @@ class Scheduler:
                 self.rows.append(row)
                 self.counters["admitted"] += 1
         return time.perf_counter() - start
+
+    def _judge_admission(self, states: list) -> bool:
+        """The engine's health after an admission's prefills; True when those that failed failed on their own. Any
+        prefill that went through is a success. When all failed, the engine is tried on a call of one token
+        (``engine_answers``): if it answers, the failures were the prompts' own (one too big for the memory left,
+        ...), which never count against the engine, so a client cannot make the server unready with them."""
+        if not all(isinstance(s, Exception) for s in states) or engine_answers(self.target):
+            self.health.succeeded()
+            return True
+        self.health.failed()
+        return False
 
     def _prefill_chunk(self, budget: int | None = None) -> float:
         """Prefill up to ``budget`` (default ``_chunk()``) prompt tokens of the rows still prefilling, oldest first,
@@ -507,7 +523,8 @@ class Scheduler:
             return False
 
     def _refuse_admission(self, w: _Waiting, err: Exception) -> None:
-        w.handle.send(Event(error=Unavailable(f"admission failed: {err}")))
+        error = err if isinstance(err, RequestError) else Unavailable(f"admission failed: {err}")
+        w.handle.send(Event(error=error))
 
     def _prefill_in_place(self, taken: list[_Waiting]) -> list:
         """Each admitted prompt (but its last token) prefilled in a row of its own in the batch cache, with the
@@ -579,6 +596,8 @@ class Scheduler:
         drafter = self.generator.new_drafter(w.request.mode, w.request.drafter, w.request.draft_confidence)
         if drafter is not None:
             drafter.start([w.prompt])
+            if self.plan and w.config.plan:
+                drafter.use_costs(self.costs)  # a hybrid picks its source per step by them
         rng = row_generators(w.config.seed if w.config.seed is not None else None, 1)[0]
         deadline = w.handle.submitted + w.timeout if w.timeout else None
         return _Row(
@@ -589,6 +608,7 @@ class Scheduler:
             drafter=drafter,
             rng=rng,
             decoder=IncrementalDecoder(self.generator.tokenizer),
+            sent=StopText(w.stops),
             deadline=deadline,
             client=w.client,
             drafter_name=self.generator.drafter_name(w.request) if drafter is not None else "",
@@ -617,7 +637,7 @@ class Scheduler:
                 continue
             row.finished = reason
             tail = row.decoder.flush() if reason in ("cancelled", "timeout") else ""
-            row.text += tail
+            tail = row.sent.push(tail)[0] + row.sent.flush() if reason in ("cancelled", "timeout") else row.sent.flush()
             row.stats.finish_reason, row.stats.prompt_tokens = reason, len(row.prompt)
             self.generator.metrics.add(row.stats, row.drafter_name)
             key = {"cancelled": "cancelled", "timeout": "timed_out"}.get(reason, "finished")
@@ -627,7 +647,7 @@ class Scheduler:
                     tail,
                     [],
                     final=Generation(
-                        row.text,
+                        row.sent.text,
                         list(row.generated),
                         len(row.prompt),
                         reason,
@@ -697,6 +717,27 @@ def isolated(rows: list[DecodeRow], work: Callable, *args):
         for row in rows:
             row.error = err
         return None
+
+
+def engine_answers(engine) -> bool:
+    """Whether ``engine`` still runs a call: one token on a fresh one-row cache. A sticky fault (ONNX Runtime out
+    of memory on every call, a CUDA error) fails it too; a prompt too big for the memory left does not."""
+    try:
+        engine.forward(engine.new_cache(1), np.zeros((1, 1), np.int64))
+    except Exception:
+        return False
+    return True
+
+
+def own_failure(error: Exception, tokens: int) -> Exception:
+    """What a request whose admission failed on its own (the engine answers) receives: a prompt that ran out of
+    memory is the request's error (400: shorten it), anything else as it is."""
+    if isinstance(error, MemoryError):
+        return RequestError(
+            f"admission failed: prefilling this prompt ({tokens} tokens) needs more memory than the server has "
+            "free; shorten the prompt"
+        )
+    return error
 
 
 def row_failure(error: Exception) -> Exception:

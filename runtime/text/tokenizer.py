@@ -112,6 +112,42 @@ class IncrementalDecoder:
         return full[len(self.text) :]
 
 
+class StopText:
+    """A sequence's text as it is sent, with its stop strings applied. Text that could still be the start of a stop
+    string is held back until a later piece says whether it is one, so a stop string that straddles two steps never
+    leaks its first part (a step ends wherever the draft's acceptance ends it). ``text``: what was sent."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.text, self._held = tuple(s for s in stops if s), "", ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        """(the text to send now, whether a stop string ended the sequence)."""
+        joined = self._held + piece
+        out, stopped = cut_at_stop(self.text, joined, self.stops)
+        hold = 0 if stopped else _stop_prefix_length(self.text + out, self.stops)
+        self._held = out[len(out) - hold :] if hold else ""
+        out = out[: len(out) - hold]
+        self.text += out
+        return out, stopped
+
+    def flush(self) -> str:
+        """The held text, sent when the sequence ends otherwise (EOS, length, cancelled): no stop can follow."""
+        out, self._held = self._held, ""
+        self.text += out
+        return out
+
+
+def _stop_prefix_length(text: str, stops: tuple[str, ...]) -> int:
+    """The longest end of ``text`` that is a proper beginning of a stop string (0: none)."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
 def cut_at_stop(before: str, piece: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     """The part of ``piece`` (new text after ``before``) that comes before the earliest stop string, and whether
     one matched; a match may straddle the two."""

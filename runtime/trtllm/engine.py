@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.bundle import BundleError, Manifest, load_manifest
+from runtime.bundle import BundleError, Manifest, load_manifest, verify_files
 from runtime.engines.onnx import KVCache
 from runtime.trtllm.common import require_tensorrt_llm
 from runtime.trtllm.llmapi import LlmApiGenerator
@@ -246,10 +246,24 @@ class RunnerEngine:
             [], np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), extra={"tokens": [[] for _ in range(batch)]}
         )
 
+    scores_last = True  # forward(last=True): only each row's last position is converted and kept
+
+    def prefill(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None) -> None:
+        """Prompt tokens whose logits nobody reads: only recorded. Every ``forward`` sends each row's whole history
+        (the runner keeps no state of ours), so the next call scores the prompt with its new tokens anyway."""
+        self._append(cache, np.asarray(tokens, dtype=np.int64), valid)
+
     def forward(
-        self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, exact: bool = True
+        self,
+        cache: KVCache,
+        tokens: np.ndarray,
+        valid: np.ndarray | None = None,
+        exact: bool = True,
+        last: bool = False,
     ) -> np.ndarray:
-        """Append tokens [B, S] (valid [B, S]: 1 = real token) and return logits [B, S, V] of the new positions."""
+        """Append tokens [B, S] (valid [B, S]: 1 = real token) and return logits [B, S, V] of the new positions;
+        with ``last``, [B, 1, V] at each row's last new token (the rest of the runner's context logits are never
+        copied to the host)."""
         import torch
 
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -258,7 +272,7 @@ class RunnerEngine:
         histories = cache.extra["tokens"]
         new = [[int(t) for t, v in zip(tokens[b], valid[b]) if v] for b in range(batch)]
         rows = [b for b in range(batch) if new[b]]
-        logits = np.zeros((batch, width, self.vocab_size), np.float32)
+        logits = np.zeros((batch, 1 if last else width, self.vocab_size), np.float32)
         if rows:
             inputs = [torch.tensor(histories[b] + new[b], dtype=torch.int32) for b in rows]
             # max_new_tokens=1: a context pass; return_dict=True gives "context_logits" (per request
@@ -269,14 +283,22 @@ class RunnerEngine:
             )
             context = out["context_logits"]
             for i, b in enumerate(rows):
-                rows_logits = _to_numpy(context[i])[-len(new[b]) :, : self.vocab_size]
-                logits[b, np.flatnonzero(valid[b])] = rows_logits
-        for b in range(batch):
-            histories[b].extend(new[b])
+                if last:
+                    logits[b, 0] = _to_numpy(context[i][-1:])[0, : self.vocab_size]
+                else:
+                    rows_logits = _to_numpy(context[i])[-len(new[b]) :, : self.vocab_size]
+                    logits[b, np.flatnonzero(valid[b])] = rows_logits
+        self._append(cache, tokens, valid)
+        return logits
+
+    def _append(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None) -> None:
+        """Each row's valid tokens joined to its history; mask, lengths and the call count follow."""
+        valid = np.ones_like(tokens) if valid is None else np.asarray(valid, dtype=np.int64)
+        for b, history in enumerate(cache.extra["tokens"]):
+            history.extend(int(t) for t, v in zip(tokens[b], valid[b]) if v)
         cache.mask = np.concatenate([cache.mask, valid], axis=1)
         cache.lengths = cache.lengths + valid.sum(axis=1)
         cache.calls += 1
-        return logits
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
         for b, history in enumerate(cache.extra["tokens"]):
@@ -327,15 +349,18 @@ def open_generator(
     target_devices / draft_devices (engine flavor): the GPU of each rank (tp x pp ids each; default
     ``default_devices``), passed as ModelRunnerCpp ``device_ids`` in orchestrator mode.
     """
-    from runtime.api import SpeculativeGenerator
-    from runtime.text.tokenizer import Tokenizer
+    from runtime.api import SpeculativeGenerator, load_tokenizer
 
     root = Path(path)
-    manifest = load_manifest(root, verify=verify)
+    # which loader: each verifies the files it loads as it loads them (from the bytes it hashed, where it can), so
+    # no file is swapped in between a check here and a load there
+    manifest = load_manifest(root, verify=False)
     if manifest.spec.backend == "onnxruntime":
-        return SpeculativeGenerator.from_bundle(root, threads=threads, verify=False)
+        return SpeculativeGenerator.from_bundle(root, threads=threads, verify=verify)
     if manifest.spec.trtllm_flavor == "llmapi":
-        return LlmApiGenerator.from_bundle(root, verify=False)
+        return LlmApiGenerator.from_bundle(root, verify=verify)
+    if verify:  # ModelRunnerCpp reads its engine folders itself
+        verify_files(root, manifest)
     world = manifest.spec.tp_size * manifest.spec.pp_size
     devices = {
         "target": list(target_devices or default_devices(manifest)),
@@ -346,7 +371,7 @@ def open_generator(
             raise BundleError(
                 f"{role}_devices: expected {world} distinct GPU ids (tp_size x pp_size of the engine), received {ids}"
             )
-    tokenizer = Tokenizer(root / "tokenizer")
+    tokenizer = load_tokenizer(root, manifest, verify)  # from the bytes it checked
     eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
     sessions = {
         entry.role: ExecutorSession(

@@ -1,0 +1,255 @@
+"""The resumable feature distillation (``prefill_text``): pairs from the target's engine in batched prefill, on disk
+in shards, training with checkpoints, and a killed run picked up where it stopped."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from conftest import DISTILL_WORDS
+
+
+def _text_folder(root, files: int = 40, words: int = 120):
+    """A folder of text files of the training words (what the target's engine prefills), comma-separated: no
+    held-out prompt (words separated by spaces) is in it, so no file is left out for holding one."""
+    folder = root / "text"
+    folder.mkdir()
+    rng = random.Random(3)
+    for i in range(files):
+        (folder / f"doc{i:03d}.txt").write_text(", ".join(rng.choice(DISTILL_WORDS) for _ in range(words)))
+    return folder
+
+
+def _recipe(prompts, text, **changes):
+    from builder.distill.recipe import DistillRecipe
+
+    base = dict(
+        init="feature",
+        prompts=prompts,
+        prefill_text=(str(text),),
+        prefill_length=24,
+        prefill_rows=4,
+        prefill_share=0.5,
+        samples_per_prompt=1,
+        max_new_tokens=16,
+        max_steps=120,
+        heldout=0.2,
+        draft_vocab=200,
+        minutes=5,
+        checkpoint_seconds=0.0,
+    )
+    return DistillRecipe(**{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def resumable_run(per_token_target, tmp_path_factory):
+    """One resumable distillation, start to end: (report, draft folder, work folder)."""
+    import torch
+
+    from builder.distill.pipeline import distill_draft
+
+    torch.set_num_threads(1)
+    target, prompts = per_token_target
+    root = tmp_path_factory.mktemp("resumable")
+    text = _text_folder(root)
+    report = distill_draft(_recipe(prompts, text), str(target), root / "draft", quiet=True, work=root / "work")
+    return report, root / "draft", root / "work"
+
+
+def test_prefilled_pairs_train_a_feature_draft(resumable_run):
+    report, draft, work = resumable_run
+    before, after = report["before"]["chained"], report["after"]["chained"]
+    assert report["draft_kind"] == "feature" and report["draft_vocab"] == 200
+    assert after["top1"] >= before["top1"] + 0.5, (before, after)
+    pairs = report["pairs"]
+    assert pairs["prefilled_windows"] == 80 and pairs["prefilled_tokens"] == 80 * 24  # two windows of each file
+    assert pairs["generated_samples"] > 0
+    held = report["heldout_sets"]["heldout"]
+    assert held["after"]["top1"] == after["top1"] and 0 < held["draft_vocab_coverage"] <= 1
+    assert 0 < report["peak_rss_gb"] < 8
+    assert (draft / "feature_draft.json").is_file() and (draft / "draft_vocab.json").is_file()
+    assert (work / "prefill" / "manifest.json").is_file()
+    assert not (work / "train_checkpoint.json").exists()  # published: the checkpoint is gone, the data stays
+
+
+def test_the_draft_of_a_resumable_run_builds_into_a_bundle(resumable_run, per_token_target, tmp_path):
+    from builder.build import build
+    from runtime.api import SpeculativeGenerator
+    from runtime.bundle import BuildSpec
+
+    spec = BuildSpec(
+        target=str(per_token_target[0]),
+        draft=str(resumable_run[1]),
+        target_quant="fp32",
+        draft_quant="fp32",
+        k=3,
+        max_context=128,
+    )
+    build(spec, tmp_path / "bundle")
+    gen = SpeculativeGenerator.from_bundle(tmp_path / "bundle", threads=1)
+    prompts = ["the quick brown fox", "def add return for range"]
+    spec_out = gen.generate(prompts, max_new_tokens=20, k=3, drafter="model", plan=False)
+    plain = gen.generate(prompts, max_new_tokens=20, mode="target")
+    assert [r.token_ids for r in spec_out] == [r.token_ids for r in plain]
+    assert sum(r.stats.num_accepted_tokens for r in spec_out) > 5
+
+
+class Killed(Exception):
+    """Stands for the process being killed at that point."""
+
+
+def test_a_killed_run_resumes_its_data_and_its_training(per_token_target, tmp_path, monkeypatch):
+    """Killed twice (while writing its pairs, then while training), the run started again makes only the pairs the
+    shards lack, resumes training from its checkpoint, and ends with each planned window prefilled exactly once."""
+    import torch
+
+    from builder.distill import training
+    from builder.distill.pipeline import distill_draft
+    from builder.distill.shards import ShardStore
+
+    torch.set_num_threads(1)
+    target, prompts = per_token_target
+    text = _text_folder(tmp_path, files=20)
+    recipe = _recipe(prompts, text, max_steps=60)
+    kw = dict(quiet=True, work=tmp_path / "work")
+    real_add, real_optimize = ShardStore.add, training.optimize
+    writes = []
+
+    def add_then_die(store, samples, items):
+        real_add(store, samples, items)
+        writes.append(items)
+        if store.folder.name == "prefill" and len(writes) > 3:
+            raise Killed
+
+    monkeypatch.setattr(ShardStore, "add", add_then_die)
+    with pytest.raises(Killed):
+        distill_draft(recipe, str(target), tmp_path / "draft", **kw)
+    monkeypatch.setattr(ShardStore, "add", real_add)
+    first_shards = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "work" / "prefill").glob("shard-*.ids.npy")}
+    assert first_shards
+
+    calls = []
+
+    def optimize_then_die(*args):
+        calls.append(1)
+        if len(calls) == 25:
+            raise Killed
+        return real_optimize(*args)
+
+    monkeypatch.setattr(training, "optimize", optimize_then_die)
+    with pytest.raises(Killed):
+        distill_draft(recipe, str(target), tmp_path / "draft", **kw)
+    monkeypatch.setattr(training, "optimize", real_optimize)
+    report = distill_draft(recipe, str(target), tmp_path / "draft", **kw)
+
+    assert report["training"]["resumed_at_step"] == 24 and report["training"]["steps"] == 60
+    assert report["pairs"]["prefilled_windows"] == 40  # two windows of each file, none twice
+    shards = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "work" / "prefill").glob("shard-*.ids.npy")}
+    assert all(shards[name] == stamp for name, stamp in first_shards.items())  # kept, not made again
+    assert report["seconds_all_runs"] >= report["seconds"]["total"]
+
+
+def test_training_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(tmp_path, monkeypatch):
+    """Same batches, optimizer state and random draws after the resume: the weights equal an uninterrupted run's."""
+    import torch
+
+    from builder.distill import feature_draft as fd
+    from builder.distill import training
+    from builder.distill.corpus import Sample
+
+    cfg = fd.FeatureConfig(
+        hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=24, eps=1e-6, rope_theta=1e4, max_positions=64
+    )
+    rng = np.random.default_rng(0)
+    embedding, head = rng.standard_normal((40, 16)) * 0.1, rng.standard_normal((40, 16))
+    samples = [
+        Sample([], rng.integers(0, 40, 12).tolist(), features=rng.standard_normal((11, 16)).astype(np.float16))
+        for _ in range(30)
+    ]
+
+    def fresh():
+        torch.manual_seed(0)
+        return fd.module_from(cfg, {}, embedding, head)
+
+    def run(folder, steps):
+        folder.mkdir(exist_ok=True)
+        draft = fresh()
+        fd.train_feature_draft(
+            draft,
+            samples,
+            deadline=float("inf"),
+            max_steps=steps,
+            tokens_per_batch=48,
+            checkpoint=(folder, {"a": 1}),
+            save_every=0.0,
+        )
+        return {n: p.detach().clone() for n, p in draft.named_parameters()}
+
+    whole = run(tmp_path / "whole", 14)
+    calls, real = [], training.optimize
+
+    def die(*args):
+        calls.append(1)
+        if len(calls) == 6:
+            raise Killed
+        return real(*args)
+
+    monkeypatch.setattr(training, "optimize", die)
+    with pytest.raises(Killed):
+        run(tmp_path / "broken", 14)
+    monkeypatch.setattr(training, "optimize", real)
+    resumed = run(tmp_path / "broken", 14)
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0)
+
+
+def test_text_windows_skip_files_holding_a_heldout_prompt_and_follow_no_link(learnable_target, tmp_path):
+    from builder.checkpoint import resolve
+    from builder.distill.prefill import text_files, text_windows
+
+    tokenizer = resolve(str(learnable_target[0])).load_tokenizer()
+    folder = _text_folder(tmp_path, files=6)
+    held = "def add return for range print café speculative"
+    (folder / "leak.txt").write_text("some words before\n" + held + "\nthe quick brown fox " * 30)
+    (folder / "link.txt").symlink_to(folder / "leak.txt")
+    (folder / "skip.bin").write_text("the quick brown fox " * 30)
+    files = text_files([str(folder)])
+    assert sorted(p.name for p in files) == sorted([f"doc{i:03d}.txt" for i in range(6)] + ["leak.txt"])
+    windows = text_windows(tokenizer, files, 16, 100, seed=0, exclude=[held])
+    assert len(windows) == 12 and {len(w) for w in windows} == {16}  # two a file, none from leak.txt
+    assert len(text_windows(tokenizer, files, 16, 100, seed=0)) == 14
+    assert text_windows(tokenizer, files, 16, 5, seed=0) == text_windows(tokenizer, files, 16, 5, seed=0)
+
+
+def test_text_sources_name_installed_packages_and_refuse_what_is_not_there(tmp_path):
+    from builder.distill.corpus import DistillError
+    from builder.distill.prefill import text_files
+
+    files = text_files(["python:click"])
+    assert files and all(p.suffix in (".py", ".md", ".rst", ".txt") for p in files)
+    with pytest.raises(DistillError, match="no installed Python package"):
+        text_files(["python:no_such_package_here"])
+    with pytest.raises(DistillError, match="no such file"):
+        text_files([str(tmp_path / "missing")])
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    with pytest.raises(DistillError, match="links are not followed"):
+        text_files([str(tmp_path / "alias")])
+
+
+def test_a_shard_store_made_for_other_data_starts_afresh(tmp_path):
+    from builder.distill.corpus import Sample
+    from builder.distill.shards import ShardStore
+
+    sample = Sample([1, 2], [3, 4, 5], features=np.arange(4 * 3, dtype=np.float16).reshape(4, 3))
+    store = ShardStore(tmp_path, {"data": 1})
+    store.add([sample, sample], [7, 9])
+    again = ShardStore(tmp_path, {"data": 1})
+    assert again.done() == {7, 9} and again.tokens == 10
+    back = again.samples()
+    assert back[0].prompt == [1, 2] and back[0].continuation == [3, 4, 5]
+    np.testing.assert_array_equal(back[1].features, sample.features)
+    other = ShardStore(tmp_path, {"data": 2})
+    assert other.done() == set() and not list(tmp_path.glob("shard-*"))
