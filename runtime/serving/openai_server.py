@@ -59,7 +59,7 @@ from runtime.serving.openai_responses import (
     error_body,
     new_id,
 )
-from runtime.request import check_text
+from runtime.request import check_text, invalid_text_path
 from runtime.serving.scheduler import PREFILL_CHUNK, Scheduler
 
 log = logging.getLogger("draftsmith.openai")
@@ -294,6 +294,14 @@ class _Replies:
     def check(self, body: SamplingRequest, prompt, chat: bool) -> None:
         """Refuse, before any work, another model's name, text the tokenizer must not see and values past the
         limits (400, naming the first parameter at fault)."""
+        invalid = invalid_text_path(body.model_dump(exclude_none=True))
+        if invalid is not None:
+            where, why = invalid
+            raise APIError(
+                400,
+                f"{where}: not valid Unicode text ({why}); send UTF-8 without lone surrogates",
+                param=where.split(".")[0],
+            )
         _check_model(body.model, self.model_name)
         try:
             check_text(prompt, "messages" if chat else "prompt")
