@@ -88,11 +88,11 @@ def fitting_width(engine) -> int:
 
 
 def fitting_past(past: int, width: int, target, draft) -> int:
-    """``past`` cut so that ``past`` tokens and a call of ``width`` (and a padded call's slack) fit both engines'
-    contexts: a bundle built for a short context is still calibrated rather than refused."""
+    """``past`` cut so that ``past`` tokens and a call of ``width`` fit both engines' contexts (a padded call may
+    pass the context by its padding: the engine's cache holds that slack), so a bundle built for a short context is
+    still calibrated rather than refused."""
     contexts = [e.max_context for e in (target, draft) if e is not None]
-    slack = max(getattr(getattr(e, "engine", e), "min_call_tokens", 1) for e in (target, draft) if e is not None)
-    return max(1, min(past, min(contexts) - width - slack))
+    return max(1, min(past, min(contexts) - width))
 
 
 def timed_call(engine, rows: int, width: int, past: int, repeats: int) -> float:
