@@ -1,6 +1,8 @@
 """What a soak holds open beside its well-behaved clients: idle connections that never send a byte, slow-header
 clients that trickle their headers, and a probe that times the server's health endpoint the whole time
-(``draftsmith openai-load --idle-connections N --slow-header-clients M --health-url URL``; issue 38's soak).
+(``draftsmith openai-load --idle-connections N --slow-header-clients M --health-url URL``; issue 38's soak); and a
+client that sends one hostile ``response_format`` in a loop (``--hostile-format JSON``; issue 48's soak: a regex
+whose masks would stall every stream).
 
 Idle and slow connections come from loopback source addresses 127.0.0.2 and up, ``PER_SOURCE`` to an address, as
 many hosts would open them; each is reopened as soon as the server closes it, so the server holds them all the time.
@@ -9,6 +11,8 @@ many hosts would open them; each is reopened as soon as the server closes it, so
 from __future__ import annotations
 
 import asyncio
+import json
+import queue
 import threading
 import time
 
@@ -80,6 +84,71 @@ class HostileConnections:
                 self.closed_by_server += 1
                 break
         writer.close()
+
+
+class HostileFormat:
+    """One more client that sends ``fmt`` as the response_format of a short completion, back to back, until
+    ``stop``; counts the answers by status code and times them. Its requests are not the soak's: a refusal (400) is
+    what a fixed server answers, so they are reported apart from the clients' outcomes.
+
+    It runs in a process of its own (spawned), as an attacker would be: a refused request comes back in a few
+    milliseconds, and a loop of them in the load tool's process would hold its interpreter lock and delay the
+    measured clients' reading of their own streams (their gaps would grow on the client side)."""
+
+    def __init__(self, base: str, model: str, fmt: dict, headers: dict, timeout: float):
+        import multiprocessing
+
+        self.timeout = timeout
+        self.fmt = fmt
+        context = multiprocessing.get_context("spawn")
+        self._stop, self._answered, self._results = context.Event(), context.Event(), context.Queue()
+        arguments = (base, model, fmt, headers, timeout, self._stop, self._answered, self._results)
+        self._process = context.Process(target=hostile_format_loop, args=arguments, daemon=True)
+
+    def start(self) -> "HostileFormat":
+        """Start the loop, and return once its first request was answered: the soak's clients then start beside a
+        client already at it."""
+        self._process.start()
+        self._answered.wait(self.timeout)
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        try:
+            result = self._results.get(timeout=self.timeout)
+        except queue.Empty:
+            result = {"sent": 0, "by_status": {}, "max_latency_s": 0.0, "first_error": "the client process hung"}
+        self._process.join(timeout=10)
+        return {"response_format": json.dumps(self.fmt)[:200], **result}
+
+
+def hostile_format_loop(base, model, fmt, headers, timeout, stop, answered, results) -> None:
+    """HostileFormat's process: the requests, until ``stop``; then its counts on ``results``."""
+    body = {"model": model, "prompt": "x", "max_tokens": 16, "response_format": fmt}
+    statuses: dict[str, int] = {}
+    latencies: list[float] = []
+    first_error = ""
+    with httpx.Client(headers=headers, timeout=timeout) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            try:
+                response = client.post(base + "/v1/completions", json=body)
+                status = str(response.status_code)
+                if response.status_code != 200 and not first_error:
+                    first_error = response.text[:300]
+            except httpx.HTTPError as err:
+                status = type(err).__name__
+            latencies.append(time.perf_counter() - start)
+            statuses[status] = statuses.get(status, 0) + 1
+            answered.set()
+    results.put(
+        {
+            "sent": len(latencies),
+            "by_status": dict(sorted(statuses.items())),
+            "max_latency_s": max(latencies, default=0.0),
+            "first_error": first_error,
+        }
+    )
 
 
 class HealthProbe:

@@ -17,6 +17,7 @@ alone afterwards, one at a time; a mismatch means batching changed the output.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -25,7 +26,7 @@ from dataclasses import asdict, replace
 import click
 import httpx
 
-from bench.hostile_load import HealthProbe, HostileConnections
+from bench.hostile_load import HealthProbe, HostileConnections, HostileFormat
 from bench.openai_client import PROMPTS, Outcome, Spec, error_message, long_prompt_of, mixed_spec, run_one
 from bench.openai_report import levels_report, run_report
 from bench.procmem import RssSampler
@@ -57,6 +58,7 @@ def run_load(
     slow_header_clients: int = 0,
     health_url: str | None = None,
     watch_stream: int = 0,
+    hostile_format: dict | None = None,
 ) -> dict:
     """Drive ``url`` (a server's base, with or without /v1) with ``clients`` concurrent streams; see the module
     docstring. Returns the report as a dict (counts, latency percentiles in seconds, tokens/s, RSS in MiB)."""
@@ -76,6 +78,7 @@ def run_load(
     address = httpx.URL(base)
     hostile = HostileConnections(address.host, address.port or 80, idle_connections, slow_header_clients).start()
     probe = HealthProbe(health_url).start() if health_url else None
+    attacker = HostileFormat(base, model, hostile_format, headers, timeout).start() if hostile_format else None
     start = time.perf_counter()
 
     def client_loop() -> None:
@@ -132,6 +135,8 @@ def run_load(
         report["hostile_connections"] = hostile.stop()
     if probe is not None:
         report["health"] = probe.stop()
+    if attacker is not None:
+        report["hostile_format"] = attacker.stop()
     report.update(
         url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens, speculation=draft_tokens != 0
     )
@@ -326,6 +331,12 @@ def _first_model(base: str, headers: dict, timeout: float) -> str:
     help="One more client streams greedy requests of this many tokens back to back; its gaps between "
     "chunks are reported apart (what a running stream sees while the others are admitted).",
 )
+@click.option(
+    "--hostile-format",
+    default=None,
+    help="One more client sends this response_format (JSON) in short completions back to back, e.g. "
+    '\'{"type": "regex", "regex": "a{250000}"}\'; its answers are reported apart (a refusal is the right one).',
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def openai_load(
@@ -349,6 +360,7 @@ def openai_load(
     slow_header_clients,
     health_url,
     watch_stream,
+    hostile_format,
     seed,
     as_json,
 ):
@@ -360,6 +372,7 @@ def openai_load(
             f"expected client counts like 1,2,4, received {client_levels!r}", param_hint="--clients"
         ) from None
     modes = {"on": [None], "off": [0], "both": [None, 0]}[speculation]
+    fmt = _json_option(hostile_format, "--hostile-format") if hostile_format else None
     runs = []
     for clients in levels:  # interleaved: each level's runs back to back, so slow drifts hit both alike
         for draft_tokens in modes:
@@ -386,9 +399,20 @@ def openai_load(
                     slow_header_clients=slow_header_clients,
                     health_url=health_url,
                     watch_stream=watch_stream,
+                    hostile_format=fmt,
                 )
             )
     if len(runs) == 1:
         click.echo(run_report(runs[0], as_json))
         return
     click.echo(levels_report(runs, as_json))
+
+
+def _json_option(text: str, name: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise click.BadParameter(f"expected a JSON object: {err}", param_hint=name) from None
+    if not isinstance(value, dict):
+        raise click.BadParameter(f"expected a JSON object, received {text!r:.80}", param_hint=name)
+    return value

@@ -80,6 +80,12 @@ def run_report(report: dict, as_json: bool) -> str:
     if "watched_stream_gap_s" in report:
         p = report["watched_stream_gap_s"]
         lines.append(f"watched stream's gaps: p50 {p['p50']:.3f} s, p99 {p['p99']:.3f} s")
+    if "hostile_format" in report:
+        h = report["hostile_format"]
+        lines.append(
+            f"hostile client: {h['sent']} requests with response_format {h['response_format']}, answered "
+            f"{h['by_status']}, slowest {h['max_latency_s']:.3f} s"
+        )
     if "health" in report:
         h = report["health"]
         lines.append(f"health: {h['probes']} probes, {h['failed']} failed, slowest {h['max_latency_s']:.3f} s")

@@ -109,9 +109,7 @@ def _check_gguf_kernel(spec: BuildSpec) -> None:
 
 def native_gguf(spec: BuildSpec) -> bool:
     """Whether quant gguf engines are written with Draftsmith's GgufMatMul (``spec.gguf_kernel`` resolved here)."""
-    if spec.gguf_kernel == "matmulnbits" or spec.engine_graph != "fused":
-        return False
-    return spec.gguf_kernel == "native" or gguf_ops.available()
+    return spec.engine_graph == "fused" and gguf_ops.native_for(spec.gguf_kernel)
 
 
 def _memory_needed(spec: BuildSpec, target_ckpt, draft_ckpt) -> memory.Estimate:

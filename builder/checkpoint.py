@@ -10,6 +10,7 @@ from functools import cached_property
 from pathlib import Path
 
 from builder.architectures import Architecture, lookup
+from runtime.text.tokenizer_growth import growth_refusal
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -51,11 +52,23 @@ class Checkpoint:
         return digest.hexdigest()
 
     def load_tokenizer(self):
+        """The checkpoint's tokenizer, refused (CheckpointError naming the file) when its normalizer, pre-tokenizer
+        or decoder can grow a text without bound (runtime/text/tokenizer_growth.py): the build sends its evaluation
+        text through it, and a tokenizer.json doubling a letter 24 times grew a build past 16 GB. The file is read
+        before transformers loads it; the tokenizer transformers made (from a GGUF or a slow tokenizer's files) is
+        checked again after."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(
+        raw = self.folder / "tokenizer.json"
+        if self.gguf_file is None and raw.is_file():
+            _refuse_growth(raw.read_bytes(), raw)
+        tokenizer = AutoTokenizer.from_pretrained(
             self.folder, gguf_file=self.gguf_file, trust_remote_code=self.trust_remote_code
         )
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            _refuse_growth(backend.to_str(), self.folder / (self.gguf_file or "tokenizer.json"))
+        return tokenizer
 
     def load_model(self):
         import torch
@@ -70,6 +83,12 @@ class Checkpoint:
             use_safetensors=None if self.gguf_file else all(p.suffix == ".safetensors" for p in self.weight_files),
         )
         return model.eval()
+
+
+def _refuse_growth(tokenizer_json: str | bytes, path: Path) -> None:
+    refusal = growth_refusal(tokenizer_json)
+    if refusal:
+        raise CheckpointError(f"{path}: {refusal}")
 
 
 def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:

@@ -23,7 +23,7 @@ from runtime.decoding.grammar import CompiledGrammar, GrammarCompiler, parse_res
 from runtime.metrics import MetricsRegistry, RequestStats
 from runtime.request import DecodeRequest, check_text, decode_request
 from runtime.decoding.sampling import SamplingParams
-from runtime.text.tokenizer import IncrementalDecoder, StopText, Tokenizer
+from runtime.text.tokenizer import IncrementalDecoder, StopText, Tokenizer, UnsafeTokenizer
 from runtime.text.vocab_bridge import VocabBridge
 
 
@@ -349,4 +349,7 @@ def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True, folder: 
             path = Path(private, rel)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        return Tokenizer(Path(private))
+        try:
+            return Tokenizer(Path(private), name=f"{root}/{prefix}tokenizer.json")
+        except UnsafeTokenizer as err:
+            raise BundleError(str(err)) from None

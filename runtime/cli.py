@@ -298,6 +298,14 @@ def _key_from_file(path: str, given: str | None) -> str:
     help="Rows one client address may hold at once (default: no cap; free rows always go first to the "
     "clients holding the fewest).",
 )
+@click.option(
+    "--free-refusals",
+    type=click.FloatRange(min=0),
+    default=8.0,
+    show_default=True,
+    help="Refused requests (4xx) a client address gets answered at once per second; each one past it waits 50 ms "
+    "more (at most 2 s), so a client looping on refused requests cannot crowd out the others' streams.",
+)
 def serve_openai(
     bundle,
     host,
@@ -321,6 +329,7 @@ def serve_openai(
     header_timeout,
     health_port,
     max_rows_per_client,
+    free_refusals,
 ):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /health/live, /metrics), every request on one in-flight batching scheduler. SIGTERM drains: readiness
@@ -330,6 +339,7 @@ def serve_openai(
     try:
         from runtime.serving.connections import ConnectionLimits
         from runtime.serving.openai_server import serve
+        from runtime.serving.pacing import RefusalPacing
     except ImportError as err:  # fastapi and uvicorn are the `serve` extra, imported only here
         raise click.ClickException(
             f"serve-openai needs fastapi and uvicorn: pip install 'draftsmith[serve]' ({err})"
@@ -364,6 +374,7 @@ def serve_openai(
             plan=plan,
             prefill_chunk=_prefill_chunk(prefill_chunk),
             trusted_proxy=tuple(trusted_proxy),
+            refusal_pacing=RefusalPacing(free=free_refusals),
         )
     except (BundleError, RequestError, DeviceError, ValueError) as err:
         raise click.ClickException(str(err)) from None

@@ -52,6 +52,43 @@ def check_text(value, field: str, error: type[Exception] = RequestError) -> None
             ) from None
 
 
+def invalid_text_path(value) -> tuple[str, str] | None:
+    """(the dotted path of the first string, or key, in a JSON-like value that is not valid Unicode text, why) or
+    None when every one is. A server walks each request body with it before using any field (a lone surrogate would
+    fail whichever encoder meets it first: a grammar compiler, a tokenizer, a log line), so every such string is a
+    400 naming where it is, ignored fields included. A loop, not recursion: the body is client input."""
+    stack = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            why = _encoding_error(item)
+            if why:
+                return path, why
+        elif isinstance(item, dict):
+            for key, child in reversed(list(item.items())):
+                where = f"{path}.{_printable(key)}".lstrip(".")
+                why = _encoding_error(key) if isinstance(key, str) else ""
+                if why:
+                    return where, why
+                stack.append((where, child))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{path}.{i}".lstrip("."), v) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+def _encoding_error(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"{err.reason} at character {err.start}"
+    return ""
+
+
+def _printable(key) -> str:
+    """A key as a path segment that can itself be written as UTF-8 (a lone surrogate as its escape)."""
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class DecodeRequest(BaseModel):
     """What to generate and how; ``decode_request`` makes one (or says every field that is wrong)."""
 

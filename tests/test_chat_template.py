@@ -248,6 +248,32 @@ AMPLIFIED = THROUGH_A_NAMESPACE + [
 ]
 
 
+# Issue 48, item 5: amplifiers the estimate missed (each made tens of MB before the refusal, or hundreds at the
+# issue's sizes: tojson(indent=<1 MB string>) 180 MB, ('{0:{1}}' * 3000).format('x', 99999) 592 MB): a string indent
+# or long separators, format widths and precisions (literal, nested, from '*'), tojson's indentation by depth.
+NESTED = "{% set ns = namespace(l=range(20000)|list) %}{% for i in range(300) %}{% set ns.l = [ns.l] %}{% endfor %}"
+WIDTHS = [
+    X + "{{ {'a': [1, [2, [3]]]}|tojson(indent=x) }}",
+    X + "{{ (range(30)|list)|tojson(separators=(x, ':')) }}",
+    NESTED + "{{ ns.l|tojson(indent=2) }}",
+    "{{ ('{0:{1}}' * 300).format('x', 99999) }}",
+    "{{ ('{0:99999}' * 300).format('x') }}",
+    "{{ '{0:{1}}'.format('x', '3' ~ '0' * 7) }}",
+    "{{ ('{0:{1}{1}{1}}' * 20).format('x', 99) }}",
+    "{{ ('{:{}}' * 300).format(*(['x', 99999] * 300)) }}",
+    "{{ ('{a:{w}}' * 300).format(a='x', w=99999) }}",
+    "{{ ('{a:{w}}' * 300).format_map({'a': 'x', 'w': 99999}) }}",
+    "{{ ('{0:.99999f}' * 300).format(1.5) }}",
+    "{{ ('{0:0>99999}' * 300).format(1) }}",
+    "{{ ('{0!r:^99999}' * 300).format(1) }}",
+    "{{ ('%*s' * 300) % ((99999, 'x') * 300) }}",
+    "{{ ('%(a)99999s' * 300) % {'a': 'x'} }}",
+    "{{ ('%-99999s' * 300)|format(*(['x'] * 300)) }}",
+    "{{ ('%.99999f' * 300) % ((1.0,) * 300) }}",
+]
+AMPLIFIED += WIDTHS
+
+
 @pytest.mark.parametrize("template", AMPLIFIED, ids=range(len(AMPLIFIED)))
 def test_every_way_a_value_grows_is_budgeted_before_it_is_made(template):
     """Refused, and before the big value exists: the render's peak allocation stays a few times the 1 MB input."""
@@ -289,3 +315,19 @@ def test_real_templates_render_as_before_and_quickly():
         rendered = render_chat_template(template, messages, tools=tools, bos_token="<s>", eos_token="</s>")
         assert rendered and time.perf_counter() - start < 0.3, template
     assert render_chat_template(GOOD[2], USER) == "|1"
+
+
+def test_tojson_takes_an_integer_indent_and_short_separators():
+    """transformers' templates pass tojson an integer indent (2, 4) and separators like (", ", ": "); a string indent
+    is written once per line and level, and long separators once per item: both refused, naming the argument."""
+    value = "{{ {'a': [1, 2]}|tojson(%s) }}"
+    good = render_chat_template(value % "indent=2, separators=(',', ': ')", USER)
+    assert good == '{\n  "a": [\n    1,\n    2\n  ]\n}'
+    for arguments, words in [
+        ("indent='  '", "indent of '  '"),
+        ("indent=65", "indent of 65"),
+        ("separators=(', ', ':' * 9)", "separators"),
+        ("separators=', '", "separators"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            render_chat_template(value % arguments, USER)

@@ -246,10 +246,29 @@ def test_a_preset_builds_a_recipe_and_flags_override_it():
         (dict(self_prompts=-1), "self-prompts"),
         (dict(generate_batch=0), "generate-batch"),
         (dict(generate_share=1.0), "generate-share"),
+        (dict(gguf_kernel="cuda"), "gguf_kernel"),
     ):
         with pytest.raises(DistillError, match=match):
             DistillRecipe(**bad).check()
     DistillRecipe().check()
+
+
+def test_the_teacher_engine_takes_the_presets_gguf_kernel():
+    """The distiller's teacher multiplies with the kernel the bundle's target engine will: the preset's top-level
+    ``gguf_kernel``, resolved by the rule build-engines uses."""
+    from builder.build import native_gguf
+    from builder.distill.recipe import recipe_from
+    from runtime.bundle import BuildSpec
+    from runtime.engines import gguf_ops
+
+    preset = {"target": "t", "draft": "d", "distill": {"init": "feature"}}
+    assert recipe_from(preset, "p.yaml")[2].gguf_kernel == "auto"
+    for kernel in ("auto", "native", "matmulnbits"):
+        recipe = recipe_from({**preset, "gguf_kernel": kernel}, "p.yaml")[2]
+        assert recipe.gguf_kernel == kernel
+        assert gguf_ops.native_for(kernel) == native_gguf(BuildSpec(target="t", gguf_kernel=kernel, graph="fused"))
+    assert gguf_ops.native_for("native") and not gguf_ops.native_for("matmulnbits")
+    assert gguf_ops.native_for("auto") == gguf_ops.available()
 
 
 def test_recipe_errors_name_the_problem(tmp_path):

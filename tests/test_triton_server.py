@@ -67,7 +67,7 @@ def server(tiny_bundle, tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(generator):
     """What the Python runtime answers for every prompt (text, acceptance stats)."""
-    return {p: generator.generate(p, max_new_tokens=MAX_TOKENS) for p in PROMPTS}
+    return {p: generator.generate(p, max_new_tokens=MAX_TOKENS, plan=False) for p in PROMPTS}  # k every step
 
 
 # --- clients ----------------------------------------------------------------------------------------------------
@@ -242,16 +242,16 @@ def test_parameters_reach_the_runtime(server, generator):
     target_only = generator.generate(prompt, max_new_tokens=12, mode="target")
     out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "num_draft_tokens": 0})
     assert out["text_output"] == target_only.text and out["total_draft_tokens"] == 0
-    k2 = generator.generate(prompt, max_new_tokens=12, k=2)
+    k2 = generator.generate(prompt, max_new_tokens=12, k=2, plan=False)  # the server drafts k every step
     out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "num_draft_tokens": 2})
     assert (out["text_output"], out["total_draft_tokens"]) == (k2.text, k2.stats.num_draft_tokens)
-    sampled = generator.generate(prompt, max_new_tokens=12, temperature=0.8, top_k=20, seed=7)
+    sampled = generator.generate(prompt, max_new_tokens=12, temperature=0.8, top_k=20, seed=7, plan=False)
     out = http_generate(server, {"text_input": prompt, "max_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 7})
     assert out["text_output"] == sampled.text
     full = generator.generate(prompt, max_new_tokens=MAX_TOKENS).text
     stop = full[len(full) // 2 : len(full) // 2 + 2]
     if stop.strip():
-        stopped = generator.generate(prompt, max_new_tokens=MAX_TOKENS, stop=[stop])
+        stopped = generator.generate(prompt, max_new_tokens=MAX_TOKENS, stop=[stop], plan=False)
         stream = Stream(server)
         try:
             responses, error = stream.collect(
@@ -422,7 +422,7 @@ def test_smollm2_through_triton(smollm2_bundle, tmp_path):
 
     generator = SpeculativeGenerator.from_bundle(smollm2_bundle, threads=1)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    want = {p: generator.generate(p, max_new_tokens=32) for p in prompts}
+    want = {p: generator.generate(p, max_new_tokens=32, plan=False) for p in prompts}  # k every step: the bound
     server = _serve(smollm2_bundle, tmp_path / "repo", max_batch_size=4)
     try:
         before = metrics(server)

@@ -232,12 +232,16 @@ def _choose(logits, temperatures: list[float], generator):
     return torch.where(temps[:, 0] > 0, drawn, greedy)
 
 
-def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, max_context: int, threads: int = 0):
-    """The target as the fused ONNX engine the bundle will run (quant ``gguf``: the file's own blocks; otherwise
-    fp32), written into ``folder``; None where the fused graph cannot express the model (then torch generates)."""
+def target_engine(
+    model, checkpoint, folder, quant: str, accuracy_level: int, max_context: int, threads: int = 0, native: bool = False
+):
+    """The target as the fused ONNX engine the bundle will run (quant ``gguf``: the file's own blocks, multiplied by
+    Draftsmith's GgufMatMul where ``native``, as gguf_ops.native_for the preset's kernel says the bundle's are, else
+    by MatMulNBits; otherwise fp32), written into ``folder``; None where the fused graph cannot express the model
+    (then torch generates)."""
     from builder import graph
-    from builder.gguf import weights as gguf_weights
     from builder.decoder import GraphError, from_transformers
+    from builder.gguf import weights as gguf_weights
     from runtime.engines.onnx import new_engine
 
     try:
@@ -246,7 +250,7 @@ def target_engine(model, checkpoint, folder, quant: str, accuracy_level: int, ma
         return None
     path = folder / "target.onnx"
     if quant == "gguf" and checkpoint.gguf_file:
-        decoder = gguf_weights.apply(decoder, checkpoint.folder / checkpoint.gguf_file)
+        decoder = gguf_weights.apply(decoder, checkpoint.folder / checkpoint.gguf_file, native=native)
         graph.build(decoder, path, accuracy_level)
     else:
         graph.build(decoder, path)

@@ -84,10 +84,18 @@ class TeacherSource:
     sizes: Callable[[], object]
     reference: object
     accuracy_level: int
+    native: bool = False  # the GGUF blocks multiplied by GgufMatMul (else MatMulNBits, or fp32)
+
+    @property
+    def kernel(self) -> str:
+        """What multiplies by the target's weights in its engine (the engine record and the report name it)."""
+        return "GgufMatMul" if self.native else "onnxruntime"
 
 
-def teacher_source(checkpoint, context: int, accuracy_level: int, block: int = 32) -> TeacherSource:
-    """The target read for its engine: a GGUF file layer by layer (never whole in torch), anything else whole."""
+def teacher_source(checkpoint, context: int, accuracy_level: int, native: bool, block: int = 32) -> TeacherSource:
+    """The target read for its engine: a GGUF file layer by layer (never whole in torch), its blocks multiplied by
+    Draftsmith's GgufMatMul where ``native`` (gguf_ops.native_for the preset's kernel, as the bundle's target engine
+    is written) or by MatMulNBits, anything else whole (fp32, ``native`` moot)."""
     from builder.decoder import from_transformers
     from builder.gguf import stream as gguf_stream
     from builder.gguf import weights as gguf_weights
@@ -101,9 +109,10 @@ def teacher_source(checkpoint, context: int, accuracy_level: int, block: int = 3
                 Path(checkpoint.folder) / checkpoint.gguf_file,
                 block,
                 permuted_qk=checkpoint.architecture.gguf_permuted_qk,
+                native=native,
             )
 
-        return TeacherSource(blocks, streamed.decoder, streamed.reference, accuracy_level)
+        return TeacherSource(blocks, streamed.decoder, streamed.reference, accuracy_level, native)
     model = checkpoint.load_model()
     return TeacherSource(lambda: from_transformers(model, context), lambda: from_transformers(model, context), model, 0)
 
@@ -117,6 +126,7 @@ def teacher_engine(work: WorkFolder, source: TeacherSource, sha256: str, context
     folder = work.path / "engine"
     path = folder / "target.onnx"
     record = {"target_sha256": sha256, "context": context, "accuracy_level": source.accuracy_level}
+    record["kernel"] = source.kernel  # an engine of the other kernel is written again
     if _read_json(folder / ENGINE_RECORD) != record or not path.is_file():
         (folder / ENGINE_RECORD).unlink(missing_ok=True)
         with ticking("teacher: writing the target's engine", say):

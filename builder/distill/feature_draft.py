@@ -22,6 +22,7 @@ runtime drives it with runtime.drafters.feature.FeatureDrafter.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -158,6 +159,28 @@ def _module():
             self.register_buffer("inv_freq", inv.float(), persistent=False)
             # input scales (folded into fc when saved): both halves of the fc's input at unit RMS while training
             self.register_buffer("input_scale", torch.ones(2 * h), persistent=False)
+            self.matmul_dtype, self._head_low = torch.float32, None
+
+        def set_matmul_dtype(self, dtype) -> None:
+            """The type the layer's and the head's matrix products read their inputs in (they accumulate in fp32
+            either way): float32, or bfloat16 while training on a CPU that multiplies it natively
+            (``matmul_dtype``: a training step of the 1.5B's draft, 2,048 tokens, took 4.4 s against 6.8 in
+            float32 on 2 loaded AVX-512 BF16 cores); the weights, their gradients and AdamW's state stay float32,
+            and so does what is measured and saved."""
+            self.matmul_dtype = dtype
+            if dtype != torch.float32 and (self._head_low is None or self._head_low.dtype != dtype):
+                self._head_low = self.head.to(dtype)  # the head is frozen: cast once, not every step
+
+        def _mm(self, x, weight):
+            if self.matmul_dtype == torch.float32:
+                return x @ weight.T
+            return (x.to(self.matmul_dtype) @ weight.to(self.matmul_dtype).T).float()
+
+        def head_logits(self, features):
+            """``features`` [..., H] times the kept head rows: next-token logits over the kept ids."""
+            if self.matmul_dtype == torch.float32:
+                return features @ self.head.T
+            return (features.to(self.matmul_dtype) @ self._head_low.T).float()
 
         def _norm(self, x, weight):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps) * weight
@@ -176,18 +199,19 @@ def _module():
             Returns (predicted features [B, S, H], logits [B, S, K], (k, v))."""
             cfg = self.cfg
             b, s, _ = features.shape
-            x = (torch.cat([self.embedding[tokens], features], dim=-1) * self.input_scale) @ self.fc.T
+            mm = self._mm
+            x = mm(torch.cat([self.embedding[tokens], features], dim=-1) * self.input_scale, self.fc)
             normed = self._norm(x, self.attn_norm)
-            q = (normed @ self.q.T).view(b, s, cfg.heads, cfg.head_dim).transpose(1, 2)
-            k = (normed @ self.k.T).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
-            v = (normed @ self.v.T).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+            q = mm(normed, self.q).view(b, s, cfg.heads, cfg.head_dim).transpose(1, 2)
+            k = mm(normed, self.k).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+            v = mm(normed, self.v).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
             q, k = self._rotate(q, positions), self._rotate(k, positions)
             attn = _attention(cfg, q, k, v, past, mask)
-            x = x + attn @ self.o.T
+            x = x + mm(attn, self.o)
             normed = self._norm(x, self.mlp_norm)
-            x = x + (torch.nn.functional.silu(normed @ self.gate.T) * (normed @ self.up.T)) @ self.down.T
+            x = x + mm(torch.nn.functional.silu(mm(normed, self.gate)) * mm(normed, self.up), self.down)
             predicted = self._norm(x, self.final_norm)
-            return predicted, predicted @ self.head.T, (k, v)
+            return predicted, self.head_logits(predicted), (k, v)
 
     return FeatureDraft
 
@@ -311,7 +335,7 @@ def feature_loss(draft, batch: list[Sample], levels: int, noise: float, logit_we
             continue
         p, t, lg = pred[valid], target[valid], logits[valid]
         with torch.no_grad():
-            teacher = torch.softmax(t @ draft.head.T, dim=-1)
+            teacher = torch.softmax(draft.head_logits(t), dim=-1)
         regression = torch.nn.functional.smooth_l1_loss(p, t)
         ce = -(teacher * torch.log_softmax(lg, dim=-1)).sum(-1).mean()
         total = total + (regression + logit_weight * ce) / (1 + s)
@@ -334,6 +358,7 @@ def train_feature_draft(
     on_step: Callable[[int, float, float], None] = lambda *a: None,
     checkpoint: tuple[Path, dict] | None = None,
     save_every: float = 300.0,
+    dtype: str = "auto",
 ) -> dict:
     """AdamW on the layer and fc (embeddings and head frozen) until ``deadline`` or ``max_steps``; warm-up then
     cosine decay over the budget. Epoch e's batches are shuffled by ``seed + e``.
@@ -341,7 +366,11 @@ def train_feature_draft(
     ``checkpoint`` (folder, fingerprint): the run saves its weights, optimizer state and position there every
     ``save_every`` seconds (builder/distill/checkpoints.py) and, started again with a checkpoint of the same
     fingerprint, resumes from it: the same batches follow, and the schedule spans the seconds already trained plus
-    those left until ``deadline``."""
+    those left until ``deadline``.
+
+    ``dtype``: what the matrix products read while training (``FeatureDraft.set_matmul_dtype``): ``auto`` is
+    bfloat16 where this CPU multiplies it natively (``matmul_dtype``), else float32; the draft is measured and
+    saved in float32 either way."""
     import torch
     from builder.distill import checkpoints
     from builder.distill.training import optimize, set_rate
@@ -349,6 +378,7 @@ def train_feature_draft(
     usable = [s for s in samples if s.features is not None and len(s.ids) > 2]
     if not usable:
         raise DistillError("no training sample carries target features (the teacher must be the ONNX engine)")
+    chosen = matmul_dtype(dtype)
     named = {name: p for name, p in draft.named_parameters() if p.requires_grad}
     params = list(named.values())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -371,16 +401,44 @@ def train_feature_draft(
                     "resumed_at_step": resumed,
                     "seconds": round(trained(), 1),
                     "levels": levels,
+                    "dtype": chosen,
                     "final_loss": round(float(np.mean(losses[-20:])), 4) if losses else None,
                 }
             rate = set_rate(optimizer, lr, at.step, progress)
-            losses.append(optimize(optimizer, feature_loss(draft, batch, levels, noise)[0], params))
+            with matmuls_in(draft, chosen):
+                losses.append(optimize(optimizer, feature_loss(draft, batch, levels, noise)[0], params))
             at.step, at.batch = at.step + 1, at.batch + 1
             on_step(at.step, losses[-1], rate)
             if checkpoint and time.perf_counter() - last_save > save_every:
                 checkpoints.save(*checkpoint, dataclasses.replace(at, elapsed=trained()), named, optimizer)
                 last_save = time.perf_counter()
         at.epoch, at.batch = at.epoch + 1, 0
+
+
+@contextlib.contextmanager
+def matmuls_in(draft, dtype: str):
+    """The draft's matrix products in ``dtype`` for the duration (``FeatureDraft.set_matmul_dtype``), float32 after."""
+    import torch
+
+    draft.set_matmul_dtype(getattr(torch, dtype))
+    try:
+        yield draft
+    finally:
+        draft.set_matmul_dtype(torch.float32)
+
+
+def matmul_dtype(asked: str = "auto") -> str:
+    """``asked`` (float32 or bfloat16), or for ``auto`` bfloat16 where this CPU multiplies it natively (oneDNN's
+    check: AVX-512 BF16 or AMX; a 2048x1536 by 1536x16384 product measured 0.28 s against 0.64 in float32 on 2
+    AMD EPYC cores), else float32 (elsewhere bfloat16 is emulated, slower than float32)."""
+    import torch
+
+    if asked not in ("auto", "float32", "bfloat16"):
+        raise DistillError(f"training dtype must be auto, float32 or bfloat16, received {asked!r}")
+    if asked != "auto":
+        return asked
+    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return "bfloat16" if native is not None and native() else "float32"
 
 
 def batches_of(samples: list[Sample], tokens: int, seed: int) -> list[list[Sample]]:

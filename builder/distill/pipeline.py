@@ -24,6 +24,7 @@ from builder.distill.resumable import distill_resumable
 from builder.distill.save import check_out, publish_draft
 from builder.distill.self_prompts import self_prompts as sample_self_prompts
 from builder.distill.training import train
+from runtime.engines import gguf_ops
 from builder.distill.run import (
     Run,
     check_target,
@@ -153,6 +154,7 @@ def _teacher_engine(run: Run, target: _Target, work: Path):
         recipe.accuracy_level,
         recipe.max_prompt_tokens + recipe.max_new_tokens + 8,
         run.threads,
+        native=gguf_ops.native_for(recipe.gguf_kernel),
     )
     run.lap("engine", t0)
     run.say(

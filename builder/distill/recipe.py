@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder.distill.corpus import DistillError
+from runtime.bundle import GGUF_KERNELS
+from runtime.engines import gguf_ops
 
 RECIPE_KEYS = (
     "init",
@@ -107,6 +109,9 @@ class DistillRecipe:
     chat: bool | None = None  # through the chat template (None: every prompt not marked @completion)
     train_prompt_positions: bool = True
     accuracy_level: int = 4  # the ONNX teacher engine's MatMulNBits accuracy level
+    # quant gguf: the teacher engine's kernel, the preset's own ``gguf_kernel`` (runtime.bundle.GGUF_KERNELS), so the
+    # draft learns the hidden states of the kernel the bundle's target engine multiplies with
+    gguf_kernel: str = "auto"
     checkpoint_seconds: float = 300.0  # a resumable training's checkpoint interval (tests: 0, every step)
 
     @property
@@ -143,6 +148,11 @@ class DistillRecipe:
             raise DistillError(f"--self-prompts must be >= 0, received {self.self_prompts}")
         if self.self_prompts and self.teacher_engine == "torch":
             raise DistillError("--self-prompts samples with the target's ONNX engine: use --teacher-engine auto")
+        if self.gguf_kernel not in GGUF_KERNELS:
+            raise DistillError(f"gguf_kernel must be one of {GGUF_KERNELS}, received {self.gguf_kernel!r}")
+        reason = gguf_ops.unavailable_reason()
+        if self.gguf_kernel == "native" and reason is not None:
+            raise DistillError(f"gguf_kernel native: {reason}; or set gguf_kernel: matmulnbits")
         if self.generate_batch < 1:
             raise DistillError(f"--generate-batch must be >= 1, received {self.generate_batch}")
         if not 0 < self.generate_share < 1:
@@ -171,7 +181,7 @@ class DistillRecipe:
 
 def recipe_from(config: dict, path) -> tuple[str, str, DistillRecipe]:
     """(target, out, recipe) of a preset's ``distill:`` block: the draft folder is the preset's ``draft``; the keys
-    the block leaves out keep the command's defaults."""
+    the block leaves out keep the command's defaults; the teacher's kernel is the preset's ``gguf_kernel``."""
     block = config.get("distill")
     if not isinstance(block, dict):
         raise DistillError(f"{path} has no 'distill:' recipe (a mapping of draftsmith distill options)")
@@ -182,4 +192,5 @@ def recipe_from(config: dict, path) -> tuple[str, str, DistillRecipe]:
         raise DistillError(f"{path} must name the target and, as 'draft', the folder the recipe distils into")
     lists = ("prefill_text", "heldout_prompts")  # YAML lists; the recipe holds tuples, as the flags give them
     sequences = {key: tuple(block[key]) for key in lists if isinstance(block.get(key), list)}
-    return str(config["target"]), str(config["draft"]), DistillRecipe(**{**block, **sequences})
+    kernel = config.get("gguf_kernel", "auto")
+    return str(config["target"]), str(config["draft"]), DistillRecipe(**{**block, **sequences}, gguf_kernel=kernel)

@@ -28,6 +28,7 @@ from builder.distill.corpus import DistillError, encode, load_heldout, load_prom
 from builder.distill.draft import coverage, kept_vocabulary
 from builder.distill.prefill import text_files, text_windows
 from builder.distill.run import Run, check_target, progress_bars, publish_features, task, training_bar
+from runtime.engines import gguf_ops
 
 # tokens a second of prefill time the windows are planned for: more than 2 cores prefill a 1.5B target (~100)
 PLANNED_TOKENS_PER_SECOND = 300
@@ -43,11 +44,13 @@ def distill_resumable(run: Run, quiet: bool, work: str | Path | None) -> dict:
     check_target(checkpoint.config, recipe.init)
     tokenizer = checkpoint.load_tokenizer()
     sha = checkpoint.sha256()
-    folder = Path(work) if work else run.out.with_name(run.out.name + ".work")
-    clock = pairs.WorkFolder(folder, {"target": sha, "recipe": _data_recipe(recipe)})
-    run.say(f"distill: work folder {folder} ({clock.before:.0f} s spent there by earlier runs)")
     context = max(recipe.max_prompt_tokens + recipe.max_new_tokens, recipe.prefill_length) + 8
-    source = pairs.teacher_source(checkpoint, context, recipe.accuracy_level)
+    native = gguf_ops.native_for(recipe.gguf_kernel)  # the bundle's target engine's kernel: its hidden states
+    source = pairs.teacher_source(checkpoint, context, recipe.accuracy_level, native)
+    folder = Path(work) if work else run.out.with_name(run.out.name + ".work")
+    clock = pairs.WorkFolder(folder, {"target": sha, "recipe": _data_recipe(recipe), "kernel": source.kernel})
+    run.say(f"distill: work folder {folder} ({clock.before:.0f} s spent there by earlier runs)")
+    run.say(f"teacher: the target's fused engine, its weights multiplied by {source.kernel}")
     eos = eos_ids_of(source.reference, tokenizer)
 
     def ids(prompts):
@@ -64,12 +67,12 @@ def distill_resumable(run: Run, quiet: bool, work: str | Path | None) -> dict:
         samples = [s for store in data for s in store.samples()]
         kept = _vocabulary(run, tokenizer, source, samples, eos)
         draft = _draft(run, source, kept, sha)
-        shell_config = source.reference.config
+        shell_config, engine_kernel = source.reference.config, source.kernel
         source = None  # the target's rows the draft copied: their memory goes before training
         before = _measure(draft, held, kept)
         trained = _train(run, clock, draft, samples, kept, progress)
     after = _measure(draft, held, kept)
-    extra = _resumable_fields(run, clock, held, kept, before, after, data)
+    extra = {**_resumable_fields(run, clock, held, kept, before, after, data), "teacher_kernel": engine_kernel}
     all_held = [s for part in held.values() for s in part]
     report = publish_features(
         run, tokenizer, draft, shell_config, samples, all_held, kept, before["all"], trained, 0, extra, after["all"]
@@ -229,6 +232,8 @@ def _train(run: Run, clock, draft, samples, kept, progress) -> dict:
     from builder.distill import feature_draft as fd
 
     recipe = run.recipe
+    dtype = fd.matmul_dtype()  # what the products read while training; the draft stays float32
+    run.say(f"feature draft: training with {dtype} matrix products (weights, gradients and the saved draft float32)")
     reserve = 60.0 + 0.02 * recipe.minutes * 60  # the measurement after training and the save
     train_deadline = clock.deadline(recipe.minutes * 60 - reserve)
     if recipe.max_steps is None and train_deadline <= time.perf_counter():
@@ -252,6 +257,7 @@ def _train(run: Run, clock, draft, samples, kept, progress) -> dict:
         "intermediate": recipe.draft_intermediate,
         "seed": recipe.seed,
         "minutes": recipe.minutes,
+        "dtype": dtype,
     }
     trained = fd.train_feature_draft(
         draft,
@@ -262,6 +268,7 @@ def _train(run: Run, clock, draft, samples, kept, progress) -> dict:
         on_step=step,
         checkpoint=(clock.path, {**clock.fingerprint, **fingerprint}),
         save_every=recipe.checkpoint_seconds,
+        dtype=dtype,
     )
     done()
     progress.stop()

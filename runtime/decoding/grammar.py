@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.decoding.grammar_bounds import lark_size, refuse_expansion, regex_size, schema_size
 from runtime.errors import RequestError
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
@@ -40,7 +41,14 @@ KINDS = ("json_object", "json_schema", "regex", "lark")
 # Bounds on a client's schema or grammar, checked before any work on it (a schema is client input).
 MAX_SOURCE_BYTES = 32 * 1024  # the schema (as compact JSON), regex or grammar text
 MAX_DEPTH = 64  # nesting of the schema document (each level of an object schema is ~2: properties, then a name)
-MAX_COMPILED = 64  # compiled grammars kept for reuse (an agent sends the same schema again and again)
+# Compiled grammars kept for reuse (an agent sends the same schema again and again), each 0.6-1.1 MB at most under
+# grammar_bounds.MAX_EXPANDED (measured: a{10000}; a 27 KB schema of 600 patterns; a{250000} held 72 MB).
+MAX_COMPILED = 64
+# A row whose grammar work (masks, consumes, rollbacks) passes GRAMMAR_SECONDS plus GRAMMAR_SECONDS_PER_TOKEN for each
+# token it emitted fails with a RequestError, alone: the scheduler thread runs every row's grammar, so one costly
+# grammar would slow every stream. Real constraints cost 0.1-5 ms a mask, a few masks a step.
+GRAMMAR_SECONDS = 1.0
+GRAMMAR_SECONDS_PER_TOKEN = 0.02
 # llguidance's own limits bound the compile and every mask step (its defaults, tightened where a client could
 # make the compile slow): https://github.com/guidance-ai/llguidance, python/llguidance/_lib.pyi LLParserLimits.
 PARSER_LIMITS = dict(
@@ -67,10 +75,15 @@ class Constraint:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise RequestError(f"constraint kind must be one of {KINDS}, received {self.kind!r}")
-        if len(self.source.encode()) > MAX_SOURCE_BYTES:
+        try:
+            size = len(self.source.encode())
+        except UnicodeEncodeError as err:  # a lone surrogate ("\ud800", which JSON can carry)
             raise RequestError(
-                f"the {self.kind} is {len(self.source.encode())} bytes; the limit is {MAX_SOURCE_BYTES}. Simplify it"
-            )
+                f"the {self.kind} is not valid Unicode text ({err.reason} at character {err.start}); send UTF-8 "
+                "without lone surrogates"
+            ) from None
+        if size > MAX_SOURCE_BYTES:
+            raise RequestError(f"the {self.kind} is {size} bytes; the limit is {MAX_SOURCE_BYTES}. Simplify it")
 
 
 def json_schema(schema: Any) -> Constraint:
@@ -191,11 +204,15 @@ class GrammarCompiler:
                 del self._flights[constraint]
 
     def _compile(self, constraint: Constraint) -> "CompiledGrammar":
+        """The compiled grammar and its first mask, both computed here, on the caller's thread (a server's grammar
+        pool): llguidance builds its lexer lazily, so the first mask is where a costly constraint shows, and it
+        must not be the scheduler's."""
         start = time.perf_counter()
         matcher = self.llg.LLMatcher(self.tokenizer, self._grammar(constraint), log_level=0, limits=self.limits)
         if matcher.is_error():
             raise RequestError(f"the {constraint.kind} cannot be compiled: {matcher.get_error()[:500]}")
-        compiled = CompiledGrammar(matcher, self.width, self.eos_ids, time.perf_counter() - start)
+        first = GrammarRow(matcher, self.width, self.eos_ids).initial_mask()
+        compiled = CompiledGrammar(matcher, self.width, self.eos_ids, time.perf_counter() - start, first)
         with self._lock:
             self._compiled[constraint] = compiled
             while len(self._compiled) > MAX_COMPILED:
@@ -203,31 +220,45 @@ class GrammarCompiler:
         return compiled
 
     def _grammar(self, constraint: Constraint) -> str:
-        """llguidance's grammar text of a constraint."""
+        """llguidance's grammar text of a constraint, refused (RequestError) when its regexes expand past
+        MAX_EXPANDED (runtime/decoding/grammar_bounds.py)."""
         kind, matcher = constraint.kind, self.llg.LLMatcher
+        if kind == "json_schema":
+            try:
+                schema = json.loads(constraint.source)
+            except (ValueError, RecursionError) as err:
+                raise RequestError(f"the JSON schema cannot be compiled: {str(err)[:200]}") from None
+            size, largest = schema_size(schema)
+            refuse_expansion(size, "the JSON schema's patterns expand", f"the largest: {largest}")
         try:
             if kind == "json_object":
                 return matcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
             if kind == "json_schema":
                 return matcher.grammar_from_json_schema(constraint.source, overrides=JSON_OPTIONS)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise RequestError(f"the JSON schema cannot be compiled: {err}") from None
         if kind == "regex":
+            refuse_expansion(regex_size(constraint.source), "the regex expands", f"{constraint.source!r:.80}")
             return matcher.grammar_from_regex(constraint.source)
         try:  # Lark, or GBNF/EBNF (llama.cpp's; converted to Lark by llguidance's gbnf_to_lark)
-            return self.llg.grammar_from("grammar", constraint.source)
+            lark = self.llg.grammar_from("grammar", constraint.source)
         except (ValueError, RecursionError) as err:
             raise RequestError(f"the grammar cannot be compiled: {str(err)[:500]}") from None
+        size, name = lark_size(lark)
+        refuse_expansion(size, "the grammar expands", f"in its definition {name!r:.60}")
+        return lark
 
 
 class CompiledGrammar:
-    """A compiled grammar; ``start`` gives each sequence its own matcher (a copy, cheap)."""
+    """A compiled grammar and its first mask (computed where it was compiled); ``start`` gives each sequence its own
+    matcher (a copy, cheap), its first mask already there."""
 
-    def __init__(self, matcher, width: int, eos_ids: tuple[int, ...], compile_seconds: float):
+    def __init__(self, matcher, width: int, eos_ids: tuple[int, ...], compile_seconds: float, first_mask: np.ndarray):
         self.template, self.width, self.eos_ids, self.compile_seconds = matcher, width, eos_ids, compile_seconds
+        self.first_mask = first_mask
 
     def start(self) -> "GrammarRow":
-        return GrammarRow(self.template.deep_copy(), self.width, self.eos_ids)
+        return GrammarRow(self.template.deep_copy(), self.width, self.eos_ids, self.first_mask)
 
 
 class GrammarRow:
@@ -237,12 +268,20 @@ class GrammarRow:
     position i+1 and the target's verify row i both read it.
     """
 
-    def __init__(self, matcher, width: int, eos_ids: tuple[int, ...] = ()):
+    def __init__(self, matcher, width: int, eos_ids: tuple[int, ...] = (), first_mask: np.ndarray | None = None):
         self.matcher, self.width, self.eos_ids = matcher, width, frozenset(eos_ids)
         self.tentative: list[int] = []
-        self.masks: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = [] if first_mask is None else [first_mask]
         self.seconds = 0.0  # time spent in the grammar engine (masks, consumes, rollbacks)
         self.mask_count = 0
+        self.emitted = 0  # tokens committed: what the time budget grows with
+
+    def initial_mask(self) -> np.ndarray:
+        """The mask before any token (read-only: every row started from the compiled grammar shares it), outside
+        any row's budget: it is computed once, where the grammar compiles."""
+        mask = self._read_mask()
+        mask.flags.writeable = False
+        return mask
 
     def mask_after(self, drafted: list[int]) -> np.ndarray | None:
         """The mask after this step's draft tokens ``drafted``, consumed tentatively one at a time (each position's
@@ -263,7 +302,7 @@ class GrammarRow:
                 return None
             start = time.perf_counter()
             self.matcher.consume_token(token)
-            self.seconds += time.perf_counter() - start
+            self._spend(time.perf_counter() - start)
             self.tentative.append(token)
 
     def valid_prefix(self, drafted: list[int]) -> int:
@@ -296,7 +335,8 @@ class GrammarRow:
         self.tentative, self.masks = [], []
         if keep == accepted + 1 and extra not in self.eos_ids and not self.matcher.is_stopped():
             self.matcher.consume_token(extra)  # after EOS the sequence ends
-        self.seconds += time.perf_counter() - start
+        self.emitted += keep
+        self._spend(time.perf_counter() - start)
         return keep
 
     def _complete(self, mask: np.ndarray) -> bool:
@@ -310,7 +350,7 @@ class GrammarRow:
             return []
         start = time.perf_counter()
         tokens = self.matcher.compute_ff_tokens()[:limit]
-        self.seconds += time.perf_counter() - start
+        self._spend(time.perf_counter() - start)
         return tokens
 
     @property
@@ -324,15 +364,32 @@ class GrammarRow:
 
     def _compute_mask(self) -> np.ndarray:
         start = time.perf_counter()
+        mask = self._read_mask()
+        self.mask_count += 1
+        self._spend(time.perf_counter() - start)
+        return mask
+
+    def _read_mask(self) -> np.ndarray:
         bias = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)
         if self.matcher.is_error():  # a limit hit (the lexer's fuel), or a bug: never go on unconstrained
             raise RequestError(f"the grammar engine stopped this request: {self.matcher.get_error()[:300]}")
         mask = np.zeros(self.width, dtype=bool)
         size = min(self.width, len(bias))
         mask[:size] = bias[:size] != 0
-        self.seconds += time.perf_counter() - start
-        self.mask_count += 1
         return mask
+
+    def _spend(self, seconds: float) -> None:
+        """Count grammar time; past the row's budget (GRAMMAR_SECONDS + GRAMMAR_SECONDS_PER_TOKEN per emitted
+        token) the request ends with a RequestError naming it, and only this row leaves (the scheduler isolates
+        each row's work)."""
+        self.seconds += seconds
+        budget = GRAMMAR_SECONDS + GRAMMAR_SECONDS_PER_TOKEN * self.emitted
+        if self.seconds > budget:
+            raise RequestError(
+                f"the grammar engine spent {self.seconds:.2f} s on this request's constraint over "
+                f"{self.emitted} tokens (the budget is {GRAMMAR_SECONDS:g} s plus "
+                f"{GRAMMAR_SECONDS_PER_TOKEN * 1000:g} ms a token); it was stopped. Simplify the constraint"
+            )
 
 
 def constrain(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:
@@ -352,24 +409,6 @@ def forced_proposals(grammars: list, limits: list[int]) -> list[list[int]]:
     """Per row, the grammar-forced tokens to propose this step (at most its limit); [] for rows without a grammar
     or with more than one continuation."""
     return [g.forced(limit) if g is not None else [] for g, limit in zip(grammars, limits)]
-
-
-def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> tuple[list[float], list[list]]:
-    """The target's own log-probabilities (log-softmax of its logits, before temperature, top-k/top-p and any
-    grammar mask: what the model says) of each emitted token, from logits [m, V] whose row i scored tokens[i], and
-    with top > 0 the ``top`` most likely [(token, logprob)] at each."""
-    rows = logits[: len(tokens)].astype(np.float64)
-    rows = rows - rows.max(axis=-1, keepdims=True)
-    logp = rows - np.log(np.exp(rows).sum(axis=-1, keepdims=True))
-    chosen = [float(logp[i, t]) for i, t in enumerate(tokens)]
-    if top <= 0:
-        return chosen, [[] for _ in tokens]
-    best = np.argpartition(-logp, min(top, logp.shape[-1] - 1), axis=-1)[:, :top]
-    tops = []
-    for i in range(len(tokens)):
-        order = best[i][np.lexsort((best[i], -logp[i, best[i]]))]
-        tops.append([(int(t), float(logp[i, t])) for t in order])
-    return chosen, tops
 
 
 # tensorrtllm_backend's guided-decoding inputs (triton-inference-server/tensorrtllm_backend,

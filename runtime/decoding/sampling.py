@@ -157,3 +157,21 @@ def verify(
             residual = p
         return i, sample(residual, rng)  # recovered token
     return len(draft_tokens), sample(probabilities(target_logits[len(draft_tokens)], params), rng)  # bonus token
+
+
+def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> tuple[list[float], list[list]]:
+    """The target's own log-probabilities (log-softmax of its logits, before temperature, top-k/top-p and any
+    grammar mask: what the model says) of each emitted token, from logits [m, V] whose row i scored tokens[i], and
+    with top > 0 the ``top`` most likely [(token, logprob)] at each."""
+    rows = logits[: len(tokens)].astype(np.float64)
+    rows = rows - rows.max(axis=-1, keepdims=True)
+    logp = rows - np.log(np.exp(rows).sum(axis=-1, keepdims=True))
+    chosen = [float(logp[i, t]) for i, t in enumerate(tokens)]
+    if top <= 0:
+        return chosen, [[] for _ in tokens]
+    best = np.argpartition(-logp, min(top, logp.shape[-1] - 1), axis=-1)[:, :top]
+    tops = []
+    for i in range(len(tokens)):
+        order = best[i][np.lexsort((best[i], -logp[i, best[i]]))]
+        tops.append([(int(t), float(logp[i, t])) for t in order])
+    return chosen, tops

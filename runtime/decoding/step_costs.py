@@ -71,13 +71,28 @@ class CostModel:
         the draft's one-token calls) after ``past`` tokens, the best of ``repeats`` each."""
         sizes = sorted({1, max_batch} | {b for b in (2, 4, 8, 16, 32) if b < max_batch})
         widths = sorted({w for w in WIDTHS if w < max_width} | {max_width})
+        prefill = min(PREFILL_WIDTH, fitting_width(target))
+        past = fitting_past(past, max(widths[-1], prefill), target, draft)
         for rows in sizes:
             for width in widths:
                 self.call[(rows, width)] = timed_call(target, rows, width, past, repeats)
             if draft is not None:
                 self.draft[rows] = timed_call(draft, rows, 1, past, repeats)
         # a prompt chunk's cost per token (a server's chunked prefill is sized by it)
-        self.call[(1, PREFILL_WIDTH)] = timed_call(target, 1, PREFILL_WIDTH, past, repeats)
+        self.call[(1, prefill)] = timed_call(target, 1, prefill, past, repeats)
+
+
+def fitting_width(engine) -> int:
+    """The widest call a fresh cache of this engine holds (a short-context engine cannot take PREFILL_WIDTH)."""
+    return max(1, engine.max_context // 2)
+
+
+def fitting_past(past: int, width: int, target, draft) -> int:
+    """``past`` cut so that ``past`` tokens and a call of ``width`` fit both engines' contexts (a padded call may
+    pass the context by its padding: the engine's cache holds that slack), so a bundle built for a short context is
+    still calibrated rather than refused."""
+    contexts = [e.max_context for e in (target, draft) if e is not None]
+    return max(1, min(past, min(contexts) - width))
 
 
 def timed_call(engine, rows: int, width: int, past: int, repeats: int) -> float:

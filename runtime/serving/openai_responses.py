@@ -5,6 +5,7 @@ bodies and the server's bounds are in runtime/serving/openai_protocol.py."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -248,9 +249,15 @@ class ResponseShape:
 
 
 def tool_calls(tool: ToolMode, text: str, call_id: str) -> list["ToolCall"] | None:
-    """The tool call in a constrained answer; None when the answer is incomplete (cut by max_tokens)."""
+    """The tool call in a constrained answer; None when the answer is incomplete (cut by max_tokens).
+
+    The answer is JSON the grammar allowed, which may nest deeper than Python's json can parse or write (a schema
+    of ``{"type": "object"}`` allows any depth, and a model can emit a thousand ``{"a": ``): then the arguments are
+    the answer's own text (``raw_tool_call``), never a RecursionError."""
     try:
         value = json.loads(text)
+    except RecursionError:
+        return raw_tool_call(tool, text, call_id)
     except ValueError:
         return None
     if tool.named is not None:
@@ -259,11 +266,54 @@ def tool_calls(tool: ToolMode, text: str, call_id: str) -> list["ToolCall"] | No
         name, arguments = value["name"], value["arguments"]
     else:
         return None
-    return [
-        ToolCall(
-            id=call_id,
-            function=FunctionCall(
-                name=name, arguments=json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))
-            ),
-        )
-    ]
+    try:
+        arguments = json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))
+    except RecursionError:
+        return raw_tool_call(tool, text, call_id)
+    return [ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))]
+
+
+_WRAPPED_CALL = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": (.*)\}', re.DOTALL)
+
+
+def raw_tool_call(tool: ToolMode, text: str, call_id: str) -> list["ToolCall"] | None:
+    """The tool call of an answer too deep to parse, read from its text: the grammar writes it in one layout
+    (``ToolMode.constraint``: ``{"name": ..., "arguments": ...}`` in that order, JSON_OPTIONS' separators), so the
+    arguments are the text itself (a named tool) or what follows ``"arguments": `` up to the closing brace. None when
+    the text is not complete JSON (its brackets unbalanced: cut by max_tokens)."""
+    text = text.strip()
+    if not balanced_json(text):
+        return None
+    if tool.named is not None:
+        return [ToolCall(id=call_id, function=FunctionCall(name=tool.named, arguments=text))]
+    match = _WRAPPED_CALL.fullmatch(text)
+    if match is None:
+        return None
+    name = json.loads(match.group(1))
+    if name not in tool.tools:
+        return None
+    return [ToolCall(id=call_id, function=FunctionCall(name=name, arguments=match.group(2)))]
+
+
+def balanced_json(text: str) -> bool:
+    """Whether every bracket of a JSON text outside its strings is closed, and nothing is closed twice (a loop, not
+    a parser: any depth)."""
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+            continue
+        if char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+            if depth < 0:
+                return False
+    return depth == 0 and not in_string

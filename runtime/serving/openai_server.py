@@ -59,10 +59,12 @@ from runtime.serving.openai_responses import (
     error_body,
     new_id,
 )
-from runtime.request import check_text
+from runtime.request import check_text, invalid_text_path
+from runtime.serving.pacing import RefusalPacer, RefusalPacing
 from runtime.serving.scheduler import PREFILL_CHUNK, Scheduler
 
 log = logging.getLogger("draftsmith.openai")
+DEFAULT_PACING = RefusalPacing()  # serve-openai's: 8 refusals a second a client at once, then 50 ms more each
 
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 DISCONNECT_POLL_S = 0.5  # how often a request waiting for text checks that its client is still there
@@ -99,6 +101,7 @@ def create_app(
     request_timeout: float | None = None,
     drain: Drain | None = None,
     allowed_hosts: tuple[str, ...] | None = None,
+    refusal_pacing: RefusalPacing | None = None,
 ) -> FastAPI:
     """The server's app over a started ``scheduler``.
 
@@ -107,8 +110,9 @@ def create_app(
     request_timeout: seconds after which a request ends with finish_reason "timeout" (None: none);
     allowed_hosts: the Host header names answered (None: any; ``serve`` on loopback: LOOPBACK_HOSTS);
     drain: graceful shutdown (runtime/serving/drain.py): /health backed by the scheduler's loop and the drain, 503s
-    while draining, /health/live (None: none). /metrics is the generator's one registry, with this scheduler's
-    families.
+    while draining, /health/live (None: none); refusal_pacing: a client's refusals past a few a second answered
+    late (runtime/serving/pacing.py; None: at once). /metrics is the generator's one registry, with this
+    scheduler's families.
     """
     limits = limits or Limits.for_context(scheduler.generator.max_context)
     api_key_bytes(api_key)  # an empty key is refused here, not at the first request (middleware is built lazily)
@@ -116,6 +120,8 @@ def create_app(
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, allowed_hosts=allowed_hosts)
     if drain is not None:  # added last: outermost, before the key check (a refusal does no work)
         app.add_middleware(DrainGuard, drain=drain, problem=lambda live: scheduler_problem(scheduler, live))
+    if refusal_pacing is not None:  # outermost: every refusal, the guards' own included, is paced
+        app.add_middleware(RefusalPacer, pacing=refusal_pacing)
     _add_error_handlers(app)
     _add_model_routes(app, scheduler, model_name)
     _add_completion_routes(app, _Replies(scheduler, model_name, limits, request_timeout))
@@ -294,6 +300,14 @@ class _Replies:
     def check(self, body: SamplingRequest, prompt, chat: bool) -> None:
         """Refuse, before any work, another model's name, text the tokenizer must not see and values past the
         limits (400, naming the first parameter at fault)."""
+        invalid = invalid_text_path(body.model_dump(exclude_none=True))
+        if invalid is not None:
+            where, why = invalid
+            raise APIError(
+                400,
+                f"{where}: not valid Unicode text ({why}); send UTF-8 without lone surrogates",
+                param=where.split(".")[0],
+            )
         _check_model(body.model, self.model_name)
         try:
             check_text(prompt, "messages" if chat else "prompt")
@@ -724,6 +738,7 @@ def serve(
     plan: bool = True,
     prefill_chunk: int | str | None = PREFILL_CHUNK,
     trusted_proxy: tuple[str, ...] = (),
+    refusal_pacing: RefusalPacing | None = DEFAULT_PACING,
 ) -> None:
     """Load ``bundle``, start a scheduler on it (calibrated), and serve until interrupted: Ctrl-C stops at once,
     SIGTERM drains (runtime/serving/drain.py: 503 to new requests, running ones finish within ``drain_timeout`` seconds,
@@ -734,7 +749,8 @@ def serve(
     runtime/serving/connections.py), idle keep-alive connections close after 5 s, and on loopback only loopback Host
     names are answered. ``trusted_proxy``: addresses or networks whose X-Forwarded-For names the client (none: the
     TCP peer is the client). ``health_port``: /health and /health/live also on that port, served apart, so no
-    client can starve the probes."""
+    client can starve the probes. ``refusal_pacing``: a client looping on refused requests gets its refusals late
+    (runtime/serving/pacing.py; None: at once)."""
     from runtime.api import SpeculativeGenerator
 
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
@@ -761,6 +777,7 @@ def serve(
         drain=drain,
         allowed_hosts=allowed_hosts_for(host),
         request_timeout=request_timeout,
+        refusal_pacing=refusal_pacing,
     )
     raise_file_limit(max_connections + limits.pending + 512)  # both ports' connections, and the process's own files
     config = server_config(

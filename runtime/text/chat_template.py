@@ -198,7 +198,11 @@ def _estimated_format(text: str, format_function):
 
     @functools.wraps(format_function)
     def estimated(*args, **kwargs):
-        _check_size(format_size(text, list(args) + list(kwargs.values()), MAX_VALUE, _known()))
+        mapping = args[0] if getattr(format_function, "__name__", "") == "format_map" and args else None
+        if isinstance(mapping, dict):
+            _check_size(format_size(text, [], MAX_VALUE, _known(), mapping))
+        else:
+            _check_size(format_size(text, list(args), MAX_VALUE, _known(), kwargs))
         return _checked(format_function(*args, **kwargs))
 
     return estimated
@@ -399,10 +403,28 @@ def _size(value) -> int:
     return 0
 
 
+MAX_INDENT = 64  # tojson's largest indent (real templates use 2 or 4)
+MAX_SEPARATOR = 8  # characters of each of tojson's separators (real templates use ", " and ": " or none)
+
+
 def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
-    # transformers' tojson: no HTML escaping (jinja2's own filter escapes <, > and &, which changes prompts)
-    if isinstance(indent, int) and indent > 64:
-        raise TemplateBudgetError(f"the chat template asked tojson for an indent of {indent}")
+    """transformers' tojson: no HTML escaping (jinja2's own filter escapes <, > and &, which changes prompts). An
+    indent is a number of spaces up to MAX_INDENT (json.dumps also takes a string, written once per line and level:
+    a 1 MB one is an amplifier), separators two short strings; the output's size is estimated before
+    (``filter_size``)."""
+    if indent is not None and (not isinstance(indent, int) or isinstance(indent, bool) or indent > MAX_INDENT):
+        raise TemplateBudgetError(
+            f"the chat template asked tojson for an indent of {indent!r:.40} (an integer up to {MAX_INDENT} is allowed)"
+        )
+    if separators is not None and not (
+        isinstance(separators, (list, tuple))
+        and len(separators) == 2
+        and all(isinstance(s, str) and len(s) <= MAX_SEPARATOR for s in separators)
+    ):
+        raise TemplateBudgetError(
+            f"the chat template asked tojson for separators {separators!r:.60} (two strings of at most "
+            f"{MAX_SEPARATOR} characters are allowed)"
+        )
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

@@ -6,15 +6,28 @@ import json
 from pathlib import Path
 
 from runtime.text.chat_template import render_chat_template
+from runtime.text.tokenizer_growth import growth_refusal
+
+
+class UnsafeTokenizer(ValueError):
+    """A tokenizer.json whose normalizer, pre-tokenizer or decoder can grow a text without bound."""
 
 
 class Tokenizer:
     """The bundle's tokenizer (tokenizers' fast tokenizer.json) plus its chat template."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, name: str | None = None):
+        """``name``: what to call the tokenizer.json in errors (default: its path). A file whose steps can grow a
+        text past runtime/text/tokenizer_growth.py's limits is refused (UnsafeTokenizer) before anything is
+        encoded: every prompt goes through it (a cross-tokenizer draft's, on the scheduler thread)."""
         from tokenizers import Tokenizer as Fast
 
-        self.fast = Fast.from_file(str(folder / "tokenizer.json"))
+        path = folder / "tokenizer.json"
+        text = path.read_text(encoding="utf-8")
+        refusal = growth_refusal(text)
+        if refusal:
+            raise UnsafeTokenizer(f"{name or path}: {refusal}")
+        self.fast = Fast.from_str(text)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         self.chat_template = config.get("chat_template")

@@ -70,6 +70,13 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+def native_for(kernel: str) -> bool:
+    """Whether quant gguf engines are written for GgufMatMul under a preset's ``gguf_kernel`` (auto, native or
+    matmulnbits: runtime.bundle.GGUF_KERNELS): the one rule the bundle's target engine and the distiller's teacher
+    engine share, so the draft learns from the hidden states of the very kernel it will draft for."""
+    return kernel == "native" or (kernel == "auto" and available())
+
+
 def kernels() -> str | None:
     """The kernels this CPU runs ("avx512-vnni", "avx2" or "scalar"), or None without the library."""
     library = _load(str(library_path())) if library_path().is_file() else None

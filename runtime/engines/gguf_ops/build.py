@@ -109,7 +109,9 @@ def build(quiet: bool = True) -> Path:
         if done.returncode:
             raise BuildFailed(f"{' '.join(command[:2])} failed:\n{done.stderr[-2000:]}")
     library = BUILD_DIR / LIBRARY_NAME
-    shutil.copy2(build_dir / LIBRARY_NAME, library)
+    staged = library.with_name(library.name + ".new")  # then renamed: a process that has the old one mapped keeps it
+    shutil.copy2(build_dir / LIBRARY_NAME, staged)
+    os.replace(staged, library)
     return library
 
 

@@ -14,15 +14,12 @@
 
 #include "block_math.h"
 #include "gguf_kernels.h"
+#include "tiling.h"
 
 namespace draftsmith {
 namespace {
 
-inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
-
 constexpr int kSlot[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // the vector slot of each natural 32-value group (an involution)
-constexpr int kTile = 4;                             // activation rows per pass over a weight row
-constexpr int64_t kChunk = 16;                       // weight rows kept hot while every tile passes over them
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
@@ -494,20 +491,6 @@ void columns(const WeightPart& part, int bytes, int64_t n, const Activations& ac
   }
 }
 
-void dot_columns(const WeightPart& part, int bytes, int64_t n0, int64_t n1, const Activations& act, int64_t m0,
-                 int64_t m1, float* y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; n += kGroup) {
-    for (int64_t m = m0; m < m1; m += kTile) {
-      switch (smaller(kTile, m1 - m)) {
-        case 4: columns<4>(part, bytes, n, act, m, y, ldy); break;
-        case 3: columns<3>(part, bytes, n, act, m, y, ldy); break;
-        case 2: columns<2>(part, bytes, n, act, m, y, ldy); break;
-        default: columns<1>(part, bytes, n, act, m, y, ldy); break;
-      }
-    }
-  }
-}
-
 // --- the tiling --------------------------------------------------------------------------------------------------
 
 template <int MR>
@@ -523,34 +506,23 @@ void rows(const WeightPart& part, int bytes, int64_t n, const Activations& act, 
   }
 }
 
-void dot(const WeightPart& part, int64_t n0, int64_t n1, const Activations& act, int64_t m0, int64_t m1, float* y,
-         int64_t ldy) {
-  int elements = 0, bytes = 0;
-  block_shape(part.type, &elements, &bytes);
-  if (part.layout == kColumns16) {
-    dot_columns(part, bytes, n0, n1, act, m0, m1, y, ldy);
-    return;
+struct Avx512 {  // this file's kernels, for tiling.h's loops
+  template <int MR>
+  static void rows(const WeightPart& part, int bytes, int64_t n, const Activations& act, int64_t m, float* y,
+                   int64_t ldy) {
+    draftsmith::rows<MR>(part, bytes, n, act, m, y, ldy);
   }
-  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-    const int64_t c1 = smaller(n1, c0 + kChunk);
-    for (int64_t m = m0; m < m1; m += kTile) {
-      const int64_t tile = smaller(kTile, m1 - m);
-      for (int64_t n = c0; n < c1; ++n) {
-        switch (tile) {
-          case 4: rows<4>(part, bytes, n, act, m, y, ldy); break;
-          case 3: rows<3>(part, bytes, n, act, m, y, ldy); break;
-          case 2: rows<2>(part, bytes, n, act, m, y, ldy); break;
-          default: rows<1>(part, bytes, n, act, m, y, ldy); break;
-        }
-      }
-    }
+  template <int MR>
+  static void columns(const WeightPart& part, int bytes, int64_t n, const Activations& act, int64_t m, float* y,
+                      int64_t ldy) {
+    draftsmith::columns<MR>(part, bytes, n, act, m, y, ldy);
   }
-}
+};
 
 }  // namespace
 
 const Kernels& avx512_kernels() {
-  static const Kernels kernels{"avx512-vnni", kWide, quantize_super, quantize_32, dot};
+  static const Kernels kernels{"avx512-vnni", kWide, quantize_super, quantize_32, tiled_dot<Avx512>};
   return kernels;
 }
 

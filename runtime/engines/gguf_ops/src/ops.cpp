@@ -234,14 +234,21 @@ struct GgufMatMulKernel {
   bool need_super_ = false, need_32_ = false;
 };
 
+// A kernel made from a node's attributes; a bad attribute is an error status for ONNX Runtime to report at session
+// creation, never an exception across the C API.
+template <typename Kernel>
+OrtStatusPtr create_kernel(const OrtApi& api, const OrtKernelInfo* info, void** kernel) {
+  try {
+    *kernel = new Kernel(api, info);
+    return nullptr;
+  } catch (const std::exception& error) {
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, error.what());
+  }
+}
+
 struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new GgufMatMulKernel(api, info);
-      return nullptr;
-    } catch (const std::exception& error) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, error.what());
-    }
+    return create_kernel<GgufMatMulKernel>(api, info, kernel);
   }
   const char* GetName() const { return "GgufMatMul"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
@@ -309,12 +316,7 @@ struct GgufGatherKernel {
 
 struct GgufGatherOp : Ort::CustomOpBase<GgufGatherOp, GgufGatherKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new GgufGatherKernel(api, info);
-      return nullptr;
-    } catch (const std::exception& error) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, error.what());
-    }
+    return create_kernel<GgufGatherKernel>(api, info, kernel);
   }
   const char* GetName() const { return "GgufGather"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
