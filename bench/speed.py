@@ -140,12 +140,11 @@ def decode(
     policy: str = "exact",
     plan: bool = True,
 ) -> tuple[list[SequenceRecord], float]:
-    """Run one batch through the generator's own decoding loop (the one ``generate`` runs, built by the same
-    public steps: decode_config, new_drafter), recording each step as it is yielded. ``response_format`` constrains
-    every answer (target-only decoding too: the baseline is constrained target-only decoding). ``plan``: each
-    step's draft lengths from the measured costs, ``k`` the most (False: ``k`` every step)."""
-    from runtime.decoding.loop import SpeculativeLoop
-
+    """Run one batch through the generator's own decoding loop (``generate``'s: the front door admits the token
+    lists, the scheduler runs them as one group), recording each step through the loop's step observer.
+    ``response_format`` constrains every answer (target-only decoding too: the baseline is constrained target-only
+    decoding). ``plan``: each step's draft lengths from the measured costs, ``k`` the most (False: ``k`` every
+    step)."""
     if mode == "plain":  # target-only without exactness padding: what a user's plain decoder runs
         mode, policy = "target", "throughput"
     elif mode == "target":
@@ -157,33 +156,46 @@ def decode(
         seed=seed,
         k=k,
         mode=mode,
+        drafter=drafter_kind,
+        draft_confidence=confidence,
         response_format=response_format,
         forced_drafts=forced_drafts,
         policy=policy,
         plan=plan,
     )
-    config, _ = generator.decode_config(request)
-    drafter = generator.new_drafter(mode, drafter_kind, confidence)
-    planned = drafter is not None and config.plan
-    costs = generator.step_costs(len(token_lists)) if planned else None
-    loop = SpeculativeLoop(generator.target, drafter, token_lists, config, costs)
+    admitted = generator.door.admit_tokens(token_lists, request)
     records = [SequenceRecord() for _ in token_lists]
-    counters = [(0, 0)] * len(token_lists)
-    start = time.perf_counter()
-    last_event = [start] * len(token_lists)
-    for step in loop.run():
+    clock = StepClock(records)
+    if admitted.drafter is not None and admitted.config.plan:
+        generator.step_costs(len(token_lists))  # measured before the clock starts, as every run of this batch size
+    clock.start = time.perf_counter()
+    for _ in generator.run(admitted, on_step=clock.record):
+        pass
+    return records, time.perf_counter() - clock.start
+
+
+@dataclass
+class StepClock:
+    """The loop's step observer for the bench: each row's (drafted, accepted, emitted, seconds since its last step),
+    its time to first token and its tokens."""
+
+    records: list[SequenceRecord]
+    start: float = 0.0
+    counters: dict = dataclasses.field(default_factory=dict)  # row -> (draft tokens, accepted tokens) so far
+    last: dict = dataclasses.field(default_factory=dict)  # row -> when its last step ended
+
+    def record(self, step) -> None:
         now = time.perf_counter()
         for row, new in step:
-            i = row.index
-            drafted = row.stats.num_draft_tokens - counters[i][0]
-            accepted = row.stats.num_accepted_tokens - counters[i][1]
-            counters[i] = (row.stats.num_draft_tokens, row.stats.num_accepted_tokens)
-            records[i].steps.append((drafted, accepted, len(new), now - last_event[i]))
-            last_event[i] = now
-            if new and not records[i].ttft:
-                records[i].ttft = now - start
-            records[i].token_ids.extend(new)
-    return records, time.perf_counter() - start
+            i, record = row.index, self.records[row.index]
+            drafted0, accepted0 = self.counters.get(i, (0, 0))
+            self.counters[i] = (row.stats.num_draft_tokens, row.stats.num_accepted_tokens)
+            drafted, accepted = self.counters[i][0] - drafted0, self.counters[i][1] - accepted0
+            record.steps.append((drafted, accepted, len(new), now - self.last.get(i, self.start)))
+            self.last[i] = now
+            if new and not record.ttft:
+                record.ttft = now - self.start
+            record.token_ids.extend(new)
 
 
 def pads(engine) -> bool:
@@ -654,7 +666,8 @@ def drafters_of(options: BenchOptions, generator) -> dict[str, tuple]:
 
 def _borrowed_draft(generator, other: Path, options: BenchOptions):
     """A generator over this one's target and another bundle's draft engine (same target tokenizer)."""
-    from runtime.api import SpeculativeGenerator, open_engines
+    from runtime.api import SpeculativeGenerator
+    from runtime.engines.loading import open_engines
     from runtime.bundle import BundleError, load_manifest
 
     try:

@@ -36,7 +36,8 @@ def _current_rss_bytes() -> int:
 
 def _child(bundle: str, mode: str, threads: int, tokens: int, k: int | None, prompt: str) -> dict:
     """Load what ``mode`` needs (target-only loads no draft engine), decode, and report resident memory."""
-    from runtime.api import SpeculativeGenerator, open_engines
+    from runtime.api import SpeculativeGenerator
+    from runtime.engines.loading import open_engines
     from runtime.bundle import load_manifest
     from runtime.text.tokenizer import Tokenizer
 

@@ -21,7 +21,7 @@ from runtime.drafters.suffix import SuffixCorpus
 from runtime.engines.base import Engine
 from runtime.engines.loading import open_engines
 from runtime.metrics import MetricsRegistry
-from runtime.text.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer, UnsafeTokenizer
 from runtime.text.vocab_bridge import VocabBridge
 
 
@@ -173,4 +173,7 @@ def load_tokenizer(root: Path, manifest: Manifest, verify: bool = True, folder: 
             path = Path(private, rel)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        return Tokenizer(Path(private))
+        try:
+            return Tokenizer(Path(private), name=f"{root}/{prefix}tokenizer.json")
+        except UnsafeTokenizer as err:
+            raise BundleError(str(err)) from None

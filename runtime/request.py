@@ -300,16 +300,39 @@ class FrontDoor:
 
     def admit(self, prompts: list, request: DecodeRequest, chat: bool = False) -> Admitted:
         """The request as the scheduler runs it: each prompt (a string, or with ``chat`` a list of {"role",
-        "content"} messages) checked as text and tokenized, the request within the bundle's bounds, its response
-        format compiled (unless it is already), its drafter made. RequestError naming the field at fault."""
+        "content"} messages) checked as text and tokenized, then ``admit_tokens``. RequestError naming the field at
+        fault."""
+        return self.admit_tokens([self.tokenize(prompt, chat) for prompt in prompts], request)
+
+    def admit_tokens(self, token_lists: list[list[int]], request: DecodeRequest) -> Admitted:
+        """Prompts already tokenized (the bench's, a Triton preprocessing step's) as the scheduler runs them: within
+        the bundle's bounds (its vocabulary, its context, its k), the response format compiled (unless it is
+        already), the drafter made once."""
+        for ids in token_lists:
+            self.check_tokens(ids)
         request = self.compile(request)
         config = self.decode_config(request)
-        ids = [self.tokenize(prompt, chat) for prompt in prompts]
-        if isinstance(request.seed, list) and len(request.seed) != len(ids):
-            raise RequestError(f"seed: expected one seed per prompt ({len(ids)}), received {len(request.seed)}", "seed")
+        if isinstance(request.seed, list) and len(request.seed) != len(token_lists):
+            raise RequestError(
+                f"seed: expected one seed per prompt ({len(token_lists)}), received {len(request.seed)}", "seed"
+            )
         drafter = self.bundle.new_drafter(request.mode, request.drafter, request.draft_confidence)
         name = self.bundle.drafter_name(request.drafter) if drafter is not None else ""
-        return Admitted(ids, config, request.stops, drafter, name)
+        return Admitted([list(ids) for ids in token_lists], config, request.stops, drafter, name)
+
+    def check_tokens(self, ids: list[int], field: str = "prompt") -> None:
+        """A prompt's token ids: at least one, every one in the vocabulary, and room left in the context."""
+        if not len(ids):
+            raise RequestError(f"{field}: encodes to no tokens", field)
+        vocab = self.bundle.target.vocab_size
+        if any(not 0 <= int(t) < vocab for t in ids):
+            raise RequestError(f"{field}: token ids must be in [0, {vocab}) for this bundle", field)
+        if len(ids) >= self.bundle.max_context:
+            raise RequestError(
+                f"{field}: {len(ids)} tokens; this bundle's context is {self.bundle.max_context}, leaving no room to "
+                "generate. Shorten the prompt",
+                field,
+            )
 
     def decode_config(self, request: DecodeRequest) -> DecodeConfig:
         """A validated request as this bundle decodes it (its default k, k within its max_k, its EOS)."""
@@ -352,12 +375,5 @@ class FrontDoor:
             ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
         except ValueError as err:  # no template, or one that fails or breaks the sandbox
             raise RequestError(str(err), field) from None
-        if not ids:
-            raise RequestError(f"{field}: encodes to no tokens", field)
-        if len(ids) >= self.bundle.max_context:
-            raise RequestError(
-                f"{field}: {len(ids)} tokens; this bundle's context is {self.bundle.max_context}, leaving no room to "
-                "generate. Shorten the prompt",
-                field,
-            )
+        self.check_tokens(ids, field)
         return ids

@@ -930,7 +930,7 @@ def test_a_tokenizer_folder_naming_an_engines_folder_reads_no_engine(tiny_cross_
 
 @pytest.mark.parametrize("where", ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"])
 def test_a_tokenizer_file_over_its_bound_is_refused_without_reading_it_whole(tiny_bundle, tmp_path, where):
-    from runtime.api import MAX_TOKENIZER_FILE_BYTES
+    from runtime.loaded import MAX_TOKENIZER_FILE_BYTES
 
     root = copy_of(tiny_bundle, tmp_path / "b")
     with open(root / where, "r+b") as handle:  # sparse: no disk spent

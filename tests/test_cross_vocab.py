@@ -25,7 +25,7 @@ from fakes import (
     tv_bound,
 )
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.drafters.cross_vocab import CrossVocabDrafter
 from runtime.text.vocab_bridge import VocabBridge, split_utf8
@@ -68,9 +68,9 @@ def word_bridge() -> VocabBridge:
     )
 
 
-def cross_loop(method: str, target_table, draft_table, prompts, config: DecodeConfig) -> SpeculativeLoop:
+def cross_loop(method: str, target_table, draft_table, prompts, config: DecodeConfig) -> BatchRun:
     drafter = CrossVocabDrafter(BigramEngine(draft_table), word_bridge(), method, len(TARGET_TOKENS))
-    return SpeculativeLoop(BigramEngine(target_table), drafter, prompts, config)
+    return BatchRun(BigramEngine(target_table), drafter, prompts, config)
 
 
 def target_only(target_table, prompt: list[int], new: int) -> list[int]:
@@ -279,7 +279,7 @@ def test_a_confidence_floor_drafts_less_and_stays_exact(method):
     drafted = []
     for confidence in (0.0, 0.95):
         drafter = CrossVocabDrafter(BigramEngine(close_draft(target_table, 3)), word_bridge(), method, 5, confidence)
-        loop = SpeculativeLoop(BigramEngine(target_table), drafter, prompts, DecodeConfig(24, 4, SamplingParams(0.0)))
+        loop = BatchRun(BigramEngine(target_table), drafter, prompts, DecodeConfig(24, 4, SamplingParams(0.0)))
         list(loop.run())
         assert [row.generated for row in loop.rows] == [target_only(target_table, p, 24) for p in prompts]
         drafted.append(sum(row.stats.num_draft_tokens for row in loop.rows))
@@ -314,7 +314,7 @@ def test_a_row_that_outgrows_the_drafts_context_stops_drafting_for_good(method):
     proposed = []
     real_propose = drafter.propose
     drafter.propose = lambda *args, **kwargs: proposed.append(1) or real_propose(*args, **kwargs)
-    loop = SpeculativeLoop(BigramEngine(target_table), drafter, [[0]], DecodeConfig(120, 3, SamplingParams(0.0)))
+    loop = BatchRun(BigramEngine(target_table), drafter, [[0]], DecodeConfig(120, 3, SamplingParams(0.0)))
     steps = len(list(loop.run()))
     assert [row.generated for row in loop.rows] == [target_only(target_table, [0], 120)]
     assert drafter.can_draft() == [False] and drafter.unfed == [b""]

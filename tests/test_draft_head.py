@@ -13,7 +13,7 @@ from fakes import BigramEngine, DraftCounts, pair_frequencies, random_table
 from runtime.engines.mapped import MappedVocabEngine
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 from runtime.drafters.model import ModelDrafter
 from test_sampling import CASES, VOCAB, exact_pairs, total_variation
 
@@ -51,7 +51,7 @@ def test_a_head_of_the_wrong_width_is_refused():
 
 def sample_pairs_reduced(target_table, params, n: int, k: int, seed: int) -> np.ndarray:
     """First-two-token frequencies; 3 new tokens so a first step at k=2 drafts two (at 2 it could draft one)."""
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         BigramEngine(target_table), ModelDrafter(reduced_draft()), [[0]] * n, DecodeConfig(3, k, params, seed=seed)
     )
     for _ in loop.run():
@@ -87,7 +87,7 @@ def test_greedy_output_with_a_reduced_head_equals_target_only():
     config = DecodeConfig(24, 4)
 
     def run(drafter):
-        loop = SpeculativeLoop(BigramEngine(target_table), drafter, prompts, config)
+        loop = BatchRun(BigramEngine(target_table), drafter, prompts, config)
         for _ in loop.run():
             pass
         return [row.generated for row in loop.rows], sum(r.stats.num_accepted_tokens for r in loop.rows)

@@ -13,7 +13,7 @@ from runtime.engines.base import KVCache, last_positions
 from runtime.drafters.feature import FeatureDrafter
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 
 # --- the drafter's bookkeeping against fakes with a known law ----------------------------------------------------
 
@@ -69,9 +69,7 @@ def test_feature_drafting_follows_the_target_distribution():
     first, by_feature, chained = random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4)
     n, start, before = 20000, 0, 3  # prompt [3, 0]: the prefill's state after 3 pairs with 0
     drafter = FeatureDrafter(FakeFeatureDraft(first, by_feature, chained))
-    loop = SpeculativeLoop(
-        HiddenBigram(target), drafter, [[before, start]] * n, DecodeConfig(LENGTH, 3, params, seed=5)
-    )
+    loop = BatchRun(HiddenBigram(target), drafter, [[before, start]] * n, DecodeConfig(LENGTH, 3, params, seed=5))
     counts = run_loop(loop)
     p = probabilities(target, params)
     q1 = np.tile(probabilities(first[start] + by_feature[before], params), (VOCAB, 1))  # position 1 follows start only
@@ -102,7 +100,7 @@ def test_a_reduced_head_feature_draft_follows_the_target_distribution():
     kept = [0, 2, 3]  # tokens 1 and 4 are never drafted
     n, start, before = 20000, 0, 3
     engine = MappedVocabEngine(ReducedFeatureDraft(kept, first, by_feature, chained), kept, VOCAB)
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         HiddenBigram(target), FeatureDrafter(engine), [[before, start]] * n, DecodeConfig(LENGTH, 3, params, seed=6)
     )
     counts = run_loop(loop)
@@ -120,7 +118,7 @@ def test_feature_drafter_drops_its_own_predictions_and_keeps_the_targets():
     """Between steps the draft cache holds only true pairs: fed pairs + pending ones = every token but the first."""
     engine = FakeFeatureDraft(random_table(VOCAB, 2), random_table(VOCAB, 3), random_table(VOCAB, 4))
     drafter = FeatureDrafter(engine)
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         HiddenBigram(random_table(VOCAB, 1)),
         drafter,
         [[1, 2, 3], [4, 0]],

@@ -23,7 +23,7 @@ from runtime.decoding.grammar import (
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 from runtime.drafters.model import ModelDrafter
 
 EOS = 0  # the byte tokenizer's only special token; ids 1..256 are the bytes (ByteLevel alphabet order)
@@ -83,7 +83,7 @@ def loop_for(
         forced_drafts=forced,
         logprobs=2,
     )
-    return SpeculativeLoop(target, draft, prompts, config)
+    return BatchRun(target, draft, prompts, config)
 
 
 def run(loop) -> list:

@@ -10,7 +10,7 @@ from fakes import BigramEngine, random_table
 from runtime.errors import RequestError
 from runtime.decoding.sampling import SamplingParams
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 from runtime.drafters.model import ModelDrafter
 
 PROMPTS = ["The quick brown", "def add(a, b):", "Speculative decoding"]
@@ -75,7 +75,7 @@ def test_scripted_logprobs_are_exact_whatever_is_accepted():
     """Over many sampled rows (drafts accepted and rejected), each token's log-probability is the bigram target's
     log-softmax after the token before it."""
     table = random_table(6, 1)
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         BigramEngine(table),
         ModelDrafter(BigramEngine(random_table(6, 2))),
         [[0]] * 50,

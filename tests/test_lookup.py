@@ -9,7 +9,7 @@ from runtime.errors import RequestError
 from runtime.drafters.lookup import PromptLookupDrafter, lookup
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_lookup_sampling_follows_the_target_distribution():
     params = SamplingParams(1.0)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0]  # repetitive: lookup always proposes, first "1 2 3"
     n = 20000
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         BigramEngine(table), PromptLookupDrafter(vocab), [prompt] * n, DecodeConfig(LENGTH, 3, params, seed=1)
     )
     first = run_loop(loop)
@@ -65,7 +65,7 @@ def test_hybrid_sampling_follows_the_target_distribution_from_both_sources():
     repetitive, fresh = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3]  # the first always matches "0 1"; the second cannot
     n = 20000
     drafter = HybridDrafter(ModelDrafter(BigramEngine(draft_table)), vocab)
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         BigramEngine(table), drafter, [repetitive] * n + [fresh] * n, DecodeConfig(LENGTH, 3, params, seed=2)
     )
     looked_up, modelled = run_loop(loop, groups=2)

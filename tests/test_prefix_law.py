@@ -14,7 +14,7 @@ from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 from runtime.drafters.model import ModelDrafter
 from runtime.drafters.suffix import SuffixDrafter
 
@@ -42,7 +42,7 @@ def point_mass_law(proposal: list[int], vocab: int):
 def test_a_model_drafter_follows_a_prefix_dependent_target(params):
     target, draft = engines()
     context = [3, 1, 4]
-    loop = SpeculativeLoop(target, ModelDrafter(draft), [context] * N, DecodeConfig(LENGTH, 3, params, seed=11))
+    loop = BatchRun(target, ModelDrafter(draft), [context] * N, DecodeConfig(LENGTH, 3, params, seed=11))
     first = run_loop(loop)
     assert_follows_prefix_target(loop.rows, first, target_law(target, params), context, model_law(draft, params), 3)
 
@@ -52,7 +52,7 @@ def test_the_prefix_target_catches_a_loop_that_forgets_to_roll_back(monkeypatch)
     target, draft = engines()
     monkeypatch.setattr(PrefixEngine, "rollback", lambda self, cache, keep: None)
     params, context = PARAMS[0], [3, 1, 4]
-    loop = SpeculativeLoop(target, ModelDrafter(draft), [context] * N, DecodeConfig(LENGTH, 3, params, seed=11))
+    loop = BatchRun(target, ModelDrafter(draft), [context] * N, DecodeConfig(LENGTH, 3, params, seed=11))
     first = run_loop(loop)
     with pytest.raises(AssertionError):
         assert_follows_prefix_target(loop.rows, first, target_law(target, params), context, model_law(draft, params), 3)
@@ -63,7 +63,7 @@ def test_prompt_lookup_follows_a_prefix_dependent_target(params):
     vocab, path = 4, [0, 1, 2, 3, 0]
     target = PrefixEngine(vocab, seed=3, scale=0.8, bias=copying_table(vocab, 5, path, boost=2.5, scale=0.0))
     context = [0, 1, 2, 3, 0, 1, 2, 3, 0]  # lookup proposes "1 2 3"
-    loop = SpeculativeLoop(target, PromptLookupDrafter(vocab), [context] * N, DecodeConfig(LENGTH, 3, params, seed=1))
+    loop = BatchRun(target, PromptLookupDrafter(vocab), [context] * N, DecodeConfig(LENGTH, 3, params, seed=1))
     first = run_loop(loop)
     assert_follows_prefix_target(
         loop.rows, first, target_law(target, params), context, point_mass_law([1, 2, 3], vocab), 3
@@ -75,7 +75,7 @@ def test_suffix_drafting_follows_a_prefix_dependent_target(params):
     vocab = 4
     target = PrefixEngine(vocab, seed=4, scale=0.8, bias=copying_table(vocab, 5, [0, 1, 3, 2], boost=2.5, scale=0.0))
     context = [2, 0, 1, 3, 2, 0, 1, 3, 2, 0, 1, 2, 2, 0]  # the majority continuation of "0" is "1 3 2"
-    loop = SpeculativeLoop(target, SuffixDrafter(vocab), [context] * N, DecodeConfig(LENGTH, 3, params, seed=3))
+    loop = BatchRun(target, SuffixDrafter(vocab), [context] * N, DecodeConfig(LENGTH, 3, params, seed=3))
     first = run_loop(loop)
     assert_follows_prefix_target(
         loop.rows, first, target_law(target, params), context, point_mass_law([1, 3, 2], vocab), 3
@@ -89,7 +89,7 @@ def test_the_hybrid_drafter_follows_a_prefix_dependent_target_from_both_sources(
     draft = PrefixEngine(vocab, seed=9, scale=0.9, base=target)
     repetitive, fresh = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3]
     drafter = HybridDrafter(ModelDrafter(draft), vocab)
-    loop = SpeculativeLoop(target, drafter, [repetitive] * N + [fresh] * N, DecodeConfig(LENGTH, 3, params, seed=2))
+    loop = BatchRun(target, drafter, [repetitive] * N + [fresh] * N, DecodeConfig(LENGTH, 3, params, seed=2))
     looked_up, modelled = run_loop(loop, groups=2)
     law = target_law(target, params)
     assert_follows_prefix_target(loop.rows[:N], looked_up, law, repetitive, point_mass_law([2, 3, 0], vocab), 3)
@@ -101,7 +101,7 @@ def test_draft_confidence_keeps_the_law_exact():
     target's, and the first step drafts fewer tokens than k in some rows (a varying draft length is exercised)."""
     target, draft = engines()
     params, context = SamplingParams(1.0), [3, 1, 4]
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         target, ModelDrafter(draft, confidence=0.45), [context] * N, DecodeConfig(LENGTH, 3, params, seed=13)
     )
     first = run_loop(loop)

@@ -162,9 +162,9 @@ def test_the_batch_cache_is_reserved_once_and_requests_never_grow_it(generator):
 
 
 def test_a_batch_cache_larger_than_the_memory_is_refused_at_start_by_name(generator, monkeypatch):
-    import runtime.engines.onnx
+    import runtime.engines.fused
 
-    monkeypatch.setattr(runtime.engines.onnx, "available_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(runtime.engines.fused, "available_memory_bytes", lambda: 1 << 20)
     with pytest.raises(MemoryError, match="--max-batch"):
         Scheduler(generator, max_batch=64)
 
@@ -227,18 +227,18 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(generator)
 def test_the_auto_chunk_keeps_the_step_call_within_its_gap_bound(generator):
     """prefill_chunk="auto": the largest chunk whose call, as one more row of the step's, costs at most CHUNK_GAP
     times the call without it on the measured costs (the bound's floor where even the smallest does not fit)."""
-    from runtime.serving.scheduler import CHUNK_BOUNDS, CHUNK_GAP
+    from runtime.serving.prefill import CHUNK_BOUNDS, CHUNK_GAP
 
     scheduler = Scheduler(generator, max_batch=4)
     scheduler.costs = generator.step_costs(4)
-    sizes = [scheduler._chunk(n) for n in (1, 2, 3)]
+    sizes = [scheduler.prefill.chunk(n) for n in (1, 2, 3)]
     assert all(CHUNK_BOUNDS[0] <= c <= CHUNK_BOUNDS[1] for c in sizes)
     width = max(scheduler.padding, 2)
     for n, c in zip((1, 2, 3), sizes):
         alone = scheduler.costs.call_cost([width] * n)
         assert c == CHUNK_BOUNDS[0] or scheduler.costs.call_cost([width] * n + [c]) <= CHUNK_GAP * alone
         assert c == CHUNK_BOUNDS[1] or scheduler.costs.call_cost([width] * n + [c + 1]) > CHUNK_GAP * alone
-    assert scheduler._chunk(0) == CHUNK_BOUNDS[1]  # nobody decodes: nobody waits on a step
+    assert scheduler.prefill.chunk(0) == CHUNK_BOUNDS[1]  # nobody decodes: nobody waits on a step
 
 
 def test_a_throughput_batch_asks_for_unpadded_calls_and_leaves_the_engine_as_it_was(generator):

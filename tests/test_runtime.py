@@ -14,14 +14,14 @@ from fakes import BigramEngine, random_table
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
 from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 from runtime.drafters.model import ModelDrafter
 
 PROMPTS = ["The quick brown", "def add(a, b):\n    return", "x", "Speculative decoding keeps the target's output"]
 
 
 def run_loop(target, draft, prompts, **config):
-    loop = SpeculativeLoop(target, ModelDrafter(draft) if draft else None, prompts, DecodeConfig(**config))
+    loop = BatchRun(target, ModelDrafter(draft) if draft else None, prompts, DecodeConfig(**config))
     steps = list(loop.run())
     return loop, steps
 
@@ -68,9 +68,7 @@ def test_rollback_continuation_equals_fresh_run_from_accepted_prefix(generator):
     assert first.stats.num_draft_tokens > first.stats.num_accepted_tokens  # rejections happened
     prompt_ids = tok.encode(PROMPTS[0])
     prefix = prompt_ids + first.token_ids[:20]
-    loop = SpeculativeLoop(
-        generator.target, ModelDrafter(generator.draft), [prefix], DecodeConfig(max_new_tokens=20, k=4)
-    )
+    loop = BatchRun(generator.target, ModelDrafter(generator.draft), [prefix], DecodeConfig(max_new_tokens=20, k=4))
     for _ in loop.run():
         pass
     assert loop.rows[0].generated == first.token_ids[20:40]
@@ -201,7 +199,7 @@ def test_draft_cache_matches_emitted_tokens_after_every_step():
     draft_table = target_table + np.random.default_rng(4).normal(0, 1.0, target_table.shape)
     target, draft = BigramEngine(target_table), BigramEngine(draft_table)
     drafter = ModelDrafter(draft)
-    loop = SpeculativeLoop(target, drafter, [[0, 1, 2]], DecodeConfig(max_new_tokens=40, k=3))
+    loop = BatchRun(target, drafter, [[0, 1, 2]], DecodeConfig(max_new_tokens=40, k=3))
     for _ in loop.run():
         row = loop.rows[0]
         seen = draft.live_tokens(drafter.cache, 0) + drafter.pending[0]
@@ -211,7 +209,7 @@ def test_draft_cache_matches_emitted_tokens_after_every_step():
 
 def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_rejection():
     table = random_table(7, 1)
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         BigramEngine(table),
         ModelDrafter(BigramEngine(table)),
         [[0]],
@@ -221,7 +219,7 @@ def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_rejection():
     for _ in loop.run():
         ks.append(loop.k)
     assert ks[:3] == [3, 5, 6]
-    bad = SpeculativeLoop(
+    bad = BatchRun(
         BigramEngine(table),
         ModelDrafter(BigramEngine(-table)),
         [[0]],
@@ -235,7 +233,7 @@ def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_rejection():
 def test_fallback_switches_to_target_only_and_reprobes():
     table = random_table(7, 1)
     draft = BigramEngine(-table)
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         BigramEngine(table),
         ModelDrafter(draft),
         [[0]],
@@ -256,7 +254,7 @@ def test_draft_confidence_stops_drafting_early():
     table = random_table(7, 1, scale=0.01)  # a nearly uniform draft: never confident
     target = BigramEngine(random_table(7, 2))
     drafter = ModelDrafter(BigramEngine(table), confidence=0.5)
-    loop = SpeculativeLoop(target, drafter, [[0]], DecodeConfig(max_new_tokens=10, k=4))
+    loop = BatchRun(target, drafter, [[0]], DecodeConfig(max_new_tokens=10, k=4))
     for _ in loop.run():
         pass
     assert loop.rows[0].stats.num_draft_tokens == loop.rows[0].stats.num_drafts  # one token per step, not 4

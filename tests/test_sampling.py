@@ -19,7 +19,7 @@ from runtime.decoding import sampling
 from runtime.errors import RequestError
 from runtime.decoding.sampling import SamplingParams, probabilities, verify
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 from runtime.drafters.model import ModelDrafter
 
 GREEDY = SamplingParams()
@@ -106,7 +106,7 @@ def exact_pairs(table: np.ndarray, start: int, params: SamplingParams) -> np.nda
 
 
 def run_model_drafter(target_table, draft_table, params, n: int, k: int, seed: int):
-    loop = SpeculativeLoop(
+    loop = BatchRun(
         BigramEngine(target_table),
         ModelDrafter(BigramEngine(draft_table)),
         [[0]] * n,
@@ -131,7 +131,7 @@ def test_speculative_sampling_follows_the_target_distribution(params):
 def test_the_budget_rule_lets_the_first_step_draft_all_but_one_new_token():
     """max_new_tokens=2 (the old distribution tests) leaves room for one draft token; 4 leaves room for 3."""
     for max_new_tokens, drafted in ((2, 1), (4, 3), (9, 5)):
-        loop = SpeculativeLoop(
+        loop = BatchRun(
             BigramEngine(random_table(VOCAB, 1)),
             ModelDrafter(BigramEngine(random_table(VOCAB, 2))),
             [[0]] * 20,
@@ -171,7 +171,7 @@ def test_seeded_sampling_is_reproducible():
 def sampled_rows(prompts, seed, max_new_tokens=20, k=3):
     """What each row of one loop generates (temperature 1, a draft that disagrees often: every kind of draw)."""
     target, draft = BigramEngine(random_table(VOCAB, 1)), BigramEngine(random_table(VOCAB, 2))
-    loop = SpeculativeLoop(target, ModelDrafter(draft), prompts, DecodeConfig(max_new_tokens, k, SAMPLED, seed=seed))
+    loop = BatchRun(target, ModelDrafter(draft), prompts, DecodeConfig(max_new_tokens, k, SAMPLED, seed=seed))
     for _ in loop.run():
         pass
     return [row.generated for row in loop.rows]

@@ -62,10 +62,10 @@ def test_a_row_kept_from_drafting_probes_again_every_so_many_steps():
 
 
 def test_a_planned_batch_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_bundle):
-    """SpeculativeLoop over a batch with costs: every row's greedy output equals target-only decoding, and a
+    """BatchRun over a batch with costs: every row's greedy output equals target-only decoding, and a
     draft that is mostly wrong drafts far less than its k."""
     from runtime.api import SpeculativeGenerator
-    from runtime.decoding.loop import SpeculativeLoop
+    from batch_run import BatchRun
     from runtime.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tiny_bundle / "tokenizer")
@@ -73,15 +73,15 @@ def test_a_planned_batch_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_
     target = BigramEngine(random_table(vocab, 1, scale=3.0), max_context=128)
     wrong = BigramEngine(random_table(vocab, 9, scale=3.0), max_context=128)
     generator = SpeculativeGenerator(None, target, wrong, tokenizer, max_k=8)
-    config, _ = generator.decode_config(generator_request(max_new_tokens=40, k=4))
+    config = generator.door.decode_config(generator_request(max_new_tokens=40, k=4))
     prompts = [tokenizer.encode(p) for p in ("the cat", "a b c d", "hello there", "def f(x):")]
     model = costs({(1, 1): 1.0, (1, 5): 1.5, (4, 1): 1.0, (4, 5): 1.6}, {1: 0.2, 4: 0.25})
-    reference = SpeculativeLoop(target, None, prompts, config)
+    reference = BatchRun(target, None, prompts, config)
     for _ in reference.run():
         pass
     drafted = {}
     for planned in (None, model):
-        loop = SpeculativeLoop(target, generator.new_drafter("speculative", None, None), prompts, config, planned)
+        loop = BatchRun(target, generator.new_drafter("speculative", None, None), prompts, config, planned)
         for _ in loop.run():
             pass
         drafted[planned is not None] = sum(row.stats.num_draft_tokens for row in loop.rows)
@@ -109,7 +109,7 @@ def test_a_lone_row_drafts_as_far_as_the_measured_verify_curve_pays():
 
 def test_a_lone_planned_row_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_bundle):
     from runtime.api import SpeculativeGenerator
-    from runtime.decoding.loop import SpeculativeLoop
+    from batch_run import BatchRun
     from runtime.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tiny_bundle / "tokenizer")
@@ -117,15 +117,15 @@ def test_a_lone_planned_row_is_greedy_exact_and_drafts_less_where_drafts_fail(ti
     target = BigramEngine(random_table(vocab, 1, scale=3.0), max_context=128)
     wrong = BigramEngine(random_table(vocab, 9, scale=3.0), max_context=128)
     generator = SpeculativeGenerator(None, target, wrong, tokenizer, max_k=8)
-    config, _ = generator.decode_config(generator_request(max_new_tokens=60, k=4))
+    config = generator.door.decode_config(generator_request(max_new_tokens=60, k=4))
     prompt = [tokenizer.encode("hello there")]
     model = costs({(1, 1): 1.0, (1, 5): 1.6}, {1: 0.2})
-    reference = SpeculativeLoop(target, None, prompt, config)
+    reference = BatchRun(target, None, prompt, config)
     for _ in reference.run():
         pass
     drafted = {}
     for planned in (None, model):
-        loop = SpeculativeLoop(target, generator.new_drafter("speculative", "model", None), prompt, config, planned)
+        loop = BatchRun(target, generator.new_drafter("speculative", "model", None), prompt, config, planned)
         for _ in loop.run():
             pass
         drafted[planned is not None] = loop.rows[0].stats.num_draft_tokens

@@ -12,7 +12,7 @@ from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import lookup
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
-from runtime.decoding.loop import SpeculativeLoop
+from batch_run import BatchRun
 from runtime.drafters.model import ModelDrafter
 from runtime.drafters.suffix import EDGE, HYBRID_SUFFIX, SuffixConfig, SuffixCorpus, SuffixDrafter, SuffixTrie
 
@@ -151,7 +151,7 @@ def test_suffix_sampling_follows_the_target_distribution():
     params = SamplingParams(1.0)
     n = 20000
     drafter = SuffixDrafter(vocab)
-    loop = SpeculativeLoop(BigramEngine(table), drafter, [MAJORITY] * n, DecodeConfig(LENGTH, 3, params, seed=3))
+    loop = BatchRun(BigramEngine(table), drafter, [MAJORITY] * n, DecodeConfig(LENGTH, 3, params, seed=3))
     first = run_loop(loop)
     assert_follows_target(loop.rows, first, probabilities(table, params), 0, point_mass_laws([1, 3, 2], vocab))
     assert drafter.drafts["text"] > n and drafter.drafts["corpus"] == 0
@@ -166,9 +166,7 @@ def test_hybrid_suffix_sampling_follows_the_target_distribution_from_both_source
     drafter = HybridDrafter(
         ModelDrafter(BigramEngine(draft_table)), vocab, free=SuffixDrafter(vocab, config=HYBRID_SUFFIX)
     )
-    loop = SpeculativeLoop(
-        BigramEngine(table), drafter, [MAJORITY] * n + [[3]] * n, DecodeConfig(LENGTH, 3, params, seed=4)
-    )
+    loop = BatchRun(BigramEngine(table), drafter, [MAJORITY] * n + [[3]] * n, DecodeConfig(LENGTH, 3, params, seed=4))
     suffixed, modelled = run_loop(loop, groups=2)
     probs = probabilities(table, params)
     assert_follows_target(loop.rows[:n], suffixed, probs, 0, point_mass_laws([1, 3, 2], vocab))
@@ -209,8 +207,8 @@ def test_the_generator_and_bench_build_suffix_drafters(generator):
 # --- the shared corpus --------------------------------------------------------------------------------------------
 
 
-def greedy_run(target: BigramEngine, drafter, prompt: list[int], n: int = 24) -> SpeculativeLoop:
-    loop = SpeculativeLoop(target, drafter, [prompt], DecodeConfig(n, 6, GREEDY))
+def greedy_run(target: BigramEngine, drafter, prompt: list[int], n: int = 24) -> BatchRun:
+    loop = BatchRun(target, drafter, [prompt], DecodeConfig(n, 6, GREEDY))
     for _ in loop.run():
         pass
     return loop

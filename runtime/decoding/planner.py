@@ -113,7 +113,10 @@ def plan_lengths(
     every PROBE_EVERY steps; a request that asked for no plan, and a seeded sampled row under "exact", keep their
     limits. ``members[g]``: group g's rows (positions in ``rows``)."""
     limits = group_limits(rows, groups, members, idle, max_context)
-    drafting = [g.drafter is not None and not g.policy.in_fallback and any(limits[b] for b in m) for g, m in zip(groups, members)]
+    drafting = [
+        g.drafter is not None and not g.policy.in_fallback and any(limits[b] for b in m)
+        for g, m in zip(groups, members)
+    ]
     fallback = [False] * len(rows)
     planned = [False] * len(rows)
     for group, rows_of, drafts in zip(groups, members, drafting):
@@ -131,7 +134,10 @@ def plan_lengths(
         paid=[g.drafter is not None and g.drafter.calls_draft_engine for g in row_groups(groups, members, len(rows))],
     )
     ks = with_probes(plan_draft_lengths(costs, inputs), inputs_limits, rows)
-    fixed = [not p or not row.config.plan or (planning.exact and pinned(row, g)) for p, row, g in zip(planned, rows, row_groups(groups, members, len(rows)))]
+    fixed = [
+        not p or not row.config.plan or (planning.exact and pinned(row, g))
+        for p, row, g in zip(planned, rows, row_groups(groups, members, len(rows)))
+    ]
     ks = [limit if keep else k for k, limit, keep in zip(ks, limits, fixed)]
     drafting = [d and any(ks[b] for b in m) for d, m in zip(drafting, members)]
     return LengthPlan(ks, drafting, fallback, step_cost(costs, ks, inputs))

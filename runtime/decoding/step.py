@@ -79,7 +79,8 @@ class StepPlan:
     # every row scored with the kernels its lone call would take (padded to the target's min_call_tokens); False:
     # one-token calls unpadded (the "throughput" policy, plain decoding): cheaper, exact only to the last bits
     exact: bool = True
-    fallback: bool = False  # the step runs target-only because acceptance fell (recorded in the rows' stats)
+    # per row: its group runs target-only this step because acceptance fell (recorded in its stats); None: no row
+    fallback: list[bool] | None = None
     idle: list[bool] | None = None  # per row: sits this step out (its prompt is still being prefilled); None: none
     # per idle row: the prompt tokens it feeds in this step's target call (chunked prefill riding in the step's one
     # call instead of a call of its own); None: none
@@ -109,6 +110,7 @@ def decode_step(
     others go on."""
     idle = plan.idle or [False] * len(rows)
     prefill = plan.prefill or [[] for _ in rows]
+    fallback = plan.fallback or [False] * len(rows)
     t0 = time.perf_counter()
     proposals = propose(rows, groups, plan, target.vocab_size, isolate)
     t1 = time.perf_counter()
@@ -134,7 +136,7 @@ def decode_step(
     keep = cache.lengths - np.array([len(draft) - n for (draft, _), n in zip(proposals, accepted)])
     target.rollback(cache, keep)
     new = [
-        [] if idle[b] else book(row, len(draft), n, out, plan.fallback, t1 - t0, t2 - t1, target.max_context)
+        [] if idle[b] else book(row, len(draft), n, out, fallback[b], t1 - t0, t2 - t1, target.max_context)
         for b, (row, (draft, _), n, out) in enumerate(zip(rows, proposals, accepted, emitted))
     ]
     prefilled = [hidden[b] if idle[b] and prefill[b] else None for b in range(len(rows))]

@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.api import Generation
+from runtime.serving.handles import Generation
 from runtime.serving.connections import (
     ConnectionLimits,
     ProbeServer,
@@ -114,7 +114,7 @@ def create_app(
     late (runtime/serving/pacing.py; None: at once). /metrics is the generator's one registry, with this
     scheduler's families.
     """
-    limits = limits or Limits.for_context(scheduler.generator.max_context)
+    limits = limits or Limits.for_context(scheduler.bundle.max_context)
     api_key_bytes(api_key)  # an empty key is refused here, not at the first request (middleware is built lazily)
     app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, allowed_hosts=allowed_hosts)
@@ -135,7 +135,7 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
         "object": "model",
         "created": 0,
         "owned_by": "draftsmith",
-        "max_model_len": scheduler.generator.max_context,
+        "max_model_len": scheduler.bundle.max_context,
     }
 
     @app.get("/health")
@@ -156,7 +156,7 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = scheduler.generator.metrics.prometheus(lambda: scheduler_families(scheduler, model_name))
+        text = scheduler.bundle.metrics.prometheus(lambda: scheduler_families(scheduler, model_name))
         return PlainTextResponse(text, media_type=PROMETHEUS)
 
 
@@ -221,7 +221,7 @@ class _Replies:
         """The response: 499 (nobody reads it) when the client went away before its text, the first event's error
         with its status code, else the stream or the whole answer."""
         handle, bridge, param = await self.submit(body, prompt, chat, request)
-        shape = ResponseShape.of(body, chat, self.scheduler.generator.tokenizer)
+        shape = ResponseShape.of(body, chat, self.scheduler.bundle.tokenizer)
         pools = self.pools if shape.logprobs is not None else None  # shaping log-probabilities is the heavy part
         chunks, streaming = _Chunks(chat, self.model_name, body.include_usage, shape, pools), False
         try:
@@ -290,7 +290,7 @@ class _Replies:
         compiles a schema sent by many at once only once); a 400 naming the field when it cannot compile."""
         self.scheduler.check_room()
         try:
-            grammar = await self.pools.compile(self.scheduler.generator.compile_constraint, decode.response_format)
+            grammar = await self.pools.compile(self.scheduler.bundle.compile_constraint, decode.response_format)
         except Overloaded:
             raise
         except RequestError as err:

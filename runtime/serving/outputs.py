@@ -53,13 +53,7 @@ class TextOutput:
         row.stats.finish_reason, row.stats.prompt_tokens = reason, len(row.prompt)
         metrics.add(row.stats, drafter_name)
         generation = Generation(
-            self.sent.text,
-            list(row.generated),
-            len(row.prompt),
-            reason,
-            row.stats,
-            row.logprobs,
-            row.top_logprobs,
+            self.sent.text, list(row.generated), len(row.prompt), reason, row.stats, row.logprobs, row.top_logprobs
         )
         return Event(tail, [], final=generation, logprobs=self.take_logprobs(row))
 

@@ -54,7 +54,9 @@ class Prefill:
             [len(prompts) == 1 and self.chunks and len(p) - 1 > self.chunk(decoding) for p in prompts]
             for prompts in requests
         ]
-        parts = [[[] if wait else p[:-1] for p, wait in zip(prompts, waits)] for prompts, waits in zip(requests, pending)]
+        parts = [
+            [[] if wait else p[:-1] for p, wait in zip(prompts, waits)] for prompts, waits in zip(requests, pending)
+        ]
         try:
             cache, states = self.target.admit_rows(cache, [part for request in parts for part in request])
             flat = iter(states)

@@ -8,6 +8,9 @@ bench times the same steps through an observer (``on_step``). What a step runs i
 stops, the final Generation) runtime/serving/outputs.py; prompts into the batch runtime/serving/prefill.py; what a
 request gets back runtime/serving/handles.py.
 
+Longer than most modules: a step's phases (admission, the plan, the step, retirement) and the thread that runs them
+read in order in one place; what each phase computes lives in the modules above.
+
 A step: (1) rows that were cancelled or ran past their deadline leave, and requests that waited too long are refused;
 (2) waiting requests are admitted up to ``max_batch`` rows, first come first served among the clients holding
 the fewest rows (``_take``): each prompt is prefilled in a row of its own in the batch cache, which a fused engine
@@ -58,7 +61,7 @@ from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, d
 from runtime.decoding.step_costs import CostModel
 from runtime.errors import RequestError
 from runtime.loaded import LoadedBundle
-from runtime.request import Admitted
+from runtime.request import Admitted, DecodeRequest, FrontDoor, merged_request
 from runtime.serving.handles import Event, Generation, Handle, Overloaded, Unavailable
 from runtime.serving.health import FaultWatch
 from runtime.serving.outputs import TextOutput
@@ -79,6 +82,11 @@ class _Row(DecodeRow):
     client: str = ""  # who sent it (_Waiting.client)
     prefill_left: list[int] = field(default_factory=list)  # prompt tokens still to prefill (chunked prefill)
     prefill_states: list = field(default_factory=list)  # the hidden states of the chunks prefilled so far
+
+    @property
+    def drafter(self):
+        """Its request's drafter (None: target-only), shared by the request's rows."""
+        return self.group.drafter
 
 
 @dataclass
@@ -129,7 +137,7 @@ class Scheduler:
             raise ValueError("max_batch and max_queue must be >= 1")
         if max_rows_per_client is not None and max_rows_per_client < 1:
             raise ValueError("max_rows_per_client must be >= 1 (or None: no cap)")
-        self.bundle, self.target = bundle, bundle.target
+        self.bundle, self.target, self.door = bundle, bundle.target, FrontDoor(bundle)
         self.max_batch, self.max_queue, self.max_wait, self.policy = max_batch, max_queue, max_wait, policy
         self.max_rows_per_client, self.plan, self.isolate, self.on_step = max_rows_per_client, plan, isolate, on_step
         self.padding = self.target.min_call_tokens
@@ -155,9 +163,31 @@ class Scheduler:
         """The measured call costs the step plans (and the "auto" prefill chunk) read."""
         return self.prefill.costs
 
+    @costs.setter
+    def costs(self, costs: CostModel) -> None:
+        self.prefill.costs = costs
+
     # --- the outside ----------------------------------------------------------------------------------------------
 
     def submit(
+        self,
+        prompt,
+        request: DecodeRequest | None = None,
+        *,
+        chat: bool = False,
+        timeout: float | None = None,
+        sink: Callable[[Event], None] | None = None,
+        client: str = "",
+        **options,
+    ) -> Handle:
+        """Queue one prompt (a string, or chat messages with ``chat``) through the front door (runtime/request.py:
+        ``request``, or its fields as keywords, as SpeculativeGenerator.generate takes them), so a bad request
+        raises RequestError here, before it queues; a full queue refuses before the door's work. See ``enqueue``."""
+        self.check_room()
+        admitted = self.door.admit([prompt], merged_request(request, options), chat)
+        return self.enqueue(admitted, timeout=timeout, sink=sink, client=client)[0]
+
+    def enqueue(
         self,
         admitted: Admitted,
         *,
@@ -165,15 +195,14 @@ class Scheduler:
         sink: Callable[[Event], None] | None = None,
         client: str = "",
     ) -> list[Handle]:
-        """Queue a request admitted at the front door (runtime/request.py); one handle per prompt, whose events
-        arrive in ``sink`` (the caller's thread-safe callback) or the handle. ``timeout``: seconds from now after
-        which it finishes with reason "timeout". ``client``: who sent it; a free row goes to the waiting request
-        whose client holds the fewest rows (first come first served among equals), and none beyond
-        ``max_rows_per_client``."""
+        """Queue a request admitted at the front door; one handle per prompt, whose events arrive in ``sink`` (the
+        caller's thread-safe callback) or the handle. ``timeout``: seconds from now after which it finishes with
+        reason "timeout". ``client``: who sent it; a free row goes to the waiting request whose client holds the
+        fewest rows (first come first served among equals), and none beyond ``max_rows_per_client``."""
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout: expected seconds > 0, received {timeout!r}", "timeout")
         if len(admitted.prompts) > self.max_batch:
-            raise RequestError(f"{len(admitted.prompts)} prompts in one request; this server's batch is {self.max_batch}")
+            raise RequestError(f"{len(admitted.prompts)} prompts in one request; this batch is {self.max_batch}")
         handles = [Handle(next(self._ids), sink) for _ in admitted.prompts]
         with self._lock:
             self._check_room()
@@ -206,7 +235,7 @@ class Scheduler:
 
     def calibrate(self) -> None:
         """Measure the call costs the step plans read (the bundle's, shared with its other schedulers)."""
-        self.prefill.costs = self.bundle.step_costs(self.max_batch)
+        self.costs = self.bundle.step_costs(self.max_batch)
 
     def stop(self) -> None:
         """Stop the loop; every request still waiting or running gets an error event."""
@@ -299,7 +328,9 @@ class Scheduler:
                 self.draft_lengths[plan.limits[b]] += 1
         for group, drafting in zip(groups, plan.drafting):
             policy = self.rows[group.rows[0]].group.policy
-            changed = policy.learn([result.drafted[b] for b in group.rows], [result.accepted[b] for b in group.rows], drafting)
+            changed = policy.learn(
+                [result.drafted[b] for b in group.rows], [result.accepted[b] for b in group.rows], drafting
+            )
             if changed is not None:
                 self.bundle.metrics.fallback_active = changed
         if self.on_step is not None:
@@ -536,7 +567,9 @@ class Scheduler:
         """Requests cancelled while waiting, or waiting longer than max_wait, leave the queue."""
         now = time.perf_counter()
         with self._lock:
-            stale = [w for w in self.waiting if all(h.cancelled for h in w.handles) or now - w.submitted > self.max_wait]
+            stale = [
+                w for w in self.waiting if all(h.cancelled for h in w.handles) or now - w.submitted > self.max_wait
+            ]
             for w in stale:
                 self.waiting.remove(w)
         for w in stale:

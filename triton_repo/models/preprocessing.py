@@ -46,7 +46,7 @@ def _error(message: str):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from runtime.api import bundle_tokenizer
+        from runtime.loaded import bundle_tokenizer
 
         config = json.loads(args["model_config"])
         folder = Path(_param(config, "tokenizer"))
