@@ -13,7 +13,7 @@ protocol (runtime/serving/openai_protocol.py, the Triton model) only maps its ow
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
 import numpy as np
@@ -162,7 +162,8 @@ def decode_request(**fields) -> DecodeRequest:
     try:
         return DecodeRequest(**fields)
     except ValidationError as err:
-        raise RequestError(describe(err, DecodeRequest)) from None
+        where = err.errors()[0]["loc"]
+        raise RequestError(describe(err, DecodeRequest), str(where[0]) if where else None) from None
 
 
 def merged_request(request: DecodeRequest | None, options: dict) -> DecodeRequest:
@@ -223,20 +224,26 @@ class Limits:
             )
         return limits
 
-    def check(self, prompt_bytes: int, max_new_tokens: int | None, stop_sizes: Sequence[int]) -> None:
+    def check(
+        self, prompt_bytes: int, max_new_tokens: int | None, stop_sizes: Sequence[int], prompt_field: str = "prompt"
+    ) -> None:
         """RequestError naming every bound the request passes (sizes only: nothing is decoded or tokenized yet);
         its ``field`` is the first of them."""
         problems = []
         if prompt_bytes > self.max_prompt_bytes:
             problems.append(
-                ("prompt", f"{prompt_bytes} bytes; this server's limit is max_prompt_bytes={self.max_prompt_bytes}")
+                (
+                    prompt_field,
+                    f"{prompt_bytes} bytes; this server's limit is max_prompt_bytes={self.max_prompt_bytes}; "
+                    "shorten it",
+                )
             )
-        if max_new_tokens is not None and max_new_tokens > self.max_tokens_limit:
+        if max_new_tokens is not None and not 1 <= max_new_tokens <= self.max_tokens_limit:
             problems.append(
                 (
                     "max_new_tokens",
-                    f"{max_new_tokens}; this server allows at most max_tokens_limit={self.max_tokens_limit} "
-                    "(prompt and completion share the model's context)",
+                    f"expected an integer in [1, {self.max_tokens_limit}] (this server's max_tokens_limit: prompt "
+                    f"and completion share the model's context), received {max_new_tokens}",
                 )
             )
         if len(stop_sizes) > self.max_stop_words:
@@ -250,6 +257,17 @@ class Limits:
             )
         if problems:
             raise RequestError("; ".join(f"{field}: {why}" for field, why in problems), problems[0][0])
+
+
+def as_text(value, field: str) -> str:
+    """Text from a string or raw UTF-8 bytes (a tensor's), RequestError naming ``field`` when they are not UTF-8;
+    chat messages as they are."""
+    if not isinstance(value, (bytes, bytearray)):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RequestError(f"{field}: not valid UTF-8 ({err.reason} at byte {err.start})", field) from None
 
 
 def text_bytes(value) -> int:
@@ -276,6 +294,32 @@ class Admitted:
     drafter_name: str  # its kind ("" without one): the label of its acceptance metrics
 
 
+@dataclass(frozen=True)
+class Asked:
+    """A request as a protocol hands it to the front door, in the door's names: nothing checked yet.
+
+    ``prompt``: text, raw UTF-8 bytes (a tensor's) or with ``chat`` {"role", "content"} messages; ``fields``: the
+    DecodeRequest's fields the request set (``stop`` may hold raw bytes; no ``max_new_tokens``: the server's
+    ``max_tokens_limit``); ``sent``: everything the client sent, as JSON-like data, every string of which must be
+    valid text (None: the prompt and stops only); ``names`` and ``form``: the protocol's words for the door's fields
+    (``explain``)."""
+
+    prompt: Any
+    fields: dict
+    chat: bool = False
+    sent: Any = None
+    names: dict = field(default_factory=dict)
+    form: str = "{}"
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    def explain(self, err: RequestError) -> tuple[str, str | None]:
+        """(message, field) of a front-door error in the protocol's own names."""
+        return renamed(str(err), self.names, self.form), self.names.get(err.field, err.field)
+
+
 class FrontDoor:
     """Admits requests to one bundle, the same way for the Python API, the OpenAI server and the Triton model: a
     protocol maps its own names to a DecodeRequest and calls, in order, ``limits.check`` (servers: bounds before
@@ -285,6 +329,30 @@ class FrontDoor:
     def __init__(self, bundle: LoadedBundle, limits: Limits | None = None):
         """``limits`` None: no server bounds (the Python API's caller is trusted with its own process)."""
         self.bundle, self.limits = bundle, limits
+
+    def checked(self, asked: Asked) -> DecodeRequest:
+        """A server's request through its checks, before any work: every string it sent valid text, the prompt's
+        and stops' sizes within ``limits``, then its DecodeRequest (uncompiled: ``compile`` next, then ``admit``,
+        which checks the prompt's text as it tokenizes it: once).
+        RequestError naming the field at fault (``asked.explain`` words it in the protocol's names)."""
+        if asked.sent is not None:
+            invalid = invalid_text_path(asked.sent)
+            if invalid is not None:
+                where, why = invalid
+                raise RequestError(
+                    f"{where}: not valid Unicode text ({why}); send UTF-8 without lone surrogates", where.split(".")[0]
+                )
+        fields = dict(asked.fields)
+        stops = fields.get("stop") or []
+        stops = [stops] if isinstance(stops, (str, bytes)) else list(stops)
+        limits = self.limits or Limits.for_context(self.bundle.max_context)
+        limits.check(
+            text_bytes(asked.prompt), fields.get("max_new_tokens"), [text_bytes(s) for s in stops], asked.prompt_field
+        )
+        if stops:
+            fields["stop"] = [as_text(s, "stop") for s in stops]
+        fields.setdefault("max_new_tokens", limits.max_tokens_limit)
+        return decode_request(**fields)
 
     def compile(self, request: DecodeRequest) -> DecodeRequest:
         """``request`` with its response format compiled over the bundle's tokenizer (RequestError naming
@@ -358,8 +426,8 @@ class FrontDoor:
         )
 
     def tokenize(self, prompt, chat: bool) -> list[int]:
-        """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages: valid text, a
-        template that renders, and room left in the context to generate."""
+        """Token ids of a prompt (a string, its UTF-8 bytes, or with ``chat`` a list of {"role", "content"}
+        messages): valid text, a template that renders, and room left in the context to generate."""
         field = "messages" if chat else "prompt"
         if chat and isinstance(prompt, list):
             if not prompt or not all(
@@ -367,8 +435,9 @@ class FrontDoor:
                 for m in prompt
             ):
                 raise RequestError("messages: a non-empty list of {'role': str, 'content': str}", field)
-        elif not isinstance(prompt, str) or not prompt:
+        elif not isinstance(prompt, (str, bytes, bytearray)) or not prompt:
             raise RequestError("prompt: a non-empty string", "prompt")
+        prompt = as_text(prompt, field)
         check_text(prompt, field)
         tokenizer = self.bundle.tokenizer
         try:

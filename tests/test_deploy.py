@@ -157,7 +157,7 @@ def test_openai_probes_grace_and_resources_follow_the_bundle_and_the_measurement
     slow = Measured(load_s=20.0, rss_mib=500.0, tokens_per_s=8.0, how="given")
     pod, container = _server(manifests(tiny_bundle, options, slow))
     manifest = load_manifest(tiny_bundle)
-    longest = max_tokens_allowed(manifest, "openai")
+    longest = max_tokens_allowed(manifest)
     assert longest == manifest.max_context - 1
     drain = float(_flag(container["command"], "--drain-timeout"))
     assert drain >= longest / (8.0 / 4) + 5  # the longest request at a full batch's per-row speed, and the linger

@@ -11,7 +11,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from runtime.serving import openai_server  # noqa: E402
-from runtime.serving.openai_protocol import MAX_BODY_BYTES, Limits  # noqa: E402
+from runtime.request import MAX_BODY_BYTES, Limits  # noqa: E402
 from runtime.serving.openai_server import LOOPBACK_HOSTS, create_app, host_name  # noqa: E402
 from runtime.serving.scheduler import Scheduler  # noqa: E402
 

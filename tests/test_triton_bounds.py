@@ -209,7 +209,7 @@ def stub_pids(server) -> dict[str, int]:
 
 
 def test_default_limits_are_written_into_the_configs(tiny_bundle, tmp_path):
-    """Without options: max_tokens at most half the context (512 at most), prompts 32 bytes per context token."""
+    """Without options: max_tokens up to the context less one (as serve-openai), prompts 32 bytes per context token."""
     from triton_repo import pbtxt
     from triton_repo.generate import RepoOptions, write_repository
 
@@ -218,7 +218,7 @@ def test_default_limits_are_written_into_the_configs(tiny_bundle, tmp_path):
     for model in ("preprocessing", "speculative", "postprocessing"):
         config = pbtxt.parse((repo / model / "config.pbtxt").read_text())
         parameters[model] = {k: v.string_value for k, v in config.parameters.items()}
-    assert parameters["speculative"]["max_tokens_limit"] == parameters["preprocessing"]["max_tokens_limit"] == "64"
+    assert parameters["speculative"]["max_tokens_limit"] == parameters["preprocessing"]["max_tokens_limit"] == "127"
     assert parameters["speculative"]["max_prompt_bytes"] == parameters["preprocessing"]["max_prompt_bytes"] == "4096"
     assert (parameters["speculative"]["max_stop_words"], parameters["speculative"]["max_stop_word_bytes"]) == (
         "16",

@@ -31,7 +31,7 @@ from runtime.serving.cli_options import plan_option
     type=int,
     default=0,
     show_default=True,
-    help="Largest max_tokens a request may ask for (0: 512, at most half the bundle's context).",
+    help="Largest max_tokens a request may ask for (0: the bundle's context less one, as serve-openai).",
 )
 @click.option(
     "--max-prompt-bytes",

@@ -243,19 +243,15 @@ def kv_cache_mib(manifest: Manifest, rows: int) -> float:
     return rows * manifest.max_context * per_token / 2**20
 
 
-def max_tokens_allowed(manifest: Manifest, server: str) -> int:
-    """The largest max_tokens a request may ask of each server with its default limits."""
-    if server == "openai":
-        from runtime.serving.openai_protocol import Limits
+def max_tokens_allowed(manifest: Manifest) -> int:
+    """The largest max_tokens a request may ask of either server with its default limits (the front door's)."""
+    from runtime.request import Limits
 
-        return Limits.for_context(manifest.max_context).max_tokens_limit
-    from triton_repo.generate import RepoOptions, request_limits
-
-    return request_limits(RepoOptions(), manifest)["max_tokens_limit"]
+    return Limits.for_context(manifest.max_context).max_tokens_limit
 
 
 def size(manifest: Manifest, measured: Measured, options: DeployOptions) -> Sizing:
-    max_tokens = max_tokens_allowed(manifest, options.server)
+    max_tokens = max_tokens_allowed(manifest)
     per_row = measured.tokens_per_s / options.max_batch  # a full batch shares each step (pessimistic)
     drain = max(30, math.ceil(1.5 * max_tokens / per_row + options.drain_linger))
     cpu = 1000 * options.threads + 250  # the engines' threads, the HTTP server and tokenizer

@@ -17,8 +17,9 @@ steps. Both need per-sequence text state, so ``speculative`` runs the runtime's 
 (``SpeculativeGenerator.stream_batch``: tokenize, decode, detokenize incrementally, stop strings), which also makes
 its text identical to the Python API's. The ensemble is ``preprocessing -> speculative``: ``preprocessing`` checks the
 request (prompt size in bytes before anything else, UTF-8, ``max_tokens`` range) and tokenizes the prompt to refuse
-one that leaves no room in the context, before it takes a batch slot; ``speculative`` takes ``text_input`` and the
-checked ``request_output_len``.
+one that leaves no room in the context, before it takes a batch slot; ``speculative`` takes ``text_input``, the
+checked ``request_output_len`` and the prompt's ``input_ids`` (tokenized once), and admits the request at the
+runtime's front door (runtime/request.py) with the same bounds as the OpenAI server.
 ``postprocessing`` is still written, a plain token-ids-to-text model for tools that expect one.
 
 Why an ensemble and not a BLS model: an ensemble needs no Python of its own, streams, and lets Triton's dynamic
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.bundle import BundleError, Manifest, load_manifest
+from runtime.request import Limits
 from runtime.serving.scheduler import POLICIES
 from triton_repo import pbtxt
 
@@ -55,9 +57,6 @@ MODELS_DIR = Path(__file__).parent / "models"  # the Python models, shipped as p
 BUNDLE_DIR = "bundle"  # inside the speculative model's folder; Triton ignores non-numeric sub-folders
 MARKER = ".draftsmith-repository"  # written into every repository we generate: what --overwrite may replace
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-# Request bounds, checked before any work is done for a request (see ``request_limits``)
-DEFAULT_MAX_TOKENS = 512  # the largest max_tokens by default; never more than half the context
-PROMPT_BYTES_PER_TOKEN = 32  # a prompt longer than this many bytes per context token cannot fit: refused untokenized
 
 
 class RepositoryError(ValueError):
@@ -81,7 +80,7 @@ class RepoOptions:
     max_batch_size: int = 16  # requests one execute call may decode together
     max_queue_delay_us: int = 2000  # how long the dynamic batcher waits to fill a batch
     preprocessing_instances: int = 1
-    max_tokens_limit: int = 0  # largest max_tokens a request may ask for (0: 512, at most half the bundle's context)
+    max_tokens_limit: int = 0  # largest max_tokens a request may ask for (0: the bundle's context less one)
     max_prompt_bytes: int = 0  # largest prompt in UTF-8 bytes, checked before tokenizing (0: 32 per context token)
     max_stop_words: int = 16  # most stop strings one request may send (each one is searched at every step)
     max_stop_word_bytes: int = 256  # longest stop string, in UTF-8 bytes
@@ -179,13 +178,17 @@ def _batching(options: RepoOptions) -> dict:
 
 
 def request_limits(options: RepoOptions, manifest: Manifest) -> dict[str, int]:
-    """The bounds every request is checked against before the server works on it (model config parameters)."""
-    return {
-        "max_tokens_limit": options.max_tokens_limit or min(DEFAULT_MAX_TOKENS, manifest.max_context // 2),
-        "max_prompt_bytes": options.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * manifest.max_context,
-        "max_stop_words": options.max_stop_words,
-        "max_stop_word_bytes": options.max_stop_word_bytes,
-    }
+    """The bounds every request is checked against before the server works on it (model config parameters): the
+    front door's ``Limits`` (runtime/request.py), the OpenAI server's defaults too."""
+    limits = Limits.for_context(
+        manifest.max_context,
+        max_tokens_limit=min(options.max_tokens_limit, manifest.max_context - 1),
+        max_prompt_bytes=options.max_prompt_bytes,
+        max_stop_words=options.max_stop_words,
+        max_stop_word_bytes=options.max_stop_word_bytes,
+    )
+    names = ("max_tokens_limit", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes")
+    return {name: getattr(limits, name) for name in names}
 
 
 def python_model(
@@ -230,7 +233,9 @@ def speculative_config(options: RepoOptions, manifest: Manifest, bundle_ref: str
         SPECULATIVE,
         options,
         [_tensor("text_input", "TYPE_STRING", [1]), _tensor("request_output_len", "TYPE_INT32", [1])]
-        + [_tensor(n, t, d, optional=True, ragged=-1 in d) for n, t, d in OPTIONAL_INPUTS],
+        + [_tensor(n, t, d, optional=True, ragged=-1 in d) for n, t, d in OPTIONAL_INPUTS]
+        # preprocessing's tokens (the ensemble's): the prompt is tokenized once; called directly, it tokenizes
+        + [_tensor("input_ids", "TYPE_INT32", [-1], optional=True, ragged=True)],
         [_tensor(n, t, d) for n, t, d in OUTPUTS],
         # a CUDA bundle: Triton places each instance on a GPU and passes its id (model_instance_device_id)
         {"count": options.instances, "kind": "KIND_GPU" if manifest.spec.device == "cuda" else "KIND_CPU"},
@@ -273,7 +278,7 @@ def ensemble_config(options: RepoOptions) -> dict:
                     "model_name": PREPROCESSING,
                     "model_version": -1,
                     "input_map": {"text_input": "text_input", "max_tokens": "max_tokens"},
-                    "output_map": {"request_output_len": "_request_output_len"},
+                    "output_map": {"request_output_len": "_request_output_len", "input_ids": "_input_ids"},
                 },
                 {
                     "model_name": SPECULATIVE,
@@ -281,6 +286,7 @@ def ensemble_config(options: RepoOptions) -> dict:
                     "input_map": {
                         "text_input": "text_input",
                         "request_output_len": "_request_output_len",
+                        "input_ids": "_input_ids",
                         **{n: n for n in optional},
                     },
                     "output_map": {n: n for n, _, _ in OUTPUTS},

@@ -17,55 +17,17 @@ response formats ``{"type": "regex", "regex": ...}`` and ``{"type": "grammar", "
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime.decoding.grammar import json_schema
-from runtime.request import DecodeRequest, decode_request
+from runtime.request import Asked
 
 # The scheduler's finish reasons in OpenAI's terms. A timeout (the server's --request-timeout) is "timeout": not
 # "length", which a client reads as its own max_tokens (and would not retry differently); OpenAI's clients keep a
 # finish_reason they do not know as its string. "cancelled" is reached only when the client went away, so nobody
 # should see it; if a response ever carries it, it says "abort" as vLLM does.
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "timeout": "timeout", "cancelled": "abort"}
-
-PROMPT_BYTES_PER_TOKEN = 32  # as the Triton repository: a longer prompt cannot fit the context, refused untokenized
-
-
-MESSAGE_BYTES = 16  # what one chat message counts for beyond its content (its role and the template's markers)
-MAX_BODY_BYTES = 16 << 20  # whatever the context: a body is read whole before it is parsed
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-request bounds, checked before any tokenizing (0: derived from the bundle's context by ``for_context``)."""
-
-    max_tokens_limit: int  # largest max_tokens; also the default for chat, where OpenAI's is "up to the context"
-    max_prompt_bytes: int  # a prompt (all message contents together) in UTF-8 bytes
-    max_stop_words: int = 16  # stop strings per request: each one is searched at every step
-    max_stop_word_bytes: int = 256
-    max_body_bytes: int = 0  # an HTTP request body
-
-    @classmethod
-    def for_context(cls, max_context: int, **given: int) -> "Limits":
-        chosen = {name: value for name, value in given.items() if value}
-        prompt_bytes = chosen.get("max_prompt_bytes", PROMPT_BYTES_PER_TOKEN * max_context)
-        limits = cls(
-            **{
-                "max_tokens_limit": max_context - 1,
-                "max_prompt_bytes": prompt_bytes,
-                "max_body_bytes": min(4 * prompt_bytes + 65536, MAX_BODY_BYTES),
-                **chosen,
-            }
-        )
-        if not 1 <= limits.max_tokens_limit < max_context:
-            raise ValueError(
-                f"max_tokens_limit: expected an integer in [1, {max_context - 1}] (the bundle's context "
-                f"is {max_context}), received {limits.max_tokens_limit}"
-            )
-        return limits
-
 
 # OpenAI fields that would change the output, which this server does not implement: the values that change nothing,
 # the only ones accepted (anything else is a 400 naming the field).
@@ -145,12 +107,19 @@ class SamplingRequest(_Strict):
     def _unsupported(cls, value, info):
         return _neutral(info.field_name, value)
 
-    def decode_request(self, default_max_tokens: int) -> DecodeRequest:
-        """What the scheduler generates for this body, in OpenAI's defaults (temperature 1; limits are checked by
-        ``check``); RequestError naming the field at fault."""
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, options, info):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
+        return options
+
+    def asked(self, prompt, chat: bool) -> Asked:
+        """This body in the front door's names (runtime/request.py), in OpenAI's defaults (temperature 1; top_k 0
+        or -1 and top_p 1 off; num_draft_tokens 0 target-only): names mapped, nothing checked."""
         k = self.num_draft_tokens
-        return decode_request(
-            max_new_tokens=self.max_tokens_value or default_max_tokens,
+        fields = dict(
+            max_new_tokens=self.max_tokens_value,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=self.top_k if self.top_k and self.top_k > 0 else None,
             top_p=None if self.top_p in (None, 1) else self.top_p,
@@ -158,17 +127,24 @@ class SamplingRequest(_Strict):
             stop=self.stop,
             k=k or None,
             mode="target" if k == 0 else "speculative",
-            **self.structure(),
+            response_format=self.constraint_format(),
+            logprobs=self.logprobs_count,
         )
-
-    def structure(self) -> dict:
-        """The options of structured output and log-probabilities, only those set."""
-        options = dict(response_format=self.constraint_format(), logprobs=self.logprobs_count)
-        return {key: value for key, value in options.items() if value is not None}
+        names = {
+            "max_new_tokens": self.max_tokens_field,
+            "k": "num_draft_tokens",
+            "response_format": self.constraint_field,
+        }
+        fields = {key: value for key, value in fields.items() if value is not None}
+        return Asked(prompt, fields, chat, self.model_dump(exclude_none=True), names)
 
     def constraint_format(self):
-        """What constrains the output (a response_format, or a runtime.decoding.grammar.Constraint); None: free text."""
+        """What constrains the output: a response_format (None: free text)."""
         return self.response_format
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
 
     @property
     def logprobs_count(self) -> int | None:
@@ -188,37 +164,6 @@ class SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def check(self, limits: Limits, prompt_bytes: int) -> list[tuple[str, str]]:
-        """(param, message) for every bound this request exceeds."""
-        problems = []
-        if prompt_bytes > limits.max_prompt_bytes:
-            problems.append(
-                (
-                    self.prompt_field,
-                    f"the prompt is {prompt_bytes} bytes; this server's limit is {limits.max_prompt_bytes}. Shorten it",
-                )
-            )
-        max_tokens = self.max_tokens_value
-        if max_tokens is not None and max_tokens > limits.max_tokens_limit:
-            name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) else "max_tokens"
-            problems.append(
-                (
-                    name,
-                    f"{name} is {max_tokens}; this server allows at most {limits.max_tokens_limit} "
-                    "(prompt and completion share the model's context)",
-                )
-            )
-        if len(self.stop) > limits.max_stop_words:
-            problems.append(("stop", f"{len(self.stop)} stop strings; this server's limit is {limits.max_stop_words}"))
-        longest = max((len(s.encode(errors="replace")) for s in self.stop), default=0)
-        if longest > limits.max_stop_word_bytes:
-            problems.append(
-                ("stop", f"a stop string of {longest} bytes; this server's limit is {limits.max_stop_word_bytes}")
-            )
-        if self.stream_options is not None and not self.stream:
-            problems.append(("stream_options", "stream_options is only allowed with stream=true"))
-        return problems
-
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
@@ -229,8 +174,6 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5, description="the n most likely tokens at each position (0-5)")
     suffix: str | None = None
-
-    prompt_field: ClassVar[str] = "prompt"
 
     @field_validator("prompt")
     @classmethod
@@ -243,9 +186,6 @@ class CompletionRequest(SamplingRequest):
                 "supported (send one request per prompt, as text)"
             )
         return prompt
-
-    def prompt_bytes(self) -> int:
-        return len(self.prompt.encode(errors="replace"))  # a lone surrogate is refused later, with its own message
 
     @property
     def logprobs_count(self) -> int | None:
@@ -300,11 +240,12 @@ class ToolMode:
     tools: dict[str, dict]  # name: parameter schema
     named: str | None = None
 
-    def constraint(self):
+    def constraint(self) -> dict:
+        """The output's constraint as a response_format (compiled at the front door like any other)."""
         if self.named is not None:
-            return json_schema(self.tools[self.named])
-        return json_schema(
-            {
+            schema = self.tools[self.named]
+        else:
+            schema = {
                 "anyOf": [
                     {
                         "type": "object",
@@ -315,7 +256,7 @@ class ToolMode:
                     for name, schema in self.tools.items()
                 ]
             }
-        )
+        return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -344,8 +285,6 @@ class ChatCompletionRequest(SamplingRequest):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    prompt_field: ClassVar[str] = "messages"
-
     @model_validator(mode="after")
     def _tools_and_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
@@ -367,6 +306,10 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def max_tokens_value(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     @property
     def logprobs_count(self) -> int | None:
@@ -393,8 +336,3 @@ class ChatCompletionRequest(SamplingRequest):
 
     def plain_messages(self) -> list[dict]:
         return [m.plain() for m in self.messages]
-
-    def prompt_bytes(self) -> int:
-        """Content bytes plus MESSAGE_BYTES a message: ten thousand empty messages are not an empty prompt (each
-        costs the template a turn)."""
-        return sum(len(m["content"].encode(errors="replace")) + MESSAGE_BYTES for m in self.plain_messages())

@@ -47,7 +47,7 @@ from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
 from runtime.serving.handles import Event, Overloaded, Unavailable
 from runtime.serving.health import scheduler_problem
-from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, Limits, SamplingRequest
+from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from runtime.serving.openai_responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -59,7 +59,7 @@ from runtime.serving.openai_responses import (
     error_body,
     new_id,
 )
-from runtime.request import check_text, invalid_text_path
+from runtime.request import FrontDoor, Limits
 from runtime.serving.pacing import RefusalPacer, RefusalPacing
 from runtime.serving.scheduler import PREFILL_CHUNK, Scheduler
 
@@ -124,7 +124,7 @@ def create_app(
         app.add_middleware(RefusalPacer, pacing=refusal_pacing)
     _add_error_handlers(app)
     _add_model_routes(app, scheduler, model_name)
-    _add_completion_routes(app, _Replies(scheduler, model_name, limits, request_timeout))
+    _add_completion_routes(app, _Replies(scheduler, model_name, FrontDoor(scheduler.bundle, limits), request_timeout))
     return app
 
 
@@ -213,7 +213,7 @@ class _Replies:
 
     scheduler: Scheduler
     model_name: str
-    limits: Limits
+    door: FrontDoor  # the bundle's, with this server's limits
     request_timeout: float | None
     pools: _Pools = dataclasses.field(default_factory=_Pools)
 
@@ -246,76 +246,30 @@ class _Replies:
         )
 
     async def submit(self, body: SamplingRequest, prompt, chat: bool, request: Request):
-        """(the scheduler's handle, the bridge its events arrive on, the field its own errors name) of a checked
-        request; its refusals as OpenAI's errors (400 a bad request, naming the field; 429 overloaded; 503
-        unavailable)."""
-        self.check(body, prompt, chat)
-        decode = self.decode_request(body)
+        """(the scheduler's handle, the bridge its events arrive on, the field its own errors name) of a request
+        through the front door (runtime/request.py: its text, bounds and fields, its response format compiled on the
+        grammar pool, its prompt tokenized off the loop); its refusals as OpenAI's errors (404 another model, 400 a
+        bad request naming the field, 429 overloaded, 503 unavailable)."""
+        _check_model(body.model, self.model_name)
+        asked = body.asked(prompt, chat)
         bridge = _Bridge()
         try:
+            decode = self.door.checked(asked)
+            self.scheduler.check_room()  # a full queue refuses before any compile or tokenizing
             if decode.response_format is not None:
-                decode = await self.compiled(body, decode)
-            handle = await asyncio.to_thread(
-                self.scheduler.submit,
-                prompt,
-                decode,
-                chat=chat,
-                timeout=self.request_timeout,
-                sink=bridge.put,
-                client=_client_of(request),
-            )  # off the loop: it tokenizes
+                decode = await self.pools.compile(self.door.compile, decode)
+            admitted = await asyncio.to_thread(self.door.admit, [prompt], decode, chat)  # off the loop: it tokenizes
+            handle = self.scheduler.enqueue(
+                admitted, timeout=self.request_timeout, sink=bridge.put, client=_client_of(request)
+            )[0]
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:
-            raise APIError(400, str(err)) from None
+            message, param = asked.explain(err)
+            raise APIError(400, message, param=param) from None
         except Unavailable as err:
             raise _event_error(err) from None
-        return handle, bridge, body.constraint_field if decode.response_format is not None else None
-
-    def decode_request(self, body: SamplingRequest):
-        """The body as the scheduler's DecodeRequest; a 400 naming the field at fault (its constraint: a tool's
-        schema or the response_format, too big, too deep or not a schema)."""
-        try:
-            body.constraint_format()
-        except RequestError as err:
-            raise APIError(400, str(err), param=body.constraint_field) from None
-        try:
-            return body.decode_request(default_max_tokens=self.limits.max_tokens_limit)
-        except RequestError as err:
-            raise APIError(400, str(err)) from None
-
-    async def compiled(self, body: SamplingRequest, decode):
-        """``decode`` with its response format compiled, under the admission bound: a full queue refuses first
-        (429, nothing compiled), then at most GRAMMAR_PENDING wait for GRAMMAR_WORKERS threads (the compiler
-        compiles a schema sent by many at once only once); a 400 naming the field when it cannot compile."""
-        self.scheduler.check_room()
-        try:
-            grammar = await self.pools.compile(self.scheduler.bundle.compile_constraint, decode.response_format)
-        except Overloaded:
-            raise
-        except RequestError as err:
-            raise APIError(400, str(err), param=body.constraint_field) from None
-        return decode.model_copy(update={"response_format": grammar})
-
-    def check(self, body: SamplingRequest, prompt, chat: bool) -> None:
-        """Refuse, before any work, another model's name, text the tokenizer must not see and values past the
-        limits (400, naming the first parameter at fault)."""
-        invalid = invalid_text_path(body.model_dump(exclude_none=True))
-        if invalid is not None:
-            where, why = invalid
-            raise APIError(
-                400,
-                f"{where}: not valid Unicode text ({why}); send UTF-8 without lone surrogates",
-                param=where.split(".")[0],
-            )
-        _check_model(body.model, self.model_name)
-        try:
-            check_text(prompt, "messages" if chat else "prompt")
-        except RequestError as err:
-            raise APIError(400, str(err), param="messages" if chat else "prompt") from None
-        problems = body.check(self.limits, body.prompt_bytes())
-        if problems:
-            raise APIError(400, "; ".join(message for _, message in problems), param=problems[0][0])
+        return handle, bridge, asked.names["response_format"] if decode.response_format is not None else None
 
 
 def _json_bytes(model) -> bytes:

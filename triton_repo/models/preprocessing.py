@@ -1,4 +1,5 @@
-"""Triton Python model ``preprocessing``: check a request's text and length budget, tokenize the prompt.
+"""Triton Python model ``preprocessing``: check a request's text and length budget, tokenize the prompt once (the
+ensemble passes its ids on to ``speculative``).
 
 Inputs (batch dimension first): ``text_input`` STRING [1] (UTF-8), ``max_tokens`` INT32 [1].
 Outputs: ``input_ids`` INT32 [-1], ``input_lengths`` INT32 [1], ``request_output_len`` INT32 [1].
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+
+NAMES = {"prompt": "text_input", "max_new_tokens": "max_tokens"}  # the front door's fields in this model's names
 
 
 class RequestInvalid(ValueError):
@@ -54,8 +58,9 @@ class TritonPythonModel:
             folder = _model_dir(args) / folder
         self.tokenizer = bundle_tokenizer(folder)  # its files' verified bytes
         self.max_context = int(_param(config, "max_context"))
-        self.max_tokens_limit = int(_param(config, "max_tokens_limit"))
-        self.max_prompt_bytes = int(_param(config, "max_prompt_bytes"))
+        from runtime.request import Limits
+
+        self.limits = Limits(int(_param(config, "max_tokens_limit")), int(_param(config, "max_prompt_bytes")))
 
     def execute(self, requests):
         responses = []
@@ -80,28 +85,18 @@ class TritonPythonModel:
         return responses
 
     def _prepare(self, request):
+        """The prompt's ids and the checked max_tokens, with the front door's bounds and words (runtime/request.py:
+        the OpenAI server's and ``speculative``'s): the size in bytes before the text is decoded or tokenized."""
+        from runtime.errors import RequestError
+        from runtime.request import as_text, renamed, text_bytes
+
         raw = _scalar(request, "text_input")
-        size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
-        if size > self.max_prompt_bytes:
-            raise RequestInvalid(
-                f"input 'text_input' is {size} bytes; this server's limit is max_prompt_bytes="
-                f"{self.max_prompt_bytes}. Shorten the prompt"
-            )
         max_tokens = int(_scalar(request, "max_tokens"))
-        if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise RequestInvalid(
-                f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}] "
-                f"(this server's max_tokens_limit), received {max_tokens}"
-            )
-        if isinstance(raw, str):
-            text = raw
-        else:
-            try:
-                text = bytes(raw).decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise RequestInvalid(
-                    f"input 'text_input' is not valid UTF-8 ({err.reason} at byte {err.start})"
-                ) from None
+        try:
+            self.limits.check(text_bytes(raw), max_tokens, [])
+            text = as_text(raw, "prompt")
+        except RequestError as err:
+            raise RequestInvalid(renamed(str(err), NAMES, "input '{}'")) from None
         if not text:
             raise RequestInvalid("input 'text_input' is empty")
         ids = self.tokenizer.encode(text)

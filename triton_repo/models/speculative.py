@@ -46,7 +46,6 @@ Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this 
 """
 
 import json
-import re
 import threading
 from pathlib import Path
 
@@ -80,36 +79,27 @@ def _optional(request, name: str):
     return values[0]
 
 
-def _input_names(message: str) -> str:
-    """A DecodeRequest error (``field: why; field: why``) in this model's input names."""
-    names = {"max_new_tokens": "max_tokens", "k": "num_draft_tokens", "stop": "stop_words"}
-    return re.sub(r"(^|; )(\w+):", lambda m: f"{m.group(1)}input '{names.get(m.group(2), m.group(2))}':", message)
-
-
-def _size(value) -> int:
-    """A string input's size in UTF-8 bytes, without decoding it."""
-    return len(value.encode("utf-8")) if isinstance(value, str) else len(value)
-
-
-def _text(value, name: str) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return bytes(value).decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise RequestInvalid(f"input {name!r} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
-
-
 def _message(err) -> str:
     """A client's error text: a bad request says what is wrong; anything else names its kind too."""
     return str(err) if isinstance(err, RequestInvalid) else f"{type(err).__name__}: {err}"
 
 
-class Request:
-    """One request's validated parameters, its response sender and its scheduler handle."""
+# this model's tensor names for the front door's fields (runtime/request.py), in its errors' words
+NAMES = {
+    "prompt": "text_input",
+    "max_new_tokens": "max_tokens",
+    "k": "num_draft_tokens",
+    "stop": "stop_words",
+    "response_format": "guided_decoding_guide",
+}
+FORM = "input '{}'"
 
-    def __init__(self, sender, prompt, decode, stream):
-        self.sender, self.prompt, self.decode, self.stream = sender, prompt, decode, stream  # decode: a DecodeRequest
+
+class Request:
+    """One admitted request (runtime/request.py's ``Admitted``), its response sender and its scheduler handle."""
+
+    def __init__(self, sender, admitted, stream):
+        self.sender, self.admitted, self.stream = sender, admitted, stream
         self.handle = None
         self.cancelled = False  # its client cancelled or went away: nobody reads its responses
         self.final_sent = False
@@ -131,10 +121,11 @@ class TritonPythonModel:
         self.generator = SpeculativeGenerator.from_bundle(
             bundle, threads=int(_param(config, "threads")), device_id=int(args.get("model_instance_device_id") or 0)
         )  # the GPU Triton gave this instance
-        self.max_tokens_limit = int(_param(config, "max_tokens_limit"))
-        self.max_prompt_bytes = int(_param(config, "max_prompt_bytes"))
-        self.max_stop_words = int(_param(config, "max_stop_words"))
-        self.max_stop_word_bytes = int(_param(config, "max_stop_word_bytes"))
+        from runtime.request import FrontDoor, Limits
+
+        bounds = ("max_tokens_limit", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes")
+        limits = Limits.for_context(self.generator.max_context, **{n: int(_param(config, n)) for n in bounds})
+        self.door = FrontDoor(self.generator, limits)  # every request's checks, as the OpenAI server's
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         self.vocab_size = self.generator.tokenizer.vocab_size
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -215,9 +206,7 @@ class TritonPythonModel:
         from runtime.errors import RequestError
 
         try:
-            item.handle = self.scheduler.submit(
-                item.prompt, item.decode, sink=lambda event: self._on_event(item, event)
-            )
+            item.handle = self.scheduler.enqueue(item.admitted, sink=lambda event: self._on_event(item, event))[0]
         except RequestError as err:
             raise RequestInvalid(str(err)) from None
         if self.decoupled:
@@ -294,104 +283,85 @@ class TritonPythonModel:
             pass
 
     def _parse(self, request, sender) -> Request:
-        prompt = _optional(request, "text_input")
-        if prompt is None:
-            raise RequestInvalid("input 'text_input' is required")
-        if _size(prompt) > self.max_prompt_bytes:
-            raise RequestInvalid(
-                f"input 'text_input' is {_size(prompt)} bytes; this server's limit is "
-                f"max_prompt_bytes={self.max_prompt_bytes}. Shorten the prompt"
-            )
-        max_tokens = _optional(request, "request_output_len")
-        if max_tokens is None or not 1 <= int(max_tokens) <= self.max_tokens_limit:
-            raise RequestInvalid(
-                f"input 'max_tokens': expected an integer in [1, {self.max_tokens_limit}] "
-                f"(this server's max_tokens_limit), received {max_tokens}"
-            )
-        stops = self._stop_words(_optional(request, "stop_words"))
-        prompt = _text(prompt, "text_input")
-        if not prompt:
-            raise RequestInvalid("input 'text_input' is empty")
-        temperature = _optional(request, "temperature")
-        top_k, top_p = _optional(request, "top_k"), _optional(request, "top_p")
-        seed = _optional(request, "seed")
-        if seed is None:
-            seed = _optional(request, "random_seed")
-        k = _optional(request, "num_draft_tokens")
-        if k is not None and not 0 <= int(k) <= self.generator.max_k:  # TensorRT-LLM's convention: 0 = target only
-            raise RequestInvalid(
-                f"input 'num_draft_tokens': expected an integer in [0, {self.generator.max_k}] "
-                f"(0: target only), received {k}"
-            )
-        mode, k = ("target", None) if k is not None and int(k) == 0 else ("speculative", k)
-        end_id = _optional(request, "end_id")
-        if end_id is not None and int(end_id) not in self.generator.eos_ids:
-            raise RequestInvalid(
-                f"input 'end_id': this model ends sequences at {list(self.generator.eos_ids)}; "
-                f"another end id is not supported, received {end_id}"
-            )
+        """A request's tensors in the front door's names (``_asked``), then the door's checks, before any work: its
+        bounds, its text, its tokens (``input_ids`` from ``preprocessing`` when the ensemble sends them: tokenized
+        once), the bundle's bounds, its drafter."""
+        from runtime.errors import RequestError
+
+        asked = self._asked(request)
         stream = _optional(request, "stream")
         if stream and not self.decoupled:
             raise RequestInvalid(
                 "input 'stream': this repository was written without streaming "
                 "(draftsmith triton-repo --no-streaming); send stream=false or use a streaming one"
             )
-        from runtime.errors import RequestError
-        from runtime.request import decode_request
-
-        try:  # validated once, as every entry point does (runtime/request.py); TensorRT-LLM's 0s mean "off"
-            decode = decode_request(
-                max_new_tokens=int(max_tokens),
-                temperature=0.0 if temperature is None else temperature,
-                top_k=None if top_k is None or top_k == 0 else top_k,
-                top_p=None if top_p is None or top_p == 1 else top_p,
-                seed=seed,
-                k=k,
-                stop=stops,
-                mode=mode,
-                **self._guide(request),
-            )
+        try:
+            decode = self.door.compile(self.door.checked(asked))
+            ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+            if ids is None:
+                admitted = self.door.admit([asked.prompt], decode)
+            else:
+                admitted = self.door.admit_tokens([ids.as_numpy().reshape(-1).tolist()], decode)
         except RequestError as err:
-            raise RequestInvalid(_input_names(str(err))) from None
-        return Request(sender, prompt, decode, bool(stream) if stream is not None else False)
+            raise RequestInvalid(asked.explain(err)[0]) from None
+        return Request(sender, admitted, bool(stream))
+
+    def _asked(self, request):
+        """The request's tensors mapped to the front door's fields (TensorRT-LLM's conventions: 0 turns top_k,
+        top_p and num_draft_tokens off, ``random_seed`` is ``seed``'s other name); nothing checked here but what only
+        a tensor means (``end_id``)."""
+        from runtime.request import Asked
+
+        prompt = _optional(request, "text_input")
+        if prompt is None:
+            raise RequestInvalid("input 'text_input' is required")
+        max_tokens = _optional(request, "request_output_len")
+        if max_tokens is None:
+            raise RequestInvalid("input 'request_output_len' is required")
+        end_id = _optional(request, "end_id")
+        if end_id is not None and int(end_id) not in self.generator.eos_ids:
+            raise RequestInvalid(
+                f"input 'end_id': this model ends sequences at {list(self.generator.eos_ids)}; "
+                f"another end id is not supported, received {end_id}"
+            )
+        temperature, top_k, top_p = (_optional(request, n) for n in ("temperature", "top_k", "top_p"))
+        seed = _optional(request, "seed")
+        k = _optional(request, "num_draft_tokens")
+        stops = _optional(request, "stop_words")
+        fields = dict(
+            max_new_tokens=int(max_tokens),
+            temperature=0.0 if temperature is None else temperature,
+            top_k=None if top_k is None or top_k == 0 else top_k,
+            top_p=None if top_p is None or top_p == 1 else top_p,
+            seed=_optional(request, "random_seed") if seed is None else seed,
+            k=None if k is None or int(k) == 0 else k,
+            mode="target" if k is not None and int(k) == 0 else "speculative",
+            stop=[] if stops is None else [s for s in stops if len(s)],
+            **self._guide(request),
+        )
+        return Asked(prompt, fields, names=NAMES, form=FORM)
 
     def _guide(self, request) -> dict:
         """Constrained output from tensorrtllm_backend's guided-decoding inputs (runtime/decoding/grammar.py
-        trtllm_guide):
-        the schema, regex or grammar is bounded in size before it is decoded, and compiled at submission."""
-        from runtime.errors import RequestError
+        trtllm_guide): the schema, regex or grammar is bounded in size before it is decoded, and compiled at the
+        front door."""
         from runtime.decoding.grammar import MAX_SOURCE_BYTES, trtllm_guide
+        from runtime.errors import RequestError
+        from runtime.request import as_text, text_bytes
 
         kind, guide = _optional(request, "guided_decoding_guide_type"), _optional(request, "guided_decoding_guide")
-        if guide is not None and _size(guide) > MAX_SOURCE_BYTES:
+        if guide is not None and text_bytes(guide) > MAX_SOURCE_BYTES:
             raise RequestInvalid(
-                f"input 'guided_decoding_guide' is {_size(guide)} bytes; the limit is {MAX_SOURCE_BYTES}"
+                f"input 'guided_decoding_guide' is {text_bytes(guide)} bytes; the limit is {MAX_SOURCE_BYTES}"
             )
         try:
             constraint = trtllm_guide(
-                None if kind is None else _text(kind, "guided_decoding_guide_type"),
-                None if guide is None else _text(guide, "guided_decoding_guide"),
+                None if kind is None else as_text(kind, "guided_decoding_guide_type"),
+                None if guide is None else as_text(guide, "guided_decoding_guide"),
             )
         except RequestError as err:
             raise RequestInvalid(str(err)) from None
         return {} if constraint is None else {"response_format": constraint}
-
-    def _stop_words(self, values) -> list[str]:
-        """The request's stop strings, after their count and sizes are checked (each is searched at every step)."""
-        if values is None:
-            return []
-        if values.size > self.max_stop_words:
-            raise RequestInvalid(
-                f"input 'stop_words' has {values.size} entries; this server's limit is "
-                f"max_stop_words={self.max_stop_words}"
-            )
-        longest = max((_size(v) for v in values), default=0)
-        if longest > self.max_stop_word_bytes:
-            raise RequestInvalid(
-                f"input 'stop_words' has an entry of {longest} bytes; this server's limit is "
-                f"max_stop_word_bytes={self.max_stop_word_bytes}"
-            )
-        return [s for s in (_text(v, "stop_words") for v in values) if s]
 
     # --- responses --------------------------------------------------------------------------------------------------
 
