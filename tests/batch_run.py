@@ -18,7 +18,8 @@ from runtime.serving.scheduler import Scheduler
 class BatchRun:
     """One group of prompts (one drafter drafting them all), as the Python API submits it: ``run`` yields after every
     step its rows and the tokens each emitted; ``rows`` holds every row (finished ones too) in prompt order, ``k``
-    the group's current draft length (AdaptiveK moves it), ``drafter`` the group's drafter, ``on_fallback(bool)`` hears fallback's changes."""
+    the group's current draft length (AdaptiveK moves it), ``drafter`` the group's drafter, ``on_fallback(bool)``
+    hears fallback's changes."""
 
     def __init__(
         self,
