@@ -8,6 +8,7 @@ import threading
 
 import click
 
+from runtime.request import Limits
 from runtime.serving.cli_options import plan_option
 
 
@@ -43,12 +44,16 @@ from runtime.serving.cli_options import plan_option
 @click.option(
     "--max-stop-words",
     type=int,
-    default=16,
+    default=Limits.max_stop_words,
     show_default=True,
     help="Most stop strings one request may send (each is searched at every step).",
 )
 @click.option(
-    "--max-stop-word-bytes", type=int, default=256, show_default=True, help="Longest stop string, in UTF-8 bytes."
+    "--max-stop-word-bytes",
+    type=int,
+    default=Limits.max_stop_word_bytes,
+    show_default=True,
+    help="Longest stop string, in UTF-8 bytes.",
 )
 @click.option(
     "--bundle-mount",

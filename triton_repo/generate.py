@@ -82,8 +82,8 @@ class RepoOptions:
     preprocessing_instances: int = 1
     max_tokens_limit: int = 0  # largest max_tokens a request may ask for (0: the bundle's context less one)
     max_prompt_bytes: int = 0  # largest prompt in UTF-8 bytes, checked before tokenizing (0: 32 per context token)
-    max_stop_words: int = 16  # most stop strings one request may send (each one is searched at every step)
-    max_stop_word_bytes: int = 256  # longest stop string, in UTF-8 bytes
+    max_stop_words: int = Limits.max_stop_words  # most stop strings one request may send (the front door's)
+    max_stop_word_bytes: int = Limits.max_stop_word_bytes  # longest stop string, in UTF-8 bytes
     bundle_mount: str | None = None  # absolute path of the bundle where the server sees it (e.g. /bundles/x)
     copy_bundle: bool = True  # put the bundle inside the repository (hard links when possible, else a copy)
     policy: str = "exact"  # the scheduler's: "exact" (answers as alone) or "throughput" (runtime/serving/scheduler.py)
