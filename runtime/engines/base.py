@@ -119,7 +119,8 @@ class Engine:
 
     def reserved_cache(self, rows: int) -> KVCache:
         """A server's empty batch cache; an engine that can (FusedEngine) takes the memory of ``rows`` rows of the
-        whole context at once, so no request makes the process grow. Default: an empty cache that grows (``admit_rows``)."""
+        whole context at once, so no request makes the process grow. Default: an empty cache that grows
+        (``admit_rows``)."""
         return self.new_cache(0)
 
     def compute_rows(self, cache: KVCache, rows: list[int], chunks: list[list[int]]) -> list[np.ndarray | None]:
@@ -188,6 +189,46 @@ class Engine:
         for observer in self.observers:
             observer(call)
         return out
+
+
+class EngineWrapper(Engine):
+    """An engine seen through another (a reduced draft head's vocabulary map, a bench's recorder of what a draft
+    proposes): every member is the wrapped engine's, read when asked (so what a bundle's loader sets on it later holds
+    here too), and a subclass overrides ``compute`` to change what a call returns. Its calls are observed here, not
+    on the wrapped engine (``admit_rows`` is the base class's, through the wrapped engine's cache methods, so its
+    prefill is observed here too)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.vocab_size, self.max_context = engine.vocab_size, engine.max_context
+
+    min_call_tokens = property(lambda self: self.engine.min_call_tokens)
+    has_hidden = property(lambda self: self.engine.has_hidden)
+    takes_features = property(lambda self: self.engine.takes_features)
+    feature_width = property(lambda self: self.engine.feature_width)
+    prefills_in_chunks = property(lambda self: self.engine.prefills_in_chunks)
+    session_seconds = property(lambda self: self.engine.session_seconds)
+
+    def new_cache(self, batch: int) -> KVCache:
+        return self.engine.new_cache(batch)
+
+    def compute(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, **options):
+        return self.engine.compute(cache, tokens, valid, **options)
+
+    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
+        self.engine.rollback(cache, keep)
+
+    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
+        return self.engine.select(cache, rows)
+
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        return self.engine.join(cache, other)
+
+    def reserved_cache(self, rows: int) -> KVCache:
+        return self.engine.reserved_cache(rows)
+
+    def compute_rows(self, cache: KVCache, rows: list[int], chunks: list[list[int]]) -> list[np.ndarray | None]:
+        return self.engine.compute_rows(cache, rows, chunks)
 
 
 def last_positions(logits: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
