@@ -275,13 +275,15 @@ def test_every_call_is_reported_to_the_engines_observers_until_they_leave(engine
         cache = engine.new_cache(2)
         engine.prefill(cache, tokens(np.random.default_rng(8), 2, 3))
         engine.forward(cache, tokens(np.random.default_rng(9), 2, 1), exact=False)
+        engine.admit_rows(cache, [tokens(np.random.default_rng(12), 1, 3)[0].tolist(), []])
     finally:
         engine.unwatch(seen.append)
     engine.forward(engine.new_cache(1), tokens(np.random.default_rng(10), 1, 1))
-    assert [(c.kind, c.rows, c.width, c.first, c.exact) for c in seen] == [
+    assert [(c.kind, c.rows, c.width, c.first, c.exact) for c in seen[:2]] == [
         ("prefill", 2, 3, True, True),
         ("forward", 2, 1, False, False),
     ]
+    assert [(c.kind, c.rows, c.width) for c in seen[2:]] == [("prefill_rows", 1, 3)]  # the row given a prompt
     assert all(c.seconds >= c.session_seconds >= 0 for c in seen)
 
 
@@ -303,7 +305,11 @@ def test_a_call_that_is_not_exact_leaves_the_next_exact_call_as_it_was(engine):
     np.testing.assert_array_equal(exact_step(), before)
 
 
-ENGINE_CAPABILITIES = {name for name in vars(Engine) if not name.startswith("_")} | {"engine", "scores_last"}
+ENGINE_CAPABILITIES = {name for name in vars(Engine) if not name.startswith("_")} | {
+    "engine",
+    "scores_last",
+    "prefill_row",
+}
 
 
 def test_no_engine_capability_is_probed():

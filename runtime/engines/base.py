@@ -46,7 +46,7 @@ class Call:
     """One call an engine made, as its observers see it."""
 
     kind: str  # "forward", "prefill" (no logits read) or "prefill_rows" (prompts of admitted rows, in place)
-    rows: int  # the call's batch (B)
+    rows: int  # the call's batch (B); for "prefill_rows", the rows it prefilled (those given tokens)
     width: int  # new positions per row (S)
     seconds: float  # the whole call
     session_seconds: float  # inside its runtime's sessions (ONNX Runtime's run); the whole call where it has none
@@ -167,7 +167,7 @@ class Engine:
         caller rolls them back (``rollback``) or drops them (``select``)."""
         if not any(chunks):
             return [None for _ in rows]
-        shape = (len(rows), max(len(chunk) for chunk in chunks))
+        shape = (sum(1 for chunk in chunks if chunk), max(len(chunk) for chunk in chunks))
         return self._observed("prefill_rows", cache, shape, lambda: self.compute_rows(cache, rows, chunks))
 
     def watch(self, observer: CallObserver) -> None:
