@@ -17,7 +17,7 @@ from runtime.drafters.base import Drafter
 from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
 from runtime.drafters.suffix import SuffixCorpus
 from runtime.engines.loading import open_engines
-from runtime.engines.onnx import Engine
+from runtime.engines.base import Engine
 from runtime.errors import RequestError
 from runtime.decoding.grammar import CompiledGrammar, GrammarCompiler, parse_response_format
 from runtime.metrics import MetricsRegistry, RequestStats

@@ -162,9 +162,9 @@ def test_the_batch_cache_is_reserved_once_and_requests_never_grow_it(generator):
 
 
 def test_a_batch_cache_larger_than_the_memory_is_refused_at_start_by_name(generator, monkeypatch):
-    import runtime.engines.onnx
+    import runtime.engines.fused
 
-    monkeypatch.setattr(runtime.engines.onnx, "available_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(runtime.engines.fused, "available_memory_bytes", lambda: 1 << 20)
     with pytest.raises(MemoryError, match="--max-batch"):
         Scheduler(generator, max_batch=64)
 
