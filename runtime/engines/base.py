@@ -67,7 +67,9 @@ class Engine:
     has_hidden = False  # calls leave their final hidden states [B, S, H] in cache.extra["hidden"]
     takes_features = False  # compute needs ``features`` [B, S, feature_width] (a feature draft's graph)
     feature_width = 0
-    prefills_in_chunks = False  # a prompt prefilled in several calls leaves the cache one call would (checked)
+    # a prompt prefilled in several calls leaves the cache one call would, so a server may chunk a long prompt's
+    # prefill between decode steps; a fused target's is checked on this CPU when the bundle opens (call_checks.py)
+    prefills_in_chunks = True
     session_seconds = 0.0  # seconds its runtime's sessions have run so far (what a Call's session_seconds counts)
     observers: tuple = ()  # told of every call (``watch``)
 
