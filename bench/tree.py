@@ -29,26 +29,29 @@ import click
 import numpy as np
 
 from bench.speed import CHAT_BY_DEFAULT, decode, load_workload
+from runtime.engines.base import Call, EngineWrapper
 
 
-class _TopRecorder:
-    """Wraps the draft engine: keeps the top-``n`` ids at the last valid position of row 0 of every call, and the
-    calls' time."""
+class _TopRecorder(EngineWrapper):
+    """The draft engine, seen through a wrapper that keeps the top-``n`` ids at the last valid position of row 0 of
+    every scored call, and the calls' time (its own observer)."""
 
     def __init__(self, engine, n: int = 4):
-        self.engine, self.n, self.tops, self.seconds, self.calls = engine, n, [], 0.0, 0
+        super().__init__(engine)
+        self.n, self.tops, self.seconds, self.calls = n, [], 0.0, 0
+        self.watch(self._timed)
 
-    def forward(self, cache, tokens, valid=None, **options):
-        start = time.perf_counter()
-        logits = self.engine.forward(cache, tokens, valid, **options)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        last = 0 if options.get("last") else int(valid[0].sum()) - 1 if valid is not None else tokens.shape[1] - 1
-        self.tops.append(np.argsort(-logits[0, last])[: self.n].tolist())
+    def _timed(self, call: Call) -> None:
+        if call.kind == "forward":
+            self.seconds += call.seconds
+            self.calls += 1
+
+    def compute(self, cache, tokens, valid=None, **options):
+        logits = self.engine.compute(cache, tokens, valid, **options)
+        if logits is not None:
+            last = 0 if options.get("last") else int(valid[0].sum()) - 1 if valid is not None else tokens.shape[1] - 1
+            self.tops.append(np.argsort(-logits[0, last])[: self.n].tolist())
         return logits
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 def verify_cost(engine, past: int = 200, sizes=(2, 3, 4, 5, 6, 8), calls: int = 30) -> dict[int, float]:

@@ -683,7 +683,7 @@ def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: Bui
 
 def _min_call_tokens(role: str, graph_kind: str) -> int:
     """2 for a fused target: a one-token call takes other kernels than a verify call on every CPU measured
-    (MatMulNBits' one-row int8 kernel, GroupQueryAttention's one-query SGEMM; runtime.engines.onnx.FusedEngine), so its
+    (MatMulNBits' one-row int8 kernel, GroupQueryAttention's one-query SGEMM; runtime.engines.fused.FusedEngine), so its
     one-token calls are padded to two; 1 elsewhere (a draft need not be exact)."""
     return 2 if role == "target" and graph_kind == "fused" else 1
 

@@ -20,7 +20,7 @@ per-layer-type bases (Gemma 3) are cos/sin tables GroupQueryAttention takes as i
 local_window_size, Gemma 2's score softcap its softcap and query_pre_attn_scalar its scale. Semantics follow
 transformers 5's modeling_<family>.py and are checked against it (check_against_torch; tests/test_fused_graph.py).
 
-The contract (runtime.engines.onnx.FusedEngine relies on it)::
+The contract (runtime.engines.fused.FusedEngine relies on it)::
 
     inputs   input_ids             int64 [B, S]      S >= 1 new tokens
              seqlens_k             int32 [B]         live tokens of each row after this call, minus 1

@@ -287,11 +287,11 @@ class ModelEntry:
     size_bytes: int = 0
     graph: str = "export"  # GRAPHS: which engine contract the file follows (bundles before the fused graph: export)
     # fused graph only: pad shorter calls to this many tokens (2 for a target with int8-activation MatMulNBits, whose
-    # one-row kernel rounds differently: runtime.engines.onnx.FusedEngine), so verify and target-only agree bit for bit
+    # one-row kernel rounds differently: runtime.engines.fused.FusedEngine), so verify and target-only agree bit for bit
     min_call_tokens: int = 1
     # A reduced-vocabulary draft head: a JSON file in the bundle ({"kept_ids": [...]}) naming the token of each of the
     # engine's vocab_size logits; the runtime maps them back to the full vocabulary
-    # (runtime.engines.onnx.MappedVocabEngine).
+    # (runtime.engines.mapped.MappedVocabEngine).
     vocab_map: str = ""
     # The source checkpoint's absolute path when the bundle was built (``source`` may be relative to that folder):
     # lets the bench's peers reload it from any working directory. "": bundles built before this field.

@@ -303,17 +303,17 @@ def test_a_swap_after_reading_cannot_reach_the_session(tiny_bundle, tmp_path, mo
     """The file changes after it was read and hashed, while the session is being made: the session comes from the
     verified bytes, so its logits are the original target's."""
     import runtime.engines.loading
-    import runtime.engines.onnx
+    import runtime.engines.fused
 
     root = copy_of(tiny_bundle, tmp_path / "b")
     draft_bytes = (root / "draft" / "model.onnx").read_bytes()
-    real = runtime.engines.onnx.make_session
+    real = runtime.engines.fused.make_session
 
     def swap_then_make(model, *args, **kwargs):
         (root / "target" / "model.onnx").write_bytes(draft_bytes)
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(runtime.engines.onnx, "make_session", swap_then_make)
+    monkeypatch.setattr(runtime.engines.fused, "make_session", swap_then_make)
     monkeypatch.setattr(runtime.engines.loading, "make_session", swap_then_make)
     generator = SpeculativeGenerator.from_bundle(root, threads=1)
     np.testing.assert_allclose(first_logits(generator), reference["target"], atol=1e-6)

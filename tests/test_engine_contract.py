@@ -7,7 +7,7 @@ onnxruntime-export: the torch-exported graph (builder/export.py) of the same pai
 onnxruntime-fp16: the tiny pair built for CUDA (fp16 engines), run on the CPU with the cache in an IO binding, as the
     GPU runs it (looser tolerance: fp16 activations).
 onnxruntime-cuda: the same engine on CUDAExecutionProvider; skipped, with the reason shown, without onnxruntime-gpu.
-tensorrt_llm-adapter: runtime/trtllm_engine.RunnerEngine over a CPU stand-in for ModelRunnerCpp (each request runs
+tensorrt_llm-adapter: runtime/trtllm/engine.py's RunnerEngine over a CPU stand-in for ModelRunnerCpp (each request runs
     the tiny ONNX target on the request's whole history and returns its context logits): checks the adapter's own
     bookkeeping (history, rollback, padding, select) on any machine.
 tensorrt_llm: RunnerEngine over a real ModelRunnerCpp; skipped, with the reason shown, without TensorRT-LLM and a GPU
@@ -268,24 +268,48 @@ def test_admitted_rows_continue_as_if_alone_and_the_running_rows_are_untouched(e
         np.testing.assert_allclose(out[row, 0], fresh[0, -1], atol=tolerance(engine))
 
 
-def test_every_call_is_reported_to_the_engines_observers_and_only_to_theirs(engine):
-    seen, other = [], []
+def test_every_call_is_reported_to_the_engines_observers_until_they_leave(engine):
+    seen = []
     engine.watch(seen.append)
     try:
         cache = engine.new_cache(2)
         engine.prefill(cache, tokens(np.random.default_rng(8), 2, 3))
         engine.forward(cache, tokens(np.random.default_rng(9), 2, 1), exact=False)
+        engine.admit_rows(cache, [tokens(np.random.default_rng(12), 1, 3)[0].tolist(), []])
     finally:
         engine.unwatch(seen.append)
     engine.forward(engine.new_cache(1), tokens(np.random.default_rng(10), 1, 1))
-    assert [(c.kind, c.rows, c.width, c.first, c.exact) for c in seen] == [
+    assert [(c.kind, c.rows, c.width, c.first, c.exact) for c in seen[:2]] == [
         ("prefill", 2, 3, True, True),
         ("forward", 2, 1, False, False),
     ]
-    assert all(c.seconds >= c.session_seconds >= 0 for c in seen) and other == []
+    assert [(c.kind, c.rows, c.width) for c in seen[2:]] == [("prefill_rows", 1, 3)]  # the row given a prompt
+    assert all(c.seconds >= c.session_seconds >= 0 for c in seen)
 
 
-ENGINE_CAPABILITIES = {name for name in vars(Engine) if not name.startswith("_")} | {"engine", "scores_last"}
+def test_a_call_that_is_not_exact_leaves_the_next_exact_call_as_it_was(engine):
+    """Exactness is a call's (``forward(..., exact=False)``: the "throughput" policy), never the engine's state: an
+    exact one-token call scores the same before and after an unpadded one on the same engine (a padded target's
+    kernels differ between the two, so a switch left on the engine would show)."""
+    ids = tokens(np.random.default_rng(11), 1, 5)
+
+    def exact_step() -> np.ndarray:
+        cache = engine.new_cache(1)
+        engine.prefill(cache, ids[:, :4])
+        return engine.forward(cache, ids[:, 4:])
+
+    before = exact_step()
+    cache = engine.new_cache(1)
+    engine.prefill(cache, ids[:, :4])
+    engine.forward(cache, ids[:, 4:], exact=False)
+    np.testing.assert_array_equal(exact_step(), before)
+
+
+ENGINE_CAPABILITIES = {name for name in vars(Engine) if not name.startswith("_")} | {
+    "engine",
+    "scores_last",
+    "prefill_row",
+}
 
 
 def test_no_engine_capability_is_probed():
@@ -300,8 +324,44 @@ def test_no_engine_capability_is_probed():
     assert probes == [], "declare the capability on runtime.engines.base.Engine and read it:\n" + "\n".join(probes)
 
 
+ENGINE_MODULES = ("runtime.engines.onnx", "runtime.engines.mapped", "runtime.trtllm.engine", "bench.tree")
+OBSERVED = ("forward", "prefill", "prefill_rows", "watch", "unwatch", "_observed")  # the base class's, observed
+REQUIRED = ("new_cache", "compute", "rollback", "select", "join")
+
+
+def engine_classes() -> list[type]:
+    """Every subclass of Engine the packages and the test fakes define."""
+    import importlib
+
+    for name in (*ENGINE_MODULES, "fakes", "prefix_fakes", "test_feature_draft"):
+        importlib.import_module(name)
+    found, todo = [], [Engine]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def test_every_engine_implements_the_contract_and_leaves_its_calls_to_the_base_class():
+    """Each engine of the packages (ONNX plain and fused, the reduced-head wrapper, TensorRT-LLM's adapter, the
+    bench's recorder) implements the cache methods and ``compute``; none, fakes included, redefines a public call,
+    so every call reaches the observers (the Triton model's counter, the bench's timings)."""
+    classes = engine_classes()
+    names = {cls.__name__ for cls in classes}
+    assert {"OnnxEngine", "FusedEngine", "MappedVocabEngine", "RunnerEngine", "BigramEngine", "PrefixEngine"} <= names
+    for cls in classes:
+        assert not set(OBSERVED) & set(vars(cls)), f"{cls.__qualname__} redefines {set(OBSERVED) & set(vars(cls))}"
+        if cls.__module__.split(".")[0] in PACKAGES:
+            missing = [name for name in REQUIRED if getattr(cls, name) is getattr(Engine, name)]
+            assert missing == [], f"{cls.__qualname__} leaves {missing} to the base class, which only raises"
+
+
 def test_the_engine_guard_sees_a_probe():
-    source = 'pad = getattr(target, "min_call_tokens", 1)\nif hasattr(engine, "prefill_rows"):\n    inner = getattr(e, "engine", e)'
+    source = (
+        'pad = getattr(target, "min_call_tokens", 1)\nif hasattr(engine, "prefill_rows"):\n'
+        '    inner = getattr(e, "engine", e)'
+    )
     assert capability_probes(source, ENGINE_CAPABILITIES) == [
         (1, "min_call_tokens"),
         (2, "prefill_rows"),

@@ -1,4 +1,4 @@
-"""The fused CPU graph (builder/graph.py) and its engine (runtime.engines.onnx.FusedEngine)."""
+"""The fused CPU graph (builder/graph.py) and its engine (runtime.engines.fused.FusedEngine)."""
 
 from __future__ import annotations
 

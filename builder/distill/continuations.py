@@ -114,7 +114,7 @@ def generate_with_engine(
     advance: Callable[[int], None] = lambda n: None,
     sink: Callable[[int, Sample], None] | None = None,
 ) -> list[Sample]:
-    """Continue every job's prompt with the target's ONNX engine (``runtime.engines.onnx.FusedEngine``), filling each
+    """Continue every job's prompt with the target's ONNX engine (``runtime.engines.fused.FusedEngine``), filling each
     sample's teacher rows from the same calls: no second teacher pass.
 
     Continuous batching: up to ``batch_size`` rows step together one token a call; a finished row leaves and a

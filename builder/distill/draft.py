@@ -4,7 +4,7 @@ its optional reduced-vocabulary head.
 Reduced-vocabulary head (``draft_vocab=N``): the draft's head keeps the N token ids the target emitted most often in
 the training continuations (plus its EOS ids). They are saved in ``DIR/draft_vocab.json``; ``build-engines`` exports
 the draft with only those head rows (``reduce_head``) and the runtime maps its logits back to the full vocabulary
-with -inf elsewhere (``runtime.engines.onnx.MappedVocabEngine``), so the draft's q is 0 outside the kept set and
+with -inf elsewhere (``runtime.engines.mapped.MappedVocabEngine``), so the draft's q is 0 outside the kept set and
 rejection
 sampling stays exact. The saved safetensors keep the full head, so the folder stays an ordinary Hugging Face
 checkpoint.

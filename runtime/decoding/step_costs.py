@@ -3,7 +3,7 @@ that the whole batch makes the most tokens per second (vLLM's dynamic speculatio
 ``draft_len_schedule`` decide the same thing; here from costs measured on the machine that runs the bundle).
 
 A step's cost is its draft calls plus one target call over every row (an engine that takes a ragged batch scores
-each row's [last, x_1..x_d] in that one call: runtime/engines/onnx.py). Its yield is each row's expected tokens,
+each row's [last, x_1..x_d] in that one call: runtime/engines/fused.py). Its yield is each row's expected tokens,
 1 + a + ... + a^k for a draft of k tokens each accepted with the row's probability a (``expected_tokens``).
 """
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from runtime.decoding.calls import last_logits
 from runtime.drafters.base import Drafter, Proposal
-from runtime.engines.onnx import Engine
+from runtime.engines.base import Engine
 from runtime.decoding.grammar import constrain
 from runtime.decoding.sampling import SamplingParams, next_token, point_masses, top_probability
 

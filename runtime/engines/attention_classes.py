@@ -195,7 +195,7 @@ class AttentionProbe:
 
 def score(session, binding, query, keys, values, past: int, width: int) -> np.ndarray:
     """The output of the first of ``width`` new tokens (``keys``, ``values``) after ``past`` slots (past and present
-    share the buffers, as in runtime.engines.onnx.FusedEngine)."""
+    share the buffers, as in runtime.engines.fused.FusedEngine)."""
     binding.bind_cpu_input("query", np.ascontiguousarray(query[:, :width]))
     binding.bind_cpu_input("key", np.ascontiguousarray(keys[:, :width]))
     binding.bind_cpu_input("value", np.ascontiguousarray(values[:, :width]))

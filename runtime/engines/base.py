@@ -46,7 +46,7 @@ class Call:
     """One call an engine made, as its observers see it."""
 
     kind: str  # "forward", "prefill" (no logits read) or "prefill_rows" (prompts of admitted rows, in place)
-    rows: int  # the call's batch (B)
+    rows: int  # the call's batch (B); for "prefill_rows", the rows it prefilled (those given tokens)
     width: int  # new positions per row (S)
     seconds: float  # the whole call
     session_seconds: float  # inside its runtime's sessions (ONNX Runtime's run); the whole call where it has none
@@ -67,7 +67,9 @@ class Engine:
     has_hidden = False  # calls leave their final hidden states [B, S, H] in cache.extra["hidden"]
     takes_features = False  # compute needs ``features`` [B, S, feature_width] (a feature draft's graph)
     feature_width = 0
-    prefills_in_chunks = False  # a prompt prefilled in several calls leaves the cache one call would (checked)
+    # a prompt prefilled in several calls leaves the cache one call would, so a server may chunk a long prompt's
+    # prefill between decode steps; a fused target's is checked on this CPU when the bundle opens (call_checks.py)
+    prefills_in_chunks = True
     session_seconds = 0.0  # seconds its runtime's sessions have run so far (what a Call's session_seconds counts)
     observers: tuple = ()  # told of every call (``watch``)
 
@@ -119,7 +121,8 @@ class Engine:
 
     def reserved_cache(self, rows: int) -> KVCache:
         """A server's empty batch cache; an engine that can (FusedEngine) takes the memory of ``rows`` rows of the
-        whole context at once, so no request makes the process grow. Default: an empty cache that grows (``admit_rows``)."""
+        whole context at once, so no request makes the process grow. Default: an empty cache that grows
+        (``admit_rows``)."""
         return self.new_cache(0)
 
     def compute_rows(self, cache: KVCache, rows: list[int], chunks: list[list[int]]) -> list[np.ndarray | None]:
@@ -166,7 +169,7 @@ class Engine:
         caller rolls them back (``rollback``) or drops them (``select``)."""
         if not any(chunks):
             return [None for _ in rows]
-        shape = (len(rows), max(len(chunk) for chunk in chunks))
+        shape = (sum(1 for chunk in chunks if chunk), max(len(chunk) for chunk in chunks))
         return self._observed("prefill_rows", cache, shape, lambda: self.compute_rows(cache, rows, chunks))
 
     def watch(self, observer: CallObserver) -> None:
@@ -188,6 +191,46 @@ class Engine:
         for observer in self.observers:
             observer(call)
         return out
+
+
+class EngineWrapper(Engine):
+    """An engine seen through another (a reduced draft head's vocabulary map, a bench's recorder of what a draft
+    proposes): every member is the wrapped engine's, read when asked (so what a bundle's loader sets on it later holds
+    here too), and a subclass overrides ``compute`` to change what a call returns. Its calls are observed here, not
+    on the wrapped engine (``admit_rows`` is the base class's, through the wrapped engine's cache methods, so its
+    prefill is observed here too)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.vocab_size, self.max_context = engine.vocab_size, engine.max_context
+
+    min_call_tokens = property(lambda self: self.engine.min_call_tokens)
+    has_hidden = property(lambda self: self.engine.has_hidden)
+    takes_features = property(lambda self: self.engine.takes_features)
+    feature_width = property(lambda self: self.engine.feature_width)
+    prefills_in_chunks = property(lambda self: self.engine.prefills_in_chunks)
+    session_seconds = property(lambda self: self.engine.session_seconds)
+
+    def new_cache(self, batch: int) -> KVCache:
+        return self.engine.new_cache(batch)
+
+    def compute(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, **options):
+        return self.engine.compute(cache, tokens, valid, **options)
+
+    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
+        self.engine.rollback(cache, keep)
+
+    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
+        return self.engine.select(cache, rows)
+
+    def join(self, cache: KVCache, other: KVCache) -> KVCache:
+        return self.engine.join(cache, other)
+
+    def reserved_cache(self, rows: int) -> KVCache:
+        return self.engine.reserved_cache(rows)
+
+    def compute_rows(self, cache: KVCache, rows: list[int], chunks: list[list[int]]) -> list[np.ndarray | None]:
+        return self.engine.compute_rows(cache, rows, chunks)
 
 
 def last_positions(logits: np.ndarray, valid: np.ndarray | None) -> np.ndarray:

@@ -270,7 +270,8 @@ class FusedEngine(Engine):
         """One call for every row with tokens that is not scored alone: row b takes max(counts[b], ``m``: the exact
         call's ``min_call_tokens``, else 1) query positions (padded like a lone call of its own, so each row gets the
         kernels that call would give it; tests/test_fused_graph.py checks it bit for bit) after its own past; the
-        other rows take none and stay as they are. Fills ``logits`` rows; returns the hidden states [B, S, H] (None: none)."""
+        other rows take none and stay as they are. Fills ``logits`` rows; returns the hidden states [B, S, H] (None:
+        none)."""
         together = (counts > 0) & ~alone
         if not together.any():
             return None

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.engines.base import Engine, KVCache
+from runtime.engines.base import Engine, EngineWrapper, KVCache
 
 
-class MappedVocabEngine(Engine):
+class MappedVocabEngine(EngineWrapper):
     """The wrapped engine returns logits [B, S, N] over ``kept_ids`` (column j is token kept_ids[j]); this one returns
     logits over the full vocabulary with -inf everywhere else. The draft's q is then exactly 0 outside the kept set,
     it proposes only kept tokens, and the acceptance rule (runtime.decoding.sampling) stays exact: the target's
     probability of any other token comes back through the residual max(0, p - q). Every other member is the wrapped
-    engine's."""
+    engine's (``EngineWrapper``)."""
 
     def __init__(self, engine: Engine, kept_ids, vocab_size: int):
         kept = np.asarray(kept_ids, dtype=np.int64)
@@ -21,18 +21,9 @@ class MappedVocabEngine(Engine):
             raise ValueError("kept_ids must be a non-empty list of distinct non-negative token ids")
         if int(kept.max()) >= vocab_size:
             raise ValueError(f"kept id {int(kept.max())} is outside the vocabulary ({vocab_size} tokens)")
-        self.engine, self.kept_ids = engine, kept
+        super().__init__(engine)
+        self.kept_ids = kept
         self.vocab_size = vocab_size  # may be lowered to the tokenizer's vocabulary, like any engine's
-        self.max_context = engine.max_context
-        self.min_call_tokens, self.has_hidden = engine.min_call_tokens, engine.has_hidden
-        self.takes_features, self.feature_width = engine.takes_features, engine.feature_width
-
-    @property
-    def session_seconds(self) -> float:
-        return self.engine.session_seconds
-
-    def new_cache(self, batch: int) -> KVCache:
-        return self.engine.new_cache(batch)
 
     def compute(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None = None, **options):
         small = self.engine.compute(cache, tokens, valid, **options)
@@ -47,12 +38,3 @@ class MappedVocabEngine(Engine):
         inside = self.kept_ids < self.vocab_size
         full[..., self.kept_ids[inside]] = small[..., inside]
         return full
-
-    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
-        self.engine.rollback(cache, keep)
-
-    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
-        return self.engine.select(cache, rows)
-
-    def join(self, cache: KVCache, other: KVCache) -> KVCache:
-        return self.engine.join(cache, other)

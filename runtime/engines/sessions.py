@@ -1,6 +1,7 @@
 """ONNX Runtime sessions: where a bundle can run (execution providers by device) and the process's thread pool.
 
-Every session the runtime makes comes from ``make_session`` with ``session_options``; runtime/engines/onnx.py runs them.
+Every session the runtime makes comes from ``make_session`` with ``session_options``; runtime/engines/onnx.py and
+fused.py run them.
 """
 
 from __future__ import annotations

@@ -175,9 +175,10 @@ class TritonPythonModel:
 
     def _count_target_calls(self):
         """Count the target engine's calls (its observer: runtime/engines/base.py): a batch step is one call,
-        however many sequences it verifies; an admitted prompt's prefill is one."""
+        however many sequences it verifies; an admitted prompt's prefill is one (a fused target prefills each
+        admitted row in calls of its own, however many are admitted together)."""
         metric = self.metrics["target_calls"]
-        self.generator.target.watch(lambda call: metric.increment(1))
+        self.generator.target.watch(lambda call: metric.increment(call.rows if call.kind == "prefill_rows" else 1))
 
     # --- requests ---------------------------------------------------------------------------------------------------
 
