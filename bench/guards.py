@@ -66,12 +66,13 @@ def template_figures(repetitions: int) -> dict:
 
 def regex_figure(repetitions: int) -> dict:
     """A byte-level tokenizer (one token per byte) constrained by the pathological regex."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from runtime.decoding.grammar import Constraint, GrammarCompiler
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=257,
         special_tokens=["<eos>"],
