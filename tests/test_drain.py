@@ -75,7 +75,8 @@ def test_sigterm_under_load_loses_no_request(tiny_bundle, tmp_path):
     assert run["answered_by_victim_after_sigterm"] >= 1  # ...and that work finished after it
     assert run["probe_after_sigterm"] == {"status": 503, "retry_after": "1"}
     assert run["victim_exit_code"] == 0
-    assert run["sigterm_to_exit_s"] < 15
+    assert "drained (0 requests still in flight)" in run["victim_stop_line"]
+    assert run["victim_stop_line"].endswith("idle: stopping")  # it stopped once its work was done, not out of time
 
 
 @pytest.mark.triton
