@@ -94,7 +94,8 @@ def test_triton_sigterm_unloads_then_exits_without_losing_a_request(tiny_bundle,
     assert run["lost"] == 0 and set(run["outcomes"]) <= {"answered", "refused"}, run
     assert run["answered_after_sigterm"] >= 1  # in flight at the signal, and answered in full afterwards
     assert run["model_ready_0_5_s_after_sigterm"] != 200
-    assert run["exit_code"] == 0 and run["sigterm_to_exit_s"] < 30
+    assert run["exit_code"] == 0
+    assert "drained: every model unloaded" in (tmp_path / "serve.log").read_text()  # not stopped at the timeout
 
 
 def test_a_drainable_triton_restricts_the_model_repository_api():
