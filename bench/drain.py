@@ -323,6 +323,7 @@ def _account(
         "victim_inflight_at_sigterm": running,
         "probe_after_sigterm": probe,
         "victim_exit_code": code,
+        "victim_stop_line": _stop_line(victim.log()),
         "sigterm_to_exit_s": round(exit_s, 3),
         "errors": [
             f"{'victim' if r.replica == victim.url else 'survivor'}, {r.start - signalled:+.2f} s to "
@@ -331,6 +332,13 @@ def _account(
         ][:5],
         "truncated_examples": truncated[:2],
     }
+
+
+def _stop_line(log: str) -> str | None:
+    """The server's own account of why it stopped (runtime/serving/drain.py): "drained (N requests still in
+    flight) after S s, idle|out of time: stopping"; None if it never said."""
+    lines = [line for line in log.splitlines() if "drained (" in line]
+    return lines[-1].strip() if lines else None
 
 
 def _mismatches(answered: list[Served], reference_url: str) -> list[dict]:

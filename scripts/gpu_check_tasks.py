@@ -69,7 +69,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _generate_both(bundle: str, max_new: int):
+def generate_both(bundle: str, max_new: int):
+    """(speculative, target-only) greedy outputs of PROMPTS on ``bundle`` (a TensorRT-LLM bundle; the greedy check
+    compares them, and its test stands in outputs of its own here)."""
     from runtime.bundle import load_manifest
     from runtime.trtllm.engine import open_generator
     from runtime.trtllm.llmapi import LlmApiGenerator
@@ -90,7 +92,7 @@ def _generate_both(bundle: str, max_new: int):
 
 def greedy(bundle: str, max_new: str, mode: str) -> int:
     """Speculative vs target-only greedy ids: the first divergence per prompt; ``strict`` fails on any."""
-    spec, base = _generate_both(bundle, int(max_new))
+    spec, base = generate_both(bundle, int(max_new))
     positions = [first_divergence(s.token_ids, b.token_ids) for s, b in zip(spec, base)]
     for prompt, position in zip(PROMPTS, positions):
         print(f"  {prompt!r}: " + ("identical" if position is None else f"first divergence at token {position}"))

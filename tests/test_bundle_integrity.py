@@ -708,7 +708,6 @@ def test_publish_refuses_what_appeared_at_out_during_the_build(tmp_path, force, 
 
 @pytest.mark.parametrize("failure", ["max_tokens_limit past the context", "the bundle copy fails"])
 def test_a_failed_overwrite_keeps_the_old_repository(tiny_bundle, tmp_path, monkeypatch, failure):
-    from triton_repo import generate
     from triton_repo.generate import RepoOptions, RepositoryError, write_repository
 
     out = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(copy_bundle=False, bundle_mount="/b"))
@@ -716,14 +715,21 @@ def test_a_failed_overwrite_keeps_the_old_repository(tiny_bundle, tmp_path, monk
     options = RepoOptions()
     if failure == "max_tokens_limit past the context":
         options = RepoOptions(max_tokens_limit=load_manifest(tiny_bundle).max_context + 1)
-    else:
+    else:  # no hard link across devices, and a copy that comes out short (a disk that filled, a file cut)
+        import errno
 
-        def broken(*args):
-            raise RepositoryError("the copy failed")
+        def cross_device(src, dst, *args, **kwargs):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-        monkeypatch.setattr(generate, "_place_bundle", broken)
-    with pytest.raises(RepositoryError):
+        def short_copy(src, dst, *args, **kwargs):
+            data = Path(src).read_bytes()
+            Path(dst).write_bytes(data[: len(data) // 2])
+
+        monkeypatch.setattr(os, "link", cross_device)
+        monkeypatch.setattr(shutil, "copy2", short_copy)
+    with pytest.raises(RepositoryError, match="" if failure.startswith("max") else "does not verify"):
         write_repository(tiny_bundle, out, options, overwrite=True)
+    monkeypatch.undo()
     assert _contents(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
     write_repository(tiny_bundle, out, RepoOptions(copy_bundle=False, bundle_mount="/c"), overwrite=True)
     assert "/c" in (out / "speculative" / "config.pbtxt").read_text()

@@ -115,58 +115,134 @@ def test_a_bundle_cannot_grant_consent_to_the_bench_peers(generator, tiny_bundle
     assert seen and set(seen) == {(True, False)}  # the person running the bench can still say yes
 
 
-# Each would render for minutes or allocate gigabytes without a budget.
+PASSED, MADE, FAILED, RAN_PAST = "passed", "made, or was about to make", "failed to render", "ran past"
+
+# Each would render for minutes or allocate gigabytes without a budget; with the guard that stops it.
 UNBOUNDED = [
-    "{{ 'x' * 10000000000 }}",
-    "{{ 'ab' * 400000 * 400000 }}",
-    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
-    "{% for m in messages %}{% for n in messages %}{% for o in messages %}{{ '' }}{% endfor %}{% endfor %}{% endfor %}",
-    "{{ 'x'|center(1000000000) }}",
-    "{{ 'x'.center(1000000000) }}",
-    "{{ 'x'.ljust(1000000000) }}",
-    "{{ '%*d'|format(1000000000, 1) }}",
-    "{{ '{:>1000000000}'.format(1) }}",
-    "{{ 'x'|indent(1000000000, true) }}",
-    "{% set s = namespace(t='xx') %}{% for i in range(64) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t|length }}",
-    "{% for i in range(99999) %}{% set x = messages|tojson %}{% endfor %}",
-    "{{ ('x' * 60000)|replace('x', 'x' * 60000) }}",
-    "{{ ('x' * 60000).replace('', 'y' * 50000) }}",
-    "{{ [1] * 100000 * 100000 }}",
-    "{{ 10 ** 100000 }}",
-    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
-    "{{ 1 / 0 }}",
-    "{{ messages + 1 }}",
-    "{{ lipsum(1000000000) }}",
-    "{% for i in range(99999) %}{{ 'y' * 99 }}{% endfor %}{% for i in range(99999) %}{{ 'y' * 99 }}{% endfor %}",
-    "{{ messages[0]['content'] * 99999 }}",
-    "{{ {}|tojson(indent=1000000) }}",
+    ("{{ 'x' * 10000000000 }}", PASSED),
+    ("{{ 'ab' * 400000 * 400000 }}", PASSED),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", RAN_PAST),
+    (
+        "{% for m in messages %}{% for n in messages %}{% for o in messages %}{{ '' }}{% endfor %}{% endfor %}"
+        "{% endfor %}",
+        RAN_PAST,
+    ),
+    ("{{ 'x'|center(1000000000) }}", PASSED),
+    ("{{ 'x'.center(1000000000) }}", PASSED),
+    ("{{ 'x'.ljust(1000000000) }}", PASSED),
+    ("{{ '%*d'|format(1000000000, 1) }}", PASSED),
+    ("{{ '{:>1000000000}'.format(1) }}", PASSED),
+    ("{{ 'x'|indent(1000000000, true) }}", PASSED),
+    (
+        "{% set s = namespace(t='xx') %}{% for i in range(64) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t|length }}",
+        MADE,
+    ),
+    ("{% for i in range(99999) %}{% set x = messages|tojson %}{% endfor %}", RAN_PAST),
+    ("{{ ('x' * 60000)|replace('x', 'x' * 60000) }}", MADE),
+    ("{{ ('x' * 60000).replace('', 'y' * 50000) }}", MADE),
+    ("{{ [1] * 100000 * 100000 }}", MADE),
+    ("{{ 10 ** 100000 }}", "raised 10 to the power"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", f"{FAILED}: RecursionError"),
+    ("{{ 1 / 0 }}", f"{FAILED}: ZeroDivisionError"),
+    ("{{ messages + 1 }}", f"{FAILED}: TypeError"),
+    ("{{ lipsum(1000000000) }}", PASSED),
+    (
+        "{% for i in range(99999) %}{{ 'y' * 99 }}{% endfor %}{% for i in range(99999) %}{{ 'y' * 99 }}{% endfor %}",
+        RAN_PAST,
+    ),
+    ("{{ messages[0]['content'] * 99999 }}", MADE),
+    ("{{ {}|tojson(indent=1000000) }}", PASSED),
 ]
 
 
-@pytest.mark.parametrize("template", UNBOUNDED)
-def test_a_template_that_would_not_end_or_would_fill_memory_is_refused_within_a_second(template):
-    import time
+class FakeClock:
+    """The time budget's clock: ``tick`` seconds pass at each reading (0: time stands still). The first reading
+    starts the budget; ``late_reads`` counts the readings past its end."""
 
-    messages = [{"role": "user", "content": "x" * 200}] * 200
-    start = time.perf_counter()
-    with pytest.raises(ValueError, match="chat template"):
+    def __init__(self, tick: float = 0.0):
+        import threading
+
+        self.now, self.tick, self.deadline, self.late_reads, self.read = 0.0, tick, None, 0, threading.Event()
+
+    def __call__(self) -> float:
+        from runtime.text.chat_template import TIME_BUDGET
+
+        value, self.now = self.now, self.now + self.tick
+        if self.deadline is None:
+            self.deadline = value + TIME_BUDGET
+        elif value > self.deadline:
+            self.late_reads += 1
+        self.read.set()
+        return value
+
+
+@pytest.fixture
+def budget_clock(monkeypatch):
+    """Install a fake clock as the budget's: ``budget_clock(tick)``."""
+    from runtime.text import chat_template
+
+    def install(tick: float = 0.0) -> FakeClock:
+        clock = FakeClock(tick)
+        monkeypatch.setattr(chat_template, "clock", clock)
+        return clock
+
+    return install
+
+
+def refusal(template: str, messages: list[dict]) -> str:
+    """The ValueError's message a render ends with ("" if it renders)."""
+    try:
         render_chat_template(template, messages)
-    assert time.perf_counter() - start < 1.0
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
-def test_a_hostile_render_costs_a_concurrent_good_one_nothing_but_cpu():
-    """A good request renders while another thread's template spins until its budget ends it."""
+@pytest.mark.parametrize("template,guard", UNBOUNDED, ids=range(len(UNBOUNDED)))
+def test_a_template_that_would_not_end_or_would_fill_memory_is_stopped_by_its_own_guard(template, guard, budget_clock):
+    """Size, argument and error guards stop their templates with time standing still (no machine is too slow or
+    too fast for them); a template only time stops is stopped at the first reading past the budget, whatever the
+    machine's speed (a fake clock that moves 1/1000 of the budget at each reading)."""
+    from runtime.text.chat_template import TIME_BUDGET
+
     import threading
-    import time
 
-    spinning = threading.Thread(target=lambda: pytest.raises(ValueError, render_chat_template, UNBOUNDED[2], USER))
+    clock = budget_clock(TIME_BUDGET / 1000 if guard == RAN_PAST else 0.0)
+    messages = [{"role": "user", "content": "x" * 200}] * 200
+    outcome = []
+    render = threading.Thread(target=lambda: outcome.append(refusal(template, messages)), daemon=True)
+    render.start()
+    render.join(60)  # a hang guard (an unbounded render would run for hours), not a speed limit
+    assert outcome, "the render was not stopped"
+    assert "chat template" in outcome[0] and guard in outcome[0]
+    if guard == RAN_PAST:
+        assert clock.late_reads == 1  # stopped at the first reading past the budget, not before, not later
+
+
+def test_a_hostile_render_holds_no_lock_a_concurrent_good_one_needs(budget_clock):
+    """A good request renders, in full, while another thread's template is still spinning (its clock held still):
+    the budget is the spinning thread's own, and nothing the good render needs waits for it."""
+    import threading
+
+    clock = budget_clock()
+    outcome = {}
+
+    def spin() -> None:
+        with pytest.raises(ValueError, match=RAN_PAST) as err:
+            render_chat_template(UNBOUNDED[2][0], USER)
+        outcome["spinner"] = str(err.value)
+
+    spinning = threading.Thread(target=spin, daemon=True)
     spinning.start()
-    time.sleep(0.05)
-    start = time.perf_counter()
-    good = render_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}", USER)
-    took = time.perf_counter() - start
-    spinning.join()
-    assert good == "<user>hi" and took < 0.25
+    assert clock.read.wait(10)  # the hostile render is inside its budget
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    good = threading.Thread(target=lambda: outcome.update(good=render_chat_template(template, USER)), daemon=True)
+    good.start()
+    good.join(10)  # a hang guard, not a speed limit
+    assert outcome.get("good") == "<user>hi" and spinning.is_alive()  # done while the other still spins
+    clock.tick = 1.0  # now time passes for the spinner: its budget ends it
+    spinning.join(10)
+    assert not spinning.is_alive() and RAN_PAST in outcome["spinner"]
 
 
 def test_templates_are_compiled_once():
@@ -291,30 +367,23 @@ def test_every_way_a_value_grows_is_budgeted_before_it_is_made(template):
     assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB allocated before the refusal"
 
 
-GOOD = [  # what real templates do: these must render as before
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-    "{{ bos_token }}{% for m in messages %}{{ '[INST] ' ~ m['content'] ~ ' [/INST]' if m['role'] == 'user' "
-    "else m['content'] ~ eos_token }}{% endfor %}",
-    "{% set ns = namespace(system='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
-    "{% set ns.system = ns.system ~ m['content'] %}{% endif %}{% endfor %}{{ ns.system }}|{{ messages|length }}",
-    "{{ messages|map(attribute='content')|join('\n') }}{{ (messages|selectattr('role', 'eq', 'user')|list)|length }}",
-    "{% if tools %}{{ tools|tojson(indent=2) }}{% endif %}{{ '%s:%d'|format('a', 3) }}{{ '{}-{}'.format(1, 2) }}",
-]
+def test_real_templates_render_as_jinja2_renders_them_with_time_standing_still(budget_clock):
+    """The guards change nothing a real template renders (jinja2's own environment, no sandbox, no budget, is the
+    reference), and none of them needs time to pass (the budget's clock is held still). What a render costs:
+    ``python -m bench.guards``."""
+    import jinja2
 
+    from bench.guards import REAL_TEMPLATES, long_conversation
 
-def test_real_templates_render_as_before_and_quickly():
-    import time
-
-    messages = [{"role": "system", "content": "be brief"}] + [
-        {"role": "user" if i % 2 else "assistant", "content": f"message {i} " * 40} for i in range(400)
-    ]
-    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(20)]
-    for template in GOOD:
-        start = time.perf_counter()
-        rendered = render_chat_template(template, messages, tools=tools, bos_token="<s>", eos_token="</s>")
-        assert rendered and time.perf_counter() - start < 0.3, template
-    assert render_chat_template(GOOD[2], USER) == "|1"
+    budget_clock()
+    messages, tools = long_conversation()
+    plain = jinja2.Environment()
+    plain.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    variables = dict(tools=tools, bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
+    for template in REAL_TEMPLATES:
+        want = plain.from_string(template).render(messages=messages, **variables)
+        assert render_chat_template(template, messages, **variables) == want, template
+    assert render_chat_template(REAL_TEMPLATES[2], USER) == "|1"
 
 
 def test_tojson_takes_an_integer_indent_and_short_separators():

@@ -75,7 +75,8 @@ def test_sigterm_under_load_loses_no_request(tiny_bundle, tmp_path):
     assert run["answered_by_victim_after_sigterm"] >= 1  # ...and that work finished after it
     assert run["probe_after_sigterm"] == {"status": 503, "retry_after": "1"}
     assert run["victim_exit_code"] == 0
-    assert run["sigterm_to_exit_s"] < 15
+    assert "drained (0 requests still in flight)" in run["victim_stop_line"]
+    assert run["victim_stop_line"].endswith("idle: stopping")  # it stopped once its work was done, not out of time
 
 
 @pytest.mark.triton
@@ -93,7 +94,8 @@ def test_triton_sigterm_unloads_then_exits_without_losing_a_request(tiny_bundle,
     assert run["lost"] == 0 and set(run["outcomes"]) <= {"answered", "refused"}, run
     assert run["answered_after_sigterm"] >= 1  # in flight at the signal, and answered in full afterwards
     assert run["model_ready_0_5_s_after_sigterm"] != 200
-    assert run["exit_code"] == 0 and run["sigterm_to_exit_s"] < 30
+    assert run["exit_code"] == 0
+    assert "drained: every model unloaded" in (tmp_path / "serve.log").read_text()  # not stopped at the timeout
 
 
 def test_a_drainable_triton_restricts_the_model_repository_api():

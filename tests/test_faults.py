@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -56,25 +57,51 @@ def self_draft_build(target, out) -> list[str]:
     ]
 
 
-KILLS = 10
+STAGE_LINE = re.compile(r"^build-engines: (?P<stage>[a-z][a-z ]*) \(\d+ s\)$")  # builder/cli.py, as a stage starts
+
+
+def started_build(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def wait_for_stage(process: subprocess.Popen, stage: str | None = None) -> str | None:
+    """Read the build's progress until ``stage`` starts (any stage when None); its name, or None at the end."""
+    for line in process.stderr:
+        match = STAGE_LINE.match(line.strip())
+        if match and stage in (None, match["stage"]):
+            return match["stage"]
+    return None
+
+
+def stage_seconds(command: list[str]) -> dict[str, float]:
+    """One whole build: each stage's seconds here (when its line came to when the next one did, or the exit)."""
+    process, starts = started_build(command), []
+    while (stage := wait_for_stage(process)) is not None:
+        starts.append((stage, time.monotonic()))
+    assert process.wait() == 0
+    ends = [t for _, t in starts[1:]] + [time.monotonic()]
+    return {stage: end - start for (stage, start), end in zip(starts, ends)}
 
 
 @pytest.mark.slow
-def test_build_killed_at_random_points_never_leaves_a_loadable_partial_bundle(tiny_pair, tmp_path):
+def test_build_killed_in_each_stage_never_leaves_a_loadable_partial_bundle(tiny_pair, tmp_path):
+    """One SIGKILL in each of the build's stages, at a random point of the stage's first half (at its start when it is
+    short): every kill hits a running build (it had announced the stage, and died of the signal), and whatever it
+    left is never a loadable bundle."""
     out = tmp_path / "bundle"
     command = [*self_draft_build(tiny_pair[0], out), "--force"]
-    started = time.perf_counter()
-    assert subprocess.run(command, capture_output=True).returncode == 0  # one whole build: how long it takes here
-    whole = time.perf_counter() - started
+    seconds = stage_seconds(command)
+    assert len(seconds) >= 8  # resolve, pair, export and quantize each engine, evaluate, tokenizer, manifest
     rng = random.Random(20)
-    for i in range(KILLS):  # a kill point in each of KILLS equal slices of the build's time (every stage is hit)
-        process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        time.sleep(whole * (i + rng.random()) / KILLS)
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    for stage, length in seconds.items():
+        process = started_build(command)
+        assert wait_for_stage(process, stage) == stage
+        time.sleep(rng.random() * length / 2 if length > 0.2 else 0.0)
+        os.killpg(process.pid, signal.SIGKILL)
+        assert process.wait() == -signal.SIGKILL, f"the build had ended before the kill in {stage!r}"
+        process.stderr.close()
         if out.exists():  # whatever is at `out` is a complete bundle (the first run's, or a later finished one)
             load_manifest(out)
         for partial in tmp_path.glob(".bundle.partial-*"):

@@ -130,7 +130,7 @@ def test_load_command_accounts_for_every_request(server, tmp_path):
     assert report["clients"] == 4 and 0 < report["answered"] <= 400
     assert report["tokens"] > 0 and report["tokens_per_s"] > 0
     lat = report["latency_s"]
-    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] < 60
+    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"]  # (a request past its timeout would be lost, above)
     assert report["ttft_s"]["p50"] is not None  # some requests were streamed over gRPC
     assert len(report["rss"]) >= 2 and all(s["rss_mb"] > 50 for s in report["rss"])  # found tritonserver + stubs
     assert "lost 0" in result.output and "p99" in result.output
@@ -231,21 +231,25 @@ def test_cancelled_grpc_stream(server, want):
         )
     result, error = stream.results.get(timeout=60)
     assert error is None
-    started = time.monotonic()
     stream.client.stop_stream(cancel_requests=True)
-    assert time.monotonic() - started < 10  # cancelling does not wait for the requests to finish
+    finished = 0  # the requests whose final response had come when the cancel returned
+    while not stream.results.empty():
+        result, error = stream.results.get_nowait()
+        finished += error is None and result.get_response().parameters["triton_final_response"].bool_param
+    assert finished < 3  # cancelling did not wait for the requests to finish
     stream.client.close()
     answered_correctly(server, want)
 
 
-def test_python_stub_killed_mid_request(tiny_bundle, tmp_path, want):
+def test_python_stub_killed_mid_request(tiny_bundle, tmp_path):
     """SIGKILL the speculative model's stub while a request is inside it.
 
-    What Triton 2.51 (nvidia-pytriton 0.7.0) does, asserted here: the in-flight request gets an error at once
-    ("Stub process 'speculative_0_0' is not healthy."); the server keeps running and answers other models, but it
-    does not restart the stub: every later request fails fast with the same error while /v2/health/ready and the
-    model's ready endpoint still answer 200. An operator must probe with a real request (docs/operations.md). If a
-    later Triton restarts the stub, the recovered branch checks the answer instead.
+    What Triton 2.51 (nvidia-pytriton 0.7.0) does, asserted here: the in-flight request gets an error ("Stub
+    process 'speculative_0_0' is not healthy."); the server keeps running and answers other models, but it does not
+    restart the stub: every later request fails with the same error (an answer, not a hang: each client waits at
+    most 60 s) while /v2/health/ready and the model's ready endpoint still answer 200. An operator must probe with a
+    real request (docs/operations.md). A Triton that restarts the stub fails this test: its behaviour is then new,
+    and the operations page must say so.
     """
     from triton_repo.generate import RepoOptions, write_repository
     from triton_repo.server import start_server
@@ -262,30 +266,23 @@ def test_python_stub_killed_mid_request(tiny_bundle, tmp_path, want):
             )
             time.sleep(1.5)
             os.kill(pid, signal.SIGKILL)
-            started = time.monotonic()
             result, error = stream.results.get(timeout=60)  # queue.Empty here would be a hang
             assert error is not None and "not healthy" in str(error), (result, error)
-            assert time.monotonic() - started < 30
         finally:
             stream.close()
         assert server.process.poll() is None
         outcomes = []
         for _ in range(5):
-            began = time.monotonic()
             try:
                 outcomes.append(("answered", http_generate(server, {"text_input": PROMPT, "max_tokens": 16})))
             except urllib.error.HTTPError as err:
                 outcomes.append(("failed", err.read().decode()))
-            assert time.monotonic() - began < 30
             time.sleep(1)
-        if outcomes[-1][0] == "answered":  # recovered: the stub was restarted
-            assert outcomes[-1][1]["text_output"] == want
-        else:  # failed clearly, at once, every time
-            assert all(
-                kind == "failed" and "Stub process" in text and "not healthy" in text for kind, text in outcomes[-3:]
-            ), outcomes
-            assert "speculative" not in stubs(server)
-            assert server.ready()  # what 2.51 reports: ready, although the model cannot answer (documented)
+        assert all(kind == "failed" and "Stub process" in text and "not healthy" in text for kind, text in outcomes), (
+            outcomes
+        )
+        assert "speculative" not in stubs(server)  # not restarted
+        assert server.ready()  # what 2.51 reports: ready, although the model cannot answer (documented)
     finally:
         stop_discarding_log(server)
 
@@ -337,8 +334,7 @@ def test_server_restarted_under_load(tiny_bundle, tmp_path):
     print(sorted(result.errors)[:12])
     assert before and all(r.outcome == "answered" for r in before)
     assert len(after) >= 4 and all(r.outcome == "answered" for r in after), [r.error for r in after][:5]
-    assert result.failed >= 1  # the gap: refused connections, not hangs
-    assert all(r.ended - r.started < 31 for r in result.records)
+    assert result.failed >= 1  # the gap: refused connections, not hangs (a request past its 30 s would be lost)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])

@@ -429,5 +429,29 @@ def test_load_driver_runs_speculation_on_and_off_beside_hostile_connections(serv
         assert run["health"]["probes"] >= 1 and run["watched_stream_gap_s"]["n"] > 0
     on, off = (run["planned_draft_length"] for run in runs)
     assert sum(on["row_steps"].values()) > 0 and off["mean"] == 0 and set(off["row_steps"]) == {"0"}
-    summary = level_summary(runs)
-    assert len(summary) == 1 and summary[0]["ratio"] == runs[0]["output_tokens_per_s"] / runs[1]["output_tokens_per_s"]
+    assert [run["speculation"] for run in runs] == [True, False]  # draft_tokens 0 turned the server's drafting off
+    (level,) = level_summary(runs)  # one client level: the two runs side by side
+    assert level["clients"] == 2 and level["ratio"] > 0
+    assert level["mean_planned_k"] == on["mean"] > 0  # the speculative side is the run that drafted
+
+
+def test_the_level_summary_sets_each_levels_speculative_run_beside_its_plain_one():
+    """Runs at 1 and 2 clients, speculation on and off, in any order: per level, the speculative tokens/s over the
+    plain one (1 client: 30 / 20; 2 clients: 45 / 36) and the speculative throughput over one client's (45 / 30)."""
+    from bench.openai_report import level_summary
+
+    def run(clients: int, speculation: bool, tokens_per_s: float) -> dict:
+        planned = {"mean": 2.5 if speculation else 0.0}
+        return dict(
+            clients=clients,
+            speculation=speculation,
+            output_tokens_per_s=tokens_per_s,
+            ttft_s={"p95": 0.1},
+            planned_draft_length=planned,
+        )
+
+    runs = [run(2, False, 36.0), run(1, True, 30.0), run(2, True, 45.0), run(1, False, 20.0)]
+    one, two = level_summary(runs)
+    assert (one["clients"], one["ratio"], one["scaling"]) == (1, pytest.approx(1.5), pytest.approx(1.0))
+    assert (two["clients"], two["ratio"], two["scaling"]) == (2, pytest.approx(1.25), pytest.approx(1.5))
+    assert one["mean_planned_k"] == two["mean_planned_k"] == 2.5

@@ -173,22 +173,32 @@ def smollm2_tokenizer(smollm2_bundle):
     return Tokenizer(smollm2_bundle / "tokenizer")
 
 
-def test_a_stream_that_fails_decodes_whole_from_then_on(tiny_tokenizer):
+def test_a_stream_that_fails_decodes_whole_from_then_on(tiny_tokenizer, monkeypatch):
     """tokenizers raises when a decoder changes text already emitted ("invalid prefix"); the decoder then decodes
     the whole sequence at each push instead, with the same text."""
     from runtime.text.tokenizer import IncrementalDecoder
 
-    class Failing:
-        def step(self, tokenizer, ids):
-            raise Exception("Invalid prefix encountered")
+    class StreamRefused:  # the tokenizer as tokenizers' DecodeStream cannot use it (every step raises); counts decodes
+        def __init__(self, fast):
+            self.fast, self.decodes = fast, 0
+
+        def decode(self, *args, **kwargs):
+            self.decodes += 1
+            return self.fast.decode(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.fast, name)
 
     ids = tiny_tokenizer.encode("Ünïcödé café — 日本語 🙂", add_special_tokens=False)
     decoder = IncrementalDecoder(tiny_tokenizer)
     first = decoder.push(ids[:3])
-    decoder._stream = Failing()
-    pieces = [first] + [decoder.push([i]) for i in ids[3:]] + [decoder.flush()]
+    refused = StreamRefused(tiny_tokenizer.fast)
+    monkeypatch.setattr(tiny_tokenizer, "fast", refused)
+    pieces = [first] + [decoder.push([i]) for i in ids[3:]]
+    assert refused.decodes == len(ids) - 3  # each push after the failure decoded the whole sequence
+    assert decoder.flush() == ""  # and sent its text then: nothing was left for the end
     assert "".join(pieces) == tiny_tokenizer.decode(ids)
-    assert decoder._stream is None and all(not p.endswith("\ufffd") for p in pieces)
+    assert all(not p.endswith("\ufffd") for p in pieces)
 
 
 # --- corrupted manifests and configs ------------------------------------------------------------------------------

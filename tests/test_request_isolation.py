@@ -87,12 +87,21 @@ def test_a_lone_row_verifies_no_padding_beyond_the_engines_own(generator, monkey
     assert widths and max(widths) == 2
 
 
-def test_the_scheduler_leaves_the_engines_settings_alone(generator):
+def test_the_scheduler_leaves_the_engines_settings_alone(generator, monkeypatch):
+    """Made and stepped through two requests: every target call runs with the engines' own settings."""
     engine = fused(generator)
-    before = [getattr(getattr(e, "engine", e), "min_call_tokens", None) for e in (generator.target, generator.draft)]
-    Scheduler(generator, max_batch=2)
-    after = [getattr(getattr(e, "engine", e), "min_call_tokens", None) for e in (generator.target, generator.draft)]
-    assert before == after and engine.min_call_tokens == 2  # a fused target pads one-token calls at every precision
+
+    def settings() -> list:
+        return [getattr(getattr(e, "engine", e), "min_call_tokens", None) for e in (generator.target, generator.draft)]
+
+    before, seen, forward = settings(), [], engine.forward
+    scheduler = Scheduler(generator, max_batch=2)
+    handles = [scheduler.submit(p, max_new_tokens=8, k=2) for p in ("def add(a, b):", "The quick brown")]
+    monkeypatch.setattr(engine, "forward", lambda *a, **kw: seen.append(settings()) or forward(*a, **kw))
+    drain(scheduler)
+    assert all(handle.result().token_ids for handle in handles)
+    assert seen and all(during == before for during in seen) and settings() == before
+    assert engine.min_call_tokens == 2  # a fused target pads one-token calls at every precision
 
 
 def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypatch):

@@ -227,7 +227,7 @@ def test_greedy_comparison_reports_the_first_divergence(monkeypatch, capsys):
     assert tasks.first_divergence([1, 2], [1]) == 1
     rows = [types.SimpleNamespace(token_ids=ids) for ids in ([1, 2, 3], [4, 5], [6], [7])]
     other = [types.SimpleNamespace(token_ids=ids) for ids in ([1, 2, 9], [4, 5], [6], [7])]
-    monkeypatch.setattr(tasks, "_generate_both", lambda bundle, n: (rows, other))
+    monkeypatch.setattr(tasks, "generate_both", lambda bundle, n: (rows, other))
     assert tasks.greedy("b", "8", "report") == 0  # a random tiny pair may part on a near-tie: reported
     assert "first divergence at token 2" in capsys.readouterr().out
     assert tasks.greedy("b", "8", "strict") == 1  # SmolLM2: any divergence fails

@@ -246,6 +246,11 @@ def serve(
                 f"SIGTERM: unloading the models as their requests finish; exiting in {drain_linger:g} s at the earliest"
             )
             server.drain(drain_linger)
+            click.echo(
+                "drained: every model unloaded once its requests finished"
+                if server.unloaded
+                else "drain: models still loaded at the exit timeout; stopped anyway"
+            )
         else:
             click.echo("stopping")
             server.stop()

@@ -137,6 +137,7 @@ class TritonServer:
     log_kept: bool = False  # set by stop(): the log is still at log_path
     exit_timeout: int = 10  # tritonserver's --exit-timeout-secs: how long a stop waits for in-flight requests
     drain_header: tuple[str, str] | None = None  # the model-repository API's header (drainable servers only)
+    unloaded: bool = False  # set by drain(): every model unloaded (its requests finished) before the stop
 
     @property
     def url(self) -> str:
@@ -178,6 +179,7 @@ class TritonServer:
         unloaded = False
         if self.drain_header is not None and self.process.poll() is None:
             unloaded = self._unload_all(time.monotonic() + self.exit_timeout)
+        self.unloaded = unloaded
         while time.monotonic() < deadline and self.process.poll() is None:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return self.stop(timeout=IDLE_STOP_S if unloaded else self.exit_timeout + 20.0)

@@ -193,10 +193,12 @@ class DrainingServer(uvicorn.Server):
             log.info("SIGTERM: draining (%d requests in flight; up to %.0f s)", self.drain.inflight, self.drain.timeout)
         if self.drain.finished():
             if not self.should_exit:
+                elapsed = self.drain.clock() - self.drain.started_at
                 log.info(
-                    "drained (%d requests still in flight) after %.1f s: stopping",
+                    "drained (%d requests still in flight) after %.1f s, %s: stopping",
                     self.drain.inflight,
-                    self.drain.clock() - self.drain.started_at,
+                    elapsed,
+                    "out of time" if elapsed >= self.drain.timeout else "idle",
                 )
             self.should_exit = True
         return await super().on_tick(counter)
