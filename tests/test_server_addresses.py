@@ -115,15 +115,15 @@ def scheduler(tiny_bundle):
 @pytest.fixture
 def clients(scheduler, monkeypatch):
     """The client address every submitted request is given (what --max-rows-per-client and the fewest-rows order
-    count by), recorded on the scheduler's public ``submit``."""
+    count by), recorded on the scheduler's public ``enqueue``."""
     seen: list[str] = []
-    real = scheduler.submit
+    real = scheduler.enqueue
 
     def recording(*args, **kwargs):
         seen.append(kwargs.get("client"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(scheduler, "submit", recording)
+    monkeypatch.setattr(scheduler, "enqueue", recording)
     return seen
 
 
