@@ -68,21 +68,22 @@ def test_a_request_at_the_context_limit_does_not_fail_one_drafting_k4(generator,
             assert got.token_ids == alone.token_ids
 
 
-def test_a_lone_row_verifies_no_padding_beyond_the_engines_own(generator, monkeypatch):
+def test_a_lone_row_verifies_no_padding_beyond_the_engines_own(generator):
     """At k=1 a lone row's verify call is [last, x1]: two tokens, not three."""
     engine = fused(generator)
     widths = []
-    original = engine._run
 
-    def spy(cache, rows, tokens, *args, **kwargs):
-        widths.append(tokens.shape[1])
-        return original(cache, rows, tokens, *args, **kwargs)
+    def observe(call):
+        widths.append(call.session_width)  # what ONNX Runtime ran, the engine's own padding included
 
     scheduler = Scheduler(generator, max_batch=2)
     handle = scheduler.submit("def add(a, b):", max_new_tokens=12, k=1)
     scheduler.step()  # admission (the prefill) and a first step
-    monkeypatch.setattr(engine, "_run", spy)
-    drain(scheduler)
+    engine.watch(observe)
+    try:
+        drain(scheduler)
+    finally:
+        engine.unwatch(observe)
     handle.result()
     assert widths and max(widths) == 2
 

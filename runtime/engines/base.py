@@ -52,6 +52,9 @@ class Call:
     session_seconds: float  # inside its runtime's sessions (ONNX Runtime's run); the whole call where it has none
     first: bool  # the first call on its cache (a prompt's prefill, a drafter's first call)
     exact: bool = True  # it asked for lone-call kernels (``compute``'s ``exact``)
+    # the widest query (tokens a row) its runtime's sessions ran, the engine's own padding included; the call's width
+    # where an engine does not say
+    session_width: int = 0
 
 
 CallObserver = Callable[[Call], None]
@@ -71,6 +74,7 @@ class Engine:
     # prefill between decode steps; a fused target's is checked on this CPU when the bundle opens (call_checks.py)
     prefills_in_chunks = True
     session_seconds = 0.0  # seconds its runtime's sessions have run so far (what a Call's session_seconds counts)
+    session_widest = 0  # the widest query its sessions ran since an observed call began (a Call's session_width)
     observers: tuple = ()  # told of every call (``watch``)
 
     # --- what a subclass implements -------------------------------------------------------------------------------
@@ -183,11 +187,12 @@ class Engine:
         if not self.observers:
             return work()
         first, start, session = cache.calls == 0, time.perf_counter(), self.session_seconds
+        self.session_widest = 0
         out = work()
         seconds = time.perf_counter() - start
         inside = self.session_seconds - session
         width = int(shape[1]) if len(shape) > 1 else 1
-        call = Call(kind, int(shape[0]), width, seconds, inside or seconds, first, exact)
+        call = Call(kind, int(shape[0]), width, seconds, inside or seconds, first, exact, self.session_widest or width)
         for observer in self.observers:
             observer(call)
         return out
@@ -210,6 +215,9 @@ class EngineWrapper(Engine):
     feature_width = property(lambda self: self.engine.feature_width)
     prefills_in_chunks = property(lambda self: self.engine.prefills_in_chunks)
     session_seconds = property(lambda self: self.engine.session_seconds)
+    session_widest = property(
+        lambda self: self.engine.session_widest, lambda self, value: setattr(self.engine, "session_widest", value)
+    )
 
     def new_cache(self, batch: int) -> KVCache:
         return self.engine.new_cache(batch)

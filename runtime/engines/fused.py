@@ -390,6 +390,7 @@ class FusedEngine(Engine):
         outputs = self._output_values(tokens.shape, keep)
         for name, value in outputs.items():
             binding.bind_ortvalue_output(name, value)
+        self.session_widest = max(self.session_widest, int(tokens.shape[1]))
         start = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.session_seconds += time.perf_counter() - start

@@ -107,6 +107,7 @@ class OnnxEngine(Engine):
         small = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions}
         feed = {name: self._ort.OrtValue.ortvalue_from_numpy(array) for name, array in small.items()}
         feed.update(zip(self.past_names, cache.past))
+        self.session_widest = max(self.session_widest, int(tokens.shape[1]))
         logits, *present = self._run(feed)
         cache.past, cache.mask = present, mask
         cache.lengths = cache.lengths + valid.sum(axis=1)
