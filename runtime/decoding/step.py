@@ -1,5 +1,5 @@
-"""The decode step, once: what every loop (SpeculativeLoop for a batch run to completion, the Scheduler for in-flight
-batching) runs after it has decided the step's plan.
+"""The decode step, once: what the one loop (runtime/serving/scheduler.py, for a server's in-flight batch and for the
+Python API's groups alike) runs after it has decided the step's plan.
 
 A plan (``StepPlan``) says which rows draft and how far, and which target call scores them; ``decode_step`` executes
 it: each drafter proposes for its rows, the target scores every row's [last, x_1..x_d], each row accepts
@@ -64,7 +64,8 @@ class DecodeRow:
 
 @dataclass
 class DraftGroup:
-    """Rows one drafter serves: all of a batch (SpeculativeLoop), or one request's row (the scheduler)."""
+    """Rows one drafter serves: one request's rows (a Python API call's whole batch is one request; a server's
+    requests have a row each)."""
 
     drafter: Drafter | None
     rows: list[int]  # positions in the step's rows

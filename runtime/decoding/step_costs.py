@@ -127,7 +127,7 @@ class PlanInputs:
 
     acceptance: list[float]
     limits: list[int]
-    shared_drafter: bool  # one drafter call drafts every row (SpeculativeLoop); else one drafter per row
+    shared_drafter: bool  # one drafter call drafts every row (one request's rows); else one drafter per row
     min_width: int = 2  # a scored row's width in the target call (the target's min_call_tokens)
     plain_width: int = 2  # a step where no row drafts: 1 where the policy lets it run unpadded
     paid: list[bool] | None = None  # per row: its drafts cost draft calls (False: a model-free drafter); None: all
