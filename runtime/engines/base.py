@@ -70,9 +70,11 @@ class Engine:
     has_hidden = False  # calls leave their final hidden states [B, S, H] in cache.extra["hidden"]
     takes_features = False  # compute needs ``features`` [B, S, feature_width] (a feature draft's graph)
     feature_width = 0
-    # a prompt prefilled in several calls leaves the cache one call would, so a server may chunk a long prompt's
-    # prefill between decode steps; a fused target's is checked on this CPU when the bundle opens (call_checks.py)
-    prefills_in_chunks = True
+    # a prompt prefilled in several calls leaves the cache one call would, and a chunk can ride in a decode step's
+    # call without its logits held: a server may then chunk a long prompt's prefill between decode steps. Only a
+    # fused graph can (it keeps the logits asked for; checked on this CPU when the bundle opens, call_checks.py); the
+    # others prefill a prompt whole at admission (the export graph in calls of ``prefill_positions``)
+    prefills_in_chunks = False
     session_seconds = 0.0  # seconds its runtime's sessions have run so far (what a Call's session_seconds counts)
     session_widest = 0  # the widest query its sessions ran since an observed call began (a Call's session_width)
     observers: tuple = ()  # told of every call (``watch``)

@@ -50,6 +50,8 @@ class FusedEngine(Engine):
     does. Both it and ``prefills_in_chunks`` are set once, when the bundle is opened (runtime/engines/loading.py).
     """
 
+    prefills_in_chunks = True  # until the load-time check finds this CPU scoring a chunked prefill otherwise
+
     def __init__(
         self,
         path: Path,
