@@ -55,7 +55,7 @@ class Handle:
 
     def __init__(self, request_id: int, sink: Callable[[Event], None] | None = None):
         self.id = request_id
-        self._events: queue.Queue[Event] = queue.Queue()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()  # C-implemented: a step reads it
         self._sink = sink or self._events.put
         self._cancelled = threading.Event()
         self.submitted = time.perf_counter()

@@ -392,6 +392,8 @@ class Scheduler:
     def _admit(self) -> float:
         """Admit waiting requests into free rows (``_take``); returns the seconds spent prefilling. Each admission
         is its own: a request whose setup or prefill fails gets its error, the others admitted with it run."""
+        if not self.waiting:  # read without the lock: a request enqueued meanwhile is taken at the next step
+            return 0.0
         with self._lock:
             taken = self._take(self.max_batch - len(self.rows))
         if not taken:
@@ -565,6 +567,8 @@ class Scheduler:
 
     def _refuse_stale(self) -> None:
         """Requests cancelled while waiting, or waiting longer than max_wait, leave the queue."""
+        if not self.waiting:
+            return
         now = time.perf_counter()
         with self._lock:
             stale = [
