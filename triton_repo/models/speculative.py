@@ -157,13 +157,17 @@ class TritonPythonModel:
 
     def _export(self, final: bool = True):
         """Triton's metrics from one reading of the registry and the scheduler (runtime/metric_families.py): always
-        at a request's end or refusal (``final``), else (a stream's piece) at most every METRICS_EVERY_S."""
+        at a request's end or refusal (``final``), else (a stream's piece) at most every METRICS_EVERY_S. Never
+        raises: a metric that fails must not fail a request."""
         from runtime.metric_families import read
 
         now = time.monotonic()
         if final or now - self.exported_at >= METRICS_EVERY_S:
             self.exported_at = now
-            self.exported.update(read(self.generator.metrics, self.scheduler, self.model_name))
+            try:
+                self.exported.update(read(self.generator.metrics, self.scheduler, self.model_name))
+            except Exception as err:  # noqa: BLE001 - logged; the requests go on
+                pb_utils.Logger.log_error(f"speculative: exporting the metrics failed: {err!r}")
 
     # --- requests ---------------------------------------------------------------------------------------------------
 
