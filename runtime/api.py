@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 from runtime.decoding.config import DecodeConfig
 from runtime.loaded import LoadedBundle
+from runtime.metric_families import prometheus_text, read
 from runtime.request import Admitted, DecodeRequest, FrontDoor, merged_request
 from runtime.serving.handles import Generation
 from runtime.serving.scheduler import Scheduler, StepObserver
@@ -33,6 +34,11 @@ class SpeculativeGenerator(LoadedBundle):
     def door(self) -> FrontDoor:
         """The front door of this bundle, without a server's limits (the caller is trusted with its own process)."""
         return FrontDoor(self)
+
+    def metrics_text(self) -> str:
+        """This generator's cumulative metrics in Prometheus' text format: the families both servers export
+        (runtime/metric_families.py), a server scheduler's reading zero here."""
+        return prometheus_text(read(self.metrics))
 
     # --- requests -------------------------------------------------------------------------------------------------
 

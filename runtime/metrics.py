@@ -1,24 +1,15 @@
-"""Speculative-decoding statistics, with vLLM's definitions, per request and cumulative; Prometheus export.
+"""Speculative-decoding statistics, with vLLM's definitions, per request and cumulative (``MetricsRegistry``).
 
-prometheus_client writes the export (names, escaping, histograms, content type). It is imported on the first export
-only: Triton's Python backend loads the runtime too, exports its own metrics there, and cannot import
-prometheus_client (its ``ssl`` import fails in the backend stub's interpreter).
+What is counted here; what is exported, under which names, is runtime/metric_families.py's one table, which both
+servers render (the OpenAI server with prometheus_client, the Triton model with Triton's own metric API).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import asdict, dataclass, field
-from typing import Callable
-
-
-def __getattr__(name):  # CONTENT_TYPE: the Content-Type header of MetricsRegistry.prometheus()'s text, lazily
-    if name == "CONTENT_TYPE":
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return CONTENT_TYPE_LATEST
-    raise AttributeError(name)
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -87,6 +78,13 @@ class RequestStats:
             out[name] = getattr(self, name)
         return out
 
+    def copy(self) -> "RequestStats":
+        return replace(
+            self,
+            accepted_per_position=list(self.accepted_per_position),
+            drafted_per_position=list(self.drafted_per_position),
+        )
+
     def merge(self, other: "RequestStats") -> None:
         """Add another request's counters (cumulative metrics)."""
         for name in (
@@ -116,43 +114,38 @@ class RequestStats:
 # Latency buckets (seconds): a CPU first token takes tens of milliseconds to seconds, a token after it milliseconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
-COUNTERS = {  # exported name (without _total) -> (help, RequestStats field or "requests")
-    "requests": ("Requests completed", "requests"),
-    "verify_steps": ("Target verify calls", "num_steps"),
-    "drafts": ("Verify steps that checked at least one draft token", "num_drafts"),
-    "draft_tokens": ("Draft tokens proposed", "num_draft_tokens"),
-    "accepted_tokens": ("Draft tokens accepted", "num_accepted_tokens"),
-    "emitted_tokens": ("Tokens generated", "num_emitted_tokens"),
-    "fallback_steps": ("Target-only steps taken because acceptance fell low", "fallback_steps"),
-}
-# vLLM's spec-decode counters under vLLM's own names, so dashboards built for vLLM read ours: vllm-project/vllm
-# vllm/v1/spec_decode/metrics.py (SpecDecodingProm), each exposed with _total; per position with a 0-based label.
-VLLM_COUNTERS = {
-    "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", "num_drafts"),
-    "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", "num_draft_tokens"),
-    "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.", "num_accepted_tokens"),
-}
-GAUGES = {  # exported name -> (help, RequestStats property of the cumulative counters)
-    "draft_acceptance_rate": ("accepted / drafted", "draft_acceptance_rate"),
-    "mean_acceptance_length": ("1 + accepted / drafts", "mean_acceptance_length"),
-    "system_efficiency": ("emitted / (steps * (k + 1))", "system_efficiency"),
-}
+RECENT = 256  # observations a histogram keeps as they were, for an exporter that can only observe (Triton's)
 
 
 @dataclass
 class LatencyHistogram:
-    """Observations counted into fixed buckets (upper bounds, seconds), as a Prometheus histogram exports them."""
+    """Observations counted into fixed buckets (upper bounds, seconds), as a Prometheus histogram exports them.
+
+    It also keeps its last ``RECENT`` observations (``recent``) and how many it ever had (``observed``): Triton's
+    histograms cannot be set, only observed, so its exporter replays the observations made since its last look
+    (runtime/metric_families.py ``TritonMetrics``)."""
 
     bounds: tuple[float, ...]
     counts: list[int] = field(default_factory=list)  # [i]: observations in (bounds[i-1], bounds[i]]; last: above all
     total: float = 0.0
+    observed: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
 
     def __post_init__(self) -> None:
         self.counts = self.counts or [0] * (len(self.bounds) + 1)
 
     def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.counts[self.bucket(seconds)] += 1
         self.total += seconds
+        self.observed += 1
+        self.recent.append(seconds)
+
+    def bucket(self, seconds: float) -> int:
+        """The index into ``counts`` of the bucket ``seconds`` falls in (Prometheus' ``le``: at or below a bound)."""
+        return bisect.bisect_left(self.bounds, seconds)
+
+    def copy(self) -> "LatencyHistogram":
+        return LatencyHistogram(self.bounds, list(self.counts), self.total, self.observed, self.recent.copy())
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations at or below it), +Inf last: a Prometheus histogram's buckets."""
@@ -163,25 +156,37 @@ class LatencyHistogram:
         return out
 
 
+@dataclass(frozen=True)
+class Counts:
+    """A consistent copy of a registry's counts (``MetricsRegistry.snapshot``): what an export reads, while the
+    registry goes on counting."""
+
+    total: RequestStats
+    requests: int
+    fallback_active: bool
+    by_drafter: dict[str, tuple[int, int]]  # drafter kind -> (draft tokens, accepted tokens)
+    ttft: LatencyHistogram
+    inter_token: LatencyHistogram
+    target_calls: int
+    refused: int
+
+
 class MetricsRegistry:
-    """Cumulative counters across requests and latency histograms, thread-safe, exported for Prometheus.
+    """Cumulative counters across requests and latency histograms, thread-safe: one per loaded bundle, so two
+    generators in one process count apart. Counted into by the output processor (``add``: every finished sequence),
+    the scheduler (``fallback_active``; ``count_call``: its target's calls while it runs) and the front door
+    (``count_refusal``); read by the exporters through ``snapshot``."""
 
-    Each registry exports through its own prometheus_client ``CollectorRegistry`` (no process-global state: two
-    generators in one process count apart), made on the first export. The one registry of a process's metrics: what
-    serves them passes its own families to ``prometheus`` (a server: its scheduler's), so every metric is exported the
-    same way. (A Triton model reports through Triton's own metric API: its backend cannot serve this text.)
-    """
-
-    def __init__(self, prefix: str = "draftsmith") -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.prefix = prefix
         self.total = RequestStats()
         self.requests = 0
         self.fallback_active = False  # True while decoding target-only because acceptance fell low (on_fallback)
         self.ttft = LatencyHistogram(TTFT_BUCKETS)
         self.inter_token = LatencyHistogram(ITL_BUCKETS)
         self.by_drafter: dict[str, list[int]] = {}  # drafter kind -> [draft tokens, accepted tokens]
-        self._registry = None
+        self.target_calls = 0
+        self.refused = 0  # requests the front door refused (a bad request)
 
     def add(self, stats: RequestStats, drafter: str = "") -> None:
         """Count a finished request: its counters, its time to first token and its inter-token latency, (total -
@@ -201,97 +206,31 @@ class MetricsRegistry:
                     max(0.0, stats.total_time - stats.time_to_first_token) / (stats.num_emitted_tokens - 1)
                 )
 
-    def prometheus(self, more: Callable[[], list] | None = None) -> str:
-        """Every metric in Prometheus' text exposition format (served with ``runtime.metrics.CONTENT_TYPE``), and
-        the families ``more()`` gives for this export (prometheus_client metric families: a server's scheduler's)."""
-        from prometheus_client import CollectorRegistry, generate_latest
-
+    def count_call(self, call) -> None:
+        """A target engine's call (an engine observer: runtime/engines/base.py ``Call``): a batch step is one call,
+        however many sequences it verifies; admitted prompts prefilled in place (``prefill_rows``) one each, as a
+        fused target prefills each admitted row in calls of its own."""
         with self._lock:
-            if self._registry is None:
-                self._registry = CollectorRegistry(auto_describe=False)
-                self._registry.register(self)
-        text = generate_latest(self._registry).decode("utf-8")
-        if more is not None:
-            extra = CollectorRegistry(auto_describe=False)
-            extra.register(_Families(more))
-            text += generate_latest(extra).decode("utf-8")
-        return text
+            self.target_calls += call.rows if call.kind == "prefill_rows" else 1
 
-    def collect(self) -> list:
-        """prometheus_client's collector protocol: the metric families of one consistent snapshot."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-        from prometheus_client.utils import floatToGoString
-
+    def count_refusal(self) -> None:
+        """A request the front door refused (runtime/request.py ``FrontDoor.refusal``)."""
         with self._lock:
-            t, p = self.total, self.prefix
-            counted = {"requests": self.requests, **{f: getattr(t, f) for _, f in COUNTERS.values() if f != "requests"}}
-            out = [CounterMetricFamily(f"{p}_{name}", text, value=counted[f]) for name, (text, f) in COUNTERS.items()]
-            out += [CounterMetricFamily(name, text, value=counted[f]) for name, (text, f) in VLLM_COUNTERS.items()]
-            per_pos = CounterMetricFamily(
-                "vllm:spec_decode_num_accepted_tokens_per_pos",
-                "Accepted tokens per draft position.",
-                labels=["position"],
+            self.refused += 1
+
+    def snapshot(self) -> Counts:
+        """A copy of every count, taken under the lock: one consistent reading."""
+        with self._lock:
+            return Counts(
+                self.total.copy(),
+                self.requests,
+                self.fallback_active,
+                {kind: (c[0], c[1]) for kind, c in self.by_drafter.items()},
+                self.ttft.copy(),
+                self.inter_token.copy(),
+                self.target_calls,
+                self.refused,
             )
-            for i, count in enumerate(t.accepted_per_position):
-                per_pos.add_metric([str(i)], count)
-            out.append(per_pos)
-            out += [
-                GaugeMetricFamily(f"{p}_{name}", help_text, value=getattr(t, f))
-                for name, (help_text, f) in GAUGES.items()
-            ]
-            out.append(
-                GaugeMetricFamily(
-                    f"{p}_fallback_active",
-                    "1 while decoding target-only because of low acceptance",
-                    value=int(self.fallback_active),
-                )
-            )
-            by_position = GaugeMetricFamily(
-                f"{p}_acceptance_by_position", "Acceptance rate of draft position i", labels=["position"]
-            )
-            for i, rate in enumerate(t.acceptance_per_position):
-                by_position.add_metric([str(i + 1)], rate)
-            out.append(by_position)
-            out += self._by_drafter()
-            for name, help_text, histogram in (
-                (
-                    "time_to_first_token_seconds",
-                    "Seconds from a request's start (prefill included) to its first token",
-                    self.ttft,
-                ),
-                ("inter_token_latency_seconds", "A request's mean seconds per token after its first", self.inter_token),
-            ):
-                out.append(
-                    HistogramMetricFamily(
-                        f"{p}_{name}",
-                        help_text,
-                        sum_value=histogram.total,
-                        buckets=[(floatToGoString(b), c) for b, c in histogram.cumulative()],
-                    )
-                )
-        return out
-
-    def _by_drafter(self) -> list:
-        from prometheus_client.core import CounterMetricFamily
-
-        families = [
-            CounterMetricFamily(f"{self.prefix}_{name}", text, labels=["drafter"])
-            for name, text in (
-                ("drafter_draft_tokens", "Draft tokens proposed, by drafter kind"),
-                ("drafter_accepted_tokens", "Draft tokens accepted, by drafter kind"),
-            )
-        ]
-        for drafter, counts in sorted(self.by_drafter.items()):
-            for family, count in zip(families, counts):
-                family.add_metric([drafter], count)
-        return families
-
-
-class _Families:
-    """A prometheus_client collector over a function that gives metric families."""
-
-    def __init__(self, families: Callable[[], list]) -> None:
-        self.collect = families
 
 
 def peak_rss_bytes() -> int:

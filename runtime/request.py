@@ -302,7 +302,7 @@ class Asked:
     DecodeRequest's fields the request set (``stop`` may hold raw bytes; no ``max_new_tokens``: the server's
     ``max_tokens_limit``); ``sent``: everything the client sent, as JSON-like data, every string of which must be
     valid text (None: the prompt and stops only); ``names`` and ``form``: the protocol's words for the door's fields
-    (``explain``)."""
+    (``FrontDoor.refusal``)."""
 
     prompt: Any
     fields: dict
@@ -314,10 +314,6 @@ class Asked:
     @property
     def prompt_field(self) -> str:
         return "messages" if self.chat else "prompt"
-
-    def explain(self, err: RequestError) -> tuple[str, str | None]:
-        """(message, field) of a front-door error in the protocol's own names."""
-        return renamed(str(err), self.names, self.form), self.names.get(err.field, err.field)
 
 
 class FrontDoor:
@@ -334,7 +330,7 @@ class FrontDoor:
         """A server's request through its checks, before any work: every string it sent valid text, the prompt's
         and stops' sizes within ``limits``, then its DecodeRequest (uncompiled: ``compile`` next, then ``admit``,
         which checks the prompt's text as it tokenizes it: once).
-        RequestError naming the field at fault (``asked.explain`` words it in the protocol's names)."""
+        RequestError naming the field at fault (``refusal`` words it in the protocol's names)."""
         if asked.sent is not None:
             invalid = invalid_text_path(asked.sent)
             if invalid is not None:
@@ -353,6 +349,12 @@ class FrontDoor:
             fields["stop"] = [as_text(s, "stop") for s in stops]
         fields.setdefault("max_new_tokens", limits.max_tokens_limit)
         return decode_request(**fields)
+
+    def refusal(self, asked: Asked, err: RequestError) -> tuple[str, str | None]:
+        """(message, field) of a request this door refused, in ``asked``'s protocol's names, counted in the bundle's
+        metrics (``draftsmith_request_errors``): every server answers the door's RequestErrors through here alike."""
+        self.bundle.metrics.count_refusal()
+        return renamed(str(err), asked.names, asked.form), asked.names.get(err.field, err.field)
 
     def compile(self, request: DecodeRequest) -> DecodeRequest:
         """``request`` with its response format compiled over the bundle's tokenizer (RequestError naming

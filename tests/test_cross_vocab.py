@@ -264,7 +264,9 @@ def test_the_scheduler_serves_both_methods_side_by_side_and_counts_each_apart(ti
         scheduler.step()
     for prompt, option, handle in zip(PROMPTS, options, handles):
         assert handle.result().token_ids == generator.generate(prompt, max_new_tokens=16, **option).token_ids
-    text = generator.metrics.prometheus()
+    from runtime.metric_families import prometheus_text, read
+
+    text = prometheus_text(read(generator.metrics))
     for method in ("tli", "string"):
         assert f'draftsmith_drafter_draft_tokens_total{{drafter="{method}"}}' in text
         assert f'draftsmith_drafter_accepted_tokens_total{{drafter="{method}"}}' in text

@@ -280,23 +280,33 @@ def test_overloaded_is_429_with_retry_after(served):
 
 
 def test_metrics(client, served):
+    """/metrics: exactly the families of the one table (runtime/metric_families.py, the Triton model's too), counted
+    where they happen: the target's calls while the scheduler runs, the front door's refusals."""
+    from metric_readers import prometheus_samples, table_names, type_lines
+
+    def samples():
+        response = httpx.get(served.url + "/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        return response.text, prometheus_samples(response.text)
+
+    _, before = samples()
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
-    response = httpx.get(served.url + "/metrics")
-    assert response.status_code == 200
-    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-    text = response.text
-    for name in (
-        "draftsmith_requests_total",
-        "draftsmith_scheduler_steps_total",
-        "draftsmith_scheduler_running",
-        "draftsmith_scheduler_waiting",
-        "draftsmith_scheduler_cancelled_total",
-        'vllm:num_requests_running{model_name="tiny"}',
-        "vllm:spec_decode_num_draft_tokens_total",
-    ):
-        assert name in text
-    steps = next(line for line in text.splitlines() if line.startswith("draftsmith_scheduler_steps_total "))
-    assert float(steps.split()[1]) >= 1
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "num_draft_tokens": 1000}  # over the bundle's max_k
+    refused = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 400 and "num_draft_tokens" in refused.text
+    text, after = samples()
+    assert type_lines(text) == table_names()
+
+    def grew(name, labels=()):
+        return after[(name, labels)] - before[(name, labels)]
+
+    assert grew("draftsmith_requests_total") == 1
+    assert grew("draftsmith_request_errors_total") == 1
+    assert grew("draftsmith_target_calls_total") >= 2  # its prefill, and at least one step
+    assert grew("draftsmith_scheduler_steps_total") >= 1
+    assert grew("draftsmith_emitted_tokens_total") == 4
+    assert ("vllm:num_requests_running", (("model_name", MODEL),)) in after
 
 
 def test_disconnect_cancels_the_request(client, served, reference, monkeypatch):

@@ -318,7 +318,7 @@ def test_metrics_definitions_and_prometheus_export():
     assert s.acceptance_per_position[:4] == [1.0, 1.0, 1.0, 1.0]
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = gen.metrics.prometheus()
+    text = gen.metrics_text()
     samples = {
         (x.name, tuple(sorted(x.labels.items()))): x.value
         for family in text_string_to_metric_families(text)
@@ -342,20 +342,24 @@ def test_metrics_definitions_and_prometheus_export():
 
 
 def test_metrics_registries_count_apart():
-    """Each MetricsRegistry exports through its own prometheus_client registry: two generators in one process never
-    share counts (nor clash on names)."""
-    from runtime.metrics import CONTENT_TYPE, MetricsRegistry, RequestStats
+    """Each bundle has its own MetricsRegistry: two generators in one process never share counts (nor clash on
+    names)."""
+    from runtime.metric_families import prometheus_text, read
+    from runtime.metrics import MetricsRegistry, RequestStats
 
     one, two = MetricsRegistry(), MetricsRegistry()
     one.add(RequestStats(num_emitted_tokens=1, time_to_first_token=0.2, total_time=0.2))
-    assert "draftsmith_requests_total 1.0" in one.prometheus()
-    assert "draftsmith_requests_total 0.0" in two.prometheus()
-    assert 'draftsmith_time_to_first_token_seconds_bucket{le="0.25"} 1.0' in one.prometheus()
-    assert 'draftsmith_time_to_first_token_seconds_bucket{le="0.1"} 0.0' in one.prometheus()
-    assert "draftsmith_inter_token_latency_seconds_count 0.0" in one.prometheus()  # one token: no inter-token gap
+
+    def text(registry):
+        return prometheus_text(read(registry))
+
+    assert "draftsmith_requests_total 1.0" in text(one)
+    assert "draftsmith_requests_total 0.0" in text(two)
+    assert 'draftsmith_time_to_first_token_seconds_bucket{le="0.25"} 1.0' in text(one)
+    assert 'draftsmith_time_to_first_token_seconds_bucket{le="0.1"} 0.0' in text(one)
+    assert "draftsmith_inter_token_latency_seconds_count 0.0" in text(one)  # one token: no inter-token gap
     one.fallback_active = True
-    assert "draftsmith_fallback_active 1.0" in one.prometheus()
-    assert CONTENT_TYPE.startswith("text/plain; version=")  # prometheus_client's, for the text prometheus() returns
+    assert "draftsmith_fallback_active 1.0" in text(one)
 
 
 def test_decoding_never_imports_prometheus_client():
@@ -363,8 +367,9 @@ def test_decoding_never_imports_prometheus_client():
     stub's interpreter): only an export imports it."""
     code = (
         "import sys\nfrom runtime.metrics import MetricsRegistry, RequestStats\nimport runtime.api\n"
+        "from runtime.metric_families import TritonMetrics, prometheus_text, read\n"
         "m = MetricsRegistry()\nm.add(RequestStats(num_emitted_tokens=3, total_time=1.0))\n"
-        "assert 'prometheus_client' not in sys.modules\nm.prometheus()\n"
+        "assert 'prometheus_client' not in sys.modules\nprometheus_text(read(m))\n"
         "assert 'prometheus_client' in sys.modules\n"
     )
     root = Path(__file__).resolve().parents[1]

@@ -383,9 +383,10 @@ def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, gene
     after = settled(server, before)
     assert (out, error) == (other.text, None)
     assert delta(before, after, "nv_inference_exec_count") == 1  # the two were one batch
-    assert delta(before, after, "draftsmith_requests_cancelled_total") == 1
-    assert delta(before, after, "draftsmith_requests_total") == 1
-    cancelled_steps = delta(before, after, "draftsmith_sequence_steps_total") - other.stats.num_steps
+    assert delta(before, after, "draftsmith_scheduler_cancelled_total") == 1
+    assert delta(before, after, "draftsmith_scheduler_finished_total") == 1
+    assert delta(before, after, "draftsmith_requests_total") == 2  # every sequence that ended, the cancelled one too
+    cancelled_steps = delta(before, after, "draftsmith_verify_steps_total") - other.stats.num_steps
     assert 1 <= cancelled_steps < full.stats.num_steps // 2
     prefills = sum(len(generator.encode_prompt(p, False)) > 1 for p in (cancelled_prompt, other_prompt))  # one per row
     assert delta(before, after, "draftsmith_target_calls_total") == other.stats.num_steps + prefills

@@ -135,9 +135,13 @@ class Stream:
         self.client.close()
 
 
-def metrics(server) -> dict[str, float]:
+def metrics_text(server) -> str:
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def metrics(server) -> dict[str, float]:
+    text = metrics_text(server)
     found = {}
     for name, value in re.findall(r"^(draftsmith_\w+)\{[^}]*\} (\S+)$", text, re.M):
         found[name] = found.get(name, 0.0) + float(value)
@@ -201,7 +205,7 @@ def test_sixteen_clients_twenty_requests_each(server, expected):
     assert after["draftsmith_requests_total"] - before["draftsmith_requests_total"] == 320
     # concurrent requests shared verify calls: fewer batched calls than per-sequence steps
     calls = after["draftsmith_target_calls_total"] - before["draftsmith_target_calls_total"]
-    steps = after["draftsmith_sequence_steps_total"] - before["draftsmith_sequence_steps_total"]
+    steps = after["draftsmith_verify_steps_total"] - before["draftsmith_verify_steps_total"]
     assert calls < steps
     assert server.ready()
 
@@ -276,10 +280,22 @@ def test_metrics_count_this_request(server, expected):
         after["draftsmith_accepted_tokens_total"] - before["draftsmith_accepted_tokens_total"]
         == stats.num_accepted_tokens
     )
-    assert after["draftsmith_sequence_steps_total"] - before["draftsmith_sequence_steps_total"] == stats.num_steps
+    assert after["draftsmith_verify_steps_total"] - before["draftsmith_verify_steps_total"] == stats.num_steps
     assert after["draftsmith_target_calls_total"] - before["draftsmith_target_calls_total"] == stats.num_steps + 1
     assert after["draftsmith_emitted_tokens_total"] > before.get("draftsmith_emitted_tokens_total", 0)
-    assert "draftsmith_running" in after and "draftsmith_waiting" in after
+    assert "draftsmith_scheduler_running" in after and "draftsmith_scheduler_waiting" in after
+
+
+def test_metrics_are_the_one_table(server):
+    """Triton's /metrics has exactly the families of runtime/metric_families.py's table, the OpenAI server's
+    (tests/test_openai_server.py test_metrics), histograms included; a labelled one appears with its first value: a
+    drafted request gives each one its first."""
+    from metric_readers import table_names, type_lines
+
+    http_generate(server, {"text_input": PROMPTS[0], "max_tokens": MAX_TOKENS})
+    text = metrics_text(server)
+    assert type_lines(text, ("draftsmith_", "vllm:")) == table_names()
+    assert 'vllm:num_requests_waiting{model="speculative",model_name="speculative",version="1"}' in text
 
 
 def test_plain_repository_serves_http_infer(tiny_bundle, tmp_path, expected):
@@ -444,7 +460,7 @@ def test_smollm2_through_triton(smollm2_bundle, tmp_path):
         assert "max_tokens" in http_error(server, {"text_input": "hi", "max_tokens": 0})
         after = metrics(server)
         assert after["draftsmith_accepted_tokens_total"] > before.get("draftsmith_accepted_tokens_total", 0)
-        assert 0 <= after["draftsmith_mean_draft_length"] <= generator.max_k  # the plan's choice, exported
+        assert 0 <= after["draftsmith_scheduler_mean_draft_length"] <= generator.max_k  # the plan's choice
         assert server.ready()
     finally:
         server.stop()

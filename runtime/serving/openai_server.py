@@ -59,6 +59,7 @@ from runtime.serving.openai_responses import (
     error_body,
     new_id,
 )
+from runtime.metric_families import CONTENT_TYPE, prometheus_text, read
 from runtime.request import FrontDoor, Limits
 from runtime.serving.pacing import RefusalPacer, RefusalPacing
 from runtime.serving.scheduler import PREFILL_CHUNK, Scheduler
@@ -66,7 +67,6 @@ from runtime.serving.scheduler import PREFILL_CHUNK, Scheduler
 log = logging.getLogger("draftsmith.openai")
 DEFAULT_PACING = RefusalPacing()  # serve-openai's: 8 refusals a second a client at once, then 50 ms more each
 
-PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 DISCONNECT_POLL_S = 0.5  # how often a request waiting for text checks that its client is still there
 
 
@@ -111,8 +111,8 @@ def create_app(
     allowed_hosts: the Host header names answered (None: any; ``serve`` on loopback: LOOPBACK_HOSTS);
     drain: graceful shutdown (runtime/serving/drain.py): /health backed by the scheduler's loop and the drain, 503s
     while draining, /health/live (None: none); refusal_pacing: a client's refusals past a few a second answered
-    late (runtime/serving/pacing.py; None: at once). /metrics is the generator's one registry, with this
-    scheduler's families.
+    late (runtime/serving/pacing.py; None: at once). /metrics: the families of runtime/metric_families.py's table,
+    read from the bundle's registry and this scheduler (the Triton model exports the same table).
     """
     limits = limits or Limits.for_context(scheduler.bundle.max_context)
     api_key_bytes(api_key)  # an empty key is refused here, not at the first request (middleware is built lazily)
@@ -156,8 +156,8 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = scheduler.bundle.metrics.prometheus(lambda: scheduler_families(scheduler, model_name))
-        return PlainTextResponse(text, media_type=PROMETHEUS)
+        text = prometheus_text(read(scheduler.bundle.metrics, scheduler, model_name))
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 
 def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
@@ -265,7 +265,7 @@ class _Replies:
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:
-            message, param = asked.explain(err)
+            message, param = self.door.refusal(asked, err)
             raise APIError(400, message, param=param) from None
         except Unavailable as err:
             raise _event_error(err) from None
@@ -624,51 +624,6 @@ def _describe(error: dict) -> tuple[str | None, str]:
     if kind == "missing" and not loc:
         return None, "a JSON request body is required"
     return param, f"{'.'.join(loc) or 'body'}: {message}"
-
-
-# --- metrics -----------------------------------------------------------------------------------------------------
-
-_COUNTERS = {  # scheduler.stats() key: (metric name, help)
-    "steps": ("scheduler_steps", "Scheduler steps (each advances every running row once)"),
-    "speculative_steps": ("scheduler_speculative_steps", "Steps that drafted and verified"),
-    "row_steps": ("scheduler_row_steps", "Rows advanced, summed over steps"),
-    "admitted": ("scheduler_admitted", "Requests admitted into the batch"),
-    "finished": ("scheduler_finished", "Requests finished (stop, length or context)"),
-    "cancelled": ("scheduler_cancelled", "Requests cancelled (their client went away)"),
-    "timed_out": ("scheduler_timed_out", "Requests that ran past their deadline"),
-    "refused": ("scheduler_refused", "Requests refused as overloaded (queue full, or waited too long)"),
-    "step_time": ("scheduler_step_seconds", "Seconds spent in steps"),
-    "engine_time": ("scheduler_engine_seconds", "Seconds spent in engine calls within steps"),
-}
-_GAUGES = {
-    "running": ("scheduler_running", "Requests in the running batch"),
-    "waiting": ("scheduler_waiting", "Requests waiting for a row"),
-    "mean_batch": ("scheduler_mean_batch", "Mean rows per step"),
-    "mean_draft_length": ("scheduler_mean_draft_length", "Mean draft length the step plan chose per row-step"),
-}
-
-
-def scheduler_families(scheduler: Scheduler, model_name: str, prefix: str = "draftsmith") -> list:
-    """The scheduler's counters and gauges as metric families for the generator's registry (runtime/metrics.py), and
-    vLLM's names for the queue gauges (dashboards made for vLLM)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    stats = scheduler.stats()
-    out = [CounterMetricFamily(f"{prefix}_{name}", text, value=stats[key]) for key, (name, text) in _COUNTERS.items()]
-    out += [GaugeMetricFamily(f"{prefix}_{name}", text, value=stats[key]) for key, (name, text) in _GAUGES.items()]
-    lengths = CounterMetricFamily(
-        f"{prefix}_scheduler_draft_length",
-        "Row-steps by the draft length the step plan chose (0: the row did not draft)",
-        labels=["k"],
-    )
-    for k, count in sorted(scheduler.draft_lengths.items()):
-        lengths.add_metric([str(k)], count)
-    out.append(lengths)
-    for name, key in (("vllm:num_requests_running", "running"), ("vllm:num_requests_waiting", "waiting")):
-        gauge = GaugeMetricFamily(name, f"Requests {key} (vLLM's name)", labels=["model_name"])
-        gauge.add_metric([model_name], stats[key])
-        out.append(gauge)
-    return out
 
 
 def serve(

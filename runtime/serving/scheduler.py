@@ -226,9 +226,10 @@ class Scheduler:
 
     def start(self, calibrate: bool | None = None) -> "Scheduler":
         """Measure the call costs (by default when steps are planned), then run the loop in a daemon thread until
-        ``stop``."""
+        ``stop``; meanwhile the bundle's metrics count its target's calls (``draftsmith_target_calls``)."""
         if calibrate or (calibrate is None and self.plan):
             self.calibrate()
+        self.target.watch(self.bundle.metrics.count_call)
         self._thread = threading.Thread(target=self._loop, name="draftsmith-scheduler", daemon=True)
         self._thread.start()
         return self
@@ -244,6 +245,7 @@ class Scheduler:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
+            self.target.unwatch(self.bundle.metrics.count_call)
         self._fail_all(Unavailable("the scheduler is stopping"))
 
     @property
@@ -258,14 +260,13 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Counters, and per step: mean rows, seconds, and the seconds outside engine calls (the overhead)."""
-        c = dict(self.counters)
+        c, lengths = dict(self.counters), dict(self.draft_lengths)  # copies: the loop's thread may count meanwhile
         steps = max(1, c["steps"])
-        planned = sum(self.draft_lengths.values())
         c.update(
             running=len(self.rows),
             waiting=len(self.waiting),
             mean_batch=c["row_steps"] / steps,
-            mean_draft_length=sum(k * n for k, n in self.draft_lengths.items()) / max(1, planned),
+            mean_draft_length=sum(k * n for k, n in lengths.items()) / max(1, sum(lengths.values())),
             step_ms=1e3 * c["step_time"] / steps,
             overhead_ms=1e3 * (c["step_time"] - c["engine_time"]) / steps,
         )
@@ -480,8 +481,7 @@ class Scheduler:
         if not self.isolate:
             raise err
         error = err if isinstance(err, RequestError) else Unavailable(f"admission failed: {err}")
-        for handle in w.handles:
-            handle.send(Event(error=error))
+        self._fail(w.handles, error)
 
     def _take(self, free: int) -> list[_Waiting]:
         """Under the lock: waiting requests for up to ``free`` rows, each time the oldest of the clients holding the
@@ -549,8 +549,7 @@ class Scheduler:
         self.rows = staying  # first, so stats() never counts a row as both ended and running
         for row, reason in leaving:
             if reason == "error":
-                self.counters["failed"] += 1
-                row.handle.send(Event(error=row_failure(row.error)))
+                self._fail([row.handle], row_failure(row.error))
                 continue
             key = {"cancelled": "cancelled", "timeout": "timed_out"}.get(reason, "finished")
             self.counters[key] += 1
@@ -592,17 +591,20 @@ class Scheduler:
 
     def _fail_running(self, error: Exception) -> None:
         failed, self.rows = self.rows, []  # gone from stats() before their clients hear of it
-        for row in failed:
-            row.handle.send(Event(error=error))
+        self._fail([row.handle for row in failed], error)
         self.cache = self.target.reserved_cache(self.max_batch)
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             waiting, self.waiting = list(self.waiting), deque()
-        for w in waiting:
-            for handle in w.handles:
-                handle.send(Event(error=error))
+        self._fail([handle for w in waiting for handle in w.handles], error)
         self._fail_running(error)
+
+    def _fail(self, handles: list[Handle], error: Exception) -> None:
+        """Each handle's request failed after the front door: counted (``failed``), then told ``error``."""
+        self.counters["failed"] += len(handles)
+        for handle in handles:
+            handle.send(Event(error=error))
 
 
 def isolated(rows: list[DecodeRow], work: Callable, *args):

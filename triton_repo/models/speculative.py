@@ -37,8 +37,11 @@ that runs (triton-inference-server/server#6739), so a cancelled ensemble request
 Seeds are per request: each row samples from a generator made from its own ``seed``, so a seeded request samples the
 same text whatever it is batched with.
 
-Metrics on Triton's ``/metrics``: draft tokens proposed and accepted, target calls, sequence steps, tokens emitted,
-requests, cancelled requests, errors; gauges for the requests running and waiting in the scheduler.
+Metrics on Triton's ``/metrics``: the families of runtime/metric_families.py's one table, the OpenAI server's too,
+through Triton's metric API (``TritonMetrics``; labelled ``model`` and ``version``). They are read from the bundle's
+registry and the scheduler, where they are counted (the target's calls, the front door's refusals, the scheduler's
+failures included), and exported after each request's last response or refusal, and during a stream at most every
+``METRICS_EVERY_S`` (the running and waiting gauges): one reading per event at most, on the scheduler's thread.
 
 Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this model's folder or absolute),
 ``threads``, ``max_tokens_limit``, ``max_prompt_bytes``, ``max_stop_words``, ``max_stop_word_bytes``, ``policy``,
@@ -47,6 +50,7 @@ Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this 
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +58,7 @@ import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.01  # ask about cancellation at most this often per request (each ask is a round trip to Triton)
+METRICS_EVERY_S = 1.0  # a stream's pieces export the metrics at most this often (a request's end always does)
 
 
 class RequestInvalid(ValueError):
@@ -128,35 +133,6 @@ class TritonPythonModel:
         self.door = FrontDoor(self.generator, limits)  # every request's checks, as the OpenAI server's
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         self.vocab_size = self.generator.tokenizer.vocab_size
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        counters = {
-            "draft_tokens": "Draft tokens proposed to the target",
-            "accepted_tokens": "Draft tokens the target accepted",
-            "target_calls": "Target engine calls (prefill and verify; one per step of a whole batch)",
-            "sequence_steps": "Verify steps summed over sequences (> target calls when requests share a batch)",
-            "emitted_tokens": "Tokens generated",
-            "requests": "Requests completed",
-            "requests_cancelled": "Requests whose client cancelled or went away; decoding stopped at the next step",
-            "request_errors": "Requests refused or failed",
-        }
-        self.families, self.metrics = [], {}
-        for name, help_text in counters.items():
-            family = pb_utils.MetricFamily(
-                name=f"draftsmith_{name}_total", description=help_text, kind=pb_utils.MetricFamily.COUNTER
-            )
-            self.families.append(family)
-            self.metrics[name] = family.Metric(labels=labels)
-        for name, help_text in {
-            "running": "Requests in the scheduler's running batch",
-            "waiting": "Requests waiting for a row in the scheduler",
-            "mean_draft_length": "Mean draft length the scheduler's step plan chose per row-step",
-        }.items():
-            family = pb_utils.MetricFamily(
-                name=f"draftsmith_{name}", description=help_text, kind=pb_utils.MetricFamily.GAUGE
-            )
-            self.families.append(family)
-            self.metrics[name] = family.Metric(labels=labels)
-        self._count_target_calls()
         from runtime.serving.scheduler import Scheduler
 
         self.scheduler = Scheduler(
@@ -167,18 +143,31 @@ class TritonPythonModel:
             plan=_param(config, "plan").lower() == "true",
         )
         self.scheduler.start()
+        from runtime.metric_families import TritonMetrics
+
+        self.model_name = args["model_name"]
+        self.exported = TritonMetrics(pb_utils, {"model": self.model_name, "version": args["model_version"]})
+        self.exported_at = 0.0
+        self._export()
         self.active: dict[int, Request] = {}  # submitted, final response not sent yet: the watcher's list
         self.active_lock = threading.Lock()
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self._watch_cancellations, name="speculative-cancel", daemon=True)
         self.watcher.start()
 
-    def _count_target_calls(self):
-        """Count the target engine's calls (its observer: runtime/engines/base.py): a batch step is one call,
-        however many sequences it verifies; an admitted prompt's prefill is one (a fused target prefills each
-        admitted row in calls of its own, however many are admitted together)."""
-        metric = self.metrics["target_calls"]
-        self.generator.target.watch(lambda call: metric.increment(call.rows if call.kind == "prefill_rows" else 1))
+    def _export(self, final: bool = True):
+        """Triton's metrics from one reading of the registry and the scheduler (runtime/metric_families.py): always
+        at a request's end or refusal (``final``), else (a stream's piece) at most every METRICS_EVERY_S. Never
+        raises: a metric that fails must not fail a request."""
+        from runtime.metric_families import read
+
+        now = time.monotonic()
+        if final or now - self.exported_at >= METRICS_EVERY_S:
+            self.exported_at = now
+            try:
+                self.exported.update(read(self.generator.metrics, self.scheduler, self.model_name))
+            except Exception as err:  # noqa: BLE001 - logged; the requests go on
+                pb_utils.Logger.log_error(f"speculative: exporting the metrics failed: {err!r}")
 
     # --- requests ---------------------------------------------------------------------------------------------------
 
@@ -193,6 +182,7 @@ class TritonPythonModel:
                 self._submit(item)
             except Exception as err:  # noqa: BLE001 - any bad request gets its own error, the batch goes on
                 item = None
+                self._export()  # its refusal counted (the front door's, the scheduler's)
                 if self.decoupled:
                     self._fail(sender, err)
                 else:
@@ -217,7 +207,6 @@ class TritonPythonModel:
     def _answer(self, item):
         """Not decoupled: the final response (or error) of one request of this batch."""
         if isinstance(item, Exception):
-            self.metrics["request_errors"].increment(1)
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(_message(item)))
         item.finished.wait()
         return item.response
@@ -225,18 +214,14 @@ class TritonPythonModel:
     def _on_event(self, item, event):
         """The scheduler's sink (its thread): one event of one request → its responses. Must not raise."""
         try:
-            self.metrics["running"].set(float(len(self.scheduler.rows)))
-            self.metrics["waiting"].set(float(len(self.scheduler.waiting)))
-            self.metrics["mean_draft_length"].set(float(self.scheduler.stats()["mean_draft_length"]))
+            self._export(event.error is not None or event.final is not None)  # before its client hears of it
             if event.error is not None:
                 self._done(item, error=event.error)
             elif event.final is not None:
                 generation = event.final
-                self._count(generation.stats)
                 if generation.finish_reason == "cancelled":
                     self._end_cancelled(item, generation.stats.num_steps)
                 else:
-                    self.metrics["requests"].increment(1)
                     text = event.piece if item.stream else generation.text
                     self._done(item, response=self._response(text, generation.stats))
             elif item.stream and event.piece:
@@ -250,7 +235,6 @@ class TritonPythonModel:
             if item.handle is not None:
                 self.active.pop(item.handle.id, None)
         if error is not None:
-            self.metrics["request_errors"].increment(1)
             response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(_message(error)))
         if self.decoupled:
             self._send(item, response, flags=FINAL)
@@ -276,7 +260,6 @@ class TritonPythonModel:
                     item.handle.cancel()
 
     def _fail(self, sender, err):
-        self.metrics["request_errors"].increment(1)
         message = _message(err)
         try:
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)), flags=FINAL)
@@ -304,7 +287,7 @@ class TritonPythonModel:
             else:
                 admitted = self.door.admit_tokens([ids.as_numpy().reshape(-1).tolist()], decode)
         except RequestError as err:
-            raise RequestInvalid(asked.explain(err)[0]) from None
+            raise RequestInvalid(self.door.refusal(asked, err)[0]) from None
         return Request(sender, admitted, bool(stream))
 
     def _asked(self, request):
@@ -366,20 +349,10 @@ class TritonPythonModel:
 
     # --- responses --------------------------------------------------------------------------------------------------
 
-    def _count(self, stats):
-        for name, value in (
-            ("draft_tokens", stats.num_draft_tokens),
-            ("accepted_tokens", stats.num_accepted_tokens),
-            ("sequence_steps", stats.num_steps),
-            ("emitted_tokens", stats.num_emitted_tokens),
-        ):
-            self.metrics[name].increment(value)
-
     def _end_cancelled(self, item, steps: int = 0):
         """A cancelled request's last response: a CANCELLED error flagged final (Triton waits for the flag)."""
         with self.active_lock:
             self.active.pop(item.handle.id, None)
-        self.metrics["requests_cancelled"].increment(1)
         error = pb_utils.TritonError("request cancelled by its client", pb_utils.TritonError.CANCELLED)
         if not self.decoupled:
             item.response = pb_utils.InferenceResponse(output_tensors=[], error=error)

@@ -1,0 +1,302 @@
+"""The one table of metric families (runtime/metric_families.py) and its two renderings: the OpenAI server's
+prometheus_client text and the Triton model's metric API give the same samples from the same reading.
+
+Triton's side runs here through a fake ``triton_python_backend_utils`` that behaves as the 2.51 backend does where it
+matters: a counter refuses a negative increment, a histogram metric needs its buckets (and only a histogram takes
+them), labels are strings. The real server's /metrics is tests/test_triton_server.py's.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from fakes import BigramEngine, random_table
+from metric_readers import prometheus_samples, table_names, type_lines
+from runtime.metric_families import COUNTER, FAMILIES, GAUGE, HISTOGRAM, Reading, TritonMetrics, prometheus_text, read
+from runtime.metrics import RECENT, MetricsRegistry, RequestStats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- a fake Triton Python backend ----------------------------------------------------------------------------------
+
+
+class FakeMetric:
+    def __init__(self, family: "FakeFamily", labels: dict, buckets: list | None):
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
+        if (family.kind == FakeFamily.HISTOGRAM) != (buckets is not None):
+            raise ValueError("Failed to create metric. Missing required buckets / Unexpected buckets found.")
+        self.family, self.labels, self.buckets = family, labels, buckets
+        self.value, self.observed = 0.0, []
+
+    def increment(self, value: float) -> None:
+        assert self.family.kind == FakeFamily.COUNTER
+        if value < 0:
+            raise ValueError("TRITONSERVER_METRIC_KIND_COUNTER can only be incremented monotonically")
+        self.value += value
+
+    def set(self, value: float) -> None:
+        assert self.family.kind == FakeFamily.GAUGE
+        self.value = value
+
+    def observe(self, value: float) -> None:
+        assert self.family.kind == FakeFamily.HISTOGRAM
+        self.observed.append(value)
+
+
+class FakeFamily:
+    COUNTER, GAUGE, HISTOGRAM = "COUNTER", "GAUGE", "HISTOGRAM"
+
+    def __init__(self, name: str, description: str, kind: str, made: list):
+        assert "\n" not in description
+        self.name, self.description, self.kind, self.metrics = name, description, kind, []
+        made.append(self)
+
+    def Metric(self, labels: dict, buckets: list | None = None) -> FakeMetric:  # noqa: N802 - Triton's name
+        metric = FakeMetric(self, labels, buckets)
+        self.metrics.append(metric)
+        return metric
+
+
+def fake_pb_utils() -> types.ModuleType:
+    """The parts of triton_python_backend_utils the metrics and the model use; ``made``: every family made."""
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.made = []
+
+    class MetricFamily(FakeFamily):
+        def __init__(self, name, description, kind):
+            super().__init__(name, description, kind, pb.made)
+
+    class TritonError(Exception):
+        CANCELLED = "CANCELLED"
+
+        def __init__(self, message, code=None):
+            super().__init__(message)
+            self.code = code
+
+        def message(self):
+            return str(self)
+
+    pb.MetricFamily = MetricFamily
+    pb.TritonError = TritonError
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    pb.Tensor = lambda name, array: SimpleNamespace(name=name, array=array)
+    pb.InferenceResponse = lambda output_tensors, error=None: SimpleNamespace(outputs=output_tensors, error=error)
+    pb.get_input_tensor_by_name = lambda request, name: request.get(name)
+    pb.Logger = SimpleNamespace(log_error=lambda message: None, log_info=lambda message: None)
+    return pb
+
+
+def triton_samples(made: list, own: tuple = ("model", "version")) -> dict:
+    """{(sample name, labels without Triton's own): value} of the fake families, named as Prometheus' text names
+    them (a histogram's _bucket, _count and _sum)."""
+    from prometheus_client.utils import floatToGoString
+
+    out = {}
+    for family in made:
+        for metric in family.metrics:
+            labels = tuple(sorted((k, v) for k, v in metric.labels.items() if k not in own))
+            if family.kind != FakeFamily.HISTOGRAM:
+                out[(family.name, labels)] = metric.value
+                continue
+            for bound in [*metric.buckets, float("inf")]:
+                le = labels + (("le", floatToGoString(bound)),)
+                out[(f"{family.name}_bucket", tuple(sorted(le)))] = sum(v <= bound for v in metric.observed)
+            out[(f"{family.name}_count", labels)] = len(metric.observed)
+            out[(f"{family.name}_sum", labels)] = sum(metric.observed)
+    return out
+
+
+# --- a registry and a scheduler with something in them ---------------------------------------------------------------
+
+
+class _Scheduler:
+    """A running scheduler's view as the table reads it (runtime/serving/scheduler.py: stats(), draft_lengths)."""
+
+    def __init__(self, keys):
+        self.counters = dict.fromkeys(keys, 0)
+        self.draft_lengths = collections.Counter()
+
+    def stats(self) -> dict:
+        return dict(self.counters)
+
+
+def _scheduler_keys() -> set[str]:
+    """The keys a real Scheduler's stats() has (over scripted engines)."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.serving.scheduler import Scheduler
+
+    table = random_table(7, 1)
+    generator = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=None, eos_ids=())
+    return set(Scheduler(generator, max_batch=2, reserve=False).stats())
+
+
+def _served(registry: MetricsRegistry, scheduler: _Scheduler, rng: np.random.Generator) -> None:
+    """Some traffic: finished sequences (drafted to several positions, two drafters), target calls, refusals, the
+    scheduler's counters and gauges."""
+    for i in range(int(rng.integers(1, 4))):
+        stats = RequestStats()
+        for _ in range(int(rng.integers(1, 6))):
+            drafted = int(rng.integers(0, 5))
+            stats.record_step(drafted, int(rng.integers(0, drafted + 1)), 1 + drafted, fallback=False)
+        stats.time_to_first_token, stats.total_time = float(rng.uniform(0, 2)), float(rng.uniform(2, 4))
+        registry.add(stats, ("model", "string")[i % 2])
+        registry.count_call(SimpleNamespace(kind="forward", rows=3))
+        registry.count_call(SimpleNamespace(kind="prefill_rows", rows=2))
+    registry.count_refusal()
+    for key in scheduler.counters:
+        scheduler.counters[key] += int(rng.integers(0, 3))
+    scheduler.counters["running"] = int(rng.integers(0, 4))  # a gauge: it goes down too
+    scheduler.draft_lengths[int(rng.integers(0, 4))] += 1
+
+
+# --- tests ------------------------------------------------------------------------------------------------------
+
+
+def test_the_table_is_one_set_of_well_formed_families():
+    names = [f.exported for f in FAMILIES]
+    assert len(names) == len(set(names))
+    for family in FAMILIES:
+        assert family.kind in (COUNTER, GAUGE, HISTOGRAM)
+        assert not family.name.endswith("_total")  # a rendering adds it to a counter
+        assert family.help and "\n" not in family.help and "\\" not in family.help  # Triton writes it unescaped
+        assert family.kind != HISTOGRAM or not family.labels  # both renderings export a histogram unlabelled
+        assert not {"model", "version", "le"} & set(family.labels)  # Triton's own labels, and a histogram's
+    # what the Triton model exported under other names before: one name each now
+    for gone in ("draftsmith_sequence_steps_total", "draftsmith_requests_cancelled_total", "draftsmith_running"):
+        assert gone not in names
+
+
+def test_every_scheduler_family_reads_a_key_the_scheduler_has():
+    """A family reading a key stats() does not have would export 0 forever: each one read is a real key."""
+    asked = set()
+
+    class Recording(dict):
+        def get(self, key, default=None):
+            asked.add(key)
+            return 1
+
+    reading = Reading(MetricsRegistry().snapshot(), Recording(), {}, "m")
+    for family in FAMILIES:
+        family.value(reading)
+    assert asked and asked <= _scheduler_keys()
+    assert {"refused", "failed", "cancelled", "running", "waiting", "mean_draft_length"} <= asked
+
+
+def test_both_renderings_give_the_same_samples_from_one_reading():
+    """The OpenAI server's text and Triton's metrics, updated after each round of traffic (Triton's counters only
+    grow by what changed; its histograms replay the new observations), carry the same samples."""
+    registry, scheduler, rng = MetricsRegistry(), _Scheduler(_scheduler_keys()), np.random.default_rng(3)
+    pb = fake_pb_utils()
+    triton = TritonMetrics(pb, {"model": "speculative", "version": "1"})
+    for _ in range(4):
+        _served(registry, scheduler, rng)
+        reading = read(registry, scheduler, "speculative")
+        triton.update(reading)
+        triton.update(reading)  # nothing changed: nothing counted twice
+        text = prometheus_text(reading)
+        want = prometheus_samples(text)
+        got = triton_samples(pb.made)
+        assert set(got) == set(want)
+        assert got == pytest.approx(want)
+    assert {f.name: f.kind.lower() for f in pb.made} == table_names() == type_lines(text)
+    assert want[("draftsmith_request_errors_total", ())] == registry.refused + sum(
+        scheduler.counters[k] for k in ("refused", "failed")
+    )
+    assert want[("draftsmith_target_calls_total", ())] == registry.target_calls > 0
+    assert want[("vllm:num_requests_running", (("model_name", "speculative"),))] == scheduler.counters["running"]
+
+
+def test_a_histogram_past_what_it_keeps_still_counts_every_observation():
+    """More observations between two updates than a histogram keeps as they were: Triton's buckets still hold
+    every one where it fell."""
+    registry, pb = MetricsRegistry(), fake_pb_utils()
+    triton = TritonMetrics(pb, {"model": "m", "version": "1"})
+    for seconds in np.random.default_rng(5).uniform(0, 40, RECENT + 40):
+        registry.add(RequestStats(num_emitted_tokens=1, time_to_first_token=float(seconds), total_time=40.0))
+    reading = read(registry)
+    triton.update(reading)
+    got, want = triton_samples(pb.made), prometheus_samples(prometheus_text(reading))
+    buckets = {k: v for k, v in want.items() if k[0].startswith("draftsmith_time_to_first_token_seconds_bucket")}
+    assert buckets and {k: got[k] for k in buckets} == buckets
+    assert got[("draftsmith_time_to_first_token_seconds_count", ())] == RECENT + 40
+
+
+# --- the servers ----------------------------------------------------------------------------------------------------
+
+
+def _load_triton_model():
+    """triton_repo/models/speculative.py as Triton loads it: one file (its backend module faked by the caller)."""
+    spec = importlib.util.spec_from_file_location("speculative_model", ROOT / "triton_repo/models/speculative.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _triton_request(prompt, max_tokens=8) -> dict:
+    tensor = SimpleNamespace  # as_numpy() of a [1, 1] tensor
+    return {
+        "text_input": tensor(as_numpy=lambda: np.array([[prompt.encode()]], dtype=object)),
+        "request_output_len": tensor(as_numpy=lambda: np.array([[max_tokens]], dtype=np.int32)),
+    }
+
+
+def test_the_triton_model_exports_the_table_and_what_it_counts(tiny_bundle, monkeypatch):
+    """The Triton model (through the fake backend, not decoupled): it declares exactly the table's families, and
+    after a served request and a refused one its metrics are the OpenAI rendering's of the same reading."""
+    pb = fake_pb_utils()
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    module = _load_triton_model()
+    parameters = dict(
+        bundle=str(tiny_bundle), threads="1", max_tokens_limit="64", max_prompt_bytes="4096", max_stop_words="4",
+        max_stop_word_bytes="64", policy="exact", max_batch="2", max_queue="8", plan="false",
+    )  # fmt: skip
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": json.dumps(config), "model_name": "speculative", "model_version": "1"})
+    try:
+        assert {f.name: f.kind.lower() for f in pb.made} == table_names()
+        (refused,) = model.execute([_triton_request("hi", 0)])  # refused alone: exported at its refusal
+        assert refused.error is not None and "max_tokens" in str(refused.error)
+        assert triton_samples(pb.made)[("draftsmith_request_errors_total", ())] == 1
+        served, refused = model.execute([_triton_request("The quick brown fox"), _triton_request("hi", 10**6)])
+        assert served.error is None and refused.error is not None and "max_tokens" in str(refused.error)
+        reading = read(model.generator.metrics, model.scheduler, "speculative")
+        want = prometheus_samples(prometheus_text(reading))
+        got = triton_samples(pb.made)
+        assert set(got) <= set(want)  # Triton's labelled families appear with their first value
+        assert got == pytest.approx({k: want[k] for k in got})
+        assert got[("draftsmith_requests_total", ())] == 1
+        assert got[("draftsmith_request_errors_total", ())] == 2  # the front door's refusals
+        assert got[("draftsmith_target_calls_total", ())] >= 2  # its prefill and at least one step
+        assert got[("draftsmith_scheduler_finished_total", ())] == 1
+    finally:
+        model.finalize()
+
+
+def test_every_request_the_scheduler_fails_is_a_request_error():
+    """A request that fails after the front door (here: the scheduler stops while it waits) is counted where it
+    fails, so both servers export it alike."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.request import decode_request
+    from runtime.serving.scheduler import Scheduler
+
+    table = random_table(7, 1)
+    generator = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=None, eos_ids=())
+    scheduler = Scheduler(generator, max_batch=2, reserve=False)
+    admitted = generator.door.admit_tokens([[1, 2, 3]], decode_request(max_new_tokens=4))
+    handles = scheduler.enqueue(admitted) + scheduler.enqueue(admitted)
+    scheduler.stop()
+    assert all(h.ready()[0].error is not None for h in handles)
+    samples = prometheus_samples(prometheus_text(read(generator.metrics, scheduler, "m")))
+    assert samples[("draftsmith_scheduler_failed_total", ())] == 2
+    assert samples[("draftsmith_request_errors_total", ())] == 2
