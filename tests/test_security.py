@@ -4,7 +4,7 @@ loopback by default, no build-machine paths or secrets in the repository, depend
 Already covered elsewhere (not repeated): pickled weights refused without --allow-pickle and remote code without
 --trust-remote-code, tampered bundles refused, no build-machine paths in the bundle (tests/test_builder.py); model
 names with '../', '/', odd characters refused (tests/test_triton_repo.py::test_check_name_rejects); the running
-server's sockets on 127.0.0.1 (tests/test_hardening_triton.py::test_server_sockets_bind_loopback_only).
+server's sockets on 127.0.0.1 (tests/test_triton_server_faults.py::test_server_sockets_bind_loopback_only).
 """
 
 from __future__ import annotations
