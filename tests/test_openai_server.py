@@ -1,7 +1,10 @@
-"""The OpenAI-compatible server through the official ``openai`` client, on a real uvicorn over the tiny bundle."""
+"""The OpenAI-compatible server through the official ``openai`` client, on a real uvicorn over the tiny bundle; a
+few checks in-process through httpx's ASGI transport (a timeout's finish reason, the event loop while
+log-probabilities are shaped)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -13,6 +16,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+from openai_asgi import call, chat  # noqa: E402
+from runtime.serving import openai_responses  # noqa: E402
 from runtime.serving.openai_server import create_app  # noqa: E402 - after the skips: it needs fastapi
 from runtime.serving.scheduler import Scheduler  # noqa: E402
 
@@ -339,6 +344,86 @@ def test_disconnect_cancels_the_request(client, served, reference, monkeypatch):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices  # still serving
 
 
+# --- in-process: a timeout's finish reason, and log-probabilities shaped off the event loop -----------------------
+
+
+def test_a_timeout_is_reported_as_timeout_not_length(scheduler, generator, monkeypatch):
+    engine = generator.target
+    forward = engine.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward", slow)
+    app = create_app(scheduler, MODEL, request_timeout=0.2)
+    for stream in (False, True):
+        response = call(
+            app,
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "The quick brown fox",
+                "max_tokens": 100,
+                "temperature": 0,
+                "stream": stream,
+            },
+        )
+        assert response.status_code == 200
+        assert '"finish_reason":"timeout"' in response.text.replace(" ", ""), response.text[-300:]
+
+
+def shaping_waits_for_the_loop(monkeypatch, pending: list, outcomes: list) -> None:
+    """Each log-probability shaping waits (up to 5 s) for the event loop to run a tick while it is under way: it can
+    only if the shaping is off the loop (on it, the loop stands still until the shaping returns)."""
+    for name in ("chat_logprobs", "completion_logprobs"):
+        real = getattr(openai_responses, name)
+
+        def waiting(*args, _real=real, **kwargs):
+            ticked = threading.Event()
+            pending.append(ticked)
+            outcomes.append(ticked.wait(5))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(openai_responses, name, waiting)
+
+
+@pytest.mark.parametrize("stream,chat_body", [(False, False), (False, True), (True, False), (True, True)])
+def test_logprobs_shaping_does_not_freeze_the_event_loop(app, monkeypatch, stream, chat_body):
+    pending, outcomes = [], []
+    shaping_waits_for_the_loop(monkeypatch, pending, outcomes)
+    if chat_body:
+        path, body = "/v1/chat/completions", chat(logprobs=True, top_logprobs=20, stream=stream)
+    else:
+        path, body = (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 4, "logprobs": 5, "stream": stream},
+        )
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            done = asyncio.Event()
+
+            async def tick():  # the event loop's heartbeat: tells every shaping under way that the loop runs
+                while not done.is_set():
+                    while pending:
+                        pending.pop().set()
+                    await asyncio.sleep(0.001)
+
+            ticker = asyncio.create_task(tick())
+            response = await client.post(path, json=body)
+            done.set()
+            await ticker
+            return response
+
+    response = asyncio.run(run())
+    assert response.status_code == 200
+    assert '"logprobs"' in response.text
+    assert outcomes and all(outcomes), "a shaping ran on the event loop: the loop stood still until it returned"
+
+
 # --- the load driver ----------------------------------------------------------------------------------------------
 
 
@@ -465,3 +550,28 @@ def test_the_level_summary_sets_each_levels_speculative_run_beside_its_plain_one
     assert (one["clients"], one["ratio"], one["scaling"]) == (1, pytest.approx(1.5), pytest.approx(1.0))
     assert (two["clients"], two["ratio"], two["scaling"]) == (2, pytest.approx(1.25), pytest.approx(1.5))
     assert one["mean_planned_k"] == two["mean_planned_k"] == 2.5
+
+
+def test_the_load_tool_sends_a_hostile_format_beside_its_clients(scheduler):
+    """``openai-load --hostile-format``: one more client sends the issue's regex in a loop; the server refuses each
+    at once (400) and the clients' requests all finish."""
+    from bench.openai_load import run_load
+    from test_openai_server import _Server
+
+    server = _Server(create_app(scheduler, MODEL))
+    try:
+        report = run_load(
+            server.url,
+            clients=2,
+            duration=60,
+            max_requests=4,
+            max_tokens=8,
+            cancel_fraction=0.0,
+            hostile_format={"type": "regex", "regex": "a{250000}"},
+        )
+    finally:
+        server.close()
+    assert report["sent"] == 4 and report["failed"] == 0 and report["lost"] == 0
+    hostile_client = report["hostile_format"]
+    assert hostile_client["sent"] >= 1 and set(hostile_client["by_status"]) == {"400"}
+    assert "expands to more than" in hostile_client["first_error"]

@@ -1,6 +1,6 @@
-"""Hardening IV, item 2: a prompt's prefill holds a chunk's logits, never S x V of them, on every engine; and a
-request whose own prefill fails (a prompt too big for the memory left) is that request's 400, never an engine
-fault that makes the server unready.
+"""A prompt's prefill holds a chunk's logits, never S x V of them, on every engine; and a request whose own prefill
+fails (a prompt too big for the memory left) is that request's 400, never an engine fault that makes the server
+unready.
 
 Before: the exported graph (``--graph export``, every CUDA bundle) and the TensorRT-LLM adapter had no prefill of
 their own, so a prompt was fed in one call that scored every position (a 32k-token prompt: ~6 GB of fp32 logits
@@ -9,8 +9,6 @@ such requests failing made /health answer 503. ``Recording`` wraps an engine's O
 public ``session``) and records the positions of every call."""
 
 from __future__ import annotations
-
-import asyncio
 
 import numpy as np
 import pytest
@@ -152,14 +150,7 @@ def test_the_trtllm_adapters_prefill_runs_nothing_and_its_last_logits_are_the_la
 
 httpx = pytest.importorskip("httpx")
 
-
-def call(app, method: str, path: str, **options):
-    async def run():
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
-            return await client.request(method, path, **options)
-
-    return asyncio.run(run())
+from openai_asgi import call  # noqa: E402  (after the skip: it needs httpx)
 
 
 @pytest.mark.parametrize("graph", ["fused", "export"])

@@ -270,3 +270,23 @@ def test_a_throughput_batch_asks_for_unpadded_calls_and_leaves_the_engine_as_it_
     assert decoding and not any(c.exact for c in decoding)
     assert all(c.exact for c in seen if c.kind == "forward") and engine.min_call_tokens == 2
     assert all(r.token_ids for r in fast) and all(r.token_ids for r in exact)
+
+
+def test_one_failing_admission_fails_only_its_own_request(generator, monkeypatch):
+    engine = generator.target
+    real = engine.prefill_rows
+    poison = generator.encode_prompt("poison pill", False)[:-1]
+
+    def picky(cache, rows, chunks):
+        if any(list(map(int, chunk)) == poison for chunk in chunks):
+            raise MemoryError("this request's prefill ran out of memory")
+        return real(cache, rows, chunks)
+
+    monkeypatch.setattr(engine, "prefill_rows", picky)
+    scheduler = Scheduler(generator, max_batch=4)
+    handles = [scheduler.submit(p, max_new_tokens=3) for p in ("hello there", "poison pill", "The quick")]
+    while scheduler.step():
+        pass
+    assert handles[0].result().token_ids and handles[2].result().token_ids
+    with pytest.raises(Exception, match="admission failed"):
+        handles[1].result()

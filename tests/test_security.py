@@ -4,7 +4,8 @@ loopback by default, no build-machine paths or secrets in the repository, depend
 Already covered elsewhere (not repeated): pickled weights refused without --allow-pickle and remote code without
 --trust-remote-code, tampered bundles refused, no build-machine paths in the bundle (tests/test_builder.py); model
 names with '../', '/', odd characters refused (tests/test_triton_repo.py::test_check_name_rejects); the running
-server's sockets on 127.0.0.1 (tests/test_hardening_triton.py::test_server_sockets_bind_loopback_only).
+server's sockets on 127.0.0.1 (tests/test_triton_server_faults.py::test_server_sockets_bind_loopback_only);
+the OpenAI server's Host names, API key and loopback addresses (tests/test_server_addresses.py).
 """
 
 from __future__ import annotations
@@ -271,3 +272,18 @@ def test_bundled_tritonserver_advisories_are_documented():
     text = (ROOT / "docs" / "operations.md").read_text()
     for needle in ("2.51", "CVE-2025-23319", "CVE-2025-23310", "127.0.0.1", "restricted-api"):
         assert needle in text, needle
+
+
+def test_dependency_floors_exclude_the_advisories():
+    import re
+    from importlib.metadata import version
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parents[1].joinpath("pyproject.toml").read_text()
+    serve = re.search(r"^serve = \[(.*)\]", text, re.M).group(1)
+    floors = dict(re.findall(r'"([a-z0-9]+)>=([0-9.]+)', serve))
+    assert tuple(map(int, floors["h11"].split("."))) >= (0, 16)
+    assert tuple(map(int, floors["starlette"].split("."))) >= (0, 47, 2)
+    for name, floor in floors.items():  # the environment the tests run in satisfies them
+        have = tuple(int(p) for p in re.findall(r"\d+", version(name))[:3])
+        assert have >= tuple(map(int, floor.split("."))), name

@@ -1,12 +1,15 @@
-"""Hardening IV, the connection side (items 3, 4, 8 and 9): who a client is, and what its connections may hold.
+"""Who a client is and what its connections may hold: the Host names and addresses a loopback server answers, the
+API key, the body a request must come with (runtime/serving/openai_server.py's door, called in-process); then, over
+real sockets against a real uvicorn (``server_config``, the server's own, as tests/test_server_connections.py does),
+X-Forwarded-For believed only from named proxies, IPv6 clients counted by /64, upgrades, the probe port, and
+connections without a request (runtime/serving/connections.py).
 
-Real sockets against a real uvicorn (``server_config``, the server's own), as tests/test_server_connections.py does.
-Before these fixes: uvicorn believed ``X-Forwarded-For`` from loopback (any local client could claim a new address
-per request, escaping ``--max-rows-per-client``); an upgrade that swapped the connection's protocol never gave its
-per-address count back (64 of them locked an address out); two addresses holding the probe port's 16 connections
-made /health/live 503; IPv6 clients were counted per address, not per /64; and 600 idle connections from 12
-addresses made a good request on the main port a 503 at the default limits. ``HOSTILE`` counts the distinct
-hostile inputs sent here."""
+Before the connection bounds: uvicorn believed ``X-Forwarded-For`` from loopback (any local client could claim a new
+address per request, escaping ``--max-rows-per-client``); an upgrade that swapped the connection's protocol never
+gave its per-address count back (64 of them locked an address out); two addresses holding the probe port's 16
+connections made /health/live 503; IPv6 clients were counted per address, not per /64; and 600 idle connections
+from 12 addresses made a good request on the main port a 503 at the default limits. ``hostile`` tallies the
+distinct hostile inputs sent here, by class."""
 
 from __future__ import annotations
 
@@ -23,19 +26,19 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from hostile_tally import HostileTally  # noqa: E402
+from openai_asgi import call  # noqa: E402
+from runtime.request import MAX_BODY_BYTES, Limits  # noqa: E402
 from runtime.serving import connections  # noqa: E402  (client_key, trusted_proxies: read where used)
+from runtime.serving import openai_server  # noqa: E402
 from runtime.serving.connections import REFUSAL, ConnectionLimits, ProbeServer, server_config  # noqa: E402
 from runtime.serving.drain import Drain, probe_app  # noqa: E402
 from runtime.serving.health import scheduler_problem  # noqa: E402
-from runtime.serving.openai_server import create_app  # noqa: E402
+from runtime.serving.openai_server import create_app, host_name  # noqa: E402
 from runtime.serving.scheduler import Scheduler  # noqa: E402
 
 MODEL = "tiny"
-HOSTILE: dict[str, set] = {}
-
-
-def hostile(kind: str, value) -> None:
-    HOSTILE.setdefault(kind, set()).add(json.dumps(value, sort_keys=True, default=repr))
+hostile = HostileTally()
 
 
 def bound() -> socket.socket:
@@ -127,7 +130,221 @@ def clients(scheduler, monkeypatch):
     return seen
 
 
-# --- item 3: X-Forwarded-For is believed only from named proxies ----------------------------------------------------
+# --- loopback: every loopback address, and only loopback Host names -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        "127.0.0.2",
+        "127.255.255.254",
+        "::1",
+        "::ffff:127.0.0.1",
+        "::ffff:127.1.2.3",
+        "localhost",
+        "LocalHost",
+    ],
+)
+def test_every_loopback_address_is_loopback(host):
+    hostile("loopback", host)
+    assert openai_server.is_loopback(host)
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "0.0.0.0",
+        "::",
+        "10.0.0.1",
+        "::ffff:10.0.0.1",
+        "128.0.0.1",
+        "127.0.0.1.nip.io",
+        "localhost.evil",
+        "",
+        "[::1]",
+        "fe80::1",
+        "::ffff:0.0.0.0",
+    ],
+)
+def test_other_addresses_are_not(host):
+    hostile("loopback", host)
+    assert not openai_server.is_loopback(host)
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "attacker.localhost.evil", "0.0.0.0", "[::2]:8000", ""],
+)
+def test_a_loopback_server_refuses_other_host_names(app, host):
+    response = call(app, "GET", "/v1/models", headers={"host": host})
+    assert response.status_code == 421 and response.json()["error"]["code"] == "misdirected_request"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8000", "localhost", "LOCALHOST:1", "[::1]:8000", "::1"])
+def test_a_loopback_server_answers_loopback_names(app, host):
+    assert call(app, "GET", "/v1/models", headers={"host": host}).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["127.0.0.2:8000", "[::ffff:127.0.0.1]:8000", "127.0.0.3"])
+def test_a_loopback_server_answers_every_loopback_address(app, host):
+    assert call(app, "GET", "/v1/models", headers={"host": host}).status_code == 200
+
+
+def test_a_server_bound_to_another_loopback_address_checks_host_names(monkeypatch):
+    assert openai_server.allowed_hosts_for("127.0.0.2") is not None
+    assert openai_server.allowed_hosts_for("::ffff:127.0.0.1") is not None
+    assert openai_server.allowed_hosts_for("0.0.0.0") is None
+
+
+@pytest.mark.parametrize(
+    "header,name",
+    [
+        (b"127.0.0.1:80", "127.0.0.1"),
+        (b"[::1]:8000", "::1"),
+        (b"::1", "::1"),
+        (b"LocalHost", "localhost"),
+        (b"[::1", "[::1"),
+    ],
+)
+def test_host_name(header, name):
+    assert host_name(header) == name
+
+
+# --- the API key ----------------------------------------------------------------------------------------------------
+
+GOOD_AUTH = ["Bearer s3cret", "bearer s3cret", "BEARER s3cret", "bEaReR s3cret", "Bearer  s3cret", "Bearer s3cret "]
+BAD_AUTH = [
+    "Bearer s3cret2",
+    "Bearer s3cre",
+    "Basic s3cret",
+    "Bearers3cret",
+    "Bearer",
+    "s3cret",
+    "Token s3cret",
+    "Bearer: s3cret",
+    "Bearer s3cret\t x",
+    "Bearer S3CRET",
+    "Bearer \u00a0s3cret",
+    "Bearer s3cret s3cret",
+    "Digest s3cret",
+]
+
+
+@pytest.mark.parametrize("given", GOOD_AUTH)
+def test_the_auth_scheme_is_case_insensitive_and_a_key_with_a_newline_is_stripped(scheduler, given):
+    hostile("authorization", given)
+    app = create_app(scheduler, MODEL, api_key="s3cret\n")
+    assert call(app, "GET", "/v1/models", headers={"authorization": given}).status_code == 200
+
+
+@pytest.mark.parametrize("given", BAD_AUTH)
+def test_wrong_credentials_are_401(scheduler, given):
+    hostile("authorization", given)
+    app = create_app(scheduler, MODEL, api_key="s3cret")
+    assert call(app, "GET", "/v1/models", headers={"authorization": given.encode()}).status_code == 401
+
+
+@pytest.mark.parametrize("key", ["s3cret\n", "s3cret\r\n", "  s3cret ", "\ts3cret"])
+def test_the_cli_strips_the_key(tiny_bundle, monkeypatch, key):
+    from click.testing import CliRunner
+
+    from runtime.cli import main
+
+    hostile("api key", key)
+    seen = {}
+    monkeypatch.setenv("DRAFTSMITH_API_KEY", key)
+    monkeypatch.setattr(openai_server, "serve", lambda *a, **k: seen.update(k))
+    result = CliRunner().invoke(main, ["serve-openai", str(tiny_bundle), "--port", "1"])
+    assert result.exit_code == 0, result.output
+    assert seen["api_key"] == "s3cret"
+
+
+@pytest.mark.parametrize("key", ["\n", "\r\n", " \t "])
+def test_a_key_empty_after_stripping_is_refused(scheduler, key):
+    hostile("api key", key)
+    with pytest.raises(ValueError, match="empty"):
+        create_app(scheduler, MODEL, api_key=key)
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_api_key_is_refused_not_taken_as_none(tiny_bundle, key, monkeypatch):
+    from click.testing import CliRunner
+
+    from runtime.cli import main
+
+    monkeypatch.setenv("DRAFTSMITH_API_KEY", key)
+    monkeypatch.setattr(openai_server, "serve", lambda *a, **k: pytest.fail("the server started"))
+    result = CliRunner().invoke(main, ["serve-openai", str(tiny_bundle), "--port", "1"])
+    assert result.exit_code != 0 and "API key is empty" in result.output
+
+
+# --- a request's body: JSON, sent in time, under the cap ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonp"],
+)
+def test_a_post_that_a_browser_could_send_cross_site_is_refused(app, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    response = call(app, "POST", "/v1/completions", content=body, headers=headers)
+    assert response.status_code == 415
+
+
+def test_json_with_a_charset_is_json(app):
+    response = call(
+        app,
+        "POST",
+        "/v1/completions",
+        content=b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}',
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
+    assert response.status_code == 200
+
+
+def test_a_body_that_never_finishes_arriving_is_a_408(app, monkeypatch):
+    monkeypatch.setattr(openai_server, "BODY_SECONDS", 0.2)
+    sent = []
+
+    async def run():
+        async def receive():
+            if not sent:
+                sent.append(1)
+                return {"type": "http.request", "body": b'{"model": ', "more_body": True}
+            await asyncio.sleep(3600)
+
+        messages = []
+
+        async def send(message):
+            messages.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"), (b"content-length", b"100")],
+            "query_string": b"",
+            "http_version": "1.1",
+            "scheme": "http",
+            "server": ("127.0.0.1", 8000),
+            "client": ("127.0.0.1", 1),
+            "root_path": "",
+        }
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        return messages
+
+    messages = asyncio.run(run())
+    assert messages[0]["status"] == 408
+
+
+def test_the_body_limit_has_an_absolute_cap():
+    assert Limits.for_context(1 << 22).max_body_bytes == MAX_BODY_BYTES
+    assert Limits.for_context(2048).max_body_bytes < MAX_BODY_BYTES
+
+
+# --- X-Forwarded-For is believed only from named proxies ------------------------------------------------------------
 
 FORGED = [
     "X-Forwarded-For: 203.0.113.7\r\n",
@@ -209,7 +426,7 @@ def test_trusted_proxies_are_normalised():
     )
 
 
-# --- item 8: IPv6 clients by /64 ---------------------------------------------------------------------------------
+# --- IPv6 clients by /64 --------------------------------------------------------------------------------------------
 
 ROTATING = ["2001:db8:1:2::1", "2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2:dead:beef::7", "2001:DB8:1:2::abcd"]
 
@@ -242,7 +459,7 @@ def test_requests_from_one_64_share_their_rows(scheduler, clients):
     assert clients == ["2001:db8:1:2::/64"] * len(ROTATING)
 
 
-# --- item 4: upgrades -----------------------------------------------------------------------------------------------
+# --- upgrades -------------------------------------------------------------------------------------------------------
 
 UPGRADES = [
     "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
@@ -319,7 +536,7 @@ def test_a_protocol_swap_cannot_leak_the_per_client_count(scheduler):
         server.close()
 
 
-# --- item 8: the probe port -----------------------------------------------------------------------------------------
+# --- the probe port -------------------------------------------------------------------------------------------------
 
 
 def probes(scheduler) -> tuple[ProbeServer, int]:
@@ -354,7 +571,7 @@ def test_probes_get_through_while_other_addresses_hold_the_probe_ports_connectio
         server.stop()
 
 
-# --- item 9: connections without a request have their own budget ----------------------------------------------------
+# --- connections without a request have their own budget ------------------------------------------------------------
 
 
 def test_600_idle_connections_from_12_addresses_leave_the_main_port_serving(scheduler):
@@ -452,8 +669,4 @@ def test_connection_limits_are_checked():
 
 def test_hostile_input_count():
     """Run last in this file: the distinct hostile inputs above, by class."""
-    if len(HOSTILE) < 5:
-        pytest.skip("counts only when the whole file runs")
-    total = sum(len(v) for v in HOSTILE.values())
-    print({k: len(v) for k, v in HOSTILE.items()}, total)
-    assert total >= 30
+    hostile.check(classes=8, at_least=75)

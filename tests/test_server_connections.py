@@ -1,7 +1,7 @@
 """Connections that send nothing, or trickle their headers, cannot take the OpenAI server down: real sockets against
-a real uvicorn (small limits, so each test runs in seconds). Before Hardening III, N idle connections filled
-``limit_concurrency`` with no timer running and /health answered 503 until they left; since Hardening IV they have
-a budget of their own and never count against the requests in flight (tests/test_server_addresses.py)."""
+a real uvicorn (small limits, so each test runs in seconds). Before the header deadline, N idle connections filled
+``limit_concurrency`` with no timer running and /health answered 503 until they left; now they also have a budget
+of their own and never count against the requests in flight (tests/test_server_addresses.py)."""
 
 from __future__ import annotations
 

@@ -200,12 +200,12 @@ def send_together(server, model, requests) -> list[tuple[str, str | None]]:
 
 
 def stub_pids(server) -> dict[str, int]:
-    from test_hardening_triton import stubs
+    from test_triton_server_faults import stubs
 
     return stubs(server)
 
 
-# --- item 11: bounds before work --------------------------------------------------------------------------------
+# --- bounds before work -----------------------------------------------------------------------------------------
 
 
 def test_default_limits_are_written_into_the_configs(tiny_bundle, tmp_path):
@@ -344,7 +344,7 @@ def test_direct_calls_to_postprocessing_are_bounded(server, generator):
     assert delta(before, after, "nv_inference_exec_count", "postprocessing") == 1
 
 
-# --- item 12: cancellation stops the work -----------------------------------------------------------------------
+# --- cancellation stops the work --------------------------------------------------------------------------------
 
 
 def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, generator):
@@ -396,7 +396,7 @@ def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, gene
     assert f"after {int(cancelled_steps)} steps" in finals[-1]
 
 
-# --- item 13: seeded sampling does not depend on the batch ------------------------------------------------------
+# --- seeded sampling does not depend on the batch ---------------------------------------------------------------
 
 
 def test_identical_seeded_requests_in_one_batch_sample_as_alone(server, generator):
@@ -418,7 +418,7 @@ def test_identical_seeded_requests_in_one_batch_sample_as_alone(server, generato
     assert delta(before, after, "nv_inference_exec_count") == 1
 
 
-# --- item 14: the server's environment, restricted APIs ---------------------------------------------------------
+# --- the server's environment, restricted APIs ------------------------------------------------------------------
 
 
 def _environ(pid: int) -> dict[str, str]:

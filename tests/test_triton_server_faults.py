@@ -1,4 +1,6 @@
-"""Hardening against a real tritonserver: load with every request accounted for, faults, hostile request tensors.
+"""A real tritonserver under load and faults: every request of a load accounted for and its memory flat, clients
+killed or hanging up mid-stream, the Python stub killed, a restart under load, an altered bundle, hostile request
+tensors; and every socket it listens on is on loopback.
 
 One shared server for the tests that leave it serving; the tests that break a server (the Python stub killed, a
 restart under load, an altered bundle) start their own. Every wait is bounded.
