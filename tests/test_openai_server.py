@@ -556,7 +556,6 @@ def test_the_load_tool_sends_a_hostile_format_beside_its_clients(scheduler):
     """``openai-load --hostile-format``: one more client sends the issue's regex in a loop; the server refuses each
     at once (400) and the clients' requests all finish."""
     from bench.openai_load import run_load
-    from test_openai_server import _Server
 
     server = _Server(create_app(scheduler, MODEL))
     try:
