@@ -28,7 +28,9 @@ import numpy as np
 
 from builder import checkpoint as ckpt
 from builder import evaluate, export, graph, memory, pairing, quantize
+from builder import head_vocab
 from builder.gguf import stream as gguf_stream
+from builder.gguf.draft_form import DraftForm
 from builder.gguf import weights as gguf_weights
 from runtime.engines import gguf_ops
 from builder import publish as publishing
@@ -105,6 +107,11 @@ def _check_gguf_kernel(spec: BuildSpec) -> None:
     reason = gguf_ops.unavailable_reason()
     if spec.gguf_kernel == "native" and "gguf" in (spec.target_quant, spec.draft_quant) and reason is not None:
         raise BuildError(f"--gguf-kernel native: {reason}; or build with --gguf-kernel matmulnbits")
+    if spec.draft_blocks != "file" and not native_gguf(spec):
+        raise BuildError(
+            f"draft_blocks {spec.draft_blocks} re-quantizes the draft into blocks of Draftsmith's GGUF kernel, "
+            f"which this build does not use ({reason or 'gguf_kernel ' + spec.gguf_kernel}); use draft_blocks file"
+        )
 
 
 def native_gguf(spec: BuildSpec) -> bool:
@@ -175,7 +182,7 @@ def _build_into(
     draft_tok = target_tok if draft_ckpt is target_ckpt else draft_ckpt.load_tokenizer()
     pair = pairing.pair(target_tok, draft_tok, target_ckpt, draft_ckpt, spec.max_context)
     work = tmp / "_work"
-    kept = _draft_vocab(draft_ckpt) if draft_ckpt is not target_ckpt else None  # a reduced-vocabulary draft head
+    kept = _draft_vocab(draft_ckpt, spec, target_tok, target_ckpt)  # a reduced-vocabulary draft head
     if pair.cross:
         spec, pair = _cross_pair(spec, pair, draft_ckpt, kept)
     rows = max(pair.max_context, 64)  # positions the graphs' rotary tables cover (the export check uses 64)
@@ -277,6 +284,8 @@ def _make_engines(
         draft_model = target_model if draft_layers else _Model(draft_ckpt, spec, rows, kept)
         fp32, reference = work / "draft.onnx", _reference_path(work, "draft", draft_model, spec.draft_quant, spec)
         info, check = _export(draft_model, draft_ckpt, fp32, spec, draft_layers, full=reference == fp32)
+        if kept is not None and draft_model.streamed is not None:  # the head is cut as its blocks are written
+            info = dataclasses.replace(info, vocab_size=len(kept))
         draft = _Engine(info, check, fp32, reference)
     memory.release()
     stage("quantize draft")
@@ -289,6 +298,7 @@ def _make_engines(
         draft_model,
         draft_layers,
         reference=None if draft.reference == target.reference else draft.reference,
+        form=DraftForm(spec.draft_blocks, kept),
     )
     return (
         target,
@@ -431,9 +441,17 @@ def _save_draft_tokenizer(tmp: Path, draft_tok) -> None:
         raise BuildError("the draft's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
 
 
-def _draft_vocab(checkpoint):
-    """The kept token ids of a draft folder made by ``draftsmith distill --draft-vocab N``, else None."""
-    if checkpoint.gguf_file or not (checkpoint.folder / VOCAB_MAP).is_file():
+def _draft_vocab(checkpoint, spec: BuildSpec, target_tok, target_ckpt):
+    """The kept token ids of a reduced draft head: ``spec.draft_head`` rows of a GGUF draft (builder.head_vocab), or
+    those of a draft folder made by ``draftsmith distill --draft-vocab N``; None for a full head."""
+    if spec.draft_head:
+        if not checkpoint.gguf_file:
+            raise BuildError(f"draft_head cuts a GGUF draft's head, but {checkpoint.source} is not a .gguf file")
+        vocab = int(checkpoint.config.vocab_size)
+        if spec.draft_head >= vocab:
+            raise BuildError(f"draft_head {spec.draft_head} is not smaller than the draft's head ({vocab} rows)")
+        return head_vocab.frequent_ids(target_tok, spec.draft_head, vocab, eos_ids(target_ckpt, target_tok))
+    if checkpoint is target_ckpt or checkpoint.gguf_file or not (checkpoint.folder / VOCAB_MAP).is_file():
         return None
     from builder.distill.save import read_draft_vocab
 
@@ -578,13 +596,15 @@ def _quantize(
     model: _Model | None,
     layers: int = 0,
     reference: Path | None = None,
+    form: DraftForm | None = None,
 ) -> list[str]:
     """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
     the GGUF file's own blocks (builder.gguf.weights); ``model``: what ``src`` came from (its first ``layers``
     layers; 0: all), whose weights are those of ``checkpoint``. Returns what the engine's graph notes about itself
     (quant gguf: tensors the file holds in a type without an exact MatMulNBits form). ``reference`` (quant gguf, a
     path other than ``src``): the same blocks are also written there at accuracy level 0 (fp32 arithmetic), what
-    the build report scores the engine against."""
+    the build report scores the engine against. ``form``: a GGUF draft's (builder.gguf.draft_form); its reference
+    keeps the file's blocks (the report then says what a re-quantization cost) with the same head rows."""
     if quant != "gguf":
         quantize.quantize(src, dst, quant, spec.block_size, spec.symmetric, spec.accuracy_level)
         return []
@@ -606,16 +626,27 @@ def _quantize(
             spec.block_size,
             permuted_qk=checkpoint.architecture.gguf_permuted_qk,
             native=native,
+            form=form,
         )
 
     native = native_gguf(spec)
     decoder = blocks(native)
     graph.build(decoder, dst, spec.accuracy_level)
-    notes = list(decoder.notes) + _kernel_notes(spec, native)
+    notes = list(decoder.notes) + _kernel_notes(spec, native) + _form_notes(form)
     if reference is not None and reference not in (src, dst):
         del decoder  # its head and embedding blocks: the reference makes its own
         memory.release()
         graph.build(blocks(False), reference, 0)  # MatMulNBits at accuracy level 0: the file's weights in fp32
+    return notes
+
+
+def _form_notes(form: DraftForm | None) -> list[str]:
+    """What the report says about a GGUF draft's form."""
+    notes = []
+    if form is not None and form.requantize_to:
+        notes.append(f"re-quantized from the file's values into {form.requantize_to} blocks (a draft's form)")
+    if form is not None and form.head_ids is not None:
+        notes.append(f"head over {len(form.head_ids)} target tokens (the bundle's vocab_map)")
     return notes
 
 
@@ -676,16 +707,23 @@ def _entry(role, checkpoint, info, quant, tmp: Path, max_context: int, spec: Bui
         output_names=info.output_names,
         size_bytes=size,
         graph=info.graph,
-        min_call_tokens=_min_call_tokens(role, info.graph),
+        min_call_tokens=_min_call_tokens(role, info.graph, tmp / engine),
         source_resolved=str(checkpoint.folder.joinpath(checkpoint.gguf_file or "").resolve()),
     )
 
 
-def _min_call_tokens(role: str, graph_kind: str) -> int:
-    """2 for a fused target: a one-token call takes other kernels than a verify call on every CPU measured
-    (MatMulNBits' one-row int8 kernel, GroupQueryAttention's one-query SGEMM; runtime.engines.fused.FusedEngine), so its
-    one-token calls are padded to two; 1 elsewhere (a draft need not be exact)."""
-    return 2 if role == "target" and graph_kind == "fused" else 1
+def _min_call_tokens(role: str, graph_kind: str, engine: Path) -> int:
+    """2 for a fused target with GroupQueryAttention or MatMulNBits: a one-token call takes other kernels than a
+    verify call on every CPU measured (MatMulNBits' one-row int8 kernel, GroupQueryAttention's one-query SGEMM;
+    runtime.engines.fused.FusedEngine), so its one-token calls are padded to two; 1 for a target made of
+    Draftsmith's own operators only (GgufMatMul and CausalAttention score a token alike in any call), and elsewhere
+    (a draft need not be exact)."""
+    if role != "target" or graph_kind != "fused":
+        return 1
+    import onnx
+
+    ops = {node.op_type for node in onnx.load(str(engine), load_external_data=False).graph.node}
+    return 2 if ops & {"GroupQueryAttention", "MatMulNBits"} else 1
 
 
 def eos_ids(checkpoint, tokenizer) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from runtime.bundle import QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
+from runtime.bundle import DRAFT_BLOCKS, QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
 from runtime.drafters.registry import DRAFTERS
 from runtime.presets import load_preset
 
@@ -83,6 +83,17 @@ class DefaultGroup(click.Group):
     type=click.Choice(["auto", "native", "matmulnbits"]),
     help="quant gguf: multiply by the file's blocks with Draftsmith's GgufMatMul (native: the file's bytes; built "
     "by setup.sh) or ONNX Runtime's MatMulNBits (~1.5x the bytes). auto (default): native where it is built.",
+)
+@click.option(
+    "--draft-blocks",
+    type=click.Choice(DRAFT_BLOCKS),
+    help="A GGUF draft (--draft-quant gguf): its file's own blocks (file, default) or re-quantized into the "
+    "kernel's 4-bit blocks (q4_0: ~half the bytes a token of an 8-bit-ish file; acceptance moves, output never).",
+)
+@click.option(
+    "--draft-head",
+    type=int,
+    help="A GGUF draft's head over the N most frequent target tokens only (0: all; e.g. 32768).",
 )
 @click.option("--max-context", type=int, help="Cap the context (default: the pair's usable maximum).")
 @click.option(

@@ -45,6 +45,8 @@ from runtime.drafters.registry import DRAFTERS
 
 SCHEMA_VERSION = 1
 GGUF_KERNELS = ("auto", "native", "matmulnbits")
+# a GGUF draft's blocks (builder/gguf/draft_form.py): the file's own, or re-quantized into the kernel's Q4_0
+DRAFT_BLOCKS = ("file", "q4_0")
 MANIFEST = "manifest.json"
 # a build's staging folder (builder/publish.py: ".NAME.partial-*"): complete-looking between its manifest and the
 # rename that publishes it, and never a bundle to load
@@ -126,6 +128,11 @@ class BuildSpec:
     # as they are; runtime.engines.gguf_ops, built by setup.sh); "matmulnbits": ONNX Runtime's MatMulNBits (~1.5x
     # the bytes); "auto": native where the kernel library is built on the building machine
     gguf_kernel: str = "auto"
+    # quant gguf drafts (builder/gguf/draft_form.py): "q4_0" re-quantizes the draft file's blocks into the kernel's
+    # 4-bit ones ("file": as they are), and a draft_head of N > 0 keeps the head rows of the N most frequent target
+    # tokens only. A draft's precision and head move its acceptance, never the output: the target verifies.
+    draft_blocks: str = "file"
+    draft_head: int = 0
     opset: int = 18
     max_context: int = 0  # 0: the usable maximum of the pair
     eval_tokens: int = 0  # tokens of the evaluation set the build report scores (0: all, ~25,000)
@@ -167,6 +174,7 @@ class BuildSpec:
         _check(self.block_size in (16, 32, 64, 128, 256), "block_size", "16, 32, 64, 128 or 256", self.block_size)
         _check(self.accuracy_level in (0, 1, 2, 3, 4), "accuracy_level", "0..4", self.accuracy_level)
         _check(self.gguf_kernel in GGUF_KERNELS, "gguf_kernel", f"one of {GGUF_KERNELS}", self.gguf_kernel)
+        self._check_draft_form()
         _check(self.opset >= 17, "opset", ">= 17", self.opset)
         _check(
             isinstance(self.max_context, int) and self.max_context >= 0,
@@ -180,6 +188,22 @@ class BuildSpec:
             "an integer >= 0",
             self.eval_tokens,
         )
+
+    def _check_draft_form(self) -> None:
+        _check(self.draft_blocks in DRAFT_BLOCKS, "draft_blocks", f"one of {DRAFT_BLOCKS}", self.draft_blocks)
+        _check(
+            isinstance(self.draft_head, int) and (self.draft_head == 0 or self.draft_head >= 256),
+            "draft_head",
+            "0 (every row) or a number of head rows >= 256",
+            self.draft_head,
+        )
+        if self.draft_blocks != "file" or self.draft_head:
+            _check(
+                self.draft_quant == "gguf",
+                "draft_quant",
+                "'gguf' with draft_blocks / draft_head (they reshape a GGUF draft file's own blocks)",
+                self.draft_quant,
+            )
 
     def _check_graph_and_device(self) -> None:
         _check(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)

@@ -56,6 +56,8 @@ from pathlib import Path
 import numpy as np
 
 from builder.decoder import BlockQuant, Decoder, GgufBlocks, LazyLayers, Linear
+from builder.gguf import draft_form
+from builder.gguf.draft_form import DraftForm
 from runtime.engines import gguf_ops
 
 BLOCK = 32
@@ -97,7 +99,12 @@ class _Blocks:
 
 
 def apply(
-    decoder: Decoder, gguf_path: Path, block: int = BLOCK, permuted_qk: bool = True, native: bool = False
+    decoder: Decoder,
+    gguf_path: Path,
+    block: int = BLOCK,
+    permuted_qk: bool = True,
+    native: bool = False,
+    form: DraftForm | None = None,
 ) -> Decoder:
     """``decoder`` (from the dequantized model) with every linear layer the file holds in a faithful type replaced by
     its blocks as they are in the file. Works for a truncated decoder too (its first layers). Each replaced layer is
@@ -119,7 +126,12 @@ def apply(
             LlamaModel), not for Qwen2/Qwen3, Gemma 2/3 or Phi-3 (NEOX rotary): the caller knows the architecture
             (builder.architectures.Architecture.gguf_permuted_qk). Where the check shows the other order, that one
             is used and ``decoder.notes`` says so (the registry entry is wrong).
+        form: a draft's form (builder.gguf.draft_form): its head cut to the kept ids' rows (``decoder.vocab``
+            becomes their number), and, with ``native``, every layer, the head and the embedding re-quantized into
+            the form's block type from the file's values (each checked against the model's float weights first).
     """
+    form = form or DraftForm()
+    requant = form.requantize_to if native else None
     if block not in (16, BLOCK):
         raise ValueError(f"GGUF blocks are {BLOCK} wide; they can be written as {BLOCK} or 16, not {block}")
     from builder.gguf import header as gguf_header
@@ -137,7 +149,7 @@ def apply(
     def with_blocks(i: int, layer):
         for part, (names, stems) in _layer_parts(tensors, i).items():
             old = getattr(layer, part)
-            linear, order = _part(data, tensors, decoder, names, stems, old, permuted_qk, block, native)
+            linear, order = _part(data, tensors, decoder, names, stems, old, permuted_qk, block, native, requant)
             if linear is not None:
                 setattr(layer, part, linear)
             if linear is not None and order != permuted_qk and not any(FLIPPED in n for n in decoder.notes):
@@ -153,27 +165,75 @@ def apply(
     else:
         decoder.layers = [with_blocks(i, layer) for i, layer in enumerate(decoder.layers)]
     head = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    head_blocks = _tensor_blocks(data, head, decoder, "output", permuted_qk)
-    if head_blocks is not None and (head_blocks.n, head_blocks.k) == (decoder.vocab, decoder.hidden):
-        error = _mismatch(head.name, head_blocks, decoder.head.weight)
-        if error is not None:
-            raise ValueError(
-                f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
-                f"file (max |difference| {error:.3g}); the file is inconsistent"
-            )
-        if native and head.kind in gguf_ops.GGML_TYPE_IDS:
-            raw = _raw_rows(data, head, decoder, "output", permuted_qk)
-            decoder.head = Linear(gguf=gguf_blocks(head_blocks.k, ((head.kind, raw),)))
-        else:
-            decoder.head = Linear(quant=_pack(split(head_blocks, BLOCK)))
-    elif head is not None:
+    if not _head(decoder, data, head, permuted_qk, native, form.head_ids, requant) and head is not None:
         kept.append(head.name)
-    _embedding(decoder, data, tensors, permuted_qk, native)
+    _embedding(decoder, data, tensors, permuted_qk, native, requant, tied_ok=form.head_ids is None)
     _note(decoder, tensors, kept)
     return decoder
 
 
-def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool, native: bool = False) -> None:
+def _head(decoder: Decoder, data, head, permuted_qk: bool, native: bool, ids, requant: str | None) -> bool:
+    """The head as the file's blocks (only the rows of ``ids`` where given; ``decoder.vocab`` then their number),
+    checked against the model's float head; False where it stays float weights (those rows of them)."""
+    blocks = _tensor_blocks(data, head, decoder, "output", permuted_qk)
+    whole = blocks is not None and (blocks.n, blocks.k) == (decoder.vocab, decoder.hidden)
+    if ids is not None:
+        weight = decoder.head.weight
+        decoder.vocab = len(ids)
+        decoder.head = Linear(weight=None if weight is None else np.ascontiguousarray(weight[:, ids]))
+        blocks = _rows(blocks, ids) if whole else None
+    if not whole:
+        return False
+    error = _mismatch(head.name, blocks, decoder.head.weight)
+    if error is not None:
+        raise ValueError(
+            f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
+            f"file (max |difference| {error:.3g}); the file is inconsistent"
+        )
+    if native and (requant or head.kind in gguf_ops.GGML_TYPE_IDS):
+        if requant:
+            raw, kind = _requantized(head.name, blocks, requant), requant
+        else:
+            raw, kind = _raw_rows(data, head, decoder, "output", permuted_qk), head.kind
+            raw = raw if ids is None else np.ascontiguousarray(raw[ids])
+        decoder.head = Linear(gguf=gguf_blocks(blocks.k, ((kind, raw),)))
+    else:
+        decoder.head = Linear(quant=_pack(split(blocks, BLOCK)))
+    return True
+
+
+def _rows(blocks: _Blocks, ids) -> _Blocks:
+    """The blocks of rows ``ids`` only (a reduced head)."""
+    return _Blocks(
+        blocks.bits,
+        blocks.q[ids],
+        blocks.zero[ids],
+        blocks.scales[ids],
+        None if blocks.offsets is None else blocks.offsets[ids],
+    )
+
+
+def _requantized(name: str, blocks: _Blocks, kind: str) -> np.ndarray:
+    """``blocks``' values re-quantized into GGUF blocks of ``kind`` (builder.gguf.draft_form), a row chunk at a
+    time (a 151,936-row head's float copy at once would be a build's peak), each chunk checked."""
+    out = []
+    for start in range(0, blocks.n, ROW_CHUNK):
+        values = _dequantized(blocks, start, start + ROW_CHUNK)
+        raw = draft_form.requantized(values, kind)
+        draft_form.check_requantized(name, raw, kind, values)
+        out.append(raw)
+    return np.concatenate(out) if len(out) > 1 else out[0]
+
+
+def _embedding(
+    decoder: Decoder,
+    data,
+    tensors: dict,
+    permuted_qk: bool,
+    native: bool = False,
+    requant: str | None = None,
+    tied_ok: bool = True,
+) -> None:
     """The embedding as the file's own blocks, checked like every layer against the float table transformers
     dequantized from the same file: read by GgufGather from the file's bytes (``native`` and a type it knows; a
     tied head's very bytes where the file has no output.weight), else GatherBlockQuantized (builder.graph). It stays
@@ -188,11 +248,17 @@ def _embedding(decoder: Decoder, data, tensors: dict, permuted_qk: bool, native:
             f"{tensor.name}: the file's blocks differ from the embedding transformers loaded from the "
             f"same file (max |difference| {error:.3g}); the file is inconsistent"
         )
-    if native and tensor.kind in gguf_ops.GGML_TYPE_IDS:
+    if native and (requant or tensor.kind in gguf_ops.GGML_TYPE_IDS):
         head = decoder.head.gguf
-        tied = "output.weight" not in tensors and head is not None and head.parts[0][0] == tensor.kind
-        rows = _raw_rows(data, tensor, decoder, "token_embd", permuted_qk)
-        decoder.embedding_gguf = head if tied else GgufBlocks(blocks.k, ((tensor.kind, rows),))
+        kind = requant or tensor.kind
+        tied = tied_ok and "output.weight" not in tensors and head is not None and head.parts[0][0] == kind
+        if tied:
+            decoder.embedding_gguf = head
+        elif requant:
+            decoder.embedding_gguf = GgufBlocks(blocks.k, ((kind, _requantized(tensor.name, blocks, kind)),))
+        else:
+            rows = _raw_rows(data, tensor, decoder, "token_embd", permuted_qk)
+            decoder.embedding_gguf = GgufBlocks(blocks.k, ((kind, rows),))
         return
     decoder.embedding_quant = _pack(blocks)
 
@@ -247,10 +313,11 @@ def _part(
     permuted_qk: bool,
     block: int,
     native: bool = False,
+    requant: str | None = None,
 ) -> tuple[Linear | None, bool]:
     """One fused projection from the file's blocks, checked against ``old`` (the model's float weights), and the q/k
     row order that matched; (None, _) where a part has no exact form. ``native``: the file's own bytes
-    (``Linear.gguf``) where every part's type allows it."""
+    (``Linear.gguf``) where every part's type allows it; ``requant``: each part re-quantized into that type."""
     orders = (permuted_qk, not permuted_qk) if "attn_q" in stems else (permuted_qk,)
     for order in orders:
         blocks = [_tensor_blocks(data, tensors.get(n), decoder, stem, order) for n, stem in zip(names, stems)]
@@ -258,6 +325,9 @@ def _part(
             return None, order
         stacked = _stack(blocks)
         error = _mismatch(", ".join(names), stacked, old.weight)
+        if error is None and requant:
+            raw = tuple((requant, _requantized(n, b, requant)) for n, b in zip(names, blocks))
+            return Linear(gguf=gguf_blocks(stacked.k, raw), bias=old.bias), order
         if error is None and native and all(tensors[n].kind in gguf_ops.GGML_TYPE_IDS for n in names):
             raw = tuple(
                 (tensors[n].kind, _raw_rows(data, tensors[n], decoder, stem, order)) for n, stem in zip(names, stems)
