@@ -330,6 +330,20 @@ def _attention(g: _Graph, i: int, qkv, layer: Layer, decoder: Decoder, rotary: d
     parts = [qkv, "", ""] if isinstance(qkv, str) else list(qkv)
     cos, sin = rotary[layer.rope] if layer.rope is not None else ("", "")
     attrs = {"scale": decoder.attn_scale} if decoder.attn_scale is not None else {}
+    if own_attention(layer, decoder):
+        g.op(
+            gguf_ops.ATTENTION,
+            [qkv, f"past.{i}.key", f"past.{i}.value", "seqlens_k", "total_sequence_length", cos, sin, "query_lengths"],
+            ["attn_" + str(i), f"present.{i}.key", f"present.{i}.value"],
+            domain=gguf_ops.DOMAIN,
+            name=f"layers.{i}.attention",
+            num_heads=decoder.heads,
+            kv_num_heads=decoder.kv_heads,
+            do_rotary=int(layer.rope is not None),
+            local_window_size=window if window else -1,
+            **attrs,
+        )
+        return "attn_" + str(i)
     if decoder.attn_softcap:
         attrs["softcap"] = decoder.attn_softcap
     g.op(
@@ -356,6 +370,14 @@ def _attention(g: _Graph, i: int, qkv, layer: Layer, decoder: Decoder, rotary: d
         **attrs,
     )
     return "attn_" + str(i)
+
+
+def own_attention(layer: Layer, decoder: Decoder) -> bool:
+    """Whether a layer's attention is Draftsmith's CausalAttention rather than GroupQueryAttention: where its q|k|v
+    is one GgufMatMul (the graph needs the library anyway) and it has no score softcap (Gemma 2). Every operator of
+    such a layer then scores a token the same way in any call, so its engine needs no padding to be exact
+    (runtime.engines.fused.FusedEngine, min_call_tokens)."""
+    return layer.qkv.gguf is not None and not decoder.attn_softcap and layer.q_norm is None and layer.k_norm is None
 
 
 def _qk_norm(g: _Graph, name: str, qkv: str, layer: Layer, decoder: Decoder) -> tuple[str, str, str]:

@@ -49,7 +49,7 @@ def open_engines(
             model, threads if entry.role == "target" or draft_threads is None else draft_threads, providers, external
         )
         del model, external  # the session holds its own copy: free ours before the next engine is read
-        min_call_tokens = _min_call_tokens(entry)
+        min_call_tokens = _min_call_tokens(entry, attention)
         device_options = (
             {"cache_device": cache_device, "device_id": device_id}
             if entry.graph == "export"
@@ -72,10 +72,13 @@ def open_engines(
     return engines
 
 
-def _min_call_tokens(entry) -> int:
-    """A fused target's calls are at least two tokens wide on every CPU (one-token calls take other kernels:
-    runtime.engines.fused.FusedEngine), also where an older bundle's manifest says 1; a draft need not be exact."""
-    return max(entry.min_call_tokens, 2) if entry.role == "target" and entry.graph == "fused" else entry.min_call_tokens
+def _min_call_tokens(entry, attention: tuple) -> int:
+    """A fused target's calls are at least two tokens wide on every CPU where its graph has GroupQueryAttention
+    (one-token calls take other kernels: runtime.engines.fused.FusedEngine), also where an older bundle's manifest
+    says 1; a graph whose every operator scores a token alike in any call (Draftsmith's CausalAttention over
+    GgufMatMul: no GroupQueryAttention settings) takes the manifest's; a draft need not be exact."""
+    padded = entry.role == "target" and entry.graph == "fused" and bool(attention)
+    return max(entry.min_call_tokens, 2) if padded else entry.min_call_tokens
 
 
 def _class_points(entry, attention: tuple, max_context: int, min_call_tokens: int) -> tuple[int, ...]:

@@ -63,7 +63,7 @@ CONTRIB_OPS = frozenset(
     }
 )
 # Draftsmith's own operators (runtime.engines.gguf_ops), each checked against its weights before the library sees it
-OWN_OPS = {gguf_ops.DOMAIN: frozenset({gguf_ops.OP, gguf_ops.GATHER})}
+OWN_OPS = {gguf_ops.DOMAIN: frozenset({gguf_ops.OP, gguf_ops.GATHER, gguf_ops.ATTENTION})}
 SHAPE_FROM_INPUT_OPS = {"ConstantOfShape": 0, "Expand": 1}  # op -> the input that gives the output's shape
 MAX_CONSTANT_ELEMENTS = 1 << 26  # a constant-shaped output ONNX Runtime would fold (allocate) while loading
 MAX_FOLLOWED = 1024  # elements of a constant small enough to follow through the shape arithmetic ORT folds
@@ -83,6 +83,8 @@ def check_operators(proto, where: str) -> None:
                 problems.append(f"node {node.name!r}: com.microsoft {node.op_type} is not an operator engines use")
         elif node.op_type == gguf_ops.GATHER and domain == gguf_ops.DOMAIN:
             problems += gguf_gather_problems(node, proto.graph)
+        elif node.op_type == gguf_ops.ATTENTION and domain == gguf_ops.DOMAIN:
+            problems += causal_attention_problems(node)
         elif node.op_type in OWN_OPS.get(domain, ()):
             problems += gguf_matmul_problems(node, proto.graph)
         else:
@@ -121,6 +123,31 @@ def gguf_matmul_problems(node, graph) -> list[str]:
     reason = gguf_ops.unavailable_reason()
     if reason is not None:
         problems.append(f"{where}: this engine multiplies by GGUF blocks with Draftsmith's kernels, but {reason}")
+    return problems
+
+
+def causal_attention_problems(node) -> list[str]:
+    """What is wrong with a CausalAttention node: heads that do not group (num_heads a positive multiple of
+    kv_num_heads, at most 1024), do_rotary not 0 or 1, a window or scale of the wrong kind, more than its eight
+    inputs; or no library here to run it. (Shapes are the call's: the operator checks them on every call.)"""
+    from onnx import helper
+
+    where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.ATTENTION}"
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    heads, kv_heads = attributes.get("num_heads"), attributes.get("kv_num_heads")
+    problems = []
+    if not all(isinstance(v, int) and v > 0 for v in (heads, kv_heads)) or heads > 1024 or heads % kv_heads:
+        problems.append(f"{where}: num_heads must be a positive multiple of kv_num_heads (at most 1024)")
+    if attributes.get("do_rotary", 0) not in (0, 1) or not isinstance(attributes.get("local_window_size", -1), int):
+        problems.append(f"{where}: do_rotary must be 0 or 1 and local_window_size an integer")
+    scale = attributes.get("scale", 0.0)
+    if not isinstance(scale, float) or not scale >= 0.0 or scale == float("inf"):
+        problems.append(f"{where}: scale must be a finite float >= 0")
+    if len(node.input) > 8 or len(node.output) != 3:
+        problems.append(f"{where}: it takes at most 8 inputs and gives 3 outputs")
+    reason = gguf_ops.unavailable_reason()
+    if reason is not None:
+        problems.append(f"{where}: this engine's attention is Draftsmith's own operator, but {reason}")
     return problems
 
 

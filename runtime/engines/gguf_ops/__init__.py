@@ -19,6 +19,7 @@ from pathlib import Path
 
 DOMAIN = "ai.draftsmith"
 OP = "GgufMatMul"
+ATTENTION = "CausalAttention"  # GroupQueryAttention's work, the same for a query whatever its call (src/attention.cpp)
 GATHER = "GgufGather"  # an embedding's rows from the file's bytes (a tied head's, shared): W, ids; K, type, layout
 # ggml type ids (ggml.h enum ggml_type) of the types the operator multiplies
 GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "attention.h"
 #include "gguf_kernels.h"
 
 namespace draftsmith {
@@ -347,6 +348,7 @@ DRAFTSMITH_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* o
     Ort::CustomOpDomain domain{draftsmith::kDomain};
     domain.Add(&draftsmith::the_op);
     domain.Add(&draftsmith::the_gather);
+    domain.Add(draftsmith::causal_attention_op());
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> guard(draftsmith::domains_lock);
     draftsmith::domains.push_back(std::move(domain));
