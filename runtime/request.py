@@ -27,6 +27,7 @@ from runtime.drafters.base import Drafter
 from runtime.drafters.registry import DRAFTERS
 from runtime.errors import RequestError
 from runtime.loaded import LoadedBundle
+from runtime.text.stop_matcher import stop_automaton
 
 Seed = Optional[Union[int, list[Optional[int]]]]  # one for the batch, or one per prompt
 MIN_TEMPERATURE = 1e-5  # smaller positive temperatures decode greedily (as vLLM's sampling epsilon)
@@ -377,7 +378,7 @@ class FrontDoor:
     def admit_tokens(self, token_lists: list[list[int]], request: DecodeRequest) -> Admitted:
         """Prompts already tokenized (the bench's, a Triton preprocessing step's) as the scheduler runs them: within
         the bundle's bounds (its vocabulary, its context, its k), the response format compiled (unless it is
-        already), the drafter made once."""
+        already), the drafter made once, the stop strings' automaton built (cached for the scheduler)."""
         for ids in token_lists:
             self.check_tokens(ids)
         request = self.compile(request)
@@ -388,6 +389,8 @@ class FrontDoor:
             )
         drafter = self.bundle.new_drafter(request.mode, request.drafter, request.draft_confidence)
         name = self.bundle.drafter_name(request.drafter) if drafter is not None else ""
+        if request.stops:  # built here (a server's admission runs off its loop), not on the scheduler's thread
+            stop_automaton(request.stops)
         return Admitted([list(ids) for ids in token_lists], config, request.stops, drafter, name)
 
     def check_tokens(self, ids: list[int], field: str = "prompt") -> None:
