@@ -45,7 +45,7 @@ from runtime.serving.connections import (
 )
 from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
-from runtime.serving.handles import Event, Overloaded, Unavailable
+from runtime.serving.handles import Event, Overloaded, Unavailable, is_stopping
 from runtime.serving.health import scheduler_problem
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from runtime.serving.openai_responses import (
@@ -311,7 +311,7 @@ def _event_error(error: Exception, param: str | None = None) -> APIError:
         return overloaded(error)
     if isinstance(error, RequestError):
         return APIError(400, str(error), param=param)
-    if isinstance(error, Unavailable) and "stopping" in str(error):
+    if is_stopping(error):
         return APIError(503, "the server is shutting down; retry on another", "server_error")
     log.error("generation failed: %s", error)
     return APIError(500, "the server failed while generating this completion; retry later", "server_error")
