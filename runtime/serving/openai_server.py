@@ -258,7 +258,7 @@ class _Replies:
             self.scheduler.check_room()  # a full queue refuses before any compile or tokenizing
             if decode.response_format is not None:
                 decode = await self.pools.compile(self.door.compile, decode)
-            admitted = await asyncio.to_thread(self.door.admit, [prompt], decode, chat)  # off the loop: it tokenizes
+            admitted = await asyncio.to_thread(self._admit, prompt, decode, chat)  # off the loop: it tokenizes
             handle = self.scheduler.enqueue(
                 admitted, timeout=self.request_timeout, sink=bridge.put, client=_client_of(request)
             )[0]
@@ -271,6 +271,12 @@ class _Replies:
             raise _event_error(err) from None
         return handle, bridge, asked.names["response_format"] if decode.response_format is not None else None
 
+    def _admit(self, prompt, decode, chat: bool):
+        """The door's admission, what the response needs of the tokenizer checked first (its first check reads the
+        vocabulary, which a server started by ``serve`` has done already)."""
+        _needs_bytes(self.scheduler.bundle.tokenizer, decode, chat)
+        return self.door.admit([prompt], decode, chat)
+
 
 def _json_bytes(model) -> bytes:
     """A response model as JSONResponse writes it (compact, UTF-8, no NaN)."""
@@ -280,12 +286,26 @@ def _json_bytes(model) -> bytes:
 
 
 def _prepare_grammars(generator) -> None:
-    """Make the grammar compiler before serving, so the first response_format request does not wait for it; a
-    server without llguidance still serves unconstrained requests (constrained ones then get the reason)."""
+    """Make the grammar compiler and read the tokens' bytes before serving, so no request waits for them. Where
+    llguidance is missing or cannot read the bundle's tokenizer (a WordPiece decoder), the server still starts and
+    serves the rest: said here once, and per request with a 400 saying why (``_needs_bytes``)."""
     try:
         generator.grammar_compiler()
-    except ImportError as err:
-        log.warning("structured output is unavailable: %s (pip install llguidance)", err)
+    except RequestError as err:
+        log.warning("%s; requests with response_format or tools will be refused", err)
+    why = generator.tokenizer.bytes_problem()
+    if why:
+        log.warning(
+            "chat logprobs are unavailable for this bundle: %s; chat requests with logprobs will be refused", why
+        )
+
+
+def _needs_bytes(tokenizer, decode, chat: bool) -> None:
+    """RequestError naming logprobs where a chat request asks for them and the tokens' bytes cannot be read (OpenAI's
+    chat logprobs carry each token's bytes; the completions' do not): refused before decoding, not mid-response."""
+    why = tokenizer.bytes_problem() if chat and decode.logprobs is not None and tokenizer is not None else ""
+    if why:
+        raise RequestError(f"logprobs: unavailable for this bundle's chat completions: {why}", "logprobs")
 
 
 def _client_of(request: Request) -> str:

@@ -46,12 +46,27 @@ class Tokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         """A token's own bytes: one may end inside a UTF-8 character, which ``decode`` shows as U+FFFD (OpenAI's
-        logprobs carry them as ``bytes`` for that reason). llguidance reads them from the vocabulary, once."""
-        if getattr(self, "_raw", None) is None:
-            import llguidance
+        logprobs carry them as ``bytes`` for that reason). llguidance reads them from the vocabulary, once;
+        BytesUnavailable where it cannot (``bytes_problem`` says so without raising)."""
+        reader = self._byte_reader()
+        if isinstance(reader, str):
+            raise BytesUnavailable(reader)
+        return reader.decode_bytes([int(token)])
 
-            self._raw = llguidance.LLTokenizer(self.fast.to_str())
-        return self._raw.decode_bytes([int(token)])
+    def bytes_problem(self) -> str:
+        """Why this tokenizer's token bytes cannot be read ("" when they can), found once: a server says it at start
+        and refuses per request what needs them, rather than failing mid-response."""
+        reader = self._byte_reader()
+        return reader if isinstance(reader, str) else ""
+
+    def _byte_reader(self):
+        """llguidance's reader of the token bytes, or why there is none (a string), made once."""
+        if getattr(self, "_raw", None) is None:
+            try:
+                self._raw = read_bytes(self.fast.to_str())
+            except BytesUnavailable as err:
+                self._raw = str(err)
+        return self._raw
 
     def apply_chat_template(self, prompt: str | list[dict]) -> str:
         """Render a user message (or a list of messages) with the model's chat template, ready for generation."""
@@ -65,6 +80,28 @@ class Tokenizer:
         model wants one), so the tokenizer adds none: adding them again would put BOS twice (transformers does the
         same in ``apply_chat_template(tokenize=True)``)."""
         return self.encode(self.apply_chat_template(prompt), add_special_tokens=False)
+
+
+class BytesUnavailable(ValueError):
+    """llguidance cannot read a tokenizer's token bytes: it is not installed, or it does not know the tokenizer's
+    decoder (a WordPiece one: "can't determine decoder type"). What needs the bytes (structured output, chat
+    logprobs) is unavailable; the rest decodes as ever."""
+
+
+def read_bytes(tokenizer_json: str, **options):
+    """llguidance's LLTokenizer over a tokenizer.json (``options``: its own), or BytesUnavailable saying why not in
+    words that name what to do, not only llguidance's."""
+    try:
+        import llguidance
+    except ImportError as err:
+        raise BytesUnavailable(f"llguidance is not installed ({err}; pip install llguidance)") from None
+    try:
+        return llguidance.LLTokenizer(tokenizer_json, **options)
+    except ValueError as err:
+        raise BytesUnavailable(
+            f"llguidance cannot read this bundle's tokenizer ({err}); it reads byte-level BPE, SentencePiece and "
+            "byte-fallback tokenizers"
+        ) from None
 
 
 def _token_text(value) -> str | None:
