@@ -20,8 +20,9 @@ from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
 from runtime.drafters.suffix import SuffixCorpus
 from runtime.engines.base import Engine
 from runtime.engines.loading import open_engines
+from runtime.errors import RequestError
 from runtime.metrics import MetricsRegistry
-from runtime.text.tokenizer import Tokenizer, UnsafeTokenizer
+from runtime.text.tokenizer import BytesUnavailable, Tokenizer, UnsafeTokenizer
 from runtime.text.vocab_bridge import VocabBridge
 
 
@@ -51,6 +52,7 @@ class LoadedBundle:
         self.metrics = MetricsRegistry()
         self.suffix_corpus: SuffixCorpus | None = None  # earlier responses for suffix drafters (a server sets one)
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
+        self._no_grammars = ""  # why it cannot be made, once found
         self._costs: CostModel | None = None  # measured call costs (``step_costs``), made on first need
         self._costs_rows = 0
 
@@ -104,9 +106,15 @@ class LoadedBundle:
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The grammar compiler over this bundle's tokenizer, made once (llguidance reads the vocabulary: ~3 s for
-        SmolLM2's 49,152 tokens; a server makes it at start so no request waits for it)."""
+        SmolLM2's 49,152 tokens; a server makes it at start so no request waits for it). RequestError saying why
+        where llguidance is missing or cannot read the tokenizer: tried once, the bundle decodes unconstrained."""
+        if self._grammars is None and not self._no_grammars:
+            try:
+                self._grammars = GrammarCompiler(self.tokenizer.fast.to_str(), self.target.vocab_size, self.eos_ids)
+            except BytesUnavailable as err:
+                self._no_grammars = f"structured output is unavailable for this bundle: {err}"
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.fast.to_str(), self.target.vocab_size, self.eos_ids)
+            raise RequestError(self._no_grammars)  # a new one each time: a kept one's traceback would grow
         return self._grammars
 
     def step_costs(self, rows: int) -> CostModel:

@@ -12,6 +12,7 @@ protocol (runtime/serving/openai_protocol.py, the Triton model) only maps its ow
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
@@ -27,6 +28,7 @@ from runtime.drafters.base import Drafter
 from runtime.drafters.registry import DRAFTERS
 from runtime.errors import RequestError
 from runtime.loaded import LoadedBundle
+from runtime.text.stop_matcher import stop_automaton
 
 Seed = Optional[Union[int, list[Optional[int]]]]  # one for the batch, or one per prompt
 MIN_TEMPERATURE = 1e-5  # smaller positive temperatures decode greedily (as vLLM's sampling epsilon)
@@ -54,9 +56,10 @@ def check_text(value, field: str, error: type[Exception] = RequestError) -> None
 
 def invalid_text_path(value) -> tuple[str, str] | None:
     """(the dotted path of the first string, or key, in a JSON-like value that is not valid Unicode text, why) or
-    None when every one is. A server walks each request body with it before using any field (a lone surrogate would
-    fail whichever encoder meets it first: a grammar compiler, a tokenizer, a log line), so every such string is a
-    400 naming where it is, ignored fields included. A loop, not recursion: the body is client input."""
+    None when every one is. A server's body is walked with it where its one encoding failed (``check_sent_text``:
+    a lone surrogate would fail whichever encoder meets it first: a grammar compiler, a tokenizer, a log line), so
+    every such string is a 400 naming where it is, ignored fields included. A loop, not recursion: the body is
+    client input."""
     stack = [("", value)]
     while stack:
         path, item = stack.pop()
@@ -74,6 +77,27 @@ def invalid_text_path(value) -> tuple[str, str] | None:
         elif isinstance(item, (list, tuple)):
             stack.extend((f"{path}.{i}".lstrip("."), v) for i, v in reversed(list(enumerate(item))))
     return None
+
+
+def check_sent_text(sent) -> None:
+    """RequestError naming the first string (or key) of a request body that is not valid Unicode text. The common
+    case costs one encoding of the body in C (``json.dumps`` then UTF-8 fails on a lone surrogate); the walk that
+    names the field runs only for a body that has one, which is refused. ``sent``: JSON-like data, or the pydantic
+    model it was parsed into (dumped here, where its cost is paid off the event loop)."""
+    if isinstance(sent, BaseModel):
+        sent = sent.model_dump(exclude_none=True)
+    try:
+        json.dumps(sent, ensure_ascii=False).encode("utf-8")
+        return
+    except (UnicodeEncodeError, TypeError):  # TypeError: not JSON data (a caller's own objects): walked as it is
+        pass
+    invalid = invalid_text_path(sent)
+    if invalid is None:
+        return
+    where, why = invalid
+    raise RequestError(
+        f"{where}: not valid Unicode text ({why}); send UTF-8 without lone surrogates", where.split(".")[0]
+    )
 
 
 def _encoding_error(text: str) -> str:
@@ -301,7 +325,8 @@ class Asked:
     ``prompt``: text, raw UTF-8 bytes (a tensor's) or with ``chat`` {"role", "content"} messages; ``fields``: the
     DecodeRequest's fields the request set (``stop`` may hold raw bytes; no ``max_new_tokens``: the server's
     ``max_tokens_limit``); ``sent``: everything the client sent, as JSON-like data, every string of which must be
-    valid text (None: the prompt and stops only); ``names`` and ``form``: the protocol's words for the door's fields
+    valid text (None: the prompt and stops only; a pydantic model: the body it was parsed into, dumped only where
+    checked); ``names`` and ``form``: the protocol's words for the door's fields
     (``FrontDoor.refusal``)."""
 
     prompt: Any
@@ -327,17 +352,11 @@ class FrontDoor:
         self.bundle, self.limits = bundle, limits
 
     def checked(self, asked: Asked) -> DecodeRequest:
-        """A server's request through its checks, before any work: every string it sent valid text, the prompt's
-        and stops' sizes within ``limits``, then its DecodeRequest (uncompiled: ``compile`` next, then ``admit``,
-        which checks the prompt's text as it tokenizes it: once).
+        """A server's request through its checks, before any work: the prompt's and stops' sizes within
+        ``limits`` (cheap: sizes only), every string it sent valid text, then its DecodeRequest (uncompiled:
+        ``compile`` next, then ``admit``, which checks the prompt's text as it tokenizes it: once). Its cost is the
+        body's size: a server runs it off its event loop.
         RequestError naming the field at fault (``refusal`` words it in the protocol's names)."""
-        if asked.sent is not None:
-            invalid = invalid_text_path(asked.sent)
-            if invalid is not None:
-                where, why = invalid
-                raise RequestError(
-                    f"{where}: not valid Unicode text ({why}); send UTF-8 without lone surrogates", where.split(".")[0]
-                )
         fields = dict(asked.fields)
         stops = fields.get("stop") or []
         stops = [stops] if isinstance(stops, (str, bytes)) else list(stops)
@@ -345,6 +364,8 @@ class FrontDoor:
         limits.check(
             text_bytes(asked.prompt), fields.get("max_new_tokens"), [text_bytes(s) for s in stops], asked.prompt_field
         )
+        if asked.sent is not None:
+            check_sent_text(asked.sent)
         if stops:
             fields["stop"] = [as_text(s, "stop") for s in stops]
         fields.setdefault("max_new_tokens", limits.max_tokens_limit)
@@ -377,7 +398,7 @@ class FrontDoor:
     def admit_tokens(self, token_lists: list[list[int]], request: DecodeRequest) -> Admitted:
         """Prompts already tokenized (the bench's, a Triton preprocessing step's) as the scheduler runs them: within
         the bundle's bounds (its vocabulary, its context, its k), the response format compiled (unless it is
-        already), the drafter made once."""
+        already), the drafter made once, the stop strings' automaton built (cached for the scheduler)."""
         for ids in token_lists:
             self.check_tokens(ids)
         request = self.compile(request)
@@ -388,6 +409,8 @@ class FrontDoor:
             )
         drafter = self.bundle.new_drafter(request.mode, request.drafter, request.draft_confidence)
         name = self.bundle.drafter_name(request.drafter) if drafter is not None else ""
+        if request.stops:  # built here (a server's admission runs off its loop), not on the scheduler's thread
+            stop_automaton(request.stops)
         return Admitted([list(ids) for ids in token_lists], config, request.stops, drafter, name)
 
     def check_tokens(self, ids: list[int], field: str = "prompt") -> None:

@@ -22,7 +22,9 @@ import pytest
 from fakes import BigramEngine, random_table
 from metric_readers import prometheus_samples, table_names, type_lines
 from runtime.metric_families import COUNTER, FAMILIES, GAUGE, HISTOGRAM, Reading, TritonMetrics, prometheus_text, read
+from runtime.errors import RequestError
 from runtime.metrics import RECENT, MetricsRegistry, RequestStats
+from runtime.serving.handles import Overloaded, Unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -300,3 +302,50 @@ def test_every_request_the_scheduler_fails_is_a_request_error():
     samples = prometheus_samples(prometheus_text(read(generator.metrics, scheduler, "m")))
     assert samples[("draftsmith_scheduler_failed_total", ())] == 2
     assert samples[("draftsmith_request_errors_total", ())] == 2
+
+
+RUNTIME_FAILURE = (
+    "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running MatMul node. "
+    "Name:'/model/layers.0/MatMul' in /home/ops/bundles/qwen/target/model.onnx"
+)
+
+
+def _triton_message(error, monkeypatch) -> tuple[str, list[str]]:
+    """(what the Triton model tells a client for ``error``, what it logged)."""
+    pb = fake_pb_utils()
+    logged = []
+    pb.Logger = SimpleNamespace(log_error=logged.append, log_info=logged.append)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    return _load_triton_model()._message(error), logged
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError(RUNTIME_FAILURE),
+        Unavailable(f"decoding this request failed: {RuntimeError(RUNTIME_FAILURE)!r}"),  # the scheduler's wrapping
+        KeyError("/home/ops/bundles/qwen/manifest.json"),
+        MemoryError(),
+    ],
+)
+def test_the_triton_model_answers_its_own_failures_generically_and_logs_them(error, monkeypatch):
+    """An error this model did not raise for the client (an engine's, the scheduler's wrapping of one) is logged with
+    its details and answered with a generic message, as the OpenAI server's 500: no node names, no paths."""
+    message, logged = _triton_message(error, monkeypatch)
+    assert message == "the server failed while decoding this request; retry later"
+    assert len(logged) == 1 and type(error).__name__ in logged[0] and str(error) in logged[0]
+
+
+@pytest.mark.parametrize("kind", ["RequestInvalid", "RequestError", "Overloaded"])
+def test_the_triton_model_tells_clients_what_is_wrong_with_their_request(kind, monkeypatch):
+    said = "input 'max_tokens': expected an integer in [1, 64], received 0"
+    pb = fake_pb_utils()
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    module = _load_triton_model()
+    error = {"RequestInvalid": module.RequestInvalid, "RequestError": RequestError, "Overloaded": Overloaded}[kind]
+    assert module._message(error(said)) == said
+
+
+def test_the_triton_model_says_when_it_is_stopping(monkeypatch):
+    message, logged = _triton_message(Unavailable("the scheduler is stopping"), monkeypatch)
+    assert message == "the server is shutting down; retry on another" and not logged

@@ -259,6 +259,84 @@ def test_a_deep_tool_call_through_the_response_shape_whole_and_streamed(tokenize
     json.dumps(choice.model_dump(mode="json"))  # the response serialises
 
 
+# --- a body's cost: bounded before it is walked, and paid off the event loop ---------------------------------------
+
+CHAT = "/v1/chat/completions"
+BODY_REFUSALS = [  # (the body, the field its 400 names, a phrase of its message)
+    (chat(metadata={f"k{i}": "v" for i in range(17)}), "metadata", "17 keys; at most 16"),
+    (chat(metadata={"k" * 65: "v"}), "metadata", "at most 64 characters"),
+    (chat(metadata={"k": "v" * 513}), "metadata", "at most 512 characters, received 513"),
+    (chat(metadata={"a": [0] * 20_000}), "metadata", "received list"),  # the issue's body, within this limit
+    (chat(metadata={"a": {"b": "c"}}), "metadata", "received dict"),
+    (chat(metadata={"a": 1}), "metadata", "received int"),
+    (chat(metadata="tag"), "metadata", "expected an object"),
+    (chat(metadata=[["k", "v"]]), "metadata", "expected an object"),
+    (chat(metadata={"k": LONE}), "metadata", "metadata.k: not valid Unicode"),
+    (chat(metadata={LONE: "v"}), "metadata", "not valid Unicode"),
+    (chat(stop=[f"s{i}" for i in range(17)], user=LONE), "stop", "17 stop strings"),  # the count before any walk
+    (chat(stop=["s"] * 10_000), "stop", "10000 stop strings"),
+    (chat(stop=["x" * 257], messages=[{"role": "user", "content": LONE}]), "stop", "max_stop_word_bytes"),
+]
+
+
+@pytest.mark.parametrize("body,param,phrase", BODY_REFUSALS, ids=range(len(BODY_REFUSALS)))
+def test_a_body_past_a_bound_is_a_400_naming_the_field(app, body, param, phrase):
+    """``metadata`` is bounded as OpenAI bounds it (the server ignores it: nothing else would), and the cheap count
+    limits come before anything walks the body."""
+    hostile("body", body)
+    response = raw_post(app, CHAT, body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and phrase in error["message"], error
+
+
+RAW_REFUSALS = [  # bodies FastAPI parsed on the event loop, now parsed off it: the same answers
+    (b"", "a JSON request body is required"),
+    (b'{"model": "tiny", "messages": [', "not valid JSON"),
+    (b'{"model": "\xff"}', "error parsing the body"),  # not UTF-8
+    (b"[" * 30_000 + b"]" * 30_000, "error parsing the body"),  # past the parser's depth
+    (b"[1, 2]", "body: Input should be a valid dictionary"),
+]
+
+
+@pytest.mark.parametrize("raw,phrase", RAW_REFUSALS, ids=range(len(RAW_REFUSALS)))
+def test_a_body_that_does_not_parse_is_a_400(app, raw, phrase):
+    hostile("body", raw.decode("latin-1")[:64])
+    response = call(app, "POST", CHAT, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and phrase in response.json()["error"]["message"], response.text
+
+
+def test_metadata_within_openais_bounds_is_accepted(app):
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    assert raw_post(app, CHAT, chat(metadata=metadata)).status_code == 200
+
+
+def test_the_body_is_parsed_and_checked_off_the_event_loop_and_walked_only_when_it_must(app, monkeypatch):
+    """Parsing, validating and the text check cost the body's size (a 4 MB body held every connection ~1 s): they
+    run on worker threads, and the walk that names a field runs only for a body that has a lone surrogate."""
+    import threading
+
+    from runtime import request as door
+    from runtime.serving import openai_server
+
+    threads, walked = [], []
+    parse, checked, walk = openai_server._parse_body, door.FrontDoor.checked, door.invalid_text_path
+
+    def spy(work):
+        def run(*args):
+            threads.append(threading.get_ident())
+            return work(*args)
+
+        return run
+
+    monkeypatch.setattr(openai_server, "_parse_body", spy(parse))
+    monkeypatch.setattr(door.FrontDoor, "checked", spy(checked))
+    monkeypatch.setattr(door, "invalid_text_path", lambda sent: walked.append(sent) or walk(sent))
+    assert raw_post(app, CHAT, chat(metadata={"k": "v"})).status_code == 200
+    assert len(threads) == 2 and threading.get_ident() not in threads  # call() runs the loop on this thread
+    assert not walked
+    assert raw_post(app, CHAT, chat(metadata={"k": LONE})).status_code == 400 and len(walked) == 1
+
+
 def test_hostile_input_count():
     """Run last in this file: the distinct hostile inputs above, by class."""
-    hostile.check(classes=5, at_least=54)
+    hostile.check(classes=6, at_least=54 + len(BODY_REFUSALS) + len(RAW_REFUSALS))

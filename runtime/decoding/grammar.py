@@ -35,6 +35,7 @@ import numpy as np
 
 from runtime.decoding.grammar_bounds import lark_size, refuse_expansion, regex_size, schema_size
 from runtime.errors import RequestError
+from runtime.text.tokenizer import read_bytes
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
 
@@ -164,11 +165,11 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, width: int, eos_ids: tuple[int, ...] = ()):
         """tokenizer_json: the bundle's tokenizer.json text; width: logits columns the loop reads; eos_ids: the
         tokens that end a sequence (the grammar allows them where the output is complete)."""
+        probe = read_bytes(tokenizer_json)  # BytesUnavailable: llguidance is missing or cannot read it
         import llguidance
 
         self.llg = llguidance
-        probe = llguidance.LLTokenizer(tokenizer_json)
-        self.tokenizer = llguidance.LLTokenizer(
+        self.tokenizer = read_bytes(
             tokenizer_json, n_vocab=max(width, probe.vocab_size), eos_token=list(eos_ids) or None
         )
         self.width = width

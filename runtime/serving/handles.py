@@ -35,6 +35,12 @@ class Unavailable(RuntimeError):
     """Not the request's fault: the engines failed while it ran, or the scheduler is stopping."""
 
 
+def is_stopping(error: Exception) -> bool:
+    """Whether ``error`` says only that the server is stopping (retry on another replica): a message a client may
+    read, where another Unavailable carries an engine's own text (its nodes, this machine's paths)."""
+    return isinstance(error, Unavailable) and "stopping" in str(error)
+
+
 @dataclass
 class Event:
     """What a request receives: text as it is accepted, then exactly one ``final`` (or one ``error``)."""

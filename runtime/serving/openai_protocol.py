@@ -48,6 +48,30 @@ NEUTRAL: dict[str, tuple] = {
 }
 
 
+# OpenAI's bounds on ``metadata``, which this server ignores: checked before anything walks it
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def bounded_metadata(metadata: Any) -> Any:
+    """``metadata`` as OpenAI takes it (at most 16 pairs of strings, keys up to 64 characters, values up to 512),
+    refused otherwise before pydantic reads any of it: the server ignores it, so nothing else bounds it."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"expected an object of string values, received {type(metadata).__name__}")
+    if len(metadata) > METADATA_KEYS:
+        raise ValueError(f"{len(metadata)} keys; at most {METADATA_KEYS}")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or len(key) > METADATA_KEY_CHARS:
+            raise ValueError(f"keys are strings of at most {METADATA_KEY_CHARS} characters, received {key!r:.80}")
+        if not isinstance(value, str) or len(value) > METADATA_VALUE_CHARS:
+            kind = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+            raise ValueError(
+                f"{key!r}: values are strings of at most {METADATA_VALUE_CHARS} characters, received {kind}"
+            )
+    return metadata
+
+
 def _neutral(name: str, value: Any) -> Any:
     neutral = NEUTRAL[name]
     if value not in neutral:
@@ -136,7 +160,7 @@ class SamplingRequest(_Strict):
             "response_format": self.constraint_field,
         }
         fields = {key: value for key, value in fields.items() if value is not None}
-        return Asked(prompt, fields, chat, self.model_dump(exclude_none=True), names)
+        return Asked(prompt, fields, chat, self, names)  # the body itself: dumped where checked, off the loop
 
     def constraint_format(self):
         """What constrains the output: a response_format (None: free text)."""
@@ -278,12 +302,17 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Any = None
     web_search_options: Any = None
     # harmless, ignored
-    metadata: dict | None = None
+    metadata: dict[str, str] | None = None  # bounded as OpenAI bounds it (bounded_metadata)
     store: bool | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _bounded_metadata(cls, metadata):
+        return bounded_metadata(metadata)
 
     @model_validator(mode="after")
     def _tools_and_logprobs(self) -> "ChatCompletionRequest":

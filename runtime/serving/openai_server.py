@@ -32,6 +32,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.serving.handles import Generation
@@ -45,7 +46,7 @@ from runtime.serving.connections import (
 )
 from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
-from runtime.serving.handles import Event, Overloaded, Unavailable
+from runtime.serving.handles import Event, Overloaded, Unavailable, is_stopping
 from runtime.serving.health import scheduler_problem
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from runtime.serving.openai_responses import (
@@ -166,12 +167,45 @@ def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
     answered by ``replies``."""
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await replies.reply(body, body.prompt, False, request)
+    async def completions(request: Request) -> Response:
+        body, prompt = await _parsed(request, CompletionRequest)
+        return await replies.reply(body, prompt, False, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await replies.reply(body, body.plain_messages(), True, request)
+    async def chat_completions(request: Request) -> Response:
+        body, prompt = await _parsed(request, ChatCompletionRequest)
+        return await replies.reply(body, prompt, True, request)
+
+
+async def _parsed(request: Request, kind: type[SamplingRequest]) -> tuple[SamplingRequest, object]:
+    """(the body as ``kind``, its prompt), parsed and validated off the event loop: both cost the body's size (up to
+    the body limit), which on the loop held every other connection (a 4 MB body: ~1 s). Its errors are FastAPI's
+    own (RequestValidationError, answered by ``_add_error_handlers``)."""
+    raw = await request.body()  # read whole already, by _Guard
+    return await asyncio.to_thread(_parse_body, kind, raw)
+
+
+def _parse_body(kind: type[SamplingRequest], raw: bytes) -> tuple[SamplingRequest, object]:
+    """What FastAPI does with a JSON body parameter (fastapi/routing.py), on the caller's thread."""
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as err:
+        problem = {
+            "type": "json_invalid",
+            "loc": ("body", err.pos),
+            "msg": "JSON decode error",
+            "ctx": {"error": err.msg},
+        }
+        raise RequestValidationError([problem]) from None
+    except (ValueError, RecursionError):  # not UTF-8, nested past the parser's depth
+        raise StarletteHTTPException(400, "There was an error parsing the body") from None
+    try:
+        body = kind.model_validate(data)
+    except ValidationError as err:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from None
+    return body, body.prompt if isinstance(body, CompletionRequest) else body.plain_messages()
 
 
 GRAMMAR_WORKERS = 2  # grammar compiles running at once, on a pool of their own (the default pool tokenizes)
@@ -254,11 +288,11 @@ class _Replies:
         asked = body.asked(prompt, chat)
         bridge = _Bridge()
         try:
-            decode = self.door.checked(asked)
+            decode = await asyncio.to_thread(self.door.checked, asked)  # off the loop: it reads the whole body
             self.scheduler.check_room()  # a full queue refuses before any compile or tokenizing
             if decode.response_format is not None:
                 decode = await self.pools.compile(self.door.compile, decode)
-            admitted = await asyncio.to_thread(self.door.admit, [prompt], decode, chat)  # off the loop: it tokenizes
+            admitted = await asyncio.to_thread(self._admit, prompt, decode, chat)  # off the loop: it tokenizes
             handle = self.scheduler.enqueue(
                 admitted, timeout=self.request_timeout, sink=bridge.put, client=_client_of(request)
             )[0]
@@ -271,6 +305,12 @@ class _Replies:
             raise _event_error(err) from None
         return handle, bridge, asked.names["response_format"] if decode.response_format is not None else None
 
+    def _admit(self, prompt, decode, chat: bool):
+        """The door's admission, what the response needs of the tokenizer checked first (its first check reads the
+        vocabulary, which a server started by ``serve`` has done already)."""
+        _needs_bytes(self.scheduler.bundle.tokenizer, decode, chat)
+        return self.door.admit([prompt], decode, chat)
+
 
 def _json_bytes(model) -> bytes:
     """A response model as JSONResponse writes it (compact, UTF-8, no NaN)."""
@@ -280,12 +320,26 @@ def _json_bytes(model) -> bytes:
 
 
 def _prepare_grammars(generator) -> None:
-    """Make the grammar compiler before serving, so the first response_format request does not wait for it; a
-    server without llguidance still serves unconstrained requests (constrained ones then get the reason)."""
+    """Make the grammar compiler and read the tokens' bytes before serving, so no request waits for them. Where
+    llguidance is missing or cannot read the bundle's tokenizer (a WordPiece decoder), the server still starts and
+    serves the rest: said here once, and per request with a 400 saying why (``_needs_bytes``)."""
     try:
         generator.grammar_compiler()
-    except ImportError as err:
-        log.warning("structured output is unavailable: %s (pip install llguidance)", err)
+    except RequestError as err:
+        log.warning("%s; requests with response_format or tools will be refused", err)
+    why = generator.tokenizer.bytes_problem()
+    if why:
+        log.warning(
+            "chat logprobs are unavailable for this bundle: %s; chat requests with logprobs will be refused", why
+        )
+
+
+def _needs_bytes(tokenizer, decode, chat: bool) -> None:
+    """RequestError naming logprobs where a chat request asks for them and the tokens' bytes cannot be read (OpenAI's
+    chat logprobs carry each token's bytes; the completions' do not): refused before decoding, not mid-response."""
+    why = tokenizer.bytes_problem() if chat and decode.logprobs is not None and tokenizer is not None else ""
+    if why:
+        raise RequestError(f"logprobs: unavailable for this bundle's chat completions: {why}", "logprobs")
 
 
 def _client_of(request: Request) -> str:
@@ -311,7 +365,7 @@ def _event_error(error: Exception, param: str | None = None) -> APIError:
         return overloaded(error)
     if isinstance(error, RequestError):
         return APIError(400, str(error), param=param)
-    if isinstance(error, Unavailable) and "stopping" in str(error):
+    if is_stopping(error):
         return APIError(503, "the server is shutting down; retry on another", "server_error")
     log.error("generation failed: %s", error)
     return APIError(500, "the server failed while generating this completion; retry later", "server_error")

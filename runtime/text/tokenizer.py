@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from runtime.text.chat_template import render_chat_template
+from runtime.text.stop_matcher import ROOT, stop_automaton
 from runtime.text.tokenizer_growth import growth_refusal
 
 
@@ -45,12 +46,27 @@ class Tokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         """A token's own bytes: one may end inside a UTF-8 character, which ``decode`` shows as U+FFFD (OpenAI's
-        logprobs carry them as ``bytes`` for that reason). llguidance reads them from the vocabulary, once."""
-        if getattr(self, "_raw", None) is None:
-            import llguidance
+        logprobs carry them as ``bytes`` for that reason). llguidance reads them from the vocabulary, once;
+        BytesUnavailable where it cannot (``bytes_problem`` says so without raising)."""
+        reader = self._byte_reader()
+        if isinstance(reader, str):
+            raise BytesUnavailable(reader)
+        return reader.decode_bytes([int(token)])
 
-            self._raw = llguidance.LLTokenizer(self.fast.to_str())
-        return self._raw.decode_bytes([int(token)])
+    def bytes_problem(self) -> str:
+        """Why this tokenizer's token bytes cannot be read ("" when they can), found once: a server says it at start
+        and refuses per request what needs them, rather than failing mid-response."""
+        reader = self._byte_reader()
+        return reader if isinstance(reader, str) else ""
+
+    def _byte_reader(self):
+        """llguidance's reader of the token bytes, or why there is none (a string), made once."""
+        if getattr(self, "_raw", None) is None:
+            try:
+                self._raw = read_bytes(self.fast.to_str())
+            except BytesUnavailable as err:
+                self._raw = str(err)
+        return self._raw
 
     def apply_chat_template(self, prompt: str | list[dict]) -> str:
         """Render a user message (or a list of messages) with the model's chat template, ready for generation."""
@@ -64,6 +80,28 @@ class Tokenizer:
         model wants one), so the tokenizer adds none: adding them again would put BOS twice (transformers does the
         same in ``apply_chat_template(tokenize=True)``)."""
         return self.encode(self.apply_chat_template(prompt), add_special_tokens=False)
+
+
+class BytesUnavailable(ValueError):
+    """llguidance cannot read a tokenizer's token bytes: it is not installed, or it does not know the tokenizer's
+    decoder (a WordPiece one: "can't determine decoder type"). What needs the bytes (structured output, chat
+    logprobs) is unavailable; the rest decodes as ever."""
+
+
+def read_bytes(tokenizer_json: str, **options):
+    """llguidance's LLTokenizer over a tokenizer.json (``options``: its own), or BytesUnavailable saying why not in
+    words that name what to do, not only llguidance's."""
+    try:
+        import llguidance
+    except ImportError as err:
+        raise BytesUnavailable(f"llguidance is not installed ({err}; pip install llguidance)") from None
+    try:
+        return llguidance.LLTokenizer(tokenizer_json, **options)
+    except ValueError as err:
+        raise BytesUnavailable(
+            f"llguidance cannot read this bundle's tokenizer ({err}); it reads byte-level BPE, SentencePiece and "
+            "byte-fallback tokenizers"
+        ) from None
 
 
 def _token_text(value) -> str | None:
@@ -115,53 +153,42 @@ class IncrementalDecoder:
 class StopText:
     """A sequence's text as it is sent, with its stop strings applied. Text that could still be the start of a stop
     string is held back until a later piece says whether it is one, so a stop string that straddles two steps never
-    leaks its first part (a step ends wherever the draft's acceptance ends it). ``text``: what was sent."""
+    leaks its first part (a step ends wherever the draft's acceptance ends it). ``text``: what was sent.
+
+    The stops are found by an automaton whose state the sequence carries (runtime/text/stop_matcher.py): a push costs
+    its new characters, not the text so far nor the stops' number and length."""
 
     def __init__(self, stops: tuple[str, ...]):
-        self.stops, self.text, self._held = tuple(s for s in stops if s), "", ""
+        self.stops, self._sent, self._held = tuple(s for s in stops if s), [], ""
+        self._stops = stop_automaton(self.stops) if self.stops else None
+        self._state = ROOT  # the automaton's state after the text sent and held
+
+    @property
+    def text(self) -> str:
+        """What was sent (kept as pieces, joined when read: appending to one string would copy it every step)."""
+        if len(self._sent) > 1:
+            self._sent[:] = ["".join(self._sent)]
+        return self._sent[0] if self._sent else ""
 
     def push(self, piece: str) -> tuple[str, bool]:
         """(the text to send now, whether a stop string ended the sequence)."""
         joined = self._held + piece
-        out, stopped = cut_at_stop(self.text, joined, self.stops)
-        hold = 0 if stopped else _stop_prefix_length(self.text + out, self.stops)
+        if self._stops is None:
+            out, stopped, hold = joined, False, 0
+        else:
+            self._state, start = self._stops.feed(self._state, piece)
+            stopped = start is not None
+            out = joined[: max(0, len(self._held) + start)] if stopped else joined
+            hold = 0 if stopped else self._stops.depth[self._state]
         self._held = out[len(out) - hold :] if hold else ""
         out = out[: len(out) - hold]
-        self.text += out
+        self._sent.append(out)
+        if stopped:  # the text ends before the stop: the state is the sent text's, not what followed it
+            self._state = self._stops.state_of(self.text)
         return out, stopped
 
     def flush(self) -> str:
         """The held text, sent when the sequence ends otherwise (EOS, length, cancelled): no stop can follow."""
         out, self._held = self._held, ""
-        self.text += out
+        self._sent.append(out)
         return out
-
-
-def _stop_prefix_length(text: str, stops: tuple[str, ...]) -> int:
-    """The longest end of ``text`` that is a proper beginning of a stop string (0: none)."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest
-
-
-def cut_at_stop(before: str, piece: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """The part of ``piece`` (new text after ``before``) that comes before the earliest stop string, and whether
-    one matched; a match may straddle the two."""
-    if not stops or not piece:
-        return piece, False
-    at = find_stop(before + piece, stops, len(before))
-    return (piece, False) if at < 0 else ((before + piece)[:at][len(before) :], True)
-
-
-def find_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int:
-    """Index where the earliest stop string starts in ``text``, looking only where a new match can be; -1 if none."""
-    best = -1
-    for stop in stops:
-        at = text.find(stop, max(0, searched_upto - len(stop) + 1))
-        if at >= 0 and (best < 0 or at < best):
-            best = at
-    return best

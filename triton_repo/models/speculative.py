@@ -84,9 +84,22 @@ def _optional(request, name: str):
     return values[0]
 
 
+GENERIC_FAILURE = "the server failed while decoding this request; retry later"
+
+
 def _message(err) -> str:
-    """A client's error text: a bad request says what is wrong; anything else names its kind too."""
-    return str(err) if isinstance(err, RequestInvalid) else f"{type(err).__name__}: {err}"
+    """A client's error text: what this model and the runtime say to clients (a bad request, overloaded, stopping)
+    as it is; anything else is logged here and answered generically, as the OpenAI server's 500 is: an engine's
+    error names its graph's nodes and this machine's paths, which are nobody's business but the operator's."""
+    from runtime.errors import RequestError
+    from runtime.serving.handles import is_stopping
+
+    if isinstance(err, (RequestInvalid, RequestError)):
+        return str(err)
+    if is_stopping(err):
+        return "the server is shutting down; retry on another"
+    pb_utils.Logger.log_error(f"speculative: a request failed: {type(err).__name__}: {err}")
+    return GENERIC_FAILURE
 
 
 # this model's tensor names for the front door's fields (runtime/request.py), in its errors' words
