@@ -549,7 +549,7 @@ def test_an_interrupted_distill_force_keeps_the_old_draft(tiny_pair, old_draft, 
     monkeypatch.setattr(save, "save_draft", save_then_die)  # publish_draft calls it there
     with pytest.raises(KeyboardInterrupt):
         distill_draft(
-            DistillRecipe(init="layers=1", prompts=tmp_path / "prompts.txt", max_new_tokens=4, max_steps=1),
+            DistillRecipe(init="layers=1", prompts=tmp_path / "prompts.txt", max_new_tokens=4, train_steps=1),
             str(tiny_pair[0]),
             old_draft,
             force=True,
@@ -567,7 +567,7 @@ def test_distill_force_refuses_a_folder_that_is_not_a_draft(tiny_pair, tmp_path)
     out = tmp_path / "work"
     before = _user_folder(out)
     with pytest.raises(DistillError, match="is not a draft folder .*nothing was touched"):
-        distill_draft(DistillRecipe(init="layers=1", max_steps=1), str(tiny_pair[0]), out, force=True, quiet=True)
+        distill_draft(DistillRecipe(init="layers=1", train_steps=1), str(tiny_pair[0]), out, force=True, quiet=True)
     assert _contents(out) == before
 
 
@@ -652,7 +652,7 @@ def test_distill_force_never_replaces_the_target_or_a_model_it_did_not_write(tin
     before = _contents(models), _contents(out.resolve()) if out.exists() else None
     with pytest.raises(DistillError, match="nothing was touched|symbolic link"):
         distill_draft(
-            DistillRecipe(init=init, prompts=prompt_file, max_new_tokens=4, max_steps=1),
+            DistillRecipe(init=init, prompts=prompt_file, max_new_tokens=4, train_steps=1),
             str(target),
             out,
             force=True,
@@ -667,7 +667,7 @@ def test_distill_force_replaces_its_own_draft(tiny_pair, old_draft, prompt_file)
     from builder.distill.recipe import DistillRecipe
 
     distill_draft(
-        DistillRecipe(init="layers=1", prompts=prompt_file, max_new_tokens=4, max_steps=1),
+        DistillRecipe(init="layers=1", prompts=prompt_file, max_new_tokens=4, train_steps=1),
         str(tiny_pair[0]),
         old_draft,
         force=True,

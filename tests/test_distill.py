@@ -23,7 +23,7 @@ def distilled(learnable_target, tmp_path_factory):
         init="layers=1",
         prompts=prompts,
         max_new_tokens=24,
-        max_steps=250,
+        train_steps=250,
         seed=0,
         lr=3e-3,
         heldout=0.2,
@@ -61,7 +61,7 @@ def test_reduced_vocabulary_distillation_saves_the_kept_ids(learnable_target, tm
     from builder.distill.save import read_draft_vocab
 
     target, prompts = learnable_target
-    recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=8, max_steps=3, seed=0, draft_vocab=64)
+    recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=8, train_steps=3, seed=0, draft_vocab=64)
     report = distill_draft(recipe, str(target), tmp_path / "d", quiet=True)
     kept = read_draft_vocab(tmp_path / "d")
     assert len(kept) == report["draft_vocab"] == 64 and list(kept) == sorted(kept)
@@ -119,7 +119,7 @@ def test_bad_init_is_refused(learnable_target, tmp_path):
     target, prompts = learnable_target
     with pytest.raises(DistillError, match="layers"):
         distill_draft(
-            DistillRecipe(init="layers=2", prompts=prompts, max_new_tokens=2, max_steps=1),
+            DistillRecipe(init="layers=2", prompts=prompts, max_new_tokens=2, train_steps=1),
             str(target),
             tmp_path / "d",
             quiet=True,
@@ -142,7 +142,7 @@ def test_extra_sampled_continuations_add_distinct_training_text(learnable_target
     from builder.distill.recipe import DistillRecipe
 
     target, prompts = learnable_target
-    recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=8, max_steps=1, seed=0)
+    recipe = DistillRecipe(init="layers=1", prompts=prompts, max_new_tokens=8, train_steps=1, seed=0)
     one = distill_draft(recipe, str(target), tmp_path / "one", quiet=True)
     three = distill_draft(
         dataclasses.replace(recipe, samples_per_prompt=3, sample_temperature=1.0),
@@ -202,6 +202,8 @@ def test_preset_recipe_distils_once_then_builds(learnable_target, tmp_path):
     assert made.exit_code == 0, made.output
     report = json.loads((draft / "distill_report.json").read_text())
     assert report["init"] == "layers=1" and report["minutes"] == 1.0 and report["generate_share"] == 0.2
+    # the deprecated minutes as work: (60 s - 20% for data) x 0.9 x 1 step a second
+    assert report["work"]["train_steps"] == report["training"]["steps"] == 43
     assert report["max_new_tokens"] == 6  # a flag overrides the recipe
     stamp = (draft / "distill_report.json").stat().st_mtime_ns
     again = runner.invoke(draftsmith, ["distill", "--config", str(preset)])
@@ -235,7 +237,7 @@ def test_a_preset_builds_a_recipe_and_flags_override_it():
     )
     assert (target, out) == ("t", "d")
     assert recipe == DistillRecipe(init="feature", minutes=20, draft_vocab=8192)
-    assert recipe.overridden({"minutes": 5, "max_steps": 3}) == DistillRecipe(
+    assert recipe.overridden({"minutes": 5, "top_k": 3}) == DistillRecipe(
         init="feature", minutes=5, draft_vocab=8192
     )  # RECIPE_KEYS only
     for bad, match in (
@@ -322,8 +324,10 @@ def test_engine_continuations_and_teacher_rows_match_torch(learnable_target, tmp
         np.testing.assert_allclose(tail.top_probs, full.top_probs[tail.rows_from :], atol=1e-5)
 
 
-def test_engine_sampled_continuations_are_seeded_and_stop_at_the_deadline(learnable_target, tmp_path):
-    import time
+def test_engine_sampled_continuations_are_seeded_by_job_whatever_shares_their_batch(learnable_target, tmp_path):
+    """Each job draws from its own seed (the run's and its number): the same continuation whatever batch size, rows
+    beside it or part of the plan it runs in (a resumed run makes the jobs a killed one lost, as it would have)."""
+    import dataclasses
 
     from builder.distill.continuations import Job, generate_with_engine
 
@@ -335,20 +339,11 @@ def test_engine_sampled_continuations_are_seeded_and_stop_at_the_deadline(learna
     assert [s.continuation for s in one] == [s.continuation for s in again]
     assert [s.continuation for s in one] != [s.continuation for s in other]
     assert len({tuple(s.continuation) for s in one}) > 1 and all(len(s.continuation) == 12 for s in one)
-    late = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], batch_size=2, deadline=time.perf_counter())
-    assert len(late) == 1  # past the deadline only the first job runs
-    handed = []  # the same when each sample goes to a sink as it finishes (none is kept)
-    kept = generate_with_engine(
-        engine,
-        jobs,
-        12,
-        top_k=4,
-        eos_ids=[],
-        batch_size=2,
-        deadline=time.perf_counter(),
-        sink=lambda job, sample: handed.append(job),
-    )
-    assert kept == [] and len(handed) == 1
+    wide = generate_with_engine(engine, jobs, 12, top_k=4, eos_ids=[], seed=1, batch_size=6)
+    assert [s.continuation for s in wide] == [s.continuation for s in one]
+    rest = [dataclasses.replace(jobs[i], number=i) for i in (4, 1, 5)]  # what a resumed run has left, numbered
+    resumed = generate_with_engine(engine, rest, 12, top_k=4, eos_ids=[], seed=1, batch_size=2)
+    assert [s.continuation for s in resumed] == [one[i].continuation for i in (4, 1, 5)]
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_users_message(learnable_target):

@@ -34,10 +34,10 @@ def _recipe(prompts, text, **changes):
         prefill_share=0.5,
         samples_per_prompt=1,
         max_new_tokens=16,
-        max_steps=120,
+        train_steps=120,
         heldout=0.2,
         draft_vocab=200,
-        minutes=5,
+        prefill_windows=400,  # more than the text holds: every window of it
         checkpoint_seconds=0.0,
     )
     return DistillRecipe(**{**base, **changes})
@@ -102,10 +102,14 @@ class Killed(Exception):
     """Stands for the process being killed at that point."""
 
 
-def test_a_killed_run_resumes_its_data_and_its_training(per_token_target, tmp_path, monkeypatch):
-    """Killed twice (while writing its pairs, then while training), the run started again makes only the pairs the
-    shards lack, resumes training from its checkpoint, and ends with each planned window prefilled exactly once."""
+def test_a_killed_run_resumes_its_data_and_its_training_and_ends_on_the_unbroken_runs_draft(
+    per_token_target, tmp_path, monkeypatch
+):
+    """Killed three times (while making its sampled continuations, while prefilling, while training), the run
+    started again makes only the pairs the shards lack, resumes training from its checkpoint, makes each planned
+    continuation and window exactly once, and publishes the very draft an unbroken run of the recipe publishes."""
     import torch
+    from safetensors.numpy import load_file
 
     from builder.distill import training
     from builder.distill.pipeline import distill_draft
@@ -114,23 +118,31 @@ def test_a_killed_run_resumes_its_data_and_its_training(per_token_target, tmp_pa
     torch.set_num_threads(1)
     target, prompts = per_token_target
     text = _text_folder(tmp_path, files=20)
-    recipe = _recipe(prompts, text, max_steps=60)
+    # 120 training prompts, 180 continuations: a greedy pass and 60 sampled ones (the second pass cut)
+    recipe = _recipe(prompts, text, train_steps=60, samples_per_prompt=2, continuations=180)
     kw = dict(quiet=True, work=tmp_path / "work")
     real_add, real_optimize = ShardStore.add, training.optimize
-    writes = []
 
-    def add_then_die(store, samples, items):
-        real_add(store, samples, items)
-        writes.append(items)
-        if store.folder.name == "prefill" and len(writes) > 3:
-            raise Killed
+    def die_after(store_name: str, shards: int):
+        writes = []
 
-    monkeypatch.setattr(ShardStore, "add", add_then_die)
-    with pytest.raises(Killed):
-        distill_draft(recipe, str(target), tmp_path / "draft", **kw)
+        def add_then_die(store, samples, items):
+            real_add(store, samples, items)
+            if store.folder.name == store_name:
+                writes.append(items)
+                if len(writes) == shards:
+                    raise Killed
+
+        return add_then_die
+
+    made = {}
+    for store_name, shards in (("generated", 2), ("prefill", 2)):
+        monkeypatch.setattr(ShardStore, "add", die_after(store_name, shards))
+        with pytest.raises(Killed):
+            distill_draft(recipe, str(target), tmp_path / "draft", **kw)
+        made[store_name] = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "work" / store_name).glob("*.ids.npy")}
+        assert len(made[store_name]) == 2
     monkeypatch.setattr(ShardStore, "add", real_add)
-    first_shards = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "work" / "prefill").glob("shard-*.ids.npy")}
-    assert first_shards
 
     calls = []
 
@@ -148,9 +160,21 @@ def test_a_killed_run_resumes_its_data_and_its_training(per_token_target, tmp_pa
 
     assert report["training"]["resumed_at_step"] == 24 and report["training"]["steps"] == 60
     assert report["pairs"]["prefilled_windows"] == 40  # two windows of each file, none twice
-    shards = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "work" / "prefill").glob("shard-*.ids.npy")}
-    assert all(shards[name] == stamp for name, stamp in first_shards.items())  # kept, not made again
+    assert report["pairs"]["generated_samples"] == 180  # the plan's continuations, none twice
+    for store_name, stamps in made.items():
+        now = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "work" / store_name).glob("*.ids.npy")}
+        assert all(now[name] == stamp for name, stamp in stamps.items())  # kept, not made again
     assert report["seconds_all_runs"] >= report["seconds"]["total"]
+
+    unbroken = distill_draft(recipe, str(target), tmp_path / "unbroken", quiet=True, work=tmp_path / "work2")
+    assert unbroken["pairs"] == report["pairs"] and unbroken["train_tokens"] == report["train_tokens"]
+    assert (
+        unbroken["after"] == report["after"] and unbroken["training"]["final_loss"] == report["training"]["final_loss"]
+    )
+    resumed_weights = load_file(str(tmp_path / "draft" / "feature_draft.safetensors"))
+    unbroken_weights = load_file(str(tmp_path / "unbroken" / "feature_draft.safetensors"))
+    for name, value in unbroken_weights.items():
+        np.testing.assert_array_equal(resumed_weights[name], value, err_msg=name)
 
 
 def test_training_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(tmp_path, monkeypatch):
@@ -179,13 +203,7 @@ def test_training_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(tm
         folder.mkdir(exist_ok=True)
         draft = fresh()
         fd.train_feature_draft(
-            draft,
-            samples,
-            deadline=float("inf"),
-            max_steps=steps,
-            tokens_per_batch=48,
-            checkpoint=(folder, {"a": 1}),
-            save_every=0.0,
+            draft, samples, steps=steps, tokens_per_batch=48, checkpoint=(folder, {"a": 1}), save_every=0.0
         )
         return {n: p.detach().clone() for n, p in draft.named_parameters()}
 
@@ -309,8 +327,7 @@ def test_bfloat16_products_train_a_float32_draft_that_measures_in_float32():
         report = fd.train_feature_draft(
             draft,
             samples,
-            deadline=float("inf"),
-            max_steps=40,
+            steps=40,
             tokens_per_batch=48,
             dtype=dtype,
             on_step=lambda step, loss, rate, into=losses: into.append(loss),

@@ -96,7 +96,7 @@ def test_a_capped_output_is_refused_before_anything_slow(init, tmp_path):
     (tmp_path / "prompts.txt").write_text("one\ntwo\nthree\n", encoding="utf-8")
     with pytest.raises(DistillError, match="final_logit_softcapping 30.0"):
         distill_draft(
-            DistillRecipe(init=init, prompts=tmp_path / "prompts.txt", max_steps=1),
+            DistillRecipe(init=init, prompts=tmp_path / "prompts.txt", train_steps=1),
             str(target),
             tmp_path / "d",
             quiet=True,
@@ -128,7 +128,7 @@ def test_a_feature_draft_for_gemma3_builds_and_stays_exact(tmp_path):
         init="feature",
         prompts=tmp_path / "prompts.txt",
         max_new_tokens=12,
-        max_steps=30,
+        train_steps=30,
         seed=0,
         heldout=0.2,
         draft_vocab=100,

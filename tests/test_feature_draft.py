@@ -183,7 +183,7 @@ def feature_bundle(per_token_target, tmp_path_factory):
     target, prompts = per_token_target
     root = tmp_path_factory.mktemp("feature")
     recipe = DistillRecipe(
-        init="feature", prompts=prompts, max_new_tokens=24, max_steps=150, seed=0, heldout=0.2, draft_vocab=200
+        init="feature", prompts=prompts, max_new_tokens=24, train_steps=150, seed=0, heldout=0.2, draft_vocab=200
     )
     report = distill_draft(recipe, str(target), root / "draft", quiet=True)
     spec = BuildSpec(

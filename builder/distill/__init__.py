@@ -9,7 +9,9 @@ stage:
 - ``distributions``: one teacher-forced pass of the target keeps the top ``top_k`` probabilities of each position;
 - ``draft``: the draft to train -- the target's first N layers with its embeddings, final norm and head, or a given
   checkpoint -- and its optional reduced-vocabulary head;
-- ``training``: KL(target || draft) over those rows for a wall-clock budget, embeddings and (tied) head frozen;
+- ``plan``: the recipe's work (continuations, prefilled windows, training steps: never a time) and its expected
+  time, said before anything slow runs;
+- ``training``: KL(target || draft) over those rows for the planned steps, embeddings and (tied) head frozen;
 - ``evaluation``: greedy acceptance before and after, replayed exactly on the held-out prompts;
 - ``save``: a Hugging Face folder (safetensors + the target's tokenizer) that ``build-engines --draft DIR`` takes;
 - ``recipe``: ``DistillRecipe``, what a distillation makes and how (the command's flags, a preset's ``distill:``

@@ -42,7 +42,36 @@ from runtime.presets import load_preset
     help="Prompt file ('---'-separated blocks or one per line; '@completion' first line: raw text). "
     "Default: the shipped corpus.",
 )
-@click.option("--minutes", type=float, default=15.0, show_default=True, help="Whole budget: generation + training.")
+@click.option(
+    "--continuations",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Training continuations the target makes, pass after pass over the prompts (0: every training prompt "
+    "--samples-per-prompt times).",
+)
+@click.option(
+    "--train-steps",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Training steps (0: 600, or from the deprecated --minutes). The recipe is work, never time: a slower or "
+    "busier machine makes the same draft, later; the plan and its expected time are printed first.",
+)
+@click.option(
+    "--prefill-windows",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --prefill-text: the windows the target's engine reads (0: 96, or from the deprecated --minutes).",
+)
+@click.option(
+    "--minutes",
+    type=float,
+    default=None,
+    help="Deprecated: no longer a time limit. Work amounts left at 0 are translated from it at fixed rates "
+    "(docs/drafts.md), split by --generate-share and --prefill-share.",
+)
 @click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Target tokens per prompt.")
 @click.option(
     "--temperature",
@@ -71,7 +100,7 @@ from runtime.presets import load_preset
     default=1,
     show_default=True,
     help="Continuations per training prompt: the first at --temperature, the others sampled at "
-    "--sample-temperature while the generation share lasts (more distinct text, less overfitting).",
+    "--sample-temperature, pass after pass (more distinct text, less overfitting); --continuations cuts the last pass.",
 )
 @click.option(
     "--sample-temperature", type=float, default=1.0, show_default=True, help="Temperature of the extra continuations."
@@ -81,7 +110,7 @@ from runtime.presets import load_preset
     type=float,
     default=0.4,
     show_default=True,
-    help="Share of the budget (after loading) for generating continuations; training gets the rest.",
+    help="With the deprecated --minutes: its share for data (the rest: training).",
 )
 @click.option(
     "--teacher-engine",
@@ -117,7 +146,7 @@ from runtime.presets import load_preset
     type=float,
     default=0.7,
     show_default=True,
-    help="Share of the data time for prefilled windows (the rest: sampled continuations of the prompts).",
+    help="With the deprecated --minutes: the data share's part for prefilled windows (the rest: continuations).",
 )
 @click.option(
     "--draft-intermediate",

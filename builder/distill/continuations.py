@@ -3,8 +3,6 @@ calls), or with torch ``generate`` (left-padded batches of similar length) where
 
 from __future__ import annotations
 
-import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,19 +36,16 @@ def generate(
     eos_ids: list[int],
     pad_id: int,
     batch_size: int = 16,
-    deadline: float = math.inf,
     advance: Callable[[int], None] = lambda n: None,
 ) -> list[Sample]:
-    """Continue every prompt with the target (left-padded batches of similar length). Stops starting batches at
-    ``deadline``; returns the samples made so far, in the order of ``prompts``."""
+    """Continue every prompt with the target (left-padded batches of similar length); returns the samples in the
+    order of ``prompts``."""
     import torch
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     done: dict[int, Sample] = {}
     torch.manual_seed(seed)
     for start in range(0, len(order), batch_size):
-        if start and time.perf_counter() > deadline:  # the first batch always runs
-            break
         rows = order[start : start + batch_size]
         width = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -80,12 +75,15 @@ def generate(
 
 @dataclass
 class Job:
-    """One continuation to make: a prompt, the temperature to continue it at (0: greedy), and whether the prompt's
-    own positions get teacher rows (once per prompt is enough: further samples of it would only repeat them)."""
+    """One continuation to make: a prompt, the temperature to continue it at (0: greedy), whether the prompt's
+    own positions get teacher rows (once per prompt is enough: further samples of it would only repeat them), and
+    the number its draws are seeded by (None: its place in the list; a resumed run gives each job its place in
+    the whole plan, so it draws what the unbroken run drew)."""
 
     prompt: list[int]
     temperature: float = 0.0
     prompt_rows: bool = True
+    number: int | None = None
 
 
 @dataclass
@@ -93,6 +91,7 @@ class _Row:
     job: int
     prompt: list[int]
     temperature: float
+    generator: object  # the row's own torch.Generator: its draws do not depend on the rows beside it
     rows_from: int = 0
     continuation: list[int] = field(default_factory=list)
     top_ids: list = field(default_factory=list)
@@ -109,7 +108,6 @@ def generate_with_engine(
     eos_ids: list[int],
     seed: int = 0,
     batch_size: int = 32,
-    deadline: float = math.inf,
     features: bool = False,
     advance: Callable[[int], None] = lambda n: None,
     sink: Callable[[int, Sample], None] | None = None,
@@ -121,14 +119,14 @@ def generate_with_engine(
     waiting prompt (prefilled alone, with logits for its positions) joins. On 2 cores a step of 32 GGUF-target rows
     makes ~390 tokens/s (the default recipe: 222 end to end, prefills included) against ~25-100 for torch's
     ``generate``. ``features``: keep the target's final hidden state at every position too (float16; a feature
-    draft's training data, from the calls already made). Stops admitting at
-    ``deadline`` (the first job always runs) and finishes the rows already running; returns the samples made, in job
-    order. ``sink(job, sample)``: each sample is handed over as it finishes instead (its features need not stay in
-    memory: builder/distill/shards.py writes them), and the list returned is empty.
+    draft's training data, from the calls already made). Every job runs (no clock stops it); each sampled row draws
+    from its own generator, seeded by ``seed`` and the job's number, so a job's continuation does not depend on
+    which rows shared its batches. Returns the samples, in job order. ``sink(job, sample)``: each sample is handed
+    over as it finishes instead (its features need not stay in memory: builder/distill/shards.py writes them), and
+    the list returned is empty.
     """
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
     waiting = deque(range(len(jobs)))
     rows: list[_Row] = []
     cache = None
@@ -136,8 +134,8 @@ def generate_with_engine(
     made = 0  # samples finished (handed to ``sink`` or kept in ``done``)
     eos = set(eos_ids)
     while True:
-        while waiting and len(rows) < batch_size and (not (made or rows) or time.perf_counter() < deadline):
-            row, one = _admit(engine, waiting.popleft(), jobs, top_k, features, generator)
+        while waiting and len(rows) < batch_size:
+            row, one = _admit(engine, waiting.popleft(), jobs, top_k, features, seed)
             rows.append(row)
             cache = one if cache is None else engine.join(cache, one)
         live = [b for b, r in enumerate(rows) if r.continuation[-1] not in eos and len(r.continuation) < max_new_tokens]
@@ -153,13 +151,13 @@ def generate_with_engine(
             rows = [rows[b] for b in live]
             cache = engine.select(cache, np.array(live, np.int64)) if rows else None
         if not rows:
-            if waiting and time.perf_counter() < deadline:
+            if waiting:
                 continue
             return [done[i] for i in sorted(done)]
         tokens = np.array([[r.continuation[-1]] for r in rows], np.int64)
         logits = torch.from_numpy(engine.forward(cache, tokens)[:, 0])
         ids, probs = _top(logits, top_k)
-        chosen = _choose(logits, [r.temperature for r in rows], generator)
+        chosen = _choose(logits, [r.temperature for r in rows], [r.generator for r in rows])
         hidden = cache.extra.get("hidden") if features else None
         for b, r in enumerate(rows):
             r.top_ids.append(ids[b : b + 1])
@@ -170,13 +168,14 @@ def generate_with_engine(
         advance(0)  # a step, no row finished: lets a Heartbeat report on time
 
 
-def _admit(engine, i: int, jobs: list[Job], top_k: int, features: bool, generator):
+def _admit(engine, i: int, jobs: list[Job], top_k: int, features: bool, seed: int):
     """(row, its cache) for job ``i``: its prompt prefilled alone (with logits for its teacher rows) and its first
     token chosen."""
     import torch
 
     job = jobs[i]
-    row = _Row(i, list(job.prompt), job.temperature, 0 if job.prompt_rows else len(job.prompt) - 1)
+    generator = torch.Generator().manual_seed(job_seed(seed, i if job.number is None else job.number))
+    row = _Row(i, list(job.prompt), job.temperature, generator, 0 if job.prompt_rows else len(job.prompt) - 1)
     one = engine.new_cache(1)
     if row.rows_from:  # the prompt without its head rows, then its last token scored alone
         engine.prefill(one, np.array([row.prompt[:-1]], np.int64))
@@ -186,8 +185,13 @@ def _admit(engine, i: int, jobs: list[Job], top_k: int, features: bool, generato
     ids, probs = _top(logits, top_k)
     row.top_ids.append(ids)
     row.top_probs.append(probs)
-    row.continuation.append(int(_choose(logits[-1:], [row.temperature], generator)[0]))
+    row.continuation.append(int(_choose(logits[-1:], [row.temperature], [row.generator])[0]))
     return row, one
+
+
+def job_seed(seed: int, number: int) -> int:
+    """The seed of job ``number``'s draws under the run's ``seed``."""
+    return (seed * 1_000_003 + number) % 2**63
 
 
 def _sample_of(row: _Row, features: bool) -> Sample:
@@ -217,9 +221,9 @@ def _top(logits, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     return index.numpy().astype(np.int64), values.numpy().astype(np.float32)
 
 
-def _choose(logits, temperatures: list[float], generator):
+def _choose(logits, temperatures: list[float], generators: list):
     """Each row's next token: argmax at temperature 0, else a draw from softmax(logits / T) by inverting its CDF
-    (one uniform a row; torch.multinomial costs ~1 ms a 49k-wide row here)."""
+    (one uniform a sampled row, from the row's own generator; torch.multinomial costs ~1 ms a 49k-wide row here)."""
     import torch
 
     temps = torch.tensor(temperatures, dtype=torch.float32)[:, None]
@@ -227,7 +231,8 @@ def _choose(logits, temperatures: list[float], generator):
     if not (temps > 0).any():
         return greedy
     cdf = torch.softmax(logits / temps.clamp(min=1e-6), dim=-1).cumsum(dim=-1)
-    u = torch.rand(len(logits), 1, generator=generator) * cdf[:, -1:]
+    uniform = [torch.rand(1, generator=g) if t > 0 else torch.zeros(1) for t, g in zip(temperatures, generators)]
+    u = torch.stack(uniform) * cdf[:, -1:]
     drawn = torch.searchsorted(cdf, u).clamp(max=logits.shape[-1] - 1)[:, 0]
     return torch.where(temps[:, 0] > 0, drawn, greedy)
 

@@ -8,15 +8,17 @@ What a resumable distillation (``prefill_text`` in the recipe; builder/distill/p
   from, and a run that finds it opens the file.
 - ``heldout/``, ``generated/``, ``prefill/``: shard stores (builder/distill/shards.py) of the greedy held-out
   continuations, the sampled training continuations and the prefilled text windows, each sample with the target's
-  hidden state at every position. A run that finds shards makes only the items they lack.
-- ``clock.json``: the seconds earlier runs spent, so the recipe's ``minutes`` bound the whole distillation, however
-  often it was started; and the training checkpoint (builder/distill/checkpoints.py).
+  hidden state at every position. A run that finds shards makes only the items they lack, each exactly as the run
+  that was killed would have made it (every job draws from its own seed).
+- ``clock.json``: the seconds earlier runs spent (the report's ``seconds_all_runs``: the recipe is budgeted in work,
+  builder/distill/plan.py, so no clock stops a stage); and the training checkpoint (builder/distill/checkpoints.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +48,6 @@ class WorkFolder:
 
     def elapsed(self) -> float:
         return self.before + time.perf_counter() - self.started
-
-    def deadline(self, elapsed: float) -> float:
-        """The perf_counter time at which the whole distillation will have run ``elapsed`` seconds."""
-        return self.started + elapsed - self.before
 
     def save_clock(self) -> None:
         record = {"fingerprint": self.fingerprint, "elapsed": round(self.elapsed(), 1)}
@@ -145,14 +143,13 @@ def continue_into(
     eos_ids: list[int],
     seed: int,
     batch_size: int,
-    deadline: float = float("inf"),
     advance: Callable[[int], None] = lambda n: None,
     per_shard: int = 32,
     on_shard: Callable[[], None] = lambda: None,
 ) -> None:
     """The target's continuations of the ``jobs`` the store lacks, with its hidden states, written as they finish
-    (a shard every ``per_shard`` samples); admission stops at ``deadline``. A resumed run draws from ``seed`` plus
-    the count already made: its samples are new draws, not repeats of the lost ones."""
+    (a shard every ``per_shard`` samples). Each job draws from ``seed`` and its place in ``jobs``: a resumed run
+    makes the samples the killed one lost, as it would have made them."""
     done = store.done()
     todo = [i for i in range(len(jobs)) if i not in done]
     pending: list[tuple[int, Sample]] = []
@@ -170,13 +167,12 @@ def continue_into(
     if todo:
         generate_with_engine(
             engine,
-            [jobs[i] for i in todo],
+            [dataclasses.replace(jobs[i], number=i) for i in todo],
             max_new_tokens,
             top_k=1,
             eos_ids=eos_ids,
-            seed=seed + len(done),
+            seed=seed,
             batch_size=batch_size,
-            deadline=deadline,
             features=True,
             advance=advance,
             sink=sink,
@@ -190,17 +186,16 @@ def prefill_into(
     windows: list[list[int]],
     *,
     rows: int,
-    deadline: float,
     advance: Callable[[int], None] = lambda n: None,
     per_shard: int = 16,
     on_shard: Callable[[], None] = lambda: None,
 ) -> None:
-    """The target's hidden states over the ``windows`` the store lacks, ``rows`` windows a call, until
-    ``deadline``; a shard every ``per_shard`` windows."""
+    """The target's hidden states over the ``windows`` the store lacks, ``rows`` windows a call; a shard every
+    ``per_shard`` windows."""
     done = store.done()
     todo = [i for i in range(len(windows)) if i not in done]
     items, samples = [], []
-    for at, made in prefill_samples(engine, [windows[i] for i in todo], rows=rows, deadline=deadline, advance=advance):
+    for at, made in prefill_samples(engine, [windows[i] for i in todo], rows=rows, advance=advance):
         items += [todo[i] for i in at]
         samples += made
         if len(samples) >= per_shard:

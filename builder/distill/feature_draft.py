@@ -348,8 +348,7 @@ def train_feature_draft(
     draft,
     samples: list[Sample],
     *,
-    deadline: float,
-    max_steps: int | None = None,
+    steps: int,
     lr: float = 3e-3,
     tokens_per_batch: int = 2048,
     levels: int = 1,
@@ -360,13 +359,13 @@ def train_feature_draft(
     save_every: float = 300.0,
     dtype: str = "auto",
 ) -> dict:
-    """AdamW on the layer and fc (embeddings and head frozen) until ``deadline`` or ``max_steps``; warm-up then
-    cosine decay over the budget. Epoch e's batches are shuffled by ``seed + e``.
+    """AdamW on the layer and fc (embeddings and head frozen) for ``steps`` optimizer steps; warm-up then cosine
+    decay over the steps. Epoch e's batches are shuffled by ``seed + e``.
 
     ``checkpoint`` (folder, fingerprint): the run saves its weights, optimizer state and position there every
     ``save_every`` seconds (builder/distill/checkpoints.py) and, started again with a checkpoint of the same
-    fingerprint, resumes from it: the same batches follow, and the schedule spans the seconds already trained plus
-    those left until ``deadline``.
+    fingerprint, resumes from it: the same batches, rates and random draws follow, so it ends on the weights an
+    unbroken run ends on.
 
     ``dtype``: what the matrix products read while training (``FeatureDraft.set_matmul_dtype``): ``auto`` is
     bfloat16 where this CPU multiplies it natively (``matmul_dtype``), else float32; the draft is measured and
@@ -385,7 +384,6 @@ def train_feature_draft(
     torch.manual_seed(seed)
     at = (checkpoint and checkpoints.load(*checkpoint, named, optimizer)) or checkpoints.Position()
     resumed, started, last_save = at.step, time.perf_counter(), time.perf_counter()
-    budget = max(at.elapsed + deadline - started, 1e-9)
     losses: list[float] = []
 
     def trained() -> float:
@@ -394,7 +392,7 @@ def train_feature_draft(
     while True:
         epoch = batches_of(usable, tokens_per_batch, seed + at.epoch)
         for batch in epoch[at.batch :]:
-            progress = at.step / max_steps if max_steps else trained() / budget
+            progress = at.step / max(steps, 1)
             if progress >= 1.0:
                 return {
                     "steps": at.step,

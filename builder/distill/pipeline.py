@@ -1,19 +1,22 @@
-"""``distill_draft``: the stages in order, under one wall-clock budget, with progress and the report.
+"""``distill_draft``: the stages in order, each for the work the recipe plans (builder/distill/plan.py, said with its
+expected time before anything slow runs), with progress and the report.
 
 Longer than most modules: the stages are read in the order they run, each a short step; the recipe is
 builder/distill/recipe.py, the training loops builder/distill/training.py and feature_draft.py.
 
 Each stage is a step of its own below, in the order ``distill_draft`` runs them; ``Run`` carries the recipe, the
-budget and the timings from one to the next, ``_Target`` the loaded target.
+work plan and the timings from one to the next, ``_Target`` the loaded target. No stage looks at a clock to stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from builder.distill import plan
 from builder.distill.continuations import Job, eos_ids_of, generate, generate_with_engine, target_engine
 from builder.distill.corpus import DistillError, encode, load_prompts, split_prompts
 from builder.distill.distributions import teacher
@@ -65,8 +68,9 @@ def distill_draft(
 
     ``threads``: torch's (0: its default, and the teacher engine's); ``force``: replace the draft folder at ``out``
     (only a draft folder); ``console``: a rich console for progress and lines (default: stderr's, silent with
-    ``quiet``). The recipe says what the budget covers (``DistillRecipe``). ``work``: where a resumable recipe
-    (``prefill_text``) keeps its data and checkpoints (None: OUT.work beside the draft).
+    ``quiet``). The recipe says how much work each stage does (``DistillRecipe``, builder/distill/plan.py).
+    ``work``: where a resumable recipe (``prefill_text``) keeps its data and checkpoints (None: OUT.work beside
+    the draft).
     """
     import torch
     from rich.console import Console
@@ -87,7 +91,7 @@ def distill_draft(
     if recipe.resumable:  # pairs by batched prefill, kept on disk with the training's checkpoints
         return distill_resumable(run, quiet, work)
     corpus, train_prompts, held_prompts = _read_prompts(run)
-    loaded = _load_target(run)
+    loaded = _load_target(run, _plan(run, len(train_prompts), len(held_prompts)))
     train_ids, held_ids = _encoded(run, loaded, train_prompts), _encoded(run, loaded, held_prompts)
     with tempfile.TemporaryDirectory(prefix="draftsmith-teacher-") as work, progress_bars(console, quiet) as progress:
         engine = _teacher_engine(run, loaded, Path(work))
@@ -113,13 +117,32 @@ def _read_prompts(run: Run):
     return corpus, train_prompts, held_prompts
 
 
-def _load_target(run: Run) -> _Target:
-    """The target, checked against ``init`` from its config alone before its weights load (minutes for a large
-    one); its end-of-sequence ids and the padding id torch's batches use."""
+def _plan(run: Run, train_prompts: int, held_prompts: int):
+    """The target's checkpoint, checked against ``init`` from its config alone, and the recipe's work and expected
+    time said, all before its weights load (minutes for a large one)."""
     from builder import checkpoint as ckpt
 
     checkpoint = ckpt.resolve(run.target)
     check_target(checkpoint.config, run.recipe.init)
+    run.plan(checkpoint.config, train_prompts, held_prompts, _draft_config(run.recipe))
+    return checkpoint
+
+
+def _draft_config(recipe: DistillRecipe):
+    """A given draft checkpoint's config (``--init PATH``), for the plan's training estimate; None otherwise or where
+    it cannot be read (the estimate then leaves training out; loading it later says what is wrong)."""
+    if recipe.init.startswith("layers=") or recipe.features:
+        return None
+    from builder import checkpoint as ckpt
+
+    try:
+        return ckpt.resolve(recipe.init).config
+    except Exception:  # noqa: BLE001 - an estimate only: init_draft reports a bad checkpoint
+        return None
+
+
+def _load_target(run: Run, checkpoint) -> _Target:
+    """The target's weights; its end-of-sequence ids and the padding id torch's batches use."""
     tokenizer = checkpoint.load_tokenizer()
     model = checkpoint.load_model()
     run.lap("load", run.started)
@@ -171,14 +194,12 @@ def _teacher_engine(run: Run, target: _Target, work: Path):
 
 
 def _write_own_prompts(run: Run, target: _Target, engine, corpus, progress):
-    """(prompts, their ids): the user queries the target writes itself (``self_prompts``, the Magpie method) in a
-    quarter of the generation share at most, the distinct finished ones; none unless asked for and the ONNX engine
-    runs (it samples them)."""
+    """(prompts, their ids): the user queries the target writes itself (``self_prompts`` of them asked for, the
+    Magpie method), the distinct finished ones; none unless asked for and the ONNX engine runs (it samples them)."""
     recipe = run.recipe
     if not recipe.self_prompts or engine is None:
         return [], []
     t0 = time.perf_counter()
-    share = 0.25 * recipe.generate_share * max(0.0, run.deadline - t0)  # a quarter of the generation share at most
     made = sample_self_prompts(
         engine,
         target.tokenizer,
@@ -187,8 +208,7 @@ def _write_own_prompts(run: Run, target: _Target, engine, corpus, progress):
         seed=recipe.seed + 7,
         known=corpus,
         batch_size=recipe.generate_batch,
-        deadline=t0 + share,
-        advance=task(progress, "target: writing its own prompts", recipe.self_prompts, t0 + share),
+        advance=task(progress, "target: writing its own prompts", recipe.self_prompts),
     )
     made_ids = _encoded(run, target, made)
     run.lap("self_prompts", t0)
@@ -201,7 +221,7 @@ def _write_own_prompts(run: Run, target: _Target, engine, corpus, progress):
 
 def _continue_prompts(run: Run, target: _Target, engine, progress, train_ids, held_ids):
     """(training samples, held-out samples), each with the target's teacher rows: from the ONNX engine's own calls,
-    or torch's ``generate`` and then one teacher-forced pass. Refuses a budget that left no training sample."""
+    or torch's ``generate`` and then one teacher-forced pass."""
     recipe = run.recipe
     t0 = time.perf_counter()
     if engine is not None:
@@ -219,8 +239,6 @@ def _continue_prompts(run: Run, target: _Target, engine, progress, train_ids, he
             advance=task(progress, "target: teacher distributions", len(samples)),
         )
         run.lap("teacher", t0)
-    if not samples:
-        raise DistillError("the budget ran out before any training continuation was generated; raise --minutes")
     return samples, held
 
 
@@ -238,33 +256,26 @@ def _choose_vocabulary(run: Run, target: _Target, samples):
 
 def _train_layers(run: Run, target: _Target, samples, held, kept, progress):
     """(draft, its acceptance before training, the training's record): a layers=N or given draft, measured on the
-    held-out continuations first (that measurement's time, again, is kept back for the one after), then trained until
-    the budget's end."""
+    held-out continuations first, then trained for the planned steps."""
     recipe = run.recipe
     draft = init_draft(target.model, recipe.init)
     target.model = None  # the draft holds copies: the target's weights go before training
-    t0 = time.perf_counter()
     before = acceptance(draft, held, kept)
-    measure = time.perf_counter() - t0
     run.say(
         f"before: held-out top-1 agreement {before.top1:.3f}, greedy acceptance "
         + ", ".join(f"k={k} {before.greedy[k]['acceptance']:.3f}" for k in (2, 4))
     )
-    train_deadline = run.deadline - 1.5 * measure - 5
-    if recipe.max_steps is None and train_deadline <= time.perf_counter():
-        raise DistillError(f"no time left to train within --minutes {recipe.minutes}; raise it")
     on_step, done = training_bar(
         run,
         progress,
         "draft: training",
-        train_deadline,
+        run.work.train_steps,
         lambda step, value, rate, s: f"training: step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s",
     )
     trained = train(
         draft,
         samples,
-        deadline=train_deadline,
-        max_steps=recipe.max_steps,
+        steps=run.work.train_steps,
         lr=recipe.lr,
         loss=recipe.loss,
         kept=kept,
@@ -297,6 +308,8 @@ def _publish_layers(
         "init": recipe.init,
         "loss": recipe.loss,
         "seed": recipe.seed,
+        "work": run.work.to_dict(),
+        "expected_seconds": run.expected,
         "minutes": recipe.minutes,
         "prompts": recipe.prompts_name,
         # train_positions: the positions with teacher rows
@@ -330,31 +343,24 @@ def _distill_features(run: Run, target: _Target, samples, held, kept, progress, 
     draft = fd.init_feature_draft(target.model, kept, target.checkpoint.sha256())
     shell_config = target.model.config
     target.model = None  # the feature draft holds copies of the rows it needs
-    t0 = time.perf_counter()
     before = fd.chained_agreement(draft, held, kept)
-    measure = time.perf_counter() - t0
     run.say(
         f"before: held-out top-1 agreement {before['top1']:.3f}, chained mean accepted {before['mean_accepted']:.2f}"
-    )
-    train_deadline = run.deadline - 2 * measure - 10
-    if recipe.max_steps is None and train_deadline <= time.perf_counter():
-        raise DistillError("no time left to train within --minutes; raise it")
-    left = (
-        (lambda: "")
-        if recipe.max_steps
-        else (lambda: f", about {max(0.0, train_deadline - time.perf_counter()):.0f} s left")
     )
     on_step, done = training_bar(
         run,
         progress,
         "feature draft: training",
-        train_deadline,
-        lambda step, value, rate, s: (
-            f"feature draft: training step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s{left()}"
-        ),
+        run.work.train_steps,
+        lambda step, value, rate, s: f"feature draft: training step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s",
     )
     trained = fd.train_feature_draft(
-        draft, samples, deadline=train_deadline, max_steps=recipe.max_steps, seed=recipe.seed, on_step=on_step
+        draft,
+        samples,
+        steps=run.work.train_steps,
+        seed=recipe.seed,
+        on_step=on_step,
+        tokens_per_batch=plan.FEATURE_TOKENS_PER_BATCH,
     )
     done()
     progress.stop()
@@ -364,10 +370,27 @@ def _distill_features(run: Run, target: _Target, samples, held, kept, progress, 
     )
 
 
+def _training_jobs(run: Run, train_ids) -> list[Job]:
+    """The planned training continuations: pass after pass over the prompts (the first at ``temperature`` with the
+    prompt's own teacher rows, the others sampled at ``sample_temperature``), the count the plan says (the last
+    pass cut, never a prompt's first sample); the count again if self-written prompts joined the plan's prompts."""
+    recipe = run.recipe
+    count, _ = plan.continuation_count(recipe, len(train_ids))
+    if count != run.work.continuations:
+        run.say(f"distill: {count:,} training continuations with the self-written prompts ({len(train_ids)} prompts)")
+        run.work = dataclasses.replace(run.work, continuations=count)
+    jobs = [Job(p, recipe.temperature) for p in train_ids]
+    jobs += [
+        Job(p, recipe.sample_temperature, prompt_rows=False)
+        for _ in range(1, recipe.samples_per_prompt)
+        for p in train_ids
+    ]
+    return jobs[:count]
+
+
 def _engine_continuations(run: Run, target: _Target, engine, progress, train_ids, held_ids):
-    """(training samples, held-out samples) from the ONNX engine, teacher rows included; the extra sampled
-    continuations come pass after pass, so the deadline cuts the last pass, never a prompt's first one, and only the
-    first carries the prompt's own rows."""
+    """(training samples, held-out samples) from the ONNX engine, teacher rows included; the rate of the held-out
+    ones (the first the target makes) is said with the time the training ones are expected to take."""
     recipe = run.recipe
     common = {
         "top_k": recipe.top_k,
@@ -375,6 +398,7 @@ def _engine_continuations(run: Run, target: _Target, engine, progress, train_ids
         "batch_size": recipe.generate_batch,
         "features": recipe.features,
     }
+    t0 = time.perf_counter()
     held = generate_with_engine(
         engine,
         [Job(p) for p in held_ids],
@@ -383,29 +407,25 @@ def _engine_continuations(run: Run, target: _Target, engine, progress, train_ids
         advance=task(progress, "target: held-out continuations", len(held_ids)),
         **common,
     )
-    gen_deadline = time.perf_counter() + recipe.generate_share * max(0.0, run.deadline - time.perf_counter())
-    jobs = [Job(p, recipe.temperature) for p in train_ids]
-    jobs += [
-        Job(p, recipe.sample_temperature, prompt_rows=False)
-        for _ in range(1, recipe.samples_per_prompt)
-        for p in train_ids
-    ]
+    run.measured_generation(sum(len(s.continuation) for s in held), time.perf_counter() - t0, target.model.config)
+    jobs = _training_jobs(run, train_ids)
     samples = generate_with_engine(
         engine,
         jobs,
         recipe.max_new_tokens,
         seed=recipe.seed + 1,
-        deadline=gen_deadline,
-        advance=task(progress, "target: training continuations", len(jobs), gen_deadline),
+        advance=task(progress, "target: training continuations", len(jobs)),
         **common,
     )
     return samples, held
 
 
 def _torch_continuations(run: Run, target: _Target, progress, train_ids, held_ids):
-    """(training samples, held-out samples) from torch's ``generate``; the teacher rows come after, in one pass."""
+    """(training samples, held-out samples) from torch's ``generate``; the teacher rows come after, in one pass.
+    The planned jobs go pass by pass (a pass's prompts at one temperature, seeded by the pass)."""
     recipe, model, seed = run.recipe, target.model, run.recipe.seed
     common = {"eos_ids": target.eos, "pad_id": target.pad, "batch_size": recipe.batch_prompts}
+    t0 = time.perf_counter()
     held = generate(
         model,
         held_ids,
@@ -415,28 +435,24 @@ def _torch_continuations(run: Run, target: _Target, progress, train_ids, held_id
         advance=task(progress, "target: held-out continuations", len(held_ids)),
         **common,
     )
-    gen_deadline = time.perf_counter() + recipe.generate_share * max(0.0, run.deadline - time.perf_counter())
-    samples = generate(
-        model,
-        train_ids,
-        recipe.max_new_tokens,
-        temperature=recipe.temperature,
-        seed=seed,
-        deadline=gen_deadline,
-        advance=task(progress, "target: training continuations", len(train_ids), gen_deadline),
-        **common,
-    )
-    for extra in range(1, recipe.samples_per_prompt):
-        if time.perf_counter() > gen_deadline:
+    run.measured_generation(sum(len(s.continuation) for s in held), time.perf_counter() - t0, model.config)
+    count = len(_training_jobs(run, train_ids))
+    samples = []
+    for extra in range(recipe.samples_per_prompt):
+        prompts = train_ids[: count - len(samples)]
+        if not prompts:
             break
         samples += generate(
             model,
-            train_ids,
+            prompts,
             recipe.max_new_tokens,
-            temperature=recipe.sample_temperature,
+            temperature=recipe.temperature if extra == 0 else recipe.sample_temperature,
             seed=seed + extra,
-            deadline=gen_deadline,
-            advance=task(progress, f"target: sampled continuations {extra + 1}", len(train_ids), gen_deadline),
+            advance=task(
+                progress,
+                "target: training continuations" if extra == 0 else f"target: sampled continuations {extra + 1}",
+                len(prompts),
+            ),
             **common,
         )
     return samples, held

@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -95,19 +94,12 @@ def text_windows(
 
 
 def prefill_samples(
-    engine,
-    windows: list[list[int]],
-    *,
-    rows: int,
-    deadline: float = float("inf"),
-    advance: Callable[[int], None] = lambda n: None,
+    engine, windows: list[list[int]], *, rows: int, advance: Callable[[int], None] = lambda n: None
 ) -> Iterator[tuple[list[int], list[Sample]]]:
     """(window indices, their samples with the target's hidden states) for ``rows`` windows at a time, one engine
-    call each without the head, until ``deadline`` (the first call always runs). Windows of one call must be equally
-    long (``text_windows`` makes them so)."""
+    call each without the head, every window. Windows of one call must be equally long (``text_windows`` makes them
+    so)."""
     for start in range(0, len(windows), rows):
-        if start and time.perf_counter() > deadline:
-            return
         part = windows[start : start + rows]
         tokens = np.asarray(part, np.int64)
         cache = engine.new_cache(len(part))

@@ -23,6 +23,9 @@ from runtime.engines import gguf_ops
 RECIPE_KEYS = (
     "init",
     "prompts",
+    "continuations",
+    "train_steps",
+    "prefill_windows",
     "minutes",
     "max_new_tokens",
     "temperature",
@@ -51,13 +54,19 @@ TEACHER_ENGINES = ("auto", "gguf", "fp32", "torch")
 class DistillRecipe:
     """A draft's recipe (builder/distill/cli.py's flags say what each field does).
 
-    ``minutes`` is the whole budget: after loading the target, generation may use ``generate_share`` of what is left
-    (at least one batch), training the rest less a reserve for the final measurement. ``max_steps`` (tests) bounds
-    training by steps instead of time.
+    The recipe is budgeted in work, never in time (builder/distill/plan.py): every stage stops when its work is
+    done, so the same recipe makes the same draft on a busy or slow machine as on a quiet one, only later.
+    ``continuations``: the training continuations the target makes (0: every training prompt ``samples_per_prompt``
+    times); ``train_steps``: the optimizer steps (0: ``plan.DEFAULT_TRAIN_STEPS``); ``prefill_windows``: the
+    windows of ``prefill_text`` the target's engine reads (0: ``plan.DEFAULT_PREFILL_WINDOWS``). ``minutes`` is
+    deprecated: a work amount left at 0 is then translated from it at fixed rates (``plan.translate_minutes``:
+    what a minute bought the default recipe on the reference machine), ``generate_share`` and ``prefill_share``
+    splitting it as they split the old budget; they mean nothing else.
 
-    ``samples_per_prompt`` > 1 adds continuations sampled at ``sample_temperature`` after the first pass (while the
-    generation share lasts): a small corpus then yields more distinct target text, so the draft overfits less (one
-    greedy continuation per prompt of the 208 shipped ones gave 0.98 top-1 on training prompts, 0.28 held out).
+    ``samples_per_prompt`` > 1 adds continuations sampled at ``sample_temperature`` after the first pass, pass after
+    pass over the prompts (``continuations`` cuts the last pass): a small corpus then yields more distinct target
+    text, so the draft overfits less (one greedy continuation per prompt of the 208 shipped ones gave 0.98 top-1 on
+    training prompts, 0.28 held out).
 
     ``teacher_engine``: what generates the continuations and the teacher rows. ``auto`` is the fused ONNX engine the
     bundle's target will be (a GGUF file's own blocks, or fp32), in continuous batches of ``generate_batch`` rows,
@@ -70,8 +79,7 @@ class DistillRecipe:
     ``prefill_text`` (feature drafts): text sources the target's engine reads whole in batched prefill, windows of
     ``prefill_length`` tokens, ``prefill_rows`` a call (builder/distill/prefill.py): the bulk of the pairs at the
     cost of a prefill rather than of generation. With it the distillation keeps its data and training on disk and
-    resumes where a killed run stopped (builder/distill/resumable.py); ``generate_share`` of the budget then goes to
-    data, ``prefill_share`` of that to the windows and the rest to sampled continuations of the training prompts.
+    resumes where a killed run stopped (builder/distill/resumable.py), ending on the draft an unbroken run makes.
     ``draft_intermediate``: the draft layer's MLP width (0: the target's). ``heldout_prompts``: the held-out set,
     shipped sets (``heldout-code``, ``heldout-chat``) or prompt files, none of it in the training corpus (empty: a
     ``heldout`` share of the corpus).
@@ -80,14 +88,17 @@ class DistillRecipe:
     # RECIPE_KEYS: a preset's `distill:` block and the command's flags
     init: str = "layers=4"  # layers=N, feature, or a draft checkpoint to start from
     prompts: str | Path | None = None  # a prompt file; None: the shipped corpus
-    minutes: float = 15.0
+    continuations: int = 0  # training continuations (0: every training prompt samples_per_prompt times)
+    train_steps: int = 0  # optimizer steps (0: plan.DEFAULT_TRAIN_STEPS, or from the deprecated minutes)
+    prefill_windows: int = 0  # windows of prefill_text (0: plan.DEFAULT_PREFILL_WINDOWS, or from minutes)
+    minutes: float | None = None  # deprecated: work amounts left at 0 translated from it (plan.translate_minutes)
     max_new_tokens: int = 64
     temperature: float = 0.0  # of the first continuation of each training prompt (0: greedy)
     loss: str = "kl"
     draft_vocab: int = 0  # keep only this many of the most frequent target tokens in the head (0: all)
     samples_per_prompt: int = 1
     sample_temperature: float = 1.0
-    generate_share: float = 0.4
+    generate_share: float = 0.4  # of the deprecated minutes: the data's share (the rest: training)
     heldout: float = 0.1
     lr: float = 5e-4
     seed: int = 0
@@ -97,14 +108,13 @@ class DistillRecipe:
     prefill_text: tuple[str, ...] = ()  # sources: python:PACKAGE, a file or a folder (feature drafts)
     prefill_length: int = 512  # tokens a prefilled window
     prefill_rows: int = 1  # windows an engine call
-    prefill_share: float = 0.7  # of the data time: prefilled windows (the rest: sampled continuations)
+    prefill_share: float = 0.7  # of the deprecated minutes' data share: prefilled windows (the rest: continuations)
     draft_intermediate: int = 0  # a feature draft's MLP width (0: the target's)
     heldout_prompts: tuple[str, ...] = ()  # shipped held-out sets or prompt files (empty: a share of the corpus)
     # the Python API's alone
     top_k: int = 32  # teacher probabilities kept per position
     batch_prompts: int = 16  # rows of torch's generate
     tokens_per_batch: int = 1024  # training and teacher batches
-    max_steps: int | None = None  # bound training by steps instead of time (tests)
     max_prompt_tokens: int = 256
     chat: bool | None = None  # through the chat template (None: every prompt not marked @completion)
     train_prompt_positions: bool = True
@@ -153,6 +163,11 @@ class DistillRecipe:
         reason = gguf_ops.unavailable_reason()
         if self.gguf_kernel == "native" and reason is not None:
             raise DistillError(f"gguf_kernel native: {reason}; or set gguf_kernel: matmulnbits")
+        for name in ("continuations", "train_steps", "prefill_windows"):
+            if getattr(self, name) < 0:
+                raise DistillError(f"--{name.replace('_', '-')} must be >= 0, received {getattr(self, name)}")
+        if self.minutes is not None and self.minutes <= 0:
+            raise DistillError(f"--minutes must be > 0, received {self.minutes}")
         if self.generate_batch < 1:
             raise DistillError(f"--generate-batch must be >= 1, received {self.generate_batch}")
         if not 0 < self.generate_share < 1:

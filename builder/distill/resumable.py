@@ -1,37 +1,36 @@
 """The feature distillation that fits a large target on a small machine: its pairs from the target's own engine,
 mostly in batched prefill, kept on disk, and a killed run resumed where it stopped (``prefill_text`` in the recipe).
 
-In order, under the recipe's ``minutes`` (counted over every run of the same work folder):
+In order, each stage for the work the recipe plans (builder/distill/plan.py: fixed by the recipe, said with its
+expected time before anything slow runs; no clock stops a stage, so a killed and resumed run, or a slow machine,
+ends on the draft an unbroken run on a quiet machine makes):
 
 1. the target's engine (builder/distill/engine_pairs.py: a GGUF file written layer by layer from its own blocks, so
    the target is never whole in torch fp32);
 2. the greedy continuations of the held-out prompts (``heldout_prompts``: sets no training text holds);
-3. pairs for ``generate_share`` of the budget: continuations of the training prompts in continuous batches (the
-   first at ``temperature``, the others sampled at ``sample_temperature``) for ``1 - prefill_share`` of that time,
-   then windows of ``prefill_text`` in batched prefill for the rest
-   (builder/distill/prefill.py) -- each sample the target's hidden state at every position, in shards on disk;
-4. the reduced vocabulary (the ``draft_vocab`` most frequent tokens of all that text), the draft, training with a
-   checkpoint every few minutes (builder/distill/checkpoints.py), its chained agreement on the held-out
-   continuations per set, and the published folder.
+3. pairs: ``continuations`` of the training prompts in continuous batches (pass after pass: the first at
+   ``temperature``, the others sampled at ``sample_temperature``), then ``prefill_windows`` windows of
+   ``prefill_text`` in batched prefill (builder/distill/prefill.py) -- each sample the target's hidden state at
+   every position, in shards on disk;
+4. the reduced vocabulary (the ``draft_vocab`` most frequent tokens of all that text), the draft, ``train_steps``
+   of training with a checkpoint every few minutes (builder/distill/checkpoints.py), its chained agreement on the
+   held-out continuations per set, and the published folder.
 """
 
 from __future__ import annotations
 
-import math
 import resource
 import time
 from pathlib import Path
 
 from builder.distill import engine_pairs as pairs
+from builder.distill import plan
 from builder.distill.continuations import Job, eos_ids_of
 from builder.distill.corpus import DistillError, encode, load_heldout, load_prompts, split_prompts
 from builder.distill.draft import coverage, kept_vocabulary
 from builder.distill.prefill import text_files, text_windows
 from builder.distill.run import Run, check_target, progress_bars, publish_features, task, training_bar
 from runtime.engines import gguf_ops
-
-# tokens a second of prefill time the windows are planned for: more than 2 cores prefill a 1.5B target (~100)
-PLANNED_TOKENS_PER_SECOND = 300
 
 
 def distill_resumable(run: Run, quiet: bool, work: str | Path | None) -> dict:
@@ -42,6 +41,7 @@ def distill_resumable(run: Run, quiet: bool, work: str | Path | None) -> dict:
     train_prompts, held_sets = _prompts(run)
     checkpoint = ckpt.resolve(run.target)
     check_target(checkpoint.config, recipe.init)
+    run.plan(checkpoint.config, len(train_prompts), sum(len(prompts) for _, prompts in held_sets))
     tokenizer = checkpoint.load_tokenizer()
     sha = checkpoint.sha256()
     context = max(recipe.max_prompt_tokens + recipe.max_new_tokens, recipe.prefill_length) + 8
@@ -49,7 +49,7 @@ def distill_resumable(run: Run, quiet: bool, work: str | Path | None) -> dict:
     source = pairs.teacher_source(checkpoint, context, recipe.accuracy_level, native)
     folder = Path(work) if work else run.out.with_name(run.out.name + ".work")
     clock = pairs.WorkFolder(folder, {"target": sha, "recipe": _data_recipe(recipe), "kernel": source.kernel})
-    run.say(f"distill: work folder {folder} ({clock.before:.0f} s spent there by earlier runs)")
+    run.say(f"distill: work folder {folder} ({clock.before:.0f} s spent there by earlier runs of this recipe)")
     run.say(f"teacher: the target's fused engine, its weights multiplied by {source.kernel}")
     eos = eos_ids_of(source.reference, tokenizer)
 
@@ -61,7 +61,7 @@ def distill_resumable(run: Run, quiet: bool, work: str | Path | None) -> dict:
     with progress_bars(run.console, quiet) as progress:
         engine = pairs.teacher_engine(clock, source, sha, context, run.threads, None if quiet else run.say)
         run.timings["engine_ready_at"] = round(clock.elapsed(), 1)
-        held = _heldout(run, clock, engine, encoded, eos, progress)
+        held = _heldout(run, clock, engine, encoded, eos, progress, source.reference.config)
         data = _pairs(run, clock, engine, tokenizer, train_ids, eos, held_sets, progress)
         engine = None  # its session's memory goes before training
         samples = [s for store in data for s in store.samples()]
@@ -80,7 +80,7 @@ def distill_resumable(run: Run, quiet: bool, work: str | Path | None) -> dict:
     from builder.distill import checkpoints
 
     checkpoints.remove(clock.path)  # published: the data stays for another recipe's training
-    clock.reset()  # and the next run of the folder has its whole budget
+    clock.reset()  # and the next run of the folder counts its own seconds
     return report
 
 
@@ -104,17 +104,20 @@ def _prompts(run: Run):
 
 def _data_recipe(recipe) -> dict:
     """What the data depends on (a work folder made for other values starts afresh)."""
-    keys = ("prompts", "max_new_tokens", "samples_per_prompt", "sample_temperature", "prefill_text")
+    keys = ("prompts", "max_new_tokens", "samples_per_prompt", "sample_temperature", "temperature", "prefill_text")
     keys += ("prefill_length", "heldout_prompts", "heldout", "seed", "accuracy_level", "max_prompt_tokens")
     return {key: getattr(recipe, key) if key != "prompts" else recipe.prompts_name for key in keys}
 
 
-def _heldout(run: Run, clock, engine, encoded: dict, eos, progress) -> dict:
-    """Each held-out set's greedy continuations (made once, kept in the work folder)."""
+def _heldout(run: Run, clock, engine, encoded: dict, eos, progress, config) -> dict:
+    """Each held-out set's greedy continuations (made once, kept in the work folder); where this run made them, the
+    rate it made them at and the time the training continuations will take at it."""
     recipe, held = run.recipe, {}
     t0 = time.perf_counter()
+    made = 0  # tokens this run made (a set found whole in the work folder says nothing of this machine)
     for name, ids in encoded.items():
         store = clock.store(f"heldout-{name}", {"set": name, "prompts": pairs.sha_of(ids)})
+        fresh = not store.done()
         pairs.continue_into(
             store,
             engine,
@@ -127,23 +130,22 @@ def _heldout(run: Run, clock, engine, encoded: dict, eos, progress) -> dict:
             on_shard=clock.save_clock,
         )
         held[name] = store.samples()
+        made += sum(len(s.continuation) for s in held[name]) if fresh else 0
     run.lap("heldout", t0)
+    run.measured_generation(made, run.timings["heldout"], config)
     return held
 
 
 def _pairs(run: Run, clock, engine, tokenizer, train_ids, eos, held_sets, progress) -> list:
-    """The stores of sampled continuations and prefilled windows, filled until the data share of the budget."""
+    """The stores of the planned continuations and prefilled windows (those a killed run made are kept)."""
     recipe = run.recipe
-    budget = recipe.minutes * 60
-    ready = clock.elapsed()
-    data_end = min(budget, ready + recipe.generate_share * max(0.0, budget - ready))
-    generated = clock.store("generated", {"prompts": pairs.sha_of(train_ids)})
-    # pass after pass over the prompts: a deadline cuts the last pass, never a prompt's first sample
+    # pass after pass over the prompts: the plan's count cuts the last pass, never a prompt's first sample
     temperatures = [recipe.temperature] + [recipe.sample_temperature] * (recipe.samples_per_prompt - 1)
-    jobs = [Job(p, t, prompt_rows=False) for t in temperatures for p in train_ids]
+    jobs = [Job(p, t, prompt_rows=False) for t in temperatures for p in train_ids][: run.work.continuations]
+    generated = clock.store("generated", {"prompts": pairs.sha_of(train_ids), "continuations": len(jobs)})
     t0 = time.perf_counter()
-    sampled_until = clock.deadline(ready + (1 - recipe.prefill_share) * max(0.0, data_end - ready))
-    if recipe.prefill_share < 1 and time.perf_counter() < sampled_until:
+    left = len(jobs) - len(generated.done())
+    if left > 0:
         pairs.continue_into(
             generated,
             engine,
@@ -152,40 +154,36 @@ def _pairs(run: Run, clock, engine, tokenizer, train_ids, eos, held_sets, progre
             eos_ids=eos,
             seed=recipe.seed + 1,
             batch_size=recipe.generate_batch,
-            deadline=sampled_until,
-            advance=task(progress, "target: sampled continuations", len(jobs), sampled_until),
+            advance=task(progress, "target: sampled continuations", left),
             on_shard=clock.save_clock,
         )
     run.lap("generate", t0)
     t0 = time.perf_counter()
-    prefilled = _prefill(run, clock, engine, tokenizer, held_sets, clock.deadline(data_end), progress)
+    prefilled = _prefill(run, clock, engine, tokenizer, held_sets, progress)
     run.lap("prefill", t0)
-    if not generated.shards and not prefilled.shards:
-        raise DistillError("the budget ran out before any training pair was made; raise --minutes")
     return [generated, prefilled]
 
 
-def _prefill(run: Run, clock, engine, tokenizer, held_sets, deadline: float, progress):
-    """The prefilled windows of ``prefill_text``, made until ``deadline``: planned from the recipe alone (a resumed
-    run plans the same windows) for more than the data share of the budget can prefill."""
+def _prefill(run: Run, clock, engine, tokenizer, held_sets, progress):
+    """The planned windows of ``prefill_text`` (chosen from the recipe alone: a resumed run plans the same ones)."""
     recipe = run.recipe
     files = text_files(list(recipe.prefill_text))
     exclude = [p.text for _, prompts in held_sets for p in prompts]
-    data_seconds = recipe.generate_share * recipe.minutes * 60
-    planned = PLANNED_TOKENS_PER_SECOND * recipe.prefill_share * data_seconds / recipe.prefill_length
-    count = recipe.prefill_rows * max(1, math.ceil(planned / recipe.prefill_rows))
+    count = run.work.prefill_windows
     windows = text_windows(tokenizer, files, recipe.prefill_length, count, seed=recipe.seed, exclude=exclude)
     store = clock.store("prefill", {"windows": pairs.sha_of(windows)})
     left = len(windows) - len(store.done())
-    run.say(f"prefill: {len(windows)} windows of {recipe.prefill_length} tokens planned from {len(files)} files")
-    if left and time.perf_counter() < deadline:
+    run.say(
+        f"prefill: {len(windows)} windows of {recipe.prefill_length} tokens from {len(files)} files"
+        + (f" (the text holds no more than that of the {count} planned)" if len(windows) < count else "")
+    )
+    if left:
         pairs.prefill_into(
             store,
             engine,
             windows,
             rows=recipe.prefill_rows,
-            deadline=deadline,
-            advance=task(progress, "target: prefilled windows", left, deadline),
+            advance=task(progress, "target: prefilled windows", left),
             on_shard=clock.save_clock,
         )
     return store
@@ -228,21 +226,18 @@ def _measure(draft, held: dict, kept) -> dict:
 
 
 def _train(run: Run, clock, draft, samples, kept, progress) -> dict:
-    """Train until the budget's end less the final measurement's reserve, checkpointing as it goes."""
+    """Train for the planned steps, checkpointing as it goes (a resumed run ends on the unbroken run's weights)."""
     from builder.distill import feature_draft as fd
 
     recipe = run.recipe
     dtype = fd.matmul_dtype()  # what the products read while training; the draft stays float32
     run.say(f"feature draft: training with {dtype} matrix products (weights, gradients and the saved draft float32)")
-    reserve = 60.0 + 0.02 * recipe.minutes * 60  # the measurement after training and the save
-    train_deadline = clock.deadline(recipe.minutes * 60 - reserve)
-    if recipe.max_steps is None and train_deadline <= time.perf_counter():
-        raise DistillError("no time left to train within --minutes; raise it")
+    steps = run.work.train_steps
     on_step, done = training_bar(
         run,
         progress,
         "feature draft: training",
-        train_deadline,
+        steps,
         lambda step, value, rate, s: f"feature draft: training step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s",
     )
 
@@ -256,19 +251,19 @@ def _train(run: Run, clock, draft, samples, kept, progress) -> dict:
         "kept": pairs.sha_of(kept if kept is not None else []),
         "intermediate": recipe.draft_intermediate,
         "seed": recipe.seed,
-        "minutes": recipe.minutes,
+        "steps": steps,
         "dtype": dtype,
     }
     trained = fd.train_feature_draft(
         draft,
         samples,
-        deadline=train_deadline,
-        max_steps=recipe.max_steps,
+        steps=steps,
         seed=recipe.seed,
         on_step=step,
         checkpoint=(clock.path, {**clock.fingerprint, **fingerprint}),
         save_every=recipe.checkpoint_seconds,
         dtype=dtype,
+        tokens_per_batch=plan.FEATURE_TOKENS_PER_BATCH,
     )
     done()
     progress.stop()

@@ -1,20 +1,22 @@
-"""What every distillation flow shares: the run (recipe, budget, console, timings), its progress bars and lines, the
-report's common fields and the feature draft's publication. ``builder/distill/pipeline.py`` runs the flows that keep
-their data in memory, ``builder/distill/resumable.py`` the one that keeps it on disk.
+"""What every distillation flow shares: the run (recipe, its work plan, console, timings), its progress bars and
+lines, the report's common fields and the feature draft's publication. ``builder/distill/pipeline.py`` runs the
+flows that keep their data in memory, ``builder/distill/resumable.py`` the one that keeps it on disk.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.distill.corpus import DistillError
 from builder.distill.draft import check_init, coverage, output_transform
+from builder.distill.plan import Work
 from builder.distill.recipe import DistillRecipe
 from builder.distill.save import publish_draft
 from builder.progress import Heartbeat
+
+RATE_STEPS = 10  # training steps the rate is first measured over (after the first, which warms up)
 
 
 def check_target(config, init: str) -> int:
@@ -36,7 +38,8 @@ def check_target(config, init: str) -> int:
 
 @dataclass
 class Run:
-    """One distillation's recipe, what is not recipe, and the timings, handed from step to step."""
+    """One distillation's recipe, what is not recipe, its work plan (builder/distill/plan.py: set once the prompts
+    are read) and the timings, handed from step to step."""
 
     recipe: DistillRecipe
     target: str
@@ -46,11 +49,36 @@ class Run:
     console: object
     started: float
     timings: dict = field(default_factory=dict)
+    work: Work | None = None
+    expected: dict = field(default_factory=dict)  # each stage's expected seconds (plan.expected_seconds)
 
-    @property
-    def deadline(self) -> float:
-        """When the whole budget (``minutes``) is spent."""
-        return self.started + self.recipe.minutes * 60
+    def plan(self, config, train_prompts: int, heldout: int, draft_config=None) -> Work:
+        """The recipe's work for these prompts and its expected time, said before anything slow runs."""
+        from builder.distill import plan
+
+        self.work, why = plan.plan(self.recipe, train_prompts, heldout)
+        plan.check_work(self.work)
+        macs = plan.draft_macs(self.recipe, config, draft_config)
+        self.expected = plan.expected_seconds(self.work, config, macs, features=self.recipe.features)
+        plan.say_plan(self.say, self.work, why, self.expected, self.recipe)
+        return self.work
+
+    def measured_generation(self, tokens: int, seconds: float, config) -> None:
+        """After the held-out continuations (the first the target makes): the rate this machine gave and the data
+        stages' time at that rate."""
+        from builder.distill import plan
+
+        if not tokens or seconds <= 0 or self.work is None:
+            return
+        rate = tokens / seconds
+        at_rate = plan.expected_seconds(self.work, config, 0, generate_rate=rate)
+        later = sum(at_rate.get(name, 0.0) for name in ("self_prompts", "continuations"))
+        reference = plan.expected_seconds(self.work, config, 0)
+        ratio = reference["heldout"] / at_rate["heldout"] if at_rate.get("heldout") else 1.0
+        self.say(
+            f"distill: the target made {rate:.0f} tokens/s on the held-out continuations ({ratio:.2f}x the "
+            f"reference rate): the training continuations (and self-written prompts) expected in about {later:.0f} s"
+        )
 
     def say(self, text: str) -> None:
         self.console.print(text)
@@ -60,13 +88,11 @@ class Run:
         self.timings[name] = round(time.perf_counter() - since, 1)
 
 
-def task(progress, what: str, total: int, deadline: float = math.inf) -> Heartbeat:
+def task(progress, what: str, total: int) -> Heartbeat:
     """A bar for a stage of ``total`` items on a terminal; in a log, where no bar shows, a line a minute."""
     task = progress.add_task(what, total=total)
     console = progress.console
-    return Heartbeat(
-        what, total, None if console.is_terminal else console.print, lambda n: progress.advance(task, n), deadline
-    )
+    return Heartbeat(what, total, None if console.is_terminal else console.print, lambda n: progress.advance(task, n))
 
 
 def progress_bars(console, quiet: bool):
@@ -83,26 +109,41 @@ def progress_bars(console, quiet: bool):
     )
 
 
-def training_bar(run: Run, progress, what: str, train_deadline: float, line):
-    """(on_step, done) for a training loop: a bar on a terminal, by steps under ``max_steps`` else by seconds until
-    ``train_deadline``; in a log, where no bar shows, ``line(step, loss, lr, seconds)`` once a minute."""
-    max_steps = run.recipe.max_steps
-    total = max_steps or max(1, int(train_deadline - time.perf_counter()))
-    task = progress.add_task(what, total=total)
-    t0 = time.perf_counter()
-    last_line = [time.perf_counter()]
+def training_bar(run: Run, progress, what: str, steps: int, line, clock=None):
+    """(on_step, done) for a training loop of ``steps`` steps: a bar on a terminal; once, after its first
+    ``RATE_STEPS`` steps, the rate measured and the time the rest will take; in a log, where no bar shows,
+    ``line(step, loss, lr, seconds)`` and the time left once a minute."""
+    clock = clock or (lambda: time.perf_counter())
+    task = progress.add_task(what, total=steps)
+    t0 = clock()
+    last_line = [t0]
+    first = [None]  # (step, time) of the first step: the rate leaves out the first step's warm-up
+
+    def left(step: int, now: float) -> float | None:
+        if first[0] is None or step <= first[0][0]:
+            return None
+        return (now - first[0][1]) / (step - first[0][0]) * (steps - step)
 
     def on_step(step, value, rate):
-        progress.update(
-            task,
-            completed=step if max_steps else min(total, time.perf_counter() - t0),
-            description=f"{what} (loss {value:.3f})",
-        )
-        if not run.console.is_terminal and time.perf_counter() - last_line[0] > 60:  # logs: a line a minute
-            last_line[0] = time.perf_counter()
-            run.say(line(step, value, rate, time.perf_counter() - t0))
+        now = clock()
+        progress.update(task, completed=step, description=f"{what} (loss {value:.3f})")
+        if first[0] is None:
+            first[0] = (step, now)
+        elif step - first[0][0] == RATE_STEPS and step < steps:
+            per_step = (now - first[0][1]) / RATE_STEPS
+            expected = run.expected.get("training")
+            reference = f" (the plan expected {expected / run.work.train_steps:.2f} s)" if expected and run.work else ""
+            run.say(
+                f"{what}: {per_step:.2f} s a step measured over steps {first[0][0] + 1}-{step}{reference}: the "
+                f"other {steps - step:,} of {steps:,} steps in about {per_step * (steps - step):.0f} s"
+            )
+        if not run.console.is_terminal and now - last_line[0] > 60:  # logs: a line a minute
+            last_line[0] = now
+            remaining = left(step, now)
+            tail = f", step {step}/{steps}" + (f", about {remaining:.0f} s left" if remaining is not None else "")
+            run.say(line(step, value, rate, now - t0) + tail)
 
-    return on_step, lambda: progress.update(task, completed=total)
+    return on_step, lambda: progress.update(task, completed=steps)
 
 
 def data_fields(samples, held, train_positions: int) -> dict:
@@ -169,6 +210,8 @@ def publish_features(
         "target": run.target,
         "init": recipe.init,
         "seed": recipe.seed,
+        "work": run.work.to_dict() if run.work else None,
+        "expected_seconds": run.expected,
         "minutes": recipe.minutes,
         "prompts": recipe.prompts_name,
         "max_new_tokens": recipe.max_new_tokens,

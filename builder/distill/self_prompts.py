@@ -6,7 +6,6 @@ own idea of what users ask; the held-out split stays on the shipped prompts.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 from builder.distill.continuations import Job, generate_with_engine
@@ -38,7 +37,6 @@ def self_prompts(
     temperature: float = 1.0,
     max_tokens: int = 96,
     batch_size: int = 32,
-    deadline: float = math.inf,
     advance: Callable[[int], None] = lambda n: None,
 ) -> list[Prompt]:
     """Up to ``count`` distinct user queries sampled by the target's ``engine`` from its user-turn prefix.
@@ -51,15 +49,7 @@ def self_prompts(
         return []
     jobs = [Job(prefix, temperature, prompt_rows=False) for _ in range(count)]
     samples = generate_with_engine(
-        engine,
-        jobs,
-        max_tokens,
-        top_k=1,
-        eos_ids=eos_ids,
-        seed=seed,
-        batch_size=batch_size,
-        deadline=deadline,
-        advance=advance,
+        engine, jobs, max_tokens, top_k=1, eos_ids=eos_ids, seed=seed, batch_size=batch_size, advance=advance
     )
     eos = set(eos_ids)
     seen = {_key(p.text) for p in known}

@@ -75,18 +75,20 @@ class ShardStore:
         self.manifest = manifest
 
     def samples(self) -> list[Sample]:
-        """Every sample, its features a read-only map of the shard's file."""
+        """Every sample, its features a read-only map of the shard's file, in the order of their plan items (not
+        of the shards: a resumed run writes them in another order, and training reads them in this one)."""
         out = []
         for shard in self.shards:
             ids = np.load(self.folder / f"{shard['name']}.ids.npy")
             features = np.load(self.folder / f"{shard['name']}.features.npy", mmap_mode="r")
             at = feature_at = 0
-            for length, prompt in zip(shard["lengths"], shard["prompt_lengths"]):
+            for item, length, prompt in zip(shard["items"], shard["lengths"], shard["prompt_lengths"]):
                 row = ids[at : at + length].tolist()
-                out.append(Sample(row[:prompt], row[prompt:], features=features[feature_at : feature_at + length - 1]))
+                feats = features[feature_at : feature_at + length - 1]
+                out.append((item, Sample(row[:prompt], row[prompt:], features=feats)))
                 at += length
                 feature_at += length - 1
-        return out
+        return [sample for _, sample in sorted(out, key=lambda pair: pair[0])]
 
     def _read(self) -> dict | None:
         path = self.folder / MANIFEST

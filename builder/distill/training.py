@@ -1,5 +1,5 @@
 """Stage 3: train the draft on KL(target || draft) at temperature 1 over the teacher's top-k rows (or cross-entropy on
-the target's tokens, ``loss="tokens"``), embeddings and (tied) head frozen, for a wall-clock or step budget.
+the target's tokens, ``loss="tokens"``), embeddings and (tied) head frozen, for a number of steps (never a time).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ def train(
     draft,
     samples: list[Sample],
     *,
-    deadline: float,
-    max_steps: int | None = None,
+    steps: int,
     lr: float = 5e-4,
     loss: str = "kl",
     kept: np.ndarray | None = None,
@@ -29,8 +28,8 @@ def train(
     train_prompt_positions: bool = True,
     on_step: Callable[[int, float, float], None] = lambda *a: None,
 ) -> dict:
-    """Train the draft's decoder layers and final norm (embeddings and head frozen) until ``deadline`` or
-    ``max_steps``. Learning rate: short warm-up, then cosine decay over the budget (steps or time)."""
+    """Train the draft's decoder layers and final norm (embeddings and head frozen) for ``steps`` optimizer steps
+    (epoch after epoch of shuffled batches). Learning rate: short warm-up, then cosine decay over the steps."""
     import torch
 
     if loss not in ("kl", "tokens"):
@@ -50,12 +49,11 @@ def train(
         remap = torch.full((max(vocab, int(kept.max()) + 1),), -1, dtype=torch.long)
         remap[torch.as_tensor(kept)] = torch.arange(len(kept))
     started = time.perf_counter()
-    budget = max(deadline - started, 1e-9)
     step, losses = 0, []
     draft.train()
     while True:
         for batch in batches(samples, tokens_per_batch, shuffle=rng):
-            progress = step / max_steps if max_steps else (time.perf_counter() - started) / budget
+            progress = step / max(steps, 1)
             if progress >= 1.0:
                 draft.eval()
                 return {
