@@ -92,21 +92,42 @@ def check_operators(proto, where: str) -> None:
         raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
 
 
+def _gguf_attributes(node, kinds: dict[str, str]) -> tuple[dict, str | None]:
+    """The values of ``node``'s attributes named in ``kinds`` (name -> "INT" or "INTS"), or the first one present
+    with another type: the library refuses such a node too (a float layout 1.0 is neither read as 1 nor as 0)."""
+    from onnx import AttributeProto, helper
+
+    given = {a.name: a for a in node.attribute}
+    for name, kind in kinds.items():
+        attribute = given.get(name)
+        if attribute is not None and (
+            attribute.ref_attr_name or attribute.type != AttributeProto.AttributeType.Value(kind)
+        ):
+            found = AttributeProto.AttributeType.Name(attribute.type)
+            return {}, f"attribute {name!r} must be {kind}, not {found}"
+    return {name: helper.get_attribute_value(given[name]) for name in kinds if name in given}, None
+
+
 def gguf_matmul_problems(node, graph) -> list[str]:
-    """What is wrong with a GgufMatMul node: attributes that do not describe its weights (each part an initializer
-    uint8 [rows, K / block values * block bytes] of a type the operator knows), or no library here to run it."""
+    """What is wrong with a GgufMatMul node: attributes of the wrong type, past the library's caps, or that do not
+    describe its weights (each part an initializer uint8 [rows, K / block values * block bytes] of a type the
+    operator knows), or no library here to run it."""
     import onnx
-    from onnx import helper
 
     where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.OP}"
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    k, types, rows = attributes.get("K"), list(attributes.get("types") or ()), list(attributes.get("rows") or ())
+    attributes, mistyped = _gguf_attributes(node, {"K": "INT", "types": "INTS", "rows": "INTS", "layout": "INT"})
+    if mistyped:
+        return [f"{where}: {mistyped}"]
+    k, types, rows = attributes.get("K"), list(attributes.get("types", ())), list(attributes.get("rows", ()))
     layout = attributes.get("layout", 0)
     shapes = {t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer}
     names = {v: n for n, v in gguf_ops.GGML_TYPE_IDS.items()}
-    if not isinstance(k, int) or k <= 0 or not types or len(types) != len(rows) or len(node.input) != len(types) + 1:
+    if k is None or k <= 0 or not types or len(types) != len(rows) or len(node.input) != len(types) + 1:
         return [f"{where}: attributes K, types and rows do not describe its {len(node.input) - 1} weight inputs"]
-    if layout not in (0, 1) or (layout == 1 and any(not isinstance(n, int) or n % 16 for n in rows)):
+    if k > gguf_ops.MAX_K or min(rows) <= 0 or sum(rows) > gguf_ops.MAX_ROWS:
+        caps = f"K <= {gguf_ops.MAX_K}, rows >= 1, {gguf_ops.MAX_ROWS} rows in all"
+        return [f"{where}: K {k} or rows (in all {sum(rows)}) past the library's caps ({caps})"]
+    if layout not in (0, 1) or (layout == 1 and any(n % 16 for n in rows)):
         return [f"{where}: layout {layout!r} is not 0, or 1 with rows in groups of 16"]
     problems = []
     for weight, type_id, count in zip(node.input[1:], types, rows):
@@ -125,17 +146,19 @@ def gguf_matmul_problems(node, graph) -> list[str]:
 
 
 def gguf_gather_problems(node, graph) -> list[str]:
-    """What is wrong with a GgufGather node: its table not an initializer uint8 [rows, K / block values * block
-    bytes] of a type the operator knows (rows in groups of 16 for layout 1), or no library here to run it."""
+    """What is wrong with a GgufGather node: attributes of the wrong type or past the library's cap on K, or its
+    table not an initializer uint8 [rows, K / block values * block bytes] of a type the operator knows (rows in
+    groups of 16 for layout 1), or no library here to run it."""
     import onnx
-    from onnx import helper
 
     where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.GATHER}"
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attributes, mistyped = _gguf_attributes(node, {"K": "INT", "type": "INT", "layout": "INT"})
+    if mistyped:
+        return [f"{where}: {mistyped}"]
     k, type_id, layout = attributes.get("K"), attributes.get("type"), attributes.get("layout", 0)
     name = {v: n for n, v in gguf_ops.GGML_TYPE_IDS.items()}.get(type_id)
     shapes = {t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer}
-    if name is None or not isinstance(k, int) or k <= 0 or len(node.input) != 2 or layout not in (0, 1):
+    if name is None or k is None or not 0 < k <= gguf_ops.MAX_K or len(node.input) != 2 or layout not in (0, 1):
         return [f"{where}: attributes K, type and layout do not describe a GGUF table"]
     values, size = gguf_ops.BLOCK_SHAPES[name]
     kind, dims = shapes.get(node.input[0], (None, ()))

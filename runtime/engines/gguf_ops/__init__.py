@@ -38,6 +38,10 @@ HOW_TO_BUILD = (
     "build it with `bash scripts/setup.sh` (or `python -m runtime.engines.gguf_ops.build`; needs a C++17 compiler "
     "and cmake)"
 )
+# What a node's attributes may describe (src/ops.cpp kMaxK, kMaxRows: the library refuses past them too), far past
+# any model's: K the input width, rows the output rows of one node, all its parts together.
+MAX_K = 1 << 20
+MAX_ROWS = 1 << 24
 
 
 def library_path() -> Path:
