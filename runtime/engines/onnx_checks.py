@@ -72,7 +72,7 @@ MAX_FOLLOWED = 1024  # elements of a constant small enough to follow through the
 def check_operators(proto, where: str) -> None:
     """BundleError unless every node (graph, subgraphs, functions) is an allowed operator, and no node ONNX Runtime
     folds at load (``folding_problems``) would allocate more than MAX_CONSTANT_ELEMENTS."""
-    problems = []
+    problems, own = [], False
     for node in _all_nodes(proto):
         domain = node.domain or ""
         if domain in ("", "ai.onnx"):
@@ -83,11 +83,18 @@ def check_operators(proto, where: str) -> None:
                 problems.append(f"node {node.name!r}: com.microsoft {node.op_type} is not an operator engines use")
         elif node.op_type == gguf_ops.GATHER and domain == gguf_ops.DOMAIN:
             problems += gguf_gather_problems(node, proto.graph)
+            own = True
         elif node.op_type in OWN_OPS.get(domain, ()):
             problems += gguf_matmul_problems(node, proto.graph)
+            own = True
         else:
             problems.append(f"node {node.name!r}: operator domain {domain!r} (custom operators are not allowed)")
     problems += folding_problems(proto)
+    reason = gguf_ops.unavailable_reason() if own else None
+    if reason is not None:  # a fact of the machine: said once, first, not for each of the graph's nodes
+        problems.insert(
+            0, f"its {gguf_ops.OP} and {gguf_ops.GATHER} nodes need Draftsmith's GGUF kernels, but {reason}"
+        )
     if problems:
         raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
 
@@ -111,7 +118,7 @@ def _gguf_attributes(node, kinds: dict[str, str]) -> tuple[dict, str | None]:
 def gguf_matmul_problems(node, graph) -> list[str]:
     """What is wrong with a GgufMatMul node: attributes of the wrong type, past the library's caps, or that do not
     describe its weights (each part an initializer uint8 [rows, K / block values * block bytes] of a type the
-    operator knows), or no library here to run it."""
+    operator knows)."""
     import onnx
 
     where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.OP}"
@@ -139,16 +146,13 @@ def gguf_matmul_problems(node, graph) -> list[str]:
         want = (onnx.TensorProto.UINT8, (count, k // values * size))
         if k % values or shapes.get(weight) != want:
             problems.append(f"{where}: weight {weight!r} is not an initializer uint8 {list(want[1])} of {name} blocks")
-    reason = gguf_ops.unavailable_reason()
-    if reason is not None:
-        problems.append(f"{where}: this engine multiplies by GGUF blocks with Draftsmith's kernels, but {reason}")
     return problems
 
 
 def gguf_gather_problems(node, graph) -> list[str]:
     """What is wrong with a GgufGather node: attributes of the wrong type or past the library's cap on K, or its
     table not an initializer uint8 [rows, K / block values * block bytes] of a type the operator knows (rows in
-    groups of 16 for layout 1), or no library here to run it."""
+    groups of 16 for layout 1)."""
     import onnx
 
     where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.GATHER}"
@@ -166,8 +170,7 @@ def gguf_gather_problems(node, graph) -> list[str]:
         return [f"{where}: table {node.input[0]!r} is not an initializer uint8 [rows, {k // values * size}]"]
     if layout == 1 and dims[0] % 16:
         return [f"{where}: layout 1 needs rows in groups of 16"]
-    reason = gguf_ops.unavailable_reason()
-    return [] if reason is None else [f"{where}: this engine reads GGUF blocks with Draftsmith's kernels, but {reason}"]
+    return []
 
 
 def folding_problems(proto) -> list[str]:
