@@ -161,8 +161,9 @@ struct GgufMatMulKernel {
     k_ = int_attribute(api, info, "GgufMatMul", "K");
     types_ = ints_attribute(api, info, "GgufMatMul", "types");
     rows_ = ints_attribute(api, info, "GgufMatMul", "rows");
-    layout_ = int_attribute(api, info, "GgufMatMul", "layout", &kDefaultLayout);
-    if (layout_ != kRows && layout_ != kColumns16) throw std::invalid_argument("GgufMatMul: layout must be 0 or 1");
+    const int64_t layout = int_attribute(api, info, "GgufMatMul", "layout", &kDefaultLayout);
+    if (layout != kRows && layout != kColumns16) throw std::invalid_argument("GgufMatMul: layout must be 0 or 1");
+    layout_ = static_cast<int>(layout);
     if (types_.size() != rows_.size()) {
       throw std::invalid_argument("GgufMatMul: 'types' and 'rows' must name the same, non-zero number of parts");
     }
@@ -301,7 +302,8 @@ struct GgufMatMulKernel {
   }
 
   const Kernels* kernels_;
-  int64_t k_ = 0, n_ = 0, layout_ = kRows;
+  int64_t k_ = 0, n_ = 0;
+  int layout_ = kRows;
   std::vector<int64_t> types_, rows_, row_bytes_, columns_;
   std::vector<WorkUnit> units_;
   bool need_super_ = false, need_32_ = false;
