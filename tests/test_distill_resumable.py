@@ -3,6 +3,7 @@ in shards, training with checkpoints, and a killed run picked up where it stoppe
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -205,6 +206,74 @@ def test_training_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(tm
     resumed = run(tmp_path / "broken", 14)
     for name, value in whole.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0)
+
+
+def _damaged_checkpoint(folder, tensors: dict, record: dict):
+    """A checkpoint in ``folder`` of ``tensors`` and ``record`` as written, loaded into a fresh parameter ``w`` [4] and
+    its AdamW: (what load returns, w's values after, the optimizer's state after)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from builder.distill import checkpoints
+
+    save_file(tensors, str(folder / checkpoints.WEIGHTS))
+    (folder / checkpoints.STATE).write_text(json.dumps(record))
+    w = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.AdamW([w])
+    return checkpoints.load(folder, {"a": 1}, {"w": w}, optimizer), w.detach().clone(), dict(optimizer.state)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda t, r: t.pop("exp_avg_sq.w"),
+        lambda t, r: t.pop("exp_avg.w"),
+        lambda t, r: t.pop("param.w"),
+        lambda t, r: t.update({"exp_avg.w": t["exp_avg.w"][:3].clone()}),
+        lambda t, r: t.update({"exp_avg_sq.w": t["exp_avg_sq.w"].repeat(2)}),
+        lambda t, r: t.update({"exp_avg.w": t["exp_avg.w"].double()}),
+        lambda t, r: t.update({"param.w": t["param.w"][:2].clone()}),
+        lambda t, r: t.update({"torch_rng_state": t["torch_rng_state"][:3].clone()}),
+        lambda t, r: r.update(adam_steps={"w": "many"}),
+        lambda t, r: r.update(adam_steps=["w"]),
+        lambda t, r: r.update(position=[1, 2]),
+        lambda t, r: r.pop("position"),
+    ],
+    ids=[
+        "no-exp_avg_sq",
+        "no-exp_avg",
+        "no-param",
+        "exp_avg-shape",
+        "exp_avg_sq-shape",
+        "exp_avg-dtype",
+        "param-shape",
+        "rng-state",
+        "steps-not-a-number",
+        "steps-not-a-dict",
+        "position-not-a-dict",
+        "no-position",
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_is_ignored_and_nothing_is_restored(tmp_path, damage):
+    """As load's docstring says: training starts afresh (None), the parameter and optimizer untouched -- not a
+    KeyError, nor an optimizer state AdamW fails on at its first step."""
+    import torch
+    from safetensors.torch import load_file
+
+    from builder.distill import checkpoints
+
+    w = torch.nn.Parameter(torch.arange(4.0))
+    optimizer = torch.optim.AdamW([w])
+    w.grad = torch.ones(4)
+    optimizer.step()
+    checkpoints.save(tmp_path, {"a": 1}, checkpoints.Position(step=1), {"w": w}, optimizer)
+    tensors = load_file(str(tmp_path / checkpoints.WEIGHTS))
+    record = json.loads((tmp_path / checkpoints.STATE).read_text())
+    position, _, state = _damaged_checkpoint(tmp_path, dict(tensors), dict(record))
+    assert position == checkpoints.Position(step=1) and len(state) == 1  # as written: restored
+    damage(tensors, record)
+    position, values, state = _damaged_checkpoint(tmp_path, tensors, record)
+    assert position is None and not values.any() and not state
 
 
 def test_text_windows_skip_files_holding_a_heldout_prompt_and_follow_no_link(learnable_target, tmp_path):
