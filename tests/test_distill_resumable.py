@@ -276,6 +276,33 @@ def test_a_checkpoint_that_does_not_fit_is_ignored_and_nothing_is_restored(tmp_p
     assert position is None and not values.any() and not state
 
 
+def test_the_teacher_engine_in_the_work_folder_is_reopened_only_after_the_graph_check(tmp_path):
+    """An engine whose record matches but whose graph a bundle would refuse (here an operator of a foreign domain,
+    put in after it was written) is said and written again, never handed to ONNX Runtime."""
+    import onnx
+    from onnx import helper
+
+    from builder.decoder import from_transformers
+    from builder.distill import engine_pairs as pairs
+    from conftest import make_model, tiny_config
+    from runtime.engines.onnx_checks import check_operators
+
+    model = make_model(tmp_path / "m", tiny_config(), seed=0).eval()
+    decoder = from_transformers(model, 64)
+    source = pairs.TeacherSource(lambda: decoder, lambda: decoder, model, 0)
+    work = pairs.WorkFolder(tmp_path / "work", {"t": 1})
+    pairs.teacher_engine(work, source, "sha", 64, 1, None)
+    path = tmp_path / "work" / "engine" / "target.onnx"
+    proto = onnx.load(str(path), load_external_data=False)
+    proto.graph.node.append(helper.make_node("Anything", [proto.graph.node[0].output[0]], ["z"], domain="elsewhere"))
+    onnx.save(proto, str(path))
+    said = []
+    engine = pairs.teacher_engine(work, source, "sha", 64, 1, said.append)
+    assert len(said) == 1 and "domain 'elsewhere'" in said[0] and "again" in said[0]
+    check_operators(onnx.load(str(path), load_external_data=False), "target.onnx")
+    assert engine.new_cache(1) is not None
+
+
 def test_text_windows_skip_files_holding_a_heldout_prompt_and_follow_no_link(learnable_target, tmp_path):
     from builder.checkpoint import resolve
     from builder.distill.prefill import text_files, text_windows
