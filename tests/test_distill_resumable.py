@@ -353,6 +353,29 @@ def test_a_shard_store_made_for_other_data_starts_afresh(tmp_path):
     assert other.done() == set() and not list(tmp_path.glob("shard-*"))
 
 
+@pytest.mark.parametrize("name", ["../outside", "/absolute", "sub/shard-00000", "shard-00000/../../outside", ""])
+def test_a_manifest_names_only_shard_files_of_its_own_folder(tmp_path, name):
+    """Shard names read back from the manifest are joined to the folder: one that would leave it (or name a file
+    of a subfolder) is refused, even where the files it names are there."""
+    import shutil
+
+    from builder.distill.corpus import DistillError, Sample
+    from builder.distill.shards import MANIFEST, ShardStore
+
+    folder = tmp_path / "store"
+    sample = Sample([1, 2], [3, 4, 5], features=np.zeros((4, 3), np.float16))
+    ShardStore(folder, {"data": 1}).add([sample], [0])
+    name = str(tmp_path / "absolute") if name == "/absolute" else name
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    for suffix in ("ids", "features"):
+        shutil.copy(folder / f"shard-00000.{suffix}.npy", f"{folder / name}.{suffix}.npy")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["shards"][0]["name"] = name
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DistillError, match="not one of this folder's shard files"):
+        ShardStore(folder, {"data": 1})
+
+
 def test_the_teacher_of_a_gguf_target_multiplies_by_the_kernel_it_is_given():
     """A GGUF target's teacher engine keeps the file's blocks for GgufMatMul where ``native`` (as a bundle built
     with that kernel does), and for MatMulNBits otherwise; the engine record names which."""
