@@ -3,6 +3,7 @@ in shards, training with checkpoints, and a killed run picked up where it stoppe
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -225,6 +226,101 @@ def test_training_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(tm
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0)
 
 
+def _damaged_checkpoint(folder, tensors: dict, record: dict):
+    """A checkpoint in ``folder`` of ``tensors`` and ``record`` as written, loaded into a fresh parameter ``w`` [4] and
+    its AdamW: (what load returns, w's values after, the optimizer's state after)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from builder.distill import checkpoints
+
+    save_file(tensors, str(folder / checkpoints.WEIGHTS))
+    (folder / checkpoints.STATE).write_text(json.dumps(record))
+    w = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.AdamW([w])
+    return checkpoints.load(folder, {"a": 1}, {"w": w}, optimizer), w.detach().clone(), dict(optimizer.state)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda t, r: t.pop("exp_avg_sq.w"),
+        lambda t, r: t.pop("exp_avg.w"),
+        lambda t, r: t.pop("param.w"),
+        lambda t, r: t.update({"exp_avg.w": t["exp_avg.w"][:3].clone()}),
+        lambda t, r: t.update({"exp_avg_sq.w": t["exp_avg_sq.w"].repeat(2)}),
+        lambda t, r: t.update({"exp_avg.w": t["exp_avg.w"].double()}),
+        lambda t, r: t.update({"param.w": t["param.w"][:2].clone()}),
+        lambda t, r: t.update({"torch_rng_state": t["torch_rng_state"][:3].clone()}),
+        lambda t, r: r.update(adam_steps={"w": "many"}),
+        lambda t, r: r.update(adam_steps=["w"]),
+        lambda t, r: r.update(position=[1, 2]),
+        lambda t, r: r.pop("position"),
+    ],
+    ids=[
+        "no-exp_avg_sq",
+        "no-exp_avg",
+        "no-param",
+        "exp_avg-shape",
+        "exp_avg_sq-shape",
+        "exp_avg-dtype",
+        "param-shape",
+        "rng-state",
+        "steps-not-a-number",
+        "steps-not-a-dict",
+        "position-not-a-dict",
+        "no-position",
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_is_ignored_and_nothing_is_restored(tmp_path, damage):
+    """As load's docstring says: training starts afresh (None), the parameter and optimizer untouched -- not a
+    KeyError, nor an optimizer state AdamW fails on at its first step."""
+    import torch
+    from safetensors.torch import load_file
+
+    from builder.distill import checkpoints
+
+    w = torch.nn.Parameter(torch.arange(4.0))
+    optimizer = torch.optim.AdamW([w])
+    w.grad = torch.ones(4)
+    optimizer.step()
+    checkpoints.save(tmp_path, {"a": 1}, checkpoints.Position(step=1), {"w": w}, optimizer)
+    tensors = load_file(str(tmp_path / checkpoints.WEIGHTS))
+    record = json.loads((tmp_path / checkpoints.STATE).read_text())
+    position, _, state = _damaged_checkpoint(tmp_path, dict(tensors), dict(record))
+    assert position == checkpoints.Position(step=1) and len(state) == 1  # as written: restored
+    damage(tensors, record)
+    position, values, state = _damaged_checkpoint(tmp_path, tensors, record)
+    assert position is None and not values.any() and not state
+
+
+def test_the_teacher_engine_in_the_work_folder_is_reopened_only_after_the_graph_check(tmp_path):
+    """An engine whose record matches but whose graph a bundle would refuse (here an operator of a foreign domain,
+    put in after it was written) is said and written again, never handed to ONNX Runtime."""
+    import onnx
+    from onnx import helper
+
+    from builder.decoder import from_transformers
+    from builder.distill import engine_pairs as pairs
+    from conftest import make_model, tiny_config
+    from runtime.engines.onnx_checks import check_operators
+
+    model = make_model(tmp_path / "m", tiny_config(), seed=0).eval()
+    decoder = from_transformers(model, 64)
+    source = pairs.TeacherSource(lambda: decoder, lambda: decoder, model, 0)
+    work = pairs.WorkFolder(tmp_path / "work", {"t": 1})
+    pairs.teacher_engine(work, source, "sha", 64, 1, None)
+    path = tmp_path / "work" / "engine" / "target.onnx"
+    proto = onnx.load(str(path), load_external_data=False)
+    proto.graph.node.append(helper.make_node("Anything", [proto.graph.node[0].output[0]], ["z"], domain="elsewhere"))
+    onnx.save(proto, str(path))
+    said = []
+    engine = pairs.teacher_engine(work, source, "sha", 64, 1, said.append)
+    assert len(said) == 1 and "domain 'elsewhere'" in said[0] and "again" in said[0]
+    check_operators(onnx.load(str(path), load_external_data=False), "target.onnx")
+    assert engine.new_cache(1) is not None
+
+
 def test_text_windows_skip_files_holding_a_heldout_prompt_and_follow_no_link(learnable_target, tmp_path):
     from builder.checkpoint import resolve
     from builder.distill.prefill import text_files, text_windows
@@ -273,6 +369,29 @@ def test_a_shard_store_made_for_other_data_starts_afresh(tmp_path):
     np.testing.assert_array_equal(back[1].features, sample.features)
     other = ShardStore(tmp_path, {"data": 2})
     assert other.done() == set() and not list(tmp_path.glob("shard-*"))
+
+
+@pytest.mark.parametrize("name", ["../outside", "/absolute", "sub/shard-00000", "shard-00000/../../outside", ""])
+def test_a_manifest_names_only_shard_files_of_its_own_folder(tmp_path, name):
+    """Shard names read back from the manifest are joined to the folder: one that would leave it (or name a file
+    of a subfolder) is refused, even where the files it names are there."""
+    import shutil
+
+    from builder.distill.corpus import DistillError, Sample
+    from builder.distill.shards import MANIFEST, ShardStore
+
+    folder = tmp_path / "store"
+    sample = Sample([1, 2], [3, 4, 5], features=np.zeros((4, 3), np.float16))
+    ShardStore(folder, {"data": 1}).add([sample], [0])
+    name = str(tmp_path / "absolute") if name == "/absolute" else name
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    for suffix in ("ids", "features"):
+        shutil.copy(folder / f"shard-00000.{suffix}.npy", f"{folder / name}.{suffix}.npy")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["shards"][0]["name"] = name
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DistillError, match="not one of this folder's shard files"):
+        ShardStore(folder, {"data": 1})
 
 
 def test_the_teacher_of_a_gguf_target_multiplies_by_the_kernel_it_is_given():

@@ -332,8 +332,42 @@ def test_without_the_library_a_build_falls_back_by_name_and_a_native_bundle_is_r
     with pytest.raises(build.BuildError, match="--gguf-kernel native: the GGUF kernel library is not built"):
         build.build(BuildSpec(**{**spec.__dict__, "gguf_kernel": "native"}), tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    with pytest.raises(BundleError, match="GgufMatMul.*not built.*setup.sh"):
+    with pytest.raises(BundleError, match="GgufMatMul.*not built.*setup.sh") as refused:
         onnx_checks.check_operators(proto, "native.onnx")
+    assert str(refused.value).count("not built") == 1  # a fact of the machine, not of each of the graph's nodes
+
+
+def test_a_library_named_by_a_bare_name_is_the_file_in_the_working_folder(tmp_path, monkeypatch):
+    """DRAFTSMITH_GGUF_OPS=libdraftsmith_gguf_ops.so beside the working folder: that file is checked, loaded and
+    registered, by one absolute path resolved once (dlopen given the bare name would search LD_LIBRARY_PATH)."""
+    shutil.copy2(gguf_ops.library_path(), tmp_path / gguf_ops.LIBRARY_NAME)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(gguf_ops.LIBRARY_ENV, gguf_ops.LIBRARY_NAME)
+    assert gguf_ops.library_path() == tmp_path.resolve() / gguf_ops.LIBRARY_NAME
+    assert gguf_ops.unavailable_reason() is None
+    session = _op_session([("Q8_0", random_blocks("Q8_0", 5, 64, np.random.default_rng(2)))], 64)
+    assert session.run(None, {"x": np.ones((1, 3, 64), np.float32)})[0].shape == (1, 3, 5)
+    monkeypatch.chdir(tmp_path.parent)
+    assert gguf_ops.library_path() == tmp_path.resolve() / gguf_ops.LIBRARY_NAME
+
+
+def test_a_library_that_does_not_load_is_refused_once_by_its_variable_and_path(tmp_path, monkeypatch):
+    from runtime.bundle import BundleError
+    from runtime.engines import onnx_checks
+
+    (tmp_path / "broken.so").write_bytes(b"not a shared library")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(gguf_ops.LIBRARY_ENV, "broken.so")
+    model = _op_graph([("Q4_K", random_blocks("Q4_K", 8, 256, np.random.default_rng(0)))], 256)
+    twin = model.graph.node.add()
+    twin.CopyFrom(model.graph.node[0])
+    twin.output[0] = "y2"
+    with pytest.raises(BundleError, match="does not load") as refused:
+        onnx_checks.check_operators(model, "engine.onnx")
+    message = str(refused.value)
+    assert message.count("does not load") == 1
+    assert f"{tmp_path.resolve() / 'broken.so'} (from {gguf_ops.LIBRARY_ENV}=broken.so)" in message
+    assert f"point {gguf_ops.LIBRARY_ENV} at one built here or unset it" in message  # rebuilding would not help
 
 
 @pytest.mark.parametrize(

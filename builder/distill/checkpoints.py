@@ -15,6 +15,7 @@ from pathlib import Path
 
 WEIGHTS = "train_checkpoint.safetensors"
 STATE = "train_checkpoint.json"
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state of each parameter, beside its step count
 
 
 @dataclass
@@ -39,7 +40,7 @@ def save(folder: Path, fingerprint: dict, position: Position, params: dict, opti
     steps = {}
     for name, p in params.items():
         state = optimizer.state.get(p, {})
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in MOMENTS:
             if key in state:
                 tensors[f"{key}.{name}"] = state[key].contiguous()
         if "step" in state:
@@ -67,23 +68,41 @@ def load(folder: Path, fingerprint: dict, params: dict, optimizer) -> Position |
         if record.get("fingerprint") != json.loads(json.dumps(fingerprint)):
             return None
         position = Position(**record["position"])
-        tensors = load_file(str(weights_path))
-    except (OSError, ValueError, TypeError, KeyError):
+        restored = _restored(load_file(str(weights_path)), record.get("adam_steps", {}), params)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    if any(tensors.get(f"param.{n}") is None or tensors[f"param.{n}"].shape != p.shape for n, p in params.items()):
-        return None
-    if "torch_rng_state" in tensors:
-        torch.set_rng_state(tensors["torch_rng_state"])
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(tensors[f"param.{name}"])
-            if f"exp_avg.{name}" in tensors and name in record.get("adam_steps", {}):
-                optimizer.state[p] = {
-                    "step": torch.tensor(record["adam_steps"][name]),
-                    "exp_avg": tensors[f"exp_avg.{name}"].clone(),
-                    "exp_avg_sq": tensors[f"exp_avg_sq.{name}"].clone(),
-                }
+            p.copy_(restored[f"param.{name}"])
+            if f"step.{name}" in restored:
+                optimizer.state[p] = {key: restored[f"{key}.{name}"].clone() for key in ("step", *MOMENTS)}
+    if "torch_rng_state" in restored:
+        torch.set_rng_state(restored["torch_rng_state"])
     return position
+
+
+def _restored(tensors: dict, steps: dict, params: dict) -> dict:
+    """What ``load`` restores, by key, each checked against what it goes into before anything is changed (KeyError,
+    ValueError or TypeError otherwise): every parameter; its AdamW state where the record counts steps for it (both
+    moments of the parameter's shape and type: AdamW would fail at its first step on any other); torch's random
+    state where it is one."""
+    import torch
+
+    out = {}
+    for name, p in params.items():
+        keys = [f"param.{name}"] + ([f"{moment}.{name}" for moment in MOMENTS] if name in steps else [])
+        for key in keys:
+            if tensors[key].shape != p.shape or tensors[key].dtype != p.dtype:
+                raise ValueError(f"{key}: {list(tensors[key].shape)} {tensors[key].dtype}, not {list(p.shape)}")
+            out[key] = tensors[key]
+        if name in steps:
+            out[f"step.{name}"] = torch.tensor(float(steps[name]))
+    state = tensors.get("torch_rng_state")
+    if state is not None:
+        if state.dtype != torch.uint8 or state.shape != torch.get_rng_state().shape:
+            raise ValueError("torch_rng_state is not a random state of this torch")
+        out["torch_rng_state"] = state
+    return out
 
 
 def remove(folder: Path) -> None:

@@ -17,6 +17,7 @@ What a resumable distillation (``prefill_text`` in the recipe; builder/distill/p
 from __future__ import annotations
 
 import json
+import logging
 import os
 import dataclasses
 import time
@@ -125,7 +126,7 @@ def teacher_engine(work: WorkFolder, source: TeacherSource, sha256: str, context
     path = folder / "target.onnx"
     record = {"target_sha256": sha256, "context": context, "accuracy_level": source.accuracy_level}
     record["kernel"] = source.kernel  # an engine of the other kernel is written again
-    if _read_json(folder / ENGINE_RECORD) != record or not path.is_file():
+    if _read_json(folder / ENGINE_RECORD) != record or not path.is_file() or not _passes_checks(path, say):
         (folder / ENGINE_RECORD).unlink(missing_ok=True)
         with ticking("teacher: writing the target's engine", say):
             graph.build(source.decoder(), path, source.accuracy_level)
@@ -211,6 +212,23 @@ def sha_of(values) -> str:
 
     data = json.dumps(values if not isinstance(values, np.ndarray) else values.tolist()).encode()
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _passes_checks(path: Path, say) -> bool:
+    """Whether a finished engine found in the work folder passes the checks a bundle's engines do before ONNX Runtime
+    opens them (operators, external data beside the graph): the folder is only files on disk, and its record names
+    what the engine was made from, not what the file now holds. One that fails is said and written again."""
+    from runtime.bundle import BundleError
+    from runtime.engines.onnx_checks import check_operators, external_data_locations, parse_onnx
+
+    try:
+        proto = parse_onnx(path.read_bytes(), str(path))
+        check_operators(proto, str(path))
+        external_data_locations(proto, str(path))
+        return True
+    except (BundleError, OSError) as err:
+        (say or logging.getLogger("draftsmith").warning)(f"teacher: {err}\nwriting the target's engine again")
+        return False
 
 
 def _read_json(path: Path):

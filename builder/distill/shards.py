@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,9 @@ from builder.distill.corpus import DistillError, Sample
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
+# A shard's name as ``add`` makes it: a file name of the folder, no separator, '..' or absolute path (the manifest is
+# read back from disk and its names joined to the folder)
+SHARD_NAME = re.compile(r"shard-[0-9]{5,}")
 
 
 class ShardStore:
@@ -101,6 +105,12 @@ class ShardStore:
         if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
             return None
         for shard in manifest.get("shards", []):
+            name = shard.get("name") if isinstance(shard, dict) else None
+            if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
+                raise DistillError(
+                    f"{self.folder}: the manifest names a shard {name!r}, not one of this folder's shard files "
+                    "(shard-NNNNN); delete the folder to make the data again"
+                )
             for suffix in ("ids", "features"):
                 if not (self.folder / f"{shard.get('name')}.{suffix}.npy").is_file():
                     raise DistillError(

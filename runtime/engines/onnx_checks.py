@@ -72,7 +72,7 @@ MAX_FOLLOWED = 1024  # elements of a constant small enough to follow through the
 def check_operators(proto, where: str) -> None:
     """BundleError unless every node (graph, subgraphs, functions) is an allowed operator, and no node ONNX Runtime
     folds at load (``folding_problems``) would allocate more than MAX_CONSTANT_ELEMENTS."""
-    problems = []
+    problems, own = [], False
     for node in _all_nodes(proto):
         domain = node.domain or ""
         if domain in ("", "ai.onnx"):
@@ -83,32 +83,62 @@ def check_operators(proto, where: str) -> None:
                 problems.append(f"node {node.name!r}: com.microsoft {node.op_type} is not an operator engines use")
         elif node.op_type == gguf_ops.GATHER and domain == gguf_ops.DOMAIN:
             problems += gguf_gather_problems(node, proto.graph)
+            own = True
         elif node.op_type == gguf_ops.ATTENTION and domain == gguf_ops.DOMAIN:
             problems += causal_attention_problems(node)
+            own = True
         elif node.op_type in OWN_OPS.get(domain, ()):
             problems += gguf_matmul_problems(node, proto.graph)
+            own = True
         else:
             problems.append(f"node {node.name!r}: operator domain {domain!r} (custom operators are not allowed)")
     problems += folding_problems(proto)
+    reason = gguf_ops.unavailable_reason() if own else None
+    if reason is not None:  # a fact of the machine: said once, first, not for each of the graph's nodes
+        problems.insert(
+            0, f"its {gguf_ops.DOMAIN} nodes ({gguf_ops.OP}, {gguf_ops.GATHER}, {gguf_ops.ATTENTION}) need Draftsmith's "
+            f"GGUF kernels, but {reason}"
+        )
     if problems:
         raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
 
 
+def _gguf_attributes(node, kinds: dict[str, str]) -> tuple[dict, str | None]:
+    """The values of ``node``'s attributes named in ``kinds`` (name -> "INT" or "INTS"), or the first one present
+    with another type: the library refuses such a node too (a float layout 1.0 is neither read as 1 nor as 0)."""
+    from onnx import AttributeProto, helper
+
+    given = {a.name: a for a in node.attribute}
+    for name, kind in kinds.items():
+        attribute = given.get(name)
+        if attribute is not None and (
+            attribute.ref_attr_name or attribute.type != AttributeProto.AttributeType.Value(kind)
+        ):
+            found = AttributeProto.AttributeType.Name(attribute.type)
+            return {}, f"attribute {name!r} must be {kind}, not {found}"
+    return {name: helper.get_attribute_value(given[name]) for name in kinds if name in given}, None
+
+
 def gguf_matmul_problems(node, graph) -> list[str]:
-    """What is wrong with a GgufMatMul node: attributes that do not describe its weights (each part an initializer
-    uint8 [rows, K / block values * block bytes] of a type the operator knows), or no library here to run it."""
+    """What is wrong with a GgufMatMul node: attributes of the wrong type, past the library's caps, or that do not
+    describe its weights (each part an initializer uint8 [rows, K / block values * block bytes] of a type the
+    operator knows)."""
     import onnx
-    from onnx import helper
 
     where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.OP}"
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    k, types, rows = attributes.get("K"), list(attributes.get("types") or ()), list(attributes.get("rows") or ())
+    attributes, mistyped = _gguf_attributes(node, {"K": "INT", "types": "INTS", "rows": "INTS", "layout": "INT"})
+    if mistyped:
+        return [f"{where}: {mistyped}"]
+    k, types, rows = attributes.get("K"), list(attributes.get("types", ())), list(attributes.get("rows", ()))
     layout = attributes.get("layout", 0)
     shapes = {t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer}
     names = {v: n for n, v in gguf_ops.GGML_TYPE_IDS.items()}
-    if not isinstance(k, int) or k <= 0 or not types or len(types) != len(rows) or len(node.input) != len(types) + 1:
+    if k is None or k <= 0 or not types or len(types) != len(rows) or len(node.input) != len(types) + 1:
         return [f"{where}: attributes K, types and rows do not describe its {len(node.input) - 1} weight inputs"]
-    if layout not in (0, 1) or (layout == 1 and any(not isinstance(n, int) or n % 16 for n in rows)):
+    if k > gguf_ops.MAX_K or min(rows) <= 0 or sum(rows) > gguf_ops.MAX_ROWS:
+        caps = f"K <= {gguf_ops.MAX_K}, rows >= 1, {gguf_ops.MAX_ROWS} rows in all"
+        return [f"{where}: K {k} or rows (in all {sum(rows)}) past the library's caps ({caps})"]
+    if layout not in (0, 1) or (layout == 1 and any(n % 16 for n in rows)):
         return [f"{where}: layout {layout!r} is not 0, or 1 with rows in groups of 16"]
     problems = []
     for weight, type_id, count in zip(node.input[1:], types, rows):
@@ -120,49 +150,46 @@ def gguf_matmul_problems(node, graph) -> list[str]:
         want = (onnx.TensorProto.UINT8, (count, k // values * size))
         if k % values or shapes.get(weight) != want:
             problems.append(f"{where}: weight {weight!r} is not an initializer uint8 {list(want[1])} of {name} blocks")
-    reason = gguf_ops.unavailable_reason()
-    if reason is not None:
-        problems.append(f"{where}: this engine multiplies by GGUF blocks with Draftsmith's kernels, but {reason}")
     return problems
 
 
 def causal_attention_problems(node) -> list[str]:
-    """What is wrong with a CausalAttention node: heads that do not group (num_heads a positive multiple of
-    kv_num_heads, at most 1024), do_rotary not 0 or 1, a window or scale of the wrong kind, more than its eight
-    inputs; or no library here to run it. (Shapes are the call's: the operator checks them on every call.)"""
-    from onnx import helper
-
+    """What is wrong with a CausalAttention node: an attribute of the wrong type (the library refuses it too), heads
+    that do not group (num_heads a positive multiple of kv_num_heads, at most 1024), do_rotary not 0 or 1, a scale
+    that is not finite and >= 0, more than its eight inputs. (Shapes are the call's: the operator checks them on
+    every call.)"""
     where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.ATTENTION}"
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    heads, kv_heads = attributes.get("num_heads"), attributes.get("kv_num_heads")
+    kinds = {"num_heads": "INT", "kv_num_heads": "INT", "local_window_size": "INT", "do_rotary": "INT"}
+    attributes, mistyped = _gguf_attributes(node, kinds | {"scale": "FLOAT"})
+    if mistyped:
+        return [f"{where}: {mistyped}"]
+    heads, kv_heads = attributes.get("num_heads", 0), attributes.get("kv_num_heads", 0)
     problems = []
-    if not all(isinstance(v, int) and v > 0 for v in (heads, kv_heads)) or heads > 1024 or heads % kv_heads:
+    if not (0 < heads <= 1024 and 0 < kv_heads and heads % kv_heads == 0):
         problems.append(f"{where}: num_heads must be a positive multiple of kv_num_heads (at most 1024)")
-    if attributes.get("do_rotary", 0) not in (0, 1) or not isinstance(attributes.get("local_window_size", -1), int):
-        problems.append(f"{where}: do_rotary must be 0 or 1 and local_window_size an integer")
-    scale = attributes.get("scale", 0.0)
-    if not isinstance(scale, float) or not scale >= 0.0 or scale == float("inf"):
+    if attributes.get("do_rotary", 0) not in (0, 1):
+        problems.append(f"{where}: do_rotary must be 0 or 1")
+    if not 0.0 <= attributes.get("scale", 0.0) < float("inf"):
         problems.append(f"{where}: scale must be a finite float >= 0")
     if len(node.input) > 8 or len(node.output) != 3:
         problems.append(f"{where}: it takes at most 8 inputs and gives 3 outputs")
-    reason = gguf_ops.unavailable_reason()
-    if reason is not None:
-        problems.append(f"{where}: this engine's attention is Draftsmith's own operator, but {reason}")
     return problems
 
 
 def gguf_gather_problems(node, graph) -> list[str]:
-    """What is wrong with a GgufGather node: its table not an initializer uint8 [rows, K / block values * block
-    bytes] of a type the operator knows (rows in groups of 16 for layout 1), or no library here to run it."""
+    """What is wrong with a GgufGather node: attributes of the wrong type or past the library's cap on K, or its
+    table not an initializer uint8 [rows, K / block values * block bytes] of a type the operator knows (rows in
+    groups of 16 for layout 1)."""
     import onnx
-    from onnx import helper
 
     where = f"node {node.name!r}: {gguf_ops.DOMAIN} {gguf_ops.GATHER}"
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attributes, mistyped = _gguf_attributes(node, {"K": "INT", "type": "INT", "layout": "INT"})
+    if mistyped:
+        return [f"{where}: {mistyped}"]
     k, type_id, layout = attributes.get("K"), attributes.get("type"), attributes.get("layout", 0)
     name = {v: n for n, v in gguf_ops.GGML_TYPE_IDS.items()}.get(type_id)
     shapes = {t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer}
-    if name is None or not isinstance(k, int) or k <= 0 or len(node.input) != 2 or layout not in (0, 1):
+    if name is None or k is None or not 0 < k <= gguf_ops.MAX_K or len(node.input) != 2 or layout not in (0, 1):
         return [f"{where}: attributes K, type and layout do not describe a GGUF table"]
     values, size = gguf_ops.BLOCK_SHAPES[name]
     kind, dims = shapes.get(node.input[0], (None, ()))
@@ -170,8 +197,7 @@ def gguf_gather_problems(node, graph) -> list[str]:
         return [f"{where}: table {node.input[0]!r} is not an initializer uint8 [rows, {k // values * size}]"]
     if layout == 1 and dims[0] % 16:
         return [f"{where}: layout 1 needs rows in groups of 16"]
-    reason = gguf_ops.unavailable_reason()
-    return [] if reason is None else [f"{where}: this engine reads GGUF blocks with Draftsmith's kernels, but {reason}"]
+    return []
 
 
 def folding_problems(proto) -> list[str]:

@@ -39,31 +39,53 @@ HOW_TO_BUILD = (
     "build it with `bash scripts/setup.sh` (or `python -m runtime.engines.gguf_ops.build`; needs a C++17 compiler "
     "and cmake)"
 )
+# What a node's attributes may describe (src/ops.cpp kMaxK, kMaxRows: the library refuses past them too), far past
+# any model's: K the input width, rows the output rows of one node, all its parts together.
+MAX_K = 1 << 20
+MAX_ROWS = 1 << 24
 
 
 def library_path() -> Path:
-    """Where the library is looked for: $DRAFTSMITH_GGUF_OPS, else the build folder beside this module."""
-    return Path(os.environ.get(LIBRARY_ENV) or BUILD_DIR / LIBRARY_NAME)
+    """The library's one absolute path, the file checked, loaded and registered alike: $DRAFTSMITH_GGUF_OPS, else the
+    build folder beside this module. Absolute because dlopen searches LD_LIBRARY_PATH and the system's folders for a
+    name without a slash: a bare name checked in the working folder would not be the library loaded."""
+    return _resolved(os.environ.get(LIBRARY_ENV) or "")
 
 
 @functools.lru_cache(maxsize=None)
-def _load(path: str) -> ctypes.CDLL | None:
+def _resolved(given: str) -> Path:
+    """``given`` (empty: the build folder's library) as an absolute path, resolved once: a relative one against the
+    working folder of the first look, so a later chdir does not name another file."""
+    return Path(given or BUILD_DIR / LIBRARY_NAME).expanduser().resolve()
+
+
+def _described(path: Path) -> str:
+    """The library's path as a message names it: with the variable that gave it, as given, where one did."""
+    given = os.environ.get(LIBRARY_ENV)
+    return f"{path} (from {LIBRARY_ENV}={given})" if given else str(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library at absolute ``path`` loaded (once), or None and why not."""
     try:
         library = ctypes.CDLL(path)
         library.RegisterCustomOps  # noqa: B018 (the entry point ONNX Runtime calls must be there)
         library.DraftsmithGgufKernels.restype = ctypes.c_char_p
-        return library
-    except (OSError, AttributeError):
-        return None
+        return library, ""
+    except (OSError, AttributeError) as err:
+        return None, str(err)
 
 
 def unavailable_reason() -> str | None:
     """None where the library is built and loads here, else why not (and how to build it)."""
     path = library_path()
     if not path.is_file():
-        return f"the GGUF kernel library is not built ({path} is missing); {HOW_TO_BUILD}"
-    if _load(str(path)) is None:
-        return f"the GGUF kernel library at {path} does not load on this machine; rebuild it: {HOW_TO_BUILD}"
+        return f"the GGUF kernel library is not built ({_described(path)} is missing); {HOW_TO_BUILD}"
+    library, error = _load(str(path))
+    if library is None:
+        remedy = f"point {LIBRARY_ENV} at one built here or unset it" if os.environ.get(LIBRARY_ENV) else HOW_TO_BUILD
+        return f"the GGUF kernel library at {_described(path)} does not load on this machine ({error}); {remedy}"
     return None
 
 
@@ -80,7 +102,7 @@ def native_for(kernel: str) -> bool:
 
 def kernels() -> str | None:
     """The kernels this CPU runs ("avx512-vnni", "avx2" or "scalar"), or None without the library."""
-    library = _load(str(library_path())) if library_path().is_file() else None
+    library = _load(str(library_path()))[0] if library_path().is_file() else None
     return library.DraftsmithGgufKernels().decode() if library is not None else None
 
 

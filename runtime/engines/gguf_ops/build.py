@@ -1,6 +1,7 @@
 """Build the GGUF kernel library (runtime/engines/gguf_ops/src) into runtime/engines/gguf_ops/build/::
 
-    python -m runtime.engines.gguf_ops.build          # scripts/setup.sh runs this
+    python -m runtime.engines.gguf_ops.build             # scripts/setup.sh runs this
+    python -m runtime.engines.gguf_ops.build --sanitize  # the tests' AddressSanitizer/UBSan variant, in build-asan/
 
 It needs a C++17 compiler, cmake, and ONNX Runtime's C/C++ API headers (API version 21 or newer). No pip package
 ships those headers; they come from Debian's ``libonnxruntime-dev`` (85 KB, headers only), downloaded and unpacked
@@ -21,6 +22,7 @@ from pathlib import Path
 from runtime.engines.gguf_ops import BUILD_DIR, LIBRARY_NAME
 
 SOURCE_DIR = Path(__file__).parent
+SANITIZED_DIR = SOURCE_DIR / "build-asan"  # apart from build/: an engine never loads this variant
 HEADER = "onnxruntime_cxx_api.h"
 DEBIAN_PACKAGE = "libonnxruntime-dev"
 # Debian's own archive, the suite that has the package (trixie: onnxruntime 1.21, API 21)
@@ -93,22 +95,25 @@ def _trixie_options(work: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def build(quiet: bool = True) -> Path:
-    """Configure and build the library; returns its path (BuildFailed with the reason otherwise)."""
+def build(quiet: bool = True, sanitize: bool = False) -> Path:
+    """Configure and build the library (``sanitize``: the -fsanitize=address,undefined variant, into
+    SANITIZED_DIR); returns its path (BuildFailed with the reason otherwise)."""
     for tool in ("cmake", "c++"):
         if not shutil.which(tool):
             raise BuildFailed(f"no {tool} on PATH")
     include = headers()
-    build_dir = BUILD_DIR / "cmake"
+    out_dir = SANITIZED_DIR if sanitize else BUILD_DIR
+    build_dir = out_dir / "cmake"
     out = subprocess.DEVNULL if quiet else None
+    configure = ["cmake", "-S", str(SOURCE_DIR), "-B", str(build_dir), f"-DORT_INCLUDE_DIR={include}"]
     for command in (
-        ["cmake", "-S", str(SOURCE_DIR), "-B", str(build_dir), f"-DORT_INCLUDE_DIR={include}"],
+        [*configure, f"-DDRAFTSMITH_SANITIZE={'ON' if sanitize else 'OFF'}"],
         ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 1)],
     ):
         done = subprocess.run(command, stdout=out, stderr=subprocess.PIPE, text=True)
         if done.returncode:
             raise BuildFailed(f"{' '.join(command[:2])} failed:\n{done.stderr[-2000:]}")
-    library = BUILD_DIR / LIBRARY_NAME
+    library = out_dir / LIBRARY_NAME
     staged = library.with_name(library.name + ".new")  # then renamed: a process that has the old one mapped keeps it
     shutil.copy2(build_dir / LIBRARY_NAME, staged)
     os.replace(staged, library)
@@ -117,10 +122,13 @@ def build(quiet: bool = True) -> Path:
 
 def main() -> int:
     try:
-        path = build(quiet="-v" not in sys.argv)
+        path = build(quiet="-v" not in sys.argv, sanitize="--sanitize" in sys.argv)
     except (BuildFailed, OSError, subprocess.CalledProcessError) as err:
         print(f"gguf kernels: not built ({err}); engines keep ONNX Runtime's MatMulNBits (slower)", file=sys.stderr)
         return 1
+    if "--sanitize" in sys.argv:  # loads only into a process that preloads the sanitizer runtime
+        print(f"gguf kernels: built the sanitizer variant {path}")
+        return 0
     from runtime.engines import gguf_ops
 
     print(f"gguf kernels: built {path} ({gguf_ops.kernels()} kernels on this CPU)")

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "attributes.h"
 
 namespace draftsmith {
 namespace {
@@ -158,12 +159,13 @@ int64_t checked_product(int64_t a, int64_t b, int64_t cap, const char* what) {
 
 struct CausalAttentionKernel {
   CausalAttentionKernel(const OrtApi& api, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo kernel_info(info);
-    heads_ = kernel_info.GetAttribute<int64_t>("num_heads");
-    kv_heads_ = kernel_info.GetAttribute<int64_t>("kv_num_heads");
-    scale_ = optional_float(api, info, "scale", 0.0f);
-    window_ = optional_int(api, info, "local_window_size", -1);
-    rotary_ = optional_int(api, info, "do_rotary", 0);
+    const char* op = "CausalAttention";
+    const int64_t none = -1, off = 0;
+    heads_ = int_attribute(api, info, op, "num_heads");
+    kv_heads_ = int_attribute(api, info, op, "kv_num_heads");
+    window_ = int_attribute(api, info, op, "local_window_size", &none);
+    rotary_ = int_attribute(api, info, op, "do_rotary", &off);
+    scale_ = float_attribute(api, info, op, "scale", 0.0f);
     if (heads_ <= 0 || kv_heads_ <= 0 || heads_ > kMaxHeads || heads_ % kv_heads_ || (rotary_ != 0 && rotary_ != 1) ||
         !std::isfinite(scale_) || scale_ < 0.0f) {
       throw std::invalid_argument(
@@ -182,26 +184,6 @@ struct CausalAttentionKernel {
   }
 
  private:
-  static int64_t optional_int(const OrtApi& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
-    int64_t value = fallback;
-    OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value);
-    if (status != nullptr) {
-      api.ReleaseStatus(status);
-      return fallback;
-    }
-    return value;
-  }
-
-  static float optional_float(const OrtApi& api, const OrtKernelInfo* info, const char* name, float fallback) {
-    float value = fallback;
-    OrtStatus* status = api.KernelInfoGetAttribute_float(info, name, &value);
-    if (status != nullptr) {
-      api.ReleaseStatus(status);
-      return fallback;
-    }
-    return value;
-  }
-
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext context(raw);
     Ort::ConstValue qkv = context.GetInput(0), past_key = context.GetInput(1), past_value = context.GetInput(2);

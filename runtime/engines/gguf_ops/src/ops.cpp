@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "attributes.h"
 #include "gguf_kernels.h"
 
 namespace draftsmith {
@@ -28,6 +29,98 @@ constexpr const char* kDomain = "ai.draftsmith";
 constexpr int64_t kUnitsPerThread = 8;    // work items per pool thread (balance against per-item overhead)
 constexpr int64_t kMinRowsPerUnit = 16;
 constexpr int64_t kParallelQuantizeValues = 1 << 16;  // quantize activations on the pool from this many values
+// Caps on what a node's attributes may describe, far past any model's (a hidden size of 8k-16k, a vocabulary of
+// 256k): within them every size below fits an int64 with room, and a graph past them is refused at session creation
+// instead of wrapping to a small number or asking for ~2^58 work items. Python's check (onnx_checks) applies the same.
+constexpr int64_t kMaxK = int64_t{1} << 20;     // input width
+constexpr int64_t kMaxRows = int64_t{1} << 24;  // output rows of one node, all parts together
+
+// a * b and a + b, or invalid_argument naming `what` where the result leaves int64
+int64_t checked_mul(int64_t a, int64_t b, const std::string& what) {
+  int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) throw std::invalid_argument(what + " overflows");
+  return out;
+}
+
+int64_t checked_add(int64_t a, int64_t b, const std::string& what) {
+  int64_t out = 0;
+  if (__builtin_add_overflow(a, b, &out)) throw std::invalid_argument(what + " overflows");
+  return out;
+}
+
+// A ggml type id this library knows (the id an int64 attribute holds, never narrowed to int before it is checked).
+bool known_type(int64_t type, int* elements, int* bytes) {
+  return type >= 0 && type <= 255 && block_shape(static_cast<int>(type), elements, bytes);
+}
+
+}  // namespace
+
+// Whether the node has attribute `name` of any type ONNX Runtime can read for a custom op: the typed getters fail
+// alike for an absent attribute and a mistyped one, so an attribute is present where any of them succeeds.
+bool has_attribute(const OrtApi& api, const OrtKernelInfo* info, const char* name) {
+  size_t size = 0;
+  float value = 0;
+  OrtStatus* probes[] = {
+      api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &size),
+      api.KernelInfoGetAttributeArray_float(info, name, nullptr, &size),
+      api.KernelInfoGetAttribute_float(info, name, &value),
+      api.KernelInfoGetAttribute_string(info, name, nullptr, &size),
+  };
+  bool present = false;
+  for (OrtStatus* status : probes) {
+    present = present || status == nullptr;
+    if (status != nullptr) api.ReleaseStatus(status);
+  }
+  return present;
+}
+
+// An int attribute of `op`'s node: `fallback` where absent (a required one has none), an error where it is there but
+// not an int (a float layout 1.0 is not read as 0, nor taken for 1).
+int64_t int_attribute(const OrtApi& api, const OrtKernelInfo* info, const char* op, const char* name,
+                      const int64_t* fallback) {
+  int64_t value = 0;
+  OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value);
+  if (status == nullptr) return value;
+  api.ReleaseStatus(status);
+  const bool present = has_attribute(api, info, name);
+  if (present || fallback == nullptr) {
+    throw std::invalid_argument(std::string(op) + ": attribute '" + name + "' must be " +
+                                (present ? "an int" : "given (an int)"));
+  }
+  return *fallback;
+}
+
+// A float attribute of `op`'s node: `fallback` where absent, an error where it is there but not a float.
+float float_attribute(const OrtApi& api, const OrtKernelInfo* info, const char* op, const char* name, float fallback) {
+  float value = 0.0f;
+  OrtStatus* status = api.KernelInfoGetAttribute_float(info, name, &value);
+  if (status == nullptr) return value;
+  api.ReleaseStatus(status);
+  int64_t ignored = 0;
+  OrtStatus* as_int = api.KernelInfoGetAttribute_int64(info, name, &ignored);
+  size_t size = 0;
+  OrtStatus* as_list = api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+  const bool present = as_int == nullptr || as_list == nullptr;
+  if (as_int != nullptr) api.ReleaseStatus(as_int);
+  if (as_list != nullptr) api.ReleaseStatus(as_list);
+  if (present) throw std::invalid_argument(std::string(op) + ": attribute '" + name + "' must be a float");
+  return fallback;
+}
+
+namespace {
+
+// An ints attribute of `op`'s node, non-empty (what a mistyped one reads as, or an error).
+std::vector<int64_t> ints_attribute(const OrtApi& api, const OrtKernelInfo* info, const char* op, const char* name) {
+  size_t size = 0;
+  OrtStatus* status = api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+  std::vector<int64_t> values(size);
+  if (status == nullptr && size > 0) status = api.KernelInfoGetAttributeArray_int64(info, name, values.data(), &size);
+  if (status != nullptr) api.ReleaseStatus(status);
+  if (status != nullptr || values.empty()) {
+    throw std::invalid_argument(std::string(op) + ": attribute '" + name + "' must be a non-empty list of ints");
+  }
+  return values;
+}
 
 struct WorkUnit {
   int part;
@@ -87,41 +180,21 @@ thread_local Scratch scratch;
 
 struct GgufMatMulKernel {
   GgufMatMulKernel(const OrtApi& api, const OrtKernelInfo* info) : kernels_(&best_kernels()) {
-    Ort::ConstKernelInfo kernel_info(info);
-    k_ = kernel_info.GetAttribute<int64_t>("K");
-    types_ = kernel_info.GetAttributes<int64_t>("types");
-    rows_ = kernel_info.GetAttributes<int64_t>("rows");
-    layout_ = optional_attribute(api, info, "layout", kRows);
-    if (layout_ != kRows && layout_ != kColumns16) throw std::invalid_argument("GgufMatMul: layout must be 0 or 1");
-    if (types_.empty() || types_.size() != rows_.size()) {
+    static constexpr int64_t kDefaultLayout = kRows;
+    k_ = int_attribute(api, info, "GgufMatMul", "K");
+    types_ = ints_attribute(api, info, "GgufMatMul", "types");
+    rows_ = ints_attribute(api, info, "GgufMatMul", "rows");
+    const int64_t layout = int_attribute(api, info, "GgufMatMul", "layout", &kDefaultLayout);
+    if (layout != kRows && layout != kColumns16) throw std::invalid_argument("GgufMatMul: layout must be 0 or 1");
+    layout_ = static_cast<int>(layout);
+    if (types_.size() != rows_.size()) {
       throw std::invalid_argument("GgufMatMul: 'types' and 'rows' must name the same, non-zero number of parts");
     }
-    if (k_ <= 0 || k_ % kBlock) throw std::invalid_argument("GgufMatMul: K must be a positive multiple of 32");
-    int64_t column = 0;
-    for (size_t p = 0; p < types_.size(); ++p) {
-      int elements = 0, bytes = 0;
-      if (!block_shape(static_cast<int>(types_[p]), &elements, &bytes)) {
-        throw std::invalid_argument("GgufMatMul: unsupported ggml type " + std::to_string(types_[p]));
-      }
-      if (k_ % elements || rows_[p] <= 0 || (layout_ == kColumns16 && rows_[p] % kGroup)) {
-        throw std::invalid_argument("GgufMatMul: part " + std::to_string(p) + " has K not a whole number of blocks, "
-                                    "no rows, or (layout 1) rows not a multiple of 16");
-      }
-      need_super_ = need_super_ || is_k_quant(static_cast<int>(types_[p]));
-      need_32_ = need_32_ || !is_k_quant(static_cast<int>(types_[p]));
-      row_bytes_.push_back(k_ / elements * bytes);
-      columns_.push_back(column);
-      column += rows_[p];
+    if (k_ <= 0 || k_ % kBlock || k_ > kMaxK) {
+      throw std::invalid_argument("GgufMatMul: K must be a positive multiple of 32, at most " + std::to_string(kMaxK));
     }
-    n_ = column;
-    const int64_t threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
-    int64_t per_unit = std::max(kMinRowsPerUnit, (n_ + threads * kUnitsPerThread - 1) / (threads * kUnitsPerThread));
-    per_unit = (per_unit + kGroup - 1) / kGroup * kGroup;  // whole groups of 16 rows
-    for (size_t p = 0; p < types_.size(); ++p) {
-      for (int64_t n0 = 0; n0 < rows_[p]; n0 += per_unit) {
-        units_.push_back({static_cast<int>(p), n0, std::min(rows_[p], n0 + per_unit)});
-      }
-    }
+    for (size_t p = 0; p < types_.size(); ++p) add_part(p);
+    plan_units();
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
@@ -133,18 +206,41 @@ struct GgufMatMulKernel {
     }
   }
 
- public:
-  static int64_t optional_attribute(const OrtApi& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
-    int64_t value = fallback;
-    OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value);
-    if (status != nullptr) {  // absent: the default
-      api.ReleaseStatus(status);
-      return fallback;
+ private:
+  // Part p's bytes a row and first output column, after checking its type, its rows and the running total.
+  void add_part(size_t p) {
+    int elements = 0, bytes = 0;
+    if (!known_type(types_[p], &elements, &bytes)) {
+      throw std::invalid_argument("GgufMatMul: unsupported ggml type " + std::to_string(types_[p]));
     }
-    return value;
+    if (k_ % elements || rows_[p] <= 0 || rows_[p] > kMaxRows || (layout_ == kColumns16 && rows_[p] % kGroup)) {
+      throw std::invalid_argument("GgufMatMul: part " + std::to_string(p) + " has K not a whole number of blocks, "
+                                  "no rows, over " + std::to_string(kMaxRows) +
+                                  " rows, or (layout 1) rows not a multiple of 16");
+    }
+    const int type = static_cast<int>(types_[p]);
+    need_super_ = need_super_ || is_k_quant(type);
+    need_32_ = need_32_ || !is_k_quant(type);
+    row_bytes_.push_back(checked_mul(k_ / elements, bytes, "GgufMatMul: bytes per row"));
+    columns_.push_back(n_);
+    n_ = checked_add(n_, rows_[p], "GgufMatMul: the parts' total rows");
+    if (n_ > kMaxRows) {
+      throw std::invalid_argument("GgufMatMul: the parts' rows total over " + std::to_string(kMaxRows));
+    }
   }
 
- private:
+  // The work items: each part's rows in runs of whole 16-row groups, about kUnitsPerThread a pool thread.
+  void plan_units() {
+    const int64_t threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
+    int64_t per_unit = std::max(kMinRowsPerUnit, (n_ + threads * kUnitsPerThread - 1) / (threads * kUnitsPerThread));
+    per_unit = (per_unit + kGroup - 1) / kGroup * kGroup;  // whole groups of 16 rows
+    for (size_t p = 0; p < types_.size(); ++p) {
+      for (int64_t n0 = 0; n0 < rows_[p]; n0 += per_unit) {
+        units_.push_back({static_cast<int>(p), n0, std::min(rows_[p], n0 + per_unit)});
+      }
+    }
+  }
+
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext context(raw);
     if (context.GetInputCount() != types_.size() + 1) {
@@ -229,7 +325,8 @@ struct GgufMatMulKernel {
   }
 
   const Kernels* kernels_;
-  int64_t k_ = 0, n_ = 0, layout_ = kRows;
+  int64_t k_ = 0, n_ = 0;
+  int layout_ = kRows;
   std::vector<int64_t> types_, rows_, row_bytes_, columns_;
   std::vector<WorkUnit> units_;
   bool need_super_ = false, need_32_ = false;
@@ -269,15 +366,19 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, true> {
 // layout; output float [..., K]. Every id is checked to be a row of W.
 struct GgufGatherKernel {
   GgufGatherKernel(const OrtApi& api, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo kernel_info(info);
-    k_ = kernel_info.GetAttribute<int64_t>("K");
-    type_ = static_cast<int>(kernel_info.GetAttribute<int64_t>("type"));
-    layout_ = static_cast<int>(GgufMatMulKernel::optional_attribute(api, info, "layout", kRows));
+    static constexpr int64_t kDefaultLayout = kRows;
+    k_ = int_attribute(api, info, "GgufGather", "K");
+    const int64_t type = int_attribute(api, info, "GgufGather", "type");
+    const int64_t layout = int_attribute(api, info, "GgufGather", "layout", &kDefaultLayout);
     int elements = 0, bytes = 0;
-    if (!block_shape(type_, &elements, &bytes) || k_ <= 0 || k_ % elements || (layout_ != kRows && layout_ != kColumns16)) {
-      throw std::invalid_argument("GgufGather: K, type and layout must name whole blocks of a known type");
+    if (!known_type(type, &elements, &bytes) || k_ <= 0 || k_ > kMaxK || k_ % elements ||
+        (layout != kRows && layout != kColumns16)) {
+      throw std::invalid_argument("GgufGather: K, type and layout must name whole blocks of a known type (K at most " +
+                                  std::to_string(kMaxK) + ")");
     }
-    row_bytes_ = k_ / elements * bytes;
+    type_ = static_cast<int>(type);
+    layout_ = static_cast<int>(layout);
+    row_bytes_ = checked_mul(k_ / elements, bytes, "GgufGather: bytes per row");
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
@@ -369,7 +470,8 @@ DRAFTSMITH_EXPORT int DraftsmithGgufDot(const char* isa, int type, int layout, c
   const Kernels* kernels = kernels_named(isa);
   if (kernels == nullptr) return 2;
   int elements = 0, bytes = 0;
-  if (!block_shape(type, &elements, &bytes) || k % elements || k % kBlock) return 1;
+  if (!block_shape(type, &elements, &bytes) || k <= 0 || k > kMaxK || k % elements || k % kBlock) return 1;
+  if (m < 0 || rows < 0 || rows > kMaxRows) return 1;
   if (layout != kRows && (layout != kColumns16 || rows % kGroup)) return 1;
   std::vector<SuperQ8> super(static_cast<size_t>(m * (k / kSuper)) + 1);
   std::vector<int8_t> q32(static_cast<size_t>(m * k));
