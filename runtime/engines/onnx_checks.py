@@ -96,8 +96,9 @@ def check_operators(proto, where: str) -> None:
     reason = gguf_ops.unavailable_reason() if own else None
     if reason is not None:  # a fact of the machine: said once, first, not for each of the graph's nodes
         problems.insert(
-            0, f"its {gguf_ops.DOMAIN} nodes ({gguf_ops.OP}, {gguf_ops.GATHER}, {gguf_ops.ATTENTION}) need Draftsmith's "
-            f"GGUF kernels, but {reason}"
+            0,
+            f"its {gguf_ops.DOMAIN} nodes ({gguf_ops.OP}, {gguf_ops.GATHER}, {gguf_ops.ATTENTION}) need "
+            f"Draftsmith's GGUF kernels, but {reason}",
         )
     if problems:
         raise BundleError(f"{where}: refused:\n  " + "\n  ".join(problems[:20]))
