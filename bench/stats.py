@@ -250,6 +250,8 @@ def summarize(cell: CellRecord, baseline: CellRecord | None = None) -> dict:
     out.update(acceptance(steps))
     out.update(costs)
     out["other_seconds"] = max(0.0, cell.wall - costs["engine_seconds"])
+    # the loop's wall time over the sum of its engine calls: what sampling, the plan and bookkeeping add (1.0: none)
+    out["step_overhead"] = cell.wall / costs["engine_seconds"] if costs["engine_seconds"] > 0 else None
     out["speedup"] = None
     out["predicted_speedup"] = None
     out["identical_to_target"] = None

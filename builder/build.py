@@ -107,7 +107,7 @@ def _check_gguf_kernel(spec: BuildSpec) -> None:
     reason = gguf_ops.unavailable_reason()
     if spec.gguf_kernel == "native" and "gguf" in (spec.target_quant, spec.draft_quant) and reason is not None:
         raise BuildError(f"--gguf-kernel native: {reason}; or build with --gguf-kernel matmulnbits")
-    if spec.draft_blocks != "file" and not native_gguf(spec):
+    if spec.draft_blocks not in ("file", "auto") and not native_gguf(spec):
         raise BuildError(
             f"draft_blocks {spec.draft_blocks} re-quantizes the draft into blocks of Draftsmith's GGUF kernel, "
             f"which this build does not use ({reason or 'gguf_kernel ' + spec.gguf_kernel}); use draft_blocks file"
@@ -186,8 +186,9 @@ def _build_into(
     if pair.cross:
         spec, pair = _cross_pair(spec, pair, draft_ckpt, kept)
     rows = max(pair.max_context, 64)  # positions the graphs' rotary tables cover (the export check uses 64)
-    target, draft, engine_notes = _make_engines(
-        tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, kept, rows, stage
+    chooser = _Chooser(target_tok, target_ckpt, pair, threads, say) if spec.draft_blocks == "auto" else None
+    target, draft, engine_notes, spec, kept = _make_engines(
+        tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, kept, rows, stage, chooser
     )
     memory.release()  # the models' weights, dropped with _make_engines' frame
     stage("evaluate")
@@ -205,6 +206,8 @@ def _build_into(
         draft_tok=draft_tok if pair.cross else None,
     )
     report["engine_notes"] = engine_notes  # e.g. GGUF tensors kept as float weights (no exact MatMulNBits form)
+    if chooser is not None:
+        report["draft_choice"] = chooser.report
     shutil.rmtree(work)
     stage("tokenizer")
     _save_tokenizer(tmp, target_tok, kept)
@@ -259,14 +262,30 @@ def _cross_pair(spec: BuildSpec, pair: pairing.Pairing, draft_ckpt, kept) -> tup
 
 
 def _make_engines(
-    tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, kept, rows: int, stage: Stage
-) -> tuple[_Engine, _Engine, dict[str, list[str]]]:
-    """(target, draft, each role's engine notes): both engines exported to fp32 in ``work`` and quantized into
-    ``tmp``. Where the roles' weights differ only one model is held at a time: the target's go before a separate
-    draft's load; a truncated self-draft reads the target's, a whole one quantizes the target's own fp32 graph."""
+    tmp: Path,
+    work: Path,
+    spec: BuildSpec,
+    target_ckpt,
+    draft_ckpt,
+    draft_layers: int,
+    kept,
+    rows: int,
+    stage: Stage,
+    chooser: "_Chooser | None" = None,
+) -> tuple[_Engine, _Engine, dict[str, list[str]], BuildSpec, object]:
+    """(target, draft, each role's engine notes, the spec and kept ids the draft was made with): both engines
+    exported to fp32 in ``work`` and quantized into ``tmp``. Where the roles' weights differ only one model is held
+    at a time: the target's go before a separate draft's load; a truncated self-draft reads the target's, a whole
+    one quantizes the target's own fp32 graph. With a ``chooser`` (draft_blocks auto) the draft's form, drafter and
+    k are measured once the target is made (builder.draft_choice)."""
     target, target_model, target_notes = _make_target(
         tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, rows, stage
     )
+    if chooser is not None:
+        target_model = None
+        memory.release()
+        stage("choose draft")
+        spec, kept = chooser.choose(tmp, work, spec, target, draft_ckpt, rows)
     stage("export draft")
     if draft_ckpt is target_ckpt and not draft_layers:
         draft_model = target_model
@@ -300,14 +319,115 @@ def _make_engines(
         reference=None if draft.reference == target.reference else draft.reference,
         form=DraftForm(spec.draft_blocks, kept),
     )
-    return (
-        target,
-        draft,
-        {
-            role: list(dict.fromkeys([*engine.info.notes, *notes]))  # the fp32 graph's notes first
-            for role, engine, notes in (("target", target, target_notes), ("draft", draft, draft_notes))
-        },
-    )
+    notes = {
+        role: list(dict.fromkeys([*engine.info.notes, *notes]))  # the fp32 graph's notes first
+        for role, engine, notes in (("target", target, target_notes), ("draft", draft, draft_notes))
+    }
+    return target, draft, notes, spec, kept
+
+
+class _Chooser:
+    """draft_blocks auto: each candidate draft form built from the GGUF draft file and scored with the model-free
+    drafters on the target's own continuations (builder.draft_choice); ``choose`` returns the spec and kept ids of
+    the winner, ``report`` the table."""
+
+    def __init__(self, target_tok, target_ckpt, pair, threads: int, say):
+        self.target_tok, self.target_ckpt, self.pair = target_tok, target_ckpt, pair
+        self.threads, self.say = threads, say
+        self.report: dict = {}
+
+    def choose(self, tmp: Path, work: Path, spec: BuildSpec, target: _Engine, draft_ckpt, rows: int):
+        from builder import draft_choice as dc
+        from runtime.drafters.lookup import PromptLookupDrafter
+        from runtime.drafters.registry import DraftSources, make_drafter
+
+        if not draft_ckpt.gguf_file or spec.draft_quant != "gguf":
+            raise BuildError("draft_blocks auto chooses among a GGUF draft file's forms: a .gguf draft, quant gguf")
+        texts, costs = self._measure_target(tmp / "target" / "model.onnx", target.info, spec)
+        model = _Model(draft_ckpt, spec, rows)
+        info = graph.info_of(model.decoder())
+        forms = dc.FORMS if native_gguf(spec) else (("file", 0), ("file", 32768))
+        measured = [
+            self._score_form(work, spec, draft_ckpt, model, info, blocks, head, texts, costs)
+            for blocks, head in forms
+            if head < int(draft_ckpt.config.vocab_size)  # a head no smaller than the vocabulary is the whole one
+        ]
+        scored = [row for row, _, _ in measured]
+        sources = DraftSources(target.info.vocab_size, None, False, None, 0.0)
+        for name in dc.MODEL_FREE:
+            scored.append(dc.score_free(costs, name, lambda: make_drafter(name, sources), texts))  # noqa: B023
+        form, agrees, form_costs = max(measured, key=lambda m: m[0].speedup)
+        lookup = functools.partial(PromptLookupDrafter, target.info.vocab_size, 3, 2)  # the hybrid's own
+        hybrid = dc.score_free(form_costs, dc.HYBRID, lookup, texts, agrees)
+        scored.append(dataclasses.replace(hybrid, blocks=form.blocks, head=form.head, cost=form.cost))
+        best = dc.winner(scored)
+        engine_form = best if best.blocks else form
+        self.report = {
+            "candidates": [row.row() for row in scored],
+            "winner": best.name,
+            "measured_on": f"{len(texts)} greedy target continuations of {dc.NEW_TOKENS} tokens (evaluation text)",
+            "target_call_seconds": {str(w): round(t, 5) for (r, w), t in sorted(costs.call.items()) if r == 1},
+        }
+        chosen = dataclasses.replace(
+            spec,
+            draft_blocks=engine_form.blocks,
+            draft_head=engine_form.head,
+            drafter=best.drafter,
+            k=best.k,
+            max_k=max(spec.max_k, best.k),
+        )
+        return chosen, self._kept(draft_ckpt, engine_form.head)
+
+    def _measure_target(self, path: Path, info, spec: BuildSpec):
+        """(prompts with the target's greedy continuations, the target's calibrated call costs)."""
+        from builder import draft_choice as dc
+        from runtime.decoding.step_costs import CostModel
+
+        engine = _opener(
+            path, info, max_context=self.pair.max_context, threads=self.threads, vocab_size=info.vocab_size
+        )()
+        prompts = [w[: dc.PROMPT_TOKENS] for w in _windows(self.target_tok, self.pair, spec)[: dc.PROMPTS]]
+        texts = list(zip(prompts, dc.continuations(engine, eos_ids(self.target_ckpt, self.target_tok), prompts)))
+        costs = CostModel()
+        costs.calibrate(engine, None, 1, dc.MAX_K + 1)
+        return texts, costs
+
+    def _score_form(self, work: Path, spec: BuildSpec, draft_ckpt, model, info, blocks: str, head: int, texts, costs):
+        """(its row, its agreement on each text, the costs with its draft call): one draft form built, timed and
+        scored, then deleted."""
+        from builder import draft_choice as dc
+        from runtime.decoding.step_costs import CostModel, timed_call
+
+        kept = self._kept(draft_ckpt, head)
+        path = work / "candidates" / f"{blocks}-{head}" / "model.onnx"
+        form_spec = dataclasses.replace(spec, draft_blocks=blocks, draft_head=head)
+        _quantize(path, path, "gguf", form_spec, draft_ckpt, model, form=DraftForm(blocks, kept))
+        shape = dataclasses.replace(info, vocab_size=len(kept) if kept is not None else info.vocab_size)
+        engine = _opener(
+            path, shape, kept, max_context=self.pair.max_context, threads=self.threads, vocab_size=info.vocab_size
+        )()
+        call = timed_call(engine, 1, 1, 64, 5)
+        agrees = [dc.agreement(engine, p, c) for p, c in texts]
+        del engine
+        shutil.rmtree(path.parent)
+        memory.release()
+        form_costs = CostModel(call=dict(costs.call), draft={1: call})
+        row = dc.score_model(form_costs, blocks, head, agrees, call / costs.call[(1, 1)])
+        self._say(
+            f"choose draft: {row.name}: a draft token {row.cost:.2f} of a target call, best k {row.k}, "
+            f"expected {row.speedup:.2f}x plain decoding"
+        )
+        return row, agrees, form_costs
+
+    def _kept(self, draft_ckpt, head: int):
+        if not head:
+            return None
+        vocab = int(draft_ckpt.config.vocab_size)
+        return head_vocab.frequent_ids(self.target_tok, head, vocab, eos_ids(self.target_ckpt, self.target_tok))
+
+    def _say(self, line: str) -> None:
+        if self.say is not None:
+            self.say(line)
 
 
 def _make_target(

@@ -45,8 +45,9 @@ from runtime.drafters.registry import DRAFTERS
 
 SCHEMA_VERSION = 1
 GGUF_KERNELS = ("auto", "native", "matmulnbits")
-# a GGUF draft's blocks (builder/gguf/draft_form.py): the file's own, or re-quantized into the kernel's Q4_0
-DRAFT_BLOCKS = ("file", "q4_0")
+# a GGUF draft's blocks (builder/gguf/draft_form.py): the file's own, re-quantized into the kernel's Q4_0, or chosen
+# by measurement at build time among those and head sizes (builder/draft_choice.py; the manifest keeps the choice)
+DRAFT_BLOCKS = ("file", "q4_0", "auto")
 MANIFEST = "manifest.json"
 # a build's staging folder (builder/publish.py: ".NAME.partial-*"): complete-looking between its manifest and the
 # rename that publishes it, and never a bundle to load

@@ -22,7 +22,7 @@
 //
 // Each query's scores, softmax and weighted sum run in a fixed order (16 partial sums, then summed in order), with
 // no fused multiply-add (the library is built with -ffp-contract=off), so results are also the same on every
-// instruction set. Work is split over (row, head) on ONNX Runtime's pool.
+// instruction set. Work is split over (row, kv head, chunk of queries) on ONNX Runtime's pool.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
@@ -44,27 +44,32 @@ constexpr int kLanes = 16;
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kMaxHeads = 1024;
 
-// x . y over n values: kLanes partial sums in a fixed order, then added in order (the same bits on any ISA).
 #if defined(DRAFTSMITH_X86)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+#define DRAFTSMITH_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DRAFTSMITH_CLONES
 #endif
-float dot(const float* x, const float* y, int64_t n) {
-  float lanes[kLanes] = {};
+
+// x . y over n values: 2 x kLanes partial sums (values i with i % 32 < 16 in the first), then summed by a fixed
+// tree — the same float operations in the same order on any ISA, few of them dependent (a 16-lane chain of scalar
+// adds per dot made the scores latency-bound).
+inline __attribute__((always_inline)) float dot(const float* x, const float* y, int64_t n) {
+  float even[kLanes] = {}, odd[kLanes] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * y[i + l];
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    for (int l = 0; l < kLanes; ++l) even[l] += x[i + l] * y[i + l];
+    for (int l = 0; l < kLanes; ++l) odd[l] += x[i + kLanes + l] * y[i + kLanes + l];
   }
-  for (int l = 0; i < n; ++i, ++l) lanes[l] += x[i] * y[i];
-  float total = 0.0f;
-  for (int l = 0; l < kLanes; ++l) total += lanes[l];
-  return total;
+  for (int l = 0; i < n; ++i, l = (l + 1) % kLanes) even[l] += x[i] * y[i];
+  for (int l = 0; l < kLanes; ++l) even[l] += odd[l];
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int l = 0; l < width; ++l) even[l] += even[l + width];
+  }
+  return even[0];
 }
 
 // y += a * x over n values.
-#if defined(DRAFTSMITH_X86)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-void axpy(float a, const float* x, float* y, int64_t n) {
+inline __attribute__((always_inline)) void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -122,33 +127,66 @@ void store_row(const Call& c, int64_t b) {
   }
 }
 
-// Every query of row b, head h: softmax(q . k * scale) over its visible slots, times the values.
-void attend(void* data, size_t index) {
-  const Call& c = *static_cast<const Call*>(data);
+constexpr int64_t kQueryChunk = 8;  // queries of one row a work unit takes together (each key row read once for all)
+
+thread_local std::vector<float> scratch_scores;
+
+// The visible slots of the query at position p: [first, p] (a sliding window keeps the last `window`).
+int64_t first_slot(const Call& c, int64_t p) { return c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0; }
+
+// Queries [j0, j1) of row b, every head of kv group g: softmax(q . k * scale) over each query's visible slots, times
+// the values. Each key and value row is read once for all of them; each (query, head) still gets the same float
+// operations in the same order as alone, so the result does not depend on the chunk, the call or the batch. One
+// function per instruction set (the dot products and sums inlined into it).
+DRAFTSMITH_CLONES void attend_unit(const Call& c, int64_t b, int64_t g, int64_t j0, int64_t j1) {
   const Shape& s = c.s;
-  const int64_t b = static_cast<int64_t>(index) / s.heads, h = static_cast<int64_t>(index) % s.heads;
-  const int64_t g = h / (s.heads / s.kv_heads), past = past_of(c, b);
+  const int64_t group = s.heads / s.kv_heads, past = past_of(c, b), span = past + j1;
   const float* keys = c.keys + (b * s.kv_heads + g) * s.slots * s.dim;
   const float* values = c.values + (b * s.kv_heads + g) * s.slots * s.dim;
-  std::vector<float> scores(static_cast<size_t>(past + queries_of(c, b)));
-  for (int64_t j = 0; j < queries_of(c, b); ++j) {
-    const int64_t p = past + j;
-    const int64_t first = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0;
-    const float* q = c.rotated_q->data() + ((b * s.new_tokens + j) * s.heads + h) * s.dim;
-    float top = -INFINITY;
-    for (int64_t t = first; t <= p; ++t) {
-      scores[t] = dot(q, keys + t * s.dim, s.dim) * c.scale;
-      top = std::max(top, scores[t]);
+  std::vector<float>& scores = scratch_scores;  // [(j - j0) * group + r][t]
+  scores.resize(std::max(scores.size(), static_cast<size_t>((j1 - j0) * group * span)));
+  const float* q0 = c.rotated_q->data() + (b * s.new_tokens * s.heads + g * group) * s.dim;
+  for (int64_t t = first_slot(c, past + j0); t < span; ++t) {
+    const float* key = keys + t * s.dim;
+    for (int64_t j = std::max(j0, t - past); j < j1 && first_slot(c, past + j) <= t; ++j) {
+      for (int64_t r = 0; r < group; ++r) {
+        scores[((j - j0) * group + r) * span + t] = dot(q0 + (j * s.heads + r) * s.dim, key, s.dim) * c.scale;
+      }
     }
-    float total = 0.0f;
-    for (int64_t t = first; t <= p; ++t) {
-      scores[t] = std::exp(scores[t] - top);
-      total += scores[t];
-    }
-    float* out = c.out + ((b * s.new_tokens + j) * s.heads + h) * s.dim;
-    std::fill(out, out + s.dim, 0.0f);
-    for (int64_t t = first; t <= p; ++t) axpy(scores[t] / total, values + t * s.dim, out, s.dim);
   }
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t r = 0; r < group; ++r) {
+      float* row = scores.data() + ((j - j0) * group + r) * span;
+      const int64_t first = first_slot(c, past + j), p = past + j;
+      float top = -INFINITY, total = 0.0f;
+      for (int64_t t = first; t <= p; ++t) top = std::max(top, row[t]);
+      for (int64_t t = first; t <= p; ++t) {
+        row[t] = std::exp(row[t] - top);
+        total += row[t];
+      }
+      for (int64_t t = first; t <= p; ++t) row[t] = row[t] / total;
+      float* out = c.out + ((b * s.new_tokens + j) * s.heads + g * group + r) * s.dim;
+      std::fill(out, out + s.dim, 0.0f);
+    }
+  }
+  for (int64_t t = first_slot(c, past + j0); t < span; ++t) {
+    const float* value = values + t * s.dim;
+    for (int64_t j = std::max(j0, t - past); j < j1 && first_slot(c, past + j) <= t; ++j) {
+      for (int64_t r = 0; r < group; ++r) {
+        float* out = c.out + ((b * s.new_tokens + j) * s.heads + g * group + r) * s.dim;
+        axpy(scores[((j - j0) * group + r) * span + t], value, out, s.dim);
+      }
+    }
+  }
+}
+
+// Work unit `index`: (row, kv group, chunk of the row's queries).
+void attend(void* data, size_t index) {
+  const Call& c = *static_cast<const Call*>(data);
+  const int64_t chunks = (c.s.new_tokens + kQueryChunk - 1) / kQueryChunk, unit = static_cast<int64_t>(index);
+  const int64_t b = unit / (c.s.kv_heads * chunks), g = unit / chunks % c.s.kv_heads, chunk = unit % chunks;
+  const int64_t j0 = chunk * kQueryChunk, j1 = std::min(queries_of(c, b), j0 + kQueryChunk);
+  if (j0 < j1) attend_unit(c, b, g, j0, j1);
 }
 
 // a * b, refused past `cap` (a shape from a graph is data: never let it wrap)
@@ -219,7 +257,8 @@ struct CausalAttentionKernel {
     std::vector<float> rotated(static_cast<size_t>(s.batch * s.new_tokens * s.heads * s.dim));
     c.rotated_q = &rotated;
     for (int64_t b = 0; b < s.batch; ++b) store_row(c, b);
-    context.ParallelFor(attend, static_cast<size_t>(s.batch * s.heads), 0, &c);
+    const int64_t chunks = (s.new_tokens + kQueryChunk - 1) / kQueryChunk;
+    context.ParallelFor(attend, static_cast<size_t>(s.batch * s.kv_heads * chunks), 0, &c);
   }
 
   static const int32_t* int_input(Ort::ConstValue value, int64_t batch, const char* name) {

@@ -1,0 +1,186 @@
+"""Stage 4b (``draft_blocks: auto``): the draft the bundle decodes with, chosen by measurement on the machine that
+builds it.
+
+Every candidate the pair allows — the GGUF draft file's own blocks (its head whole or cut to the 32k most frequent
+target tokens), re-quantized into Q4_0 with its head whole or cut to the 64k / 32k / 16k most frequent target tokens
+(builder.gguf.draft_form), the model-free prompt-lookup and suffix drafters, and the hybrid (lookup where the
+context has a 2-gram match, the best draft form elsewhere) — is scored by the tokens a second greedy speculative
+decoding would make with it at each k, over plain decoding, from two measurements:
+
+- **acceptance per position**, on the target's own greedy continuations of prompts from the build's evaluation text
+  (its first windows: docstrings of the standard library, none of them a bench prompt). With greedy decoding a draft
+  token is accepted exactly when the draft, given the target's text so far, picks the target's next token; so one
+  teacher-forced pass of a draft over those continuations says, for every position, whether it would be accepted,
+  and the steps of speculative decoding at any k follow from it (``simulate``). A model-free drafter is stepped over
+  the same text through its own ``propose``; the hybrid takes the lookup's proposal wherever there is one (as the
+  runtime's HybridDrafter does before it has costs) and the draft's run elsewhere.
+- **call costs**, by the runtime's own calibration (runtime.decoding.step_costs.CostModel): a draft token's call and
+  target calls of 1..k + 1 tokens, on this machine.
+
+A step drafting k tokens costs k draft calls plus one target call of k + 1 tokens and yields its accepted tokens plus
+one; plain decoding costs one one-token call a token. The winner's form is built as the bundle's draft, its drafter
+and k become the bundle's defaults, and the table goes into the build report (``draft_choice``). The scores are
+estimates for greedy decoding at batch 1; the runtime's planner still picks each step's k from measured costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from runtime.decoding.sampling import SamplingParams
+from runtime.decoding.step_costs import CostModel
+
+# (draft_blocks, draft_head): the file as it is, its head cut, and the 4-bit forms
+FORMS = (("file", 0), ("file", 32768), ("q4_0", 0), ("q4_0", 65536), ("q4_0", 32768), ("q4_0", 16384))
+MODEL_FREE = ("prompt_lookup", "suffix")
+HYBRID = "hybrid"
+MAX_K = 8
+PROMPTS = 4  # continuations scored
+PROMPT_TOKENS = 64  # each prompt: the start of one evaluation window
+NEW_TOKENS = 96  # the target's greedy continuation of each
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One candidate's measurements and its best k."""
+
+    drafter: str  # "model" (the draft engine) or a model-free drafter's name
+    blocks: str = ""  # a model draft's form (draft_blocks, draft_head)
+    head: int = 0
+    cost: float = 0.0  # a draft token's call over a one-token target call (0: model-free)
+    acceptance: tuple[float, ...] = ()  # per position 1..MAX_K: P(accepted | the ones before it were)
+    k: int = 0
+    speedup: float = 1.0  # expected tokens a second at k over plain decoding's
+
+    @property
+    def name(self) -> str:
+        form = f"{self.blocks} blocks, head {self.head or 'whole'}"
+        return form if self.drafter == "model" else f"{self.drafter} ({form})" if self.blocks else self.drafter
+
+    def row(self) -> dict:
+        return {"name": self.name, **{key: value for key, value in asdict(self).items()}}
+
+
+def continuations(target, eos_ids, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """The target's greedy continuation of each prompt, decoded by the runtime's own scheduler (target-only)."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.request import DecodeRequest
+
+    generator = SpeculativeGenerator(None, target, None, None, eos_ids=eos_ids)
+    request = DecodeRequest(max_new_tokens=new_tokens, mode="target")
+    results: dict[int, list[int]] = {}
+    for index, _, generation in generator.run(generator.door.admit_tokens(prompts, request)):
+        if generation is not None:
+            results[index] = list(generation.token_ids)
+    return [results[i] for i in range(len(prompts))]
+
+
+def agreement(draft, prompt: list[int], continuation: list[int]) -> np.ndarray:
+    """Per continuation token, whether the draft (teacher-forced on the prompt and the continuation before it)
+    picks it: bool [len(continuation)]."""
+    from builder.evaluate import logits_of
+
+    ids = list(prompt) + list(continuation)
+    picks = logits_of(draft, ids)[len(prompt) - 1 : len(ids) - 1].argmax(-1)
+    return picks == np.asarray(continuation)
+
+
+Step = tuple[int, bool]  # one step's accepted draft tokens, and whether its drafts cost draft-engine calls
+
+
+def simulate(agrees: np.ndarray, k: int) -> list[Step]:
+    """The steps of greedy speculative decoding with a draft model at ``k`` over a text whose positions the draft
+    gets right where ``agrees``: a step accepts the run of right positions from where it starts (at most k), then
+    takes the target's own token."""
+    return stepped(None, [], [], k, agrees)
+
+
+def stepped(free, prompt: list[int], continuation: list[int], k: int, agrees: np.ndarray | None = None) -> list[Step]:
+    """The steps over the target's text at ``k`` of a model-free drafter ``free`` (its proposals checked against the
+    text, as greedy verification would), of a draft model (``agrees``), or of both as the hybrid: the free
+    proposal where there is one, the model's elsewhere."""
+    length = len(agrees) if agrees is not None else len(continuation)
+    if free is not None:
+        free.start([list(prompt)])
+    params, at, steps = SamplingParams(), 0, []
+    while at < length:
+        limit = min(k, length - at - 1)
+        proposed = free.propose([limit], params, [None]).tokens[0] if free is not None and limit else []
+        if proposed:
+            run = _matching(proposed, continuation[at:])
+        else:
+            run = _right_run(agrees, at, limit) if agrees is not None else 0
+        if free is not None:
+            emitted = continuation[at : at + run + 1]
+            free.settle([run], [emitted]) if proposed else free.observe([emitted])
+        steps.append((run, not proposed and agrees is not None and limit > 0))
+        at += run + 1
+    return steps
+
+
+def _matching(proposed: list[int], text: list[int]) -> int:
+    run = 0
+    while run < len(proposed) and proposed[run] == text[run]:
+        run += 1
+    return run
+
+
+def _right_run(agrees: np.ndarray, at: int, limit: int) -> int:
+    run = 0
+    while run < limit and agrees[at + run]:
+        run += 1
+    return run
+
+
+def per_position(steps: list[Step], k: int) -> tuple[float, ...]:
+    """P(position j accepted | positions before it were), j = 1..k, over steps that drafted (at ``k``)."""
+    accepted = [a for a, _ in steps]
+    out = []
+    for j in range(1, k + 1):
+        reached = sum(1 for a in accepted if a >= j - 1)
+        out.append(round(sum(1 for a in accepted if a >= j) / reached, 4) if reached else 0.0)
+    return tuple(out)
+
+
+def speedup(costs: CostModel, steps: list[Step], k: int) -> float:
+    """Expected tokens a second over plain decoding's: the tokens ``steps`` make (accepted + 1 each), each step
+    one (k + 1)-token target call plus k draft calls where its drafts were paid for, against one one-token call a
+    token."""
+    tokens = sum(a + 1 for a, _ in steps)
+    seconds = sum((k * costs.draft_cost(1) if paid else 0.0) + costs.call_cost([k + 1]) for _, paid in steps)
+    return tokens * costs.call_cost([1]) / seconds
+
+
+def best_k(costs: CostModel, steps_at: Callable[[int], list[Step]]) -> tuple[int, float]:
+    """(k, speedup) of the k in 1..MAX_K with the most expected tokens a second; ``steps_at(k)``: the steps of
+    every text at k."""
+    score, k = max((speedup(costs, steps_at(k), k), k) for k in range(1, MAX_K + 1))
+    return k, round(score, 4)
+
+
+def score_model(costs: CostModel, blocks: str, head: int, agrees: list[np.ndarray], cost: float) -> Scored:
+    """A model draft's row: its acceptance per position and its best k."""
+    k, gain = best_k(costs, lambda k: [step for a in agrees for step in simulate(a, k)])
+    at_max = [step for a in agrees for step in simulate(a, MAX_K)]
+    return Scored("model", blocks, head, round(cost, 4), per_position(at_max, MAX_K), k, gain)
+
+
+def score_free(costs: CostModel, name: str, make, texts, agrees: list[np.ndarray] | None = None) -> Scored:
+    """A model-free drafter's row (``make()``: a fresh one), or with a draft model's ``agrees`` per text, the
+    hybrid's."""
+
+    def steps_at(k: int) -> list[Step]:
+        pairs = zip(texts, agrees if agrees is not None else [None] * len(texts))
+        return [step for (p, c), a in pairs for step in stepped(make(), p, c, k, a)]
+
+    k, gain = best_k(costs, steps_at)
+    drafted = [step for step in steps_at(MAX_K)]
+    return Scored(name, acceptance=per_position(drafted, MAX_K), k=k, speedup=gain)
+
+
+def winner(rows: list[Scored]) -> Scored:
+    """The candidate with the most expected tokens a second (the first listed among equals)."""
+    return max(rows, key=lambda row: row.speedup)
