@@ -343,7 +343,7 @@ class _Chooser:
 
         if not draft_ckpt.gguf_file or spec.draft_quant != "gguf":
             raise BuildError("draft_blocks auto chooses among a GGUF draft file's forms: a .gguf draft, quant gguf")
-        texts, costs = self._measure_target(tmp / "target" / "model.onnx", target.info, spec)
+        texts, costs = self._measure_target(tmp / "target" / "model.onnx", target.info)
         model = _Model(draft_ckpt, spec, rows)
         info = graph.info_of(model.decoder())
         forms = dc.FORMS if native_gguf(spec) else (("file", 0), ("file", 32768))
@@ -365,7 +365,7 @@ class _Chooser:
         self.report = {
             "candidates": [row.row() for row in scored],
             "winner": best.name,
-            "measured_on": f"{len(texts)} greedy target continuations of {dc.NEW_TOKENS} tokens (evaluation text)",
+            "measured_on": f"{len(texts)} greedy target continuations of {dc.NEW_TOKENS} tokens (builder prompts)",
             "target_call_seconds": {str(w): round(t, 5) for (r, w), t in sorted(costs.call.items()) if r == 1},
         }
         chosen = dataclasses.replace(
@@ -378,7 +378,7 @@ class _Chooser:
         )
         return chosen, self._kept(draft_ckpt, engine_form.head)
 
-    def _measure_target(self, path: Path, info, spec: BuildSpec):
+    def _measure_target(self, path: Path, info):
         """(prompts with the target's greedy continuations, the target's calibrated call costs)."""
         from builder import draft_choice as dc
         from runtime.decoding.step_costs import CostModel
@@ -386,7 +386,7 @@ class _Chooser:
         engine = _opener(
             path, info, max_context=self.pair.max_context, threads=self.threads, vocab_size=info.vocab_size
         )()
-        prompts = [w[: dc.PROMPT_TOKENS] for w in _windows(self.target_tok, self.pair, spec)[: dc.PROMPTS]]
+        prompts = dc.prompts(self.target_tok)
         texts = list(zip(prompts, dc.continuations(engine, eos_ids(self.target_ckpt, self.target_tok), prompts)))
         costs = CostModel()
         costs.calibrate(engine, None, 1, dc.MAX_K + 1)

@@ -7,8 +7,9 @@ target tokens), re-quantized into Q4_0 with its head whole or cut to the 64k / 3
 context has a 2-gram match, the best draft form elsewhere) — is scored by the tokens a second greedy speculative
 decoding would make with it at each k, over plain decoding, from two measurements:
 
-- **acceptance per position**, on the target's own greedy continuations of prompts from the build's evaluation text
-  (its first windows: docstrings of the standard library, none of them a bench prompt). With greedy decoding a draft
+- **acceptance per position**, on the target's own greedy continuations of the builder's own prompts (the first code
+  completions and chat requests of ``builder/data/distill_prompts.txt``, none of them a bench prompt: acceptance on
+  prose docstrings ranked the forms otherwise than on code). With greedy decoding a draft
   token is accepted exactly when the draft, given the target's text so far, picks the target's next token; so one
   teacher-forced pass of a draft over those continuations says, for every position, whether it would be accepted,
   and the steps of speculative decoding at any k follow from it (``simulate``). A model-free drafter is stepped over
@@ -38,8 +39,8 @@ FORMS = (("file", 0), ("file", 32768), ("q4_0", 0), ("q4_0", 65536), ("q4_0", 32
 MODEL_FREE = ("prompt_lookup", "suffix")
 HYBRID = "hybrid"
 MAX_K = 8
-PROMPTS = 4  # continuations scored
-PROMPT_TOKENS = 64  # each prompt: the start of one evaluation window
+PROMPTS = 3  # of each kind (code completions, chat requests) whose continuations are scored
+PROMPT_TOKENS = 256  # each prompt's last tokens at most
 NEW_TOKENS = 96  # the target's greedy continuation of each
 
 
@@ -62,6 +63,17 @@ class Scored:
 
     def row(self) -> dict:
         return {"name": self.name, **{key: value for key, value in asdict(self).items()}}
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    """The builder's own prompts the candidates are scored on: the first PROMPTS code completions (raw text) and chat
+    requests (through the tokenizer's chat template) of the shipped distillation corpus, as the runtime encodes
+    them."""
+    from builder.distill.corpus import encode, load_prompts
+
+    corpus = load_prompts()
+    chosen = [p for p in corpus if p.completion][:PROMPTS] + [p for p in corpus if not p.completion][:PROMPTS]
+    return [encode(tokenizer, p, None, PROMPT_TOKENS) for p in chosen]
 
 
 def continuations(target, eos_ids, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:

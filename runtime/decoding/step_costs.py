@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-WIDTHS = (1, 2, 3, 5, 9)  # tokens a row in a calibrated call (more are interpolated linearly from the last two)
+WIDTHS = (1, 2, 3, 4, 5, 9)  # tokens a row in a calibrated call (more are interpolated linearly from the last two)
 PREFILL_WIDTH = 32  # a lone row's call this wide is timed too: what a token of a prompt chunk costs
 PROBE_EVERY = 16  # a row the plan keeps from drafting drafts one token after this many steps (its acceptance moves)
 
