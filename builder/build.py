@@ -389,7 +389,7 @@ class _Chooser:
         prompts = dc.prompts(self.target_tok)
         texts = list(zip(prompts, dc.continuations(engine, eos_ids(self.target_ckpt, self.target_tok), prompts)))
         costs = CostModel()
-        costs.calibrate(engine, None, 1, dc.MAX_K + 1)
+        costs.calibrate(engine, None, 1, dc.MAX_K + 1, repeats=5)
         return texts, costs
 
     def _score_form(self, work: Path, spec: BuildSpec, draft_ckpt, model, info, blocks: str, head: int, texts, costs):
@@ -406,7 +406,8 @@ class _Chooser:
         engine = _opener(
             path, shape, kept, max_context=self.pair.max_context, threads=self.threads, vocab_size=info.vocab_size
         )()
-        call = timed_call(engine, 1, 1, 64, 5)
+        timed_call(engine, 1, 1, 64, 3)  # warm: a new session's first calls map its weights in
+        call = timed_call(engine, 1, 1, 64, 10)
         agrees = [dc.agreement(engine, p, c) for p, c in texts]
         del engine
         shutil.rmtree(path.parent)
