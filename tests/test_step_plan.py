@@ -36,6 +36,19 @@ def test_when_each_scored_token_costs_a_call_no_row_drafts():
     assert plan_draft_lengths(linear, inputs) == [0, 0, 0, 0]
 
 
+def test_rows_are_probed_only_where_drafting_could_pay_at_all():
+    """A probe makes a model draft catch up on every token since it last drafted: where the costs would not let a
+    row draft even were its drafts accepted 9 times in 10 (a compute-bound batch), it is never probed."""
+    from runtime.decoding.planner import probe_limits
+
+    linear = costs({(4, 1): 4.0, (4, 9): 36.0, (1, 1): 1.0, (1, 9): 9.0}, {4: 0.5})
+    dear = PlanInputs([0.2] * 4, [4] * 4, shared_drafter=True, min_width=1, plain_width=1)
+    assert probe_limits(linear, dear) == [0, 0, 0, 0]
+    cheap = costs({(1, 1): 1.0, (1, 5): 1.2}, {1: 0.1})
+    hopeful = PlanInputs([0.05], [4], shared_drafter=True, min_width=1, plain_width=1)
+    assert plan_draft_lengths(cheap, hopeful) == [0] and probe_limits(cheap, hopeful) == [4]  # kept out, probed
+
+
 def test_a_row_whose_drafts_fail_stops_paying_for_them_while_the_others_draft():
     model = costs({(1, 1): 1.0, (1, 5): 1.2, (4, 1): 1.0, (4, 5): 1.3}, {1: 0.1})
     inputs = PlanInputs([0.9, 0.02, 0.85, 0.9], [4] * 4, shared_drafter=False)

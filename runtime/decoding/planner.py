@@ -14,6 +14,7 @@ model runner: the scheduler (runtime/serving/scheduler.py) asks ``plan_lengths``
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -133,7 +134,7 @@ def plan_lengths(
         plain_width=planning.width,
         paid=[g.drafter is not None and g.drafter.calls_draft_engine for g in row_groups(groups, members, len(rows))],
     )
-    ks = with_probes(plan_draft_lengths(costs, inputs), inputs_limits, rows)
+    ks = with_probes(plan_draft_lengths(costs, inputs), probe_limits(costs, inputs), rows)
     fixed = [
         not p or not row.config.plan or (planning.exact and pinned(row, g))
         for p, row, g in zip(planned, rows, row_groups(groups, members, len(rows)))
@@ -141,6 +142,17 @@ def plan_lengths(
     ks = [limit if keep else k for k, limit, keep in zip(ks, limits, fixed)]
     drafting = [d and any(ks[b] for b in m) for d, m in zip(drafting, members)]
     return LengthPlan(ks, drafting, fallback, step_cost(costs, ks, inputs))
+
+
+OPTIMISTIC = 0.9  # the acceptance a row is granted when asking whether drafting could pay at all
+
+
+def probe_limits(costs: CostModel, inputs: PlanInputs) -> list[int]:
+    """The limits of rows worth probing: those the costs would let draft were their drafts accepted OPTIMISTIC of
+    the time. Where even that does not pay (a large batch, whose target call is compute-bound), a probe only costs:
+    a model draft catches up on every token since it last drafted (the prompt, the first time) for one token."""
+    hopeful = dataclasses.replace(inputs, acceptance=[max(a, OPTIMISTIC) for a in inputs.acceptance])
+    return [limit if k else 0 for limit, k in zip(inputs.limits, plan_draft_lengths(costs, hopeful))]
 
 
 def group_limits(
