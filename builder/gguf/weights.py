@@ -184,12 +184,7 @@ def _head(decoder: Decoder, data, head, permuted_qk: bool, native: bool, ids, re
         blocks = _rows(blocks, ids) if whole else None
     if not whole:
         return False
-    error = _mismatch(head.name, blocks, decoder.head.weight)
-    if error is not None:
-        raise ValueError(
-            f"{head.name}: the file's blocks differ from the head transformers loaded from the same "
-            f"file (max |difference| {error:.3g}); the file is inconsistent"
-        )
+    _same_as_model(head.name, blocks, decoder.head.weight, "head")
     if native and (requant or head.kind in gguf_ops.GGML_TYPE_IDS):
         if requant:
             raw, kind = _requantized(head.name, blocks, requant), requant
@@ -242,12 +237,7 @@ def _embedding(
     blocks = _tensor_blocks(data, tensor, decoder, "token_embd", permuted_qk)
     if blocks is None or (blocks.n, blocks.k) != tuple(decoder.embedding.shape) or blocks.block < 16:
         return
-    error = _mismatch(tensor.name, blocks, decoder.embedding.T)
-    if error is not None:
-        raise ValueError(
-            f"{tensor.name}: the file's blocks differ from the embedding transformers loaded from the "
-            f"same file (max |difference| {error:.3g}); the file is inconsistent"
-        )
+    _same_as_model(tensor.name, blocks, decoder.embedding.T, "embedding")
     if native and (requant or tensor.kind in gguf_ops.GGML_TYPE_IDS):
         head = decoder.head.gguf
         kind = requant or tensor.kind
@@ -350,6 +340,17 @@ def _note(decoder: Decoder, tensors: dict, kept: list[str]) -> None:
             f"{len(kept)} tensors have no exact MatMulNBits form (GGUF types {types}"
             f"{f', {len(missing)} not in the file' if missing else ''}); they stay float32 weights dequantized from "
             f"the file (exact, but larger and slower): {kept[:4]}..."
+        )
+
+
+def _same_as_model(name: str, blocks: _Blocks, weight: np.ndarray | None, what: str) -> None:
+    """ValueError unless the file's blocks of ``name`` say what the model transformers loaded from the same file
+    holds as its ``what``."""
+    error = _mismatch(name, blocks, weight)
+    if error is not None:
+        raise ValueError(
+            f"{name}: the file's blocks differ from the {what} transformers loaded from the same file (max "
+            f"|difference| {error:.3g}); the file is inconsistent"
         )
 
 

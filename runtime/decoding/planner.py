@@ -134,7 +134,7 @@ def plan_lengths(
         plain_width=planning.width,
         paid=[g.drafter is not None and g.drafter.calls_draft_engine for g in row_groups(groups, members, len(rows))],
     )
-    ks = with_probes(plan_draft_lengths(costs, inputs), probe_limits(costs, inputs), rows)
+    ks = _probed(plan_draft_lengths(costs, inputs), costs, inputs, rows)
     fixed = [
         not p or not row.config.plan or (planning.exact and pinned(row, g))
         for p, row, g in zip(planned, rows, row_groups(groups, members, len(rows)))
@@ -153,6 +153,12 @@ def probe_limits(costs: CostModel, inputs: PlanInputs) -> list[int]:
     a model draft catches up on every token since it last drafted (the prompt, the first time) for one token."""
     hopeful = dataclasses.replace(inputs, acceptance=[max(a, OPTIMISTIC) for a in inputs.acceptance])
     return [limit if k else 0 for limit, k in zip(inputs.limits, plan_draft_lengths(costs, hopeful))]
+
+
+def _probed(ks: list[int], costs: CostModel, inputs: PlanInputs, rows) -> list[int]:
+    """``ks`` with probes (``with_probes``); the hopeful plan is asked only where a row is kept from drafting."""
+    limits = probe_limits(costs, inputs) if not all(ks) else inputs.limits
+    return with_probes(ks, limits, rows)
 
 
 def group_limits(

@@ -213,12 +213,7 @@ struct CausalAttentionKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
-    try {
-      Compute(raw);
-      return nullptr;
-    } catch (const std::exception& error) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, error.what());
-    }
+    return compute_status([&] { Compute(raw); });
   }
 
  private:
@@ -314,12 +309,7 @@ struct CausalAttentionKernel {
 
 struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new CausalAttentionKernel(api, info);
-      return nullptr;
-    } catch (const std::exception& error) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, error.what());
-    }
+    return create_kernel<CausalAttentionKernel>(api, info, kernel);
   }
   const char* GetName() const { return "CausalAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }

@@ -198,12 +198,7 @@ struct GgufMatMulKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
-    try {
-      Compute(raw);
-      return nullptr;
-    } catch (const std::exception& error) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, error.what());
-    }
+    return compute_status([&] { Compute(raw); });
   }
 
  private:
@@ -332,18 +327,6 @@ struct GgufMatMulKernel {
   bool need_super_ = false, need_32_ = false;
 };
 
-// A kernel made from a node's attributes; a bad attribute is an error status for ONNX Runtime to report at session
-// creation, never an exception across the C API.
-template <typename Kernel>
-OrtStatusPtr create_kernel(const OrtApi& api, const OrtKernelInfo* info, void** kernel) {
-  try {
-    *kernel = new Kernel(api, info);
-    return nullptr;
-  } catch (const std::exception& error) {
-    return api.CreateStatus(ORT_INVALID_ARGUMENT, error.what());
-  }
-}
-
 struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     return create_kernel<GgufMatMulKernel>(api, info, kernel);
@@ -382,12 +365,7 @@ struct GgufGatherKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
-    try {
-      Compute(raw);
-      return nullptr;
-    } catch (const std::exception& error) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, error.what());
-    }
+    return compute_status([&] { Compute(raw); });
   }
 
  private:
