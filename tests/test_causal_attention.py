@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from runtime.engines import gguf_ops
+from runtime.engines.sessions import make_session
 
 pytestmark = pytest.mark.skipif(not gguf_ops.available(), reason=f"{gguf_ops.unavailable_reason()}")
 
@@ -16,7 +17,6 @@ H, G, D, T = 6, 2, 64, 96  # query heads, kv heads, head dim, cache slots
 
 
 def _session(op: str, **attributes):
-    import onnxruntime as ort
     from onnx import TensorProto as TP
     from onnx import helper
 
@@ -35,10 +35,7 @@ def _session(op: str, **attributes):
     graph = helper.make_graph([node], "attention", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)])
     model.ir_version = 9
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.register_custom_ops_library(str(gguf_ops.library_path()))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return make_session(model.SerializeToString())  # the process's pool (a default session fails once it exists)
 
 
 RNG = np.random.default_rng(0)
