@@ -1,8 +1,8 @@
 """What a soak holds open beside its well-behaved clients: idle connections that never send a byte, slow-header
 clients that trickle their headers, and a probe that times the server's health endpoint the whole time
 (``draftsmith openai-load --idle-connections N --slow-header-clients M --health-url URL``; issue 38's soak); and a
-client that sends one hostile ``response_format`` in a loop (``--hostile-format JSON``; issue 48's soak: a regex
-whose masks would stall every stream).
+client that sends one hostile body in a loop: a ``response_format`` (``--hostile-format JSON``; issue 48's soak: a
+regex whose masks would stall every stream) or a huge ``metadata`` (``--hostile-body-bytes N``; issue 54's soak).
 
 Idle and slow connections come from loopback source addresses 127.0.0.2 and up, ``PER_SOURCE`` to an address, as
 many hosts would open them; each is reopened as soon as the server closes it, so the server holds them all the time.
@@ -86,26 +86,25 @@ class HostileConnections:
         writer.close()
 
 
-class HostileFormat:
-    """One more client that sends ``fmt`` as the response_format of a short completion, back to back, until
-    ``stop``; counts the answers by status code and times them. Its requests are not the soak's: a refusal (400) is
-    what a fixed server answers, so they are reported apart from the clients' outcomes.
+class HostileBodies:
+    """One more client that posts ``body`` (JSON bytes) to ``path`` back to back, until ``stop``; counts the
+    answers by status code and times them. Its requests are not the soak's: a refusal (400) is what a fixed server
+    answers, so they are reported apart from the clients' outcomes, under ``label`` (what the body holds).
 
     It runs in a process of its own (spawned), as an attacker would be: a refused request comes back in a few
     milliseconds, and a loop of them in the load tool's process would hold its interpreter lock and delay the
     measured clients' reading of their own streams (their gaps would grow on the client side)."""
 
-    def __init__(self, base: str, model: str, fmt: dict, headers: dict, timeout: float):
+    def __init__(self, base: str, path: str, body: bytes, label: str, headers: dict, timeout: float):
         import multiprocessing
 
-        self.timeout = timeout
-        self.fmt = fmt
+        self.timeout, self.label, self.size = timeout, label, len(body)
         context = multiprocessing.get_context("spawn")
         self._stop, self._answered, self._results = context.Event(), context.Event(), context.Queue()
-        arguments = (base, model, fmt, headers, timeout, self._stop, self._answered, self._results)
-        self._process = context.Process(target=hostile_format_loop, args=arguments, daemon=True)
+        arguments = (base + path, body, headers, timeout, self._stop, self._answered, self._results)
+        self._process = context.Process(target=hostile_body_loop, args=arguments, daemon=True)
 
-    def start(self) -> "HostileFormat":
+    def start(self) -> "HostileBodies":
         """Start the loop, and return once its first request was answered: the soak's clients then start beside a
         client already at it."""
         self._process.start()
@@ -119,20 +118,35 @@ class HostileFormat:
         except queue.Empty:
             result = {"sent": 0, "by_status": {}, "max_latency_s": 0.0, "first_error": "the client process hung"}
         self._process.join(timeout=10)
-        return {"response_format": json.dumps(self.fmt)[:200], **result}
+        return {"sends": self.label, "body_bytes": self.size, **result}
 
 
-def hostile_format_loop(base, model, fmt, headers, timeout, stop, answered, results) -> None:
-    """HostileFormat's process: the requests, until ``stop``; then its counts on ``results``."""
+def format_body(model: str, fmt: dict) -> tuple[bytes, str]:
+    """A short completion whose response_format is ``fmt`` (issue 48's soak: a regex whose masks would stall every
+    stream), and its label."""
     body = {"model": model, "prompt": "x", "max_tokens": 16, "response_format": fmt}
+    return json.dumps(body).encode(), f"response_format {json.dumps(fmt)[:200]}"
+
+
+def metadata_body(model: str, size: int) -> tuple[bytes, str]:
+    """A short chat completion of about ``size`` bytes, nearly all of it a ``metadata`` array of zeros (issue 54's
+    soak: a body that costs the server in proportion to its values, ~2M of them in 4 MB), and its label."""
+    head = json.dumps({"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 16})
+    zeros = max(1, (size - len(head) - 20) // 2)
+    body = head[:-1] + ', "metadata": {"a": [' + ",".join("0" * zeros) + "]}}"
+    return body.encode(), f"metadata of {zeros} values"
+
+
+def hostile_body_loop(url, body, headers, timeout, stop, answered, results) -> None:
+    """HostileBodies' process: the requests, until ``stop``; then its counts on ``results``."""
     statuses: dict[str, int] = {}
     latencies: list[float] = []
     first_error = ""
-    with httpx.Client(headers=headers, timeout=timeout) as client:
+    with httpx.Client(headers={**headers, "content-type": "application/json"}, timeout=timeout) as client:
         while not stop.is_set():
             start = time.perf_counter()
             try:
-                response = client.post(base + "/v1/completions", json=body)
+                response = client.post(url, content=body)
                 status = str(response.status_code)
                 if response.status_code != 200 and not first_error:
                     first_error = response.text[:300]

@@ -26,7 +26,7 @@ from dataclasses import asdict, replace
 import click
 import httpx
 
-from bench.hostile_load import HealthProbe, HostileConnections, HostileFormat
+from bench.hostile_load import HealthProbe, HostileBodies, HostileConnections, format_body, metadata_body
 from bench.openai_client import PROMPTS, Outcome, Spec, error_message, long_prompt_of, mixed_spec, run_one
 from bench.openai_report import levels_report, run_report
 from bench.procmem import RssSampler
@@ -59,6 +59,7 @@ def run_load(
     health_url: str | None = None,
     watch_stream: int = 0,
     hostile_format: dict | None = None,
+    hostile_body_bytes: int = 0,
 ) -> dict:
     """Drive ``url`` (a server's base, with or without /v1) with ``clients`` concurrent streams; see the module
     docstring. Returns the report as a dict (counts, latency percentiles in seconds, tokens/s, RSS in MiB)."""
@@ -78,7 +79,8 @@ def run_load(
     address = httpx.URL(base)
     hostile = HostileConnections(address.host, address.port or 80, idle_connections, slow_header_clients).start()
     probe = HealthProbe(health_url).start() if health_url else None
-    attacker = HostileFormat(base, model, hostile_format, headers, timeout).start() if hostile_format else None
+    attacker = _attacker(base, model, hostile_format, hostile_body_bytes, headers, timeout)
+    lag_before = loop_lag_counts(base, headers, timeout)
     start = time.perf_counter()
 
     def client_loop() -> None:
@@ -136,7 +138,10 @@ def run_load(
     if probe is not None:
         report["health"] = probe.stop()
     if attacker is not None:
-        report["hostile_format"] = attacker.stop()
+        report["hostile_client"] = attacker.stop()
+    lag = _lag_during(lag_before, loop_lag_counts(base, headers, timeout))
+    if lag:
+        report["event_loop_lag"] = lag
     report.update(
         url=base, model=model, clients=clients, chat=chat, max_tokens=max_tokens, speculation=draft_tokens != 0
     )
@@ -162,6 +167,45 @@ def run_load(
     if check_identical:
         report["identical"] = _check_identical(outcomes, base, model, chat, headers, timeout, check_limit)
     return report
+
+
+def _attacker(base, model, fmt, body_bytes, headers, timeout) -> HostileBodies | None:
+    """The one more client that sends a hostile body in a loop, started (None: neither option given)."""
+    if fmt and body_bytes:
+        raise ValueError("one hostile client at a time: a hostile format or a hostile body size, not both")
+    if fmt:
+        body, label = format_body(model, fmt)
+        return HostileBodies(base, "/v1/completions", body, label, headers, timeout).start()
+    if body_bytes:
+        body, label = metadata_body(model, body_bytes)
+        return HostileBodies(base, "/v1/chat/completions", body, label, headers, timeout).start()
+    return None
+
+
+def loop_lag_counts(base: str, headers: dict, timeout: float) -> dict[float, float]:
+    """The server's event-loop lag histogram from its /metrics: {bucket's upper bound: samples at or below it}
+    ({} where it has none)."""
+    try:
+        text = httpx.get(f"{base}/metrics", headers=headers, timeout=timeout).text
+    except httpx.HTTPError:
+        return {}
+    found = re.findall(r'^draftsmith_event_loop_lag_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
+    return {float(bound): float(n) for bound, n in found}
+
+
+def _lag_during(before: dict[float, float], after: dict[float, float]) -> dict:
+    """The lag samples taken during a run (the difference of two readings): how many, how many over 50 ms, and the
+    upper bound of the highest bucket any reached (the lag was at most that)."""
+    if not after:
+        return {}
+    during = {bound: n - before.get(bound, 0.0) for bound, n in sorted(after.items())}
+    samples = during.get(float("inf"), 0.0)
+    at_most_50ms = max((n for bound, n in during.items() if bound <= 0.05), default=0.0)
+    below, highest = 0.0, 0.0
+    for bound, n in during.items():
+        if n > below:
+            highest, below = bound, n
+    return {"samples": int(samples), "over_50ms": int(samples - at_most_50ms), "max_at_most_s": highest}
 
 
 def draft_length_counts(base: str, headers: dict, timeout: float) -> dict[int, float]:
@@ -337,6 +381,14 @@ def _first_model(base: str, headers: dict, timeout: float) -> str:
     help="One more client sends this response_format (JSON) in short completions back to back, e.g. "
     '\'{"type": "regex", "regex": "a{250000}"}\'; its answers are reported apart (a refusal is the right one).',
 )
+@click.option(
+    "--hostile-body-bytes",
+    type=int,
+    default=0,
+    show_default=True,
+    help="One more client sends chat bodies of about this many bytes, nearly all a metadata array of zeros, back "
+    "to back; its answers are reported apart (a refusal is the right one; the server's event loop must not lag).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def openai_load(
@@ -361,6 +413,7 @@ def openai_load(
     health_url,
     watch_stream,
     hostile_format,
+    hostile_body_bytes,
     seed,
     as_json,
 ):
@@ -400,6 +453,7 @@ def openai_load(
                     health_url=health_url,
                     watch_stream=watch_stream,
                     hostile_format=fmt,
+                    hostile_body_bytes=hostile_body_bytes,
                 )
             )
     if len(runs) == 1:

@@ -80,11 +80,17 @@ def run_report(report: dict, as_json: bool) -> str:
     if "watched_stream_gap_s" in report:
         p = report["watched_stream_gap_s"]
         lines.append(f"watched stream's gaps: p50 {p['p50']:.3f} s, p99 {p['p99']:.3f} s")
-    if "hostile_format" in report:
-        h = report["hostile_format"]
+    if "hostile_client" in report:
+        h = report["hostile_client"]
         lines.append(
-            f"hostile client: {h['sent']} requests with response_format {h['response_format']}, answered "
+            f"hostile client: {h['sent']} requests of {h['body_bytes']} bytes with {h['sends']}, answered "
             f"{h['by_status']}, slowest {h['max_latency_s']:.3f} s"
+        )
+    if "event_loop_lag" in report:
+        g = report["event_loop_lag"]
+        lines.append(
+            f"server's event-loop lag: {g['samples']} samples, {g['over_50ms']} over 50 ms, max <= "
+            f"{g['max_at_most_s']} s"
         )
     if "health" in report:
         h = report["health"]

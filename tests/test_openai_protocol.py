@@ -316,11 +316,11 @@ def test_the_body_is_parsed_and_checked_off_the_event_loop_and_walked_only_when_
     import threading
 
     from runtime import request as door
-    from runtime.serving import openai_server
+    from runtime.serving import body_parser
     from runtime.text import sent_text
 
     threads, walked = [], []
-    parse, checked, walk = openai_server._parse_body, door.FrontDoor.checked, sent_text.invalid_text_path
+    parse, checked, walk = body_parser.parse_body, door.FrontDoor.checked, sent_text.invalid_text_path
 
     def spy(work):
         def run(*args):
@@ -329,7 +329,7 @@ def test_the_body_is_parsed_and_checked_off_the_event_loop_and_walked_only_when_
 
         return run
 
-    monkeypatch.setattr(openai_server, "_parse_body", spy(parse))
+    monkeypatch.setattr(body_parser, "parse_body", spy(parse))
     monkeypatch.setattr(door.FrontDoor, "checked", spy(checked))
     monkeypatch.setattr(sent_text, "invalid_text_path", lambda sent: walked.append(sent) or walk(sent))
     assert raw_post(app, CHAT, chat(metadata={"k": "v"})).status_code == 200

@@ -286,7 +286,8 @@ def test_overloaded_is_429_with_retry_after(served):
 
 def test_metrics(client, served):
     """/metrics: exactly the families of the one table (runtime/metric_families.py, the Triton model's too), counted
-    where they happen: the target's calls while the scheduler runs, the front door's refusals."""
+    where they happen: the target's calls while the scheduler runs, the front door's refusals; and the OpenAI
+    server's own event-loop lag (runtime/serving/loop_lag.py)."""
     from metric_readers import prometheus_samples, table_names, type_lines
 
     def samples():
@@ -301,7 +302,8 @@ def test_metrics(client, served):
     refused = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
     assert refused.status_code == 400 and "num_draft_tokens" in refused.text
     text, after = samples()
-    assert type_lines(text) == table_names()
+    assert type_lines(text) == table_names() | {"draftsmith_event_loop_lag_seconds": "histogram"}  # + the server's
+    assert after[("draftsmith_event_loop_lag_seconds_count", ())] > 0  # its loop watched while it serves
 
     def grew(name, labels=()):
         return after[(name, labels)] - before[(name, labels)]
@@ -582,6 +584,36 @@ def test_the_load_tool_sends_a_hostile_format_beside_its_clients(scheduler):
     finally:
         server.close()
     assert report["sent"] == 4 and report["failed"] == 0 and report["lost"] == 0
-    hostile_client = report["hostile_format"]
+    hostile_client = report["hostile_client"]
     assert hostile_client["sent"] >= 1 and set(hostile_client["by_status"]) == {"400"}
     assert "expands to more than" in hostile_client["first_error"]
+
+
+def test_the_load_tool_sends_huge_metadata_beside_its_clients_and_reads_the_loop_lag(scheduler):
+    """``openai-load --hostile-body-bytes``: one more client sends metadata arrays of ~150k values (parsed by the
+    server's worker process) in a loop; each is refused naming metadata, the clients' requests all finish, and the
+    report carries the server's event-loop lag over the run."""
+    from bench.openai_load import run_load
+    from runtime.request import Limits
+
+    limits = Limits.for_context(scheduler.bundle.max_context, max_body_bytes=1 << 20)
+    app = create_app(scheduler, MODEL, limits=limits)
+    server = _Server(app)
+    try:
+        report = run_load(
+            server.url,
+            clients=2,
+            duration=60,
+            max_requests=4,
+            max_tokens=8,
+            cancel_fraction=0.0,
+            hostile_body_bytes=300_000,
+        )
+    finally:
+        server.close()
+        app.state.body_parser.close()
+    assert report["sent"] == 4 and report["failed"] == 0 and report["lost"] == 0
+    hostile_client = report["hostile_client"]
+    assert hostile_client["sent"] >= 1 and set(hostile_client["by_status"]) == {"400"}
+    assert "metadata" in hostile_client["first_error"] and app.state.body_parser.sent_to_worker >= 1
+    assert report["event_loop_lag"]["samples"] > 0 and report["event_loop_lag"]["max_at_most_s"] > 0

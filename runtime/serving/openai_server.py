@@ -19,6 +19,7 @@ the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -32,7 +33,6 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.serving.handles import Generation
@@ -47,7 +47,9 @@ from runtime.serving.connections import (
 from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
 from runtime.serving.handles import Event, Overloaded, Unavailable, is_stopping
+from runtime.serving.body_parser import BodyError, BodyParser
 from runtime.serving.health import scheduler_problem
+from runtime.serving.loop_lag import LoopLag
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from runtime.serving.openai_responses import (
     ChatCompletion,
@@ -117,19 +119,40 @@ def create_app(
     """
     limits = limits or Limits.for_context(scheduler.bundle.max_context)
     api_key_bytes(api_key)  # an empty key is refused here, not at the first request (middleware is built lazily)
-    app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, allowed_hosts=allowed_hosts)
+    lag, parser = LoopLag(), BodyParser()
+    app = FastAPI(title="Draftsmith", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan(lag, parser))
+    app.add_middleware(
+        _Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, allowed_hosts=allowed_hosts, lag=lag
+    )
     if drain is not None:  # added last: outermost, before the key check (a refusal does no work)
         app.add_middleware(DrainGuard, drain=drain, problem=lambda live: scheduler_problem(scheduler, live))
     if refusal_pacing is not None:  # outermost: every refusal, the guards' own included, is paced
         app.add_middleware(RefusalPacer, pacing=refusal_pacing)
+    app.state.body_parser, app.state.loop_lag = parser, lag  # what tests and the bench read
     _add_error_handlers(app)
-    _add_model_routes(app, scheduler, model_name)
-    _add_completion_routes(app, _Replies(scheduler, model_name, FrontDoor(scheduler.bundle, limits), request_timeout))
+    _add_model_routes(app, scheduler, model_name, lag)
+    replies = _Replies(scheduler, model_name, FrontDoor(scheduler.bundle, limits), request_timeout)
+    _add_completion_routes(app, replies, parser)
     return app
 
 
-def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> None:
+def _lifespan(lag: LoopLag, parser: BodyParser):
+    """The app's life under a server that sends lifespan events: the loop's lag watched from the start (else from
+    the first request), the body parser's worker (if one was made) stopped after."""
+
+    @contextlib.asynccontextmanager
+    async def life(app: FastAPI):
+        lag.start()
+        try:
+            yield
+        finally:
+            await lag.stop()
+            parser.close()
+
+    return life
+
+
+def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str, lag: LoopLag) -> None:
     """/health, /v1/models[/{model}] and /metrics: what the server is and how it is doing."""
     card = {
         "id": model_name,
@@ -157,55 +180,38 @@ def _add_model_routes(app: FastAPI, scheduler: Scheduler, model_name: str) -> No
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = prometheus_text(read(scheduler.bundle.metrics, scheduler, model_name))
+        text = prometheus_text(read(scheduler.bundle.metrics, scheduler, model_name)) + lag.prometheus()
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 
-def _add_completion_routes(app: FastAPI, replies: _Replies) -> None:
-    """/v1/completions and /v1/chat/completions: a body validated by its model (runtime/serving/openai_protocol.py),
-    then
-    answered by ``replies``."""
+def _add_completion_routes(app: FastAPI, replies: _Replies, parser: BodyParser) -> None:
+    """/v1/completions and /v1/chat/completions: a body parsed by ``parser`` and validated by its model
+    (runtime/serving/openai_protocol.py), then answered by ``replies``."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body, prompt = await _parsed(request, CompletionRequest)
+        body, prompt = await _parsed(request, CompletionRequest, parser)
         return await replies.reply(body, prompt, False, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body, prompt = await _parsed(request, ChatCompletionRequest)
+        body, prompt = await _parsed(request, ChatCompletionRequest, parser)
         return await replies.reply(body, prompt, True, request)
 
 
-async def _parsed(request: Request, kind: type[SamplingRequest]) -> tuple[SamplingRequest, object]:
-    """(the body as ``kind``, its prompt), parsed and validated off the event loop: both cost the body's size (up to
-    the body limit), which on the loop held every other connection (a 4 MB body: ~1 s). Its errors are FastAPI's
-    own (RequestValidationError, answered by ``_add_error_handlers``)."""
+async def _parsed(request: Request, kind: type[SamplingRequest], parser: BodyParser) -> tuple[SamplingRequest, object]:
+    """(the body as ``kind``, its prompt), parsed and validated off the event loop by ``parser`` (both cost the
+    body's size, up to the body limit: a 4 MB body on the loop held every other connection ~1 s). Its errors are
+    FastAPI's own (RequestValidationError, answered by ``_add_error_handlers``)."""
     raw = await request.body()  # read whole already, by _Guard
-    return await asyncio.to_thread(_parse_body, kind, raw)
-
-
-def _parse_body(kind: type[SamplingRequest], raw: bytes) -> tuple[SamplingRequest, object]:
-    """What FastAPI does with a JSON body parameter (fastapi/routing.py), on the caller's thread."""
-    if not raw:
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as err:
-        problem = {
-            "type": "json_invalid",
-            "loc": ("body", err.pos),
-            "msg": "JSON decode error",
-            "ctx": {"error": err.msg},
-        }
-        raise RequestValidationError([problem]) from None
-    except (ValueError, RecursionError):  # not UTF-8, nested past the parser's depth
-        raise StarletteHTTPException(400, "There was an error parsing the body") from None
-    try:
-        body = kind.model_validate(data)
-    except ValidationError as err:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from None
-    return body, body.prompt if isinstance(body, CompletionRequest) else body.plain_messages()
+        return await parser.parse(kind, raw)
+    except BodyError as err:
+        if err.problems:
+            raise RequestValidationError(err.problems) from None
+        raise StarletteHTTPException(err.status, err.message) from None
+    except Overloaded as err:
+        raise overloaded(err) from None
 
 
 GRAMMAR_WORKERS = 2  # grammar compiles running at once, on a pool of their own (the default pool tokenizes)
@@ -522,8 +528,15 @@ class _Guard:
     grants), then the body's size (read here whole, at most ``max_body_bytes`` within ``BODY_SECONDS``, and
     handed on)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, allowed_hosts: tuple[str, ...] | None = None):
-        self.app, self.max_body_bytes, self.allowed_hosts = app, max_body_bytes, allowed_hosts
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_body_bytes: int,
+        allowed_hosts: tuple[str, ...] | None = None,
+        lag: LoopLag | None = None,
+    ):
+        self.app, self.max_body_bytes, self.allowed_hosts, self.lag = app, max_body_bytes, allowed_hosts, lag
         self.key = api_key_bytes(api_key)
         self.loopback = allowed_hosts is not None and any(is_loopback(h) for h in allowed_hosts)
 
@@ -536,6 +549,8 @@ class _Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.lag is not None:
+            self.lag.start()  # a no-op once it watches this loop
         headers = dict(scope["headers"])
         if self.allowed_hosts is not None and not self.answers(headers.get(b"host", b"")):
             error = APIError(
