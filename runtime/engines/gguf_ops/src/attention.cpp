@@ -25,7 +25,7 @@
 // also the same on every instruction set. Work is split over (row, kv head, chunk of queries) on ONNX Runtime's
 // pool. Within a unit, keys and values go in tiles that stay in L1 while every query and head uses them, 16 scores
 // are summed by one shuffled tree, and the weighted sums stay in registers across a tile (1.7-1.9x the first
-// version's speed at 1-64 queries, 300-1,500 cached tokens, one thread; the same bits).
+// version's speed at 1-64 queries, 300-1,500 cached tokens, one thread).
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
