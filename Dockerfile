@@ -25,6 +25,7 @@ COPY pyproject.toml README.md ./
 COPY runtime runtime
 COPY triton_repo triton_repo
 COPY bench bench
+COPY deploy deploy
 COPY builder builder
 RUN rm -rf runtime/engines/gguf_ops/build && python -m runtime.engines.gguf_ops.build \
     && rm -rf runtime/engines/gguf_ops/build/cmake runtime/engines/gguf_ops/build/ort-headers \

@@ -1,6 +1,6 @@
 """One streamed request to an OpenAI-compatible server: its settings (``Spec``), the seeded mix of settings a load
 sends (``mixed_spec``), and the client that reads its server-sent events and times them (``run_one``). Apart from
-bench/openai_load.py, which runs many of these at once, so bench/drain.py can send the same requests."""
+bench/openai_load.py, which runs many of these at once, so bench/drain_openai.py can send the same requests."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The bench's report, rendered: the results table, the peers' table, a summary in sentences, and the plot.
 
-Pure functions of the report dict that ``bench.speed`` assembles, so a saved JSON report can be rendered again.
+Pure functions of the report dict that ``bench.speed_report`` assembles, so a saved JSON report can be rendered again.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from bench.speed import CHAT_BY_DEFAULT, decode, load_workload
+from bench.sweep import decode
+from bench.workloads import CHAT_BY_DEFAULT, load_workload
 from runtime.engines.base import Call, EngineWrapper
 
 

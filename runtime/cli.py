@@ -406,7 +406,7 @@ COMMANDS = (
     ("builder.distill.cli", "distill"),
     ("bench.load", "load"),
     ("bench.openai_load", "openai_load"),
-    ("triton_repo.deploy", "deploy"),
+    ("deploy.cli", "deploy"),
 )
 
 

@@ -36,7 +36,7 @@ from bench.stats import (
 
 
 def test_builtin_workloads_ship_about_twenty_prompts_each():
-    from bench.speed import BUILTIN_WORKLOADS, load_workload
+    from bench.workloads import BUILTIN_WORKLOADS, load_workload
 
     for name in BUILTIN_WORKLOADS:
         loaded, prompts = load_workload(name)
@@ -236,7 +236,7 @@ def test_bandwidth_bound():
 
 
 def test_recorded_steps_match_the_runtime_counters(generator):
-    from bench.speed import Recorder, decode
+    from bench.sweep import Recorder, decode
 
     ids = generator.encode_prompt("def add(a, b):", False)
     reference = generator.generate("def add(a, b):", max_new_tokens=12, k=3)
@@ -260,7 +260,7 @@ def test_recorded_steps_match_the_runtime_counters(generator):
 
 
 def test_the_bench_decodes_with_the_draft_confidence_it_is_given(generator):
-    from bench.speed import decode
+    from bench.sweep import decode
 
     ids = generator.encode_prompt("def add(a, b):", False)
     (free,), _ = decode(generator, [ids], "speculative", 4, 24, 0.0, 0, "model", 0.0, plan=False)
@@ -271,7 +271,7 @@ def test_the_bench_decodes_with_the_draft_confidence_it_is_given(generator):
 
 
 def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
-    from bench.speed import write_default_k
+    from bench.default_k import write_default_k
     from runtime.bundle import load_manifest
 
     copy = tmp_path / "bundle"
@@ -290,7 +290,8 @@ def test_write_k_keeps_the_bundle_valid(tiny_bundle, tmp_path):
 def test_the_command_builds_its_options_with_their_defaults(tmp_path):
     """``draftsmith bench BUNDLE`` with no flags makes BenchOptions(bundle=BUNDLE): every flag is a field, by its
     parameter name, with the field's default; flags given land in their fields."""
-    from bench.speed import BenchOptions, bench
+    from bench.bench_options import BenchOptions
+    from bench.speed import bench
 
     assert BenchOptions(**bench.make_context("bench", [str(tmp_path)]).params) == BenchOptions(bundle=tmp_path)
     given = bench.make_context("bench", [str(tmp_path), "--k", "2", "--peer", "llama.cpp", "--no-memory"]).params
@@ -375,7 +376,7 @@ def test_short_real_run_writes_json_and_a_png(tiny_bundle, tmp_path):
 
 
 def test_prompt_lookup_drafter_is_measured_too(generator):
-    from bench.speed import decode
+    from bench.sweep import decode
 
     ids = generator.encode_prompt("def add(a, b):\n    return a + b\ndef add(a, b):", False)
     (spec,), _ = decode(generator, [ids], "speculative", 2, 10, 0.0, 0, "prompt_lookup")
@@ -501,7 +502,7 @@ def test_peer_rows_are_compared_with_our_target_only_run():
 
 
 def test_our_figures_on_the_peers_prompts_only():
-    from bench.speed import ours_on_peer_prompts
+    from bench.peers.run import ours_on_peer_prompts
 
     target = CellRecord("w", 1, "target", None, wall=9.0)
     target.sequences = [
@@ -701,7 +702,8 @@ def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypat
     import bench.peers.llama_cpp_tools as tools
     from rich.console import Console
     from bench.peers import genai_peer, llama_cpp_peer, openvino_peer, transformers_peer
-    from bench.speed import BenchOptions, _run_peers
+    from bench.bench_options import BenchOptions
+    from bench.peers.run import _run_peers
 
     called = []
     for module, name in (
@@ -735,7 +737,7 @@ def test_peer_option_runs_only_the_named_peers(generator, tiny_bundle, monkeypat
 def test_a_padding_target_is_also_measured_plain_and_speedups_are_over_plain(generator, monkeypatch):
     """Exactness pads a quantized target's one-token calls to two; a user's plain decoder does not, so the speedup's
     baseline is target-only decoding unpadded ("plain"), identity still the padded target-only output."""
-    from bench.speed import decode, run_workloads, summarize_cells
+    from bench.sweep import decode, run_workloads, summarize_cells
 
     monkeypatch.setattr(generator.target, "min_call_tokens", 2)
     ids = generator.encode_prompt("def add(a, b):", False)
@@ -760,7 +762,7 @@ def test_a_padding_target_is_also_measured_plain_and_speedups_are_over_plain(gen
 def test_speedups_are_over_the_plain_cell_and_the_padded_one_is_kept_beside():
     """Three cells of one workload, 17 tokens each: plain target-only in 4 s, padded target-only in 5 s,
     speculative in 2 s. The speedup is 4 / 2 (over plain), speedup_over_padded 5 / 2."""
-    from bench.speed import summarize_cells
+    from bench.sweep import summarize_cells
 
     def cell(mode: str, k: int | None, wall: float) -> CellRecord:
         record = CellRecord("code", 1, mode, k, wall=wall, calls=_calls("target", 0.2, [0.05] * 4))
@@ -828,7 +830,7 @@ def test_a_batched_speculative_run_is_judged_against_each_prompt_alone(generator
     promises), not the batched target-only run, whose calls have other shapes; without a batch-1 run, the same batch."""
     import dataclasses
 
-    from bench.speed import run_workloads, summarize_cells
+    from bench.sweep import run_workloads, summarize_cells
 
     monkeypatch.setattr(generator.target, "min_call_tokens", 2)
     ids = [generator.encode_prompt(p, False) for p in ("def add(a, b):", "The quick brown fox")]
@@ -889,7 +891,9 @@ def test_llama_cpp_tools_are_skipped_by_name_when_absent(generator, tiny_bundle,
 def test_several_drafters_run_interleaved_in_one_sweep_and_best_k_is_the_first_ones(generator, tiny_bundle):
     """--drafter model,prompt_lookup,model@OTHER: every drafter at every k in the same rotation, its own rows; the
     borrowed draft decodes this bundle's target exactly; the best k is chosen among the first drafter's rows."""
-    from bench.speed import BenchOptions, drafters_of, run_workloads, summarize_cells
+    from bench.bench_options import BenchOptions
+    from bench.drafter_list import drafters_of
+    from bench.sweep import run_workloads, summarize_cells
     from bench.stats import best_k
 
     labels = f"model,prompt_lookup,model@{tiny_bundle},hybrid@{tiny_bundle}"
@@ -910,7 +914,8 @@ def test_several_drafters_run_interleaved_in_one_sweep_and_best_k_is_the_first_o
 def test_a_drafter_list_is_checked_before_anything_runs(generator, tiny_cross_bundle, tiny_bundle):
     import click
 
-    from bench.speed import BenchOptions, drafter_labels, drafters_of
+    from bench.bench_options import BenchOptions
+    from bench.drafter_list import drafter_labels, drafters_of
 
     for wrong in ("nope", "model@x,model", "", "model,medusa@x"):
         with pytest.raises(click.BadParameter, match="--drafter|drafter"):

@@ -19,19 +19,9 @@ kv = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate import utils as kv_utils  # noqa: E402
 
 from runtime.bundle import load_manifest  # noqa: E402
-from triton_repo.deploy import (  # noqa: E402
-    AUTOSCALERS,
-    BUNDLE_SOURCES,
-    SERVERS,
-    DeployError,
-    DeployOptions,
-    Measured,
-    kv_cache_mib,
-    manifests,
-    max_tokens_allowed,
-    measure,
-    write_manifests,
-)
+from deploy.kubernetes import manifests, write_manifests  # noqa: E402
+from deploy.options import AUTOSCALERS, BUNDLE_SOURCES, SERVERS, DeployError, DeployOptions  # noqa: E402
+from deploy.sizing import Measured, kv_cache_mib, max_tokens_allowed, measure  # noqa: E402
 
 FIRST = (1, 30)
 VERSIONS = sorted(

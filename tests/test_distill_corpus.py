@@ -25,7 +25,7 @@ def test_heldout_sets_are_completions_for_code_and_chat_turns_for_chat():
 
 
 def test_the_bench_measures_the_heldout_sets():
-    from bench.speed import CHAT_BY_DEFAULT, load_workload
+    from bench.workloads import CHAT_BY_DEFAULT, load_workload
 
     for name in HELDOUT_SETS:
         loaded, prompts = load_workload(name)

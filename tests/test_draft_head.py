@@ -135,7 +135,7 @@ def test_a_reduced_head_draft_builds_and_decodes_like_the_target(tiny_pair, tmp_
         assert speculative.token_ids == alone.token_ids
     sampled = generator.generate("for i in range", max_new_tokens=8, temperature=1.0, seed=3)
     assert len(sampled.token_ids) >= 1
-    from bench.speed import Recorder, decode  # the bench times the draft's ONNX Runtime part through the map too
+    from bench.sweep import Recorder, decode  # the bench times the draft's ONNX Runtime part through the map too
 
     recorder = Recorder(generator)
     try:

@@ -120,7 +120,7 @@ def test_the_schema_and_the_clis_read_the_registry():
     from builder.cli import main as build_engines
     from runtime.bundle import DRAFTERS as SCHEMA
     from runtime.cli import generate
-    from bench.speed import drafter_labels
+    from bench.drafter_list import drafter_labels
 
     assert SCHEMA == tuple(REGISTRY)
     for command in (generate, build_engines):

@@ -1,6 +1,6 @@
 """Graceful shutdown of the OpenAI server (runtime/serving/drain.py): the drain state on a fake clock, and two real
-server
-processes under load with one stopped by SIGTERM mid-run (bench/drain.py), where no request may be lost."""
+server processes under load with one stopped by SIGTERM mid-run (bench/drain_openai.py; Triton's:
+bench/drain_triton.py), where no request may be lost."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_sigterm_under_load_loses_no_request(tiny_bundle, tmp_path):
     """Two replicas, load spread over both, SIGTERM to one mid-run: every request answered (a refused one was
     retried on the other replica and answered there), none lost or cut short; the stopped one exits 0. The 5-run
     figure: python -m bench.drain BUNDLE --repetitions 5."""
-    from bench.drain import run_drain
+    from bench.drain_openai import run_drain
 
     report = run_drain(tiny_bundle, repetitions=1, duration=5.0, sigterm_after=1.5, log_dir=tmp_path)
     run = report["runs"][0]
@@ -84,7 +84,7 @@ def test_sigterm_under_load_loses_no_request(tiny_bundle, tmp_path):
 def test_triton_sigterm_unloads_then_exits_without_losing_a_request(tiny_bundle, generator, tmp_path):
     """``draftsmith serve`` under load, SIGTERM: the requests running finish in full (the runtime's own greedy text),
     the ensemble's readiness turns false at once, later requests are refused before any work, the command exits 0."""
-    from bench.drain import triton_drain_once
+    from bench.drain_triton import triton_drain_once
     from triton_repo.generate import RepoOptions, write_repository
 
     repo = write_repository(tiny_bundle, tmp_path / "repo", RepoOptions(threads=1, max_batch_size=4))

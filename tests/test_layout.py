@@ -1,11 +1,14 @@
-"""The arrows between the packages (README's layout): builder -> runtime <- triton_repo, bench on top of all.
+"""The arrows between the packages (README's layout): builder -> runtime <- triton_repo, runtime <- deploy, bench on
+top of all.
 
-- ``runtime`` imports nothing from ``builder``, ``bench`` or ``triton_repo``. One exception: the ``COMMANDS`` table of
-  ``runtime/cli.py``, which names the other packages' click commands so ``draftsmith`` can offer them (imported by
-  name when the CLI starts; a missing package drops its commands).
-- ``builder`` imports nothing from ``bench``, and nothing from ``triton_repo`` outside ``builder/cli.py``
-  (``build-engines --triton-repo`` is glue at the top).
-- ``triton_repo`` imports nothing from ``bench`` or ``builder``.
+- ``runtime`` imports nothing from ``builder``, ``bench``, ``triton_repo`` or ``deploy``. One exception: the
+  ``COMMANDS`` table of ``runtime/cli.py``, which names the other packages' click commands so ``draftsmith`` can offer
+  them (imported by name when the CLI starts; a missing package drops its commands).
+- ``builder`` imports nothing from ``bench`` or ``deploy``, and nothing from ``triton_repo`` outside
+  ``builder/cli.py`` (``build-engines --triton-repo`` is glue at the top).
+- ``triton_repo`` imports nothing from ``bench``, ``builder`` or ``deploy``.
+- ``deploy`` imports nothing from ``bench``, ``builder`` or ``triton_repo`` (a pod's init container names
+  triton_repo's repository writer in its command line; that is no import).
 
 Imports count wherever they are: module level, inside functions, ``importlib.import_module("...")`` and
 ``__import__("...")`` with a literal name.
@@ -35,12 +38,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("bench", "builder", "runtime", "triton_repo")
+PACKAGES = ("bench", "builder", "deploy", "runtime", "triton_repo")
 
 FORBIDDEN = {  # package -> {other package: files of the package allowed to import it}
-    "runtime": {"builder": set(), "bench": set(), "triton_repo": set()},
-    "builder": {"bench": set(), "triton_repo": {"builder/cli.py"}},
-    "triton_repo": {"bench": set(), "builder": set()},
+    "runtime": {"builder": set(), "bench": set(), "triton_repo": set(), "deploy": set()},
+    "builder": {"bench": set(), "triton_repo": {"builder/cli.py"}, "deploy": set()},
+    "triton_repo": {"bench": set(), "builder": set(), "deploy": set()},
+    "deploy": {"bench": set(), "builder": set(), "triton_repo": set()},
 }
 COMMAND_TABLE = ("runtime/cli.py", "COMMANDS")  # the runtime's one exception: its table of other packages' commands
 
@@ -187,11 +191,11 @@ def test_the_guard_sees_imports_inside_functions_and_by_name():
 
 
 def test_the_runtime_names_other_packages_only_in_its_command_table():
-    """Every string in runtime/ that names a module of bench, builder or triton_repo sits in the command table, and
-    that table registers commands of those packages only (nothing of the runtime's own loads through it)."""
+    """Every string in runtime/ that names a module of bench, builder, deploy or triton_repo sits in the command
+    table, and that table registers commands of those packages only (nothing of the runtime's own loads through it)."""
     path, name = ROOT / COMMAND_TABLE[0], COMMAND_TABLE[1]
     lines, modules = command_table(path, name)
-    assert modules and all(m.split(".")[0] in ("bench", "builder", "triton_repo") for m in modules)
+    assert modules and all(m.split(".")[0] in ("bench", "builder", "deploy", "triton_repo") for m in modules)
     others = tuple(p for p in PACKAGES if p != "runtime")
     stray = []
     for file in python_files("runtime"):

@@ -187,7 +187,8 @@ def test_suffix_greedy_equals_target_only(generator, kind):
 
 
 def test_the_generator_and_bench_build_suffix_drafters(generator):
-    from bench.speed import decode, drafter_labels
+    from bench.drafter_list import drafter_labels
+    from bench.sweep import decode
     from runtime.bundle import DRAFTERS, BuildSpec
 
     assert {"suffix", "hybrid_suffix"} <= set(DRAFTERS)

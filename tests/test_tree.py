@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.speed import decode
+from bench.sweep import decode
 from bench.tree import coverage, depth1_tree, tree_attention, verify_cost
 
 

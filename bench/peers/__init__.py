@@ -15,7 +15,7 @@ tools: ``llama_cpp_tools``) over what they share (``common``: the sources, our r
 name from its module (``from bench.peers.llama_cpp_peer import run_llama_cpp``): this package file imports nothing,
 so loading one peer never loads the others (tests/test_layout.py: no import circle through a package's
 ``__init__``). A new peer: a ``run_<peer>(manifest, bundle, workloads, best_k, max_new_tokens, threads,
-eos_ids, progress)`` returning rows, made with ``common.timed_rows``, and its call in ``bench/speed.py``.
+eos_ids, progress)`` returning rows, made with ``common.timed_rows``, and its call in ``run.py``'s ``_run_peers``.
 
 Every peer returns rows {"peer", "workload", "mode", "k", "prompts", "tokens", "wall_seconds", "tokens_per_second",
 "speedup" (over that peer's own plain decoding), "token_ids" (one list per prompt)}, or a {"peer", "skipped"} row.
