@@ -83,7 +83,9 @@ def coverage(generator, token_lists: list[list[int]], max_new_tokens: int) -> di
     try:
         for ids in token_lists:
             recorder.tops.clear()
-            records, _ = decode(generator, [ids], "speculative", 1, max_new_tokens, 0.0, 0, "model", 0.0)
+            # k = 1 at every step (plan off): what is measured is the draft's position-1 agreement, not whether the
+            # measured costs would let it draft
+            records, _ = decode(generator, [ids], "speculative", 1, max_new_tokens, 0.0, 0, "model", 0.0, plan=False)
             record, at, calls = records[0], 0, iter(list(recorder.tops))
             for drafted, _accepted, emitted, _dt in record.steps:
                 if drafted:

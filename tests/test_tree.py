@@ -36,7 +36,7 @@ def test_coverage_top1_is_the_greedy_acceptance_at_k1(generator):
     found = coverage(generator, ids, 24)
     hits = found["hit_top_1_to_4"]
     assert found["steps"] > 0 and hits == sorted(hits) and found["draft_call_ms"] > 0
-    records = [decode(generator, [i], "speculative", 1, 24, 0.0, 0, "model", 0.0)[0][0] for i in ids]
+    records = [decode(generator, [i], "speculative", 1, 24, 0.0, 0, "model", 0.0, plan=False)[0][0] for i in ids]
     steps = [step for record in records for step in record.steps]
     drafted, accepted = sum(s[0] for s in steps), sum(s[1] for s in steps)
     assert drafted == found["steps"] and hits[0] == round(accepted / drafted, 3)
