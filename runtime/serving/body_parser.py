@@ -141,7 +141,10 @@ class BodyParser:
         name = next(name for name, model in KINDS.items() if model is kind)
         self.sent_to_worker += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._worker(), parse_in_worker, name, raw)
+            # submitted from a thread: the first submit starts the worker process (tens of ms), and each one copies
+            # the body into the worker's queue
+            future = await asyncio.to_thread(self._worker().submit, parse_in_worker, name, raw)
+            return await asyncio.wrap_future(future)
         except BrokenProcessPool:  # the worker died (killed, out of memory): a new one for the next body
             self._pool = None
             raise
