@@ -26,13 +26,26 @@ estimates for greedy decoding at batch 1; the runtime's planner still picks each
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import functools
+import shutil
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from builder.errors import BuildError
+from builder.evaluate import opener
+from builder.graph import info_of
+from builder.gguf.draft_form import DraftForm
+from builder.head_vocab import frequent_ids
+from builder.manifest import VOCAB_MAP, eos_ids
+from builder.memory import release
+from builder.model_surgery import Engine, Model, is_feature_draft, native_gguf, quantize_engine
+from builder.pairing import Pairing
+from runtime.bundle import BuildSpec
 from runtime.decoding.sampling import SamplingParams
-from runtime.decoding.step_costs import CostModel
+from runtime.decoding.step_costs import CostModel, timed_call
 
 # (draft_blocks, draft_head): the file as it is, its head cut, and the 4-bit forms
 FORMS = (("file", 0), ("file", 32768), ("q4_0", 0), ("q4_0", 65536), ("q4_0", 32768), ("q4_0", 16384))
@@ -42,6 +55,9 @@ MAX_K = 8
 PROMPTS = 3  # of each kind (code completions, chat requests) whose continuations are scored
 PROMPT_TOKENS = 256  # each prompt's last tokens at most
 NEW_TOKENS = 96  # the target's greedy continuation of each
+# the drafters that need one vocabulary, and what a cross-tokenizer pair drafts with by default (runtime's registry)
+SAME_VOCAB_DRAFTERS = ("model", "hybrid", "hybrid_suffix")
+CROSS_DRAFTER = "tli"
 
 
 @dataclass(frozen=True)
@@ -196,3 +212,145 @@ def score_free(costs: CostModel, name: str, make, texts, agrees: list[np.ndarray
 def winner(rows: list[Scored]) -> Scored:
     """The candidate with the most expected tokens a second (the first listed among equals)."""
     return max(rows, key=lambda row: row.speedup)
+
+
+# --- the pair's draft: its vocabulary, its drafter, and (draft_blocks auto) its measured form -----------------------
+
+
+def draft_vocab(checkpoint, spec: BuildSpec, target_tok, target_ckpt):
+    """The kept token ids of a reduced draft head: ``spec.draft_head`` rows of a GGUF draft (builder.head_vocab), or
+    those of a draft folder made by ``draftsmith distill --draft-vocab N``; None for a full head."""
+    if spec.draft_head:
+        if not checkpoint.gguf_file:
+            raise BuildError(f"draft_head cuts a GGUF draft's head, but {checkpoint.source} is not a .gguf file")
+        vocab = int(checkpoint.config.vocab_size)
+        if spec.draft_head >= vocab:
+            raise BuildError(f"draft_head {spec.draft_head} is not smaller than the draft's head ({vocab} rows)")
+        return frequent_ids(target_tok, spec.draft_head, vocab, eos_ids(target_ckpt, target_tok))
+    if checkpoint is target_ckpt or checkpoint.gguf_file or not (checkpoint.folder / VOCAB_MAP).is_file():
+        return None
+    from builder.distill.save import read_draft_vocab
+
+    return read_draft_vocab(checkpoint.folder)
+
+
+def cross_pair(spec: BuildSpec, pair: Pairing, draft_ckpt, kept) -> tuple[BuildSpec, Pairing]:
+    """(spec, pair) of a draft with a tokenizer of its own, refused where the draft needs the target's vocabulary
+    (a reduced head's kept ids and a feature draft's head rows are target ids); a same-vocabulary default drafter
+    becomes token-level intersection, the one that drafts with such a draft engine."""
+    if kept is not None:
+        raise BuildError(
+            f"{draft_ckpt.source} has a reduced-vocabulary head ({VOCAB_MAP}: target token ids), but its "
+            "tokenizer differs from the target's: a reduced head needs the target's vocabulary"
+        )
+    if is_feature_draft(draft_ckpt):
+        raise BuildError(
+            f"{draft_ckpt.source} is a feature draft: it drafts from the target's hidden states with the "
+            "target's head rows, so its tokenizer must be the target's"
+        )
+    if spec.drafter not in SAME_VOCAB_DRAFTERS:
+        return spec, pair
+    note = (
+        f"the draft has a tokenizer of its own ({pair.shared_tokens} of the target's {pair.vocab_size} tokens "
+        f"shared): default drafter {CROSS_DRAFTER!r} (token-level intersection) instead of {spec.drafter!r}, "
+        "which needs one vocabulary"
+    )
+    return (replace(spec, drafter=CROSS_DRAFTER), replace(pair, notes=(*pair.notes, note)))
+
+
+class Chooser:
+    """draft_blocks auto: each candidate draft form built from the GGUF draft file and scored with the model-free
+    drafters on the target's own continuations (as the module's docstring says); ``choose`` returns the spec and
+    kept ids of the winner, ``report`` the table."""
+
+    def __init__(self, target_tok, target_ckpt, pair, threads: int, say):
+        self.target_tok, self.target_ckpt, self.pair = target_tok, target_ckpt, pair
+        self.threads, self.say = threads, say
+        self.report: dict = {}
+
+    def choose(self, tmp: Path, work: Path, spec: BuildSpec, target: Engine, draft_ckpt, rows: int):
+        from runtime.drafters.lookup import PromptLookupDrafter
+        from runtime.drafters.registry import DraftSources, make_drafter
+
+        if not draft_ckpt.gguf_file or spec.draft_quant != "gguf":
+            raise BuildError("draft_blocks auto chooses among a GGUF draft file's forms: a .gguf draft, quant gguf")
+        texts, costs = self._measure_target(tmp / "target" / "model.onnx", target.info)
+        model = Model(draft_ckpt, spec, rows)
+        info = info_of(model.decoder())
+        forms = FORMS if native_gguf(spec) else (("file", 0), ("file", 32768))
+        measured = [
+            self._score_form(work, spec, draft_ckpt, model, info, blocks, head, texts, costs)
+            for blocks, head in forms
+            if head < int(draft_ckpt.config.vocab_size)  # a head no smaller than the vocabulary is the whole one
+        ]
+        scored = [row for row, _, _ in measured]
+        sources = DraftSources(target.info.vocab_size, None, False, None, 0.0)
+        for name in MODEL_FREE:
+            scored.append(score_free(costs, name, lambda: make_drafter(name, sources), texts))  # noqa: B023
+        form, agrees, form_costs = max(measured, key=lambda m: m[0].speedup)
+        lookup = functools.partial(PromptLookupDrafter, target.info.vocab_size, 3, 2)  # the hybrid's own
+        hybrid = score_free(form_costs, HYBRID, lookup, texts, agrees)
+        scored.append(replace(hybrid, blocks=form.blocks, head=form.head, cost=form.cost))
+        best = winner(scored)
+        engine_form = best if best.blocks else form
+        self.report = {
+            "candidates": [row.row() for row in scored],
+            "winner": best.name,
+            "measured_on": f"{len(texts)} greedy target continuations of {NEW_TOKENS} tokens (builder prompts)",
+            "target_call_seconds": {str(w): round(t, 5) for (r, w), t in sorted(costs.call.items()) if r == 1},
+        }
+        chosen = replace(
+            spec,
+            draft_blocks=engine_form.blocks,
+            draft_head=engine_form.head,
+            drafter=best.drafter,
+            k=best.k,
+            max_k=max(spec.max_k, best.k),
+        )
+        return chosen, self._kept(draft_ckpt, engine_form.head)
+
+    def _measure_target(self, path: Path, info):
+        """(prompts with the target's greedy continuations, the target's calibrated call costs)."""
+        engine = opener(
+            path, info, max_context=self.pair.max_context, threads=self.threads, vocab_size=info.vocab_size
+        )()
+        asked = prompts(self.target_tok)
+        texts = list(zip(asked, continuations(engine, eos_ids(self.target_ckpt, self.target_tok), asked)))
+        costs = CostModel()
+        costs.calibrate(engine, None, 1, MAX_K + 1, repeats=5)
+        return texts, costs
+
+    def _score_form(self, work: Path, spec: BuildSpec, draft_ckpt, model, info, blocks: str, head: int, texts, costs):
+        """(its row, its agreement on each text, the costs with its draft call): one draft form built, timed and
+        scored, then deleted."""
+        kept = self._kept(draft_ckpt, head)
+        path = work / "candidates" / f"{blocks}-{head}" / "model.onnx"
+        form_spec = replace(spec, draft_blocks=blocks, draft_head=head)
+        quantize_engine(path, path, "gguf", form_spec, draft_ckpt, model, form=DraftForm(blocks, kept))
+        shape = replace(info, vocab_size=len(kept) if kept is not None else info.vocab_size)
+        engine = opener(
+            path, shape, kept, max_context=self.pair.max_context, threads=self.threads, vocab_size=info.vocab_size
+        )()
+        timed_call(engine, 1, 1, 64, 3)  # warm: a new session's first calls map its weights in
+        call = timed_call(engine, 1, 1, 64, 10)
+        agrees = [agreement(engine, p, c) for p, c in texts]
+        del engine
+        shutil.rmtree(path.parent)
+        release()
+        form_costs = CostModel(call=dict(costs.call), draft={1: call})
+        row = score_model(form_costs, blocks, head, agrees, call / costs.call[(1, 1)])
+        self._say(
+            f"choose draft: {row.name}: a draft token {row.cost:.2f} of a target call, best k {row.k}, "
+            f"expected {row.speedup:.2f}x plain decoding"
+        )
+        return row, agrees, form_costs
+
+    def _kept(self, draft_ckpt, head: int):
+        if not head:
+            return None
+        vocab = int(draft_ckpt.config.vocab_size)
+        return frequent_ids(self.target_tok, head, vocab, eos_ids(self.target_ckpt, self.target_tok))
+
+    def _say(self, line: str) -> None:
+        if self.say is not None:
+            self.say(line)

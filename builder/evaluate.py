@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from importlib import resources
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from builder.memory import release
+from builder.progress import Heartbeat
+from runtime.bundle import BuildSpec
 from runtime.engines.base import Engine
+from runtime.engines.onnx import new_engine
 
 
 EVAL_SET = "data/eval_long.txt"  # the build report's evaluation set (below)
@@ -166,3 +172,108 @@ def nll_sum(logits: np.ndarray, ids: list[int]) -> float:
         picked = shifted[np.arange(len(rows)), ids[start + 1 : start + 1 + len(rows)]]
         total -= float((picked - np.log(np.exp(shifted).sum(axis=-1))).astype(np.float64).sum())
     return total
+
+
+# --- the build report's scores of a bundle's two engines ---------------------------------------------------------
+
+
+def score_engines(
+    tmp: Path,
+    spec: BuildSpec,
+    target_tok,
+    pair,
+    target,
+    draft,
+    kept,
+    threads: int,
+    say: Callable[[str], None] | None,
+    feature_draft: bool,
+    draft_tok=None,
+) -> dict:
+    """The report's scores: both engines on the evaluation set's windows against their references (each session
+    opened only when the evaluation reaches it), and what they rest on. ``draft_tok``: a draft with a tokenizer of
+    its own, scored on windows of its own tokenization of the same text (the same context and token budget).
+    ``target`` and ``draft``: each role's engine as made (builder.model_surgery.Engine)."""
+    windows = _windows(target_tok, pair, spec)
+    draft_windows = None if draft_tok is None else _windows(draft_tok, pair, spec)
+    session = functools.partial(
+        opener, max_context=pair.max_context, threads=threads, vocab_size=target.info.vocab_size
+    )
+    engines = {
+        "target": session(tmp / "target" / "model.onnx", target.info),
+        "draft": session(tmp / "draft" / "model.onnx", draft.info, kept),
+    }
+    references = {"target": session(target.reference, target.info)}
+    # a self-draft's fp32 graph is the target's: scored once for both
+    references["draft"] = (
+        references["target"]
+        if draft.reference == target.reference and draft.info is target.info
+        else session(draft.reference, draft.info, kept)
+    )
+    total = passes(engines, references, windows, draft_windows)
+    scores = report(
+        engines,
+        references,
+        windows,
+        Heartbeat("evaluate: windows", total, say),
+        feature_roles=("draft",) if feature_draft else (),
+        draft_windows=draft_windows,
+    )
+    _add_grounds(scores, pair, windows, kept, target, draft)
+    return scores
+
+
+def _add_grounds(scores: dict, pair, windows: list[list[int]], kept, target, draft) -> None:
+    """What the scores rest on, added to them: the vocabulary bridge of a cross-tokenizer pair, a reduced head's
+    coverage of the evaluation tokens (its perplexities None where infinite: a token outside the kept ids), the
+    export checks, each role's reference and the pair's notes."""
+    if pair.cross:
+        scores["vocab_bridge"] = _bridge_report(pair, [t for window in windows for t in window])
+    if kept is not None:
+        ids = [t for window in windows for t in window]
+        scores["draft_vocab"] = {"kept_ids": len(kept), "eval_coverage": float(np.isin(ids[1:], kept).mean())}
+        for key in ("perplexity", "fp32_perplexity"):  # infinite when an eval token is outside the kept ids
+            value = scores["draft"][key]
+            scores["draft"][key] = value if math.isfinite(value) else None
+    scores["export_check_max_abs_logit_diff"] = {"target": target.check, "draft": draft.check}
+    scores["references"] = {
+        role: (
+            "the file's blocks in fp32 arithmetic (MatMulNBits accuracy level 0)"
+            if ref.name.endswith(".reference.onnx") or ref.parent.name == role
+            else "the fp32 graph"
+        )
+        for role, ref in (("target", target.reference), ("draft", draft.reference))
+    }
+    scores["pair_notes"] = list(pair.notes)
+
+
+def _windows(tokenizer, pair, spec: BuildSpec) -> list[list[int]]:
+    """The evaluation set as ``tokenizer`` reads it, in the report's windows."""
+    return eval_windows(tokenizer(eval_set_text())["input_ids"], pair.max_context, spec.eval_tokens)
+
+
+def _bridge_report(pair, target_ids: list[int]) -> dict:
+    """The report's ``vocab_bridge`` of a cross-tokenizer pair: the intersection's size, both vocabularies', and
+    the share of the scored evaluation tokens (the target's) the intersection holds: what a TLI draft can propose
+    at all."""
+    return {
+        "shared_tokens": pair.shared_tokens,
+        "target_vocab": pair.vocab_size,
+        "draft_vocab": pair.draft_vocab_size,
+        "eval_overlap": pair.bridge.overlap(target_ids),
+    }
+
+
+def opener(path: Path, info, kept=None, *, max_context: int, threads: int, vocab_size: int):
+    """A function opening the engine at ``path`` when called (the evaluation opens one session at a time); with
+    ``kept``, the reduced-head draft compared and scored over the full vocabulary (q = 0 outside the kept ids)."""
+
+    def open_engine():
+        engine = new_engine(info.graph, path, info, max_context, threads=threads)
+        if kept is not None:
+            from runtime.engines.mapped import MappedVocabEngine
+
+            engine = MappedVocabEngine(engine, kept, vocab_size)
+        return engine
+
+    return open_engine

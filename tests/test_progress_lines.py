@@ -102,11 +102,12 @@ def test_the_builds_evaluation_says_how_far_it_got(tiny_pair, tmp_path, monkeypa
     import functools
 
     import builder.build
+    import builder.evaluate
     from builder.progress import Heartbeat
     from runtime.bundle import BuildSpec
 
     ticks = iter(range(0, 100_000, 61))
-    monkeypatch.setattr(builder.build, "Heartbeat", functools.partial(Heartbeat, clock=lambda: float(next(ticks))))
+    monkeypatch.setattr(builder.evaluate, "Heartbeat", functools.partial(Heartbeat, clock=lambda: float(next(ticks))))
     lines = []
     target, draft = tiny_pair
     manifest = builder.build.build(

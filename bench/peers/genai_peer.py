@@ -61,14 +61,14 @@ def hf_folder(checkpoint, sha256: str, layers: int = 0) -> Path:
     builder reads; for a GGUF the dequantized weights (FACTS: drop ``hf_quantizer`` and ``quantization_config``)."""
 
     def save(tmp: Path) -> None:
-        from builder import build
+        from builder.model_surgery import truncate
 
         quiet_transformers()
         with contextlib.redirect_stderr(io.StringIO()):
             model = checkpoint.load_model()
             tokenizer = checkpoint.load_tokenizer()
         if layers:
-            model = build.truncate(model, layers)
+            model = truncate(model, layers)
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -31,11 +31,11 @@ def transformers_assistant(manifest: Manifest, target, draft_checkpoint=None):
       transformers runs on CPU to the bundle's int4 MatMulNBits self-draft (a plain fp32 copy would agree on every
       token but cost as much as the target, so it could never speed anything up).
     """
-    from builder import build
+    from builder.model_surgery import truncate
 
     layers = self_layers(manifest)
     if layers:
-        return build.truncate(target, layers), f"the target's first {layers} layers (as the bundle's draft)"
+        return truncate(target, layers), f"the target's first {layers} layers (as the bundle's draft)"
     if draft_checkpoint is None:
         import warnings
         import torch

@@ -206,7 +206,7 @@ def build(
 ) -> Manifest:
     """Build a tensorrt_llm bundle at ``out``. ``runner``, ``version``, ``gpus`` and ``available`` stand in for the
     GPU machine in tests."""
-    from builder import build as onnx_build
+    from builder import publish
 
     out = Path(out).absolute()
     stage = on_stage or (lambda name: None)
@@ -214,7 +214,7 @@ def build(
     version = installed_version() if version is None else version
     flavor = resolve_flavor(spec, version)
     check_flavor(spec, flavor)
-    onnx_build.check_output(out, force)
+    publish.check_output(out, force, publish.BUNDLE)
     preflight(
         spec,
         flavor,
@@ -229,7 +229,7 @@ def build(
     target, draft, pair, target_tok = resolve_pair(spec)
     steps = make_plan(spec, flavor, plan_inputs(target, draft, pair.max_context, examples_dir))
     started = time.perf_counter()
-    with onnx_build.staging(out, force) as tmp:
+    with publish.staging(out, force, publish.BUNDLE) as tmp:
         for number, step in enumerate(steps, 1):
             stage(f"{number}/{len(steps)} {step.role}: {step.name}")
             (runner or run_step)(step, tmp)
@@ -241,7 +241,7 @@ def build(
         target_tok.save_pretrained(str(tmp / "tokenizer"))
         manifest = _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp)
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
-        return onnx_build.finish(tmp, manifest, out, stage)
+        return publish.finish_bundle(tmp, manifest, out, stage)
 
 
 def resolve_pair(spec: BuildSpec):
@@ -358,7 +358,7 @@ def modelopt_quantize(
 
 
 def _manifest(spec, flavor, version, steps, target, draft, pair, target_tok, tmp: Path) -> Manifest:
-    from builder.build import eos_ids, tool_versions
+    from builder.manifest import eos_ids, tool_versions
 
     entries = {}
     for role, checkpoint, quant in (("target", target, spec.target_quant), ("draft", draft, spec.draft_quant)):

@@ -1,0 +1,378 @@
+"""Stages 3 and 4: each role's model made into its engine files, exported to an fp32 graph, checked against torch and
+quantized.
+
+The model surgery lives here: what a role's graphs are made from (a GGUF file read layer by layer, or the
+transformers model loaded whole, its head cut to a reduced vocabulary), a self-draft cut to the target's first
+layers (``truncate``), a feature draft fused over the target's embedding and head rows. So does the order in which
+memory is taken and given back: where the roles' weights differ only one model is held at a time (``make_engines``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from builder import export, graph, memory, quantize
+from builder.decoder import GraphError, from_transformers
+from builder.errors import BuildError
+from builder.gguf import stream as gguf_stream
+from builder.gguf import weights as gguf_weights
+from builder.gguf.draft_form import DraftForm
+from builder.progress import Stage
+from runtime.bundle import BuildSpec
+from runtime.engines import gguf_ops
+
+
+def check_gguf_kernel(spec: BuildSpec) -> None:
+    """A build that asks for the native GGUF kernel where its library is not built fails before any work."""
+    reason = gguf_ops.unavailable_reason()
+    if spec.gguf_kernel == "native" and "gguf" in (spec.target_quant, spec.draft_quant) and reason is not None:
+        raise BuildError(f"--gguf-kernel native: {reason}; or build with --gguf-kernel matmulnbits")
+    if spec.draft_blocks not in ("file", "auto") and not native_gguf(spec):
+        raise BuildError(
+            f"draft_blocks {spec.draft_blocks} re-quantizes the draft into blocks of Draftsmith's GGUF kernel, "
+            f"which this build does not use ({reason or 'gguf_kernel ' + spec.gguf_kernel}); use draft_blocks file"
+        )
+
+
+def native_gguf(spec: BuildSpec) -> bool:
+    """Whether quant gguf engines are written with Draftsmith's GgufMatMul (``spec.gguf_kernel`` resolved here)."""
+    return spec.engine_graph == "fused" and gguf_ops.native_for(spec.gguf_kernel)
+
+
+def memory_needed(spec: BuildSpec, target_ckpt, draft_ckpt) -> memory.Estimate:
+    """The build's estimated peak (builder.memory): a self-draft shares the target's weights."""
+    separate = draft_ckpt is not target_ckpt and not is_feature_draft(draft_ckpt)
+    streamed = all(
+        gguf_stream.supported(c, spec.engine_graph) for c in ((target_ckpt, draft_ckpt) if separate else (target_ckpt,))
+    )
+    return memory.estimate(target_ckpt.config, draft_ckpt.config if separate else None, streamed)
+
+
+def is_feature_draft(checkpoint) -> bool:
+    """Whether ``checkpoint`` is a feature draft (``draftsmith distill --init feature``): it drafts from the target's
+    hidden states, so it is neither loaded as a model of its own nor paired with another tokenizer."""
+    from builder.distill import feature_draft
+
+    return not checkpoint.gguf_file and feature_draft.is_feature_draft(checkpoint.folder)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """One role's engine as exported: its fp32 graph's info and export check, the fp32 graph the quantizer reads,
+    and the graph its quantized form is scored against."""
+
+    info: object  # the graph's GraphInfo
+    check: object  # the export check against torch (max |logit difference|, or its report)
+    fp32: Path
+    reference: Path
+
+
+def make_engines(
+    tmp: Path,
+    work: Path,
+    spec: BuildSpec,
+    target_ckpt,
+    draft_ckpt,
+    draft_layers: int,
+    kept,
+    rows: int,
+    stage: Stage,
+    chooser=None,
+) -> tuple[Engine, Engine, dict[str, list[str]], BuildSpec, object]:
+    """(target, draft, each role's engine notes, the spec and kept ids the draft was made with): both engines
+    exported to fp32 in ``work`` and quantized into ``tmp``. Where the roles' weights differ only one model is held
+    at a time: the target's go before a separate draft's load; a truncated self-draft reads the target's, a whole
+    one quantizes the target's own fp32 graph. With a ``chooser`` (draft_blocks auto) the draft's form, drafter and
+    k are measured once the target is made (``builder.draft_choice.Chooser``)."""
+    target, target_model, target_notes = _make_target(
+        tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, rows, stage
+    )
+    if chooser is not None:
+        target_model = None
+        memory.release()
+        stage("choose draft")
+        spec, kept = chooser.choose(tmp, work, spec, target, draft_ckpt, rows)
+    stage("export draft")
+    if draft_ckpt is target_ckpt and not draft_layers:
+        draft_model = target_model
+        draft = dataclasses.replace(
+            target, reference=target.reference if spec.draft_quant == spec.target_quant else target.fp32
+        )
+    elif is_feature_draft(draft_ckpt):
+        draft_model = None
+        info, check = _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, work / "draft.onnx", spec)
+        draft = Engine(info, check, work / "draft.onnx", work / "draft.onnx")
+    else:
+        if not draft_layers:
+            target_model = None  # a separate draft: the target's weights are written; free them first
+            memory.release()
+        draft_model = target_model if draft_layers else Model(draft_ckpt, spec, rows, kept)
+        fp32, reference = work / "draft.onnx", _reference_path(work, "draft", draft_model, spec.draft_quant, spec)
+        info, check = _export(draft_model, draft_ckpt, fp32, spec, draft_layers, full=reference == fp32)
+        if kept is not None and draft_model.streamed is not None:  # the head is cut as its blocks are written
+            info = dataclasses.replace(info, vocab_size=len(kept))
+        draft = Engine(info, check, fp32, reference)
+    memory.release()
+    stage("quantize draft")
+    draft_notes = quantize_engine(
+        draft.fp32,
+        tmp / "draft" / "model.onnx",
+        spec.draft_quant,
+        spec,
+        target_ckpt if draft_layers else draft_ckpt,
+        draft_model,
+        draft_layers,
+        reference=None if draft.reference == target.reference else draft.reference,
+        form=DraftForm(spec.draft_blocks, kept),
+    )
+    notes = {
+        role: list(dict.fromkeys([*engine.info.notes, *notes]))  # the fp32 graph's notes first
+        for role, engine, notes in (("target", target, target_notes), ("draft", draft, draft_notes))
+    }
+    return target, draft, notes, spec, kept
+
+
+def _make_target(
+    tmp: Path, work: Path, spec: BuildSpec, target_ckpt, draft_ckpt, draft_layers: int, rows: int, stage: Stage
+):
+    """(engine, model, the quantizer's notes) of the target, exported and quantized. Its fp32 graph is written whole
+    only where something reads it: a whole self-draft quantized from it, or the target scored against it."""
+    stage("export target")
+    model = Model(target_ckpt, spec, rows)
+    self_fp32 = draft_ckpt is target_ckpt and not draft_layers and spec.draft_quant != "gguf"  # quantized from it
+    fp32, reference = work / "target.onnx", _reference_path(work, "target", model, spec.target_quant, spec)
+    info, check = _export(model, target_ckpt, fp32, spec, full=self_fp32 or reference == fp32)
+    memory.release()  # the torch check's session and arrays
+    stage("quantize target")
+    notes = quantize_engine(
+        fp32, tmp / "target" / "model.onnx", spec.target_quant, spec, target_ckpt, model, reference=reference
+    )
+    memory.release()
+    return Engine(info, check, fp32, reference), model, notes
+
+
+def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Path, spec: BuildSpec):
+    """A feature draft (``draftsmith distill --init feature``) as a fused graph over the target's embeddings and
+    head rows, with a ``features`` input, checked against the torch module it was trained as."""
+    from builder.distill import feature_draft as fd
+    from builder.distill.corpus import DistillError
+
+    if spec.engine_graph != "fused":
+        raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
+    try:
+        cfg, weights = fd.load_feature_weights(draft_ckpt.folder)
+        # refuses a target a feature draft cannot follow, and an MLP wider than the target's
+        own = fd.FeatureConfig.of_target(target_ckpt.config, intermediate=cfg.intermediate)
+    except DistillError as err:
+        raise BuildError(f"{draft_ckpt.source}: {err}") from None
+    if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
+        raise BuildError(
+            f"{draft_ckpt.source} was trained on the hidden states of another target "
+            f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}"
+        )
+    # every shape and setting must be the target's (the file is data: its numbers size the graph we write)
+    expected = dataclasses.replace(own, target_sha256=cfg.target_sha256)
+    if cfg != expected:
+        wrong = {k: v for k, v in dataclasses.asdict(cfg).items() if dataclasses.asdict(expected)[k] != v}
+        raise BuildError(f"{draft_ckpt.source}: feature_draft.json does not match the target's config: {wrong}")
+    embedding, head = target_model.embedding_and_head()
+    head = head[kept] if kept is not None else head
+    decoder = fd.feature_decoder(cfg, weights, embedding, head)
+    graph.build(decoder, path)
+    info = graph.info_of(decoder)
+    module = fd.module_from(cfg, weights, embedding, head)
+    return info, fd.check_against_torch(path, info, module, target_ckpt.architecture.tolerance)
+
+
+class Model:
+    """What a role's graphs are made from: a GGUF file read layer by layer (builder.gguf.stream: memory follows one
+    layer) where the fused graph is written, else the transformers model loaded whole."""
+
+    def __init__(self, checkpoint, spec: BuildSpec, context: int, kept=None):
+        self.checkpoint, self.context = checkpoint, context
+        self.streamed = (
+            gguf_stream.Streamed(checkpoint, context) if gguf_stream.supported(checkpoint, spec.engine_graph) else None
+        )
+        self.whole = None
+        if self.streamed is None:
+            self.whole = checkpoint.load_model()
+            if kept is not None:  # a reduced-vocabulary draft head
+                from builder.distill.draft import reduce_head
+
+                self.whole = reduce_head(self.whole, kept)
+
+    def torch_model(self, layers: int = 0):
+        """The transformers model of the first ``layers`` layers (0: all; streamed: at most its reference's)."""
+        if self.streamed is not None:
+            model = self.streamed.reference
+            have = model.config.num_hidden_layers
+            return truncate(model, layers) if layers and layers < have else model
+        return truncate(self.whole, layers) if layers else self.whole
+
+    def decoder(self, layers: int = 0):
+        """The fused graph's Decoder of the first ``layers`` layers (0: all)."""
+        if self.streamed is not None:
+            return self.streamed.decoder(layers or None)
+        model = self.torch_model(layers)
+        return from_transformers(model, self.context)
+
+    def embedding_and_head(self) -> tuple[np.ndarray, np.ndarray]:
+        """float32 [V, H] each (a feature draft reads the target's)."""
+        model = self.torch_model()
+        return (
+            model.get_input_embeddings().weight.detach().float().numpy(),
+            model.get_output_embeddings().weight.detach().float().numpy(),
+        )
+
+
+def _reference_path(work: Path, role: str, model: Model, quant: str, spec: BuildSpec) -> Path:
+    """What the build report scores ``role``'s engine against. A GGUF file's own blocks (quant gguf, read layer by
+    layer): the same blocks computed in fp32 (MatMulNBits at accuracy level 0 dequantizes each block to the float32
+    weights the fp32 graph holds: max |logit difference| 6e-5 and the same argmax on a 512-token Qwen2.5-Coder-0.5B
+    window), whose session holds the file's bytes, not 4 bytes a parameter (6.2 GB for a 1.5B model). Else the fp32
+    graph."""
+    if quant == "gguf" and model is not None and model.streamed is not None and spec.engine_graph == "fused":
+        # accuracy level 0 in MatMulNBits' form: the engine is itself that reference
+        itself = spec.accuracy_level == 0 and not native_gguf(spec)
+        return work.parent / role / "model.onnx" if itself else work / f"{role}.reference.onnx"
+    return work / f"{role}.onnx"
+
+
+def _export(model: Model, checkpoint, path: Path, spec: BuildSpec, layers: int = 0, full: bool = True):
+    """The fp32 (fp16 on cuda) graph of ``model``'s first ``layers`` layers (0: all) at ``path``, checked against
+    torch: (GraphInfo, check report). A streamed GGUF model is checked on its first layers, whose graph is written
+    beside ``path`` by the same lazy path (builder.gguf.stream); ``full`` False writes only that (nothing reads the
+    whole fp32 graph: the engine is the file's blocks and its reference the same blocks in fp32)."""
+    if spec.engine_graph == "fused":
+        try:
+            decoder = model.decoder(layers)
+            if full:
+                graph.build(decoder, path)
+        except GraphError as err:
+            raise BuildError(f"{checkpoint.source}: {err}") from None
+        reference = model.torch_model(layers)
+        checked = reference.config.num_hidden_layers
+        if checked == len(decoder.layers) and full:
+            info = graph.info_of(decoder)
+            return info, graph.check_against_torch(reference, path, info, checkpoint.architecture.tolerance)
+        decoder.notes.append(
+            f"read from the GGUF file layer by layer; checked against transformers on its first "
+            f"{checked} layers with the embedding and head (the build report scores every layer)"
+        )
+        info = graph.info_of(decoder)
+        check_path = path.with_name(path.stem + ".check.onnx")
+        partial = model.decoder(checked)
+        graph.build(partial, check_path)
+        report = graph.check_against_torch(
+            reference, check_path, graph.info_of(partial), checkpoint.architecture.tolerance
+        )
+        for stale in check_path.parent.glob(check_path.name + "*"):
+            stale.unlink()
+        return info, report
+    whole = model.torch_model(layers)
+    info = export.export_decoder(whole, path, spec.opset, export.GRAPH_DTYPES[spec.device])
+    check = export.check_against_torch(whole, path, info, checkpoint.architecture.tolerance)
+    return info, check
+
+
+def quantize_engine(
+    src: Path,
+    dst: Path,
+    quant: str,
+    spec: BuildSpec,
+    checkpoint,
+    model: Model | None,
+    layers: int = 0,
+    reference: Path | None = None,
+    form: DraftForm | None = None,
+) -> list[str]:
+    """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
+    the GGUF file's own blocks (builder.gguf.weights); ``model``: what ``src`` came from (its first ``layers``
+    layers; 0: all), whose weights are those of ``checkpoint``. Returns what the engine's graph notes about itself
+    (quant gguf: tensors the file holds in a type without an exact MatMulNBits form). ``reference`` (quant gguf, a
+    path other than ``src``): the same blocks are also written there at accuracy level 0 (fp32 arithmetic), what
+    the build report scores the engine against. ``form``: a GGUF draft's (builder.gguf.draft_form); its reference
+    keeps the file's blocks (the report then says what a re-quantization cost) with the same head rows."""
+    if quant != "gguf":
+        quantize.quantize(src, dst, quant, spec.block_size, spec.symmetric, spec.accuracy_level)
+        return []
+    if not checkpoint.gguf_file:
+        raise BuildError(
+            f"quant gguf keeps a GGUF file's own quantized blocks, but {checkpoint.source} is not a "
+            ".gguf file; choose int4 or int8"
+        )
+    if spec.block_size not in (16, gguf_weights.BLOCK):
+        raise BuildError(
+            f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
+            f"16); block_size {spec.block_size} would quantize them again"
+        )
+
+    def blocks(native: bool):
+        return gguf_weights.apply(
+            model.decoder(layers),
+            checkpoint.folder / checkpoint.gguf_file,
+            spec.block_size,
+            permuted_qk=checkpoint.architecture.gguf_permuted_qk,
+            native=native,
+            form=form,
+        )
+
+    native = native_gguf(spec)
+    decoder = blocks(native)
+    graph.build(decoder, dst, spec.accuracy_level)
+    notes = list(decoder.notes) + _kernel_notes(spec, native) + _form_notes(form)
+    if reference is not None and reference not in (src, dst):
+        del decoder  # its head and embedding blocks: the reference makes its own
+        memory.release()
+        graph.build(blocks(False), reference, 0)  # MatMulNBits at accuracy level 0: the file's weights in fp32
+    return notes
+
+
+def _form_notes(form: DraftForm | None) -> list[str]:
+    """What the report says about a GGUF draft's form."""
+    notes = []
+    if form is not None and form.requantize_to:
+        notes.append(f"re-quantized from the file's values into {form.requantize_to} blocks (a draft's form)")
+    if form is not None and form.head_ids is not None:
+        notes.append(f"head over {len(form.head_ids)} target tokens (the bundle's vocab_map)")
+    return notes
+
+
+def _kernel_notes(spec: BuildSpec, native: bool) -> list[str]:
+    """What the report says about the kernel that multiplies by the file's blocks."""
+    if native:
+        return [f"the file's blocks as they are, multiplied by Draftsmith's GgufMatMul ({gguf_ops.kernels()} here)"]
+    if spec.gguf_kernel == "auto" and spec.engine_graph == "fused":
+        return [
+            f"ONNX Runtime's MatMulNBits form (~1.5x the file's bytes a token, slower): {gguf_ops.unavailable_reason()}"
+        ]
+    return []
+
+
+def truncate(model, layers: int):
+    """The target's first ``layers`` decoder layers with its embeddings, final norm and head (shared weights); a
+    per-layer config list (Gemma 3's ``layer_types``: sliding or full attention) is cut to match.
+
+    Public: the bench's transformers and ONNX Runtime GenAI peers build the same truncated self draft the bundle
+    holds (bench/peers/transformers_peer.py, genai_peer.py)."""
+    from builder.distill.draft import clean_config
+
+    draft = _shallow(model)
+    draft.model = _shallow(model.model)
+    draft.model.layers = model.model.layers[:layers]
+    draft.config = clean_config(model.config, layers)
+    draft.model.config = draft.config
+    return draft
+
+
+def _shallow(module):
+    """A copy of ``module`` sharing its weights but with its own child table (assigning a child to the copy must not
+    change the original: copy.copy alone shares the table, which truncated the target too)."""
+    import copy
+
+    twin = copy.copy(module)
+    twin._modules = dict(module._modules)
+    return twin
