@@ -39,7 +39,7 @@ from bench.stats import (
     summarize,
     where_time_goes,
 )
-from runtime.drafters.registry import DRAFTERS
+from runtime.drafter_names import DRAFTERS
 from runtime.engines.base import Call
 from runtime.text.prompt_files import parse_prompts
 from builder.distill.corpus import HELDOUT_SETS, load_heldout

@@ -37,14 +37,15 @@ from builder import publish as publishing
 from builder.decoder import GraphError, from_transformers
 from builder.progress import Heartbeat
 from runtime.bundle import MANIFEST, BuildSpec, Manifest, ModelEntry, hash_tree, load_manifest
+from runtime.drafters.registry import REGISTRY
 from runtime.engines.onnx import new_engine
 
 log = logging.getLogger(__name__)
 Stage = Callable[[str], None]
 VOCAB_MAP = "draft_vocab.json"  # a reduced-vocabulary draft head's kept token ids (draft folder and bundle alike)
 DRAFT_TOKENIZER = "draft/tokenizer"  # a cross-tokenizer draft's own tokenizer in the bundle (ModelEntry.tokenizer)
-# the drafters that need one vocabulary, and what a cross-tokenizer pair drafts with by default (runtime's registry)
-SAME_VOCAB_DRAFTERS = ("model", "hybrid", "hybrid_suffix")
+# what a cross-tokenizer pair drafts with by default where the spec's drafter needs one vocabulary (the registry's
+# same_vocab)
 CROSS_DRAFTER = "tli"
 TOOLS = ("draftsmith", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "gguf", "tokenizers")
 
@@ -251,7 +252,7 @@ def _cross_pair(spec: BuildSpec, pair: pairing.Pairing, draft_ckpt, kept) -> tup
             f"{draft_ckpt.source} is a feature draft: it drafts from the target's hidden states with the "
             "target's head rows, so its tokenizer must be the target's"
         )
-    if spec.drafter not in SAME_VOCAB_DRAFTERS:
+    if not REGISTRY[spec.drafter].same_vocab:
         return spec, pair
     note = (
         f"the draft has a tokenizer of its own ({pair.shared_tokens} of the target's {pair.vocab_size} tokens "
@@ -788,7 +789,7 @@ def truncate(model, layers: int):
 
     Public: the bench's transformers and ONNX Runtime GenAI peers build the same truncated self draft the bundle
     holds (bench/peers/transformers_peer.py, genai_peer.py)."""
-    from builder.distill.draft import clean_config
+    from builder.decoder import clean_config
 
     draft = _shallow(model)
     draft.config = clean_config(model.config, layers)
