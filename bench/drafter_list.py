@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from bench.bench_options import BenchOptions
-from runtime.drafters.registry import DRAFTERS
+from runtime.drafter_names import DRAFTERS
 
 
 def drafter_labels(text: str) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from runtime.bundle import DRAFT_BLOCKS, QUANTS, BuildSpec, BundleError, SpecError, from_dict, load_manifest
-from runtime.drafters.registry import DRAFTERS
+from runtime.drafter_names import DRAFTERS
 from runtime.presets import load_preset
 
 

@@ -7,6 +7,7 @@ builder/gguf/weights.py swaps its float linear layers for a GGUF file's own bloc
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
@@ -167,6 +168,22 @@ class Decoder:
     # ... or the file's own bytes read by GgufGather (runtime.engines.gguf_ops); a tied head's blocks are the same
     # object as ``head.gguf``'s, written once and read by both
     embedding_gguf: GgufBlocks | None = None
+
+
+def clean_config(config, layers: int | None = None):
+    """A copy of a transformers ``config`` for a plain fp32 model of its first ``layers`` layers (all: None).
+
+    Here, beside ``from_transformers``, because every path that makes such a model needs it: a truncated self draft
+    (builder/build.py, builder/distill/draft.py) and a GGUF file's reference layers (builder/gguf/stream.py), which
+    must not reach up into distill/ for it."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # a GGUF-loaded target: the draft is plain fp32
+    if layers is not None:
+        config.num_hidden_layers = layers
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:layers]
+    return config
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:

@@ -46,6 +46,7 @@ from builder.pairing import Pairing
 from runtime.bundle import BuildSpec
 from runtime.decoding.sampling import SamplingParams
 from runtime.decoding.step_costs import CostModel, timed_call
+from runtime.drafters.registry import REGISTRY
 
 # (draft_blocks, draft_head): the file as it is, its head cut, and the 4-bit forms
 FORMS = (("file", 0), ("file", 32768), ("q4_0", 0), ("q4_0", 65536), ("q4_0", 32768), ("q4_0", 16384))
@@ -55,8 +56,8 @@ MAX_K = 8
 PROMPTS = 3  # of each kind (code completions, chat requests) whose continuations are scored
 PROMPT_TOKENS = 256  # each prompt's last tokens at most
 NEW_TOKENS = 96  # the target's greedy continuation of each
-# the drafters that need one vocabulary, and what a cross-tokenizer pair drafts with by default (runtime's registry)
-SAME_VOCAB_DRAFTERS = ("model", "hybrid", "hybrid_suffix")
+# what a cross-tokenizer pair drafts with by default where the spec's drafter needs one vocabulary (the registry's
+# same_vocab)
 CROSS_DRAFTER = "tli"
 
 
@@ -248,7 +249,7 @@ def cross_pair(spec: BuildSpec, pair: Pairing, draft_ckpt, kept) -> tuple[BuildS
             f"{draft_ckpt.source} is a feature draft: it drafts from the target's hidden states with the "
             "target's head rows, so its tokenizer must be the target's"
         )
-    if spec.drafter not in SAME_VOCAB_DRAFTERS:
+    if not REGISTRY[spec.drafter].same_vocab:
         return spec, pair
     note = (
         f"the draft has a tokenizer of its own ({pair.shared_tokens} of the target's {pair.vocab_size} tokens "

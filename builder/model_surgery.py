@@ -358,7 +358,7 @@ def truncate(model, layers: int):
 
     Public: the bench's transformers and ONNX Runtime GenAI peers build the same truncated self draft the bundle
     holds (bench/peers/transformers_peer.py, genai_peer.py)."""
-    from builder.distill.draft import clean_config
+    from builder.decoder import clean_config
 
     draft = _shallow(model)
     draft.model = _shallow(model.model)

@@ -41,7 +41,7 @@ from typing import Any
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from runtime.drafters.registry import DRAFTERS
+from runtime.drafter_names import DRAFTERS
 
 SCHEMA_VERSION = 1
 GGUF_KERNELS = ("auto", "native", "matmulnbits")
@@ -67,8 +67,8 @@ ONNX_DEVICE_QUANTS = {"cpu": ("fp32", "int8", "int4", "gguf"), "cuda": ("fp16", 
 TRTLLM_QUANTS = ("fp16", "bf16", "int8", "int4", "int4_awq", "int8_sq", "w4a8_awq", "fp8")
 QUANTS = ONNX_QUANTS + tuple(q for q in TRTLLM_QUANTS if q not in ONNX_QUANTS)
 BACKENDS = ("onnxruntime", "tensorrt_llm")
-# Who proposes draft tokens at run time: DRAFTERS (runtime/drafters/registry.py). The bundle records its default;
-# requests may override it.
+# Who proposes draft tokens at run time: DRAFTERS (runtime/drafter_names.py, the names as data; what each makes is
+# runtime/drafters/registry.py's). The bundle records its default; requests may override it.
 TRTLLM_FLAVORS = ("", "engine", "llmapi")  # "": chosen from the installed tensorrt_llm version at build time
 
 

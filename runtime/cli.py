@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from runtime.bundle import BundleError
-from runtime.drafters.registry import DRAFTERS
+from runtime.drafter_names import DRAFTERS
 from runtime.errors import RequestError
 from runtime.serving.cli_options import plan_option
 from runtime.serving.scheduler import POLICIES

@@ -15,7 +15,7 @@ from pathlib import Path
 from runtime.bundle import BundleError, Manifest, load_manifest, read_verified
 from runtime.decoding.grammar import GrammarCompiler, parse_response_format
 from runtime.decoding.step_costs import CostModel
-from runtime.drafters.base import Drafter
+from runtime.decoding.drafter import Drafter
 from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
 from runtime.drafters.suffix import SuffixCorpus
 from runtime.engines.base import Engine

@@ -23,8 +23,8 @@ from runtime.bundle import describe
 from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
 from runtime.decoding.grammar import CompiledGrammar
 from runtime.decoding.sampling import SamplingParams
-from runtime.drafters.base import Drafter
-from runtime.drafters.registry import DRAFTERS
+from runtime.decoding.drafter import Drafter
+from runtime.drafter_names import DRAFTERS
 from runtime.errors import RequestError
 from runtime.loaded import LoadedBundle
 from runtime.text.sent_text import check_sent_text, check_text

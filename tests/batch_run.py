@@ -8,7 +8,7 @@ from typing import Iterator
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.step import DecodeRow
 from runtime.decoding.step_costs import CostModel
-from runtime.drafters.base import Drafter
+from runtime.decoding.drafter import Drafter
 from runtime.engines.base import Engine
 from runtime.loaded import LoadedBundle
 from runtime.request import Admitted

@@ -1,6 +1,7 @@
-"""The drafter contract (runtime/drafters/base.py) and registry (runtime/drafters/registry.py): every capability is
+"""The drafter contract (runtime/decoding/drafter.py) and registry (runtime/drafters/registry.py): every capability is
 declared on the base class and called unconditionally, never probed; every name the bundle schema, the API and the
-CLIs accept is a registered kind that makes a drafter."""
+CLIs accept (runtime/drafter_names.py) is a registered kind that makes a drafter, and no registered kind is missing
+from those names."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.drafters.base import Drafter
+from runtime.decoding.drafter import Drafter
 from runtime.engines.base import Engine
-from runtime.drafters.registry import DRAFTERS, REGISTRY, DraftSources, make_drafter
+from runtime.drafter_names import DRAFTERS
+from runtime.drafters.registry import REGISTRY, DraftSources, make_drafter
 from runtime.errors import RequestError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +46,7 @@ def test_no_drafter_capability_is_probed():
         for path in sorted((ROOT / package).rglob("*.py"))
         for line, name in capability_probes(path.read_text(encoding="utf-8"))
     ]
-    assert probes == [], "declare the capability on runtime.drafters.base.Drafter and call it:\n" + "\n".join(probes)
+    assert probes == [], "declare the capability on runtime.decoding.drafter.Drafter and call it:\n" + "\n".join(probes)
 
 
 def test_the_guard_sees_a_probe():
@@ -114,15 +116,36 @@ def test_a_feature_draft_needs_a_target_that_returns_hidden_states():
     assert make_drafter("hybrid", sources(draft=FeatureEngine(), has_hidden=True)).reads_features
 
 
-def test_the_schema_and_the_clis_read_the_registry():
+def test_the_names_are_the_registry_s_and_the_schema_checks_them():
+    """runtime/drafter_names.py is the registry's names as data (same names, same order): a drafter registered
+    without its name there, or a name left behind, fails here before any bundle records it."""
+    from runtime.bundle import BuildSpec, SpecError
+
+    assert DRAFTERS == tuple(REGISTRY) and all(kind.name == name for name, kind in REGISTRY.items())
+    assert [BuildSpec(target="t", drafter=name).drafter for name in DRAFTERS] == list(DRAFTERS)
+    with pytest.raises(SpecError, match="drafter"):
+        BuildSpec(target="t", drafter="medusa")
+
+
+def test_same_vocab_marks_the_kinds_a_draft_with_its_own_tokenizer_refuses():
+    """``same_vocab`` (what builder/build.py swaps for the cross-tokenizer default) is exactly the kinds that refuse a
+    draft with a tokenizer of its own."""
+    refused = []
+    for name in DRAFTERS:
+        try:
+            make_drafter(name, sources(draft=_Engine(), bridge=byte_bridge()))
+        except RequestError:
+            refused.append(name)
+    assert refused == [name for name, kind in REGISTRY.items() if kind.same_vocab]
+
+
+def test_the_clis_read_the_names():
     import click
 
     from builder.cli import main as build_engines
-    from runtime.bundle import DRAFTERS as SCHEMA
     from runtime.cli import generate
     from bench.drafter_list import drafter_labels
 
-    assert SCHEMA == tuple(REGISTRY)
     for command in (generate, build_engines):
         choices = [p.type.choices for p in command.params if p.name in ("drafter", "drafter_kind")]
         assert choices and all(isinstance(c, (list, tuple)) for c in choices)

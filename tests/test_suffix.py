@@ -189,7 +189,8 @@ def test_suffix_greedy_equals_target_only(generator, kind):
 def test_the_generator_and_bench_build_suffix_drafters(generator):
     from bench.drafter_list import drafter_labels
     from bench.sweep import decode
-    from runtime.bundle import DRAFTERS, BuildSpec
+    from runtime.bundle import BuildSpec
+    from runtime.drafter_names import DRAFTERS
 
     assert {"suffix", "hybrid_suffix"} <= set(DRAFTERS)
     assert BuildSpec(target="t", drafter="suffix").drafter == "suffix"

@@ -12,22 +12,10 @@ checkpoint.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 
+from builder.decoder import clean_config
 from builder.distill.corpus import DistillError, Sample
-
-
-def clean_config(config, layers: int | None = None):
-    config = copy.deepcopy(config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # a GGUF-loaded target: the draft is plain fp32
-    if layers is not None:
-        config.num_hidden_layers = layers
-        if isinstance(getattr(config, "layer_types", None), list):
-            config.layer_types = config.layer_types[:layers]
-    return config
 
 
 def output_transform(config) -> str | None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.decoder import Decoder, LazyLayers, attention_of, from_transformers, layer_of
+from builder.decoder import Decoder, LazyLayers, attention_of, clean_config, from_transformers, layer_of
 
 CHECK_LAYERS = 2  # layers of the transformers model the fused graph is checked against
 
@@ -54,7 +54,6 @@ class Streamed:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
-        from builder.distill.draft import clean_config
 
         layers = min(CHECK_LAYERS, self.layers)
         with no_init_weights():

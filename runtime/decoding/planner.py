@@ -23,7 +23,7 @@ import numpy as np
 from runtime.decoding.config import DecodeConfig
 from runtime.decoding.step import DecodeRow
 from runtime.decoding.step_costs import CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
-from runtime.drafters.base import Drafter
+from runtime.decoding.drafter import Drafter
 
 
 @dataclass

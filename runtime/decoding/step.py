@@ -21,7 +21,7 @@ import numpy as np
 
 from runtime.decoding.calls import feed
 from runtime.decoding.config import DecodeConfig
-from runtime.drafters.base import Drafter, Proposal
+from runtime.decoding.drafter import Drafter, Proposal
 from runtime.decoding.grammar import constrain, forced_proposals
 from runtime.metrics import RequestStats
 from runtime.decoding.sampling import point_masses, token_logprobs, verify

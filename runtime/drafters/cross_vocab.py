@@ -28,7 +28,7 @@ import numpy as np
 from runtime.decoding.calls import last_logits
 from runtime.decoding.grammar import constrain
 from runtime.decoding.sampling import SamplingParams, point_masses, top_probability
-from runtime.drafters.base import Drafter, Proposal
+from runtime.decoding.drafter import Drafter, Proposal
 from runtime.drafters.model import draw_next
 from runtime.text.vocab_bridge import VocabBridge, split_utf8
 

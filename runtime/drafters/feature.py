@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.decoding.calls import last_logits, padded
-from runtime.drafters.base import Proposal
+from runtime.decoding.drafter import Proposal
 from runtime.drafters.model import SamplingDrafter, draw_rows
 from runtime.decoding.sampling import SamplingParams, point_masses
 

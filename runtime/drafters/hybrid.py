@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.drafters.base import Drafter, Proposal
+from runtime.decoding.drafter import Drafter, Proposal
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
 from runtime.decoding.sampling import SamplingParams

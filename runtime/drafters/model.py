@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.decoding.calls import last_logits
-from runtime.drafters.base import Drafter, Proposal
+from runtime.decoding.drafter import Drafter, Proposal
 from runtime.engines.base import Engine
 from runtime.decoding.grammar import constrain
 from runtime.decoding.sampling import SamplingParams, next_token, point_masses, top_probability

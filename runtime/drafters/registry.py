@@ -1,12 +1,15 @@
-"""Every drafter by name: the one table the bundle schema (``spec.drafter``), the Python API, the servers and the
-CLIs read. Adding a drafter is one module in runtime/drafters/ and one entry here."""
+"""Every drafter by name: what each name makes, and what it needs (a draft engine, the target's vocabulary). The
+Python API, the servers and the builder read this table; the bundle schema and the CLIs check a name against the
+plain list in runtime/drafter_names.py, which tests/test_drafter_contract.py holds equal to this table's names (the
+schema sits below the engines these drafters call, so it cannot import them). Adding a drafter: docs/drafts.md."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from runtime.drafters.base import Drafter
+from runtime.decoding.drafter import Drafter
+from runtime.drafter_names import DRAFTERS
 from runtime.drafters.cross_vocab import CrossVocabDrafter
 from runtime.drafters.feature import FeatureDrafter
 from runtime.drafters.hybrid import HybridDrafter
@@ -34,6 +37,9 @@ class DrafterKind:
     summary: str
     uses_draft_engine: bool  # without the bundle's draft engine the request decodes target-only
     make: Callable[[DraftSources], Drafter]
+    # its draft engine must share the target's tokenizer: where a build pairs a draft with a tokenizer of its own,
+    # builder/build.py records the cross-tokenizer drafter as the bundle's default instead
+    same_vocab: bool = False
 
 
 def model_drafter(sources: DraftSources) -> Drafter:
@@ -86,6 +92,7 @@ REGISTRY: dict[str, DrafterKind] = {
             "the bundle's draft engine (a draft model, or a feature draft over the target's hidden states)",
             True,
             model_drafter,
+            same_vocab=True,
         ),
         DrafterKind(
             "prompt_lookup",
@@ -94,7 +101,11 @@ REGISTRY: dict[str, DrafterKind] = {
             lambda sources: PromptLookupDrafter(sources.vocab_size),
         ),
         DrafterKind(
-            "hybrid", "prompt lookup where the context has a 2-gram match, the draft engine elsewhere", True, _hybrid
+            "hybrid",
+            "prompt lookup where the context has a 2-gram match, the draft engine elsewhere",
+            True,
+            _hybrid,
+            same_vocab=True,
         ),
         DrafterKind(
             "suffix",
@@ -103,7 +114,11 @@ REGISTRY: dict[str, DrafterKind] = {
             _suffix,
         ),
         DrafterKind(
-            "hybrid_suffix", "the suffix drafter where it is sure, the draft engine elsewhere", True, _hybrid_suffix
+            "hybrid_suffix",
+            "the suffix drafter where it is sure, the draft engine elsewhere",
+            True,
+            _hybrid_suffix,
+            same_vocab=True,
         ),
         DrafterKind(
             "tli",
@@ -121,7 +136,6 @@ REGISTRY: dict[str, DrafterKind] = {
         ),
     )
 }
-DRAFTERS = tuple(REGISTRY)  # the names, in the order help texts list them
 
 
 def drafter_kind(name: str) -> DrafterKind:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.drafters.base import Drafter, Proposal
+from runtime.decoding.drafter import Drafter, Proposal
 from runtime.decoding.sampling import SamplingParams, point_masses
 
 DEPTH = 16  # longest substring the trie counts: match plus draft

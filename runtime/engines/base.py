@@ -1,6 +1,6 @@
 """The engine contract: what the decode step, the drafters and the scheduler ask of a compiled model.
 
-One base class instead of a Protocol plus probes (as the drafters' runtime/drafters/base.py): every capability an
+One base class instead of a Protocol plus probes (as the drafters' runtime/decoding/drafter.py): every capability an
 engine may have is declared here with the default an engine without it gets, so callers read each one and never
 ``hasattr``/``getattr`` for it (tests/test_engine_contract.py fails on a probe). An engine owns no sequence state; a
 ``KVCache`` does. Like llama.cpp's ``llama_decode(ctx, batch)``, a call says what it wants as data: which tokens are

@@ -46,6 +46,7 @@ from runtime.serving.connections import (
 )
 from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
+from runtime.loaded import LoadedBundle
 from runtime.serving.handles import Event, Overloaded, Unavailable, is_stopping
 from runtime.serving.body_parser import BodyError, BodyParser
 from runtime.serving.health import scheduler_problem
@@ -325,15 +326,15 @@ def _json_bytes(model) -> bytes:
     ).encode()
 
 
-def _prepare_grammars(generator) -> None:
+def _prepare_grammars(loaded: LoadedBundle) -> None:
     """Make the grammar compiler and read the tokens' bytes before serving, so no request waits for them. Where
     llguidance is missing or cannot read the bundle's tokenizer (a WordPiece decoder), the server still starts and
     serves the rest: said here once, and per request with a 400 saying why (``_needs_bytes``)."""
     try:
-        generator.grammar_compiler()
+        loaded.grammar_compiler()
     except RequestError as err:
         log.warning("%s; requests with response_format or tools will be refused", err)
-    why = generator.tokenizer.bytes_problem()
+    why = loaded.tokenizer.bytes_problem()
     if why:
         log.warning(
             "chat logprobs are unavailable for this bundle: %s; chat requests with logprobs will be refused", why
@@ -729,15 +730,13 @@ def serve(
     TCP peer is the client). ``health_port``: /health and /health/live also on that port, served apart, so no
     client can starve the probes. ``refusal_pacing``: a client looping on refused requests gets its refusals late
     (runtime/serving/pacing.py; None: at once)."""
-    from runtime.api import SpeculativeGenerator
-
     drain = Drain(timeout=drain_timeout, linger=drain_linger)  # a bad setting fails before the load
     limits = connection_limits or ConnectionLimits()
     trusted = trusted_proxies(trusted_proxy)
-    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
-    _prepare_grammars(generator)
+    loaded = LoadedBundle.open(bundle, threads=threads)  # what the scheduler runs on; the Python API is no server's
+    _prepare_grammars(loaded)
     scheduler = Scheduler(
-        generator,
+        loaded,
         max_batch=max_batch,
         max_queue=max_queue,
         policy=policy,

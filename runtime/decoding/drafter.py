@@ -1,5 +1,9 @@
 """The drafter contract: what the decode step (runtime/decoding/step.py) asks of every drafter.
 
+It lives here, beside the step and planner that call it, and not in runtime/drafters/: every drafter builds on
+decoding (sampling, calls, grammar), so the contract belongs to the layer below them and decoding never imports a
+drafter (tests/test_folder_graph.py: no circle between folders).
+
 One base class instead of a Protocol plus probes: every capability a drafter may have is declared here with the
 default a drafter without it gets, so the step calls each hook unconditionally and a new drafter overrides only what
 it does (llama.cpp's common_speculative and vLLM's proposer interface work the same way).
