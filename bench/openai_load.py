@@ -18,7 +18,6 @@ alone afterwards, one at a time; a mismatch means batching changed the output.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from dataclasses import asdict, replace
@@ -30,6 +29,7 @@ from bench.hostile_load import HealthProbe, HostileBodies, HostileConnections, f
 from bench.openai_client import PROMPTS, Outcome, Spec, error_message, long_prompt_of, mixed_spec, run_one
 from bench.openai_report import levels_report, run_report
 from bench.procmem import RssSampler
+from bench.server_metrics import draft_length_counts, lag_during, loop_lag_counts
 import numpy as np
 
 
@@ -139,7 +139,7 @@ def run_load(
         report["health"] = probe.stop()
     if attacker is not None:
         report["hostile_client"] = attacker.stop()
-    lag = _lag_during(lag_before, loop_lag_counts(base, headers, timeout))
+    lag = lag_during(lag_before, loop_lag_counts(base, headers, timeout))
     if lag:
         report["event_loop_lag"] = lag
     report.update(
@@ -180,42 +180,6 @@ def _attacker(base, model, fmt, body_bytes, headers, timeout) -> HostileBodies |
         body, label = metadata_body(model, body_bytes)
         return HostileBodies(base, "/v1/chat/completions", body, label, headers, timeout).start()
     return None
-
-
-def loop_lag_counts(base: str, headers: dict, timeout: float) -> dict[float, float]:
-    """The server's event-loop lag histogram from its /metrics: {bucket's upper bound: samples at or below it}
-    ({} where it has none)."""
-    try:
-        text = httpx.get(f"{base}/metrics", headers=headers, timeout=timeout).text
-    except httpx.HTTPError:
-        return {}
-    found = re.findall(r'^draftsmith_event_loop_lag_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
-    return {float(bound): float(n) for bound, n in found}
-
-
-def _lag_during(before: dict[float, float], after: dict[float, float]) -> dict:
-    """The lag samples taken during a run (the difference of two readings): how many, how many over 50 ms, and the
-    upper bound of the highest bucket any reached (the lag was at most that)."""
-    if not after:
-        return {}
-    during = {bound: n - before.get(bound, 0.0) for bound, n in sorted(after.items())}
-    samples = during.get(float("inf"), 0.0)
-    at_most_50ms = max((n for bound, n in during.items() if bound <= 0.05), default=0.0)
-    below, highest = 0.0, 0.0
-    for bound, n in during.items():
-        if n > below:
-            highest, below = bound, n
-    return {"samples": int(samples), "over_50ms": int(samples - at_most_50ms), "max_at_most_s": highest}
-
-
-def draft_length_counts(base: str, headers: dict, timeout: float) -> dict[int, float]:
-    """Row-steps by the draft length the server's step plan chose, from its /metrics ({} where it has none)."""
-    try:
-        text = httpx.get(f"{base}/metrics", headers=headers, timeout=timeout).text
-    except httpx.HTTPError:
-        return {}
-    found = re.findall(r'^draftsmith_scheduler_draft_length_total\{k="(\d+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
-    return {int(k): float(n) for k, n in found}
 
 
 def _summary(outcomes: list[Outcome], elapsed: float) -> dict:

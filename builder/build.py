@@ -28,7 +28,6 @@ from builder.manifest import bundle_manifest, save_tokenizers
 from builder.progress import Stage
 from runtime.bundle import BuildSpec, Manifest
 
-__all__ = ["BuildError", "build"]
 log = logging.getLogger(__name__)
 
 

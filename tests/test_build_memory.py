@@ -57,7 +57,8 @@ def test_a_graph_streamed_to_external_data_computes_what_the_one_file_graph_does
 
 def test_a_build_that_cannot_fit_is_refused_before_any_weight_is_read(tiny_pair, tmp_path, monkeypatch):
     from builder import memory
-    from builder.build import BuildError, build
+    from builder.build import build
+    from builder.errors import BuildError
     from runtime.bundle import BuildSpec
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 20)
@@ -72,7 +73,8 @@ def test_a_build_that_cannot_fit_is_refused_before_any_weight_is_read(tiny_pair,
 
 def test_running_out_mid_build_stops_it_with_a_message_and_no_bundle(tiny_pair, tmp_path, monkeypatch):
     from builder import memory
-    from builder.build import BuildError, build
+    from builder.build import build
+    from builder.errors import BuildError
     from runtime.bundle import BuildSpec
 
     # the refusal's and the watchdog's first readings: plenty; then a few with 1 MiB left; then plenty again

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from builder.build import BuildError, build
+from builder.build import build
+
+from builder.errors import BuildError
 from builder.cli import main as build_engines
 from runtime.api import SpeculativeGenerator
 from runtime.bundle import BuildSpec, BundleError, Manifest, hash_tree, load_manifest

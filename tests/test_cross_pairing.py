@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizer
 
 from builder import pairing
-from builder.build import BuildError
+from builder.errors import BuildError
 from builder.checkpoint import resolve
 from builder.draft_choice import cross_pair
 from builder.pairing import PairingError

@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from builder.build import BuildError, build
+from builder.build import build
+
+from builder.errors import BuildError
 from runtime.bundle import BuildSpec, BundleError, load_manifest
 
 

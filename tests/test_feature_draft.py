@@ -227,7 +227,9 @@ def test_a_feature_draft_for_another_target_is_refused(feature_bundle, tmp_path)
     import json
     import shutil
 
-    from builder.build import BuildError, build
+    from builder.build import build
+
+    from builder.errors import BuildError
     from runtime.bundle import BuildSpec
 
     manifest = feature_bundle[2]
@@ -253,7 +255,9 @@ def test_a_hostile_feature_draft_config_is_refused(feature_bundle, tmp_path, cha
     import json
     import shutil
 
-    from builder.build import BuildError, build
+    from builder.build import build
+
+    from builder.errors import BuildError
     from runtime.bundle import BuildSpec
 
     manifest = feature_bundle[2]
