@@ -61,18 +61,6 @@ def find_server_pid(http_port: int) -> int | None:
     return None
 
 
-def stub_pids(server_pid: int) -> list[int]:
-    """The Python backend stub processes of a tritonserver."""
-    out = []
-    for p in process_tree(server_pid)[1:]:
-        try:
-            if b"triton_python_backend_stub" in Path("/proc", str(p), "cmdline").read_bytes():
-                out.append(p)
-        except OSError:
-            continue
-    return out
-
-
 class RssSampler:
     """A server's resident memory (MiB) from /proc every half second while a load runs (bench/openai_load.py)."""
 

@@ -125,16 +125,6 @@ def acceptance(steps: list[tuple[int, int, int, float]]) -> dict:
     }
 
 
-def leviathan_speedup(alpha: float, k: int, c: float) -> float:
-    """Predicted walltime improvement: (1 - a^(k+1)) / ((1 - a)(k c + 1)); at a = 1 the limit (k+1)/(k c + 1)."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], received {alpha}")
-    if k < 0 or c < 0:
-        raise ValueError(f"k and c must be >= 0, received k={k}, c={c}")
-    expected = (k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return expected / (k * c + 1.0)
-
-
 def expected_tokens_per_step(alpha: float, k: int) -> float:
     """Tokens a step emits on average when each of k drafts is accepted with probability alpha until one is not:
     (1 - a^(k+1)) / (1 - a), the bonus or correction token included; k + 1 at a = 1."""

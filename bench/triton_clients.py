@@ -27,7 +27,6 @@ class Record:
     latency: float = 0.0
     ttft: float | None = None
     error: str = ""
-    chars: int = 0
     body: dict = field(default_factory=dict)  # what was sent
     text: str = ""  # what came back
 
@@ -76,7 +75,6 @@ def http_request(url: str, body: dict, timeout: float, record: Record, t0: float
     )
     record.latency = time.perf_counter() - began
     record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
-    record.chars = len(answer.get("text_output") or "")
     record.text = answer.get("text_output") or ""
 
 
@@ -170,7 +168,7 @@ class GrpcStreamClient:
             problem = well_formed(text, rate, accepted, drafted)
             record.latency = time.perf_counter() - began
             record.outcome, record.error = ("lost", "malformed answer: " + problem) if problem else ("answered", "")
-            record.chars, record.text = len(text), text
+            record.text = text
         except queue.Empty:
             record.outcome, record.error = "lost", f"no final response in {timeout:.0f} s"
             self.close()

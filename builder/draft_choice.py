@@ -285,7 +285,7 @@ class Chooser:
             if head < int(draft_ckpt.config.vocab_size)  # a head no smaller than the vocabulary is the whole one
         ]
         scored = [row for row, _, _ in measured]
-        sources = DraftSources(target.info.vocab_size, None, False, None, 0.0)
+        sources = DraftSources(target.info.vocab_size, None, False, 0.0)
         for name in MODEL_FREE:
             scored.append(score_free(costs, name, lambda: make_drafter(name, sources), texts))  # noqa: B023
         form, agrees, form_costs = max(measured, key=lambda m: m[0].speedup)

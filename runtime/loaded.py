@@ -17,7 +17,6 @@ from runtime.decoding.grammar import GrammarCompiler, parse_response_format
 from runtime.decoding.step_costs import CostModel
 from runtime.decoding.drafter import Drafter
 from runtime.drafters.registry import DraftSources, drafter_kind, make_drafter
-from runtime.drafters.suffix import SuffixCorpus
 from runtime.engines.base import Engine
 from runtime.engines.loading import open_engines
 from runtime.errors import RequestError
@@ -50,7 +49,6 @@ class LoadedBundle:
         self.max_k = max_k or (manifest.spec.max_k if manifest else 16)
         self.max_context = target.max_context
         self.metrics = MetricsRegistry()
-        self.suffix_corpus: SuffixCorpus | None = None  # earlier responses for suffix drafters (a server sets one)
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
         self._no_grammars = ""  # why it cannot be made, once found
         self._costs: CostModel | None = None  # measured call costs (``step_costs``), made on first need
@@ -142,10 +140,7 @@ class LoadedBundle:
         if mode == "target":
             return None
         return make_drafter(
-            kind,
-            DraftSources(
-                self.target.vocab_size, self.draft, self.target.has_hidden, self.suffix_corpus, confidence, self.bridge
-            ),
+            kind, DraftSources(self.target.vocab_size, self.draft, self.target.has_hidden, confidence, self.bridge)
         )
 
 

@@ -12,8 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.engines.base import Engine, KVCache, last_positions, live_keep_mask
+from runtime.engines.base import Engine, KVCache, live_keep_mask
 from runtime.engines.onnx import stack_rows
+
+
+def last_positions(logits: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """Logits [B, S, V] cut to [B, 1, V] at each row's last valid position: how a scripted engine that computes every
+    position answers ``last``."""
+    counts = np.full(len(logits), logits.shape[1]) if valid is None else np.asarray(valid).sum(axis=1)
+    return logits[np.arange(len(logits)), np.maximum(counts - 1, 0)][:, None]
 
 
 class TokenCache(Engine):

@@ -15,8 +15,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from fakes import LENGTH, DraftCounts, TokenCache, rate_bound, total_variation, tv_bound
-from runtime.engines.base import KVCache, last_positions
+from fakes import LENGTH, DraftCounts, TokenCache, last_positions, rate_bound, total_variation, tv_bound
+from runtime.engines.base import KVCache
 from runtime.decoding.sampling import probabilities
 
 

@@ -23,7 +23,6 @@ from bench.stats import (
     best_k,
     call_costs,
     expected_tokens_per_step,
-    leviathan_speedup,
     percentile,
     predicted_speedup,
     recommend_k,
@@ -95,13 +94,20 @@ def test_per_token_latencies_share_each_step_among_its_tokens():
 
 
 def test_leviathan_formula():
-    assert leviathan_speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8**4) / (0.2 * 1.3))  # 2.2708
-    assert leviathan_speedup(0.8, 3, 0.1) == pytest.approx(2.270769, abs=1e-6)
-    assert leviathan_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the a -> 1 limit
-    assert leviathan_speedup(0.0, 2, 0.5) == pytest.approx(1 / 2)  # nothing accepted: pure draft overhead
-    assert leviathan_speedup(0.6, 1, 0.0) == pytest.approx(1.6)
+    """Leviathan et al.'s eq. 1, (1 - a^(k+1)) / ((1 - a)(k c + 1)): predicted_speedup with k draft calls a step, each
+    c of a target step, and a verify call as dear as a step."""
+
+    def eq1(alpha, k, c):
+        return predicted_speedup(alpha, k, float(k), c, 1.0, 1.0)
+
+    assert expected_tokens_per_step(0.8, 3) == pytest.approx((1 - 0.8**4) / 0.2)
+    assert eq1(0.8, 3, 0.1) == pytest.approx((1 - 0.8**4) / (0.2 * 1.3))  # 2.2708
+    assert eq1(0.8, 3, 0.1) == pytest.approx(2.270769, abs=1e-6)
+    assert expected_tokens_per_step(1.0, 4) == 5.0 and eq1(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the a -> 1 limit
+    assert eq1(0.0, 2, 0.5) == pytest.approx(1 / 2)  # nothing accepted: pure draft overhead
+    assert expected_tokens_per_step(0.6, 1) == pytest.approx(1.6) and eq1(0.6, 1, 0.0) == pytest.approx(1.6)
     with pytest.raises(ValueError):
-        leviathan_speedup(1.5, 2, 0.1)
+        expected_tokens_per_step(1.5, 2)
 
 
 def test_predicted_speedup_prices_the_measured_verify_call_and_draft_calls():
@@ -112,9 +118,9 @@ def test_predicted_speedup_prices_the_measured_verify_call_and_draft_calls():
     # (2 * 5 + 30) / 25 = 1.6 steps per step -> 1.875 / 1.6
     assert predicted_speedup(0.5, 3, 2.0, 0.005, 0.030, 0.025) == pytest.approx(1.875 / 1.6)
     # eq. 1 with c = T_draft / T_verify prices the verify as one step and k draft calls: 1.875 / (3/6 + 1) = 1.25
-    assert leviathan_speedup(0.5, 3, 0.005 / 0.030) == pytest.approx(1.25)
-    # a verify as cheap as a step and k draft calls per step: the two agree
-    assert predicted_speedup(0.5, 3, 3.0, 0.005, 0.025, 0.025) == pytest.approx(leviathan_speedup(0.5, 3, 0.2))
+    assert expected_tokens_per_step(0.5, 3) / (3 * 0.005 / 0.030 + 1) == pytest.approx(1.25)
+    # a verify as cheap as a step and k draft calls per step: eq. 1 with c = 0.2
+    assert predicted_speedup(0.5, 3, 3.0, 0.005, 0.025, 0.025) == pytest.approx(1.875 / (3 * 0.2 + 1))
     assert predicted_speedup(0.5, 3, 0.0, 0.0, 0.025, 0.025) == pytest.approx(1.875)  # lookup: no draft calls
     assert predicted_speedup(0.5, 3, 2.0, 0.005, 0.0, 0.025) == 0.0  # nothing measured: no prediction
 

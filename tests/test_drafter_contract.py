@@ -65,7 +65,7 @@ CROSS = ("tli", "string")  # the kinds of a draft with its own tokenizer: they t
 
 
 def sources(draft=None, has_hidden=False, bridge=None) -> DraftSources:
-    return DraftSources(16, draft, has_hidden, None, 0.0, bridge)
+    return DraftSources(16, draft, has_hidden, 0.0, bridge)
 
 
 def byte_bridge():

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from fakes import LENGTH, BigramEngine, assert_follows_target, random_table, run_loop
-from runtime.engines.base import KVCache, last_positions
+from fakes import LENGTH, BigramEngine, assert_follows_target, last_positions, random_table, run_loop
+from runtime.engines.base import KVCache
 from runtime.drafters.feature import FeatureDrafter
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig

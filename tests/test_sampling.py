@@ -202,8 +202,8 @@ def test_bad_seeds_are_request_errors():
 
 
 def test_top_p_on_a_large_vocabulary_is_the_full_sort_nucleus():
-    """nucleus() sorts only the most likely candidates when they hold the set: the same set, ties included."""
-    from runtime.decoding.sampling import nucleus
+    """nucleus_ids() sorts only the most likely candidates when they hold the set: the same set, ties included."""
+    from runtime.decoding.sampling import nucleus_ids
 
     rng = np.random.default_rng(0)
     for trial in range(60):
@@ -218,4 +218,6 @@ def test_top_p_on_a_large_vocabulary_is_the_full_sort_nucleus():
         before = np.cumsum(probs[order]) - probs[order]
         want = np.zeros(len(probs), bool)
         want[order[: max(1, int((before < top_p).sum()))]] = True
-        assert np.array_equal(nucleus(probs, top_p), want), trial
+        got = np.zeros(len(probs), bool)
+        got[nucleus_ids(probs, top_p)] = True
+        assert np.array_equal(got, want), trial

@@ -82,12 +82,16 @@ def stop_discarding_log(server, timeout: float = 30.0) -> None:
 
 def stubs(server) -> dict[str, int]:
     """model name -> pid of its Python backend stub."""
-    from bench.procmem import stub_pids
+    from bench.procmem import process_tree
 
     out = {}
-    for pid in stub_pids(server.process.pid):
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        out[Path(args[1].decode()).parents[1].name] = pid
+    for pid in process_tree(server.process.pid)[1:]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # gone since the tree was read
+            continue
+        if b"triton_python_backend_stub" in cmdline:
+            out[Path(cmdline.split(b"\0")[1].decode()).parents[1].name] = pid
     return out
 
 

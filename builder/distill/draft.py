@@ -62,7 +62,7 @@ def init_draft(target_model, init: str, allow_pickle: bool = False):
         for name in draft.state_dict():
             if name in state:
                 keep[name] = state[name]
-        missing, unexpected = draft.load_state_dict(keep, strict=False)
+        missing, _unexpected = draft.load_state_dict(keep, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
         if missing:
             raise DistillError(f"--init {init}: the truncated draft has weights the target lacks: {missing[:5]}")

@@ -661,7 +661,6 @@ DECODERS = {
     "IQ4_NL": _iq4_nl,
     "IQ4_XS": _iq4_xs,
 }
-FAITHFUL_TYPES = tuple(DECODERS)
 
 
 # --- reshaping, stacking, packing ------------------------------------------------------------------------------------

@@ -65,13 +65,6 @@ NUCLEUS_CANDIDATES = 1024  # sort at most this many of the most likely tokens wh
 NUCLEUS_STEP = 1e-3  # candidates: tokens within this factor of the most likely one, widened by it while they fall short
 
 
-def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """The top-p set of one distribution [V] as a mask (``nucleus_ids``)."""
-    keep = np.zeros(probs.shape[-1], dtype=bool)
-    keep[nucleus_ids(probs, top_p)] = True
-    return keep
-
-
 def nucleus_ids(probs: np.ndarray, top_p: float) -> np.ndarray:
     """The top-p set of one distribution [V]: tokens in descending probability (ties: lower id first) while the
     mass strictly above them is below top_p. The same set as sorting the whole vocabulary: only the tokens at or

@@ -15,7 +15,7 @@ from runtime.drafters.feature import FeatureDrafter
 from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
-from runtime.drafters.suffix import HYBRID_SUFFIX, SuffixCorpus, SuffixDrafter
+from runtime.drafters.suffix import HYBRID_SUFFIX, SuffixDrafter
 from runtime.errors import RequestError
 
 
@@ -26,7 +26,6 @@ class DraftSources:
     vocab_size: int  # the target's
     draft: object | None  # the bundle's draft engine (None: it has none)
     target_has_hidden: bool  # the target engine returns its final hidden states (a feature draft's input)
-    suffix_corpus: SuffixCorpus | None  # earlier responses a server shares among suffix drafters
     confidence: float  # a model drafter stops a row's draft when its top probability falls below this
     bridge: object | None = None  # a VocabBridge where the draft has a tokenizer of its own (None: the target's)
 
@@ -60,7 +59,7 @@ def model_drafter(sources: DraftSources) -> Drafter:
 
 
 def _suffix(sources: DraftSources) -> Drafter:
-    return SuffixDrafter(sources.vocab_size, sources.suffix_corpus)
+    return SuffixDrafter(sources.vocab_size)
 
 
 def _hybrid(sources: DraftSources) -> Drafter:
@@ -68,7 +67,7 @@ def _hybrid(sources: DraftSources) -> Drafter:
 
 
 def _hybrid_suffix(sources: DraftSources) -> Drafter:
-    confident = SuffixDrafter(sources.vocab_size, sources.suffix_corpus, HYBRID_SUFFIX)
+    confident = SuffixDrafter(sources.vocab_size, HYBRID_SUFFIX)
     return HybridDrafter(model_drafter(sources), sources.vocab_size, free=confident)
 
 

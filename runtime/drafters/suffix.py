@@ -14,15 +14,14 @@ Vocabulary, for the text so far t_1..t_n:
 
 The draft stops at the first j with f_j < ``min_frequency``, at ``per_match`` times m tokens (a short match is weak
 evidence however often it occurred), at the trie's depth, and at the step's limit. Each row indexes its own prompt and
-text; a ``SuffixCorpus`` adds earlier responses shared by one server's requests, and the row drafts from whichever
-source scores higher. A proposal is a point mass (q(x) = 1), so rejection sampling stays exact under sampling, as it
-does for prompt lookup; no random numbers are drawn to propose.
+text, and nothing else: no request drafts from another's responses (a corpus shared by a server's clients would show
+one client's outputs to another through draft counts and timing). A proposal is a point mass (q(x) = 1), so rejection
+sampling stays exact under sampling, as it does for prompt lookup; no random numbers are drawn to propose.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,23 +124,6 @@ class SuffixTrie:
         count[0] += 1
         return new
 
-    def follow(self, frontier: list[int], token: int) -> list[int]:
-        """The frontier after ``token`` for a text the trie does not hold (nothing is counted)."""
-        new = [0]
-        for node in frontier[: self.depth]:
-            child = self.edges.get(node * EDGE + token)
-            if child is None:
-                break  # the longer suffixes are missing too
-            new.append(child)
-        return new
-
-    def frontier_of(self, tail) -> list[int]:
-        """The frontier of a text the trie does not hold, from its last ``depth`` tokens."""
-        frontier = [0]
-        for token in tail:
-            frontier = self.follow(frontier, token)
-        return frontier
-
     def draft(self, frontier: list[int], limit: int, config: SuffixConfig) -> Draft:
         """The most frequent continuation of the longest continued match, cut where it turns unlikely."""
         if limit <= 0:
@@ -168,113 +150,41 @@ class SuffixTrie:
         return Draft(tokens, score, match)
 
 
-class SuffixCorpus:
-    """Earlier responses for suffix drafting, shared by the requests of one server; at most ``max_tokens`` token ids.
-
-    Each drafter that is given the corpus opens one document per row and appends what the row emits; the documents are
-    indexed when the next drafter starts (a generator serves one request at a time, so by then they are complete, and
-    no row drafts from its own response through the corpus). Past ``max_tokens`` the oldest documents go until half is
-    left and the trie is rebuilt from the rest: amortized O(depth) per token, and never more than max_tokens * depth
-    trie nodes, whatever the requests send. Only drafts depend on it: the output's distribution stays the target's
-    (greedy output is unchanged), though a seeded sampled request may draw another, equally distributed, sample as the
-    corpus changes, and its speed shows whether earlier responses resembled it.
-    """
-
-    def __init__(self, max_tokens: int = 16384, depth: int = DEPTH):
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"suffix corpus max_tokens: expected an integer >= 1, received {max_tokens!r}")
-        self.max_tokens, self.depth = max_tokens, depth
-        self.documents: deque[list[int]] = deque()
-        self.tokens = 0
-        self.trie = SuffixTrie(depth)
-        self.generation = 0  # bumped whenever the trie changes: drafters re-find their frontiers
-        self._open: list[list[int]] = []
-
-    def open_document(self) -> list[int]:
-        """A list for one response's tokens; indexed at the next ``seal``."""
-        document: list[int] = []
-        self._open.append(document)
-        return document
-
-    def seal(self) -> None:
-        """Index every document opened so far (their requests are over); later appends to them are not seen."""
-        opened, self._open = self._open, []
-        documents = [list(d[: self.max_tokens]) for d in opened if d]
-        for document in documents:
-            self._add(document)
-        if documents:
-            self.generation += 1
-
-    def _add(self, document: list[int]) -> None:
-        self.documents.append(document)
-        self.tokens += len(document)
-        if self.tokens <= self.max_tokens:
-            self._index(document)
-            return
-        while self.tokens > self.max_tokens // 2 and len(self.documents) > 1:
-            self.tokens -= len(self.documents.popleft())
-        self.trie = SuffixTrie(self.depth)
-        for kept in self.documents:
-            self._index(kept)
-
-    def _index(self, document: list[int]) -> None:
-        frontier = [0]
-        for token in document:
-            frontier = self.trie.append(frontier, token)
-
-
 @dataclass
 class _Row:
-    """One sequence's index over its prompt and text, and where its text stands in the corpus."""
+    """One sequence's index over its prompt and text."""
 
     trie: SuffixTrie
     frontier: list[int] = field(default_factory=lambda: [0])
-    tail: deque = field(default_factory=deque)  # the last depth tokens: to re-find the corpus frontier
-    shared: list[int] = field(default_factory=lambda: [0])  # frontier in the corpus trie
-    generation: int = -1  # the corpus generation ``shared`` belongs to
-    document: list[int] | None = None  # this row's response, for the corpus
 
     def copy(self) -> "_Row":
-        return _Row(
-            self.trie.copy(),
-            list(self.frontier),
-            deque(self.tail, maxlen=self.tail.maxlen),
-            list(self.shared),
-            self.generation,
-        )
+        return _Row(self.trie.copy(), list(self.frontier))
 
 
 class SuffixDrafter(Drafter):
-    """Drafts from a suffix trie of each row's prompt and text, and from an optional shared ``SuffixCorpus``.
+    """Drafts from a suffix trie of each row's prompt and text.
 
-    Per row and step it proposes the continuation with the higher score of the two sources; with ``min_score`` it
-    proposes nothing when neither is that sure (what a hybrid uses to leave the row to a draft model).
+    With ``min_score`` it proposes nothing for a row whose draft is not that sure (what a hybrid uses to leave the row
+    to a draft model).
     """
 
     calls_draft_engine = False  # a trie walk: no model
 
-    def __init__(self, vocab_size: int, corpus: SuffixCorpus | None = None, config: SuffixConfig = SuffixConfig()):
-        if corpus is not None and corpus.depth != config.depth:
-            raise ValueError(f"suffix corpus depth {corpus.depth} differs from the drafter's {config.depth}")
-        self.vocab_size, self.corpus, self.config = vocab_size, corpus, config
-        self.drafts = {"text": 0, "corpus": 0}  # proposals per source
+    def __init__(self, vocab_size: int, config: SuffixConfig = SuffixConfig()):
+        self.vocab_size, self.config = vocab_size, config
 
     def start(self, prompts: list[list[int]]) -> None:
-        if self.corpus is not None:
-            self.corpus.seal()
         indexed: dict[tuple[int, ...], _Row] = {}  # a batch often repeats a prompt (n samples): index it once
         self.rows = []
         for prompt in prompts:
             twin = indexed.get(tuple(prompt))
             row = self._new_row(prompt) if twin is None else twin.copy()
             indexed.setdefault(tuple(prompt), row)
-            if self.corpus is not None:
-                row.document = self.corpus.open_document()
             self.rows.append(row)
 
     def _new_row(self, prompt: list[int]) -> _Row:
-        row = _Row(SuffixTrie(self.config.depth), tail=deque(maxlen=self.config.depth))
-        self._extend(row, prompt, response=False)
+        row = _Row(SuffixTrie(self.config.depth))
+        self._extend(row, prompt)
         return row
 
     def propose(self, limits: list[int], params: SamplingParams, rngs: list) -> Proposal:
@@ -282,17 +192,10 @@ class SuffixDrafter(Drafter):
         return Proposal(tokens, [point_masses(t, self.vocab_size, params) for t in tokens])
 
     def draft(self, row: _Row, limit: int) -> Draft:
-        """The better of the row's own and the corpus's draft, or nothing when it scores under ``min_score``."""
-        best, source = row.trie.draft(row.frontier, limit, self.config), "text"
-        if self.corpus is not None and limit > 0:
-            if row.generation != self.corpus.generation:
-                row.shared, row.generation = self.corpus.trie.frontier_of(row.tail), self.corpus.generation
-            other = self.corpus.trie.draft(row.shared, limit, self.config)
-            if other.score > best.score:
-                best, source = other, "corpus"
+        """The row's draft, or nothing when it scores under ``min_score``."""
+        best = row.trie.draft(row.frontier, limit, self.config)
         if not best.tokens or best.score < self.config.min_score:
             return Draft([])
-        self.drafts[source] += 1
         return best
 
     def settle(self, accepted: list[int], emitted: list[list[int]]) -> None:
@@ -300,17 +203,11 @@ class SuffixDrafter(Drafter):
 
     def observe(self, emitted: list[list[int]]) -> None:
         for row, out in zip(self.rows, emitted):
-            self._extend(row, out, response=True)
+            self._extend(row, out)
 
     def keep_rows(self, rows: np.ndarray) -> None:
         self.rows = [self.rows[r] for r in rows]
 
-    def _extend(self, row: _Row, tokens: list[int], response: bool) -> None:
-        corpus = self.corpus if self.corpus is not None and row.generation == self.corpus.generation else None
+    def _extend(self, row: _Row, tokens: list[int]) -> None:
         for token in tokens:
             row.frontier = row.trie.append(row.frontier, token)
-            if corpus is not None:
-                row.shared = corpus.trie.follow(row.shared, token)
-        row.tail.extend(tokens)
-        if response and row.document is not None:
-            row.document.extend(tokens)

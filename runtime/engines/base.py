@@ -243,13 +243,6 @@ class EngineWrapper(Engine):
         return self.engine.compute_rows(cache, rows, chunks)
 
 
-def last_positions(logits: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
-    """Logits [B, S, V] cut to [B, 1, V] at each row's last valid position (an engine that computes every position
-    answers ``last`` with it)."""
-    counts = np.full(len(logits), logits.shape[1]) if valid is None else np.asarray(valid).sum(axis=1)
-    return logits[np.arange(len(logits)), np.maximum(counts - 1, 0)][:, None]
-
-
 def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """mask with every live slot past the first keep[b] of its row cleared."""
     return mask * (np.cumsum(mask, axis=1) <= keep[:, None])

@@ -85,11 +85,6 @@ def session_options(threads: int = 0):
     return options
 
 
-def pool_threads() -> int | None:
-    """The global pool's size, once a session made it (None before, or with per-session pools)."""
-    return _pool.get("threads")
-
-
 def make_session(
     model: str | os.PathLike | bytes,
     threads: int = 0,

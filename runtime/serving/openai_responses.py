@@ -69,9 +69,7 @@ def chat_logprobs(tokenizer, tokens: list[int], logprobs: list[float], tops: lis
     """OpenAI's chat ``logprobs`` object for tokens and their (target's) log-probabilities."""
 
     def entry(token: int, logprob: float) -> dict:
-        raw = tokenizer.token_bytes(token) if hasattr(tokenizer, "token_bytes") else None
-        text = token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(raw if raw is not None else text.encode())}
+        return {"token": token_text(tokenizer, token), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token))}
 
     return ChatLogprobs(
         content=[

@@ -155,7 +155,6 @@ class Scheduler:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.faults = 0  # steps whose shared target call failed (every running row failed with it)
         self.health = FaultWatch()  # engine failures in a row: what the server's probes report
 
     @property
@@ -287,7 +286,6 @@ class Scheduler:
             except BaseException as err:  # the shared target call failed (a panic too): fail what runs, keep serving
                 if isinstance(err, (KeyboardInterrupt, SystemExit)):
                     raise
-                self.faults += 1
                 self.health.failed()  # before the clients hear of it: a probe after their 500 sees the fault
                 self._fail_running(Unavailable(f"decoding failed: {err!r}"))
 

@@ -379,14 +379,14 @@ class _Budget:
         sys.settrace(self.previous)
         _render.known = None
 
-    def _call(self, frame, event, arg):
+    def _call(self, frame, event, _arg):
         if frame.f_code.co_filename == "<template>":
             return self._line
         if clock() > self.deadline:  # calls into jinja2's runtime count too
             raise TemplateBudgetError(f"the chat template ran past {TIME_BUDGET:g} s")
         return None
 
-    def _line(self, frame, event, arg):
+    def _line(self, frame, event, _arg):
         if clock() > self.deadline:
             raise TemplateBudgetError(f"the chat template ran past {TIME_BUDGET:g} s")
         _check_size(sum(_size(v) for v in frame.f_locals.values()))

@@ -21,7 +21,6 @@ from runtime.trtllm.common import require_tensorrt_llm
 # trust_remote_code (consent comes from the person running the command, never from a file), and keys that load code
 # or point outside the bundle (backend, checkpoint_loader, kv_connector_config, logits_post_processors, ...).
 # Names: tensorrt_llm/llmapi/llm_args.py (BaseLlmArgs / TorchLlmArgs).
-LLM_API_PATHS = ("model", "tokenizer")
 LLM_API_KEYS = {
     "model": "path",
     "tokenizer": "path",

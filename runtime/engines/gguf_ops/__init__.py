@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 from pathlib import Path
 
@@ -112,13 +111,3 @@ def register(options) -> bool:
         return False
     options.register_custom_ops_library(str(library_path()))
     return True
-
-
-_said: set[str] = set()
-
-
-def say_once(message: str) -> None:
-    """A warning the process gives once (a missing library is a fact of the machine, not of each engine)."""
-    if message not in _said:
-        _said.add(message)
-        logging.getLogger("draftsmith").warning(message)
