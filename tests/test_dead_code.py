@@ -1,5 +1,6 @@
-"""No dead code in the packages: vulture over builder/, runtime/, triton_repo/ and bench/ (not tests/, so a function
-only tests call counts as dead too) finds nothing but the names tests/vulture_allowlist.py gives a reason for."""
+"""No dead code in the packages: vulture over builder/, runtime/, triton_repo/, bench/ and deploy/ (not tests/, so
+a function only tests call counts as dead too) finds nothing but the names tests/vulture_allowlist.py gives a
+reason for."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("builder", "runtime", "triton_repo", "bench")
+PACKAGES = ("builder", "runtime", "triton_repo", "bench", "deploy")
 ALLOWLIST = ROOT / "tests" / "vulture_allowlist.py"
 MIN_CONFIDENCE = 60  # every kind vulture reports: functions, classes, methods, attributes, variables, imports
 ENTRY = re.compile(r"^_\.(\w+)\s*(#\s*(.*))?$")

@@ -1,5 +1,5 @@
-"""Names vulture may not call dead in builder/, runtime/, triton_repo/ and bench/ (tests/test_dead_code.py), each with
-why: a framework or a library reads it by name (click, FastAPI, pydantic, jinja2, Triton, ONNX Runtime, ONNX,
+"""Names vulture may not call dead in builder/, runtime/, triton_repo/, bench/ and deploy/ (tests/test_dead_code.py),
+each with why: a framework or a library reads it by name (click, FastAPI, pydantic, jinja2, Triton, ONNX Runtime, ONNX,
 transformers), it is public API the docs name, or it is pending another change.
 
 vulture reads this file as more source: ``_.name`` marks every definition called ``name`` as used. Nothing runs it.
@@ -29,7 +29,7 @@ _.tree_headroom  # click command `draftsmith tree-headroom` (bench/tree.py)
 _.inspect_cmd  # click command `build-engines inspect` (builder/cli.py)
 _.distill  # click command `draftsmith distill` (builder/distill/cli.py); also a pydantic field of runtime/presets.py
 _.serve_openai  # click command `draftsmith serve-openai` (runtime/cli.py)
-_.kubernetes  # click command `draftsmith deploy kubernetes` (triton_repo/deploy.py)
+_.kubernetes  # click command `draftsmith deploy kubernetes` (deploy/)
 
 # --- FastAPI: routes and exception handlers registered by their decorators (runtime/serving/openai_server.py) ---------
 _.completions  # FastAPI route POST /v1/completions
@@ -106,7 +106,7 @@ _.stop_token_ids  # openvino_genai.GenerationConfig field
 _.max_ngram_size  # openvino_genai.GenerationConfig field (prompt lookup)
 _.num_assistant_tokens  # openvino_genai / transformers GenerationConfig field (bench/peers/)
 _.num_assistant_tokens_schedule  # transformers GenerationConfig field (bench/peers/transformers_peer.py)
-_.ignore_aliases  # yaml.SafeDumper hook, called by PyYAML (triton_repo/deploy.py)
+_.ignore_aliases  # yaml.SafeDumper hook, called by PyYAML (deploy/)
 
 # --- read by reflection inside the packages ---------------------------------------------------------------------------
 _.fallback_steps  # RequestStats counter read by name: metric_families.py _total("fallback_steps"), metrics.py
@@ -114,7 +114,7 @@ _.system_efficiency  # RequestStats property read by name: metric_families.py _t
 _.draft_gpu_device_ids  # EngineLayout field read as getattr(layout, f"{role}_gpu_device_ids") (trtllm/layouts.py)
 _.draft_participant_ids  # EngineLayout field read as getattr(layout, f"{role}_participant_ids")
 _.duration_s  # LoadResult field, in the load report through asdict() (bench/load.py summary)
-_._measure_here  # run in a child process by name: `from triton_repo.deploy import _measure_here` (deploy.py)
+_._measure_here  # run in a child process by name: `from deploy.sizing import _measure_here` (deploy/sizing.py)
 
 # --- public API the docs name -----------------------------------------------------------------------------------------
 _.metrics_text  # SpeculativeGenerator.metrics_text(): README.md, docs/running.md, docs/operations.md
@@ -129,3 +129,5 @@ _.ended  # load Record field, with `origin` (tests/test_triton_server_faults.py 
 _.mask_count  # grammar row counter: masks computed (tests/test_grammar_bounds.py checks a mask is computed once)
 _.looked_up  # HybridDrafter counter: rows the free drafter proposed (tests/test_lookup.py, tests/test_suffix.py)
 _.tiny_config  # Architecture field: the tiny test model's extra config keys, kept beside the entry they test (conftest)
+_.sent_to_worker  # BodyParser counter: bodies parsed by its worker process (tests/test_body_parser.py checks the path)
+_.body_parser  # app.state attribute: the app's BodyParser (tests/test_body_parser.py reads it and stops its worker)

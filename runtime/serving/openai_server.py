@@ -129,7 +129,7 @@ def create_app(
         app.add_middleware(DrainGuard, drain=drain, problem=lambda live: scheduler_problem(scheduler, live))
     if refusal_pacing is not None:  # outermost: every refusal, the guards' own included, is paced
         app.add_middleware(RefusalPacer, pacing=refusal_pacing)
-    app.state.body_parser, app.state.loop_lag = parser, lag  # what tests and the bench read
+    app.state.body_parser = parser  # tests read which path a body took, and stop its worker
     _add_error_handlers(app)
     _add_model_routes(app, scheduler, model_name, lag)
     replies = _Replies(scheduler, model_name, FrontDoor(scheduler.bundle, limits), request_timeout)
