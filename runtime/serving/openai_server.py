@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import hmac
 import ipaddress
@@ -135,6 +136,14 @@ def create_app(
     replies = _Replies(scheduler, model_name, FrontDoor(scheduler.bundle, limits), request_timeout)
     _add_completion_routes(app, replies, parser)
     return app
+
+
+def settle_garbage_collector() -> None:
+    """Everything made at start (the bundle, tokenizer, templates, the libraries' modules: ~10^6 objects) moved out
+    of the collector's generations once: each full collection would walk them all again, holding the interpreter
+    lock — and so the event loop — ~50-100 ms at a time while 16 streams were served (the loop's lag, measured)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _lifespan(lag: LoopLag, parser: BodyParser):
@@ -757,6 +766,7 @@ def serve(
         refusal_pacing=refusal_pacing,
     )
     raise_file_limit(max_connections + limits.pending + 512)  # both ports' connections, and the process's own files
+    settle_garbage_collector()
     config = server_config(
         app, host, port, max_connections, limits, log_level=log_level, trusted=trusted, timeout_graceful_shutdown=5
     )
