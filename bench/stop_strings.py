@@ -44,8 +44,9 @@ def batch_rates(bundle: str, repeats: int, batch: int = 8, tokens: int = 128) ->
     """Decode tokens a second of ``batch`` code prompts with the 16 long stops and without, interleaved; the best of
     ``repeats`` each, their ratio, and whether every text is the same."""
     from runtime.api import SpeculativeGenerator
+    from runtime.text.prompt_files import parse_prompts
 
-    prompts = (Path(__file__).parent / "prompts" / "code.txt").read_text().split("\n\n")[:batch]
+    prompts = parse_prompts((Path(__file__).parent / "prompts" / "code.txt").read_text())[:batch]
     generator = SpeculativeGenerator.from_bundle(bundle, threads=2)
     generator.generate(prompts[:1], max_new_tokens=8)  # a warm-up
     rates: dict[str, list[float]] = {"no stops": [], "16 stops of 256 characters": []}
@@ -54,7 +55,7 @@ def batch_rates(bundle: str, repeats: int, batch: int = 8, tokens: int = 128) ->
         for name in rates:
             began = time.perf_counter()
             out = generator.generate(prompts, max_new_tokens=tokens, stop=list(CASES[name]) or None)
-            rates[name].append(sum(len(g.tokens) for g in out) / (time.perf_counter() - began))
+            rates[name].append(sum(len(g.token_ids) for g in out) / (time.perf_counter() - began))
             texts[name] = [g.text for g in out]
     best = {name: max(values) for name, values in rates.items()}
     return {
