@@ -41,7 +41,7 @@ def test_greedy_speculative_equals_target_only(generator, k):
 
 def test_the_pair_accepts_some_and_rejects_some(generator):
     """Otherwise the equivalence tests above would not exercise rollback."""
-    stats = generator.generate(PROMPTS[0], max_new_tokens=60, k=4).stats
+    stats = generator.generate(PROMPTS[0], max_new_tokens=60, k=4, plan=False).stats  # drafts every step
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
@@ -64,7 +64,7 @@ def test_batch_rows_finish_at_different_times(generator):
 def test_rollback_continuation_equals_fresh_run_from_accepted_prefix(generator):
     """Generation that continued after rejections equals a fresh run started from the accepted prefix."""
     tok = generator.tokenizer
-    first = generator.generate(PROMPTS[0], max_new_tokens=40, k=4)
+    first = generator.generate(PROMPTS[0], max_new_tokens=40, k=4, plan=False)  # drafts every step
     assert first.stats.num_draft_tokens > first.stats.num_accepted_tokens  # rejections happened
     prompt_ids = tok.encode(PROMPTS[0])
     prefix = prompt_ids + first.token_ids[:20]
