@@ -146,3 +146,16 @@ def test_the_server_settles_the_collector_before_it_serves():
         assert gc.collect() >= 1  # a cycle made after the freeze is found and freed
     finally:
         gc.unfreeze()
+
+
+def test_the_warm_up_request_runs_through_the_app(scheduler):
+    """serve-openai's warm-up: one streamed completion through the app before it listens, counted like any other;
+    a server it cannot reach (another model name: a 404) is warned about, not fatal."""
+    from runtime.serving.openai_server import LOOPBACK_HOSTS, create_app, warm_up
+
+    app = create_app(scheduler, MODEL, allowed_hosts=LOOPBACK_HOSTS)
+    before = scheduler.bundle.metrics.snapshot()
+    warm_up(app, MODEL, None)
+    after = scheduler.bundle.metrics.snapshot()
+    assert after.total.num_emitted_tokens > before.total.num_emitted_tokens
+    warm_up(app, "another-model", None)  # answered 404: a warning, no exception

@@ -149,6 +149,12 @@ class BodyParser:
             self._pool = None
             raise
 
+    def start(self) -> "BodyParser":
+        """Start the worker process now and wait until it has parsed a body: a server calls it before it listens,
+        so no request waits for a process start (or its imports) while others are served."""
+        self._worker().submit(parse_in_worker, "completion", b"{}").result()
+        return self
+
     def _worker(self) -> ProcessPoolExecutor:
         if self._pool is None:
             context = multiprocessing.get_context("spawn")  # never fork a process that runs ONNX Runtime's threads
