@@ -130,26 +130,26 @@ class Request:
 
 class TritonPythonModel:
     def initialize(self, args):
-        from runtime.api import SpeculativeGenerator
+        from runtime.core.loaded import LoadedBundle
 
         config = json.loads(args["model_config"])
         bundle = Path(_param(config, "bundle"))
         if not bundle.is_absolute():
             bundle = Path(args.get("model_repository") or Path(__file__).resolve().parents[1]) / bundle
-        self.generator = SpeculativeGenerator.from_bundle(
+        self.bundle = LoadedBundle.open(
             bundle, threads=int(_param(config, "threads")), device_id=int(args.get("model_instance_device_id") or 0)
         )  # the GPU Triton gave this instance
         from runtime.core.request import FrontDoor, Limits
 
         bounds = ("max_tokens_limit", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes")
-        limits = Limits.for_context(self.generator.max_context, **{n: int(_param(config, n)) for n in bounds})
-        self.door = FrontDoor(self.generator, limits)  # every request's checks, as the OpenAI server's
+        limits = Limits.for_context(self.bundle.max_context, **{n: int(_param(config, n)) for n in bounds})
+        self.door = FrontDoor(self.bundle, limits)  # every request's checks, as the OpenAI server's
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-        self.vocab_size = self.generator.tokenizer.vocab_size
+        self.vocab_size = self.bundle.tokenizer.vocab_size
         from runtime.core.scheduler import Scheduler
 
         self.scheduler = Scheduler(
-            self.generator,
+            self.bundle,
             max_batch=int(_param(config, "max_batch")),
             max_queue=int(_param(config, "max_queue")),
             policy=_param(config, "policy"),
@@ -178,7 +178,7 @@ class TritonPythonModel:
         if final or now - self.exported_at >= METRICS_EVERY_S:
             self.exported_at = now
             try:
-                self.exported.update(read(self.generator.metrics, self.scheduler, self.model_name))
+                self.exported.update(read(self.bundle.metrics, self.scheduler, self.model_name))
             except Exception as err:  # noqa: BLE001 - logged; the requests go on
                 pb_utils.Logger.log_error(f"speculative: exporting the metrics failed: {err!r}")
 
@@ -316,9 +316,9 @@ class TritonPythonModel:
         if max_tokens is None:
             raise RequestInvalid("input 'request_output_len' is required")
         end_id = _optional(request, "end_id")
-        if end_id is not None and int(end_id) not in self.generator.eos_ids:
+        if end_id is not None and int(end_id) not in self.bundle.eos_ids:
             raise RequestInvalid(
-                f"input 'end_id': this model ends sequences at {list(self.generator.eos_ids)}; "
+                f"input 'end_id': this model ends sequences at {list(self.bundle.eos_ids)}; "
                 f"another end id is not supported, received {end_id}"
             )
         temperature, top_k, top_p = (_optional(request, n) for n in ("temperature", "top_k", "top_p"))
@@ -425,4 +425,4 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.scheduler.stop()  # what still runs or waits gets an error response
-        self.generator = None
+        self.bundle = None
