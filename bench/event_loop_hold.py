@@ -15,9 +15,9 @@ import time
 import httpx
 
 from runtime.api import SpeculativeGenerator
-from runtime.request import Limits
+from runtime.core.request import Limits
 from runtime.serving.openai_server import create_app
-from runtime.serving.scheduler import Scheduler
+from runtime.core.scheduler import Scheduler
 
 
 async def longest_gap(app, body: bytes) -> tuple[float, float, int]:

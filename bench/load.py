@@ -338,7 +338,7 @@ def _print(result: LoadResult) -> None:
     type=click.Choice(["exact", "throughput"]),
     default="exact",
     show_default=True,
-    help="Given a bundle: the scheduler's policy (runtime/serving/scheduler.py).",
+    help="Given a bundle: the scheduler's policy (runtime/core/scheduler.py).",
 )
 @click.option("--rss-every", type=int, default=100, show_default=True, help="Sample the server's RSS every N requests.")
 @click.option("--seed", type=int, default=0, show_default=True)

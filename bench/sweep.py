@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from bench.stats import CellRecord, EngineCall, SequenceRecord, summarize
 from runtime.engines.base import Call
-from runtime.request import decode_request
+from runtime.core.request import decode_request
 
 
 class Recorder:

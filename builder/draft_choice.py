@@ -96,7 +96,7 @@ def prompts(tokenizer) -> list[list[int]]:
 def continuations(target, eos_ids, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """The target's greedy continuation of each prompt, decoded by the runtime's own scheduler (target-only)."""
     from runtime.api import SpeculativeGenerator
-    from runtime.request import DecodeRequest
+    from runtime.core.request import DecodeRequest
 
     generator = SpeculativeGenerator(None, target, None, None, eos_ids=eos_ids)
     request = DecodeRequest(max_new_tokens=new_tokens, mode="target")

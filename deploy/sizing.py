@@ -67,7 +67,7 @@ def _measure_here(bundle: str, threads: int, max_batch: int, policy: str) -> dic
     start = time.perf_counter()
     from runtime.api import SpeculativeGenerator
     from runtime.metrics import peak_rss_bytes
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
     scheduler = Scheduler(generator, max_batch=max_batch, policy=policy).start()
@@ -121,7 +121,7 @@ def kv_cache_mib(manifest: Manifest, rows: int) -> float:
 
 def max_tokens_allowed(manifest: Manifest) -> int:
     """The largest max_tokens a request may ask of either server with its default limits (the front door's)."""
-    from runtime.request import Limits
+    from runtime.core.request import Limits
 
     return Limits.for_context(manifest.max_context).max_tokens_limit
 

@@ -1,9 +1,10 @@
-"""The Python API: ``SpeculativeGenerator``, a loaded bundle (runtime/loaded.py) that generates, streams and batches.
+"""The Python API: ``SpeculativeGenerator``, a loaded bundle (runtime/core/loaded.py) that generates, streams and
+batches.
 
-It is a thin facade: a call admits its prompts once at the front door (runtime/request.py), submits them to a
-scheduler of its own as one group (runtime/serving/scheduler.py: the one decoding loop, the servers' too) and drives
+It is a thin facade: a call admits its prompts once at the front door (runtime/core/request.py), submits them to a
+scheduler of its own as one group (runtime/core/scheduler.py: the one decoding loop, the servers' too) and drives
 that scheduler's steps in the caller's thread; the text, stop strings and ``Generation`` come from the scheduler's
-output processor (runtime/serving/outputs.py), so a prompt gets from ``generate`` what a server sends for it.
+output processor (runtime/core/outputs.py), so a prompt gets from ``generate`` what a server sends for it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import os
 from typing import Callable, Iterator
 
 from runtime.decoding.config import DecodeConfig
-from runtime.loaded import LoadedBundle
+from runtime.core.loaded import LoadedBundle
 from runtime.metric_families import prometheus_text, read
-from runtime.request import Admitted, DecodeRequest, FrontDoor, merged_request
-from runtime.serving.handles import Generation
-from runtime.serving.scheduler import Scheduler, StepObserver
+from runtime.core.request import Admitted, DecodeRequest, FrontDoor, merged_request
+from runtime.core.handles import Generation
+from runtime.core.scheduler import Scheduler, StepObserver
 
 Piece = tuple[int, str, Generation | None]  # (prompt index, text piece, final Generation or None)
 
@@ -48,7 +49,7 @@ class SpeculativeGenerator(LoadedBundle):
         """Generate for one prompt (returns a Generation) or a list (returns a list, in order), with ``chat``
         through the bundle's chat template.
 
-        What to generate and how is a ``runtime.request.DecodeRequest`` (``request``) or its fields as keywords
+        What to generate and how is a ``runtime.core.request.DecodeRequest`` (``request``) or its fields as keywords
         (``options``), validated once: max_new_tokens, temperature, top_k, top_p, seed, k, stop, mode, drafter,
         draft_confidence, response_format, logprobs, adaptive, fallback, forced_drafts, plan, policy.
 

@@ -14,7 +14,7 @@ from runtime.bundle import BundleError
 from runtime.drafter_names import DRAFTERS
 from runtime.errors import RequestError
 from runtime.serving.cli_options import plan_option
-from runtime.serving.scheduler import POLICIES
+from runtime.core.scheduler import POLICIES
 from runtime.engines.sessions import DEVICES, DeviceError
 
 

@@ -51,7 +51,7 @@ class Reading:
 
 def read(registry: MetricsRegistry, scheduler=None, model_name: str = "") -> Reading:
     """A reading for one export: ``registry``'s counts and, for a server, its scheduler's (anything with ``stats()``
-    and ``draft_lengths``: runtime/serving/scheduler.py's Scheduler) under ``model_name``."""
+    and ``draft_lengths``: runtime/core/scheduler.py's Scheduler) under ``model_name``."""
     if scheduler is None:
         return Reading(registry.snapshot(), {}, {}, model_name)
     lengths = dict(scheduler.draft_lengths)  # one C-level copy: the scheduler's thread may add a length meanwhile
@@ -104,7 +104,7 @@ def _errors(r: Reading) -> float:
 
 
 FAMILIES = (
-    # what ended sequences counted (runtime/serving/outputs.py: MetricsRegistry.add), per sequence
+    # what ended sequences counted (runtime/core/outputs.py: MetricsRegistry.add), per sequence
     Family("draftsmith_requests", COUNTER, "Requests whose decoding ended (finished, cancelled or timed out)",
            lambda r: r.counts.requests),
     Family("draftsmith_verify_steps", COUNTER,
@@ -143,7 +143,7 @@ FAMILIES = (
            "Requests answered with an error: refused at the front door, refused as overloaded, or failed", _errors),
     Family("draftsmith_fallback_active", GAUGE, "1 while decoding target-only because of low acceptance",
            lambda r: int(r.counts.fallback_active)),
-    # the scheduler's own (runtime/serving/scheduler.py stats)
+    # the scheduler's own (runtime/core/scheduler.py stats)
     Family("draftsmith_scheduler_steps", COUNTER, "Scheduler steps (each advances every running row once)",
            _stat("steps")),
     Family("draftsmith_scheduler_speculative_steps", COUNTER, "Steps that drafted and verified",

@@ -1,4 +1,4 @@
-"""A batch of token-id prompts decoded to the end by the one decoding loop (runtime/serving/scheduler.py), over
+"""A batch of token-id prompts decoded to the end by the one decoding loop (runtime/core/scheduler.py), over
 engines and a drafter given directly: what the decoding tests drive (scripted engines, no tokenizer, no bundle)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from runtime.decoding.step import DecodeRow
 from runtime.decoding.step_costs import CostModel
 from runtime.decoding.drafter import Drafter
 from runtime.engines.base import Engine
-from runtime.loaded import LoadedBundle
-from runtime.request import Admitted
-from runtime.serving.scheduler import Scheduler
+from runtime.core.loaded import LoadedBundle
+from runtime.core.request import Admitted
+from runtime.core.scheduler import Scheduler
 
 
 class BatchRun:

@@ -192,7 +192,7 @@ def generator(tiny_bundle):
 def scheduler(generator):
     """A started scheduler over the session's generator, for the files that call the OpenAI app in-process
     (tests/openai_asgi.py); a file that needs a scheduler of its own defines one."""
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     scheduler = Scheduler(generator, max_batch=4).start()
     yield scheduler

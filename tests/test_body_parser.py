@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 
 from openai_asgi import MODEL, call, chat  # noqa: E402
 from runtime.serving.body_parser import INLINE_VALUES, BodyError, BodyParser, parse_body, value_count  # noqa: E402
-from runtime.serving.handles import Overloaded  # noqa: E402
+from runtime.core.handles import Overloaded  # noqa: E402
 from runtime.serving.loop_lag import LoopLag  # noqa: E402
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 
@@ -96,7 +96,7 @@ def test_past_the_pending_bound_a_large_body_is_overloaded():
 def test_the_server_sends_a_body_of_many_values_to_its_worker(scheduler):
     """Through the app, with a body limit that admits it: the 4 MB-class metadata body is a 400 naming metadata,
     parsed by the worker; the next ordinary request is answered."""
-    from runtime.request import Limits
+    from runtime.core.request import Limits
     from runtime.serving.openai_server import LOOPBACK_HOSTS, create_app
 
     limits = Limits.for_context(scheduler.bundle.max_context, max_body_bytes=4 << 20)

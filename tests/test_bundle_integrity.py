@@ -270,9 +270,9 @@ def test_loading_a_bundle_needs_no_torch(tiny_bundle):
 
 def _swap_after_verification(monkeypatch, swaps: dict[Path, bytes]) -> None:
     """Verification passes on the original files; then they change on disk (an rsync in place, a --force)."""
-    import runtime.loaded
+    import runtime.core.loaded
 
-    real = runtime.loaded.load_manifest
+    real = runtime.core.loaded.load_manifest
 
     def verify_then_swap(root, verify=True):
         manifest = real(root, verify=verify)
@@ -280,7 +280,7 @@ def _swap_after_verification(monkeypatch, swaps: dict[Path, bytes]) -> None:
             path.write_bytes(data)
         return manifest
 
-    monkeypatch.setattr(runtime.loaded, "load_manifest", verify_then_swap)
+    monkeypatch.setattr(runtime.core.loaded, "load_manifest", verify_then_swap)
 
 
 @pytest.mark.parametrize("swapped", ["target/model.onnx", "tokenizer/tokenizer.json", "draft/draft_vocab.json"])
@@ -919,17 +919,17 @@ def _tokenizer_in(root: Path, folder: str) -> None:
 def test_a_tokenizer_folder_naming_an_engines_folder_reads_no_engine(tiny_cross_bundle, tmp_path, monkeypatch, folder):
     """A manifest naming "draft" as the draft's tokenizer folder made the loader read every file under draft/,
     model.onnx included, into memory; only the files a tokenizer is made of are read."""
-    import runtime.loaded
+    import runtime.core.loaded
 
     root = copy_of(tiny_cross_bundle, tmp_path / "b")
     _tokenizer_in(root, folder)
-    read, real = [], runtime.loaded.read_verified
+    read, real = [], runtime.core.loaded.read_verified
 
     def recording(root_, manifest, rel, *args, **kwargs):
         read.append(rel)
         return real(root_, manifest, rel, *args, **kwargs)
 
-    monkeypatch.setattr(runtime.loaded, "read_verified", recording)
+    monkeypatch.setattr(runtime.core.loaded, "read_verified", recording)
     generator = SpeculativeGenerator.from_bundle(root, threads=1)
     assert generator.bridge is not None
     mine = [rel for rel in read if rel.startswith(folder + "/")]
@@ -938,7 +938,7 @@ def test_a_tokenizer_folder_naming_an_engines_folder_reads_no_engine(tiny_cross_
 
 @pytest.mark.parametrize("where", ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"])
 def test_a_tokenizer_file_over_its_bound_is_refused_without_reading_it_whole(tiny_bundle, tmp_path, where):
-    from runtime.loaded import MAX_TOKENIZER_FILE_BYTES
+    from runtime.core.loaded import MAX_TOKENIZER_FILE_BYTES
 
     root = copy_of(tiny_bundle, tmp_path / "b")
     with open(root / where, "r+b") as handle:  # sparse: no disk spent

@@ -169,7 +169,7 @@ def test_a_reduced_head_or_a_feature_draft_is_refused_across_tokenizers(tmp_path
 
 
 def test_the_cross_bundle_holds_the_drafts_tokenizer_and_reports_the_bridge(tiny_cross_bundle):
-    from runtime.loaded import load_tokenizer
+    from runtime.core.loaded import load_tokenizer
 
     manifest = load_manifest(tiny_cross_bundle)  # verified: every file listed, the draft's tokenizer included
     assert (tiny_cross_bundle / "draft" / "tokenizer" / "tokenizer.json").is_file()

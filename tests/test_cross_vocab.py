@@ -254,7 +254,7 @@ def test_the_scheduler_serves_both_methods_side_by_side_and_counts_each_apart(ti
     """In-flight batching over a cross bundle: rows drafting with tli, string and nothing share steps; each answer is
     what the request gets alone, and the metrics count each method's draft and accepted tokens under its name."""
     from runtime.api import SpeculativeGenerator
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4)
@@ -328,7 +328,7 @@ def test_the_scheduler_plans_no_draft_for_a_row_done_drafting(tiny_cross_bundle,
     """In-flight batching: a row whose text outgrew the draft's context gets draft length 0 from then on (before:
     k every step, for a proposal that was always empty); its answer is the target's own."""
     from runtime.api import SpeculativeGenerator
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
     prompt = "The quick brown fox jumps over the lazy dog."

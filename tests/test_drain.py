@@ -117,7 +117,7 @@ def test_health_and_refusals_of_a_draining_app(generator):
     import asyncio
 
     from runtime.serving.openai_server import create_app
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     scheduler = Scheduler(generator, max_batch=2).start()
     drain = Drain(timeout=5, linger=0)

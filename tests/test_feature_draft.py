@@ -278,7 +278,7 @@ def test_the_scheduler_feeds_the_feature_drafter_as_a_lone_request_does(feature_
     """In-flight batching: requests admitted mid-flight, each with its own feature drafter fed from the shared
     target calls, get the tokens they get alone, with drafts proposed and accepted."""
     from runtime.api import SpeculativeGenerator
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
     scheduler = Scheduler(gen, max_batch=3, policy=policy)
@@ -299,7 +299,7 @@ def test_the_cost_model_starts_on_a_feature_draft(feature_bundle, policy):
     """The step plan times the draft at start: a feature draft takes features, which the calibration must give it.
     Answers stay greedy-exact for the fp32 target."""
     from runtime.api import SpeculativeGenerator
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
     scheduler = Scheduler(gen, max_batch=2, policy=policy).start()

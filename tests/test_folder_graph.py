@@ -6,8 +6,8 @@ be read, tested or moved with only what lies below it (a drafter without the sch
 The node rule. Inside each directory (a package) the nodes are its children: every subdirectory, with all that lies
 beneath it, is one node, and every module directly in the directory is a node of its own (``runtime/api.py``,
 ``runtime/__init__.py``). An import from file A to file B is an arrow between the two children of their deepest
-common directory that hold them: ``runtime/serving/x.py`` importing ``runtime/request.py`` is the arrow
-``runtime/serving/ -> runtime/request.py``, ``runtime/drafters/model.py`` importing ``runtime/engines/base.py`` is
+common directory that hold them: ``runtime/serving/x.py`` importing ``runtime/core/request.py`` is the arrow
+``runtime/serving/ -> runtime/core/request.py``, ``runtime/drafters/model.py`` importing ``runtime/engines/base.py`` is
 ``runtime/drafters/ -> runtime/engines/``, and ``builder/...`` importing ``runtime/...`` is ``builder/ -> runtime/``.
 A circle among the children of one directory is a circle between folders (or between a folder and a module beside
 it: ``request.py`` importing ``serving/`` while ``serving/`` imports ``request.py`` is one). Why a module beside the

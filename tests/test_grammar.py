@@ -398,7 +398,7 @@ def served(tiny_bundle):
     from test_openai_server import _Server
     from runtime.api import SpeculativeGenerator
     from runtime.serving.openai_server import create_app
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4).start()
@@ -572,7 +572,7 @@ def test_tensorrt_llm_guide_inputs_map_to_constraints():
 def test_scheduled_constrained_requests_equal_their_lone_runs(generator):
     """In-flight batching ("exact"): constrained requests batched with others (free ones, other schemas) get what
     each gets alone, greedy and seeded-sampled, their logprobs too."""
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
     from schemas import schema_cases
 
     cases = schema_cases()[::9]

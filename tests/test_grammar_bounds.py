@@ -25,7 +25,7 @@ from runtime.decoding.grammar_bounds import MAX_EXPANDED, lark_size, regex_size,
 from runtime.errors import RequestError  # noqa: E402
 from runtime.serving import openai_server  # noqa: E402
 from runtime.serving.openai_server import create_app  # noqa: E402
-from runtime.serving.scheduler import Scheduler  # noqa: E402
+from runtime.core.scheduler import Scheduler  # noqa: E402
 
 hostile = HostileTally()
 

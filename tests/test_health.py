@@ -1,4 +1,4 @@
-"""/health and /health/live of the OpenAI server (runtime/serving/health.py): readiness follows the scheduler's loop
+"""/health and /health/live of the OpenAI server (runtime/core/health.py): readiness follows the scheduler's loop
 and the engine's fault rate, liveness a longer streak of faults, and both recover after a success or a quiet spell.
 The drain's part in them is tested in tests/test_drain.py."""
 
@@ -11,7 +11,7 @@ pytest.importorskip("fastapi")
 
 from openai_asgi import MODEL, call  # noqa: E402
 from runtime.serving.openai_server import create_app  # noqa: E402
-from runtime.serving.scheduler import Scheduler  # noqa: E402
+from runtime.core.scheduler import Scheduler  # noqa: E402
 
 
 def test_health_follows_the_schedulers_loop(tiny_bundle):
@@ -58,7 +58,7 @@ def test_a_sticky_engine_fault_turns_readiness_then_liveness_off(generator, monk
 
 
 def test_a_fault_watch_recovers_after_a_success_or_a_quiet_spell():
-    from runtime.serving.health import FaultWatch
+    from runtime.core.health import FaultWatch
 
     now = [0.0]
     watch = FaultWatch(ready_after=2, live_after=4, retry_after_s=10.0, clock=lambda: now[0])

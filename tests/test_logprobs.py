@@ -102,7 +102,7 @@ def served(tiny_bundle):
     from test_openai_server import _Server
     from runtime.api import SpeculativeGenerator
     from runtime.serving.openai_server import create_app
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4).start()

@@ -24,7 +24,7 @@ from metric_readers import prometheus_samples, table_names, type_lines
 from runtime.metric_families import COUNTER, FAMILIES, GAUGE, HISTOGRAM, Reading, TritonMetrics, prometheus_text, read
 from runtime.errors import RequestError
 from runtime.metrics import RECENT, MetricsRegistry, RequestStats
-from runtime.serving.handles import Overloaded, Unavailable
+from runtime.core.handles import Overloaded, Unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,7 @@ def triton_samples(made: list, own: tuple = ("model", "version")) -> dict:
 
 
 class _Scheduler:
-    """A running scheduler's view as the table reads it (runtime/serving/scheduler.py: stats(), draft_lengths)."""
+    """A running scheduler's view as the table reads it (runtime/core/scheduler.py: stats(), draft_lengths)."""
 
     def __init__(self, keys):
         self.counters = dict.fromkeys(keys, 0)
@@ -135,7 +135,7 @@ class _Scheduler:
 def _scheduler_keys() -> set[str]:
     """The keys a real Scheduler's stats() has (over scripted engines)."""
     from runtime.api import SpeculativeGenerator
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     table = random_table(7, 1)
     generator = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=None, eos_ids=())
@@ -289,8 +289,8 @@ def test_every_request_the_scheduler_fails_is_a_request_error():
     """A request that fails after the front door (here: the scheduler stops while it waits) is counted where it
     fails, so both servers export it alike."""
     from runtime.api import SpeculativeGenerator
-    from runtime.request import decode_request
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.request import decode_request
+    from runtime.core.scheduler import Scheduler
 
     table = random_table(7, 1)
     generator = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=None, eos_ids=())

@@ -14,7 +14,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from runtime.serving.openai_server import create_app  # noqa: E402
-from runtime.serving.scheduler import Scheduler  # noqa: E402
+from runtime.core.scheduler import Scheduler  # noqa: E402
 
 MODEL = "tiny"
 SEEN: set[str] = set()  # distinct hostile bodies sent (the hardening issue counts them)

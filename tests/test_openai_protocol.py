@@ -315,7 +315,7 @@ def test_the_body_is_parsed_and_checked_off_the_event_loop_and_walked_only_when_
     run on worker threads, and the walk that names a field runs only for a body that has a lone surrogate."""
     import threading
 
-    from runtime import request as door
+    from runtime.core import request as door
     from runtime.serving import body_parser
     from runtime.text import sent_text
 

@@ -19,7 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from openai_asgi import call, chat  # noqa: E402
 from runtime.serving import openai_responses  # noqa: E402
 from runtime.serving.openai_server import create_app  # noqa: E402 - after the skips: it needs fastapi
-from runtime.serving.scheduler import Scheduler  # noqa: E402
+from runtime.core.scheduler import Scheduler  # noqa: E402
 
 PROMPT = "The quick brown fox"
 MODEL = "tiny"
@@ -594,7 +594,7 @@ def test_the_load_tool_sends_huge_metadata_beside_its_clients_and_reads_the_loop
     server's worker process) in a loop; each is refused naming metadata, the clients' requests all finish, and the
     report carries the server's event-loop lag over the run."""
     from bench.openai_load import run_load
-    from runtime.request import Limits
+    from runtime.core.request import Limits
 
     limits = Limits.for_context(scheduler.bundle.max_context, max_body_bytes=1 << 20)
     app = create_app(scheduler, MODEL, limits=limits)

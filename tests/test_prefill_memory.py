@@ -100,7 +100,7 @@ def test_a_drafters_first_call_on_a_long_prompt_takes_a_chunk_a_call(export_gene
 def test_the_schedulers_joined_admission_is_chunked_and_greedy_output_is_unchanged(export_generator, engines):
     """Three prompts admitted together (``_prefill_joined`` over the export graph) in chunks; each answer is the
     target-only greedy answer."""
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     target, _ = engines
     prompts = ["The quick brown fox " * 9, "def add(a, b):\n" * 6, "Speculative decoding " * 7]
@@ -162,7 +162,7 @@ def test_prompts_too_big_for_the_memory_left_are_400s_and_the_server_stays_ready
     unready, and a short prompt is served. Before: each was a 500, and three made /health 503."""
     from runtime.serving.drain import Drain
     from runtime.serving.openai_server import create_app
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     gen = generator if graph == "fused" else export_generator
     engine = gen.target

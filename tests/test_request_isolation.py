@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from runtime.engines.fused import FusedEngine
-from runtime.serving.scheduler import Scheduler
+from runtime.core.scheduler import Scheduler
 
 LINE = "for i in range(10): print(i * i)\n"
 
@@ -123,7 +123,7 @@ def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypat
 
 
 def test_a_full_queue_refuses_before_tokenizing(generator, monkeypatch):
-    from runtime.serving.handles import Overloaded
+    from runtime.core.handles import Overloaded
 
     scheduler = Scheduler(generator, max_batch=1, max_queue=1)
     scheduler.submit("def add(a, b):", max_new_tokens=4)
@@ -237,7 +237,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(generator)
 def test_the_auto_chunk_keeps_the_step_call_within_its_gap_bound(generator):
     """prefill_chunk="auto": the largest chunk whose call, as one more row of the step's, costs at most CHUNK_GAP
     times the call without it on the measured costs (the bound's floor where even the smallest does not fit)."""
-    from runtime.serving.prefill import CHUNK_BOUNDS, CHUNK_GAP
+    from runtime.core.prefill import CHUNK_BOUNDS, CHUNK_GAP
 
     scheduler = Scheduler(generator, max_batch=4)
     scheduler.costs = generator.step_costs(4)

@@ -11,9 +11,9 @@ import pytest
 from fakes import BigramEngine, exact_prefixes, random_table, total_variation, tv_bound
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
-from runtime.serving.handles import Overloaded, Unavailable
+from runtime.core.handles import Overloaded, Unavailable
 from runtime.decoding.sampling import SamplingParams, probabilities
-from runtime.serving.scheduler import Scheduler
+from runtime.core.scheduler import Scheduler
 from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["the cat", "a b c d e f", "hello there, how are", "def f(x):", "one two one two one", "zz"]

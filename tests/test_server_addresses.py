@@ -28,14 +28,14 @@ httpx = pytest.importorskip("httpx")
 
 from hostile_tally import HostileTally  # noqa: E402
 from openai_asgi import call  # noqa: E402
-from runtime.request import MAX_BODY_BYTES, Limits  # noqa: E402
+from runtime.core.request import MAX_BODY_BYTES, Limits  # noqa: E402
 from runtime.serving import connections  # noqa: E402  (client_key, trusted_proxies: read where used)
 from runtime.serving import openai_server  # noqa: E402
 from runtime.serving.connections import REFUSAL, ConnectionLimits, ProbeServer, server_config  # noqa: E402
 from runtime.serving.drain import Drain, probe_app  # noqa: E402
-from runtime.serving.health import scheduler_problem  # noqa: E402
+from runtime.core.health import scheduler_problem  # noqa: E402
 from runtime.serving.openai_server import create_app, host_name  # noqa: E402
-from runtime.serving.scheduler import Scheduler  # noqa: E402
+from runtime.core.scheduler import Scheduler  # noqa: E402
 
 MODEL = "tiny"
 hostile = HostileTally()

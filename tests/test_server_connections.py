@@ -17,9 +17,9 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from runtime.serving.connections import REFUSAL, ConnectionLimits, ProbeServer, server_config  # noqa: E402
 from runtime.serving.drain import Drain, probe_app  # noqa: E402
-from runtime.serving.health import scheduler_problem  # noqa: E402
+from runtime.core.health import scheduler_problem  # noqa: E402
 from runtime.serving.openai_server import create_app  # noqa: E402
-from runtime.serving.scheduler import Scheduler  # noqa: E402
+from runtime.core.scheduler import Scheduler  # noqa: E402
 
 MODEL = "tiny"
 SLOW: set[str] = set()  # distinct hostile connection patterns sent (the table)

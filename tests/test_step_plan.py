@@ -103,7 +103,7 @@ def test_a_planned_batch_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_
 
 
 def generator_request(**options):
-    from runtime.request import DecodeRequest
+    from runtime.core.request import DecodeRequest
 
     return DecodeRequest(**options)
 

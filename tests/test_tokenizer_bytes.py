@@ -22,7 +22,7 @@ def wordpiece(tiny_bundle, tmp_path_factory):
     """(the generator, its app, what the server logged at start) over the tiny bundle with a WordPiece decoder."""
     from runtime.api import SpeculativeGenerator
     from runtime.serving.openai_server import LOOPBACK_HOSTS, _prepare_grammars, create_app
-    from runtime.serving.scheduler import Scheduler
+    from runtime.core.scheduler import Scheduler
 
     root = copy_of(tiny_bundle, tmp_path_factory.mktemp("wordpiece") / "b")
     path = root / "tokenizer" / "tokenizer.json"

@@ -37,7 +37,7 @@ def test_the_triton_models_tokenizer_comes_from_verified_bytes(tiny_bundle, tmp_
     """Pre- and postprocessing read the bundle's tokenizer through its manifest: a swapped file is refused."""
     import shutil
 
-    from runtime.loaded import bundle_tokenizer
+    from runtime.core.loaded import bundle_tokenizer
     from runtime.bundle import BundleError
 
     copy = tmp_path / "bundle"

@@ -16,9 +16,9 @@ class _Names:
 _ = _Names()
 
 # --- pending: other items of issue 55 change these --------------------------------------------------------------------
-_.submit  # issue 55 item 2/3, pending: Scheduler.submit (runtime/serving/scheduler.py)
-_.__iter__  # issue 55 item 2/3, pending: Handle.__iter__ (runtime/serving/handles.py)
-_.result  # issue 55 item 2/3, pending: Handle.result (runtime/serving/handles.py)
+_.submit  # issue 55 item 2/3, pending: Scheduler.submit (runtime/core/scheduler.py)
+_.__iter__  # issue 55 item 2/3, pending: Handle.__iter__ (runtime/core/handles.py)
+_.result  # issue 55 item 2/3, pending: Handle.result (runtime/core/handles.py)
 _.RunnerEngine  # issue 55 item 2/3, pending: trtllm RunnerEngine (runtime/trtllm/engine.py)
 
 # --- click commands: registered by their decorators, found by name in runtime/cli.py's COMMANDS -----------------------
@@ -39,10 +39,10 @@ _.http_error  # FastAPI exception handler (404/405)
 _.internal  # FastAPI exception handler (any other exception: a 500)
 
 # --- pydantic: validators and serializers registered by their decorators ----------------------------------------------
-_._drafter_is_registered  # pydantic field_validator (runtime/request.py)
-_._seeds_are_not_negative  # pydantic field_validator (runtime/request.py)
-_._tiny_temperatures_are_greedy  # pydantic field_validator (runtime/request.py)
-_._stops_are_not_empty  # pydantic field_validator (runtime/request.py)
+_._drafter_is_registered  # pydantic field_validator (runtime/core/request.py)
+_._seeds_are_not_negative  # pydantic field_validator (runtime/core/request.py)
+_._tiny_temperatures_are_greedy  # pydantic field_validator (runtime/core/request.py)
+_._stops_are_not_empty  # pydantic field_validator (runtime/core/request.py)
 _._one_choice  # pydantic field_validator (runtime/serving/openai_protocol.py)
 _._stop_list  # pydantic field_validator (runtime/serving/openai_protocol.py)
 _._unsupported  # pydantic field_validator (runtime/serving/openai_protocol.py)

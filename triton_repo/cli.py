@@ -8,7 +8,7 @@ import threading
 
 import click
 
-from runtime.request import Limits
+from runtime.core.request import Limits
 from runtime.serving.cli_options import plan_option
 
 

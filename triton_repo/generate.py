@@ -19,7 +19,7 @@ its text identical to the Python API's. The ensemble is ``preprocessing -> specu
 request (prompt size in bytes before anything else, UTF-8, ``max_tokens`` range) and tokenizes the prompt to refuse
 one that leaves no room in the context, before it takes a batch slot; ``speculative`` takes ``text_input``, the
 checked ``request_output_len`` and the prompt's ``input_ids`` (tokenized once), and admits the request at the
-runtime's front door (runtime/request.py) with the same bounds as the OpenAI server.
+runtime's front door (runtime/core/request.py) with the same bounds as the OpenAI server.
 ``postprocessing`` is still written, a plain token-ids-to-text model for tools that expect one.
 
 Why an ensemble and not a BLS model: an ensemble needs no Python of its own, streams, and lets Triton's dynamic
@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.bundle import BundleError, Manifest, load_manifest
-from runtime.request import Limits
-from runtime.serving.scheduler import POLICIES
+from runtime.core.request import Limits
+from runtime.core.scheduler import POLICIES
 from triton_repo import pbtxt
 
 ENSEMBLE, PREPROCESSING, SPECULATIVE, POSTPROCESSING = "ensemble", "preprocessing", "speculative", "postprocessing"
@@ -86,7 +86,7 @@ class RepoOptions:
     max_stop_word_bytes: int = Limits.max_stop_word_bytes  # longest stop string, in UTF-8 bytes
     bundle_mount: str | None = None  # absolute path of the bundle where the server sees it (e.g. /bundles/x)
     copy_bundle: bool = True  # put the bundle inside the repository (hard links when possible, else a copy)
-    policy: str = "exact"  # the scheduler's: "exact" (answers as alone) or "throughput" (runtime/serving/scheduler.py)
+    policy: str = "exact"  # the scheduler's: "exact" (answers as alone) or "throughput" (runtime/core/scheduler.py)
     max_queue: int = 256  # requests waiting for a row before new ones are refused as overloaded
     # each step's draft lengths planned from measured call costs (runtime/decoding/step_costs.py); False: k always
     plan: bool = True
@@ -179,7 +179,7 @@ def _batching(options: RepoOptions) -> dict:
 
 def request_limits(options: RepoOptions, manifest: Manifest) -> dict[str, int]:
     """The bounds every request is checked against before the server works on it (model config parameters): the
-    front door's ``Limits`` (runtime/request.py), the OpenAI server's defaults too."""
+    front door's ``Limits`` (runtime/core/request.py), the OpenAI server's defaults too."""
     limits = Limits.for_context(
         manifest.max_context,
         max_tokens_limit=min(options.max_tokens_limit, manifest.max_context - 1),

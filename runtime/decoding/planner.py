@@ -9,7 +9,7 @@ tokens per second (runtime/decoding/step_costs.py); a seeded sampled row keeps i
 depend on what else runs (whether a step drafts changes how its random stream is used).
 
 Deciding is kept apart from executing (runtime/decoding/step.py), as vLLM keeps ``schedule()`` apart from its
-model runner: the scheduler (runtime/serving/scheduler.py) asks ``plan_lengths`` and runs the plan.
+model runner: the scheduler (runtime/core/scheduler.py) asks ``plan_lengths`` and runs the plan.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The decode step, once: what the one loop (runtime/serving/scheduler.py, for a server's in-flight batch and for the
+"""The decode step, once: what the one loop (runtime/core/scheduler.py, for a server's in-flight batch and for the
 Python API's groups alike) runs after it has decided the step's plan.
 
 A plan (``StepPlan``) says which rows draft and how far, and which target call scores them; ``decode_step`` executes

@@ -33,7 +33,7 @@ def call_shape_mismatch(engine: Engine, vocab: int, seed: int = 0) -> str | None
 
 def prefill_chunks_differ(engine: Engine, vocab: int, seed: int = 0) -> bool:
     """Whether a prompt prefilled in two calls leaves a cache that scores the next tokens otherwise than one prefill
-    call does, on this CPU (a server's chunked prefill rests on it: runtime/serving/scheduler.py)."""
+    call does, on this CPU (a server's chunked prefill rests on it: runtime/core/scheduler.py)."""
     length = min(12, engine.max_context - engine.min_call_tokens)
     if length < 8:
         return False

@@ -1,1 +1,2 @@
-"""Serving many requests: the in-flight scheduler, the OpenAI-compatible server, graceful drain."""
+"""Serving over HTTP: the OpenAI-compatible server (its protocol, responses, connection bounds, pacing and graceful
+drain). The decoding it serves is runtime/core/'s."""

@@ -23,7 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from pydantic import ValidationError
 
-from runtime.serving.handles import Overloaded
+from runtime.core.handles import Overloaded
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 INLINE_VALUES = 65_536  # values a body may have and still be parsed on a thread (json.loads: ~5 ms)

@@ -15,5 +15,5 @@ plan_option = click.option(
     help="Plan each step's draft lengths (0 included) from the call costs measured at start and each "
     "request's acceptance; --no-plan: every request drafts its k.",
 )
-"""``--plan/--no-plan``: the scheduler's ``plan`` (runtime/serving/scheduler.py). Shared by serve-openai and
+"""``--plan/--no-plan``: the scheduler's ``plan`` (runtime/core/scheduler.py). Shared by serve-openai and
 triton-repo, whose schedulers plan alike."""

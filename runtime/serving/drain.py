@@ -12,7 +12,7 @@ The replica keeps answering for at least ``linger`` seconds after the signal, ev
 seen readiness turn false it still sends requests here, and a closed port would fail them where a 503 is retried.
 ``GET /health/live`` (liveness) answers 200 while the scheduler's loop runs, draining or not, so a draining replica
 is never restarted for being unready, and one whose scheduler died (or whose engine keeps failing,
-runtime/serving/health.py) is.
+runtime/core/health.py) is.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Drain:
 class DrainGuard:
     """Pure ASGI, outermost: readiness and liveness, the 503 refusals while draining, and the in-flight count (a
     streamed response counts until its last byte is sent). ``problem(live)``: why the server cannot serve (None:
-    it can; runtime/serving/health.py), ``live`` for the liveness probe's longer view."""
+    it can; runtime/core/health.py), ``live`` for the liveness probe's longer view."""
 
     def __init__(self, app, drain: Drain, problem: Callable[[bool], str | None]):
         self.app, self.drain, self.problem = app, drain, problem

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime.request import Asked
+from runtime.core.request import Asked
 
 # The scheduler's finish reasons in OpenAI's terms. A timeout (the server's --request-timeout) is "timeout": not
 # "length", which a client reads as its own max_tokens (and would not retry differently); OpenAI's clients keep a
@@ -139,7 +139,7 @@ class SamplingRequest(_Strict):
         return options
 
     def asked(self, prompt, chat: bool) -> Asked:
-        """This body in the front door's names (runtime/request.py), in OpenAI's defaults (temperature 1; top_k 0
+        """This body in the front door's names (runtime/core/request.py), in OpenAI's defaults (temperature 1; top_k 0
         or -1 and top_p 1 off; num_draft_tokens 0 target-only): names mapped, nothing checked."""
         k = self.num_draft_tokens
         fields = dict(

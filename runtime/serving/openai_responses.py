@@ -206,7 +206,7 @@ class ResponseShape:
         return "tool_calls" if self.tool is not None and reason == "stop" else reason
 
     def choice(self, g) -> "ChatChoice | CompletionChoice":
-        """The whole answer's choice, from a runtime.serving.handles.Generation."""
+        """The whole answer's choice, from a runtime.core.handles.Generation."""
         logprobs = self._logprobs(g.token_ids, g.logprobs, g.top_logprobs, 0)
         if not self.chat:
             return CompletionChoice(text=g.text, finish_reason=self.reason(g), logprobs=logprobs)

@@ -36,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.serving.handles import Generation
+from runtime.core.handles import Generation
 from runtime.serving.connections import (
     ConnectionLimits,
     ProbeServer,
@@ -47,10 +47,10 @@ from runtime.serving.connections import (
 )
 from runtime.serving.drain import Drain, DrainGuard, DrainingServer, probe_app
 from runtime.errors import RequestError
-from runtime.loaded import LoadedBundle
-from runtime.serving.handles import Event, Overloaded, Unavailable, is_stopping
+from runtime.core.loaded import LoadedBundle
+from runtime.core.handles import Event, Overloaded, Unavailable, is_stopping
 from runtime.serving.body_parser import BodyError, BodyParser
-from runtime.serving.health import scheduler_problem
+from runtime.core.health import scheduler_problem
 from runtime.serving.loop_lag import LoopLag
 from runtime.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from runtime.serving.openai_responses import (
@@ -65,9 +65,9 @@ from runtime.serving.openai_responses import (
     new_id,
 )
 from runtime.metric_families import CONTENT_TYPE, prometheus_text, read
-from runtime.request import FrontDoor, Limits
+from runtime.core.request import FrontDoor, Limits
 from runtime.serving.pacing import RefusalPacer, RefusalPacing
-from runtime.serving.scheduler import PREFILL_CHUNK, Scheduler
+from runtime.core.scheduler import PREFILL_CHUNK, Scheduler
 
 log = logging.getLogger("draftsmith.openai")
 DEFAULT_PACING = RefusalPacing()  # serve-openai's: 8 refusals a second a client at once, then 50 ms more each
@@ -321,8 +321,8 @@ class _Replies:
 
     async def submit(self, body: SamplingRequest, prompt, chat: bool, request: Request):
         """(the scheduler's handle, the bridge its events arrive on, the field its own errors name) of a request
-        through the front door (runtime/request.py: its text, bounds and fields, its response format compiled on the
-        grammar pool, its prompt tokenized off the loop); its refusals as OpenAI's errors (404 another model, 400 a
+        through the front door (runtime/core/request.py: its text, bounds and fields, its response format compiled on
+        the grammar pool, its prompt tokenized off the loop); its refusals as OpenAI's errors (404 another model, 400 a
         bad request naming the field, 429 overloaded, 503 unavailable)."""
         _check_model(body.model, self.model_name)
         asked = body.asked(prompt, chat)

@@ -1,7 +1,7 @@
 """Whether a request's text is text: every string (and key) of a body valid Unicode, named where it is not.
 
 JSON lets a client send a lone UTF-16 surrogate ("\\ud800"), which Python keeps in a str but no tokenizer can
-encode; the front door (runtime/request.py) refuses it before any work, naming the field. The common body costs one
+encode; the front door (runtime/core/request.py) refuses it before any work, naming the field. The common body costs one
 encode of its JSON; only a body that fails it is walked, to name the field.
 """
 

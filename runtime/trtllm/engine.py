@@ -149,7 +149,7 @@ class ExternalDraftGenerator:
         **unsupported,
     ):
         """SpeculativeGenerator.generate's call and result types, greedy; mode "target" drafts nothing."""
-        from runtime.serving.handles import Generation
+        from runtime.core.handles import Generation
         from runtime.errors import RequestError
 
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -351,7 +351,7 @@ def open_generator(
     ``default_devices``), passed as ModelRunnerCpp ``device_ids`` in orchestrator mode.
     """
     from runtime.api import SpeculativeGenerator
-    from runtime.loaded import load_tokenizer
+    from runtime.core.loaded import load_tokenizer
 
     root = Path(path)
     # which loader: each verifies the files it loads as it loads them (from the bytes it hashed, where it can), so

@@ -191,7 +191,7 @@ class LlmApiGenerator:
         **unsupported,
     ):
         """Same call and result types as SpeculativeGenerator.generate for what the LLM API exposes."""
-        from runtime.serving.handles import Generation
+        from runtime.core.handles import Generation
         from runtime.errors import RequestError
 
         given = {k: v for k, v in unsupported.items() if v not in (None, False, "speculative")}

@@ -20,7 +20,7 @@ class RequestInvalid(ValueError):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from runtime.loaded import bundle_tokenizer
+        from runtime.core.loaded import bundle_tokenizer
 
         config = json.loads(args["model_config"])
         parameters = config["parameters"]

@@ -50,7 +50,7 @@ def _error(message: str):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from runtime.loaded import bundle_tokenizer
+        from runtime.core.loaded import bundle_tokenizer
 
         config = json.loads(args["model_config"])
         folder = Path(_param(config, "tokenizer"))
@@ -58,7 +58,7 @@ class TritonPythonModel:
             folder = _model_dir(args) / folder
         self.tokenizer = bundle_tokenizer(folder)  # its files' verified bytes
         self.max_context = int(_param(config, "max_context"))
-        from runtime.request import Limits
+        from runtime.core.request import Limits
 
         self.limits = Limits(int(_param(config, "max_tokens_limit")), int(_param(config, "max_prompt_bytes")))
 
@@ -85,10 +85,10 @@ class TritonPythonModel:
         return responses
 
     def _prepare(self, request):
-        """The prompt's ids and the checked max_tokens, with the front door's bounds and words (runtime/request.py:
+        """The prompt's ids and the checked max_tokens, with the front door's bounds and words (runtime/core/request.py:
         the OpenAI server's and ``speculative``'s): the size in bytes before the text is decoded or tokenized."""
         from runtime.errors import RequestError
-        from runtime.request import as_text, renamed, text_bytes
+        from runtime.core.request import as_text, renamed, text_bytes
 
         raw = _scalar(request, "text_input")
         max_tokens = int(_scalar(request, "max_tokens"))

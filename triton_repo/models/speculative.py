@@ -1,9 +1,9 @@
 """Triton Python model ``speculative`` (decoupled): draft-then-verify decoding of a Draftsmith bundle.
 
 Longer than most modules: Triton's Python backend loads a model as this one file; the decoding is the runtime's
-(runtime/serving/scheduler.py), what is here is Triton's side of it (inputs, responses, cancellation, metrics).
+(runtime/core/scheduler.py), what is here is Triton's side of it (inputs, responses, cancellation, metrics).
 
-Every request is handed to the runtime's in-flight batching scheduler (runtime/serving/scheduler.py) as it arrives:
+Every request is handed to the runtime's in-flight batching scheduler (runtime/core/scheduler.py) as it arrives:
 ``execute`` only validates and submits, and returns. One scheduler loop owns both engines and, at every step, admits
 waiting requests into the running batch, advances every row once (each with its own sampling parameters, k and seed) and
 retires finished ones, so a new request starts at the next step whatever else runs, and a long request holds nobody
@@ -12,7 +12,7 @@ back. Each request gets its own responses through its response sender, sent from
 final response with the whole text. The final response carries the request's speculative statistics
 (``acceptance_rate``, ``total_accepted_draft_tokens``, ``total_draft_tokens``); a stream's intermediate pieces report
 zeros there. The scheduler's ``policy`` (model parameter) is "exact" (every answer bit for bit the same request's
-alone) or "throughput" (batched target-only steps when they pay); see runtime/serving/scheduler.py.
+alone) or "throughput" (batched target-only steps when they pay); see runtime/core/scheduler.py.
 
 A repository written without streaming (not decoupled) submits the batch Triton gives ``execute`` and waits for it.
 
@@ -92,7 +92,7 @@ def _message(err) -> str:
     as it is; anything else is logged here and answered generically, as the OpenAI server's 500 is: an engine's
     error names its graph's nodes and this machine's paths, which are nobody's business but the operator's."""
     from runtime.errors import RequestError
-    from runtime.serving.handles import is_stopping
+    from runtime.core.handles import is_stopping
 
     if isinstance(err, (RequestInvalid, RequestError)):
         return str(err)
@@ -102,7 +102,7 @@ def _message(err) -> str:
     return GENERIC_FAILURE
 
 
-# this model's tensor names for the front door's fields (runtime/request.py), in its errors' words
+# this model's tensor names for the front door's fields (runtime/core/request.py), in its errors' words
 NAMES = {
     "prompt": "text_input",
     "max_new_tokens": "max_tokens",
@@ -114,7 +114,7 @@ FORM = "input '{}'"
 
 
 class Request:
-    """One admitted request (runtime/request.py's ``Admitted``), its response sender and its scheduler handle."""
+    """One admitted request (runtime/core/request.py's ``Admitted``), its response sender and its scheduler handle."""
 
     def __init__(self, sender, admitted, stream):
         self.sender, self.admitted, self.stream = sender, admitted, stream
@@ -130,26 +130,26 @@ class Request:
 
 class TritonPythonModel:
     def initialize(self, args):
-        from runtime.api import SpeculativeGenerator
+        from runtime.core.loaded import LoadedBundle
 
         config = json.loads(args["model_config"])
         bundle = Path(_param(config, "bundle"))
         if not bundle.is_absolute():
             bundle = Path(args.get("model_repository") or Path(__file__).resolve().parents[1]) / bundle
-        self.generator = SpeculativeGenerator.from_bundle(
+        self.bundle = LoadedBundle.open(
             bundle, threads=int(_param(config, "threads")), device_id=int(args.get("model_instance_device_id") or 0)
         )  # the GPU Triton gave this instance
-        from runtime.request import FrontDoor, Limits
+        from runtime.core.request import FrontDoor, Limits
 
         bounds = ("max_tokens_limit", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes")
-        limits = Limits.for_context(self.generator.max_context, **{n: int(_param(config, n)) for n in bounds})
-        self.door = FrontDoor(self.generator, limits)  # every request's checks, as the OpenAI server's
+        limits = Limits.for_context(self.bundle.max_context, **{n: int(_param(config, n)) for n in bounds})
+        self.door = FrontDoor(self.bundle, limits)  # every request's checks, as the OpenAI server's
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-        self.vocab_size = self.generator.tokenizer.vocab_size
-        from runtime.serving.scheduler import Scheduler
+        self.vocab_size = self.bundle.tokenizer.vocab_size
+        from runtime.core.scheduler import Scheduler
 
         self.scheduler = Scheduler(
-            self.generator,
+            self.bundle,
             max_batch=int(_param(config, "max_batch")),
             max_queue=int(_param(config, "max_queue")),
             policy=_param(config, "policy"),
@@ -178,7 +178,7 @@ class TritonPythonModel:
         if final or now - self.exported_at >= METRICS_EVERY_S:
             self.exported_at = now
             try:
-                self.exported.update(read(self.generator.metrics, self.scheduler, self.model_name))
+                self.exported.update(read(self.bundle.metrics, self.scheduler, self.model_name))
             except Exception as err:  # noqa: BLE001 - logged; the requests go on
                 pb_utils.Logger.log_error(f"speculative: exporting the metrics failed: {err!r}")
 
@@ -307,7 +307,7 @@ class TritonPythonModel:
         """The request's tensors mapped to the front door's fields (TensorRT-LLM's conventions: 0 turns top_k,
         top_p and num_draft_tokens off, ``random_seed`` is ``seed``'s other name); nothing checked here but what only
         a tensor means (``end_id``)."""
-        from runtime.request import Asked
+        from runtime.core.request import Asked
 
         prompt = _optional(request, "text_input")
         if prompt is None:
@@ -316,9 +316,9 @@ class TritonPythonModel:
         if max_tokens is None:
             raise RequestInvalid("input 'request_output_len' is required")
         end_id = _optional(request, "end_id")
-        if end_id is not None and int(end_id) not in self.generator.eos_ids:
+        if end_id is not None and int(end_id) not in self.bundle.eos_ids:
             raise RequestInvalid(
-                f"input 'end_id': this model ends sequences at {list(self.generator.eos_ids)}; "
+                f"input 'end_id': this model ends sequences at {list(self.bundle.eos_ids)}; "
                 f"another end id is not supported, received {end_id}"
             )
         temperature, top_k, top_p = (_optional(request, n) for n in ("temperature", "top_k", "top_p"))
@@ -344,7 +344,7 @@ class TritonPythonModel:
         front door."""
         from runtime.decoding.grammar import MAX_SOURCE_BYTES, trtllm_guide
         from runtime.errors import RequestError
-        from runtime.request import as_text, text_bytes
+        from runtime.core.request import as_text, text_bytes
 
         kind, guide = _optional(request, "guided_decoding_guide_type"), _optional(request, "guided_decoding_guide")
         if guide is not None and text_bytes(guide) > MAX_SOURCE_BYTES:
@@ -425,4 +425,4 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.scheduler.stop()  # what still runs or waits gets an error response
-        self.generator = None
+        self.bundle = None

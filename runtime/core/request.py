@@ -26,7 +26,7 @@ from runtime.decoding.sampling import SamplingParams
 from runtime.decoding.drafter import Drafter
 from runtime.drafter_names import DRAFTERS
 from runtime.errors import RequestError
-from runtime.loaded import LoadedBundle
+from runtime.core.loaded import LoadedBundle
 from runtime.text.sent_text import check_sent_text, check_text
 from runtime.text.stop_matcher import stop_automaton
 
@@ -118,7 +118,7 @@ def merged_request(request: DecodeRequest | None, options: dict) -> DecodeReques
     if request is None:
         return decode_request(**options)
     if not isinstance(request, DecodeRequest):
-        raise RequestError(f"request: expected a runtime.request.DecodeRequest, received {type(request).__name__}")
+        raise RequestError(f"request: expected a runtime.core.request.DecodeRequest, received {type(request).__name__}")
     given = {name: getattr(request, name) for name in request.model_fields_set}
     return decode_request(**{**given, **options}) if options else request
 
@@ -231,7 +231,7 @@ def text_bytes(value) -> int:
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request through the front door: what the scheduler runs (runtime/serving/scheduler.py)."""
+    """A request through the front door: what the scheduler runs (runtime/core/scheduler.py)."""
 
     prompts: list[list[int]]  # token ids, one list per sequence (a server's request: one)
     config: DecodeConfig

@@ -1,7 +1,7 @@
 """Prompts into the running batch: an admitted request's rows prefilled in the batch cache (whole, or a chunk a step
 while the others decode), and how big a chunk a step can carry.
 
-The scheduler (runtime/serving/scheduler.py) owns the cache and the rows; this is its prefill, kept apart so the
+The scheduler (runtime/core/scheduler.py) owns the cache and the rows; this is its prefill, kept apart so the
 loop reads as admit, plan, decode, retire. Chunked prefill is vLLM's and TensorRT-LLM's: a long prompt's admission
 costs the running rows a chunk a step, not its whole prefill at once.
 """

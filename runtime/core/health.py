@@ -3,7 +3,7 @@
 A loop thread that is alive is not enough: a sticky engine fault (ONNX Runtime out of memory on every call, a CUDA
 error) leaves the thread running while every request fails. ``FaultWatch`` counts the engine failures in a row
 (a step's shared target call; an admission whose prefills all failed when the engine then fails a one-token call
-too: runtime/serving/scheduler.py ``engine_answers``; never one request's own failure, a prompt too big for the
+too: runtime/core/scheduler.py ``engine_answers``; never one request's own failure, a prompt too big for the
 memory left included, so a client cannot make the pod unready with poison requests): readiness turns false after
 ``ready_after`` of them (the balancer sends traffic elsewhere), liveness after ``live_after`` (Kubernetes restarts
 the pod). One success clears both. Readiness also comes back after ``retry_after_s`` without a new fault, so a

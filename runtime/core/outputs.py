@@ -5,7 +5,7 @@ server alike.
 Per sequence (``TextOutput``): incremental detokenizing (never half a UTF-8 character: runtime/text/tokenizer.py),
 stop strings (text that could still begin one is held back until a later step says: ``StopText``), the
 log-probabilities not sent yet, and at the end the finish reason and the ``Generation``, whose statistics are
-counted in the bundle's metrics. The scheduler (runtime/serving/scheduler.py) calls it after every step and when a
+counted in the bundle's metrics. The scheduler (runtime/core/scheduler.py) calls it after every step and when a
 row leaves.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from runtime.decoding.step import DecodeRow
 from runtime.metrics import MetricsRegistry
-from runtime.serving.handles import Event, Generation
+from runtime.core.handles import Event, Generation
 from runtime.text.tokenizer import IncrementalDecoder, StopText, Tokenizer
 
 INTERRUPTED = ("cancelled", "timeout")  # finish reasons from outside: the text held back is sent as it is

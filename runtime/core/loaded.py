@@ -1,8 +1,8 @@
 """A bundle opened for decoding: its engines, tokenizers and defaults, the drafters it makes, the call costs measured
 on this machine, its grammar compiler and its metrics (``LoadedBundle``).
 
-What the scheduler runs on (runtime/serving/scheduler.py), what the front door admits requests for
-(runtime/request.py), and what the Python API (runtime/api.py), the OpenAI server and the Triton model each open
+What the scheduler runs on (runtime/core/scheduler.py), what the front door admits requests for
+(runtime/core/request.py), and what the Python API (runtime/api.py), the OpenAI server and the Triton model each open
 once; it decodes nothing itself. Its tokenizers are made from the bytes the manifest vouches for.
 """
 

@@ -1,5 +1,5 @@
 """What a request submitted to the scheduler gets back: its events, ending in its ``Generation``, a handle to read
-and cancel them, and the two errors that are not the request's own fault (runtime/serving/scheduler.py)."""
+and cancel them, and the two errors that are not the request's own fault (runtime/core/scheduler.py)."""
 
 from __future__ import annotations
 

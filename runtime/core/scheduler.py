@@ -5,8 +5,8 @@ The Python API submits its batch as one request and drives the steps itself (run
 and the Triton model submit each request as it arrives and run the loop in a thread of its own (``start``); the
 bench times the same steps through an observer (``on_step``). What a step runs is runtime/decoding/step.py's
 ``decode_step``; how its draft lengths are chosen runtime/decoding/planner.py; what a row's tokens become (text,
-stops, the final Generation) runtime/serving/outputs.py; prompts into the batch runtime/serving/prefill.py; what a
-request gets back runtime/serving/handles.py.
+stops, the final Generation) runtime/core/outputs.py; prompts into the batch runtime/core/prefill.py; what a
+request gets back runtime/core/handles.py.
 
 Longer than most modules: a step's phases (admission, the plan, the step, retirement) and the thread that runs them
 read in order in one place; what each phase computes lives in the modules above.
@@ -60,12 +60,12 @@ from runtime.decoding.planner import Group, GroupPolicy, Planning, plan_lengths
 from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, decode_step, run_directly
 from runtime.decoding.step_costs import CostModel
 from runtime.errors import RequestError
-from runtime.loaded import LoadedBundle
-from runtime.request import Admitted, DecodeRequest, FrontDoor, merged_request
-from runtime.serving.handles import Event, Generation, Handle, Overloaded, Unavailable
-from runtime.serving.health import FaultWatch
-from runtime.serving.outputs import TextOutput
-from runtime.serving.prefill import PENDING, PREFILL_CHUNK, Prefill, engine_answers, features_of
+from runtime.core.loaded import LoadedBundle
+from runtime.core.request import Admitted, DecodeRequest, FrontDoor, merged_request
+from runtime.core.handles import Event, Generation, Handle, Overloaded, Unavailable
+from runtime.core.health import FaultWatch
+from runtime.core.outputs import TextOutput
+from runtime.core.prefill import PENDING, PREFILL_CHUNK, Prefill, engine_answers, features_of
 
 POLICIES = ("exact", "throughput")
 StepObserver = Callable[[list[tuple[DecodeRow, list[int]]]], None]  # after each step: its rows and their new tokens
@@ -179,7 +179,7 @@ class Scheduler:
         client: str = "",
         **options,
     ) -> Handle:
-        """Queue one prompt (a string, or chat messages with ``chat``) through the front door (runtime/request.py:
+        """Queue one prompt (a string, or chat messages with ``chat``) through the front door (runtime/core/request.py:
         ``request``, or its fields as keywords, as SpeculativeGenerator.generate takes them), so a bad request
         raises RequestError here, before it queues; a full queue refuses before the door's work. See ``enqueue``."""
         self.check_room()
