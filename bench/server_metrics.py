@@ -9,15 +9,21 @@ import re
 import httpx
 
 
-def loop_lag_counts(base: str, headers: dict, timeout: float) -> dict[float, float]:
-    """The server's event-loop lag histogram from its /metrics: {bucket's upper bound: samples at or below it}
-    ({} where it has none)."""
+def samples(base: str, headers: dict, timeout: float, family: str, label: str) -> list[tuple[str, float]]:
+    """(label value, sample value) of the series ``family{label="..."}`` on the server's /metrics ([] where it has
+    none, or no /metrics)."""
     try:
         text = httpx.get(f"{base}/metrics", headers=headers, timeout=timeout).text
     except httpx.HTTPError:
-        return {}
-    found = re.findall(r'^draftsmith_event_loop_lag_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
-    return {float(bound): float(n) for bound, n in found}
+        return []
+    pattern = rf'^{re.escape(family)}\{{{label}="([^"]+)"\}} ([0-9.e+]+)$'
+    return [(value, float(n)) for value, n in re.findall(pattern, text, re.MULTILINE)]
+
+
+def loop_lag_counts(base: str, headers: dict, timeout: float) -> dict[float, float]:
+    """The server's event-loop lag histogram: {bucket's upper bound: samples at or below it}."""
+    found = samples(base, headers, timeout, "draftsmith_event_loop_lag_seconds_bucket", "le")
+    return {float(bound): n for bound, n in found}
 
 
 def lag_during(before: dict[float, float], after: dict[float, float]) -> dict:
@@ -36,10 +42,5 @@ def lag_during(before: dict[float, float], after: dict[float, float]) -> dict:
 
 
 def draft_length_counts(base: str, headers: dict, timeout: float) -> dict[int, float]:
-    """Row-steps by the draft length the server's step plan chose, from its /metrics ({} where it has none)."""
-    try:
-        text = httpx.get(f"{base}/metrics", headers=headers, timeout=timeout).text
-    except httpx.HTTPError:
-        return {}
-    found = re.findall(r'^draftsmith_scheduler_draft_length_total\{k="(\d+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
-    return {int(k): float(n) for k, n in found}
+    """Row-steps by the draft length the server's step plan chose."""
+    return {int(k): n for k, n in samples(base, headers, timeout, "draftsmith_scheduler_draft_length_total", "k")}

@@ -565,22 +565,19 @@ def test_the_level_summary_sets_each_levels_speculative_run_beside_its_plain_one
     assert one["mean_planned_k"] == two["mean_planned_k"] == 2.5
 
 
+def _four_requests_beside(url: str, **hostile) -> dict:
+    """openai-load's report of 4 requests from 2 clients, with the ``hostile`` client given."""
+    from bench.openai_load import run_load
+
+    return run_load(url, clients=2, duration=60, max_requests=4, max_tokens=8, cancel_fraction=0.0, **hostile)
+
+
 def test_the_load_tool_sends_a_hostile_format_beside_its_clients(scheduler):
     """``openai-load --hostile-format``: one more client sends the issue's regex in a loop; the server refuses each
     at once (400) and the clients' requests all finish."""
-    from bench.openai_load import run_load
-
     server = _Server(create_app(scheduler, MODEL))
     try:
-        report = run_load(
-            server.url,
-            clients=2,
-            duration=60,
-            max_requests=4,
-            max_tokens=8,
-            cancel_fraction=0.0,
-            hostile_format={"type": "regex", "regex": "a{250000}"},
-        )
+        report = _four_requests_beside(server.url, hostile_format={"type": "regex", "regex": "a{250000}"})
     finally:
         server.close()
     assert report["sent"] == 4 and report["failed"] == 0 and report["lost"] == 0
@@ -593,22 +590,13 @@ def test_the_load_tool_sends_huge_metadata_beside_its_clients_and_reads_the_loop
     """``openai-load --hostile-body-bytes``: one more client sends metadata arrays of ~150k values (parsed by the
     server's worker process) in a loop; each is refused naming metadata, the clients' requests all finish, and the
     report carries the server's event-loop lag over the run."""
-    from bench.openai_load import run_load
     from runtime.core.request import Limits
 
     limits = Limits.for_context(scheduler.bundle.max_context, max_body_bytes=1 << 20)
     app = create_app(scheduler, MODEL, limits=limits)
     server = _Server(app)
     try:
-        report = run_load(
-            server.url,
-            clients=2,
-            duration=60,
-            max_requests=4,
-            max_tokens=8,
-            cancel_fraction=0.0,
-            hostile_body_bytes=300_000,
-        )
+        report = _four_requests_beside(server.url, hostile_body_bytes=300_000)
     finally:
         server.close()
         app.state.body_parser.close()
