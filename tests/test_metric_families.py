@@ -272,7 +272,7 @@ def test_the_triton_model_exports_the_table_and_what_it_counts(tiny_bundle, monk
         assert triton_samples(pb.made)[("draftsmith_request_errors_total", ())] == 1
         served, refused = model.execute([_triton_request("The quick brown fox"), _triton_request("hi", 10**6)])
         assert served.error is None and refused.error is not None and "max_tokens" in str(refused.error)
-        reading = read(model.generator.metrics, model.scheduler, "speculative")
+        reading = read(model.bundle.metrics, model.scheduler, "speculative")
         want = prometheus_samples(prometheus_text(reading))
         got = triton_samples(pb.made)
         assert set(got) <= set(want)  # Triton's labelled families appear with their first value

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 
 from conftest import has_tritonserver  # noqa: E402
+from runtime.core.prefill import CHUNK_BOUNDS  # noqa: E402
 
 pytestmark = [
     pytest.mark.triton,
@@ -388,8 +389,12 @@ def test_cancelled_stream_frees_its_row_and_gets_its_final_response(server, gene
     assert delta(before, after, "draftsmith_requests_total") == 2  # every sequence that ended, the cancelled one too
     cancelled_steps = delta(before, after, "draftsmith_verify_steps_total") - other.stats.num_steps
     assert 1 <= cancelled_steps < full.stats.num_steps // 2
-    prefills = sum(len(generator.encode_prompt(p, False)) > 1 for p in (cancelled_prompt, other_prompt))  # one per row
-    assert delta(before, after, "draftsmith_target_calls_total") == other.stats.num_steps + prefills
+    # each prompt's prefill is a call or a few: the "auto" chunk follows the measured costs (CHUNK_BOUNDS' 2 tokens
+    # at the least, where a machine under load measured a steep cost per token)
+    lengths = [len(generator.encode_prompt(p, False)) for p in (cancelled_prompt, other_prompt)]
+    fewest, most = sum(n > 1 for n in lengths), sum(-(-(n - 1) // CHUNK_BOUNDS[0]) for n in lengths)
+    prefill_calls = delta(before, after, "draftsmith_target_calls_total") - other.stats.num_steps  # a call a step
+    assert fewest <= prefill_calls <= most
     finals = [line for line in server.log().splitlines() if "request cancelled by its client" in line]
     assert finals and "final response" in finals[-1], server.log()[-2000:]
     print(finals[-1])
