@@ -45,7 +45,7 @@ from builder.model_surgery import Engine, Model, is_feature_draft, native_gguf, 
 from builder.pairing import Pairing
 from runtime.bundle import BuildSpec
 from runtime.decoding.sampling import SamplingParams
-from runtime.decoding.step_costs import CostModel, timed_call
+from runtime.decoding.step_costs import CostModel, relative_call, timed_call
 from runtime.drafters.registry import REGISTRY
 
 # (draft_blocks, draft_head): the file as it is, its head cut, and the 4-bit forms
@@ -56,6 +56,7 @@ MAX_K = 8
 PROMPTS = 3  # of each kind (code completions, chat requests) whose continuations are scored
 PROMPT_TOKENS = 256  # each prompt's last tokens at most
 NEW_TOKENS = 96  # the target's greedy continuation of each
+COST_CALLS = 15  # one-token calls of a draft form and of the target, in turn, that time the form
 # what a cross-tokenizer pair drafts with by default where the spec's drafter needs one vocabulary (the registry's
 # same_vocab)
 CROSS_DRAFTER = "tli"
@@ -275,15 +276,16 @@ class Chooser:
 
         if not draft_ckpt.gguf_file or spec.draft_quant != "gguf":
             raise BuildError("draft_blocks auto chooses among a GGUF draft file's forms: a .gguf draft, quant gguf")
-        texts, costs = self._measure_target(tmp / "target" / "model.onnx", target.info)
+        texts, costs, reference = self._measure_target(tmp / "target" / "model.onnx", target.info)
         model = Model(draft_ckpt, spec, rows)
         info = info_of(model.decoder())
         forms = FORMS if native_gguf(spec) else (("file", 0), ("file", 32768))
         measured = [
-            self._score_form(work, spec, draft_ckpt, model, info, blocks, head, texts, costs)
+            self._score_form(work, spec, draft_ckpt, model, info, blocks, head, texts, (costs, reference))
             for blocks, head in forms
             if head < int(draft_ckpt.config.vocab_size)  # a head no smaller than the vocabulary is the whole one
         ]
+        del reference
         scored = [row for row, _, _ in measured]
         sources = DraftSources(target.info.vocab_size, None, False, 0.0)
         for name in MODEL_FREE:
@@ -311,7 +313,8 @@ class Chooser:
         return chosen, self._kept(draft_ckpt, engine_form.head)
 
     def _measure_target(self, path: Path, info):
-        """(prompts with the target's greedy continuations, the target's calibrated call costs)."""
+        """(prompts with the target's greedy continuations, the target's calibrated call costs, the target engine:
+        each draft form's call is timed against it)."""
         engine = opener(
             path, info, max_context=self.pair.max_context, threads=self.threads, vocab_size=info.vocab_size
         )()
@@ -319,11 +322,14 @@ class Chooser:
         texts = list(zip(asked, continuations(engine, eos_ids(self.target_ckpt, self.target_tok), asked)))
         costs = CostModel()
         costs.calibrate(engine, None, 1, MAX_K + 1, repeats=5)
-        return texts, costs
+        return texts, costs, engine
 
-    def _score_form(self, work: Path, spec: BuildSpec, draft_ckpt, model, info, blocks: str, head: int, texts, costs):
-        """(its row, its agreement on each text, the costs with its draft call): one draft form built, timed and
-        scored, then deleted."""
+    def _score_form(
+        self, work: Path, spec: BuildSpec, draft_ckpt, model, info, blocks: str, head: int, texts, measured
+    ):
+        """(its row, its agreement on each text, the costs with its draft call): one draft form built, timed against
+        the target (``measured``: the target's costs and engine) and scored, then deleted."""
+        costs, reference = measured
         kept = self._kept(draft_ckpt, head)
         path = work / "candidates" / f"{blocks}-{head}" / "model.onnx"
         form_spec = replace(spec, draft_blocks=blocks, draft_head=head)
@@ -333,13 +339,14 @@ class Chooser:
             path, shape, kept, max_context=self.pair.max_context, threads=self.threads, vocab_size=info.vocab_size
         )()
         timed_call(engine, 1, 1, 64, 3)  # warm: a new session's first calls map its weights in
-        call = timed_call(engine, 1, 1, 64, 10)
+        cost = relative_call(engine, reference, 64, COST_CALLS)
+        call = cost * costs.call[(1, 1)]
         agrees = [agreement(engine, p, c) for p, c in texts]
         del engine
         shutil.rmtree(path.parent)
         release()
         form_costs = CostModel(call=dict(costs.call), draft={1: call})
-        row = score_model(form_costs, blocks, head, agrees, call / costs.call[(1, 1)])
+        row = score_model(form_costs, blocks, head, agrees, cost)
         self._say(
             f"choose draft: {row.name}: a draft token {row.cost:.2f} of a target call, best k {row.k}, "
             f"expected {row.speedup:.2f}x plain decoding"

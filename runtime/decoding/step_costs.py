@@ -76,8 +76,8 @@ class CostModel:
         for rows in sizes:
             for width in widths:
                 self.call[(rows, width)] = timed_call(target, rows, width, past, repeats)
-            if draft is not None:
-                self.draft[rows] = timed_call(draft, rows, 1, past, repeats)
+            if draft is not None:  # against the target's one-token call, the two timed in turn
+                self.draft[rows] = relative_call(draft, target, past, max(repeats, 5), rows) * self.call[(rows, 1)]
         # a prompt chunk's cost per token (a server's chunked prefill is sized by it)
         self.call[(1, prefill)] = timed_call(target, 1, prefill, past, repeats)
 
@@ -106,6 +106,24 @@ def timed_call(engine, rows: int, width: int, past: int, repeats: int) -> float:
         best = min(best, time.perf_counter() - start)
         engine.rollback(cache, cache.lengths - width)
     return best
+
+
+def relative_call(engine, reference, past: int, repeats: int, rows: int = 1) -> float:
+    """One-token call seconds of ``engine`` over ``reference``'s (``rows`` rows), from one interleaved run: a call of
+    each in turn, ``repeats`` times, the ratio of their medians. Timed apart, a machine's drift between the two runs
+    (another job, the memory a process happened to get) moved a draft's measured cost by a fifth and ranked draft
+    forms wrongly."""
+    caches = [engine.new_cache(rows), reference.new_cache(rows)]
+    for e, cache in zip((engine, reference), caches):
+        scratch_call(e, cache, np.ones((rows, past), np.int64))
+    seconds: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for e, cache, times in zip((engine, reference), caches, seconds):
+            start = time.perf_counter()
+            scratch_call(e, cache, np.ones((rows, 1), np.int64))
+            times.append(time.perf_counter() - start)
+            e.rollback(cache, cache.lengths - 1)
+    return float(np.median(seconds[0]) / np.median(seconds[1]))
 
 
 def scratch_call(engine, cache, tokens: np.ndarray, exact: bool = True) -> None:
