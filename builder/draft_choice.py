@@ -15,8 +15,10 @@ decoding would make with it at each k, over plain decoding, from two measurement
   and the steps of speculative decoding at any k follow from it (``simulate``). A model-free drafter is stepped over
   the same text through its own ``propose``; the hybrid takes the lookup's proposal wherever there is one (as the
   runtime's HybridDrafter does before it has costs) and the draft's run elsewhere.
-- **call costs**, by the runtime's own calibration (runtime.decoding.step_costs.CostModel): a draft token's call and
-  target calls of 1..k + 1 tokens, on this machine.
+- **call costs** on this machine: target calls of 1..k + 1 tokens by the runtime's own calibration
+  (runtime.decoding.step_costs.CostModel), and a draft token's call as a ratio to the target's one-token call from
+  one run that times the two in turn (``relative_call``: timed apart, the machine's drift between the runs ranked
+  the forms wrongly).
 
 A step drafting k tokens costs k draft calls plus one target call of k + 1 tokens and yields its accepted tokens plus
 one; plain decoding costs one one-token call a token. The winner's form is built as the bundle's draft, its drafter
