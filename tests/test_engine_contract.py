@@ -174,12 +174,12 @@ def test_an_engine_that_returns_tokens_sends_whole_histories_and_keeps_the_steps
     engine = ExecutorEngine(session, vocab_size=200, max_context=64, verifies=True)
     cache, _ = engine.admit_rows(engine.new_cache(0), [[5, 6, 7], [8, 9]])
     assert session.requests == [] and cache.lengths.tolist() == [3, 2]
-    out = engine.decode(cache, [[1], [2]], [[50, 51], []], [8, 8])
+    out = engine.generate_tokens(cache, [[1], [2]], [[50, 51], []], [8, 8])
     assert out == [[50, 51, 104], [103]]  # the draft accepted and the target's own token; a lone token
     assert session.requests == [([5, 6, 7, 1], [50, 51], 3), ([8, 9, 2], [], 1)]
     assert cache.extra["tokens"] == [[5, 6, 7, 1, 50, 51], [8, 9, 2]] and cache.lengths.tolist() == [6, 3]
     assert cache.mask.sum(axis=1).tolist() == [6, 3]
-    assert engine.decode(cache, [[1], [2]], [[60], []], [1, 0]) == [[60], []]  # room: at most 1, none
+    assert engine.generate_tokens(cache, [[1], [2]], [[60], []], [1, 0]) == [[60], []]  # room: at most 1, none
     engine.rollback(cache, np.array([4, 2]))
     assert cache.extra["tokens"] == [[5, 6, 7, 1], [8, 9]]
     picked = engine.join(engine.select(cache, np.array([1])), engine.new_cache(1))
@@ -296,7 +296,8 @@ ENGINE_MODULES = (
     "runtime.trtllm.llmapi",
     "bench.tree",
 )
-OBSERVED = ("forward", "prefill", "prefill_rows", "decode", "watch", "unwatch", "_observed")  # the base's, observed
+# the base class's calls, observed
+OBSERVED = ("forward", "prefill", "prefill_rows", "generate_tokens", "watch", "unwatch", "_observed")
 REQUIRED = ("new_cache", "compute", "rollback", "select", "join")
 
 
@@ -316,7 +317,7 @@ def engine_classes() -> list[type]:
 
 def test_every_engine_implements_the_contract_and_leaves_its_calls_to_the_base_class():
     """Each engine of the packages (ONNX plain and fused, the reduced-head wrapper, TensorRT-LLM's executor and LLM
-    API engines, the bench's recorder) implements the cache methods and ``compute`` (``decode_tokens`` too where it
+    API engines, the bench's recorder) implements the cache methods and ``compute`` (``compute_tokens`` too where it
     returns tokens); none, fakes included, redefines a public call, so every call reaches the observers (the Triton
     model's counter, the bench's timings)."""
     classes = engine_classes()
@@ -326,7 +327,7 @@ def test_every_engine_implements_the_contract_and_leaves_its_calls_to_the_base_c
     for cls in classes:
         assert not set(OBSERVED) & set(vars(cls)), f"{cls.__qualname__} redefines {set(OBSERVED) & set(vars(cls))}"
         if cls.__module__.split(".")[0] in PACKAGES:
-            required = REQUIRED + (("decode_tokens",) if cls.returns_tokens else ())
+            required = REQUIRED + (("compute_tokens",) if cls.returns_tokens else ())
             missing = [name for name in required if getattr(cls, name) is getattr(Engine, name)]
             assert missing == [], f"{cls.__qualname__} leaves {missing} to the base class, which only raises"
 

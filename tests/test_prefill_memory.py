@@ -126,7 +126,7 @@ def test_the_trtllm_engines_prefill_runs_nothing_and_the_first_step_sends_the_wh
     cache = engine.new_cache(1)
     prefill(engine, cache, [ids[:-1]])
     assert session.requests == [] and cache.lengths.tolist() == [len(ids) - 1]
-    engine.decode(cache, [ids[-1:]], [[]], [4])
+    engine.generate_tokens(cache, [ids[-1:]], [[]], [4])
     assert session.requests == [(ids, [], 1)]
 
 

@@ -183,24 +183,20 @@ def test_the_scheduler_decodes_the_executor_pair_to_the_target_greedy_output(tin
 def test_each_step_is_one_draft_call_and_one_target_call(tiny_bundle, generator):
     """The step calls the two engines as it calls an ONNX pair: the draft once (its k tokens in one request), the
     target once (verifying them), every call observed."""
+    from runtime.core.request import decode_request
+
     spec = executor_pair(tiny_bundle, generator.target.vocab_size, generator.tokenizer)
     calls = {"target": [], "draft": []}
     spec.target.watch(calls["target"].append)
     spec.draft.watch(calls["draft"].append)
     steps = []
-    admitted = spec.door.admit(["The quick brown fox"], spec_request(max_new_tokens=9, k=3))
+    admitted = spec.door.admit(["The quick brown fox"], decode_request(max_new_tokens=9, k=3))
     for _ in spec.run(admitted, on_step=steps.append):
         pass
-    assert [c.kind for c in calls["target"]].count("decode") == len(steps)
-    assert [c.kind for c in calls["draft"]] == ["decode"] * len(calls["draft"]) and 0 < len(calls["draft"]) <= len(
-        steps
-    )
-
-
-def spec_request(**fields):
-    from runtime.core.request import decode_request
-
-    return decode_request(**fields)
+    assert [c.kind for c in calls["target"]].count("generate_tokens") == len(steps)
+    assert [c.kind for c in calls["draft"]] == ["generate_tokens"] * len(calls["draft"]) and 0 < len(
+        calls["draft"]
+    ) <= len(steps)
 
 
 def test_the_front_door_refuses_what_an_engine_that_returns_tokens_cannot_do(tiny_bundle, generator):
@@ -268,6 +264,9 @@ def test_the_scheduler_drives_an_engine_that_speculates_inside_in_one_call_steps
     got = spec.generate(prompts, max_new_tokens=10)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert llm.calls == 3  # one call a step, each up to step_tokens a row: 4 + 4 + 2
+    engine = LlmApiEngine(llm, vocab_size=vocab, max_context=manifest.max_context, step_tokens=4, speculative=False)
+    baseline = SpeculativeGenerator(manifest, engine, None, generator.tokenizer, manifest.eos_token_ids)
+    assert [g.token_ids for g in baseline.generate(prompts, max_new_tokens=10)] == [w.token_ids for w in want]
     for asked in ({"mode": "target"}, {"drafter": "prompt_lookup"}):
         with pytest.raises(RequestError, match="inside TensorRT-LLM's executor"):
             spec.generate("hi", **asked)

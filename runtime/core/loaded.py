@@ -139,8 +139,8 @@ class LoadedBundle:
     def new_drafter(self, mode: str, kind: str | None, confidence: float | None) -> Drafter | None:
         """A new drafter for one request (a DecodeRequest's mode, drafter and draft_confidence; None: the bundle's
         defaults); None in mode "target", or when the kind needs the draft engine and there is none."""
-        if self.target.speculation == "internal":
-            return self._drafts_inside(mode, kind)
+        if self.target.returns_tokens and self.target.speculation != "verifies":
+            return self._takes_no_drafts(mode, kind)
         kind = kind or self.default_drafter
         confidence = self.default_confidence if confidence is None else confidence
         drafter_kind(kind)  # an unknown kind fails in any mode
@@ -150,9 +150,10 @@ class LoadedBundle:
             kind, DraftSources(self.target.vocab_size, self.draft, self.target.has_hidden, confidence, self.bridge)
         )
 
-    def _drafts_inside(self, mode: str, kind: str | None) -> None:
-        """No drafter for a target whose runtime drafts and verifies inside its calls (TensorRT-LLM's executor
-        with a speculative config): a request cannot pick another, nor turn it off (open the bundle without it)."""
+    def _takes_no_drafts(self, mode: str, kind: str | None) -> None:
+        """No drafter for a target that returns tokens but verifies none given to it: its runtime drafts and
+        verifies inside its calls (TensorRT-LLM's executor with a speculative config), or it was opened without
+        one (the baseline). A request cannot pick a drafter, nor turn the executor's off (open the bundle so)."""
         if mode == "target" or kind is not None:
             raise RequestError(
                 "this bundle's target drafts and verifies inside TensorRT-LLM's executor: a request cannot choose "

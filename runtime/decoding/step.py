@@ -138,7 +138,7 @@ def decode_step(
     for group, drafting in zip(groups, plan.drafting):
         if group.drafter is not None and not all(idle[b] for b in group.rows):
             isolate([rows[b] for b in group.rows], inform, group, drafting, hidden, accepted, emitted)
-    if not target.returns_tokens:  # an engine that returns tokens kept only what it accepted (``decode``)
+    if not target.returns_tokens:  # an engine that returns tokens kept only what it accepted (``generate_tokens``)
         target.rollback(cache, cache.lengths - np.array([len(d) - n for (d, _), n in zip(proposals, accepted)]))
     new = [
         [] if idle[b] else book(row, len(draft), n, out, fallback[b], t1 - t0, t2 - t1, target.max_context)
@@ -185,12 +185,12 @@ def score(target, cache, chunks: list[list[int]], exact: bool = True) -> tuple[l
 
 
 def engine_verdicts(target, cache, rows: list[DecodeRow], chunks: list[list[int]], idle: list[bool]) -> list:
-    """A step on an engine that returns tokens (``Engine.decode``): one call, each row's chunk [last, x_1..x_d]
+    """A step on an engine that returns tokens (``Engine.generate_tokens``): one call, each row's chunk [last, x_1..x_d]
     given as its last token and its draft to verify, up to the tokens the row has room for; per row (accepted
     draft tokens n, the tokens the step emits), None for a row sitting the step out. Greedy (the front door refuses
     the rest), so the engine's own choice is the row's: n counts the draft tokens it emitted as drafted."""
     room = [0 if idle[b] else row_room(row, target.max_context) for b, row in enumerate(rows)]
-    out = target.decode(cache, [c[:1] for c in chunks], [c[1:] for c in chunks], room)
+    out = target.generate_tokens(cache, [c[:1] for c in chunks], [c[1:] for c in chunks], room)
     return [
         None if idle[b] else (agreed(chunk[1:], emitted), emitted)
         for b, (chunk, emitted) in enumerate(zip(chunks, out))

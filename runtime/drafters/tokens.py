@@ -13,8 +13,8 @@ from runtime.engines.base import Engine
 
 
 class TokenDrafter(Drafter):
-    """Drafts with one ``decode`` call a step; its cache holds what the draft engine has seen (``pending``: what it
-    has not yet)."""
+    """Drafts with one ``generate_tokens`` call a step; its cache holds what the draft engine has seen
+    (``pending``: what it has not yet)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -29,7 +29,7 @@ class TokenDrafter(Drafter):
         """Up to limits[b] greedy tokens per row in one call; every row's pending tokens go in with it."""
         self.base = self.cache.lengths.copy()
         self.fed = [len(p) for p in self.pending]
-        tokens = self.engine.decode(self.cache, self.pending, [[] for _ in limits], list(limits))
+        tokens = self.engine.generate_tokens(self.cache, self.pending, [[] for _ in limits], list(limits))
         self.pending = [[] for _ in limits]
         return Proposal(tokens, [point_masses(t, self.engine.vocab_size, params) for t in tokens])
 

@@ -11,14 +11,14 @@ call is set on the engine.
 Two kinds of engine answer a step. Most return logits (``compute``): the decode step samples and verifies draft
 tokens itself. An engine whose runtime decides the tokens itself and returns no logits (``returns_tokens``:
 TensorRT-LLM's executor, whose ``draft_tokens_external`` engines cannot gather logits) answers a step with the tokens
-it emits (``decode_tokens``), and declares how it speculates (``speculation``): it verifies draft tokens given to it,
+it emits (``compute_tokens``), and declares how it speculates (``speculation``): it verifies draft tokens given to it,
 or it drafts and verifies inside itself (Medusa, EAGLE, lookahead, draft-target in the executor), so a step is one
 call. Either way the one scheduler (runtime/core/scheduler.py) runs the loop and the engine one step of it.
 
-A subclass implements ``compute`` or ``decode_tokens`` (and the cache methods); the public calls (``forward``,
-``prefill``, ``prefill_rows``, ``decode``) are the base class's, so every call an engine makes is reported to its
-observers (``watch``: the Triton model's metrics and the bench's timings) without anyone wrapping or patching a
-method.
+A subclass implements ``compute`` or ``compute_tokens`` (and the cache methods); the public calls (``forward``,
+``prefill``, ``prefill_rows``, ``generate_tokens``) are the base class's, so every call an engine makes is reported
+to its observers (``watch``: the Triton model's metrics and the bench's timings) without anyone wrapping or
+patching a method.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class KVCache:
 class Call:
     """One call an engine made, as its observers see it."""
 
-    kind: str  # "forward", "prefill" (no logits read), "prefill_rows" (prompts of admitted rows, in place), "decode"
+    # "forward", "prefill" (no logits read), "prefill_rows" (prompts of admitted rows, in place) or "generate_tokens"
+    kind: str
     rows: int  # the call's batch (B); for "prefill_rows", the rows it prefilled (those given tokens)
     width: int  # new positions per row (S)
     seconds: float  # the whole call
@@ -86,8 +87,8 @@ class Engine:
     session_seconds = 0.0  # seconds its runtime's sessions have run so far (what a Call's session_seconds counts)
     session_widest = 0  # the widest query its sessions ran since an observed call began (a Call's session_width)
     observers: tuple = ()  # told of every call (``watch``)
-    # its calls return tokens its runtime chose (``decode``), not logits: greedy only, no per-position scores, so
-    # the front door refuses sampling, logprobs and grammars for it (LoadedBundle.check_config)
+    # its calls return tokens its runtime chose (``generate_tokens``), not logits: greedy only, no per-position
+    # scores, so the front door refuses sampling, logprobs and grammars for it (LoadedBundle.check_config)
     returns_tokens = False
     # how an engine that returns tokens speculates: "" not at all (one greedy token a row per step, or a draft
     # engine's k), "verifies" (it checks the draft tokens a step gives it: the accepted ones, then its own next
@@ -118,7 +119,7 @@ class Engine:
         kernels its lone call would take (``min_call_tokens``); False: one-token calls unpadded."""
         raise NotImplementedError
 
-    def decode_tokens(
+    def compute_tokens(
         self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
     ) -> list[list[int]]:
         """Where ``returns_tokens``, in place of ``compute``: each row's ``chunks[b]`` (the tokens it feeds: a
@@ -204,12 +205,12 @@ class Engine:
         shape = (sum(1 for chunk in chunks if chunk), max(len(chunk) for chunk in chunks))
         return self._observed("prefill_rows", cache, shape, lambda: self.compute_rows(cache, rows, chunks))
 
-    def decode(
+    def generate_tokens(
         self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
     ) -> list[list[int]]:
-        """``decode_tokens`` (see there), observed: an engine that returns tokens answers a step with this call."""
+        """``compute_tokens`` (see there), observed: an engine that returns tokens answers a step with this call."""
         shape = (len(chunks), max((len(c) + len(d) for c, d in zip(chunks, drafts)), default=0))
-        return self._observed("decode", cache, shape, lambda: self.decode_tokens(cache, chunks, drafts, room))
+        return self._observed("generate_tokens", cache, shape, lambda: self.compute_tokens(cache, chunks, drafts, room))
 
     def watch(self, observer: CallObserver) -> None:
         """Report every call to ``observer`` (a Triton model's call counter, the bench's timings) from now on."""

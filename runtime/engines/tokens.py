@@ -42,12 +42,12 @@ class TokenEngine(Engine):
         """Prompt tokens recorded (``score`` False: a prefill, which the next call's whole history carries anyway);
         logits it has none to give, so a scoring call is refused."""
         if score:
-            raise TypeError(f"{type(self).__name__} returns tokens, not logits: a step calls its decode")
+            raise TypeError(f"{type(self).__name__} returns tokens, not logits: a step calls its generate_tokens")
         valid = np.ones_like(tokens) if valid is None else np.asarray(valid)
         self._extend(cache, [[int(t) for t, v in zip(row, keep) if v] for row, keep in zip(tokens, valid)])
         return None
 
-    def decode_tokens(
+    def compute_tokens(
         self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
     ) -> list[list[int]]:
         histories = cache.extra["tokens"]
