@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from runtime.bundle import load_manifest
-from runtime.engines.base import Engine
+from runtime.engines.base import Engine, EngineWrapper
 from runtime.engines.onnx import engine_class
 from test_drafter_contract import PACKAGES, ROOT, capability_probes
 
@@ -179,13 +179,18 @@ def test_an_engine_that_returns_tokens_sends_whole_histories_and_keeps_the_steps
     assert session.requests == [([5, 6, 7, 1], [50, 51], 3), ([8, 9, 2], [], 1)]
     assert cache.extra["tokens"] == [[5, 6, 7, 1, 50, 51], [8, 9, 2]] and cache.lengths.tolist() == [6, 3]
     assert cache.mask.sum(axis=1).tolist() == [6, 3]
-    assert engine.generate_tokens(cache, [[1], [2]], [[60], []], [1, 0]) == [[60], []]  # room: at most 1, none
+    # room for one token: the draft is cut (the executor returns the draft and one more); none: no request
+    assert engine.generate_tokens(cache, [[1], [2]], [[60], []], [1, 0]) == [[107], []]
+    assert session.requests[-1] == ([5, 6, 7, 1, 50, 51, 1], [], 1) and len(session.requests) == 3
     engine.rollback(cache, np.array([4, 2]))
     assert cache.extra["tokens"] == [[5, 6, 7, 1], [8, 9]]
     picked = engine.join(engine.select(cache, np.array([1])), engine.new_cache(1))
     assert picked.extra["tokens"] == [[8, 9], []] and picked.lengths.tolist() == [2, 0]
     with pytest.raises(TypeError, match="returns tokens, not logits"):
         engine.forward(cache, np.array([[1], [2]]))
+    seen = EngineWrapper(engine)  # a wrapper is the engine it wraps, its token calls included
+    assert seen.returns_tokens and seen.speculation == "verifies"
+    assert seen.generate_tokens(cache, [[3], [4]], [[], []], [1, 1]) == [[105], [103]]
 
 
 def test_join_appends_rows_that_continue_as_if_alone(engine):

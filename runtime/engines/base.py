@@ -250,6 +250,8 @@ class EngineWrapper(Engine):
     takes_features = property(lambda self: self.engine.takes_features)
     feature_width = property(lambda self: self.engine.feature_width)
     prefills_in_chunks = property(lambda self: self.engine.prefills_in_chunks)
+    returns_tokens = property(lambda self: self.engine.returns_tokens)
+    speculation = property(lambda self: self.engine.speculation)
     session_seconds = property(lambda self: self.engine.session_seconds)
     session_widest = property(
         lambda self: self.engine.session_widest, lambda self, value: setattr(self.engine, "session_widest", value)
@@ -275,6 +277,11 @@ class EngineWrapper(Engine):
 
     def compute_rows(self, cache: KVCache, rows: list[int], chunks: list[list[int]]) -> list[np.ndarray | None]:
         return self.engine.compute_rows(cache, rows, chunks)
+
+    def compute_tokens(
+        self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
+    ) -> list[list[int]]:
+        return self.engine.compute_tokens(cache, chunks, drafts, room)
 
 
 def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:

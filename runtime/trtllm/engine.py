@@ -140,8 +140,12 @@ class ExecutorEngine(TokenEngine):
         self.speculation = "verifies" if verifies else ""
 
     def emit(self, inputs: list[list[int]], drafts: list[list[int]], room: list[int]) -> list[list[int]]:
-        most = [min(len(d) + 1, r) for d, r in zip(drafts, room)] if self.speculation else list(room)
-        return self.session.generate(inputs, most, drafts)
+        """The target: each draft cut to its row's room but one (the executor returns at most the draft and one
+        token), max_tokens its length + 1; the draft: ``room`` greedy tokens."""
+        if not self.speculation:
+            return self.session.generate(inputs, list(room), drafts)
+        drafts = [d[: r - 1] for d, r in zip(drafts, room)]
+        return self.session.generate(inputs, [len(d) + 1 for d in drafts], drafts)
 
 
 # --- any bundle -----------------------------------------------------------------------------------------------------
