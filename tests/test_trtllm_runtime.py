@@ -176,8 +176,9 @@ def test_the_scheduler_decodes_the_executor_pair_to_the_target_greedy_output(tin
     assert all(g.stats.num_draft_tokens > 0 and g.stats.num_accepted_tokens <= g.stats.num_draft_tokens for g in got)
     alone = spec.generate(prompts[0], max_new_tokens=12, mode="target")
     assert alone.token_ids == want[0].token_ids and alone.stats.num_draft_tokens == 0
-    lookup = spec.generate(prompts, max_new_tokens=12, drafter="prompt_lookup")  # a model-free drafter verified too
-    assert [g.token_ids for g in lookup] == [w.token_ids for w in want]
+    for drafter in ("prompt_lookup", "suffix", "hybrid", "hybrid_suffix"):  # every drafter's tokens verified alike
+        got = spec.generate(prompts, max_new_tokens=12, drafter=drafter)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want], drafter
 
 
 def test_each_step_is_one_draft_call_and_one_target_call(tiny_bundle, generator):
