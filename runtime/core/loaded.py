@@ -156,8 +156,9 @@ class LoadedBundle:
         one (the baseline). A request cannot pick a drafter, nor turn the executor's off (open the bundle so)."""
         if mode == "target" or kind is not None:
             raise RequestError(
-                "this bundle's target drafts and verifies inside TensorRT-LLM's executor: a request cannot choose "
-                "its drafter or decode target-only (open the bundle with speculative=False for the baseline)",
+                "this bundle's target decodes inside TensorRT-LLM's executor, which drafts there when the bundle "
+                "is opened with its speculative config: a request cannot choose a drafter or decode target-only "
+                "(open the bundle with speculative=False for the baseline)",
                 "mode" if mode == "target" else "drafter",
             )
 

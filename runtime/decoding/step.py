@@ -4,8 +4,10 @@ Python API's groups alike) runs after it has decided the step's plan.
 A plan (``StepPlan``) says which rows draft and how far, and which target call scores them; ``decode_step`` executes
 it: each drafter proposes for its rows, the target scores every row's [last, x_1..x_d], each row accepts
 (sampling.verify, under its grammar), the drafters are told what happened, the target cache rolls back past the
-rejected slots, and each row books its tokens and stats. Deciding (the loops' planners) is kept apart from executing
-(here), as vLLM keeps ``schedule()`` apart from its model runner.
+rejected slots, and each row books its tokens and stats. An engine that returns tokens rather than logits
+(TensorRT-LLM's, runtime/engines/tokens.py) answers the same step with one call that verifies the drafts itself
+(``engine_verdicts``), so the rows, the drafters and the booking are the same for every engine. Deciding (the
+loops' planners) is kept apart from executing (here), as vLLM keeps ``schedule()`` apart from its model runner.
 
 Invariant between steps, per row: the target cache holds every token but the last emitted one (``DecodeRow.last``),
 which the next step feeds first; a drafter's cache lags by its own pending tokens.
