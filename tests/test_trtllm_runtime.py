@@ -268,6 +268,9 @@ def test_the_scheduler_drives_an_engine_that_speculates_inside_in_one_call_steps
     engine = LlmApiEngine(llm, vocab_size=vocab, max_context=manifest.max_context, step_tokens=4, speculative=False)
     baseline = SpeculativeGenerator(manifest, engine, None, generator.tokenizer, manifest.eos_token_ids)
     assert [g.token_ids for g in baseline.generate(prompts, max_new_tokens=10)] == [w.token_ids for w in want]
+    llm.executor.generate = lambda inputs, most: [[] for _ in inputs]  # it stops each row (its end id left out)
+    ended = spec.generate(prompts[0], max_new_tokens=10)
+    assert ended.token_ids == [] and ended.finish_reason == "stop"
     for asked in ({"mode": "target"}, {"drafter": "prompt_lookup"}):
         with pytest.raises(RequestError, match="inside TensorRT-LLM's executor"):
             spec.generate("hi", **asked)

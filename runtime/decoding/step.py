@@ -190,9 +190,13 @@ def engine_verdicts(target, cache, rows: list[DecodeRow], chunks: list[list[int]
     """A step on an engine that returns tokens (``Engine.generate_tokens``): one call, each row's chunk [last, x_1..x_d]
     given as its last token and its draft to verify, up to the tokens the row has room for; per row (accepted
     draft tokens n, the tokens the step emits), None for a row sitting the step out. Greedy (the front door refuses
-    the rest), so the engine's own choice is the row's: n counts the draft tokens it emitted as drafted."""
+    the rest), so the engine's own choice is the row's: n counts the draft tokens it emitted as drafted. A row
+    given room that gets nothing back has ended (the old in-process loop's rule too)."""
     room = [0 if idle[b] else row_room(row, target.max_context) for b, row in enumerate(rows)]
     out = target.generate_tokens(cache, [c[:1] for c in chunks], [c[1:] for c in chunks], room)
+    for row, emitted, left in zip(rows, out, room):
+        if left and not emitted:  # the runtime ended it: at its end id, which an executor may leave out
+            row.finished = "stop"
     return [
         None if idle[b] else (agreed(chunk[1:], emitted), emitted)
         for b, (chunk, emitted) in enumerate(zip(chunks, out))

@@ -159,11 +159,13 @@ class LlmApiEngine(TokenEngine):
     config its executor drafts and verifies inside each call (``speculation`` "internal"), so the scheduler drives
     it as one-call steps: each asks for up to ``step_tokens`` tokens a row and takes what the executor accepted.
 
-    Every call sends each row's whole history as token ids (tensorrt_llm/llmapi/llm.py ``generate(inputs,
-    sampling_params)``: a list of ints is a prompt of token ids, tensorrt_llm/inputs/data.py ``PromptInputs``;
-    one SamplingParams per input), which the KV cache's block reuse spares a second prefill. Greedy
-    (``temperature=0.0``), the front door refusing the rest: a sampled step's seed would repeat each step.
-    """
+    Every call sends each row's whole history as token ids, which the KV cache's block reuse spares a second
+    prefill: tensorrt_llm/llmapi/llm.py (upstream main as stored here) ``LLM.generate(inputs: PromptInputs |
+    Sequence[PromptInputs], sampling_params: SamplingParams | List[SamplingParams] | None, use_tqdm: bool = True,
+    ...)``, where a list of ints is a prompt of token ids (``PromptInputs``; upstream's tests/hlapi/run_llm.py
+    passes ``[prompt_token_ids]``) and a list of SamplingParams gives each input its own; each RequestOutput's
+    ``outputs[0].token_ids`` are the tokens generated. Greedy (``temperature=0.0``), the front door refusing the
+    rest: a sampled step's seed would repeat each step."""
 
     def __init__(self, llm, *, vocab_size: int, max_context: int, step_tokens: int, speculative: bool = True):
         super().__init__(vocab_size=vocab_size, max_context=max_context)
