@@ -1,5 +1,7 @@
 """The one GPU check (scripts/gpu_check.sh runs this): TensorRT-LLM in both flavors the release carries, and ONNX
-Runtime on CUDA when it is there. Offline: no pip, no git, no hub.
+Runtime on CUDA when it is there. Offline: no pip, no git, no hub. Every in-process generation opens its bundle as
+a SpeculativeGenerator, so the runtime's one scheduler (runtime/core/scheduler.py) decodes TensorRT-LLM's engines
+here as it decodes ONNX Runtime's (scripts/gpu_check_tasks.py).
 
 Meant for NGC's ``tritonserver:<yy.mm>-trtllm-python-py3`` container (or TensorRT-LLM's release image) on one
 H100/H200-class GPU, with this project copied in as files (run from its root; nothing is installed) and the SmolLM2
@@ -68,7 +70,7 @@ STEPS = [
         "greedy engine smollm2",
         90,
         "engine flavor and the SmolLM2 pair",
-        "speculative vs target-only; first divergence per prompt; any divergence fails",
+        "speculative vs target-only through the runtime's scheduler; first divergence per prompt; any divergence fails",
     ),
     (
         "build engine tiny",
@@ -80,7 +82,7 @@ STEPS = [
         "greedy engine tiny",
         90,
         "engine flavor",
-        "speculative vs target-only, block reuse on; first divergence per "
+        "speculative vs target-only through the runtime's scheduler, block reuse on; first divergence per "
         "prompt reported (a random tiny pair can part on a near-tie: reported, not failed)",
     ),
     (
@@ -98,7 +100,8 @@ STEPS = [
         "greedy llmapi tiny",
         120,
         "always (with tensorrt_llm)",
-        "LLM with and without DraftTargetDecodingConfig; first divergence reported",
+        "LLM with and without DraftTargetDecodingConfig, in one-call steps of the runtime's scheduler; first "
+        "divergence reported",
     ),
     ("triton llmapi tiny", 150, "tritonserver and upstream llmapi models", "launch.sh, one generate request"),
     ("build engine tiny tp2", 150, "engine flavor and >= 2 GPUs", "--tp-size 2: checkpoints and engines of 2 ranks"),
@@ -107,11 +110,6 @@ STEPS = [
 ]
 NOT_RUN = [
     ("multi-node launches", "participant_ids and --disable-spawn-processes need several nodes"),
-    (
-        "engine contract on a real engine",
-        "tests/test_engine_contract.py's tensorrt_llm case needs an engine "
-        "built with --gather_context_logits and no draft length (DRAFTSMITH_TRTLLM_BUNDLE)",
-    ),
     ("--kv-cache-dtype fp8 builds", "the fp8 target's ModelOpt calibration does not fit the budget"),
 ]
 

@@ -71,17 +71,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def generate_both(bundle: str, max_new: int):
     """(speculative, target-only) greedy outputs of PROMPTS on ``bundle`` (a TensorRT-LLM bundle; the greedy check
-    compares them, and its test stands in outputs of its own here)."""
+    compares them, and its test stands in outputs of its own here). Both flavors open as SpeculativeGenerators:
+    the runtime's one scheduler decodes their engines (runtime/core/scheduler.py), as it does an ONNX bundle's."""
     from runtime.bundle import load_manifest
     from runtime.trtllm.engine import open_generator
-    from runtime.trtllm.llmapi import LlmApiGenerator
+    from runtime.trtllm.llmapi import open_llm_api
 
     if load_manifest(bundle).spec.trtllm_flavor == "llmapi":
         outputs = []
         for speculative in (True, False):  # one LLM at a time: each takes its share of GPU memory
-            generator = LlmApiGenerator.from_bundle(bundle, speculative=speculative)
+            generator = open_llm_api(bundle, speculative=speculative)  # the executor speculates inside each step
             outputs.append(generator.generate(PROMPTS, max_new_tokens=max_new))
-            generator.llm.shutdown()
+            generator.target.llm.shutdown()
         return outputs
     generator = open_generator(bundle)  # orchestrator mode, block reuse on (the target needs it)
     return (

@@ -7,24 +7,20 @@ onnxruntime-export: the torch-exported graph (builder/export.py) of the same pai
 onnxruntime-fp16: the tiny pair built for CUDA (fp16 engines), run on the CPU with the cache in an IO binding, as the
     GPU runs it (looser tolerance: fp16 activations).
 onnxruntime-cuda: the same engine on CUDAExecutionProvider; skipped, with the reason shown, without onnxruntime-gpu.
-tensorrt_llm-adapter: runtime/trtllm/engine.py's RunnerEngine over a CPU stand-in for ModelRunnerCpp (each request runs
-    the tiny ONNX target on the request's whole history and returns its context logits): checks the adapter's own
-    bookkeeping (history, rollback, padding, select) on any machine.
-tensorrt_llm: RunnerEngine over a real ModelRunnerCpp; skipped, with the reason shown, without TensorRT-LLM and a GPU
-    (scripts/gpu_check.sh runs it there, with DRAFTSMITH_TRTLLM_BUNDLE set to an engine-flavor bundle).
+
+TensorRT-LLM's engines return tokens, not logits (runtime/engines/tokens.py): their bookkeeping (whole histories,
+the step's invariant, rollback, select, join) is checked below over a recording executor; their decoding under the
+scheduler in tests/test_trtllm_runtime.py, and on a GPU by scripts/gpu_check.sh.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 
 import numpy as np
 import pytest
 
 from runtime.bundle import load_manifest
-from runtime.engines.base import Engine
+from runtime.engines.base import Engine, EngineWrapper
 from runtime.engines.onnx import engine_class
 from test_drafter_contract import PACKAGES, ROOT, capability_probes
 
@@ -54,62 +50,10 @@ def tolerance(engine) -> float:
     return 3e-2 if getattr(engine, "dtype", None) == np.float16 else ATOL
 
 
-class CpuRunner:
-    """ModelRunnerCpp.generate's contract for what RunnerEngine uses, computed by a fresh ONNX run per request."""
-
-    def __init__(self, engine):
-        self.engine, self.requests = engine, []
-
-    def generate(self, batch_input_ids, *, max_new_tokens, end_id, pad_id, return_dict):
-        assert max_new_tokens == 1 and return_dict
-        context = []
-        for ids in batch_input_ids:
-            ids = np.asarray(ids.tolist(), dtype=np.int64)[None]
-            self.requests.append(ids.shape[1])
-            context.append(self.engine.forward(self.engine.new_cache(1), ids)[0])
-        return {"context_logits": context}
-
-
-def real_trtllm_engine():
-    reasons = []
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        reasons.append("tensorrt_llm is not installed (pip install 'draftsmith[tensorrt]')")
-    if shutil.which("nvidia-smi") is None:
-        reasons.append("no NVIDIA GPU")
-    if not os.environ.get("DRAFTSMITH_TRTLLM_BUNDLE"):
-        reasons.append("DRAFTSMITH_TRTLLM_BUNDLE (an engine-flavor bundle) is not set")
-    if reasons:
-        pytest.skip("tensorrt_llm backend: " + "; ".join(reasons))
-    from pathlib import Path
-
-    from runtime.trtllm.engine import RunnerEngine, open_runner
-
-    bundle = Path(os.environ["DRAFTSMITH_TRTLLM_BUNDLE"])
-    manifest = load_manifest(bundle, verify=False)
-    eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
-    return RunnerEngine(
-        open_runner(bundle / manifest.target.engine, 4),
-        vocab_size=manifest.target.vocab_size,
-        max_context=manifest.max_context,
-        end_id=eos,
-        pad_id=eos,
-    )
-
-
 @pytest.fixture(
-    params=[
-        "onnxruntime-fused",
-        "onnxruntime-int4",
-        "onnxruntime-export",
-        "onnxruntime-fp16",
-        "onnxruntime-cuda",
-        "tensorrt_llm-adapter",
-        "tensorrt_llm",
-    ]
+    params=["onnxruntime-fused", "onnxruntime-int4", "onnxruntime-export", "onnxruntime-fp16", "onnxruntime-cuda"]
 )
 def engine(request):
-    if request.param == "tensorrt_llm":
-        return real_trtllm_engine()
     bundles = {
         "onnxruntime-fused": "tiny_bundle",
         "onnxruntime-int4": "tiny_int4_bundle",
@@ -117,25 +61,19 @@ def engine(request):
     }
     if request.param in bundles:
         return onnx_engine(request.getfixturevalue(bundles[request.param]))
-    if request.param.startswith("onnxruntime-"):
-        import onnxruntime
+    import onnxruntime
 
-        from runtime.engines.sessions import providers_for
+    from runtime.engines.sessions import providers_for
 
-        device = "cpu" if request.param == "onnxruntime-fp16" else "cuda"
-        if device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-            pytest.skip(
-                "onnxruntime-cuda: this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu "
-                "on a GPU machine; scripts/gpu_check.sh)"
-            )
-        return onnx_engine(
-            request.getfixturevalue("tiny_cuda_bundle"), cache_device=device, providers=providers_for(device)
+    device = "cpu" if request.param == "onnxruntime-fp16" else "cuda"
+    if device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip(
+            "onnxruntime-cuda: this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu "
+            "on a GPU machine; scripts/gpu_check.sh)"
         )
-    bundle = request.getfixturevalue("tiny_bundle")
-    from runtime.trtllm.engine import RunnerEngine
-
-    base = onnx_engine(bundle)
-    return RunnerEngine(CpuRunner(base), vocab_size=base.vocab_size, max_context=base.max_context, end_id=2, pad_id=0)
+    return onnx_engine(
+        request.getfixturevalue("tiny_cuda_bundle"), cache_device=device, providers=providers_for(device)
+    )
 
 
 def tokens(rng, batch, width, high=300):
@@ -211,16 +149,48 @@ def test_select_keeps_the_chosen_rows(engine):
         np.testing.assert_allclose(out[i], fresh[0, -2:], atol=tolerance(engine))
 
 
-def test_adapter_sends_whole_histories_one_request_per_row(tiny_bundle):
-    from runtime.trtllm.engine import RunnerEngine
+class RecordingSession:
+    """An ExecutorSession stand-in: records each request's input, draft and max_tokens; answers with the draft, all
+    accepted, then 100 + the input's length (or max_tokens such tokens)."""
 
-    base = onnx_engine(tiny_bundle)
-    runner = CpuRunner(base)
-    engine = RunnerEngine(runner, vocab_size=base.vocab_size, max_context=base.max_context, end_id=2, pad_id=0)
-    cache = engine.new_cache(2)
-    engine.forward(cache, np.array([[5, 6, 7], [8, 9, 0]]), np.array([[1, 1, 1], [1, 1, 0]]))
-    engine.forward(cache, np.array([[10], [11]]))
-    assert runner.requests == [3, 2, 4, 3]
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, histories, max_tokens, drafts):
+        self.requests += [(list(h), list(d), m) for h, d, m in zip(histories, drafts, max_tokens)]
+        return [
+            (d + [100 + len(h)])[:m] if d else [100 + len(h) + i for i in range(m)]
+            for h, d, m in zip(histories, drafts, max_tokens)
+        ]
+
+
+def test_an_engine_that_returns_tokens_sends_whole_histories_and_keeps_the_steps_invariant():
+    """A TensorRT-LLM engine's cache is each row's token ids, sent whole with every request (the executor reuses
+    their cached blocks): a prefill records them, a step's call sends history + last token with the draft to
+    verify, and the cache then holds all the row emitted but its last token, with lengths and mask to match."""
+    from runtime.trtllm.engine import ExecutorEngine
+
+    session = RecordingSession()
+    engine = ExecutorEngine(session, vocab_size=200, max_context=64, verifies=True)
+    cache, _ = engine.admit_rows(engine.new_cache(0), [[5, 6, 7], [8, 9]])
+    assert session.requests == [] and cache.lengths.tolist() == [3, 2]
+    out = engine.generate_tokens(cache, [[1], [2]], [[50, 51], []], [8, 8])
+    assert out == [[50, 51, 104], [103]]  # the draft accepted and the target's own token; a lone token
+    assert session.requests == [([5, 6, 7, 1], [50, 51], 3), ([8, 9, 2], [], 1)]
+    assert cache.extra["tokens"] == [[5, 6, 7, 1, 50, 51], [8, 9, 2]] and cache.lengths.tolist() == [6, 3]
+    assert cache.mask.sum(axis=1).tolist() == [6, 3]
+    # room for one token: the draft is cut (the executor returns the draft and one more); none: no request
+    assert engine.generate_tokens(cache, [[1], [2]], [[60], []], [1, 0]) == [[107], []]
+    assert session.requests[-1] == ([5, 6, 7, 1, 50, 51, 1], [], 1) and len(session.requests) == 3
+    engine.rollback(cache, np.array([4, 2]))
+    assert cache.extra["tokens"] == [[5, 6, 7, 1], [8, 9]]
+    picked = engine.join(engine.select(cache, np.array([1])), engine.new_cache(1))
+    assert picked.extra["tokens"] == [[8, 9], []] and picked.lengths.tolist() == [2, 0]
+    with pytest.raises(TypeError, match="returns tokens, not logits"):
+        engine.forward(cache, np.array([[1], [2]]))
+    seen = EngineWrapper(engine)  # a wrapper is the engine it wraps, its token calls included
+    assert seen.returns_tokens and seen.speculation == "verifies"
+    assert seen.generate_tokens(cache, [[3], [4]], [[], []], [1, 1]) == [[105], [103]]
 
 
 def test_join_appends_rows_that_continue_as_if_alone(engine):
@@ -324,8 +294,15 @@ def test_no_engine_capability_is_probed():
     assert probes == [], "declare the capability on runtime.engines.base.Engine and read it:\n" + "\n".join(probes)
 
 
-ENGINE_MODULES = ("runtime.engines.onnx", "runtime.engines.mapped", "runtime.trtllm.engine", "bench.tree")
-OBSERVED = ("forward", "prefill", "prefill_rows", "watch", "unwatch", "_observed")  # the base class's, observed
+ENGINE_MODULES = (
+    "runtime.engines.onnx",
+    "runtime.engines.mapped",
+    "runtime.trtllm.engine",
+    "runtime.trtllm.llmapi",
+    "bench.tree",
+)
+# the base class's calls, observed
+OBSERVED = ("forward", "prefill", "prefill_rows", "generate_tokens", "watch", "unwatch", "_observed")
 REQUIRED = ("new_cache", "compute", "rollback", "select", "join")
 
 
@@ -344,16 +321,19 @@ def engine_classes() -> list[type]:
 
 
 def test_every_engine_implements_the_contract_and_leaves_its_calls_to_the_base_class():
-    """Each engine of the packages (ONNX plain and fused, the reduced-head wrapper, TensorRT-LLM's adapter, the
-    bench's recorder) implements the cache methods and ``compute``; none, fakes included, redefines a public call,
-    so every call reaches the observers (the Triton model's counter, the bench's timings)."""
+    """Each engine of the packages (ONNX plain and fused, the reduced-head wrapper, TensorRT-LLM's executor and LLM
+    API engines, the bench's recorder) implements the cache methods and ``compute`` (``compute_tokens`` too where it
+    returns tokens); none, fakes included, redefines a public call, so every call reaches the observers (the Triton
+    model's counter, the bench's timings)."""
     classes = engine_classes()
     names = {cls.__name__ for cls in classes}
-    assert {"OnnxEngine", "FusedEngine", "MappedVocabEngine", "RunnerEngine", "BigramEngine", "PrefixEngine"} <= names
+    engines = ("OnnxEngine", "FusedEngine", "MappedVocabEngine", "ExecutorEngine", "LlmApiEngine", "BigramEngine")
+    assert {*engines, "PrefixEngine"} <= names
     for cls in classes:
         assert not set(OBSERVED) & set(vars(cls)), f"{cls.__qualname__} redefines {set(OBSERVED) & set(vars(cls))}"
         if cls.__module__.split(".")[0] in PACKAGES:
-            missing = [name for name in REQUIRED if getattr(cls, name) is getattr(Engine, name)]
+            required = REQUIRED + (("compute_tokens",) if cls.returns_tokens else ())
+            missing = [name for name in required if getattr(cls, name) is getattr(Engine, name)]
             assert missing == [], f"{cls.__qualname__} leaves {missing} to the base class, which only raises"
 
 

@@ -114,36 +114,20 @@ def test_the_schedulers_joined_admission_is_chunked_and_greedy_output_is_unchang
     assert target.session.widest <= CHUNK, target.session.shapes
 
 
-def test_the_trtllm_adapters_prefill_runs_nothing_and_its_last_logits_are_the_last_position(tiny_bundle, generator):
-    """RunnerEngine sends a row's whole history with every call: a prefill only records the tokens (before, it ran a
-    context pass that returned every prompt position's logits), and ``last`` keeps one position."""
-    from runtime.bundle import load_manifest
-    from runtime.engines.onnx import engine_class
-    from runtime.trtllm.engine import RunnerEngine
-    from test_engine_contract import CpuRunner
+def test_the_trtllm_engines_prefill_runs_nothing_and_the_first_step_sends_the_whole_prompt(generator):
+    """A TensorRT-LLM engine sends a row's whole history with every request (the executor reuses its cached
+    blocks): a prefill only records the tokens, and the row's first step is one request carrying all of them."""
+    from runtime.trtllm.engine import ExecutorEngine
+    from test_engine_contract import RecordingSession
 
-    manifest = load_manifest(tiny_bundle, verify=False)
-    entry = manifest.target
-    base = engine_class(entry.graph)(
-        tiny_bundle / entry.engine,
-        num_layers=entry.num_layers,
-        num_kv_heads=entry.num_kv_heads,
-        head_dim=entry.head_dim,
-        vocab_size=generator.target.vocab_size,
-        max_context=manifest.max_context,
-        threads=1,
-        min_call_tokens=entry.min_call_tokens,
-    )
-    runner = CpuRunner(base)
-    engine = RunnerEngine(runner, vocab_size=base.vocab_size, max_context=manifest.max_context, end_id=2, pad_id=0)
+    session = RecordingSession()
+    engine = ExecutorEngine(session, vocab_size=generator.target.vocab_size, max_context=128, verifies=True)
     ids = generator.encode_prompt("The quick brown fox jumps over the lazy dog", False)
     cache = engine.new_cache(1)
     prefill(engine, cache, [ids[:-1]])
-    assert runner.requests == [] and cache.lengths.tolist() == [len(ids) - 1]
-    last = last_logits(engine, cache, [ids[-1:]])
-    assert runner.requests == [len(ids)]
-    whole = engine.forward(engine.new_cache(1), np.array([ids]))[0, -1]
-    np.testing.assert_allclose(last[0], whole, atol=1e-5)
+    assert session.requests == [] and cache.lengths.tolist() == [len(ids) - 1]
+    engine.generate_tokens(cache, [ids[-1:]], [[]], [4])
+    assert session.requests == [(ids, [], 1)]
 
 
 # --- a request's own failure is not the engine's --------------------------------------------------------------------

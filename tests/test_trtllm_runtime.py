@@ -61,28 +61,6 @@ def _onnx_engine(bundle, manifest, entry, vocab_size: int):
     )
 
 
-def test_speculative_generator_over_the_adapter_matches_the_onnx_bundle(tiny_bundle, generator):
-    """SpeculativeGenerator drives RunnerEngine exactly as it drives OnnxEngine (greedy output identical)."""
-    from runtime.api import SpeculativeGenerator
-    from runtime.trtllm.engine import RunnerEngine
-    from test_engine_contract import CpuRunner
-
-    manifest = load_manifest(tiny_bundle, verify=False)
-    engines = {}
-    for entry in (manifest.target, manifest.draft):
-        base = _onnx_engine(tiny_bundle, manifest, entry, generator.target.vocab_size)
-        engines[entry.role] = RunnerEngine(
-            CpuRunner(base), vocab_size=base.vocab_size, max_context=manifest.max_context, end_id=2, pad_id=0
-        )
-    adapted = SpeculativeGenerator(
-        manifest, engines["target"], engines["draft"], generator.tokenizer, manifest.eos_token_ids
-    )
-    prompts = ["The quick brown fox", "def add(a, b):"]
-    want = generator.generate(prompts, max_new_tokens=12)
-    got = adapted.generate(prompts, max_new_tokens=12)
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-
-
 @pytest.mark.skipif(not NO_TRTLLM, reason="checks the message shown when tensorrt_llm is absent")
 def test_opening_a_trtllm_bundle_without_tensorrt_llm_says_what_to_install(trt_bundle):
     from runtime.trtllm.common import TrtllmUnavailable
@@ -169,38 +147,133 @@ class GreedyExecutor:
         return out
 
 
-def test_external_draft_generator_is_the_target_greedy_output(tiny_bundle, generator):
-    from runtime.trtllm.engine import ExternalDraftGenerator
+def executor_pair(bundle, vocab_size: int, tokenizer):
+    """The tiny bundle's pair as an engine-flavor bundle opens it (two ``ExecutorEngine``s), over CPU stand-ins for
+    the executors, in a SpeculativeGenerator: the scheduler's path for every bundle."""
+    from runtime.api import SpeculativeGenerator
+    from runtime.trtllm.engine import ExecutorEngine
 
-    manifest = load_manifest(tiny_bundle, verify=False)
+    manifest = load_manifest(bundle, verify=False)
     engines = {
-        entry.role: _onnx_engine(tiny_bundle, manifest, entry, generator.target.vocab_size)
+        entry.role: ExecutorEngine(
+            GreedyExecutor(_onnx_engine(bundle, manifest, entry, vocab_size)),
+            vocab_size=vocab_size,
+            max_context=manifest.max_context,
+            verifies=entry.role == "target",
+        )
         for entry in (manifest.target, manifest.draft)
     }
-    spec = ExternalDraftGenerator(
-        manifest,
-        GreedyExecutor(engines["target"]),
-        GreedyExecutor(engines["draft"]),
-        generator.tokenizer,
-        manifest.eos_token_ids,
-    )
+    return SpeculativeGenerator(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids)
+
+
+def test_the_scheduler_decodes_the_executor_pair_to_the_target_greedy_output(tiny_bundle, generator):
+    spec = executor_pair(tiny_bundle, generator.target.vocab_size, generator.tokenizer)
     prompts = ["The quick brown fox", "def add(a, b):"]
     want = generator.generate(prompts, max_new_tokens=12, mode="target")
     got = spec.generate(prompts, max_new_tokens=12, k=3)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.text for g in got] == [w.text for w in want]
     assert all(g.stats.num_draft_tokens > 0 and g.stats.num_accepted_tokens <= g.stats.num_draft_tokens for g in got)
     alone = spec.generate(prompts[0], max_new_tokens=12, mode="target")
     assert alone.token_ids == want[0].token_ids and alone.stats.num_draft_tokens == 0
+    for drafter in ("prompt_lookup", "suffix", "hybrid", "hybrid_suffix"):  # every drafter's tokens verified alike
+        got = spec.generate(prompts, max_new_tokens=12, drafter=drafter)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want], drafter
 
 
-def test_external_draft_generator_refuses_sampling_with_the_reason(tiny_bundle):
+def test_each_step_is_one_draft_call_and_one_target_call(tiny_bundle, generator):
+    """The step calls the two engines as it calls an ONNX pair: the draft once (its k tokens in one request), the
+    target once (verifying them), every call observed."""
+    from runtime.core.request import decode_request
+
+    spec = executor_pair(tiny_bundle, generator.target.vocab_size, generator.tokenizer)
+    calls = {"target": [], "draft": []}
+    spec.target.watch(calls["target"].append)
+    spec.draft.watch(calls["draft"].append)
+    steps = []
+    admitted = spec.door.admit(["The quick brown fox"], decode_request(max_new_tokens=9, k=3))
+    for _ in spec.run(admitted, on_step=steps.append):
+        pass
+    assert [c.kind for c in calls["target"]].count("generate_tokens") == len(steps)
+    assert [c.kind for c in calls["draft"]] == ["generate_tokens"] * len(calls["draft"]) and 0 < len(
+        calls["draft"]
+    ) <= len(steps)
+
+
+def test_the_front_door_refuses_what_an_engine_that_returns_tokens_cannot_do(tiny_bundle, generator):
     from runtime.errors import RequestError
-    from runtime.trtllm.engine import ExternalDraftGenerator
 
+    spec = executor_pair(tiny_bundle, generator.target.vocab_size, generator.tokenizer)
+    for asked, field in (
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ):
+        with pytest.raises(RequestError, match="greedily in-process") as err:
+            spec.generate("hi", **asked)
+        assert err.value.field == field
+
+
+def test_the_pinned_executor_calls_run_under_the_scheduler(trt_bundle, monkeypatch):
+    """An engine-flavor bundle opened with the upstream-pinned stand-in (tests/test_trtllm_mismatches.py: the
+    executor answers a request with its draft tokens, all accepted, then 7): the scheduler's steps send each row's
+    drafts as ``ExternalDraftTokensConfig`` and take what the target returns."""
+    from test_trtllm_mismatches import install_fake_trtllm
+
+    from runtime.trtllm.engine import open_generator
+
+    if load_manifest(trt_bundle).spec.trtllm_flavor != "engine":
+        pytest.skip("the executor pair is the engine flavor's")
+    install_fake_trtllm(monkeypatch)
+    spec = open_generator(trt_bundle)
+    got = spec.generate(["hi", "there"], max_new_tokens=7, k=3)
+    assert [g.token_ids for g in got] == [[7] * 7] * 2
+    assert all(g.stats.num_accepted_tokens == g.stats.num_draft_tokens > 0 for g in got)
+
+
+class GreedyLLM:
+    """The LLM API's ``generate(inputs, sampling_params, use_tqdm)`` on CPU: token-id prompts, one SamplingParams
+    each, greedy continuations up to its max_tokens (what an executor speculating inside itself returns)."""
+
+    def __init__(self, engine):
+        self.executor, self.calls = GreedyExecutor(engine), 0
+
+    def generate(self, inputs, sampling_params, use_tqdm=True):
+        import types
+
+        self.calls += 1
+        out = self.executor.generate(inputs, [p.max_tokens for p in sampling_params])
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=tokens)]) for tokens in out]
+
+
+def test_the_scheduler_drives_an_engine_that_speculates_inside_in_one_call_steps(tiny_bundle, generator, monkeypatch):
+    import sys
+    import types
+
+    from runtime.api import SpeculativeGenerator
+    from runtime.errors import RequestError
+    from runtime.trtllm.llmapi import LlmApiEngine
+
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", types.SimpleNamespace(SamplingParams=types.SimpleNamespace))
     manifest = load_manifest(tiny_bundle, verify=False)
-    spec = ExternalDraftGenerator(manifest, None, None, None)
-    with pytest.raises(RequestError, match="greedily in-process"):
-        spec.generate("hi", temperature=0.7)
+    vocab = generator.target.vocab_size
+    llm = GreedyLLM(_onnx_engine(tiny_bundle, manifest, manifest.target, vocab))
+    engine = LlmApiEngine(llm, vocab_size=vocab, max_context=manifest.max_context, step_tokens=4)
+    spec = SpeculativeGenerator(manifest, engine, None, generator.tokenizer, manifest.eos_token_ids)
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    want = generator.generate(prompts, max_new_tokens=10, mode="target")
+    got = spec.generate(prompts, max_new_tokens=10)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert llm.calls == 3  # one call a step, each up to step_tokens a row: 4 + 4 + 2
+    engine = LlmApiEngine(llm, vocab_size=vocab, max_context=manifest.max_context, step_tokens=4, speculative=False)
+    baseline = SpeculativeGenerator(manifest, engine, None, generator.tokenizer, manifest.eos_token_ids)
+    assert [g.token_ids for g in baseline.generate(prompts, max_new_tokens=10)] == [w.token_ids for w in want]
+    llm.executor.generate = lambda inputs, most: [[] for _ in inputs]  # it stops each row (its end id left out)
+    ended = spec.generate(prompts[0], max_new_tokens=10)
+    assert ended.token_ids == [] and ended.finish_reason == "stop"
+    for asked in ({"mode": "target"}, {"drafter": "prompt_lookup"}):
+        with pytest.raises(RequestError, match="inside TensorRT-LLM's executor"):
+            spec.generate("hi", **asked)
 
 
 # --- a bundle's llm_api.yaml never grants consent or points outside the bundle ----------------------------------------

@@ -19,7 +19,6 @@ _ = _Names()
 _.submit  # issue 55 item 2/3, pending: Scheduler.submit (runtime/core/scheduler.py)
 _.__iter__  # issue 55 item 2/3, pending: Handle.__iter__ (runtime/core/handles.py)
 _.result  # issue 55 item 2/3, pending: Handle.result (runtime/core/handles.py)
-_.RunnerEngine  # issue 55 item 2/3, pending: trtllm RunnerEngine (runtime/trtllm/engine.py)
 
 # --- click commands: registered by their decorators, found by name in runtime/cli.py's COMMANDS -----------------------
 _.openai_load  # click command `draftsmith openai-load` (bench/openai_load.py)

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from runtime.bundle import BundleError, Manifest, load_manifest, read_verified
+from runtime.decoding.config import DecodeConfig
 from runtime.decoding.grammar import GrammarCompiler, parse_response_format
 from runtime.decoding.step_costs import CostModel
 from runtime.decoding.drafter import Drafter
@@ -118,7 +119,11 @@ class LoadedBundle:
     def step_costs(self, rows: int) -> CostModel:
         """This machine's measured call costs for batches of up to ``rows`` rows (a lone row's alone, else at least
         8), which plan every step's draft lengths (runtime/decoding/step_costs.py): measured once, on first need
-        (seconds; again for a larger batch)."""
+        (seconds; again for a larger batch). Uncalibrated for a target that returns tokens: the cost model prices
+        a target call by its width and a draft token by its own call, while such an engine's draft decodes k tokens
+        in one request and its speculation may run inside it."""
+        if self.target.returns_tokens:  # its steps are not priced per token (a draft's k tokens are one request)
+            return CostModel()  # uncalibrated: every row drafts its limit
         wanted = 1 if rows == 1 else max(8, rows)
         largest = max(self._costs_rows, wanted)
         if self._costs is None or wanted > self._costs_rows:
@@ -134,6 +139,8 @@ class LoadedBundle:
     def new_drafter(self, mode: str, kind: str | None, confidence: float | None) -> Drafter | None:
         """A new drafter for one request (a DecodeRequest's mode, drafter and draft_confidence; None: the bundle's
         defaults); None in mode "target", or when the kind needs the draft engine and there is none."""
+        if self.target.returns_tokens and self.target.speculation != "verifies":
+            return self._takes_no_drafts(mode, kind)
         kind = kind or self.default_drafter
         confidence = self.default_confidence if confidence is None else confidence
         drafter_kind(kind)  # an unknown kind fails in any mode
@@ -142,6 +149,40 @@ class LoadedBundle:
         return make_drafter(
             kind, DraftSources(self.target.vocab_size, self.draft, self.target.has_hidden, confidence, self.bridge)
         )
+
+    def _takes_no_drafts(self, mode: str, kind: str | None) -> None:
+        """No drafter for a target that returns tokens but verifies none given to it: its runtime drafts and
+        verifies inside its calls (TensorRT-LLM's executor with a speculative config), or it was opened without
+        one (the baseline). A request cannot pick a drafter, nor turn the executor's off (open the bundle so)."""
+        if mode == "target" or kind is not None:
+            raise RequestError(
+                "this bundle's target decodes inside TensorRT-LLM's executor, which drafts there when the bundle "
+                "is opened with its speculative config: a request cannot choose a drafter or decode target-only "
+                "(open the bundle with speculative=False for the baseline)",
+                "mode" if mode == "target" else "drafter",
+            )
+
+    def check_config(self, config: DecodeConfig) -> None:
+        """RequestError where the target cannot decode a request as asked: an engine that returns tokens
+        (``Engine.returns_tokens``: TensorRT-LLM's executor) gives no logits to sample, mask or score, so it decodes
+        greedily, unconstrained and without log-probabilities."""
+        if not self.target.returns_tokens:
+            return
+        asked = [
+            name
+            for name, given in (
+                ("temperature", not config.params.greedy),
+                ("response_format", config.grammar is not None),
+                ("logprobs", config.logprobs is not None),
+            )
+            if given
+        ]
+        if asked:
+            raise RequestError(
+                f"{asked[0]}: this bundle's TensorRT-LLM engines return tokens, not logits, so they decode greedily "
+                f"in-process; not supported here: {asked}. Serve the bundle with Triton for sampling",
+                asked[0],
+            )
 
 
 def bundle_tokenizer(folder: Path) -> Tokenizer:

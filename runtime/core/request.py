@@ -325,6 +325,7 @@ class FrontDoor:
             self.check_tokens(ids)
         request = self.compile(request)
         config = self.decode_config(request)
+        self.bundle.check_config(config)
         if isinstance(request.seed, list) and len(request.seed) != len(token_lists):
             raise RequestError(
                 f"seed: expected one seed per prompt ({len(token_lists)}), received {len(request.seed)}", "seed"

@@ -4,8 +4,10 @@ Python API's groups alike) runs after it has decided the step's plan.
 A plan (``StepPlan``) says which rows draft and how far, and which target call scores them; ``decode_step`` executes
 it: each drafter proposes for its rows, the target scores every row's [last, x_1..x_d], each row accepts
 (sampling.verify, under its grammar), the drafters are told what happened, the target cache rolls back past the
-rejected slots, and each row books its tokens and stats. Deciding (the loops' planners) is kept apart from executing
-(here), as vLLM keeps ``schedule()`` apart from its model runner.
+rejected slots, and each row books its tokens and stats. An engine that returns tokens rather than logits
+(TensorRT-LLM's, runtime/engines/tokens.py) answers the same step with one call that verifies the drafts itself
+(``engine_verdicts``), so the rows, the drafters and the booking are the same for every engine. Deciding (the
+loops' planners) is kept apart from executing (here), as vLLM keeps ``schedule()`` apart from its model runner.
 
 Invariant between steps, per row: the target cache holds every token but the last emitted one (``DecodeRow.last``),
 which the next step feeds first; a drafter's cache lags by its own pending tokens.
@@ -121,27 +123,25 @@ def decode_step(
     t0 = time.perf_counter()
     proposals = propose(rows, groups, plan, target.vocab_size, isolate)
     t1 = time.perf_counter()
-    logits, hidden = score(
-        target,
-        cache,
-        [
-            list(prefill[b]) if idle[b] else [row.last] + draft
-            for b, (row, (draft, _)) in enumerate(zip(rows, proposals))
-        ],
-        plan.exact,
-    )
-    t2 = time.perf_counter()
-    verdicts = [
-        None if idle[b] else isolate([row], verify_row, row, draft, probs, logits[b])
-        for b, (row, (draft, probs)) in enumerate(zip(rows, proposals))
+    chunks = [
+        list(prefill[b]) if idle[b] else [row.last] + draft for b, (row, (draft, _)) in enumerate(zip(rows, proposals))
     ]
+    if target.returns_tokens:
+        verdicts, hidden = engine_verdicts(target, cache, rows, chunks, idle), [None] * len(rows)
+    else:
+        logits, hidden = score(target, cache, chunks, plan.exact)
+        verdicts = [
+            None if idle[b] else isolate([row], verify_row, row, draft, probs, logits[b])
+            for b, (row, (draft, probs)) in enumerate(zip(rows, proposals))
+        ]
+    t2 = time.perf_counter()
     accepted = [verdict[0] if verdict else 0 for verdict in verdicts]
     emitted = [verdict[1] if verdict else [] for verdict in verdicts]
     for group, drafting in zip(groups, plan.drafting):
         if group.drafter is not None and not all(idle[b] for b in group.rows):
             isolate([rows[b] for b in group.rows], inform, group, drafting, hidden, accepted, emitted)
-    keep = cache.lengths - np.array([len(draft) - n for (draft, _), n in zip(proposals, accepted)])
-    target.rollback(cache, keep)
+    if not target.returns_tokens:  # an engine that returns tokens kept only what it accepted (``generate_tokens``)
+        target.rollback(cache, cache.lengths - np.array([len(d) - n for (d, _), n in zip(proposals, accepted)]))
     new = [
         [] if idle[b] else book(row, len(draft), n, out, fallback[b], t1 - t0, t2 - t1, target.max_context)
         for b, (row, (draft, _), n, out) in enumerate(zip(rows, proposals, accepted, emitted))
@@ -184,6 +184,33 @@ def score(target, cache, chunks: list[list[int]], exact: bool = True) -> tuple[l
     engine returns none: a feature drafter's input), in one call (``exact``: see StepPlan)."""
     logits = feed(target, cache, chunks, exact)[0]
     return slices(logits, cache.extra.get("hidden"), chunks)
+
+
+def engine_verdicts(target, cache, rows: list[DecodeRow], chunks: list[list[int]], idle: list[bool]) -> list:
+    """A step on an engine that returns tokens (``Engine.generate_tokens``): one call, each row's chunk [last, x_1..x_d]
+    given as its last token and its draft to verify, up to the tokens the row has room for; per row (accepted
+    draft tokens n, the tokens the step emits), None for a row sitting the step out. Greedy (the front door refuses
+    the rest), so the engine's own choice is the row's: n counts the draft tokens it emitted as drafted. A row
+    given room that gets nothing back has ended (the old in-process loop's rule too)."""
+    room = [0 if idle[b] else row_room(row, target.max_context) for b, row in enumerate(rows)]
+    out = target.generate_tokens(cache, [c[:1] for c in chunks], [c[1:] for c in chunks], room)
+    for row, emitted, left in zip(rows, out, room):
+        if left and not emitted:  # the runtime ended it: at its end id, which an executor may leave out
+            row.finished = "stop"
+    return [
+        None if idle[b] else (agreed(chunk[1:], emitted), emitted)
+        for b, (chunk, emitted) in enumerate(zip(chunks, out))
+    ]
+
+
+def agreed(draft: list[int], emitted: list[int]) -> int:
+    """How many draft tokens lead what the engine emitted."""
+    return next((i for i, (x, y) in enumerate(zip(draft, emitted)) if x != y), min(len(draft), len(emitted)))
+
+
+def row_room(row: DecodeRow, max_context: int) -> int:
+    """Tokens a row may still take: its budget, and the context."""
+    return max(0, min(row.config.max_new_tokens - len(row.generated), max_context - row.total))
 
 
 def slices(logits: np.ndarray, states: np.ndarray | None, chunks: list[list[int]]) -> tuple[list, list]:

@@ -16,6 +16,7 @@ from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
 from runtime.drafters.suffix import HYBRID_SUFFIX, SuffixDrafter
+from runtime.drafters.tokens import TokenDrafter
 from runtime.errors import RequestError
 
 
@@ -42,12 +43,15 @@ class DrafterKind:
 
 
 def model_drafter(sources: DraftSources) -> Drafter:
-    """The draft engine's drafter: a feature draft (its graph takes the target's hidden states) or a model."""
+    """The draft engine's drafter: a feature draft (its graph takes the target's hidden states), a model, or one
+    that returns tokens (its runtime decodes the draft itself)."""
     if sources.bridge is not None:
         raise RequestError(
             "this bundle's draft has a tokenizer of its own: its drafters are 'tli' and 'string' "
             "(or the model-free 'prompt_lookup' and 'suffix')"
         )
+    if sources.draft is not None and sources.draft.returns_tokens:  # a TensorRT-LLM draft engine
+        return TokenDrafter(sources.draft)
     if sources.draft is not None and sources.draft.takes_features:  # the draft engine's graph
         if not sources.target_has_hidden:
             raise RequestError(

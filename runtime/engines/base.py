@@ -8,9 +8,17 @@ real (``valid``), whether logits are read at every new position, at each row's l
 all (``prefill``), and whether the call must score each row as its lone call would (``exact``); nothing about a
 call is set on the engine.
 
-A subclass implements ``compute`` (and the cache methods); the public calls (``forward``, ``prefill``,
-``prefill_rows``) are the base class's, so every call an engine makes is reported to its observers (``watch``: the
-Triton model's metrics and the bench's timings) without anyone wrapping or patching a method.
+Two kinds of engine answer a step. Most return logits (``compute``): the decode step samples and verifies draft
+tokens itself. An engine whose runtime decides the tokens itself and returns no logits (``returns_tokens``:
+TensorRT-LLM's executor, whose ``draft_tokens_external`` engines cannot gather logits) answers a step with the tokens
+it emits (``compute_tokens``), and declares how it speculates (``speculation``): it verifies draft tokens given to it,
+or it drafts and verifies inside itself (Medusa, EAGLE, lookahead, draft-target in the executor), so a step is one
+call. Either way the one scheduler (runtime/core/scheduler.py) runs the loop and the engine one step of it.
+
+A subclass implements ``compute`` or ``compute_tokens`` (and the cache methods); the public calls (``forward``,
+``prefill``, ``prefill_rows``, ``generate_tokens``) are the base class's, so every call an engine makes is reported
+to its observers (``watch``: the Triton model's metrics and the bench's timings) without anyone wrapping or
+patching a method.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ class KVCache:
 class Call:
     """One call an engine made, as its observers see it."""
 
-    kind: str  # "forward", "prefill" (no logits read) or "prefill_rows" (prompts of admitted rows, in place)
+    # "forward", "prefill" (no logits read), "prefill_rows" (prompts of admitted rows, in place) or "generate_tokens"
+    kind: str
     rows: int  # the call's batch (B); for "prefill_rows", the rows it prefilled (those given tokens)
     width: int  # new positions per row (S)
     seconds: float  # the whole call
@@ -78,6 +87,14 @@ class Engine:
     session_seconds = 0.0  # seconds its runtime's sessions have run so far (what a Call's session_seconds counts)
     session_widest = 0  # the widest query its sessions ran since an observed call began (a Call's session_width)
     observers: tuple = ()  # told of every call (``watch``)
+    # its calls return tokens its runtime chose (``generate_tokens``), not logits: greedy only, no per-position
+    # scores, so the front door refuses sampling, logprobs and grammars for it (LoadedBundle.check_config)
+    returns_tokens = False
+    # how an engine that returns tokens speculates: "" not at all (one greedy token a row per step, or a draft
+    # engine's k), "verifies" (it checks the draft tokens a step gives it: the accepted ones, then its own next
+    # token), "internal" (its runtime drafts and verifies inside the call: a step is that one call, and no drafter
+    # runs beside it)
+    speculation = ""
 
     # --- what a subclass implements -------------------------------------------------------------------------------
 
@@ -100,6 +117,16 @@ class Engine:
         return logits [B, S, V] of every new position, [B, 1, V] at each row's last valid token with ``last``, or
         nothing with ``score`` False (an engine may then skip its head). ``exact``: every row scored with the
         kernels its lone call would take (``min_call_tokens``); False: one-token calls unpadded."""
+        raise NotImplementedError
+
+    def compute_tokens(
+        self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
+    ) -> list[list[int]]:
+        """Where ``returns_tokens``, in place of ``compute``: each row's ``chunks[b]`` (the tokens it feeds: a
+        step's last emitted token, a drafter's pending ones) decoded inside the engine with ``drafts[b]`` to verify
+        (``speculation`` "verifies" only), at most ``room[b]`` tokens (0: the row only takes its chunk); returns the
+        tokens each row emits (the draft tokens it accepted, then its own). The cache then holds each row's chunk
+        and what it emitted but the last token: the decode step's invariant, which needs no rollback."""
         raise NotImplementedError
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
@@ -178,6 +205,13 @@ class Engine:
         shape = (sum(1 for chunk in chunks if chunk), max(len(chunk) for chunk in chunks))
         return self._observed("prefill_rows", cache, shape, lambda: self.compute_rows(cache, rows, chunks))
 
+    def generate_tokens(
+        self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
+    ) -> list[list[int]]:
+        """``compute_tokens`` (see there), observed: an engine that returns tokens answers a step with this call."""
+        shape = (len(chunks), max((len(c) + len(d) for c, d in zip(chunks, drafts)), default=0))
+        return self._observed("generate_tokens", cache, shape, lambda: self.compute_tokens(cache, chunks, drafts, room))
+
     def watch(self, observer: CallObserver) -> None:
         """Report every call to ``observer`` (a Triton model's call counter, the bench's timings) from now on."""
         self.observers = (*self.observers, observer)
@@ -216,6 +250,8 @@ class EngineWrapper(Engine):
     takes_features = property(lambda self: self.engine.takes_features)
     feature_width = property(lambda self: self.engine.feature_width)
     prefills_in_chunks = property(lambda self: self.engine.prefills_in_chunks)
+    returns_tokens = property(lambda self: self.engine.returns_tokens)
+    speculation = property(lambda self: self.engine.speculation)
     session_seconds = property(lambda self: self.engine.session_seconds)
     session_widest = property(
         lambda self: self.engine.session_widest, lambda self, value: setattr(self.engine, "session_widest", value)
@@ -241,6 +277,11 @@ class EngineWrapper(Engine):
 
     def compute_rows(self, cache: KVCache, rows: list[int], chunks: list[list[int]]) -> list[np.ndarray | None]:
         return self.engine.compute_rows(cache, rows, chunks)
+
+    def compute_tokens(
+        self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
+    ) -> list[list[int]]:
+        return self.engine.compute_tokens(cache, chunks, drafts, room)
 
 
 def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:

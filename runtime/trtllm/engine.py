@@ -1,21 +1,20 @@
-"""Runtime adapter for tensorrt_llm bundles. tensorrt_llm is imported lazily: this module loads without it.
+"""Runtime adapter for engine-flavor tensorrt_llm bundles (target/engine and draft/engine). tensorrt_llm is imported
+lazily: this module loads without it.
 
-Engine flavor (bundles with target/engine and draft/engine):
-    ``ExternalDraftGenerator`` runs draft-target speculative decoding the way TensorRT-LLM supports it for
-    ``draft_tokens_external`` engines: the draft engine proposes k tokens (greedy), and the target engine verifies
-    them itself in one request carrying them as ``ExternalDraftTokensConfig`` (what Triton's ``tensorrt_llm_bls``
-    sends as ``draft_input_ids``). The target returns the accepted draft tokens plus its own next token, so the
-    output is the target's greedy output by construction. Both engines open as upstream's draft-target runner opens
-    them (examples/ngram/run_dtm_ngram.py): ModelRunnerCpp in orchestrator mode with ``device_ids``, so a TP/PP > 1
-    engine runs from one process, and with KV-cache block reuse on (the target refuses to load without it).
-    It cannot return per-position logits: ``trtllm-build`` refuses ``--gather_context_logits`` with
-    ``--max_draft_len > 0`` (tests/fixtures/trtllm/trtllm_build.json). Greedy only; sampled requests are refused.
-    ``RunnerEngine`` remains the runtime's Engine protocol over a ModelRunnerCpp-like runner, for engines built
-    without a draft length and with ``--gather_context_logits`` (tests/test_engine_contract.py checks it).
+The two compiled engines sit behind the runtime's engine contract (runtime/engines/base.py) as ``ExecutorEngine``s,
+engines that return tokens, and the one scheduler (runtime/core/scheduler.py) decodes them as it decodes an ONNX
+Runtime pair: each step, the draft engine proposes k greedy tokens (runtime/drafters/tokens.py) and the target engine
+verifies them itself in one request carrying them as ``ExternalDraftTokensConfig``, the way TensorRT-LLM supports
+draft-target decoding for ``draft_tokens_external`` engines. The target returns the accepted draft tokens plus its
+own next token, so the output is the target's greedy output by construction. Both engines open as upstream's
+draft-target runner opens them (examples/ngram/run_dtm_ngram.py): ModelRunnerCpp in orchestrator mode with
+``device_ids``, so a TP/PP > 1 engine runs from one process, and with KV-cache block reuse on (the target refuses to
+load without it, and it is what spares a row's history, sent whole with each request, a second prefill). Neither
+returns per-position logits: ``trtllm-build`` refuses ``--gather_context_logits`` with ``--max_draft_len > 0``
+(tests/fixtures/trtllm/trtllm_build.json); so greedy only, and the front door refuses sampled requests.
 
-LLM-API flavor (bundles with llm_api.yaml): runtime/trtllm/llmapi.py (``LlmApiGenerator``, the yaml allow-list).
-
-``open_generator(bundle)`` picks the right one for any bundle.
+LLM-API flavor (bundles with llm_api.yaml): runtime/trtllm/llmapi.py, where the executor speculates inside itself.
+``open_generator(bundle)`` opens any bundle.
 """
 
 from __future__ import annotations
@@ -24,12 +23,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from runtime.bundle import BundleError, Manifest, load_manifest, verify_files
-from runtime.engines.base import Engine, KVCache
+from runtime.core.loaded import load_tokenizer
+from runtime.engines.tokens import TokenEngine
 from runtime.trtllm.common import require_tensorrt_llm
-from runtime.trtllm.llmapi import LlmApiGenerator
+from runtime.trtllm.llmapi import open_llm_api
 
 # --- engine flavor: the Engine protocol over ModelRunnerCpp ---------------------------------------------------------
 
@@ -126,206 +124,28 @@ class ExecutorSession:
         return [done[i] for i in ids]
 
 
-class ExternalDraftGenerator:
-    """Greedy draft-target generation over two executors: draft proposes, target verifies (engine flavor).
+class ExecutorEngine(TokenEngine):
+    """One engine-flavor engine under the runtime's contract (runtime/engines/base.py): its calls return the tokens
+    the executor decodes (an ``ExecutorSession``: ``generate(histories, max_tokens, drafts)``).
 
-    ``target`` and ``draft`` are ExecutorSession-like: ``generate(histories, max_tokens, drafts=None)``.
+    The target (``verifies``) checks a step's draft tokens itself in the same request, as a ``draft_tokens_external``
+    engine does (``ExternalDraftTokensConfig``; Triton's ``tensorrt_llm_bls`` sends them as ``draft_input_ids``): it
+    returns the accepted ones plus its own next token, at most ``len(draft) + 1``. The draft decodes a row's k greedy
+    tokens in one request (runtime/drafters/tokens.py). Greedy only: the session samples with ``top_k=1``.
     """
 
-    def __init__(self, manifest: Manifest, target, draft, tokenizer, eos_ids: tuple[int, ...] = ()):
-        self.manifest, self.target, self.draft, self.tokenizer = manifest, target, draft, tokenizer
-        self.eos_ids = tuple(eos_ids)
-        self.default_k = manifest.default_k
-        self.max_k, self.max_context = manifest.spec.max_k, manifest.max_context
+    def __init__(self, session, *, vocab_size: int, max_context: int, verifies: bool):
+        super().__init__(vocab_size=vocab_size, max_context=max_context)
+        self.session = session
+        self.speculation = "verifies" if verifies else ""
 
-    def generate(
-        self,
-        prompts: str | list[str],
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        k: int | None = None,
-        chat: bool = False,
-        mode: str = "speculative",
-        **unsupported,
-    ):
-        """SpeculativeGenerator.generate's call and result types, greedy; mode "target" drafts nothing."""
-        from runtime.core.handles import Generation
-        from runtime.errors import RequestError
-
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be an integer >= 1, received {max_new_tokens!r}")
-        given = sorted(key for key, value in unsupported.items() if value not in (None, False, 0, 0.0))
-        if temperature or given:
-            raise RequestError(
-                "engine-flavor TensorRT-LLM bundles generate greedily in-process (the target verifies "
-                f"draft tokens itself); not supported here: {given or ['temperature > 0']}. "
-                "Serve the bundle with Triton or build the llmapi flavor for sampling."
-            )
-        k = self.default_k if k is None else k
-        if mode not in ("speculative", "target") or not 1 <= k <= self.max_k:
-            raise RequestError(
-                f"mode must be 'speculative' or 'target' and k in [1, {self.max_k}], received {mode!r}, {k!r}"
-            )
-        single = isinstance(prompts, str)
-        rows = [_Row(self._encode(p, chat), max_new_tokens) for p in ([prompts] if single else list(prompts))]
-        while any(not row.finished for row in rows):
-            self._step([row for row in rows if not row.finished], 0 if mode == "target" else k)
-        results = [
-            Generation(
-                self.tokenizer.decode(row.generated), list(row.generated), len(row.prompt), row.finished, row.stats
-            )
-            for row in rows
-        ]
-        return results[0] if single else results
-
-    def _encode(self, prompt: str, chat: bool) -> list[int]:
-        from runtime.errors import RequestError
-
-        if not isinstance(prompt, str) or not prompt:
-            raise RequestError("prompt must be a non-empty string")
-        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt) if chat else prompt)
-        if not ids or len(ids) >= self.max_context:
-            raise RequestError(f"prompt has {len(ids)} tokens; this bundle's context is {self.max_context}")
-        return ids
-
-    def _step(self, rows: list["_Row"], k: int) -> None:
-        """One draft call and one verify call for every live row."""
-        room = [
-            min(row.budget - len(row.generated), self.max_context - len(row.prompt) - len(row.generated))
-            for row in rows
-        ]
-        lengths = [max(0, min(k, r - 1)) for r in room]
-        histories = [row.prompt + row.generated for row in rows]
-        drafts = [[] for _ in rows]
-        drafting = [i for i, n in enumerate(lengths) if n]
-        if drafting:
-            proposed = self.draft.generate([histories[i] for i in drafting], [lengths[i] for i in drafting])
-            for i, tokens in zip(drafting, proposed):
-                drafts[i] = list(tokens[: lengths[i]])
-        outputs = self.target.generate(histories, [len(d) + 1 for d in drafts], drafts)
-        for row, draft, new, limit in zip(rows, drafts, outputs, room):
-            row.take(list(new)[:limit], draft, self.eos_ids, limit)
-
-
-class _Row:
-    def __init__(self, prompt: list[int], budget: int):
-        from runtime.metrics import RequestStats
-
-        self.prompt, self.budget, self.generated, self.finished = prompt, budget, [], ""
-        self.stats = RequestStats(prompt_tokens=len(prompt))
-
-    def take(self, new: list[int], draft: list[int], eos_ids: tuple[int, ...], room: int) -> None:
-        accepted = 0
-        while accepted < min(len(draft), len(new)) and new[accepted] == draft[accepted]:
-            accepted += 1
-        stop = next((i for i, t in enumerate(new) if t in eos_ids), None)
-        if stop is not None:
-            new = new[: stop + 1]
-        self.stats.record_step(len(draft), min(accepted, len(new)), len(new), False)
-        self.generated.extend(new)
-        if stop is not None:
-            self.finished = "stop"
-        elif not new or len(new) >= room:
-            self.finished = "length"
-        self.stats.finish_reason = self.finished
-
-
-class RunnerEngine(Engine):
-    """runtime.engines.base.Engine over a runner with ModelRunnerCpp's ``generate`` (or any object with that method).
-
-    State lives in the KVCache: ``extra["tokens"]`` holds each row's live token ids; ``mask``/``lengths`` mirror
-    them so the speculative loop sees the same cache fields as with ONNX engines (``past`` stays empty).
-    """
-
-    def __init__(self, runner, *, vocab_size: int, max_context: int, end_id: int, pad_id: int):
-        self.runner, self.vocab_size, self.max_context = runner, vocab_size, max_context
-        self.end_id, self.pad_id = end_id, pad_id
-
-    def new_cache(self, batch: int) -> KVCache:
-        return KVCache(
-            [], np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), extra={"tokens": [[] for _ in range(batch)]}
-        )
-
-    def compute(
-        self,
-        cache: KVCache,
-        tokens: np.ndarray,
-        valid: np.ndarray | None = None,
-        *,
-        exact: bool = True,
-        last: bool = False,
-        score: bool = True,
-        features: np.ndarray | None = None,
-    ) -> np.ndarray | None:
-        """Append tokens [B, S] (valid [B, S]: 1 = real token) and return logits [B, S, V] of the new positions;
-        with ``last``, [B, 1, V] at each row's last new token (the rest of the runner's context logits are never
-        copied to the host). Without ``score`` (a prompt whose logits nobody reads) they are only recorded: every
-        call sends each row's whole history (the runner keeps no state of ours), so the next call scores the prompt
-        with its new tokens anyway."""
-        import torch
-
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if not score:
-            self._append(cache, tokens, valid)
-            return None
-        valid = np.ones_like(tokens) if valid is None else np.asarray(valid, dtype=np.int64)
-        batch, width = tokens.shape
-        histories = cache.extra["tokens"]
-        new = [[int(t) for t, v in zip(tokens[b], valid[b]) if v] for b in range(batch)]
-        rows = [b for b in range(batch) if new[b]]
-        logits = np.zeros((batch, 1 if last else width, self.vocab_size), np.float32)
-        if rows:
-            inputs = [torch.tensor(histories[b] + new[b], dtype=torch.int32) for b in rows]
-            # max_new_tokens=1: a context pass; return_dict=True gives "context_logits" (per request
-            # [input_len, vocab] when the engine gathers context logits). With block reuse, only the rows after the
-            # reused prefix may be returned, so the new positions are read from the end.
-            out = self.runner.generate(
-                inputs, max_new_tokens=1, end_id=self.end_id, pad_id=self.pad_id, return_dict=True
-            )
-            context = out["context_logits"]
-            for i, b in enumerate(rows):
-                if last:
-                    logits[b, 0] = _to_numpy(context[i][-1:])[0, : self.vocab_size]
-                else:
-                    rows_logits = _to_numpy(context[i])[-len(new[b]) :, : self.vocab_size]
-                    logits[b, np.flatnonzero(valid[b])] = rows_logits
-        self._append(cache, tokens, valid)
-        return logits
-
-    def _append(self, cache: KVCache, tokens: np.ndarray, valid: np.ndarray | None) -> None:
-        """Each row's valid tokens joined to its history; mask, lengths and the call count follow."""
-        valid = np.ones_like(tokens) if valid is None else np.asarray(valid, dtype=np.int64)
-        for b, history in enumerate(cache.extra["tokens"]):
-            history.extend(int(t) for t, v in zip(tokens[b], valid[b]) if v)
-        cache.mask = np.concatenate([cache.mask, valid], axis=1)
-        cache.lengths = cache.lengths + valid.sum(axis=1)
-        cache.calls += 1
-
-    def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
-        for b, history in enumerate(cache.extra["tokens"]):
-            del history[int(keep[b]) :]
-        cache.lengths = np.minimum(cache.lengths, keep)
-        cache.mask = (np.arange(cache.slots)[None, :] < cache.lengths[:, None]).astype(np.int64)
-
-    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
-        tokens = [list(cache.extra["tokens"][int(r)]) for r in rows]
-        lengths = cache.lengths[rows]
-        width = int(lengths.max()) if len(rows) else 0
-        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
-        return KVCache([], mask, lengths.copy(), cache.calls, extra={"tokens": tokens})
-
-    def join(self, cache: KVCache, other: KVCache) -> KVCache:
-        tokens = [list(t) for t in cache.extra["tokens"] + other.extra["tokens"]]
-        lengths = np.concatenate([cache.lengths, other.lengths])
-        width = int(lengths.max()) if len(lengths) else 0
-        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
-        return KVCache([], mask, lengths, cache.calls, extra={"tokens": tokens})
-
-
-def _to_numpy(value) -> np.ndarray:
-    if hasattr(value, "detach"):
-        return value.detach().float().cpu().numpy()
-    return np.asarray(value, dtype=np.float32)
+    def emit(self, inputs: list[list[int]], drafts: list[list[int]], room: list[int]) -> list[list[int]]:
+        """The target: each draft cut to its row's room but one (the executor returns at most the draft and one
+        token), max_tokens its length + 1; the draft: ``room`` greedy tokens."""
+        if not self.speculation:
+            return self.session.generate(inputs, list(room), drafts)
+        drafts = [d[: r - 1] for d, r in zip(drafts, room)]
+        return self.session.generate(inputs, [len(d) + 1 for d in drafts], drafts)
 
 
 # --- any bundle -----------------------------------------------------------------------------------------------------
@@ -344,14 +164,14 @@ def open_generator(
     target_devices: list[int] | None = None,
     draft_devices: list[int] | None = None,
 ):
-    """SpeculativeGenerator for onnxruntime bundles, ExternalDraftGenerator for engine-flavor bundles,
-    LlmApiGenerator for llmapi bundles.
+    """A SpeculativeGenerator for any bundle: an onnxruntime bundle's ONNX Runtime engines, an engine-flavor
+    bundle's two executors (``ExecutorEngine``), an llmapi bundle's LLM (runtime/trtllm/llmapi.py); the one
+    scheduler decodes them all.
 
     target_devices / draft_devices (engine flavor): the GPU of each rank (tp x pp ids each; default
     ``default_devices``), passed as ModelRunnerCpp ``device_ids`` in orchestrator mode.
     """
     from runtime.api import SpeculativeGenerator
-    from runtime.core.loaded import load_tokenizer
 
     root = Path(path)
     # which loader: each verifies the files it loads as it loads them (from the bytes it hashed, where it can), so
@@ -360,9 +180,32 @@ def open_generator(
     if manifest.spec.backend == "onnxruntime":
         return SpeculativeGenerator.from_bundle(root, threads=threads, verify=verify)
     if manifest.spec.trtllm_flavor == "llmapi":
-        return LlmApiGenerator.from_bundle(root, verify=verify)
+        return open_llm_api(root, verify=verify)
     if verify:  # ModelRunnerCpp reads its engine folders itself
         verify_files(root, manifest)
+    devices = placed_devices(manifest, target_devices, draft_devices)
+    tokenizer = load_tokenizer(root, manifest, verify)  # from the bytes it checked
+    eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
+    engines = {
+        entry.role: ExecutorEngine(
+            ExecutorSession(
+                open_runner(root / entry.engine, manifest.spec.max_batch_size, devices=devices[entry.role]),
+                end_id=eos,
+                pad_id=eos,
+            ),
+            vocab_size=tokenizer.vocab_size,
+            max_context=manifest.max_context,
+            verifies=entry.role == "target",
+        )
+        for entry in (manifest.target, manifest.draft)
+    }
+    return SpeculativeGenerator(manifest, engines["target"], engines["draft"], tokenizer, manifest.eos_token_ids)
+
+
+def placed_devices(
+    manifest: Manifest, target_devices: list[int] | None, draft_devices: list[int] | None
+) -> dict[str, list[int]]:
+    """Each engine's GPU ids (tp x pp distinct ones; ``default_devices`` where none are given), or BundleError."""
     world = manifest.spec.tp_size * manifest.spec.pp_size
     devices = {
         "target": list(target_devices or default_devices(manifest)),
@@ -373,14 +216,4 @@ def open_generator(
             raise BundleError(
                 f"{role}_devices: expected {world} distinct GPU ids (tp_size x pp_size of the engine), received {ids}"
             )
-    tokenizer = load_tokenizer(root, manifest, verify)  # from the bytes it checked
-    eos = manifest.eos_token_ids[0] if manifest.eos_token_ids else 0
-    sessions = {
-        entry.role: ExecutorSession(
-            open_runner(root / entry.engine, manifest.spec.max_batch_size, devices=devices[entry.role]),
-            end_id=eos,
-            pad_id=eos,
-        )
-        for entry in (manifest.target, manifest.draft)
-    }
-    return ExternalDraftGenerator(manifest, sessions["target"], sessions["draft"], tokenizer, manifest.eos_token_ids)
+    return devices

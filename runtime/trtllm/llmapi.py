@@ -1,10 +1,11 @@
-"""Runtime adapter for llmapi-flavor tensorrt_llm bundles: the llm_api.yaml allow-list and LlmApiGenerator.
+"""Runtime adapter for llmapi-flavor tensorrt_llm bundles: the llm_api.yaml allow-list and ``LlmApiEngine``.
 
-``LlmApiGenerator`` runs ``LLM(target, speculative_config=DraftTargetDecodingConfig(max_draft_len=K,
-speculative_model=draft))``; TensorRT-LLM drafts and verifies internally, on as many GPUs as the yaml's
-tensor/pipeline parallel sizes ask for (the LLM API starts its own workers). The bundle's llm_api.yaml is data from
-outside: only the keys in ``LLM_API_KEYS`` pass (never ``trust_remote_code`` or anything that loads code), and every
-path must stay inside the bundle.
+``LlmApiEngine`` runs ``LLM(target, speculative_config=DraftTargetDecodingConfig(max_draft_len=K,
+speculative_model=draft))`` behind the runtime's engine contract, as an engine that speculates inside its calls,
+decoded by the one scheduler (runtime/core/scheduler.py) in one-call steps; TensorRT-LLM drafts and verifies
+internally, on as many GPUs as the yaml's tensor/pipeline parallel sizes ask for (the LLM API starts its own
+workers). The bundle's llm_api.yaml is data from outside: only the keys in ``LLM_API_KEYS`` pass (never
+``trust_remote_code`` or anything that loads code), and every path must stay inside the bundle.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.bundle import BundleError, Manifest, load_manifest, read_verified
+from runtime.core.loaded import load_tokenizer
+from runtime.engines.tokens import TokenEngine
 from runtime.trtllm.common import require_tensorrt_llm
 
 
@@ -151,63 +154,64 @@ def draft_target_config(options: dict[str, Any]):
     return DraftTargetDecodingConfig(max_draft_len=options["max_draft_len"], **{key: options["speculative_model"]})
 
 
-class LlmApiGenerator:
-    """Draft-target speculative generation inside TensorRT-LLM's LLM API (PyTorch backend)."""
+class LlmApiEngine(TokenEngine):
+    """An llmapi bundle's ``LLM`` under the runtime's engine contract (runtime/engines/base.py): with a speculative
+    config its executor drafts and verifies inside each call (``speculation`` "internal"), so the scheduler drives
+    it as one-call steps: each asks for up to ``step_tokens`` tokens a row and takes what the executor accepted.
 
-    def __init__(self, manifest: Manifest, llm, eos_ids: tuple[int, ...] = ()):
-        self.manifest, self.llm, self.eos_ids = manifest, llm, tuple(eos_ids)
-        self.default_k = manifest.default_k
+    Every call sends each row's whole history as token ids, which the KV cache's block reuse spares a second
+    prefill: tensorrt_llm/llmapi/llm.py (upstream main as stored here) ``LLM.generate(inputs: PromptInputs |
+    Sequence[PromptInputs], sampling_params: SamplingParams | List[SamplingParams] | None, use_tqdm: bool = True,
+    ...)``, where a list of ints is a prompt of token ids (``PromptInputs``; upstream's tests/hlapi/run_llm.py
+    passes ``[prompt_token_ids]``) and a list of SamplingParams gives each input its own; each RequestOutput's
+    ``outputs[0].token_ids`` are the tokens generated. Greedy (``temperature=0.0``), the front door refusing the
+    rest: a sampled step's seed would repeat each step."""
 
-    @classmethod
-    def from_bundle(
-        cls, path: str | os.PathLike, verify: bool = True, speculative: bool = True, **overrides
-    ) -> "LlmApiGenerator":
-        """speculative=False: the same target without a draft (the baseline). overrides: LLM keywords from the
-        caller (the person running the command, e.g. ``kv_cache_config``), never from the bundle."""
-        root = Path(path)
-        manifest = load_manifest(root, verify=verify)
-        kwargs = llm_api_kwargs(root, manifest)
-        require_tensorrt_llm()
-        from tensorrt_llm import LLM
+    def __init__(self, llm, *, vocab_size: int, max_context: int, step_tokens: int, speculative: bool = True):
+        super().__init__(vocab_size=vocab_size, max_context=max_context)
+        self.llm, self.step_tokens = llm, step_tokens
+        self.speculation = "internal" if speculative else ""
 
-        options = kwargs.pop("speculative_config")
-        if speculative:
-            kwargs["speculative_config"] = draft_target_config(options)
-        if "kv_cache_config" in kwargs:  # checked keys only (KV_CACHE_KEYS); LLM takes a KvCacheConfig
-            from tensorrt_llm.llmapi import KvCacheConfig
-
-            kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
-        # trust_remote_code is never taken from the bundle (llm_api_kwargs refuses it); say False explicitly.
-        return cls(manifest, LLM(**{**kwargs, **overrides, "trust_remote_code": False}), manifest.eos_token_ids)
-
-    def generate(
-        self,
-        prompts: str | list[str],
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        **unsupported,
-    ):
-        """Same call and result types as SpeculativeGenerator.generate for what the LLM API exposes."""
-        from runtime.core.handles import Generation
-        from runtime.errors import RequestError
-
-        given = {k: v for k, v in unsupported.items() if v not in (None, False, "speculative")}
-        if given:
-            raise RequestError(f"LLM-API bundles do not support {sorted(given)} (TensorRT-LLM drafts internally)")
+    def emit(self, inputs: list[list[int]], drafts: list[list[int]], room: list[int]) -> list[list[int]]:
         from tensorrt_llm import SamplingParams
 
-        params = {"max_tokens": max_new_tokens, "temperature": temperature}
-        params.update({k: v for k, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None})
-        single = isinstance(prompts, str)
-        outputs = self.llm.generate([prompts] if single else list(prompts), SamplingParams(**params))
-        results = []
-        for output in outputs:  # RequestOutput: prompt_token_ids, outputs[0] (CompletionOutput: text, token_ids)
-            completion = output.outputs[0]
-            reason = {"length": "length"}.get(str(completion.finish_reason), "stop")
-            results.append(
-                Generation(completion.text, list(completion.token_ids), len(output.prompt_token_ids), reason)
-            )
-        return results[0] if single else results
+        params = [SamplingParams(max_tokens=min(r, self.step_tokens), temperature=0.0) for r in room]
+        # RequestOutput: outputs[0] is a CompletionOutput whose token_ids are the tokens generated
+        return [list(output.outputs[0].token_ids) for output in self.llm.generate(inputs, params, use_tqdm=False)]
+
+
+def open_llm_api(path: str | os.PathLike, verify: bool = True, speculative: bool = True, **overrides):
+    """A SpeculativeGenerator over an llmapi bundle's LLM (``LlmApiEngine``; no draft engine of ours: the
+    executor drafts). speculative=False: the same target without a draft (the baseline). overrides: LLM keywords
+    from the caller (the person running the command, e.g. ``kv_cache_config``), never from the bundle."""
+    from runtime.api import SpeculativeGenerator
+
+    root = Path(path)
+    manifest = load_manifest(root, verify=verify)
+    kwargs = llm_api_kwargs(root, manifest)
+    tokenizer = load_tokenizer(root, manifest, verify)
+    step = kwargs["speculative_config"]["max_draft_len"] + 1  # one executor step's most tokens
+    engine = LlmApiEngine(
+        open_llm(kwargs, speculative, overrides),
+        vocab_size=tokenizer.vocab_size,
+        max_context=manifest.max_context,
+        step_tokens=step,
+        speculative=speculative,
+    )
+    return SpeculativeGenerator(manifest, engine, None, tokenizer, manifest.eos_token_ids)
+
+
+def open_llm(kwargs: dict[str, Any], speculative: bool, overrides: dict[str, Any]):
+    """``LLM(target, speculative_config=DraftTargetDecodingConfig(...))`` from the checked llm_api.yaml keywords."""
+    require_tensorrt_llm()
+    from tensorrt_llm import LLM
+
+    options = kwargs.pop("speculative_config")
+    if speculative:
+        kwargs["speculative_config"] = draft_target_config(options)
+    if "kv_cache_config" in kwargs:  # checked keys only (KV_CACHE_KEYS); LLM takes a KvCacheConfig
+        from tensorrt_llm.llmapi import KvCacheConfig
+
+        kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
+    # trust_remote_code is never taken from the bundle (llm_api_kwargs refuses it); say False explicitly.
+    return LLM(**{**kwargs, **overrides, "trust_remote_code": False})
