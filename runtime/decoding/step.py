@@ -128,13 +128,14 @@ def decode_step(
     ]
     if target.returns_tokens:
         verdicts, hidden = engine_verdicts(target, cache, rows, chunks, idle), [None] * len(rows)
+        t2 = time.perf_counter()
     else:
         logits, hidden = score(target, cache, chunks, plan.exact)
+        t2 = time.perf_counter()  # the target's call; the rows' verification below is booked as neither
         verdicts = [
             None if idle[b] else isolate([row], verify_row, row, draft, probs, logits[b])
             for b, (row, (draft, probs)) in enumerate(zip(rows, proposals))
         ]
-    t2 = time.perf_counter()
     accepted = [verdict[0] if verdict else 0 for verdict in verdicts]
     emitted = [verdict[1] if verdict else [] for verdict in verdicts]
     for group, drafting in zip(groups, plan.drafting):
