@@ -9,13 +9,14 @@ output processor (runtime/core/outputs.py), so a prompt gets from ``generate`` w
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Iterator
 
 from runtime.decoding.config import DecodeConfig
 from runtime.core.loaded import LoadedBundle
 from runtime.metric_families import prometheus_text, read
-from runtime.core.request import Admitted, DecodeRequest, FrontDoor, merged_request
+from runtime.core.request import Admitted, Asked, DecodeRequest, FrontDoor, prompt_tokens
 from runtime.core.handles import Generation
 from runtime.core.scheduler import Scheduler, StepObserver
 
@@ -31,9 +32,10 @@ class SpeculativeGenerator(LoadedBundle):
         verify, draft_threads, device, device_id)."""
         return cls.open(path, **options)
 
-    @property
+    @functools.cached_property
     def door(self) -> FrontDoor:
-        """The front door of this bundle, without a server's limits (the caller is trusted with its own process)."""
+        """The front door of this bundle, one for its life, without a server's limits (the caller is trusted with
+        its own process)."""
         return FrontDoor(self)
 
     def metrics_text(self) -> str:
@@ -98,7 +100,7 @@ class SpeculativeGenerator(LoadedBundle):
         """
         if not prompts:
             return
-        admitted = self.door.admit(list(prompts), merged_request(request, options), chat)
+        admitted = self.door.admit(Asked(list(prompts), options, chat, base=request))
         yield from self.run(admitted, cancelled)
 
     def run(
@@ -142,4 +144,4 @@ class SpeculativeGenerator(LoadedBundle):
     def encode_prompt(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages, as the front
         door makes them for a request."""
-        return self.door.tokenize(prompt, chat)
+        return prompt_tokens(self.tokenizer, prompt, chat, self.max_context)

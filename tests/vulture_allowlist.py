@@ -16,9 +16,6 @@ class _Names:
 _ = _Names()
 
 # --- pending: other items of issue 55 change these --------------------------------------------------------------------
-_.submit  # issue 55 item 2/3, pending: Scheduler.submit (runtime/core/scheduler.py)
-_.__iter__  # issue 55 item 2/3, pending: Handle.__iter__ (runtime/core/handles.py)
-_.result  # issue 55 item 2/3, pending: Handle.result (runtime/core/handles.py)
 _.RunnerEngine  # issue 55 item 2/3, pending: trtllm RunnerEngine (runtime/trtllm/engine.py)
 
 # --- click commands: registered by their decorators, found by name in runtime/cli.py's COMMANDS -----------------------
