@@ -110,8 +110,9 @@ class Scheduler:
 
     ``enqueue`` may be called from any thread; the loop runs in its own (``start``), or the caller drives ``step``.
     max_batch: rows decoded together; max_queue: waiting requests before ``Overloaded``; max_wait: seconds a request
-    may wait for admission before ``Overloaded``; policy: "exact" or "throughput" (see the module docstring);
-    plan: plan each step's draft lengths from the measured costs (False: every row drafts its limit); reserve: take
+    may wait for admission before ``Overloaded``; policy: "exact" or "throughput" (see the module docstring; a step
+    whose rows' requests ask for "throughput", the Python API's, runs it too); plan: plan each step's draft lengths
+    from the measured costs (False, or a request's own ``plan=False``: every row drafts its limit); reserve: take
     the batch's KV cache at start (a server); isolate: one request's failure is that request's error and the
     others go on (a server), else it is raised from ``step`` (the Python API's own batch); on_step: told of every
     step's rows and their new tokens (the bench's timings).
@@ -143,7 +144,8 @@ class Scheduler:
         self.padding = self.target.min_call_tokens
         self.prefill = Prefill(self.target, prefill_chunk, padding=self.padding)
         self.rows: list[_Row] = []
-        self.cache = self.target.reserved_cache(max_batch) if reserve else self.target.new_cache(0)
+        self.reserve = reserve
+        self.cache = self._empty_cache()
         self.waiting: deque[_Waiting] = deque()
         self._predicted = 0.0  # the planned step's predicted seconds (0: not planned)
         self.draft_lengths: collections.Counter = collections.Counter()  # planned draft length -> row-steps
@@ -227,7 +229,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
             self.target.unwatch(self.bundle.metrics.count_call)
-        self._fail_all(Unavailable("the scheduler is stopping"))
+        self.clear(Unavailable("the scheduler is stopping"))
 
     @property
     def busy(self) -> bool:
@@ -341,8 +343,9 @@ class Scheduler:
                 groups.append(row.group)
                 members.append([])
             members[-1].append(b)
-        exact = self.policy == "exact"
-        planning = Planning(self.plan, exact, self.padding if exact else 1)
+        exact = self.policy == "exact" and all(row.config.exact for row in self.rows)  # a request's own policy too
+        planned = self.plan and all(row.config.plan for row in self.rows)
+        planning = Planning(planned, exact, self.padding if exact else 1)
         lengths = plan_lengths(self.rows, groups, members, idle, self.costs, planning, self.target.max_context)
         self._predicted = lengths.predicted
         plan = StepPlan(
@@ -572,9 +575,17 @@ class Scheduler:
     def _fail_running(self, error: Exception) -> None:
         failed, self.rows = self.rows, []  # gone from stats() before their clients hear of it
         self._fail([row.handle for row in failed], error)
-        self.cache = self.target.reserved_cache(self.max_batch)
+        self.cache = self._empty_cache()
 
-    def _fail_all(self, error: Exception) -> None:
+    def _empty_cache(self):
+        """A cache of no rows: ``max_batch`` rows reserved where the scheduler reserves (a server's), else one that
+        grows with its rows."""
+        return self.target.reserved_cache(self.max_batch) if self.reserve else self.target.new_cache(0)
+
+    def clear(self, error: Exception) -> None:
+        """Every request waiting or running gets ``error`` and leaves, its cache rows freed; the scheduler goes on
+        (``stop`` ends with it; the Python API clears its scheduler after a batch that failed or that its caller
+        left)."""
         with self._lock:
             waiting, self.waiting = list(self.waiting), deque()
         self._fail([handle for w in waiting for handle in w.handles], error)
