@@ -3,8 +3,8 @@ batches.
 
 It is a thin facade: a call admits its prompts once at its front door (runtime/core/request.py), enqueues them as one
 group on the one scheduler it holds for its life (runtime/core/scheduler.py: the one decoding loop, the servers' too)
-and drives that scheduler's steps in the caller's thread; the text, stop strings and ``Generation`` come from the scheduler's
-output processor (runtime/core/outputs.py), so a prompt gets from ``generate`` what a server sends for it.
+and drives that scheduler's steps in the caller's thread; the text, stop strings and ``Generation`` come from the
+scheduler's output processor (runtime/core/outputs.py), so a prompt gets from ``generate`` what a server sends for it.
 """
 
 from __future__ import annotations
