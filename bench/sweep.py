@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from bench.stats import CellRecord, EngineCall, SequenceRecord, summarize
 from runtime.engines.base import Call
-from runtime.core.request import decode_request
+from runtime.core.request import Asked, decode_request
 
 
 class Recorder:
@@ -90,7 +90,7 @@ def decode(
         policy=policy,
         plan=plan,
     )
-    admitted = generator.door.admit_tokens(token_lists, request)
+    admitted = generator.door.admit(Asked.tokenized(token_lists, request))
     records = [SequenceRecord() for _ in token_lists]
     clock = StepClock(records)
     if admitted.drafter is not None and admitted.config.plan:

@@ -99,12 +99,12 @@ def prompts(tokenizer) -> list[list[int]]:
 def continuations(target, eos_ids, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """The target's greedy continuation of each prompt, decoded by the runtime's own scheduler (target-only)."""
     from runtime.api import SpeculativeGenerator
-    from runtime.core.request import DecodeRequest
+    from runtime.core.request import Asked, DecodeRequest
 
     generator = SpeculativeGenerator(None, target, None, None, eos_ids=eos_ids)
     request = DecodeRequest(max_new_tokens=new_tokens, mode="target")
     results: dict[int, list[int]] = {}
-    for index, _, generation in generator.run(generator.door.admit_tokens(prompts, request)):
+    for index, _, generation in generator.run(generator.door.admit(Asked.tokenized(prompts, request))):
         if generation is not None:
             results[index] = list(generation.token_ids)
     return [results[i] for i in range(len(prompts))]

@@ -1,22 +1,24 @@
 """The Python API: ``SpeculativeGenerator``, a loaded bundle (runtime/core/loaded.py) that generates, streams and
 batches.
 
-It is a thin facade: a call admits its prompts once at the front door (runtime/core/request.py), submits them to a
-scheduler of its own as one group (runtime/core/scheduler.py: the one decoding loop, the servers' too) and drives
-that scheduler's steps in the caller's thread; the text, stop strings and ``Generation`` come from the scheduler's
-output processor (runtime/core/outputs.py), so a prompt gets from ``generate`` what a server sends for it.
+It is a thin facade: a call admits its prompts once at its front door (runtime/core/request.py), enqueues them as one
+group on the one scheduler it holds for its life (runtime/core/scheduler.py: the one decoding loop, the servers' too)
+and drives that scheduler's steps in the caller's thread; the text, stop strings and ``Generation`` come from the
+scheduler's output processor (runtime/core/outputs.py), so a prompt gets from ``generate`` what a server sends for it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import Callable, Iterator
 
-from runtime.decoding.config import DecodeConfig
+from runtime.decoding.step_costs import CostModel
 from runtime.core.loaded import LoadedBundle
 from runtime.metric_families import prometheus_text, read
-from runtime.core.request import Admitted, DecodeRequest, FrontDoor, merged_request
-from runtime.core.handles import Generation
+from runtime.core.request import Admitted, Asked, DecodeRequest, FrontDoor, prompt_tokens
+from runtime.core.handles import Generation, Handle, Unavailable
 from runtime.core.scheduler import Scheduler, StepObserver
 
 Piece = tuple[int, str, Generation | None]  # (prompt index, text piece, final Generation or None)
@@ -31,9 +33,10 @@ class SpeculativeGenerator(LoadedBundle):
         verify, draft_threads, device, device_id)."""
         return cls.open(path, **options)
 
-    @property
+    @functools.cached_property
     def door(self) -> FrontDoor:
-        """The front door of this bundle, without a server's limits (the caller is trusted with its own process)."""
+        """The front door of this bundle, one for its life, without a server's limits (the caller is trusted with
+        its own process)."""
         return FrontDoor(self)
 
     def metrics_text(self) -> str:
@@ -98,21 +101,48 @@ class SpeculativeGenerator(LoadedBundle):
         """
         if not prompts:
             return
-        admitted = self.door.admit(list(prompts), merged_request(request, options), chat)
+        admitted = self.door.admit(Asked(list(prompts), options, chat, base=request))
         yield from self.run(admitted, cancelled)
+
+    @functools.cached_property
+    def scheduler(self) -> Scheduler:
+        """This generator's one scheduler, for its life: one caller's batch at a time, as many rows as it has
+        prompts (no bound: nothing is reserved, its cache grows with them), prompts prefilled whole (nobody else
+        waits on a chunk), a failure raised from its step (the caller's batch is one request). A batch's policy and
+        plan are its request's own (``DecodeConfig.exact``, ``plan``), its costs the bundle's (``run``)."""
+        return Scheduler(
+            self,
+            max_batch=sys.maxsize,
+            max_queue=1,
+            max_wait=float("inf"),
+            prefill_chunk=None,
+            reserve=False,
+            isolate=False,
+        )
 
     def run(
         self, admitted: Admitted, cancelled: Callable[[int], bool] | None = None, on_step: StepObserver | None = None
     ) -> Iterator[Piece]:
-        """An admitted group of prompts decoded to the end on a scheduler of its own, driven step by step here:
+        """An admitted group of prompts decoded to the end on this generator's scheduler, driven step by step here:
         every event as (prompt index, text piece, final Generation or None). ``on_step`` sees each step's rows and
-        their new tokens (the bench's timings: the same loop, observed)."""
-        scheduler = self.batch_scheduler(admitted.config, len(admitted.prompts), on_step)
-        if admitted.drafter is not None and admitted.config.plan:
-            scheduler.calibrate()  # measured once per bundle (again for a larger batch)
+        their new tokens (the bench's timings: the same loop, observed). A batch that fails, or that its caller
+        leaves, is cleared from the scheduler (its rows and cache gone), so the next one starts clean."""
+        scheduler = self.scheduler
+        scheduler.costs = self._costs_for(admitted)
+        scheduler.on_step = on_step
         handles = scheduler.enqueue(admitted)
-        while scheduler.busy:
-            scheduler.step()
+        try:
+            yield from self._driven(handles, cancelled)
+        finally:
+            scheduler.on_step = None
+            if any(handle.outcome is None for handle in handles):
+                scheduler.clear(Unavailable("the batch was left before its end"))
+
+    def _driven(self, handles: list[Handle], cancelled: Callable[[int], bool] | None) -> Iterator[Piece]:
+        """The scheduler's steps until every handle has its last event, each event read after the step that made
+        it; ``cancelled`` asked for each running sequence after every step."""
+        while any(handle.outcome is None for handle in handles):
+            self.scheduler.step()
             for index, handle in enumerate(handles):
                 for event in handle.ready():
                     if event.error is not None:
@@ -122,24 +152,14 @@ class SpeculativeGenerator(LoadedBundle):
                 if cancelled is not None and handle.outcome is None and cancelled(index):
                     handle.cancel()
 
-    def batch_scheduler(self, config: DecodeConfig, rows: int, on_step: StepObserver | None = None) -> Scheduler:
-        """A scheduler for one caller's batch: as many rows as prompts, the request's own policy and plan, prompts
-        prefilled whole (nobody else waits on a chunk), a cache of the batch's own size, and a failure raised from
-        its step (the caller's batch is one request)."""
-        return Scheduler(
-            self,
-            max_batch=rows,
-            max_queue=1,
-            max_wait=float("inf"),
-            policy="exact" if config.exact else "throughput",
-            plan=config.plan,
-            prefill_chunk=None,
-            reserve=False,
-            isolate=False,
-            on_step=on_step,
-        )
+    def _costs_for(self, admitted: Admitted) -> CostModel:
+        """The call costs a batch's steps plan by: where it drafts and plans, the bundle's, measured once (again for
+        a larger batch than any before); else none measured, as a batch that never plans by them."""
+        if admitted.drafter is not None and admitted.config.plan:
+            return self.step_costs(len(admitted.prompts))
+        return CostModel()
 
     def encode_prompt(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a prompt string, or with ``chat`` of a list of {"role", "content"} messages, as the front
         door makes them for a request."""
-        return self.door.tokenize(prompt, chat)
+        return prompt_tokens(self.tokenizer, prompt, chat, self.max_context)

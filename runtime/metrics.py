@@ -214,7 +214,7 @@ class MetricsRegistry:
             self.target_calls += call.rows if call.kind == "prefill_rows" else 1
 
     def count_refusal(self) -> None:
-        """A request the front door refused (runtime/core/request.py ``FrontDoor.refusal``)."""
+        """A request a server's front door refused (runtime/core/request.py ``FrontDoor.admit``)."""
         with self._lock:
             self.refused += 1
 

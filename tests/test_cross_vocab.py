@@ -24,6 +24,7 @@ from fakes import (
     total_variation,
     tv_bound,
 )
+from door_path import submit
 from runtime.decoding.config import DecodeConfig
 from batch_run import BatchRun
 from runtime.decoding.sampling import SamplingParams, probabilities
@@ -259,7 +260,7 @@ def test_the_scheduler_serves_both_methods_side_by_side_and_counts_each_apart(ti
     generator = SpeculativeGenerator.from_bundle(tiny_cross_bundle, threads=1)
     scheduler = Scheduler(generator, max_batch=4)
     options = [dict(drafter="tli", k=3), dict(drafter="string", k=3), dict(mode="target"), dict(k=2)]
-    handles = [scheduler.submit(p, max_new_tokens=16, **o) for p, o in zip(PROMPTS, options)]
+    handles = [submit(scheduler, p, max_new_tokens=16, **o) for p, o in zip(PROMPTS, options)]
     while scheduler.busy:
         scheduler.step()
     for prompt, option, handle in zip(PROMPTS, options, handles):
@@ -335,7 +336,7 @@ def test_the_scheduler_plans_no_draft_for_a_row_done_drafting(tiny_cross_bundle,
     want = generator.generate(prompt, max_new_tokens=60, mode="target").token_ids
     monkeypatch.setattr(generator.draft, "max_context", 40)  # a draft whose context the answer outgrows
     scheduler = Scheduler(generator, max_batch=2)
-    handle = scheduler.submit(prompt, max_new_tokens=60, drafter="tli", k=3)
+    handle = submit(scheduler, prompt, max_new_tokens=60, drafter="tli", k=3)
     while scheduler.busy:
         scheduler.step()
     assert handle.result().token_ids == want

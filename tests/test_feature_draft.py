@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fakes import LENGTH, BigramEngine, assert_follows_target, last_positions, random_table, run_loop
+from door_path import submit
 from runtime.engines.base import KVCache
 from runtime.drafters.feature import FeatureDrafter
 from runtime.decoding.sampling import SamplingParams, probabilities
@@ -283,9 +284,9 @@ def test_the_scheduler_feeds_the_feature_drafter_as_a_lone_request_does(feature_
     gen = SpeculativeGenerator.from_bundle(feature_bundle[0], threads=1)
     scheduler = Scheduler(gen, max_batch=3, policy=policy)
     prompts = ["the quick brown fox", "def add return", "lazy dog keeps target", "over the"]
-    handles = [scheduler.submit(p, max_new_tokens=20, k=3) for p in prompts[:2]]
+    handles = [submit(scheduler, p, max_new_tokens=20, k=3) for p in prompts[:2]]
     scheduler.step()
-    handles += [scheduler.submit(p, max_new_tokens=20, k=2) for p in prompts[2:]]
+    handles += [submit(scheduler, p, max_new_tokens=20, k=2) for p in prompts[2:]]
     while scheduler.step():
         pass
     for prompt, handle, k in zip(prompts, handles, (3, 3, 2, 2)):
@@ -305,7 +306,7 @@ def test_the_cost_model_starts_on_a_feature_draft(feature_bundle, policy):
     scheduler = Scheduler(gen, max_batch=2, policy=policy).start()
     try:
         assert min(scheduler.costs.draft.values()) > 0 and scheduler.costs.calibrated
-        got = scheduler.submit("the quick brown fox", max_new_tokens=12, k=2).result()
+        got = submit(scheduler, "the quick brown fox", max_new_tokens=12, k=2).result()
     finally:
         scheduler.stop()
     assert got.token_ids == gen.generate("the quick brown fox", max_new_tokens=12, k=2).token_ids

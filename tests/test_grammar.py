@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fakes import BigramEngine, DraftCounts, random_table, total_variation, tv_bound
+from door_path import submit
 from runtime.errors import RequestError
 from runtime.decoding.grammar import (
     MAX_DEPTH,
@@ -592,7 +593,7 @@ def test_scheduled_constrained_requests_equal_their_lone_runs(generator):
     )
     scheduler = Scheduler(generator, max_batch=4).start()
     try:
-        handles = [scheduler.submit(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in requests]
+        handles = [submit(scheduler, r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in requests]
         results = [h.result() for h in handles]
     finally:
         scheduler.stop()
@@ -601,7 +602,7 @@ def test_scheduled_constrained_requests_equal_their_lone_runs(generator):
         assert (got.token_ids, got.text, got.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
         assert got.logprobs == alone.logprobs
     with pytest.raises(RequestError, match="cannot be compiled"):
-        Scheduler(generator).submit("x", response_format={"type": "regex", "regex": "a(b"})
+        submit(Scheduler(generator), "x", response_format={"type": "regex", "regex": "a(b"})
 
 
 # --- Triton: tensorrtllm_backend's guided-decoding inputs on a real tritonserver -----------------------------------

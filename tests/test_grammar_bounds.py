@@ -17,6 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from door_path import submit  # noqa: E402
 from hostile_tally import HostileTally  # noqa: E402
 from openai_asgi import MODEL, call, completion, with_tool  # noqa: E402
 from runtime.decoding import grammar  # noqa: E402
@@ -181,9 +182,9 @@ def test_a_row_past_its_grammar_budget_fails_alone(generator, monkeypatch):
     scheduler = Scheduler(generator, max_batch=4)
     fmt = {"type": "regex", "regex": "[a-z ]{1,40}"}
     handles = [
-        scheduler.submit("The quick brown fox", max_new_tokens=6),
-        scheduler.submit("hello", max_new_tokens=6, response_format=fmt),
-        scheduler.submit("def add(a, b):", max_new_tokens=6),
+        submit(scheduler, "The quick brown fox", max_new_tokens=6),
+        submit(scheduler, "hello", max_new_tokens=6, response_format=fmt),
+        submit(scheduler, "def add(a, b):", max_new_tokens=6),
     ]
     while scheduler.step():
         pass

@@ -289,13 +289,13 @@ def test_every_request_the_scheduler_fails_is_a_request_error():
     """A request that fails after the front door (here: the scheduler stops while it waits) is counted where it
     fails, so both servers export it alike."""
     from runtime.api import SpeculativeGenerator
-    from runtime.core.request import decode_request
+    from runtime.core.request import Asked, decode_request
     from runtime.core.scheduler import Scheduler
 
     table = random_table(7, 1)
     generator = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=None, eos_ids=())
     scheduler = Scheduler(generator, max_batch=2, reserve=False)
-    admitted = generator.door.admit_tokens([[1, 2, 3]], decode_request(max_new_tokens=4))
+    admitted = generator.door.admit(Asked.tokenized([[1, 2, 3]], decode_request(max_new_tokens=4)))
     handles = scheduler.enqueue(admitted) + scheduler.enqueue(admitted)
     scheduler.stop()
     assert all(h.ready()[0].error is not None for h in handles)

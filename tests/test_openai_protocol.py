@@ -320,7 +320,7 @@ def test_the_body_is_parsed_and_checked_off_the_event_loop_and_walked_only_when_
     from runtime.text import sent_text
 
     threads, walked = [], []
-    parse, checked, walk = body_parser.parse_body, door.FrontDoor.checked, sent_text.invalid_text_path
+    parse, admit, walk = body_parser.parse_body, door.FrontDoor.admit, sent_text.invalid_text_path
 
     def spy(work):
         def run(*args):
@@ -330,7 +330,7 @@ def test_the_body_is_parsed_and_checked_off_the_event_loop_and_walked_only_when_
         return run
 
     monkeypatch.setattr(body_parser, "parse_body", spy(parse))
-    monkeypatch.setattr(door.FrontDoor, "checked", spy(checked))
+    monkeypatch.setattr(door.FrontDoor, "admit", spy(admit))
     monkeypatch.setattr(sent_text, "invalid_text_path", lambda sent: walked.append(sent) or walk(sent))
     assert raw_post(app, CHAT, chat(metadata={"k": "v"})).status_code == 200
     assert len(threads) == 2 and threading.get_ident() not in threads  # call() runs the loop on this thread

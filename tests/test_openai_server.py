@@ -16,6 +16,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+from door_path import submit  # noqa: E402
 from openai_asgi import call, chat  # noqa: E402
 from runtime.serving import openai_responses  # noqa: E402
 from runtime.serving.openai_server import create_app  # noqa: E402 - after the skips: it needs fastapi
@@ -270,7 +271,7 @@ def test_api_key_on_every_route_but_health(served):
 
 def test_overloaded_is_429_with_retry_after(served):
     scheduler = Scheduler(served.generator, max_queue=1)  # never started: the one queued request stays queued
-    scheduler.submit(PROMPT, max_new_tokens=2)
+    submit(scheduler, PROMPT, max_new_tokens=2)
     server = _Server(create_app(scheduler, MODEL))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from door_path import submit
 from runtime.decoding.calls import last_logits, prefill
 from runtime.decoding.sampling import SamplingParams
 from runtime.engines.onnx import OnnxEngine
@@ -107,7 +108,7 @@ def test_the_schedulers_joined_admission_is_chunked_and_greedy_output_is_unchang
     want = [export_generator.generate(p, mode="target", max_new_tokens=6).token_ids for p in prompts]
     target.session.shapes.clear()
     scheduler = Scheduler(export_generator, max_batch=4, plan=False)
-    handles = [scheduler.submit(p, max_new_tokens=6) for p in prompts]
+    handles = [submit(scheduler, p, max_new_tokens=6) for p in prompts]
     while scheduler.step():
         pass
     assert [h.result().token_ids for h in handles] == want

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from door_path import submit
 from runtime.engines.fused import FusedEngine
 from runtime.core.scheduler import Scheduler
 
@@ -58,7 +59,7 @@ def test_a_request_at_the_context_limit_does_not_fail_one_drafting_k4(generator,
         scheduler.calibrate()
     options = [dict(max_new_tokens=64, k=1), dict(max_new_tokens=40, k=4), dict(max_new_tokens=40, k=8)]
     prompts = [near, "def add(a, b):", "The quick brown"]
-    handles = [scheduler.submit(p, **o) for p, o in zip(prompts, options)]
+    handles = [submit(scheduler, p, **o) for p, o in zip(prompts, options)]
     drain(scheduler)
     results = [h.result() for h in handles]  # raises if any failed
     assert results[0].finish_reason == "context"
@@ -77,7 +78,7 @@ def test_a_lone_row_verifies_no_padding_beyond_the_engines_own(generator):
         widths.append(call.session_width)  # what ONNX Runtime ran, the engine's own padding included
 
     scheduler = Scheduler(generator, max_batch=2)
-    handle = scheduler.submit("def add(a, b):", max_new_tokens=12, k=1)
+    handle = submit(scheduler, "def add(a, b):", max_new_tokens=12, k=1)
     scheduler.step()  # admission (the prefill) and a first step
     engine.watch(observe)
     try:
@@ -97,7 +98,7 @@ def test_the_scheduler_leaves_the_engines_settings_alone(generator, monkeypatch)
 
     before, seen, forward = settings(), [], engine.forward
     scheduler = Scheduler(generator, max_batch=2)
-    handles = [scheduler.submit(p, max_new_tokens=8, k=2) for p in ("def add(a, b):", "The quick brown")]
+    handles = [submit(scheduler, p, max_new_tokens=8, k=2) for p in ("def add(a, b):", "The quick brown")]
     monkeypatch.setattr(engine, "forward", lambda *a, **kw: seen.append(settings()) or forward(*a, **kw))
     drain(scheduler)
     assert all(handle.result().token_ids for handle in handles)
@@ -107,10 +108,10 @@ def test_the_scheduler_leaves_the_engines_settings_alone(generator, monkeypatch)
 
 def test_an_error_in_one_rows_drafter_retires_that_row_only(generator, monkeypatch):
     scheduler = Scheduler(generator, max_batch=4)
-    bad = scheduler.submit("def add(a, b):", max_new_tokens=16, k=2)
-    good = scheduler.submit("The quick brown", max_new_tokens=16, k=2)
+    bad = submit(scheduler, "def add(a, b):", max_new_tokens=16, k=2)
+    good = submit(scheduler, "The quick brown", max_new_tokens=16, k=2)
     scheduler.step()
-    row = next(r for r in scheduler.rows if r.handle is bad)
+    row = next(r for r in scheduler.rows if r.handle is bad.handle)
 
     def broken(*args, **kwargs):
         raise RuntimeError("drafter broke")
@@ -126,11 +127,11 @@ def test_a_full_queue_refuses_before_tokenizing(generator, monkeypatch):
     from runtime.core.handles import Overloaded
 
     scheduler = Scheduler(generator, max_batch=1, max_queue=1)
-    scheduler.submit("def add(a, b):", max_new_tokens=4)
+    submit(scheduler, "def add(a, b):", max_new_tokens=4)
     calls = []
-    monkeypatch.setattr(generator, "encode_prompt", lambda *a: calls.append(a) or [1, 2])
+    monkeypatch.setattr(generator.tokenizer, "encode", lambda *a: calls.append(a) or [1, 2])
     with pytest.raises(Overloaded):
-        scheduler.submit("x" * 10_000, max_new_tokens=4)
+        submit(scheduler, "x" * 10_000, max_new_tokens=4)
     assert not calls
 
 
@@ -145,7 +146,7 @@ def test_a_lone_surrogate_is_a_request_error_naming_the_field(generator, field):
         "messages": dict(prompt=[{"role": "user", "content": "hi \ud83d"}], chat=True),
     }[field]
     with pytest.raises(RequestError, match=f"{field}: not valid Unicode"):
-        scheduler.submit(options.pop("prompt"), max_new_tokens=4, **options)
+        submit(scheduler, options.pop("prompt"), max_new_tokens=4, **options)
 
 
 def test_a_subnormal_temperature_samples_greedily_not_nan(generator):
@@ -163,7 +164,7 @@ def test_the_batch_cache_is_reserved_once_and_requests_never_grow_it(generator):
     assert scheduler.cache.past[0].shape[0] == 3 and scheduler.cache.past[0].shape[2] >= engine.max_context
     near = prompt_of(generator, generator.max_context - 12)
     prompts = [near, "def add(a, b):", near, "The quick brown", "x", near]
-    handles = [scheduler.submit(p, max_new_tokens=24, k=1 + i % 3) for i, p in enumerate(prompts)]
+    handles = [submit(scheduler, p, max_new_tokens=24, k=1 + i % 3) for i, p in enumerate(prompts)]
     while scheduler.step():
         assert [id(b) for b in scheduler.cache.past] == buffers
     for i, (prompt, handle) in enumerate(zip(prompts, handles)):
@@ -187,7 +188,7 @@ def test_every_running_row_is_verified_in_one_target_call_a_step(generator, poli
     scheduler = Scheduler(generator, max_batch=4, policy=policy, plan=False)  # every row drafts its k
     options = [dict(k=1), dict(k=3), dict(k=4), dict(mode="target")]
     prompts = ["def add(a, b):", "The quick brown", "for i in range(3):", "x = 1"]
-    handles = [scheduler.submit(p, max_new_tokens=12, **o) for p, o in zip(prompts, options)]
+    handles = [submit(scheduler, p, max_new_tokens=12, **o) for p, o in zip(prompts, options)]
     scheduler.step()  # admits and prefills all four
     runs = []
     session_run = engine.session.run_with_iobinding
@@ -212,10 +213,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(generator)
     leaves the same cache)."""
     engine = fused(generator)
     scheduler = Scheduler(generator, max_batch=4, prefill_chunk=16)
-    running = scheduler.submit("def add(a, b):", max_new_tokens=40, k=2)
+    running = submit(scheduler, "def add(a, b):", max_new_tokens=40, k=2)
     scheduler.step()
     long_prompt = prompt_of(generator, 90)
-    late = scheduler.submit(long_prompt, max_new_tokens=8, k=3)
+    late = submit(scheduler, long_prompt, max_new_tokens=8, k=3)
     left, runs, got = [], [], []
     session_run = engine.session.run_with_iobinding
     engine.session.run_with_iobinding = lambda binding: runs.append(1) or session_run(binding)
@@ -284,7 +285,7 @@ def test_one_failing_admission_fails_only_its_own_request(generator, monkeypatch
 
     monkeypatch.setattr(engine, "prefill_rows", picky)
     scheduler = Scheduler(generator, max_batch=4)
-    handles = [scheduler.submit(p, max_new_tokens=3) for p in ("hello there", "poison pill", "The quick")]
+    handles = [submit(scheduler, p, max_new_tokens=3) for p in ("hello there", "poison pill", "The quick")]
     while scheduler.step():
         pass
     assert handles[0].result().token_ids and handles[2].result().token_ids

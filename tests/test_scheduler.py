@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from door_path import submit
 from fakes import BigramEngine, exact_prefixes, random_table, total_variation, tv_bound
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
@@ -50,10 +51,10 @@ def test_rows_admitted_mid_flight_get_what_they_get_alone(generator, policy):
     scheduler = Scheduler(generator, max_batch=4, policy=policy)
     scheduler.calibrate()
     options = [{"max_new_tokens": 24, **s} for s in SETTINGS]
-    handles = [scheduler.submit(p, **o) for p, o in zip(PROMPTS[:3], options[:3])]
+    handles = [submit(scheduler, p, **o) for p, o in zip(PROMPTS[:3], options[:3])]
     for _ in range(3):
         scheduler.step()
-    handles += [scheduler.submit(p, **o) for p, o in zip(PROMPTS[3:], options[3:])]  # 3 join, 1 waits for a row
+    handles += [submit(scheduler, p, **o) for p, o in zip(PROMPTS[3:], options[3:])]  # 3 join, 1 waits for a row
     drain(scheduler)
     for prompt, option, handle in zip(PROMPTS, options, handles):
         alone = generator.generate(prompt, **option)
@@ -66,10 +67,10 @@ def test_rows_admitted_mid_flight_get_what_they_get_alone(generator, policy):
 
 def test_a_new_request_gets_its_first_token_at_the_next_step(generator):
     scheduler = Scheduler(generator, max_batch=4)
-    long = scheduler.submit(PROMPTS[0], max_new_tokens=100, k=2)
+    long = submit(scheduler, PROMPTS[0], max_new_tokens=100, k=2)
     for _ in range(5):
         scheduler.step()
-    short = scheduler.submit(PROMPTS[1], max_new_tokens=3, k=2)
+    short = submit(scheduler, PROMPTS[1], max_new_tokens=3, k=2)
     scheduler.step()
     first = next(iter(short))
     assert first.token_ids and not first.last  # one step after it arrived
@@ -80,9 +81,9 @@ def test_a_new_request_gets_its_first_token_at_the_next_step(generator):
 def test_seeded_sampling_does_not_depend_on_the_batch(generator):
     def run(others: int) -> list[int]:
         scheduler = Scheduler(generator, max_batch=8)
-        noise = [scheduler.submit(p, max_new_tokens=20, temperature=0.9, k=2) for p in PROMPTS[:others]]
-        mine = scheduler.submit("hello there", max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7, k=3)
-        noise += [scheduler.submit(p, max_new_tokens=5, k=1) for p in PROMPTS[others:]]
+        noise = [submit(scheduler, p, max_new_tokens=20, temperature=0.9, k=2) for p in PROMPTS[:others]]
+        mine = submit(scheduler, "hello there", max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7, k=3)
+        noise += [submit(scheduler, p, max_new_tokens=5, k=1) for p in PROMPTS[others:]]
         drain(scheduler)
         return mine.result().token_ids
 
@@ -109,7 +110,7 @@ def test_rows_with_different_temperatures_each_follow_their_own_target_law(gener
     groups = {1.0: [], 0.5: []}
     for _ in range(n):
         for temperature, handles in groups.items():
-            handles.append(scheduler.submit(prompt, max_new_tokens=4, temperature=temperature, k=3))
+            handles.append(submit(scheduler, prompt, max_new_tokens=4, temperature=temperature, k=3))
     drain(scheduler)
     table = generator.target.table
     for temperature, handles in groups.items():
@@ -137,15 +138,15 @@ def test_rows_with_different_temperatures_each_follow_their_own_target_law(gener
 
 def test_cancel_frees_the_row_at_the_next_step(generator):
     scheduler = Scheduler(generator, max_batch=2)
-    a = scheduler.submit(PROMPTS[0], max_new_tokens=50)
-    b = scheduler.submit(PROMPTS[1], max_new_tokens=50)
+    a = submit(scheduler, PROMPTS[0], max_new_tokens=50)
+    b = submit(scheduler, PROMPTS[1], max_new_tokens=50)
     scheduler.step()
     a.cancel()
     scheduler.step()
     assert len(scheduler.rows) == 1 and scheduler.cache.batch == 1
     final = [e for e in a if e.last][0]
     assert final.final.finish_reason == "cancelled" and scheduler.stats()["cancelled"] == 1
-    c = scheduler.submit(PROMPTS[2], max_new_tokens=4)  # the freed row is reused
+    c = submit(scheduler, PROMPTS[2], max_new_tokens=4)  # the freed row is reused
     drain(scheduler)
     assert b.result().finish_reason in ("length", "stop")
     assert c.result().token_ids == generator.generate(PROMPTS[2], max_new_tokens=4).token_ids
@@ -153,18 +154,18 @@ def test_cancel_frees_the_row_at_the_next_step(generator):
 
 def test_a_request_past_its_deadline_finishes_with_timeout(generator):
     scheduler = Scheduler(generator)
-    handle = scheduler.submit(PROMPTS[0], max_new_tokens=100, timeout=1e-6)
+    handle = submit(scheduler, PROMPTS[0], max_new_tokens=100, timeout=1e-6)
     drain(scheduler)
     assert handle.result().finish_reason == "timeout"
 
 
 def test_the_queue_limit_and_the_waiting_limit_refuse_with_overloaded(generator):
     scheduler = Scheduler(generator, max_batch=1, max_queue=1, max_wait=0.0)
-    scheduler.submit(PROMPTS[0], max_new_tokens=3)
+    submit(scheduler, PROMPTS[0], max_new_tokens=3)
     with pytest.raises(Overloaded, match="retry later"):
-        scheduler.submit(PROMPTS[1], max_new_tokens=3)
+        submit(scheduler, PROMPTS[1], max_new_tokens=3)
     scheduler.step()  # the first is admitted; the queue has room again
-    waiting = scheduler.submit(PROMPTS[1], max_new_tokens=3)
+    waiting = submit(scheduler, PROMPTS[1], max_new_tokens=3)
     scheduler.step()  # no free row, and it has waited longer than max_wait
     with pytest.raises(Overloaded, match="waited"):
         waiting.result()
@@ -182,7 +183,7 @@ def test_bad_requests_fail_at_submit(generator):
         dict(stop=[""]),
     ):
         with pytest.raises(RequestError):
-            scheduler.submit("hello", **bad)
+            submit(scheduler, "hello", **bad)
     assert not scheduler.waiting
 
 
@@ -199,9 +200,9 @@ def test_an_engine_failure_fails_the_running_rows_and_the_loop_goes_on(generator
 
         monkeypatch.setattr(generator.target, "forward", flaky)
         with pytest.raises(Unavailable, match="boom"):
-            scheduler.submit(PROMPTS[0], max_new_tokens=5).result()
+            submit(scheduler, PROMPTS[0], max_new_tokens=5).result()
         assert (
-            scheduler.submit(PROMPTS[1], max_new_tokens=5).result().token_ids
+            submit(scheduler, PROMPTS[1], max_new_tokens=5).result().token_ids
             == generator.generate(PROMPTS[1], max_new_tokens=5).token_ids
         )
     finally:
@@ -213,7 +214,7 @@ def test_threads_submit_concurrently_and_stop_fails_what_is_left(generator):
     results = {}
 
     def client(i: int) -> None:
-        results[i] = scheduler.submit(PROMPTS[i % len(PROMPTS)], max_new_tokens=12, k=1 + i % 4).result()
+        results[i] = submit(scheduler, PROMPTS[i % len(PROMPTS)], max_new_tokens=12, k=1 + i % 4).result()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(9)]
     for t in threads:
@@ -224,9 +225,9 @@ def test_threads_submit_concurrently_and_stop_fails_what_is_left(generator):
         assert got.token_ids == generator.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=12, k=1 + i % 4).token_ids
     scheduler.stop()
     with pytest.raises(Unavailable):
-        scheduler.submit(PROMPTS[0])
+        submit(scheduler, PROMPTS[0])
     idle = Scheduler(generator)  # never started: what waits when it stops gets an error, not silence
-    left = idle.submit(PROMPTS[0], max_new_tokens=5)
+    left = submit(idle, PROMPTS[0], max_new_tokens=5)
     idle.stop()
     with pytest.raises(Unavailable, match="stopping"):
         left.result()
@@ -246,7 +247,7 @@ def test_the_plan_stops_drafting_for_a_row_whose_drafts_fail_and_keeps_its_answe
         scheduler = Scheduler(stale, plan=plan)
         # a draft token must be accepted to pay: each costs a fifth of a call, a call of 5 tokens 1.5 of one
         scheduler.costs.call, scheduler.costs.draft = {(1, 1): 1.0, (1, 2): 1.0, (1, 5): 1.5}, {1: 0.2}
-        handle = scheduler.submit(PROMPTS[2], max_new_tokens=60, k=4)
+        handle = submit(scheduler, PROMPTS[2], max_new_tokens=60, k=4)
         drain(scheduler)
         result = handle.result()
         assert result.token_ids == stale.generate(PROMPTS[2], max_new_tokens=60, k=4).token_ids
@@ -258,8 +259,8 @@ def test_the_plan_stops_drafting_for_a_row_whose_drafts_fail_and_keeps_its_answe
 def test_free_rows_go_first_to_the_clients_holding_the_fewest(generator):
     """One client's burst queued first does not keep another client's request out of the rows."""
     scheduler = Scheduler(generator, max_batch=2)
-    burst = [scheduler.submit(PROMPTS[i % 3], max_new_tokens=30, client="a") for i in range(4)]
-    other = scheduler.submit(PROMPTS[1], max_new_tokens=30, client="b")
+    burst = [submit(scheduler, PROMPTS[i % 3], max_new_tokens=30, client="a") for i in range(4)]
+    other = submit(scheduler, PROMPTS[1], max_new_tokens=30, client="b")
     scheduler.step()
     assert sorted(row.client for row in scheduler.rows) == ["a", "b"]  # not the burst's first two
     drain(scheduler)
@@ -269,8 +270,8 @@ def test_free_rows_go_first_to_the_clients_holding_the_fewest(generator):
 
 def test_a_client_at_its_row_cap_waits_while_rows_stay_free(generator):
     scheduler = Scheduler(generator, max_batch=3, max_rows_per_client=1)
-    first = scheduler.submit(PROMPTS[0], max_new_tokens=6, client="a")
-    second = scheduler.submit(PROMPTS[1], max_new_tokens=6, client="a")
+    first = submit(scheduler, PROMPTS[0], max_new_tokens=6, client="a")
+    second = submit(scheduler, PROMPTS[1], max_new_tokens=6, client="a")
     scheduler.step()
     assert [row.client for row in scheduler.rows] == ["a"] and len(scheduler.waiting) == 1
     drain(scheduler)

@@ -86,7 +86,7 @@ def test_a_planned_batch_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_
     target = BigramEngine(random_table(vocab, 1, scale=3.0), max_context=128)
     wrong = BigramEngine(random_table(vocab, 9, scale=3.0), max_context=128)
     generator = SpeculativeGenerator(None, target, wrong, tokenizer, max_k=8)
-    config = generator.door.decode_config(generator_request(max_new_tokens=40, k=4))
+    config = generator_config(generator, max_new_tokens=40, k=4)
     prompts = [tokenizer.encode(p) for p in ("the cat", "a b c d", "hello there", "def f(x):")]
     model = costs({(1, 1): 1.0, (1, 5): 1.5, (4, 1): 1.0, (4, 5): 1.6}, {1: 0.2, 4: 0.25})
     reference = BatchRun(target, None, prompts, config)
@@ -102,10 +102,11 @@ def test_a_planned_batch_is_greedy_exact_and_drafts_less_where_drafts_fail(tiny_
     assert drafted[True] < drafted[False] / 3
 
 
-def generator_request(**options):
-    from runtime.core.request import DecodeRequest
+def generator_config(generator, **options):
+    """The DecodeConfig the generator's front door makes of ``options`` (its one call, on a one-token prompt)."""
+    from runtime.core.request import Asked, DecodeRequest
 
-    return DecodeRequest(**options)
+    return generator.door.admit(Asked.tokenized([[1]], DecodeRequest(**options))).config
 
 
 def test_a_lone_row_drafts_as_far_as_the_measured_verify_curve_pays():
@@ -130,7 +131,7 @@ def test_a_lone_planned_row_is_greedy_exact_and_drafts_less_where_drafts_fail(ti
     target = BigramEngine(random_table(vocab, 1, scale=3.0), max_context=128)
     wrong = BigramEngine(random_table(vocab, 9, scale=3.0), max_context=128)
     generator = SpeculativeGenerator(None, target, wrong, tokenizer, max_k=8)
-    config = generator.door.decode_config(generator_request(max_new_tokens=60, k=4))
+    config = generator_config(generator, max_new_tokens=60, k=4)
     prompt = [tokenizer.encode("hello there")]
     model = costs({(1, 1): 1.0, (1, 5): 1.6}, {1: 0.2})
     reference = BatchRun(target, None, prompt, config)

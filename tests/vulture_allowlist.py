@@ -15,11 +15,6 @@ class _Names:
 
 _ = _Names()
 
-# --- pending: other items of issue 55 change these --------------------------------------------------------------------
-_.submit  # issue 55 item 2/3, pending: Scheduler.submit (runtime/core/scheduler.py)
-_.__iter__  # issue 55 item 2/3, pending: Handle.__iter__ (runtime/core/handles.py)
-_.result  # issue 55 item 2/3, pending: Handle.result (runtime/core/handles.py)
-
 # --- click commands: registered by their decorators, found by name in runtime/cli.py's COMMANDS -----------------------
 _.openai_load  # click command `draftsmith openai-load` (bench/openai_load.py)
 _.profile  # click command `draftsmith profile` (bench/profile.py)

@@ -17,7 +17,8 @@ steps. Both need per-sequence text state, so ``speculative`` runs the runtime's 
 (``SpeculativeGenerator.stream_batch``: tokenize, decode, detokenize incrementally, stop strings), which also makes
 its text identical to the Python API's. The ensemble is ``preprocessing -> speculative``: ``preprocessing`` checks the
 request (prompt size in bytes before anything else, UTF-8, ``max_tokens`` range) and tokenizes the prompt to refuse
-one that leaves no room in the context, before it takes a batch slot; ``speculative`` takes ``text_input``, the
+one that leaves no room in the context, before it takes a batch slot, with the front door's own tokenizing and words
+(runtime/core/request.py ``prompt_tokens``); ``speculative`` takes ``text_input``, the
 checked ``request_output_len`` and the prompt's ``input_ids`` (tokenized once), and admits the request at the
 runtime's front door (runtime/core/request.py) with the same bounds as the OpenAI server.
 ``postprocessing`` is still written, a plain token-ids-to-text model for tools that expect one.

@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from runtime.errors import RequestError
 from runtime.metrics import RequestStats
@@ -57,7 +57,8 @@ class Event:
 
 
 class Handle:
-    """A submitted request: its events, in order, and a way to cancel it (honoured at the next step)."""
+    """A queued request: its events, in order (in its ``sink``, a server's; else read with ``ready`` after each step,
+    the Python API's), and a way to cancel it (honoured at the next step)."""
 
     def __init__(self, request_id: int, sink: Callable[[Event], None] | None = None):
         self.id = request_id
@@ -89,19 +90,3 @@ class Handle:
             if event.last:
                 self.outcome = event
             events.append(event)
-
-    def __iter__(self) -> Iterator[Event]:
-        """Events until the last one (blocking); only when no ``sink`` was given. Once the last was read, nothing."""
-        while self.outcome is None:
-            event = self._events.get()
-            if event.last:
-                self.outcome = event
-            yield event
-
-    def result(self) -> Generation:
-        """Wait for the final Generation (reading the events that are left); raises the request's error."""
-        for _ in self:
-            pass
-        if self.outcome.error is not None:
-            raise self.outcome.error
-        return self.outcome.final

@@ -4,17 +4,18 @@ server, the Triton model), as vLLM's ``Processor.process_inputs`` does for its o
 ``DecodeRequest`` holds the decoding settings one request may carry, validated once (a pydantic model: strict
 types, frozen, unknown keys refused), so every caller gets the same rules and the same messages, naming the field,
 what was expected and what was received. ``Limits`` are a server's bounds, checked before any work. ``FrontDoor``
-does the rest on a bundle: the response format compiled, the prompt's text checked and tokenized, the bundle's
-bounds (k up to its ``max_k``, the context), the drafter made, into one ``Admitted`` that the scheduler runs. A
-protocol (runtime/serving/openai_protocol.py, the Triton model) only maps its own names to these and back
-(``renamed``).
+does the rest on a bundle in one call (``admit``), in an order it owns: the bounds, the room in a server's queue, the
+response format compiled, the prompt's text checked and tokenized (or its token ids checked), the bundle's bounds (k
+up to its ``max_k``, the context), the drafter made, into one ``Admitted`` that the scheduler runs. A protocol
+(runtime/serving/openai_protocol.py, the Triton model) only maps its own names to an ``Asked`` and chooses where the
+call runs (tests/test_front_door.py checks that no caller calls its parts).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -242,21 +243,33 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Asked:
-    """A request as a protocol hands it to the front door, in the door's names: nothing checked yet.
+    """A request as a caller hands it to the front door, in the door's names: nothing checked yet.
 
-    ``prompt``: text, raw UTF-8 bytes (a tensor's) or with ``chat`` {"role", "content"} messages; ``fields``: the
-    DecodeRequest's fields the request set (``stop`` may hold raw bytes; no ``max_new_tokens``: the server's
-    ``max_tokens_limit``); ``sent``: everything the client sent, as JSON-like data, every string of which must be
-    valid text (None: the prompt and stops only; a pydantic model: the body it was parsed into, dumped only where
-    checked); ``names`` and ``form``: the protocol's words for the door's fields
-    (``FrontDoor.refusal``)."""
+    ``prompts``: texts, raw UTF-8 bytes (a tensor's) or with ``chat`` lists of {"role", "content"} messages (a
+    server's request: one); ``fields``: the DecodeRequest's fields the request set (``stop`` may hold raw bytes; a
+    server's door fills a missing ``max_new_tokens`` with its ``max_tokens_limit``), on top of ``base`` where the
+    caller has a DecodeRequest already (the Python API's); ``tokens``: the prompts' token ids where the caller has
+    them (the bench's, Triton's ``preprocessing``'s): checked as ids, the texts not tokenized again; ``sent``:
+    everything the client sent, as JSON-like data, every string of which must be valid text (None: the prompt and
+    stops only; a pydantic model: the body it was parsed into, dumped only where checked); ``token_bytes``: the
+    answer carries each token's bytes with its logprobs (OpenAI's chat completions), so a tokenizer whose bytes
+    cannot be read refuses such a request before it decodes; ``names`` and ``form``: the protocol's words for the
+    door's fields (the refusals' messages)."""
 
-    prompt: Any
+    prompts: list
     fields: dict
     chat: bool = False
     sent: Any = None
     names: dict = field(default_factory=dict)
     form: str = "{}"
+    base: DecodeRequest | None = None
+    tokens: list[list[int]] | None = None
+    token_bytes: bool = False
+
+    @classmethod
+    def tokenized(cls, token_lists: list[list[int]], request: DecodeRequest) -> "Asked":
+        """Prompts already tokenized, with their DecodeRequest (the bench's, a teacher's continuations)."""
+        return cls([], {}, base=request, tokens=[list(ids) for ids in token_lists])
 
     @property
     def prompt_field(self) -> str:
@@ -264,67 +277,77 @@ class Asked:
 
 
 class FrontDoor:
-    """Admits requests to one bundle, the same way for the Python API, the OpenAI server and the Triton model: a
-    protocol maps its own names to a DecodeRequest and calls, in order, ``limits.check`` (servers: bounds before
-    work), ``compile`` (a response format; a server runs it on a pool of its own) and ``admit`` (the prompt's text,
-    its tokens, the bundle's bounds, the drafter)."""
+    """Admits requests to one bundle in one call (``admit``), the same way for the Python API, the OpenAI server,
+    the Triton model and the bench: the door owns the order of the checks, so a caller chooses only where the call
+    runs (its thread, a pool), never which check comes first."""
 
-    def __init__(self, bundle: LoadedBundle, limits: Limits | None = None):
-        """``limits`` None: no server bounds (the Python API's caller is trusted with its own process)."""
-        self.bundle, self.limits = bundle, limits
+    def __init__(self, bundle: LoadedBundle, limits: Limits | None = None, room: Callable[[], None] | None = None):
+        """``limits``: a server's bounds (None: none, the Python API's caller is trusted with its own process); a
+        server's door (one with limits) counts its refusals in the bundle's metrics (``draftsmith_request_errors``),
+        the Python API's raises them to its caller only. ``room``: asked after the request's cheap checks and before
+        any work (a server's ``Scheduler.check_room``: a full queue refuses before a grammar compile or tokenizing);
+        its errors (Overloaded, Unavailable) pass as they are."""
+        self.bundle, self.limits, self.room = bundle, limits, room
 
-    def checked(self, asked: Asked) -> DecodeRequest:
-        """A server's request through its checks, before any work: the prompt's and stops' sizes within
-        ``limits`` (cheap: sizes only), every string it sent valid text, then its DecodeRequest (uncompiled:
-        ``compile`` next, then ``admit``, which checks the prompt's text as it tokenizes it: once). Its cost is the
-        body's size: a server runs it off its event loop.
-        RequestError naming the field at fault (``refusal`` words it in the protocol's names)."""
+    def admit(self, asked: Asked) -> Admitted:
+        """``asked`` as the scheduler runs it, or a RequestError whose message and ``field`` are in ``asked``'s
+        protocol's names: its bounds and sent text (cheap: sizes and a scan, before any work), the room, its response
+        format compiled, its prompts' text checked and tokenized (or its token ids checked), the bundle's bounds, its
+        drafter. Its cost is the body's size and a compile: a server runs it off its event loop."""
+        request = self._refusing(asked, self._checked, asked)
+        if self.room is not None:
+            self.room()
+        return self._refusing(asked, self._admitted, asked, request)
+
+    def _refusing(self, asked: Asked, work: Callable, *args):
+        """``work(*args)``; its RequestError in ``asked``'s names (every caller answers the door's refusals alike),
+        counted where this is a server's door."""
+        try:
+            return work(*args)
+        except RequestError as err:
+            if self.limits is not None:
+                self.bundle.metrics.count_refusal()
+            field_name = asked.names.get(err.field, err.field)
+            raise RequestError(renamed(str(err), asked.names, asked.form), field_name) from None
+
+    def _checked(self, asked: Asked) -> DecodeRequest:
+        """The request's DecodeRequest (uncompiled), after a server's bounds on its sizes and the check that every
+        string it sent is valid text."""
         fields = dict(asked.fields)
-        stops = fields.get("stop") or []
-        stops = [stops] if isinstance(stops, (str, bytes)) else list(stops)
-        limits = self.limits or Limits.for_context(self.bundle.max_context)
-        limits.check(
-            text_bytes(asked.prompt), fields.get("max_new_tokens"), [text_bytes(s) for s in stops], asked.prompt_field
-        )
+        if self.limits is not None:
+            fields = self._bounded(asked, fields)
         if asked.sent is not None:
             check_sent_text(asked.sent)
+        return merged_request(asked.base, fields)
+
+    def _bounded(self, asked: Asked, fields: dict) -> dict:
+        """``fields`` within this server's limits (sizes only: nothing decoded or tokenized yet), its stops as text
+        and its max_new_tokens defaulted to the limit."""
+        stops = fields.get("stop") or []
+        stops = [stops] if isinstance(stops, (str, bytes)) else list(stops)
+        prompt_bytes = sum(text_bytes(prompt) for prompt in asked.prompts)
+        sizes = [text_bytes(s) for s in stops]
+        self.limits.check(prompt_bytes, fields.get("max_new_tokens"), sizes, asked.prompt_field)
         if stops:
             fields["stop"] = [as_text(s, "stop") for s in stops]
-        fields.setdefault("max_new_tokens", limits.max_tokens_limit)
-        return decode_request(**fields)
+        fields.setdefault("max_new_tokens", self.limits.max_tokens_limit)
+        return fields
 
-    def refusal(self, asked: Asked, err: RequestError) -> tuple[str, str | None]:
-        """(message, field) of a request this door refused, in ``asked``'s protocol's names, counted in the bundle's
-        metrics (``draftsmith_request_errors``): every server answers the door's RequestErrors through here alike."""
-        self.bundle.metrics.count_refusal()
-        return renamed(str(err), asked.names, asked.form), asked.names.get(err.field, err.field)
-
-    def compile(self, request: DecodeRequest) -> DecodeRequest:
-        """``request`` with its response format compiled over the bundle's tokenizer (RequestError naming
-        response_format when it cannot compile); as it is when there is none or it is compiled already."""
-        fmt = request.response_format
-        if fmt is None or isinstance(fmt, CompiledGrammar):
-            return request
-        try:
-            grammar = self.bundle.compile_constraint(fmt)
-        except RequestError as err:
-            raise RequestError(str(err), "response_format") from None
-        return request.model_copy(update={"response_format": grammar})
-
-    def admit(self, prompts: list, request: DecodeRequest, chat: bool = False) -> Admitted:
-        """The request as the scheduler runs it: each prompt (a string, or with ``chat`` a list of {"role",
-        "content"} messages) checked as text and tokenized, then ``admit_tokens``. RequestError naming the field at
-        fault."""
-        return self.admit_tokens([self.tokenize(prompt, chat) for prompt in prompts], request)
-
-    def admit_tokens(self, token_lists: list[list[int]], request: DecodeRequest) -> Admitted:
-        """Prompts already tokenized (the bench's, a Triton preprocessing step's) as the scheduler runs them: within
-        the bundle's bounds (its vocabulary, its context, its k), the response format compiled (unless it is
-        already), the drafter made once, the stop strings' automaton built (cached for the scheduler)."""
+    def _admitted(self, asked: Asked, request: DecodeRequest) -> Admitted:
+        """A checked request's format compiled, what its answer needs of the tokenizer there, then its prompts'
+        tokens within the bundle's bounds (its vocabulary, its context, its k), the drafter made once, the stop
+        strings' automaton built (cached for the scheduler)."""
+        request = self._compiled(request)
+        if asked.token_bytes:
+            self._check_bytes(request)
+        if asked.tokens is None:
+            bundle = self.bundle
+            token_lists = [prompt_tokens(bundle.tokenizer, p, asked.chat, bundle.max_context) for p in asked.prompts]
+        else:
+            token_lists = asked.tokens
         for ids in token_lists:
-            self.check_tokens(ids)
-        request = self.compile(request)
-        config = self.decode_config(request)
+            self._check_tokens(ids)
+        config = self._config(request)
         self.bundle.check_config(config)
         if isinstance(request.seed, list) and len(request.seed) != len(token_lists):
             raise RequestError(
@@ -336,21 +359,34 @@ class FrontDoor:
             stop_automaton(request.stops)
         return Admitted([list(ids) for ids in token_lists], config, request.stops, drafter, name)
 
-    def check_tokens(self, ids: list[int], field: str = "prompt") -> None:
+    def _compiled(self, request: DecodeRequest) -> DecodeRequest:
+        """``request`` with its response format compiled over the bundle's tokenizer (RequestError naming
+        response_format when it cannot compile); as it is when there is none or it is compiled already."""
+        fmt = request.response_format
+        if fmt is None or isinstance(fmt, CompiledGrammar):
+            return request
+        try:
+            grammar = self.bundle.compile_constraint(fmt)
+        except RequestError as err:
+            raise RequestError(str(err), "response_format") from None
+        return request.model_copy(update={"response_format": grammar})
+
+    def _check_bytes(self, request: DecodeRequest) -> None:
+        """RequestError naming logprobs where they are asked for and the tokens' bytes cannot be read (OpenAI's chat
+        logprobs carry each token's bytes): refused before decoding, not mid-response."""
+        tokenizer = self.bundle.tokenizer
+        why = tokenizer.bytes_problem() if request.logprobs is not None and tokenizer is not None else ""
+        if why:
+            raise RequestError(f"logprobs: unavailable for this bundle's chat completions: {why}", "logprobs")
+
+    def _check_tokens(self, ids: list[int]) -> None:
         """A prompt's token ids: at least one, every one in the vocabulary, and room left in the context."""
-        if not len(ids):
-            raise RequestError(f"{field}: encodes to no tokens", field)
         vocab = self.bundle.target.vocab_size
         if any(not 0 <= int(t) < vocab for t in ids):
-            raise RequestError(f"{field}: token ids must be in [0, {vocab}) for this bundle", field)
-        if len(ids) >= self.bundle.max_context:
-            raise RequestError(
-                f"{field}: {len(ids)} tokens; this bundle's context is {self.bundle.max_context}, leaving no room to "
-                "generate. Shorten the prompt",
-                field,
-            )
+            raise RequestError(f"prompt: token ids must be in [0, {vocab}) for this bundle", "prompt")
+        context_room(ids, "prompt", self.bundle.max_context)
 
-    def decode_config(self, request: DecodeRequest) -> DecodeConfig:
+    def _config(self, request: DecodeRequest) -> DecodeConfig:
         """A validated request as this bundle decodes it (its default k, k within its max_k, its EOS)."""
         bundle = self.bundle
         k = bundle.default_k if request.k is None else request.k
@@ -373,24 +409,36 @@ class FrontDoor:
             exact=request.policy == "exact",
         )
 
-    def tokenize(self, prompt, chat: bool) -> list[int]:
-        """Token ids of a prompt (a string, its UTF-8 bytes, or with ``chat`` a list of {"role", "content"}
-        messages): valid text, a template that renders, and room left in the context to generate."""
-        field = "messages" if chat else "prompt"
-        if chat and isinstance(prompt, list):
-            if not prompt or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in prompt
-            ):
-                raise RequestError("messages: a non-empty list of {'role': str, 'content': str}", field)
-        elif not isinstance(prompt, (str, bytes, bytearray)) or not prompt:
-            raise RequestError("prompt: a non-empty string", "prompt")
-        prompt = as_text(prompt, field)
-        check_text(prompt, field)
-        tokenizer = self.bundle.tokenizer
-        try:
-            ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
-        except ValueError as err:  # no template, or one that fails or breaks the sandbox
-            raise RequestError(str(err), field) from None
-        self.check_tokens(ids, field)
-        return ids
+
+def prompt_tokens(tokenizer, prompt, chat: bool, max_context: int) -> list[int]:
+    """Token ids of a prompt (a string, its UTF-8 bytes, or with ``chat`` a list of {"role", "content"} messages):
+    valid text, a template that renders, and room left in the context to generate. The door's own tokenizing, which
+    Triton's ``preprocessing`` model (a tokenizer without the engines) runs too: one path, the same refusals."""
+    field = "messages" if chat else "prompt"
+    if chat and isinstance(prompt, list):
+        if not prompt or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        ):
+            raise RequestError("messages: a non-empty list of {'role': str, 'content': str}", field)
+    elif not isinstance(prompt, (str, bytes, bytearray)) or not prompt:
+        raise RequestError("prompt: a non-empty string", "prompt")
+    prompt = as_text(prompt, field)
+    check_text(prompt, field)
+    try:
+        ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
+    except ValueError as err:  # no template, or one that fails or breaks the sandbox
+        raise RequestError(str(err), field) from None
+    context_room(ids, field, max_context)
+    return ids
+
+
+def context_room(ids: list[int], field: str, max_context: int) -> None:
+    """RequestError naming ``field`` where a prompt's ids are none, or leave no room in the context to generate."""
+    if not len(ids):
+        raise RequestError(f"{field}: encodes to no tokens", field)
+    if len(ids) >= max_context:
+        raise RequestError(
+            f"{field}: {len(ids)} tokens; this bundle's context is {max_context}, leaving no room to generate. "
+            "Shorten the prompt",
+            field,
+        )

@@ -1,8 +1,8 @@
 """The one decoding loop: at every step it admits, plans, decodes and retires, for every caller (vLLM v1's
 ``EngineCore``: ``schedule()``, the model runs, ``update_from_output()``).
 
-The Python API submits its batch as one request and drives the steps itself (runtime/api.py); the OpenAI server
-and the Triton model submit each request as it arrives and run the loop in a thread of its own (``start``); the
+The Python API enqueues its batch as one request and drives the steps itself (runtime/api.py); the OpenAI server
+and the Triton model enqueue each request as it arrives and run the loop in a thread of its own (``start``); the
 bench times the same steps through an observer (``on_step``). What a step runs is runtime/decoding/step.py's
 ``decode_step``; how its draft lengths are chosen runtime/decoding/planner.py; what a row's tokens become (text,
 stops, the final Generation) runtime/core/outputs.py; prompts into the batch runtime/core/prefill.py; what a
@@ -61,7 +61,7 @@ from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, d
 from runtime.decoding.step_costs import CostModel
 from runtime.errors import RequestError
 from runtime.core.loaded import LoadedBundle
-from runtime.core.request import Admitted, DecodeRequest, FrontDoor, merged_request
+from runtime.core.request import Admitted
 from runtime.core.handles import Event, Generation, Handle, Overloaded, Unavailable
 from runtime.core.health import FaultWatch
 from runtime.core.outputs import TextOutput
@@ -108,10 +108,11 @@ class _Waiting:
 class Scheduler:
     """Runs admitted requests over one bundle's engines; see the module docstring.
 
-    ``submit`` may be called from any thread; the loop runs in its own (``start``), or the caller drives ``step``.
+    ``enqueue`` may be called from any thread; the loop runs in its own (``start``), or the caller drives ``step``.
     max_batch: rows decoded together; max_queue: waiting requests before ``Overloaded``; max_wait: seconds a request
-    may wait for admission before ``Overloaded``; policy: "exact" or "throughput" (see the module docstring);
-    plan: plan each step's draft lengths from the measured costs (False: every row drafts its limit); reserve: take
+    may wait for admission before ``Overloaded``; policy: "exact" or "throughput" (see the module docstring; a step
+    whose rows' requests ask for "throughput", the Python API's, runs it too); plan: plan each step's draft lengths
+    from the measured costs (False, or a request's own ``plan=False``: every row drafts its limit); reserve: take
     the batch's KV cache at start (a server); isolate: one request's failure is that request's error and the
     others go on (a server), else it is raised from ``step`` (the Python API's own batch); on_step: told of every
     step's rows and their new tokens (the bench's timings).
@@ -137,13 +138,14 @@ class Scheduler:
             raise ValueError("max_batch and max_queue must be >= 1")
         if max_rows_per_client is not None and max_rows_per_client < 1:
             raise ValueError("max_rows_per_client must be >= 1 (or None: no cap)")
-        self.bundle, self.target, self.door = bundle, bundle.target, FrontDoor(bundle)
+        self.bundle, self.target = bundle, bundle.target
         self.max_batch, self.max_queue, self.max_wait, self.policy = max_batch, max_queue, max_wait, policy
         self.max_rows_per_client, self.plan, self.isolate, self.on_step = max_rows_per_client, plan, isolate, on_step
         self.padding = self.target.min_call_tokens
         self.prefill = Prefill(self.target, prefill_chunk, padding=self.padding)
         self.rows: list[_Row] = []
-        self.cache = self.target.reserved_cache(max_batch) if reserve else self.target.new_cache(0)
+        self.reserve = reserve
+        self.cache = self._empty_cache()
         self.waiting: deque[_Waiting] = deque()
         self._predicted = 0.0  # the planned step's predicted seconds (0: not planned)
         self.draft_lengths: collections.Counter = collections.Counter()  # planned draft length -> row-steps
@@ -167,24 +169,6 @@ class Scheduler:
         self.prefill.costs = costs
 
     # --- the outside ----------------------------------------------------------------------------------------------
-
-    def submit(
-        self,
-        prompt,
-        request: DecodeRequest | None = None,
-        *,
-        chat: bool = False,
-        timeout: float | None = None,
-        sink: Callable[[Event], None] | None = None,
-        client: str = "",
-        **options,
-    ) -> Handle:
-        """Queue one prompt (a string, or chat messages with ``chat``) through the front door (runtime/core/request.py:
-        ``request``, or its fields as keywords, as SpeculativeGenerator.generate takes them), so a bad request
-        raises RequestError here, before it queues; a full queue refuses before the door's work. See ``enqueue``."""
-        self.check_room()
-        admitted = self.door.admit([prompt], merged_request(request, options), chat)
-        return self.enqueue(admitted, timeout=timeout, sink=sink, client=client)[0]
 
     def enqueue(
         self,
@@ -210,8 +194,8 @@ class Scheduler:
         return handles
 
     def check_room(self) -> None:
-        """Overloaded (or Unavailable) now: a caller about to spend work on a request (a grammar compile, its
-        tokenizing) asks first, so a full queue refuses before the work."""
+        """Overloaded (or Unavailable) now: a server's front door asks first (its ``room``), before its work on a
+        request (a grammar compile, its tokenizing), so a full queue refuses before the work."""
         with self._lock:
             self._check_room()
 
@@ -245,7 +229,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
             self.target.unwatch(self.bundle.metrics.count_call)
-        self._fail_all(Unavailable("the scheduler is stopping"))
+        self.clear(Unavailable("the scheduler is stopping"))
 
     @property
     def busy(self) -> bool:
@@ -359,8 +343,9 @@ class Scheduler:
                 groups.append(row.group)
                 members.append([])
             members[-1].append(b)
-        exact = self.policy == "exact"
-        planning = Planning(self.plan, exact, self.padding if exact else 1)
+        exact = self.policy == "exact" and all(row.config.exact for row in self.rows)  # a request's own policy too
+        planned = self.plan and all(row.config.plan for row in self.rows)
+        planning = Planning(planned, exact, self.padding if exact else 1)
         lengths = plan_lengths(self.rows, groups, members, idle, self.costs, planning, self.target.max_context)
         self._predicted = lengths.predicted
         plan = StepPlan(
@@ -590,9 +575,17 @@ class Scheduler:
     def _fail_running(self, error: Exception) -> None:
         failed, self.rows = self.rows, []  # gone from stats() before their clients hear of it
         self._fail([row.handle for row in failed], error)
-        self.cache = self.target.reserved_cache(self.max_batch)
+        self.cache = self._empty_cache()
 
-    def _fail_all(self, error: Exception) -> None:
+    def _empty_cache(self):
+        """A cache of no rows: ``max_batch`` rows reserved where the scheduler reserves (a server's), else one that
+        grows with its rows."""
+        return self.target.reserved_cache(self.max_batch) if self.reserve else self.target.new_cache(0)
+
+    def clear(self, error: Exception) -> None:
+        """Every request waiting or running gets ``error`` and leaves, its cache rows freed; the scheduler goes on
+        (``stop`` ends with it; the Python API clears its scheduler after a batch that failed or that its caller
+        left)."""
         with self._lock:
             waiting, self.waiting = list(self.waiting), deque()
         self._fail([handle for w in waiting for handle in w.handles], error)

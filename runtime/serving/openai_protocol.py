@@ -160,7 +160,8 @@ class SamplingRequest(_Strict):
             "response_format": self.constraint_field,
         }
         fields = {key: value for key, value in fields.items() if value is not None}
-        return Asked(prompt, fields, chat, self, names)  # the body itself: dumped where checked, off the loop
+        # the body itself: dumped where checked, off the loop; chat logprobs carry each token's bytes
+        return Asked([prompt], fields, chat, self, names, token_bytes=chat)
 
     def constraint_format(self):
         """What constrains the output: a response_format (None: free text)."""

@@ -65,7 +65,7 @@ from runtime.serving.openai_responses import (
     new_id,
 )
 from runtime.metric_families import CONTENT_TYPE, prometheus_text, read
-from runtime.core.request import FrontDoor, Limits
+from runtime.core.request import Asked, FrontDoor, Limits
 from runtime.serving.pacing import RefusalPacer, RefusalPacing
 from runtime.core.scheduler import PREFILL_CHUNK, Scheduler
 
@@ -133,7 +133,8 @@ def create_app(
     app.state.body_parser = parser  # tests read which path a body took, and stop its worker
     _add_error_handlers(app)
     _add_model_routes(app, scheduler, model_name, lag)
-    replies = _Replies(scheduler, model_name, FrontDoor(scheduler.bundle, limits), request_timeout)
+    door = FrontDoor(scheduler.bundle, limits, room=scheduler.check_room)  # a full queue refuses before any work
+    replies = _Replies(scheduler, model_name, door, request_timeout)
     _add_completion_routes(app, replies, parser)
     return app
 
@@ -276,6 +277,13 @@ class _Pools:
         finally:
             self.compiling -= 1
 
+    async def admission(self, admit: Callable, asked: Asked):
+        """``admit(asked)`` (the front door's one call) off the event loop: on the grammar pool where it compiles a
+        response format (bounded: ``compile``), else on the default pool, which tokenizes every other request."""
+        if asked.fields.get("response_format") is not None:
+            return await self.compile(admit, asked)
+        return await asyncio.to_thread(admit, asked)
+
     async def shaped(self, work: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self.shape, work, *args)
 
@@ -287,7 +295,7 @@ class _Replies:
 
     scheduler: Scheduler
     model_name: str
-    door: FrontDoor  # the bundle's, with this server's limits
+    door: FrontDoor  # the bundle's, with this server's limits and its scheduler's room
     request_timeout: float | None
     pools: _Pools = dataclasses.field(default_factory=_Pools)
 
@@ -321,35 +329,24 @@ class _Replies:
 
     async def submit(self, body: SamplingRequest, prompt, chat: bool, request: Request):
         """(the scheduler's handle, the bridge its events arrive on, the field its own errors name) of a request
-        through the front door (runtime/core/request.py: its text, bounds and fields, its response format compiled on
-        the grammar pool, its prompt tokenized off the loop); its refusals as OpenAI's errors (404 another model, 400 a
-        bad request naming the field, 429 overloaded, 503 unavailable)."""
+        through the front door (runtime/core/request.py: one call, run off the loop, on the grammar pool where it
+        compiles a response format); its refusals as OpenAI's errors (404 another model, 400 a bad request naming
+        the field, 429 overloaded, 503 unavailable)."""
         _check_model(body.model, self.model_name)
         asked = body.asked(prompt, chat)
         bridge = _Bridge()
         try:
-            decode = await asyncio.to_thread(self.door.checked, asked)  # off the loop: it reads the whole body
-            self.scheduler.check_room()  # a full queue refuses before any compile or tokenizing
-            if decode.response_format is not None:
-                decode = await self.pools.compile(self.door.compile, decode)
-            admitted = await asyncio.to_thread(self._admit, prompt, decode, chat)  # off the loop: it tokenizes
+            admitted = await self.pools.admission(self.door.admit, asked)
             handle = self.scheduler.enqueue(
                 admitted, timeout=self.request_timeout, sink=bridge.put, client=_client_of(request)
             )[0]
         except Overloaded as err:
             raise overloaded(err) from None
         except RequestError as err:
-            message, param = self.door.refusal(asked, err)
-            raise APIError(400, message, param=param) from None
+            raise APIError(400, str(err), param=err.field) from None
         except Unavailable as err:
             raise _event_error(err) from None
-        return handle, bridge, asked.names["response_format"] if decode.response_format is not None else None
-
-    def _admit(self, prompt, decode, chat: bool):
-        """The door's admission, what the response needs of the tokenizer checked first (its first check reads the
-        vocabulary, which a server started by ``serve`` has done already)."""
-        _needs_bytes(self.scheduler.bundle.tokenizer, decode, chat)
-        return self.door.admit([prompt], decode, chat)
+        return handle, bridge, asked.names["response_format"] if admitted.config.grammar is not None else None
 
 
 def _json_bytes(model) -> bytes:
@@ -362,7 +359,7 @@ def _json_bytes(model) -> bytes:
 def _prepare_grammars(loaded: LoadedBundle) -> None:
     """Make the grammar compiler and read the tokens' bytes before serving, so no request waits for them. Where
     llguidance is missing or cannot read the bundle's tokenizer (a WordPiece decoder), the server still starts and
-    serves the rest: said here once, and per request with a 400 saying why (``_needs_bytes``)."""
+    serves the rest: said here once, and per request with a 400 saying why (the front door's, ``Asked.token_bytes``)."""
     try:
         loaded.grammar_compiler()
     except RequestError as err:
@@ -372,14 +369,6 @@ def _prepare_grammars(loaded: LoadedBundle) -> None:
         log.warning(
             "chat logprobs are unavailable for this bundle: %s; chat requests with logprobs will be refused", why
         )
-
-
-def _needs_bytes(tokenizer, decode, chat: bool) -> None:
-    """RequestError naming logprobs where a chat request asks for them and the tokens' bytes cannot be read (OpenAI's
-    chat logprobs carry each token's bytes; the completions' do not): refused before decoding, not mid-response."""
-    why = tokenizer.bytes_problem() if chat and decode.logprobs is not None and tokenizer is not None else ""
-    if why:
-        raise RequestError(f"logprobs: unavailable for this bundle's chat completions: {why}", "logprobs")
 
 
 def _client_of(request: Request) -> str:

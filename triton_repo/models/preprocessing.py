@@ -85,26 +85,17 @@ class TritonPythonModel:
         return responses
 
     def _prepare(self, request):
-        """The prompt's ids and the checked max_tokens, with the front door's bounds and words (runtime/core/request.py:
-        the OpenAI server's and ``speculative``'s): the size in bytes before the text is decoded or tokenized."""
+        """The prompt's ids and the checked max_tokens, through the front door's own checks and words
+        (runtime/core/request.py: the OpenAI server's and ``speculative``'s): the size in bytes before the text is
+        decoded, then ``prompt_tokens``, the door's tokenizing (valid text, some tokens, room in the context)."""
         from runtime.errors import RequestError
-        from runtime.core.request import as_text, renamed, text_bytes
+        from runtime.core.request import prompt_tokens, renamed, text_bytes
 
         raw = _scalar(request, "text_input")
         max_tokens = int(_scalar(request, "max_tokens"))
         try:
             self.limits.check(text_bytes(raw), max_tokens, [])
-            text = as_text(raw, "prompt")
+            ids = prompt_tokens(self.tokenizer, raw, False, self.max_context)
         except RequestError as err:
             raise RequestInvalid(renamed(str(err), NAMES, "input '{}'")) from None
-        if not text:
-            raise RequestInvalid("input 'text_input' is empty")
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise RequestInvalid("input 'text_input' encodes to no tokens")
-        if len(ids) >= self.max_context:
-            raise RequestInvalid(
-                f"input 'text_input' has {len(ids)} tokens; the model's context is "
-                f"{self.max_context}, leaving no room to generate"
-            )
         return ids, max_tokens

@@ -48,6 +48,7 @@ Written by ``draftsmith triton-repo``; parameters: ``bundle`` (relative to this 
 ``max_batch``, ``max_queue``, ``plan``.
 """
 
+import dataclasses
 import json
 import threading
 import time
@@ -292,15 +293,13 @@ class TritonPythonModel:
                 "input 'stream': this repository was written without streaming "
                 "(draftsmith triton-repo --no-streaming); send stream=false or use a streaming one"
             )
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if ids is not None:
+            asked = dataclasses.replace(asked, tokens=[ids.as_numpy().reshape(-1).tolist()])
         try:
-            decode = self.door.compile(self.door.checked(asked))
-            ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
-            if ids is None:
-                admitted = self.door.admit([asked.prompt], decode)
-            else:
-                admitted = self.door.admit_tokens([ids.as_numpy().reshape(-1).tolist()], decode)
+            admitted = self.door.admit(asked)
         except RequestError as err:
-            raise RequestInvalid(self.door.refusal(asked, err)[0]) from None
+            raise RequestInvalid(str(err)) from None
         return Request(sender, admitted, bool(stream))
 
     def _asked(self, request):
@@ -336,7 +335,7 @@ class TritonPythonModel:
             stop=[] if stops is None else [s for s in stops if len(s)],
             **self._guide(request),
         )
-        return Asked(prompt, fields, names=NAMES, form=FORM)
+        return Asked([prompt], fields, names=NAMES, form=FORM)
 
     def _guide(self, request) -> dict:
         """Constrained output from tensorrtllm_backend's guided-decoding inputs (runtime/decoding/grammar.py
