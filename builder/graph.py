@@ -53,22 +53,42 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.decoder import (
-    BlockQuant,
-    Decoder,
-    GgufBlocks,
-    Layer,
-    Linear,
-    RotaryTable,
-    cache_names,
-    input_names,
-    output_names,
-    rope_keys,
-)
+from builder.decoder import BlockQuant, Decoder, GgufBlocks, Layer, Linear, RotaryTable
 
 from runtime.engines import gguf_ops
 
 MS = "com.microsoft"
+
+
+# --- the contract's names -------------------------------------------------------------------------------------------
+# Here, beside the writer, not in builder.decoder: they name this graph's inputs and outputs (the contract above), which
+# the writer and the GraphInfo it reports share; a Decoder is the model's data and knows no graph.
+
+
+def cache_names(num_layers: int, prefix: str) -> list[str]:
+    return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def input_names(num_layers: int, features: bool = False) -> tuple[str, ...]:
+    return (
+        "input_ids",
+        "seqlens_k",
+        "total_sequence_length",
+        "logits_to_keep",
+        "query_lengths",
+        *cache_names(num_layers, "past"),
+        *(("features",) if features else ()),
+    )
+
+
+def output_names(num_layers: int) -> tuple[str, ...]:
+    return ("logits", *cache_names(num_layers, "present"), "hidden")
+
+
+def rope_keys(layers) -> set[str | None]:
+    """The rotary tables the layers use (without making lazy ones: LazyLayers knows each layer's key)."""
+    ropes = getattr(layers, "ropes", None)
+    return set(ropes) if ropes is not None else {layer.rope for layer in layers}
 
 
 # --- the graph ------------------------------------------------------------------------------------------------------
