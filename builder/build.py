@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from builder import checkpoint as ckpt
-from builder import draft_choice, evaluate, memory, model_surgery, pairing, publish
+from builder import draft_choice, evaluate, memory, model_surgery, pairing, publish, quantize
 from builder.errors import BuildError
 from builder.manifest import bundle_manifest, save_tokenizers
 from builder.progress import Stage
@@ -49,7 +49,7 @@ def build(
     started = time.perf_counter()
     with publish.staging(out, force, publish.BUNDLE) as tmp, _disk_errors(out):
         stage("resolve")
-        model_surgery.check_gguf_kernel(spec)
+        quantize.check_gguf_kernel(spec)
         target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
         try:
             needed = model_surgery.memory_needed(spec, target_ckpt, draft_ckpt)

@@ -18,28 +18,9 @@ from builder import export, graph, memory, quantize
 from builder.decoder import GraphError, from_transformers
 from builder.errors import BuildError
 from builder.gguf import stream as gguf_stream
-from builder.gguf import weights as gguf_weights
 from builder.gguf.draft_form import DraftForm
 from builder.progress import Stage
 from runtime.bundle import BuildSpec
-from runtime.engines import gguf_ops
-
-
-def check_gguf_kernel(spec: BuildSpec) -> None:
-    """A build that asks for the native GGUF kernel where its library is not built fails before any work."""
-    reason = gguf_ops.unavailable_reason()
-    if spec.gguf_kernel == "native" and "gguf" in (spec.target_quant, spec.draft_quant) and reason is not None:
-        raise BuildError(f"--gguf-kernel native: {reason}; or build with --gguf-kernel matmulnbits")
-    if spec.draft_blocks not in ("file", "auto") and not native_gguf(spec):
-        raise BuildError(
-            f"draft_blocks {spec.draft_blocks} re-quantizes the draft into blocks of Draftsmith's GGUF kernel, "
-            f"which this build does not use ({reason or 'gguf_kernel ' + spec.gguf_kernel}); use draft_blocks file"
-        )
-
-
-def native_gguf(spec: BuildSpec) -> bool:
-    """Whether quant gguf engines are written with Draftsmith's GgufMatMul (``spec.gguf_kernel`` resolved here)."""
-    return spec.engine_graph == "fused" and gguf_ops.native_for(spec.gguf_kernel)
 
 
 def memory_needed(spec: BuildSpec, target_ckpt, draft_ckpt) -> memory.Estimate:
@@ -117,7 +98,7 @@ def make_engines(
         draft = Engine(info, check, fp32, reference)
     memory.release()
     stage("quantize draft")
-    draft_notes = quantize_engine(
+    draft_notes = quantize.quantize_engine(
         draft.fp32,
         tmp / "draft" / "model.onnx",
         spec.draft_quant,
@@ -147,7 +128,7 @@ def _make_target(
     info, check = _export(model, target_ckpt, fp32, spec, full=self_fp32 or reference == fp32)
     memory.release()  # the torch check's session and arrays
     stage("quantize target")
-    notes = quantize_engine(
+    notes = quantize.quantize_engine(
         fp32, tmp / "target" / "model.onnx", spec.target_quant, spec, target_ckpt, model, reference=reference
     )
     memory.release()
@@ -184,7 +165,7 @@ def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Pat
     graph.build(decoder, path)
     info = graph.info_of(decoder)
     module = fd.module_from(cfg, weights, embedding, head)
-    return info, fd.check_against_torch(path, info, module, target_ckpt.architecture.tolerance)
+    return info, fd.check_against_trained(path, info, module, target_ckpt.architecture.tolerance)
 
 
 class Model:
@@ -206,11 +187,8 @@ class Model:
 
     def torch_model(self, layers: int = 0):
         """The transformers model of the first ``layers`` layers (0: all; streamed: at most its reference's)."""
-        if self.streamed is not None:
-            model = self.streamed.reference
-            have = model.config.num_hidden_layers
-            return truncate(model, layers) if layers and layers < have else model
-        return truncate(self.whole, layers) if layers else self.whole
+        model = self.whole if self.streamed is None else self.streamed.reference
+        return truncate(model, layers) if layers and layers < model.config.num_hidden_layers else model
 
     def decoder(self, layers: int = 0):
         """The fused graph's Decoder of the first ``layers`` layers (0: all)."""
@@ -236,7 +214,7 @@ def _reference_path(work: Path, role: str, model: Model, quant: str, spec: Build
     graph."""
     if quant == "gguf" and model is not None and model.streamed is not None and spec.engine_graph == "fused":
         # accuracy level 0 in MatMulNBits' form: the engine is itself that reference
-        itself = spec.accuracy_level == 0 and not native_gguf(spec)
+        itself = spec.accuracy_level == 0 and not quantize.native_gguf(spec)
         return work.parent / role / "model.onnx" if itself else work / f"{role}.reference.onnx"
     return work / f"{role}.onnx"
 
@@ -276,80 +254,6 @@ def _export(model: Model, checkpoint, path: Path, spec: BuildSpec, layers: int =
     info = export.export_decoder(whole, path, spec.opset, export.GRAPH_DTYPES[spec.device])
     check = export.check_against_torch(whole, path, info, checkpoint.architecture.tolerance)
     return info, check
-
-
-def quantize_engine(
-    src: Path,
-    dst: Path,
-    quant: str,
-    spec: BuildSpec,
-    checkpoint,
-    model: Model | None,
-    layers: int = 0,
-    reference: Path | None = None,
-    form: DraftForm | None = None,
-) -> list[str]:
-    """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
-    the GGUF file's own blocks (builder.gguf.weights); ``model``: what ``src`` came from (its first ``layers``
-    layers; 0: all), whose weights are those of ``checkpoint``. Returns what the engine's graph notes about itself
-    (quant gguf: tensors the file holds in a type without an exact MatMulNBits form). ``reference`` (quant gguf, a
-    path other than ``src``): the same blocks are also written there at accuracy level 0 (fp32 arithmetic), what
-    the build report scores the engine against. ``form``: a GGUF draft's (builder.gguf.draft_form); its reference
-    keeps the file's blocks (the report then says what a re-quantization cost) with the same head rows."""
-    if quant != "gguf":
-        quantize.quantize(src, dst, quant, spec.block_size, spec.symmetric, spec.accuracy_level)
-        return []
-    if not checkpoint.gguf_file:
-        raise BuildError(
-            f"quant gguf keeps a GGUF file's own quantized blocks, but {checkpoint.source} is not a "
-            ".gguf file; choose int4 or int8"
-        )
-    if spec.block_size not in (16, gguf_weights.BLOCK):
-        raise BuildError(
-            f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
-            f"16); block_size {spec.block_size} would quantize them again"
-        )
-
-    def blocks(native: bool):
-        return gguf_weights.apply(
-            model.decoder(layers),
-            checkpoint.folder / checkpoint.gguf_file,
-            spec.block_size,
-            permuted_qk=checkpoint.architecture.gguf_permuted_qk,
-            native=native,
-            form=form,
-        )
-
-    native = native_gguf(spec)
-    decoder = blocks(native)
-    graph.build(decoder, dst, spec.accuracy_level)
-    notes = list(decoder.notes) + _kernel_notes(spec, native) + _form_notes(form)
-    if reference is not None and reference not in (src, dst):
-        del decoder  # its head and embedding blocks: the reference makes its own
-        memory.release()
-        graph.build(blocks(False), reference, 0)  # MatMulNBits at accuracy level 0: the file's weights in fp32
-    return notes
-
-
-def _form_notes(form: DraftForm | None) -> list[str]:
-    """What the report says about a GGUF draft's form."""
-    notes = []
-    if form is not None and form.requantize_to:
-        notes.append(f"re-quantized from the file's values into {form.requantize_to} blocks (a draft's form)")
-    if form is not None and form.head_ids is not None:
-        notes.append(f"head over {len(form.head_ids)} target tokens (the bundle's vocab_map)")
-    return notes
-
-
-def _kernel_notes(spec: BuildSpec, native: bool) -> list[str]:
-    """What the report says about the kernel that multiplies by the file's blocks."""
-    if native:
-        return [f"the file's blocks as they are, multiplied by Draftsmith's GgufMatMul ({gguf_ops.kernels()} here)"]
-    if spec.gguf_kernel == "auto" and spec.engine_graph == "fused":
-        return [
-            f"ONNX Runtime's MatMulNBits form (~1.5x the file's bytes a token, slower): {gguf_ops.unavailable_reason()}"
-        ]
-    return []
 
 
 def truncate(model, layers: int):

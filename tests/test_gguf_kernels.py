@@ -313,7 +313,7 @@ def test_the_gather_reads_each_row_as_the_file_holds_it(kind, layout):
 
 
 def test_without_the_library_a_build_falls_back_by_name_and_a_native_bundle_is_refused(tmp_path, monkeypatch):
-    from builder import build, model_surgery
+    from builder import build, quantize
     from builder.errors import BuildError
     from runtime.bundle import BuildSpec, BundleError
     from runtime.engines import onnx_checks
@@ -327,8 +327,8 @@ def test_without_the_library_a_build_falls_back_by_name_and_a_native_bundle_is_r
 
     monkeypatch.setenv(gguf_ops.LIBRARY_ENV, str(tmp_path / "missing.so"))
     spec = BuildSpec(target=str(tmp_path / "m.gguf"), draft="self", target_quant="gguf", draft_quant="gguf")
-    assert not model_surgery.native_gguf(spec)
-    (note,) = model_surgery._kernel_notes(spec, False)
+    assert not quantize.native_gguf(spec)
+    (note,) = quantize._kernel_notes(spec, False)
     assert "MatMulNBits" in note and "not built" in note and "setup.sh" in note
     with pytest.raises(BuildError, match="--gguf-kernel native: the GGUF kernel library is not built"):
         build.build(BuildSpec(**{**spec.__dict__, "gguf_kernel": "native"}), tmp_path / "out")

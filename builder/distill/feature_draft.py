@@ -621,7 +621,7 @@ def module_from(cfg: FeatureConfig, weights: dict[str, np.ndarray], embedding: n
     )
 
 
-def check_against_torch(path: Path, info, module, tolerance: float, seed: int = 0) -> dict:
+def check_against_trained(path: Path, info, module, tolerance: float, seed: int = 0) -> dict:
     """The draft graph (through the runtime's FusedEngine) against the torch module it was trained as: five true
     pairs in one call, then two chained one-pair calls on the graph's own predicted features. Max |logit diff| per
     case; raises builder.export.ExportError past ``tolerance``."""
