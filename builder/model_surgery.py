@@ -181,8 +181,6 @@ class Model:
         if self.streamed is None:
             self.whole = checkpoint.load_model()
             if kept is not None:  # a reduced-vocabulary draft head
-                from builder.distill.draft import reduce_head
-
                 self.whole = reduce_head(self.whole, kept)
 
     def torch_model(self, layers: int = 0):
@@ -221,39 +219,65 @@ def _reference_path(work: Path, role: str, model: Model, quant: str, spec: Build
 
 def _export(model: Model, checkpoint, path: Path, spec: BuildSpec, layers: int = 0, full: bool = True):
     """The fp32 (fp16 on cuda) graph of ``model``'s first ``layers`` layers (0: all) at ``path``, checked against
-    torch: (GraphInfo, check report). A streamed GGUF model is checked on its first layers, whose graph is written
-    beside ``path`` by the same lazy path (builder.gguf.stream); ``full`` False writes only that (nothing reads the
-    whole fp32 graph: the engine is the file's blocks and its reference the same blocks in fp32)."""
+    torch: (GraphInfo, check report)."""
+    tolerance = checkpoint.architecture.tolerance
     if spec.engine_graph == "fused":
-        try:
-            decoder = model.decoder(layers)
-            if full:
-                graph.build(decoder, path)
-        except GraphError as err:
-            raise BuildError(f"{checkpoint.source}: {err}") from None
+        return _export_fused(model, checkpoint.source, path, tolerance, layers, full)
+    whole = model.torch_model(layers)
+    info = export.export_decoder(whole, path, spec.opset, export.GRAPH_DTYPES[spec.device])
+    return info, export.check_against_torch(whole, path, info, tolerance)
+
+
+def _export_fused(model: Model, source: str, path: Path, tolerance: float, layers: int, full: bool):
+    """The fused graph of ``model``'s first ``layers`` layers, checked against its transformers model. A streamed
+    GGUF model is checked on its reference's first layers, whose graph is written beside ``path`` by the same lazy
+    path (builder.gguf.stream); ``full`` False writes only that (nothing reads the whole fp32 graph: the engine is the
+    file's blocks and its reference the same blocks in fp32). Both decoders are made before any graph is written, and
+    both graphs written before the one check: graph.py takes them as data."""
+    try:
+        decoder = model.decoder(layers)
         reference = model.torch_model(layers)
         checked = reference.config.num_hidden_layers
-        if checked == len(decoder.layers) and full:
-            info = graph.info_of(decoder)
-            return info, graph.check_against_torch(reference, path, info, checkpoint.architecture.tolerance)
+        whole = checked == len(decoder.layers) and full  # the check reads the graph that is written
+        partial = decoder if whole else model.decoder(checked)
+        if full:
+            graph.build(decoder, path)
+        check_path = path if whole else path.with_name(path.stem + ".check.onnx")
+        if not whole:
+            graph.build(partial, check_path)
+    except GraphError as err:
+        raise BuildError(f"{source}: {err}") from None
+    if not whole:
         decoder.notes.append(
             f"read from the GGUF file layer by layer; checked against transformers on its first "
             f"{checked} layers with the embedding and head (the build report scores every layer)"
         )
-        info = graph.info_of(decoder)
-        check_path = path.with_name(path.stem + ".check.onnx")
-        partial = model.decoder(checked)
-        graph.build(partial, check_path)
-        report = graph.check_against_torch(
-            reference, check_path, graph.info_of(partial), checkpoint.architecture.tolerance
-        )
+    info = graph.info_of(decoder)
+    report = graph.check_against_torch(reference, check_path, info if whole else graph.info_of(partial), tolerance)
+    if not whole:
         for stale in check_path.parent.glob(check_path.name + "*"):
             stale.unlink()
-        return info, report
-    whole = model.torch_model(layers)
-    info = export.export_decoder(whole, path, spec.opset, export.GRAPH_DTYPES[spec.device])
-    check = export.check_against_torch(whole, path, info, checkpoint.architecture.tolerance)
-    return info, check
+    return info, report
+
+
+def reduce_head(model, kept: np.ndarray):
+    """Replace the output head by one over the kept ids only (untied from the embeddings, which stay full).
+    The model then returns logits [B, S, len(kept)], column j for token kept[j]. Here, with ``truncate``: the other
+    cut a draft's torch model takes before its graphs are made from it."""
+    import torch
+
+    head = model.get_output_embeddings()
+    if int(kept.max()) >= head.weight.shape[0]:
+        raise BuildError(f"draft_vocab keeps id {int(kept.max())} but the head has {head.weight.shape[0]} rows")
+    small = torch.nn.Linear(head.weight.shape[1], len(kept), bias=getattr(head, "bias", None) is not None)
+    with torch.no_grad():
+        small.weight.copy_(head.weight[torch.as_tensor(kept)])
+        if small.bias is not None:
+            small.bias.copy_(head.bias[torch.as_tensor(kept)])
+    model.set_output_embeddings(small)
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = None  # the embeddings keep every row: no tying from here on
+    return model
 
 
 def truncate(model, layers: int):
