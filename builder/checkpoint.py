@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from builder.architectures import Architecture, lookup
+from builder.gguf.header import GGUFHeaderError, GgufFile, open_gguf
 from runtime.text.tokenizer_growth import growth_refusal
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -28,6 +29,7 @@ class Checkpoint:
     gguf_file: str | None  # file name inside folder, for GGUF checkpoints
     weight_files: tuple[Path, ...]
     trust_remote_code: bool = False
+    gguf: GgufFile | None = field(default=None, compare=False, repr=False)  # a GGUF file's checked header
 
     @cached_property
     def config(self):
@@ -100,8 +102,8 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
                 f"{source}: a file must be a .gguf checkpoint; for Hugging Face checkpoints pass "
                 "the folder that holds config.json"
             )
-        _check_gguf_header(path, source)
-        checkpoint = Checkpoint(source, path.parent, path.name, (path,), trust_remote_code)
+        gguf = _gguf_header(path, source)
+        checkpoint = Checkpoint(source, path.parent, path.name, (path,), trust_remote_code, gguf)
     else:
         checkpoint = Checkpoint(source, path, None, _weight_files(path, source, allow_pickle), trust_remote_code)
         _check_remote_code(path, source, trust_remote_code)
@@ -114,13 +116,11 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
     return checkpoint
 
 
-def _check_gguf_header(path: Path, source: str) -> None:
-    """Refuse a truncated or inconsistent GGUF header before transformers' GGUF reader (which trusts its counts)
-    sees it."""
-    from builder.gguf.header import GGUFHeaderError, check
-
+def _gguf_header(path: Path, source: str) -> GgufFile:
+    """The GGUF file's header, walked and checked before transformers' GGUF reader (which trusts its counts) sees
+    it: a truncated or inconsistent one is refused."""
     try:
-        check(path)
+        return open_gguf(path)
     except GGUFHeaderError as err:
         raise CheckpointError(f"{source}: {err}") from None
 

@@ -114,7 +114,7 @@ def quantize_engine(
         decoder = model.decoder(layers)  # a fresh one each time: apply replaces its weights by the file's blocks
         return gguf_weights.apply(
             decoder,
-            checkpoint.folder / checkpoint.gguf_file,
+            checkpoint.gguf,
             spec.block_size,
             permuted_qk=checkpoint.architecture.gguf_permuted_qk,
             native=native,

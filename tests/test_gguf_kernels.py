@@ -24,6 +24,7 @@ import pytest
 from builder import graph
 from builder.decoder import from_transformers
 from builder.gguf import weights as gguf_weights
+from builder.gguf.header import open_gguf
 from conftest import make_model
 from runtime.engines import gguf_ops
 from builder.gguf.weights import interleave16
@@ -215,7 +216,7 @@ def test_native_engines_are_the_file_at_its_own_size(tmp_path, types):
 
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", native=True)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), native=True)
     assert all(layer.qkv.gguf and layer.o.gguf and layer.gate_up.gguf and layer.down.gguf for layer in decoder.layers)
     assert decoder.head.gguf is not None and decoder.embedding_gguf is decoder.head.gguf  # tied: one table, shared
     graph.build(decoder, tmp_path / "g.onnx")
@@ -234,7 +235,7 @@ def test_native_engines_are_the_file_at_its_own_size(tmp_path, types):
     errors, agreement = [], []
     for path, blocks in ((tmp_path / "g.onnx", decoder), (tmp_path / "nbits.onnx", None)):
         if blocks is None:  # MatMulNBits with int8 activations (accuracy level 4), the same file
-            blocks = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf")
+            blocks = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"))
             graph.build(blocks, path)
         engine = _engine(path, blocks)
         got = engine.forward(engine.new_cache(1), ids)[0]
@@ -260,7 +261,7 @@ def test_a_type_the_operator_lacks_keeps_matmulnbits_for_that_projection(tmp_pat
     types = dict(Q4_K_M, ffn_gate="Q5_K", ffn_up="Q5_K")
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", native=True)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), native=True)
     layer = decoder.layers[0]
     assert layer.gate_up.gguf is None and layer.gate_up.quant is not None
     assert layer.qkv.gguf is not None and layer.down.gguf is not None
@@ -320,7 +321,7 @@ def test_without_the_library_a_build_falls_back_by_name_and_a_native_bundle_is_r
 
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", Q4_K_M)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", native=True)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), native=True)
     graph.build(decoder, tmp_path / "native.onnx")
     proto = onnx_checks.parse_onnx((tmp_path / "native.onnx").read_bytes(), "native.onnx")
     onnx_checks.check_operators(proto, "native.onnx")  # with the library: fine
