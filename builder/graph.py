@@ -18,7 +18,8 @@ Reshape, into GroupQueryAttention's separate q/k/v inputs); Gemma 2/3 add a norm
 scale the embedding and use GELU (tanh); rotary scaling (linear, llama3, yarn, longrope), partial rotary (Phi-3) and
 per-layer-type bases (Gemma 3) are cos/sin tables GroupQueryAttention takes as inputs; sliding-window layers set its
 local_window_size, Gemma 2's score softcap its softcap and query_pre_attn_scalar its scale. Semantics follow
-transformers 5's modeling_<family>.py and are checked against it (check_against_torch; tests/test_fused_graph.py).
+transformers 5's modeling_<family>.py and are checked against it (check_fused_against_torch, through the runtime's
+FusedEngine; tests/test_fused_graph.py).
 
 The contract (runtime.engines.fused.FusedEngine relies on it)::
 
@@ -625,7 +626,7 @@ def info_of(decoder: Decoder):
     )
 
 
-def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0) -> dict:
+def check_fused_against_torch(model, path: Path, info, tolerance: float, seed: int = 0) -> dict:
     """The fused engine (through the runtime's own FusedEngine) against torch, on what decoding does with it:
     a prefill, a verify pass of 7 tokens after a prefill without logits and 3 junk tokens rolled back, a right-padded
     batch prefill, then a batched one-token step and a batched 3-token verify (which runs row by row). Raises

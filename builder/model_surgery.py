@@ -253,7 +253,8 @@ def _export_fused(model: Model, source: str, path: Path, tolerance: float, layer
             f"{checked} layers with the embedding and head (the build report scores every layer)"
         )
     info = graph.info_of(decoder)
-    report = graph.check_against_torch(reference, check_path, info if whole else graph.info_of(partial), tolerance)
+    checked_info = info if whole else graph.info_of(partial)
+    report = graph.check_fused_against_torch(reference, check_path, checked_info, tolerance)
     if not whole:
         for stale in check_path.parent.glob(check_path.name + "*"):
             stale.unlink()
