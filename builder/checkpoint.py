@@ -1,4 +1,9 @@
-"""Stage 1: find a checkpoint (Hugging Face folder, GGUF file, or a file shipped in a Python package) and load it."""
+"""Stage 1: find each role's checkpoint (Hugging Face folder, GGUF file, or a file shipped in a Python package), check
+it and load it.
+
+``resolve_roles`` is the stage: the target's and the draft's checkpoints as a build spec names them, each located and
+checked once (a GGUF file's header walked here and kept, builder.gguf.header); the later stages take them as data
+and load the tokenizer and weights from them (``Checkpoint.load_tokenizer``, ``load_model``)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from builder.architectures import Architecture, lookup
+from builder.errors import BuildError
 from builder.gguf.header import GGUFHeaderError, GgufFile, open_gguf
 from runtime.text.tokenizer_growth import growth_refusal
 
@@ -91,6 +97,33 @@ def _refuse_growth(tokenizer_json: str | bytes, path: Path) -> None:
     refusal = growth_refusal(tokenizer_json)
     if refusal:
         raise CheckpointError(f"{path}: {refusal}")
+
+
+def resolve_roles(spec) -> tuple[Checkpoint, Checkpoint, int]:
+    """(target, draft, draft_layers): the roles' checkpoints as the build spec ``spec`` names them; a self-draft
+    (``self``, ``self:QUANT``, ``self:layers=N``) is the target's own, whole (0) or cut to its first N layers."""
+    target = resolve(spec.target, spec.allow_pickle, spec.trust_remote_code)
+    if spec.draft != "self" and not spec.draft.startswith("self:"):
+        return target, resolve(spec.draft, spec.allow_pickle, spec.trust_remote_code), 0
+    return target, target, _self_draft_layers(spec, target.config.num_hidden_layers)
+
+
+def _self_draft_layers(spec, target_layers: int) -> int:
+    """N of a ``self:layers=N`` draft (0 for the whole target); ``self:QUANT`` must agree with draft_quant."""
+    option = spec.draft.partition(":")[2]
+    if option.startswith("layers="):
+        layers = option[7:]
+        if not layers.isdigit() or int(layers) < 1:
+            raise BuildError(f"self:layers=N: N must be a positive integer, received {layers!r}")
+        if int(layers) >= target_layers:
+            raise BuildError(f"self:layers={int(layers)}: the target has only {target_layers} layers")
+        return int(layers)
+    if option and option != spec.draft_quant:
+        raise BuildError(
+            f"draft {spec.draft!r} conflicts with draft_quant {spec.draft_quant!r}; use "
+            f"--draft self --draft-quant {option}, or 'self:layers=N', or a checkpoint path"
+        )
+    return 0
 
 
 def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:

@@ -1,10 +1,12 @@
-"""Stages 3 and 4: each role's model made into its engine files, exported to an fp32 graph, checked against torch and
-quantized.
+"""Stage 3: each role's model made into its fp32 graph, checked against torch, and handed to stage 4
+(builder.quantize) for its engine file.
 
-The model surgery lives here: what a role's graphs are made from (a GGUF file read layer by layer, or the
-transformers model loaded whole, its head cut to a reduced vocabulary), a self-draft cut to the target's first
-layers (``truncate``), a feature draft fused over the target's embedding and head rows. So does the order in which
-memory is taken and given back: where the roles' weights differ only one model is held at a time (``make_engines``).
+The model surgery lives here: what a role's graphs are made from (``Model``: a GGUF file read layer by layer, or the
+transformers model loaded whole), a self-draft cut to the target's first layers (``truncate``) and a draft's head cut
+to a reduced vocabulary (``reduce_head``). So does the order in which memory is taken and given back: where the
+roles' weights differ only one model is held at a time (``make_engines``). The graphs are written from data: a
+Decoder and its reference model are made first, then builder.graph (or builder.export) writes and checks them; a
+feature draft's graph is its own module's (builder.distill.feature_draft.export_feature_draft).
 """
 
 from __future__ import annotations
@@ -83,8 +85,12 @@ def make_engines(
             target, reference=target.reference if spec.draft_quant == spec.target_quant else target.fp32
         )
     elif is_feature_draft(draft_ckpt):
+        from builder.distill.feature_draft import export_feature_draft
+
         draft_model = None
-        info, check = _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, work / "draft.onnx", spec)
+        info, check = export_feature_draft(
+            target_model, target_ckpt, draft_ckpt, kept, work / "draft.onnx", spec.engine_graph
+        )
         draft = Engine(info, check, work / "draft.onnx", work / "draft.onnx")
     else:
         if not draft_layers:
@@ -133,39 +139,6 @@ def _make_target(
     )
     memory.release()
     return Engine(info, check, fp32, reference), model, notes
-
-
-def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Path, spec: BuildSpec):
-    """A feature draft (``draftsmith distill --init feature``) as a fused graph over the target's embeddings and
-    head rows, with a ``features`` input, checked against the torch module it was trained as."""
-    from builder.distill import feature_draft as fd
-    from builder.distill.corpus import DistillError
-
-    if spec.engine_graph != "fused":
-        raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
-    try:
-        cfg, weights = fd.load_feature_weights(draft_ckpt.folder)
-        # refuses a target a feature draft cannot follow, and an MLP wider than the target's
-        own = fd.FeatureConfig.of_target(target_ckpt.config, intermediate=cfg.intermediate)
-    except DistillError as err:
-        raise BuildError(f"{draft_ckpt.source}: {err}") from None
-    if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
-        raise BuildError(
-            f"{draft_ckpt.source} was trained on the hidden states of another target "
-            f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}"
-        )
-    # every shape and setting must be the target's (the file is data: its numbers size the graph we write)
-    expected = dataclasses.replace(own, target_sha256=cfg.target_sha256)
-    if cfg != expected:
-        wrong = {k: v for k, v in dataclasses.asdict(cfg).items() if dataclasses.asdict(expected)[k] != v}
-        raise BuildError(f"{draft_ckpt.source}: feature_draft.json does not match the target's config: {wrong}")
-    embedding, head = target_model.embedding_and_head()
-    head = head[kept] if kept is not None else head
-    decoder = fd.feature_decoder(cfg, weights, embedding, head)
-    graph.build(decoder, path)
-    info = graph.info_of(decoder)
-    module = fd.module_from(cfg, weights, embedding, head)
-    return info, fd.check_against_trained(path, info, module, target_ckpt.architecture.tolerance)
 
 
 class Model:
