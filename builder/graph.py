@@ -1,7 +1,8 @@
 """Stage 3 (fused): write a decoder straight to an ONNX graph of ONNX Runtime's fused CPU operators.
 
 Longer than most modules: one graph writer, a short function per block (embedding, layer, attention, norms,
-head, inputs and outputs); the GGUF blocks it writes are builder/gguf/, the quantizer builder/quantize.py.
+head, inputs and outputs), the names of the contract below and the check of what it wrote against torch, which
+read those names; the GGUF blocks it writes are builder/gguf/, the quantizer builder/quantize.py.
 
 The exported graph (builder.export) is torch's decoder op by op: ~86 nodes a layer, attention unfused, K/V expanded to
 every query head and the whole cache concatenated on each call. This graph is what ONNX Runtime's own fast decoders
