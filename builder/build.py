@@ -1,9 +1,10 @@
 """The build pipeline: checkpoint -> pair check -> export -> quantize -> evaluate -> bundle.
 
-This module only orchestrates: it resolves the two roles' checkpoints and calls each stage once, in order, each
-from the module that owns it: the pair (``builder.pairing``), the draft's vocabulary and drafter
-(``builder.draft_choice``), both engines made (``builder.model_surgery``: which model each role's graphs come
-from, and the order in which memory is taken and given back), their scores (``builder.evaluate``) and the bundle's
+This module only orchestrates: it calls each stage once, in order, each from the module that owns it: the roles'
+checkpoints (``builder.checkpoint``), the GGUF kernel asked for (``builder.quantize``), the pair
+(``builder.pairing``), the draft's vocabulary and drafter (``builder.draft_choice``), both engines made
+(``builder.model_surgery``: which model each role's graphs come from, and the order in which memory is taken and
+given back; it hands each fp32 graph to ``builder.quantize``), their scores (``builder.evaluate``) and the bundle's
 tokenizers and manifest (``builder.manifest``).
 
 Everything is written into a hidden ``.NAME.partial-*`` folder beside the output and renamed into place at the very
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from builder import checkpoint as ckpt
-from builder import draft_choice, evaluate, memory, model_surgery, pairing, publish
+from builder import draft_choice, evaluate, memory, model_surgery, pairing, publish, quantize
 from builder.errors import BuildError
 from builder.manifest import bundle_manifest, save_tokenizers
 from builder.progress import Stage
@@ -49,8 +50,8 @@ def build(
     started = time.perf_counter()
     with publish.staging(out, force, publish.BUNDLE) as tmp, _disk_errors(out):
         stage("resolve")
-        model_surgery.check_gguf_kernel(spec)
-        target_ckpt, draft_ckpt, draft_layers = _resolve(spec)
+        quantize.check_gguf_kernel(spec)
+        target_ckpt, draft_ckpt, draft_layers = ckpt.resolve_roles(spec)
         try:
             needed = model_surgery.memory_needed(spec, target_ckpt, draft_ckpt)
             memory.refuse_if_too_large(needed, "this build")
@@ -61,35 +62,6 @@ def build(
             raise BuildError(str(err)) from None
         manifest.report["build_seconds"] = round(time.perf_counter() - started, 1)
         return publish.finish_bundle(tmp, manifest, out, stage)
-
-
-def _resolve(spec: BuildSpec):
-    """(target, draft, draft_layers): the roles' checkpoints; a self-draft (``self``, ``self:QUANT``,
-    ``self:layers=N``) is the target's own, whole or cut to its first N layers."""
-    target = ckpt.resolve(spec.target, spec.allow_pickle, spec.trust_remote_code)
-    draft_layers = 0
-    if spec.draft == "self" or spec.draft.startswith("self:"):
-        option = spec.draft.partition(":")[2]
-        if option.startswith("layers="):
-            draft_layers = _positive_int(option[7:], "self:layers=N")
-            if draft_layers >= target.config.num_hidden_layers:
-                raise BuildError(
-                    f"self:layers={draft_layers}: the target has only {target.config.num_hidden_layers} layers"
-                )
-        elif option and option != spec.draft_quant:
-            raise BuildError(
-                f"draft {spec.draft!r} conflicts with draft_quant {spec.draft_quant!r}; use "
-                f"--draft self --draft-quant {option}, or 'self:layers=N', or a checkpoint path"
-            )
-        return target, target, draft_layers
-    return target, ckpt.resolve(spec.draft, spec.allow_pickle, spec.trust_remote_code), 0
-
-
-def _positive_int(text: str, what: str) -> int:
-    """``text`` as a positive int, refused as ``what`` otherwise."""
-    if not text.isdigit() or int(text) < 1:
-        raise BuildError(f"{what}: N must be a positive integer, received {text!r}")
-    return int(text)
 
 
 def _build_into(

@@ -1,15 +1,22 @@
-"""Stage 1: find a checkpoint (Hugging Face folder, GGUF file, or a file shipped in a Python package) and load it."""
+"""Stage 1: find each role's checkpoint (Hugging Face folder, GGUF file, or a file shipped in a Python package), check
+it and load it.
+
+``resolve_roles`` is the stage: the target's and the draft's checkpoints as a build spec names them, each located and
+checked once (a GGUF file's header walked here and kept, builder.gguf.header); the later stages take them as data
+and load the tokenizer and weights from them (``Checkpoint.load_tokenizer``, ``load_model``)."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from builder.architectures import Architecture, lookup
+from builder.errors import BuildError
+from builder.gguf.header import GGUFHeaderError, GgufFile, open_gguf
 from runtime.text.tokenizer_growth import growth_refusal
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -28,6 +35,7 @@ class Checkpoint:
     gguf_file: str | None  # file name inside folder, for GGUF checkpoints
     weight_files: tuple[Path, ...]
     trust_remote_code: bool = False
+    gguf: GgufFile | None = field(default=None, compare=False, repr=False)  # a GGUF file's checked header
 
     @cached_property
     def config(self):
@@ -91,6 +99,33 @@ def _refuse_growth(tokenizer_json: str | bytes, path: Path) -> None:
         raise CheckpointError(f"{path}: {refusal}")
 
 
+def resolve_roles(spec) -> tuple[Checkpoint, Checkpoint, int]:
+    """(target, draft, draft_layers): the roles' checkpoints as the build spec ``spec`` names them; a self-draft
+    (``self``, ``self:QUANT``, ``self:layers=N``) is the target's own, whole (0) or cut to its first N layers."""
+    target = resolve(spec.target, spec.allow_pickle, spec.trust_remote_code)
+    if spec.draft != "self" and not spec.draft.startswith("self:"):
+        return target, resolve(spec.draft, spec.allow_pickle, spec.trust_remote_code), 0
+    return target, target, _self_draft_layers(spec, target.config.num_hidden_layers)
+
+
+def _self_draft_layers(spec, target_layers: int) -> int:
+    """N of a ``self:layers=N`` draft (0 for the whole target); ``self:QUANT`` must agree with draft_quant."""
+    option = spec.draft.partition(":")[2]
+    if option.startswith("layers="):
+        layers = option[7:]
+        if not layers.isdigit() or int(layers) < 1:
+            raise BuildError(f"self:layers=N: N must be a positive integer, received {layers!r}")
+        if int(layers) >= target_layers:
+            raise BuildError(f"self:layers={int(layers)}: the target has only {target_layers} layers")
+        return int(layers)
+    if option and option != spec.draft_quant:
+        raise BuildError(
+            f"draft {spec.draft!r} conflicts with draft_quant {spec.draft_quant!r}; use "
+            f"--draft self --draft-quant {option}, or 'self:layers=N', or a checkpoint path"
+        )
+    return 0
+
+
 def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:
     """Locate ``source`` and check it is a loadable, safe checkpoint of a supported architecture."""
     path = locate(source)
@@ -100,8 +135,8 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
                 f"{source}: a file must be a .gguf checkpoint; for Hugging Face checkpoints pass "
                 "the folder that holds config.json"
             )
-        _check_gguf_header(path, source)
-        checkpoint = Checkpoint(source, path.parent, path.name, (path,), trust_remote_code)
+        gguf = _gguf_header(path, source)
+        checkpoint = Checkpoint(source, path.parent, path.name, (path,), trust_remote_code, gguf)
     else:
         checkpoint = Checkpoint(source, path, None, _weight_files(path, source, allow_pickle), trust_remote_code)
         _check_remote_code(path, source, trust_remote_code)
@@ -114,13 +149,11 @@ def resolve(source: str, allow_pickle: bool = False, trust_remote_code: bool = F
     return checkpoint
 
 
-def _check_gguf_header(path: Path, source: str) -> None:
-    """Refuse a truncated or inconsistent GGUF header before transformers' GGUF reader (which trusts its counts)
-    sees it."""
-    from builder.gguf.header import GGUFHeaderError, check
-
+def _gguf_header(path: Path, source: str) -> GgufFile:
+    """The GGUF file's header, walked and checked before transformers' GGUF reader (which trusts its counts) sees
+    it: a truncated or inconsistent one is refused."""
     try:
-        check(path)
+        return open_gguf(path)
     except GGUFHeaderError as err:
         raise CheckpointError(f"{source}: {err}") from None
 

@@ -112,12 +112,6 @@ class LazyLayers(Sequence):
         return LazyLayers(lambda i: fn(i, make(i)), self.ropes)
 
 
-def rope_keys(layers: Sequence["Layer"]) -> set[str | None]:
-    """The rotary tables the layers use (without making lazy ones)."""
-    ropes = getattr(layers, "ropes", None)
-    return set(ropes) if ropes is not None else {layer.rope for layer in layers}
-
-
 @dataclass
 class RotaryTable:
     """cos and sin of position x frequency, float32 [positions, rotary_dim / 2], the attention scaling applied.
@@ -184,26 +178,6 @@ def clean_config(config, layers: int | None = None):
         if isinstance(getattr(config, "layer_types", None), list):
             config.layer_types = config.layer_types[:layers]
     return config
-
-
-def cache_names(num_layers: int, prefix: str) -> list[str]:
-    return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
-
-
-def input_names(num_layers: int, features: bool = False) -> tuple[str, ...]:
-    return (
-        "input_ids",
-        "seqlens_k",
-        "total_sequence_length",
-        "logits_to_keep",
-        "query_lengths",
-        *cache_names(num_layers, "past"),
-        *(("features",) if features else ()),
-    )
-
-
-def output_names(num_layers: int) -> tuple[str, ...]:
-    return ("logits", *cache_names(num_layers, "present"), "hidden")
 
 
 # --- from a transformers model --------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ from builder.gguf.draft_form import DraftForm
 from builder.head_vocab import frequent_ids
 from builder.manifest import VOCAB_MAP, eos_ids
 from builder.memory import release
-from builder.model_surgery import Engine, Model, is_feature_draft, native_gguf, quantize_engine
+from builder.model_surgery import Engine, Model, is_feature_draft
+from builder.quantize import native_gguf, quantize_engine
 from builder.pairing import Pairing
 from runtime.bundle import BuildSpec
 from runtime.decoding.sampling import SamplingParams

@@ -1,7 +1,8 @@
 """Stage 3 (fused): write a decoder straight to an ONNX graph of ONNX Runtime's fused CPU operators.
 
 Longer than most modules: one graph writer, a short function per block (embedding, layer, attention, norms,
-head, inputs and outputs); the GGUF blocks it writes are builder/gguf/, the quantizer builder/quantize.py.
+head, inputs and outputs), the names of the contract below and the check of what it wrote against torch, which
+read those names; the GGUF blocks it writes are builder/gguf/, the quantizer builder/quantize.py.
 
 The exported graph (builder.export) is torch's decoder op by op: ~86 nodes a layer, attention unfused, K/V expanded to
 every query head and the whole cache concatenated on each call. This graph is what ONNX Runtime's own fast decoders
@@ -18,7 +19,8 @@ Reshape, into GroupQueryAttention's separate q/k/v inputs); Gemma 2/3 add a norm
 scale the embedding and use GELU (tanh); rotary scaling (linear, llama3, yarn, longrope), partial rotary (Phi-3) and
 per-layer-type bases (Gemma 3) are cos/sin tables GroupQueryAttention takes as inputs; sliding-window layers set its
 local_window_size, Gemma 2's score softcap its softcap and query_pre_attn_scalar its scale. Semantics follow
-transformers 5's modeling_<family>.py and are checked against it (check_against_torch; tests/test_fused_graph.py).
+transformers 5's modeling_<family>.py and are checked against it (check_fused_against_torch, through the runtime's
+FusedEngine; tests/test_fused_graph.py).
 
 The contract (runtime.engines.fused.FusedEngine relies on it)::
 
@@ -53,22 +55,42 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.decoder import (
-    BlockQuant,
-    Decoder,
-    GgufBlocks,
-    Layer,
-    Linear,
-    RotaryTable,
-    cache_names,
-    input_names,
-    output_names,
-    rope_keys,
-)
+from builder.decoder import BlockQuant, Decoder, GgufBlocks, Layer, Linear, RotaryTable
 
 from runtime.engines import gguf_ops
 
 MS = "com.microsoft"
+
+
+# --- the contract's names -------------------------------------------------------------------------------------------
+# Here, beside the writer, not in builder.decoder: they name this graph's inputs and outputs (the contract above), which
+# the writer and the GraphInfo it reports share; a Decoder is the model's data and knows no graph.
+
+
+def cache_names(num_layers: int, prefix: str) -> list[str]:
+    return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def input_names(num_layers: int, features: bool = False) -> tuple[str, ...]:
+    return (
+        "input_ids",
+        "seqlens_k",
+        "total_sequence_length",
+        "logits_to_keep",
+        "query_lengths",
+        *cache_names(num_layers, "past"),
+        *(("features",) if features else ()),
+    )
+
+
+def output_names(num_layers: int) -> tuple[str, ...]:
+    return ("logits", *cache_names(num_layers, "present"), "hidden")
+
+
+def rope_keys(layers) -> set[str | None]:
+    """The rotary tables the layers use (without making lazy ones: LazyLayers knows each layer's key)."""
+    ropes = getattr(layers, "ropes", None)
+    return set(ropes) if ropes is not None else {layer.rope for layer in layers}
 
 
 # --- the graph ------------------------------------------------------------------------------------------------------
@@ -605,7 +627,7 @@ def info_of(decoder: Decoder):
     )
 
 
-def check_against_torch(model, path: Path, info, tolerance: float, seed: int = 0) -> dict:
+def check_fused_against_torch(model, path: Path, info, tolerance: float, seed: int = 0) -> dict:
     """The fused engine (through the runtime's own FusedEngine) against torch, on what decoding does with it:
     a prefill, a verify pass of 7 tokens after a prefill without logits and 3 junk tokens rolled back, a right-padded
     batch prefill, then a batched one-token step and a batched 3-token verify (which runs row by row). Raises

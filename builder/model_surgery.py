@@ -1,10 +1,12 @@
-"""Stages 3 and 4: each role's model made into its engine files, exported to an fp32 graph, checked against torch and
-quantized.
+"""Stage 3: each role's model made into its fp32 graph, checked against torch, and handed to stage 4
+(builder.quantize) for its engine file.
 
-The model surgery lives here: what a role's graphs are made from (a GGUF file read layer by layer, or the
-transformers model loaded whole, its head cut to a reduced vocabulary), a self-draft cut to the target's first
-layers (``truncate``), a feature draft fused over the target's embedding and head rows. So does the order in which
-memory is taken and given back: where the roles' weights differ only one model is held at a time (``make_engines``).
+The model surgery lives here: what a role's graphs are made from (``Model``: a GGUF file read layer by layer, or the
+transformers model loaded whole), a self-draft cut to the target's first layers (``truncate``) and a draft's head cut
+to a reduced vocabulary (``reduce_head``). So does the order in which memory is taken and given back: where the
+roles' weights differ only one model is held at a time (``make_engines``). The graphs are written from data: a
+Decoder and its reference model are made first, then builder.graph (or builder.export) writes and checks them; a
+feature draft's graph is its own module's (builder.distill.feature_draft.export_feature_draft).
 """
 
 from __future__ import annotations
@@ -18,28 +20,9 @@ from builder import export, graph, memory, quantize
 from builder.decoder import GraphError, from_transformers
 from builder.errors import BuildError
 from builder.gguf import stream as gguf_stream
-from builder.gguf import weights as gguf_weights
 from builder.gguf.draft_form import DraftForm
 from builder.progress import Stage
 from runtime.bundle import BuildSpec
-from runtime.engines import gguf_ops
-
-
-def check_gguf_kernel(spec: BuildSpec) -> None:
-    """A build that asks for the native GGUF kernel where its library is not built fails before any work."""
-    reason = gguf_ops.unavailable_reason()
-    if spec.gguf_kernel == "native" and "gguf" in (spec.target_quant, spec.draft_quant) and reason is not None:
-        raise BuildError(f"--gguf-kernel native: {reason}; or build with --gguf-kernel matmulnbits")
-    if spec.draft_blocks not in ("file", "auto") and not native_gguf(spec):
-        raise BuildError(
-            f"draft_blocks {spec.draft_blocks} re-quantizes the draft into blocks of Draftsmith's GGUF kernel, "
-            f"which this build does not use ({reason or 'gguf_kernel ' + spec.gguf_kernel}); use draft_blocks file"
-        )
-
-
-def native_gguf(spec: BuildSpec) -> bool:
-    """Whether quant gguf engines are written with Draftsmith's GgufMatMul (``spec.gguf_kernel`` resolved here)."""
-    return spec.engine_graph == "fused" and gguf_ops.native_for(spec.gguf_kernel)
 
 
 def memory_needed(spec: BuildSpec, target_ckpt, draft_ckpt) -> memory.Estimate:
@@ -102,8 +85,12 @@ def make_engines(
             target, reference=target.reference if spec.draft_quant == spec.target_quant else target.fp32
         )
     elif is_feature_draft(draft_ckpt):
+        from builder.distill.feature_draft import export_feature_draft
+
         draft_model = None
-        info, check = _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, work / "draft.onnx", spec)
+        info, check = export_feature_draft(
+            target_model, target_ckpt, draft_ckpt, kept, work / "draft.onnx", spec.engine_graph
+        )
         draft = Engine(info, check, work / "draft.onnx", work / "draft.onnx")
     else:
         if not draft_layers:
@@ -117,7 +104,7 @@ def make_engines(
         draft = Engine(info, check, fp32, reference)
     memory.release()
     stage("quantize draft")
-    draft_notes = quantize_engine(
+    draft_notes = quantize.quantize_engine(
         draft.fp32,
         tmp / "draft" / "model.onnx",
         spec.draft_quant,
@@ -147,44 +134,11 @@ def _make_target(
     info, check = _export(model, target_ckpt, fp32, spec, full=self_fp32 or reference == fp32)
     memory.release()  # the torch check's session and arrays
     stage("quantize target")
-    notes = quantize_engine(
+    notes = quantize.quantize_engine(
         fp32, tmp / "target" / "model.onnx", spec.target_quant, spec, target_ckpt, model, reference=reference
     )
     memory.release()
     return Engine(info, check, fp32, reference), model, notes
-
-
-def _export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Path, spec: BuildSpec):
-    """A feature draft (``draftsmith distill --init feature``) as a fused graph over the target's embeddings and
-    head rows, with a ``features`` input, checked against the torch module it was trained as."""
-    from builder.distill import feature_draft as fd
-    from builder.distill.corpus import DistillError
-
-    if spec.engine_graph != "fused":
-        raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
-    try:
-        cfg, weights = fd.load_feature_weights(draft_ckpt.folder)
-        # refuses a target a feature draft cannot follow, and an MLP wider than the target's
-        own = fd.FeatureConfig.of_target(target_ckpt.config, intermediate=cfg.intermediate)
-    except DistillError as err:
-        raise BuildError(f"{draft_ckpt.source}: {err}") from None
-    if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
-        raise BuildError(
-            f"{draft_ckpt.source} was trained on the hidden states of another target "
-            f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}"
-        )
-    # every shape and setting must be the target's (the file is data: its numbers size the graph we write)
-    expected = dataclasses.replace(own, target_sha256=cfg.target_sha256)
-    if cfg != expected:
-        wrong = {k: v for k, v in dataclasses.asdict(cfg).items() if dataclasses.asdict(expected)[k] != v}
-        raise BuildError(f"{draft_ckpt.source}: feature_draft.json does not match the target's config: {wrong}")
-    embedding, head = target_model.embedding_and_head()
-    head = head[kept] if kept is not None else head
-    decoder = fd.feature_decoder(cfg, weights, embedding, head)
-    graph.build(decoder, path)
-    info = graph.info_of(decoder)
-    module = fd.module_from(cfg, weights, embedding, head)
-    return info, fd.check_against_torch(path, info, module, target_ckpt.architecture.tolerance)
 
 
 class Model:
@@ -200,17 +154,12 @@ class Model:
         if self.streamed is None:
             self.whole = checkpoint.load_model()
             if kept is not None:  # a reduced-vocabulary draft head
-                from builder.distill.draft import reduce_head
-
                 self.whole = reduce_head(self.whole, kept)
 
     def torch_model(self, layers: int = 0):
         """The transformers model of the first ``layers`` layers (0: all; streamed: at most its reference's)."""
-        if self.streamed is not None:
-            model = self.streamed.reference
-            have = model.config.num_hidden_layers
-            return truncate(model, layers) if layers and layers < have else model
-        return truncate(self.whole, layers) if layers else self.whole
+        model = self.whole if self.streamed is None else self.streamed.reference
+        return truncate(model, layers) if layers and layers < model.config.num_hidden_layers else model
 
     def decoder(self, layers: int = 0):
         """The fused graph's Decoder of the first ``layers`` layers (0: all)."""
@@ -236,120 +185,73 @@ def _reference_path(work: Path, role: str, model: Model, quant: str, spec: Build
     graph."""
     if quant == "gguf" and model is not None and model.streamed is not None and spec.engine_graph == "fused":
         # accuracy level 0 in MatMulNBits' form: the engine is itself that reference
-        itself = spec.accuracy_level == 0 and not native_gguf(spec)
+        itself = spec.accuracy_level == 0 and not quantize.native_gguf(spec)
         return work.parent / role / "model.onnx" if itself else work / f"{role}.reference.onnx"
     return work / f"{role}.onnx"
 
 
 def _export(model: Model, checkpoint, path: Path, spec: BuildSpec, layers: int = 0, full: bool = True):
     """The fp32 (fp16 on cuda) graph of ``model``'s first ``layers`` layers (0: all) at ``path``, checked against
-    torch: (GraphInfo, check report). A streamed GGUF model is checked on its first layers, whose graph is written
-    beside ``path`` by the same lazy path (builder.gguf.stream); ``full`` False writes only that (nothing reads the
-    whole fp32 graph: the engine is the file's blocks and its reference the same blocks in fp32)."""
+    torch: (GraphInfo, check report)."""
+    tolerance = checkpoint.architecture.tolerance
     if spec.engine_graph == "fused":
-        try:
-            decoder = model.decoder(layers)
-            if full:
-                graph.build(decoder, path)
-        except GraphError as err:
-            raise BuildError(f"{checkpoint.source}: {err}") from None
+        return _export_fused(model, checkpoint.source, path, tolerance, layers, full)
+    whole = model.torch_model(layers)
+    info = export.export_decoder(whole, path, spec.opset, export.GRAPH_DTYPES[spec.device])
+    return info, export.check_against_torch(whole, path, info, tolerance)
+
+
+def _export_fused(model: Model, source: str, path: Path, tolerance: float, layers: int, full: bool):
+    """The fused graph of ``model``'s first ``layers`` layers, checked against its transformers model. A streamed
+    GGUF model is checked on its reference's first layers, whose graph is written beside ``path`` by the same lazy
+    path (builder.gguf.stream); ``full`` False writes only that (nothing reads the whole fp32 graph: the engine is the
+    file's blocks and its reference the same blocks in fp32). Both decoders are made before any graph is written, and
+    both graphs written before the one check: graph.py takes them as data."""
+    try:
+        decoder = model.decoder(layers)
         reference = model.torch_model(layers)
         checked = reference.config.num_hidden_layers
-        if checked == len(decoder.layers) and full:
-            info = graph.info_of(decoder)
-            return info, graph.check_against_torch(reference, path, info, checkpoint.architecture.tolerance)
+        whole = checked == len(decoder.layers) and full  # the check reads the graph that is written
+        partial = decoder if whole else model.decoder(checked)
+        if full:
+            graph.build(decoder, path)
+        check_path = path if whole else path.with_name(path.stem + ".check.onnx")
+        if not whole:
+            graph.build(partial, check_path)
+    except GraphError as err:
+        raise BuildError(f"{source}: {err}") from None
+    if not whole:
         decoder.notes.append(
             f"read from the GGUF file layer by layer; checked against transformers on its first "
             f"{checked} layers with the embedding and head (the build report scores every layer)"
         )
-        info = graph.info_of(decoder)
-        check_path = path.with_name(path.stem + ".check.onnx")
-        partial = model.decoder(checked)
-        graph.build(partial, check_path)
-        report = graph.check_against_torch(
-            reference, check_path, graph.info_of(partial), checkpoint.architecture.tolerance
-        )
+    info = graph.info_of(decoder)
+    checked_info = info if whole else graph.info_of(partial)
+    report = graph.check_fused_against_torch(reference, check_path, checked_info, tolerance)
+    if not whole:
         for stale in check_path.parent.glob(check_path.name + "*"):
             stale.unlink()
-        return info, report
-    whole = model.torch_model(layers)
-    info = export.export_decoder(whole, path, spec.opset, export.GRAPH_DTYPES[spec.device])
-    check = export.check_against_torch(whole, path, info, checkpoint.architecture.tolerance)
-    return info, check
+    return info, report
 
 
-def quantize_engine(
-    src: Path,
-    dst: Path,
-    quant: str,
-    spec: BuildSpec,
-    checkpoint,
-    model: Model | None,
-    layers: int = 0,
-    reference: Path | None = None,
-    form: DraftForm | None = None,
-) -> list[str]:
-    """The engine file: ``src`` quantized by ONNX Runtime's quantizer, or (quant gguf) the fused graph written from
-    the GGUF file's own blocks (builder.gguf.weights); ``model``: what ``src`` came from (its first ``layers``
-    layers; 0: all), whose weights are those of ``checkpoint``. Returns what the engine's graph notes about itself
-    (quant gguf: tensors the file holds in a type without an exact MatMulNBits form). ``reference`` (quant gguf, a
-    path other than ``src``): the same blocks are also written there at accuracy level 0 (fp32 arithmetic), what
-    the build report scores the engine against. ``form``: a GGUF draft's (builder.gguf.draft_form); its reference
-    keeps the file's blocks (the report then says what a re-quantization cost) with the same head rows."""
-    if quant != "gguf":
-        quantize.quantize(src, dst, quant, spec.block_size, spec.symmetric, spec.accuracy_level)
-        return []
-    if not checkpoint.gguf_file:
-        raise BuildError(
-            f"quant gguf keeps a GGUF file's own quantized blocks, but {checkpoint.source} is not a "
-            ".gguf file; choose int4 or int8"
-        )
-    if spec.block_size not in (16, gguf_weights.BLOCK):
-        raise BuildError(
-            f"quant gguf keeps the file's {gguf_weights.BLOCK}-wide blocks (or halves them: block_size "
-            f"16); block_size {spec.block_size} would quantize them again"
-        )
+def reduce_head(model, kept: np.ndarray):
+    """Replace the output head by one over the kept ids only (untied from the embeddings, which stay full).
+    The model then returns logits [B, S, len(kept)], column j for token kept[j]. Here, with ``truncate``: the other
+    cut a draft's torch model takes before its graphs are made from it."""
+    import torch
 
-    def blocks(native: bool):
-        return gguf_weights.apply(
-            model.decoder(layers),
-            checkpoint.folder / checkpoint.gguf_file,
-            spec.block_size,
-            permuted_qk=checkpoint.architecture.gguf_permuted_qk,
-            native=native,
-            form=form,
-        )
-
-    native = native_gguf(spec)
-    decoder = blocks(native)
-    graph.build(decoder, dst, spec.accuracy_level)
-    notes = list(decoder.notes) + _kernel_notes(spec, native) + _form_notes(form)
-    if reference is not None and reference not in (src, dst):
-        del decoder  # its head and embedding blocks: the reference makes its own
-        memory.release()
-        graph.build(blocks(False), reference, 0)  # MatMulNBits at accuracy level 0: the file's weights in fp32
-    return notes
-
-
-def _form_notes(form: DraftForm | None) -> list[str]:
-    """What the report says about a GGUF draft's form."""
-    notes = []
-    if form is not None and form.requantize_to:
-        notes.append(f"re-quantized from the file's values into {form.requantize_to} blocks (a draft's form)")
-    if form is not None and form.head_ids is not None:
-        notes.append(f"head over {len(form.head_ids)} target tokens (the bundle's vocab_map)")
-    return notes
-
-
-def _kernel_notes(spec: BuildSpec, native: bool) -> list[str]:
-    """What the report says about the kernel that multiplies by the file's blocks."""
-    if native:
-        return [f"the file's blocks as they are, multiplied by Draftsmith's GgufMatMul ({gguf_ops.kernels()} here)"]
-    if spec.gguf_kernel == "auto" and spec.engine_graph == "fused":
-        return [
-            f"ONNX Runtime's MatMulNBits form (~1.5x the file's bytes a token, slower): {gguf_ops.unavailable_reason()}"
-        ]
-    return []
+    head = model.get_output_embeddings()
+    if int(kept.max()) >= head.weight.shape[0]:
+        raise BuildError(f"draft_vocab keeps id {int(kept.max())} but the head has {head.weight.shape[0]} rows")
+    small = torch.nn.Linear(head.weight.shape[1], len(kept), bias=getattr(head, "bias", None) is not None)
+    with torch.no_grad():
+        small.weight.copy_(head.weight[torch.as_tensor(kept)])
+        if small.bias is not None:
+            small.bias.copy_(head.bias[torch.as_tensor(kept)])
+    model.set_output_embeddings(small)
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = None  # the embeddings keep every row: no tying from here on
+    return model
 
 
 def truncate(model, layers: int):

@@ -258,7 +258,7 @@ def test_a_preset_builds_a_recipe_and_flags_override_it():
 def test_the_teacher_engine_takes_the_presets_gguf_kernel():
     """The distiller's teacher multiplies with the kernel the bundle's target engine will: the preset's top-level
     ``gguf_kernel``, resolved by the rule build-engines uses."""
-    from builder.model_surgery import native_gguf
+    from builder.quantize import native_gguf
     from builder.distill.recipe import recipe_from
     from runtime.bundle import BuildSpec
     from runtime.engines import gguf_ops

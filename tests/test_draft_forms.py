@@ -12,6 +12,7 @@ from builder import graph, head_vocab
 from builder.decoder import from_transformers
 from builder.gguf import draft_form
 from builder.gguf import weights as gguf_weights
+from builder.gguf.header import open_gguf
 from builder.gguf.draft_form import DraftForm
 from conftest import make_model, tiny_config
 from runtime.bundle import BuildSpec, SpecError
@@ -61,7 +62,7 @@ def _parts(decoder):
 def test_a_requantized_draft_is_the_engine_of_the_file_ggufs_quantizer_writes(tmp_path):
     model, path = _model_and_file(tmp_path)
     _requantized_copy(path, tmp_path / "q4_0.gguf")
-    made = gguf_weights.apply(from_transformers(model), path, native=True, form=DraftForm("q4_0"))
+    made = gguf_weights.apply(from_transformers(model), open_gguf(path), native=True, form=DraftForm("q4_0"))
     oracle = _oracle_decoder(tmp_path / "q4_0.gguf", model)  # (the model now holds the Q4_0 file's values)
     assert all(kind == "Q4_0" for kind, _ in _parts(made)) and made.embedding_gguf.parts[0][0] == "Q4_0"
     for (kind, data), (want_kind, want) in zip(_parts(made), _parts(oracle), strict=True):
@@ -92,7 +93,7 @@ def _oracle_decoder(q4_path, model):
                 heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(stem)
                 module.weight.copy_(torch.from_numpy(_unpermute(w, heads) if heads else w))
         model.model.embed_tokens.weight.copy_(torch.from_numpy(values["token_embd.weight"]))
-    return gguf_weights.apply(from_transformers(model), q4_path, native=True)
+    return gguf_weights.apply(from_transformers(model), open_gguf(q4_path), native=True)
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=native_only), False], ids=["kernel", "matmulnbits"])
@@ -100,8 +101,8 @@ def test_a_reduced_head_is_the_files_rows_for_the_kept_ids(tmp_path, native):
     model, path = _model_and_file(tmp_path)
     ids = np.array([0, 2, 5, 17, 31, 64, 100, 200, 255, 319] + list(range(32, 54)))
     ids = np.unique(ids)
-    full = gguf_weights.apply(from_transformers(model), path, native=native)
-    cut = gguf_weights.apply(from_transformers(model), path, native=native, form=DraftForm("file", ids))
+    full = gguf_weights.apply(from_transformers(model), open_gguf(path), native=native)
+    cut = gguf_weights.apply(from_transformers(model), open_gguf(path), native=native, form=DraftForm("file", ids))
     assert cut.vocab == len(ids) and full.vocab == 320
     if native:  # the tied file's table is still whole for the embedding, no longer shared with the head
         assert cut.embedding_gguf is not cut.head.gguf and len(cut.embedding_gguf.parts[0][1]) == 320

@@ -108,7 +108,7 @@ def test_fused_graph_matches_torch(case, tmp_path):
     arch = REGISTRY[architecture]
     model = _tiny(case, tmp_path)
     decoder, info = _fused(model, tmp_path / "model.onnx")
-    report = graph.check_against_torch(model, tmp_path / "model.onnx", info, REGISTRY[architecture].tolerance)
+    report = graph.check_fused_against_torch(model, tmp_path / "model.onnx", info, REGISTRY[architecture].tolerance)
     assert set(report) == {
         "prefill",
         "verify_after_rollback",
@@ -235,7 +235,7 @@ def test_fused_check_catches_a_wrong_graph(tmp_path):
     other = make_model(tmp_path / "b", tiny_config(), seed=6).eval()
     _, info = _fused(other, tmp_path / "other.onnx")
     with pytest.raises(ExportError, match="disagrees with torch"):
-        graph.check_against_torch(model, tmp_path / "other.onnx", info, 1e-3)
+        graph.check_fused_against_torch(model, tmp_path / "other.onnx", info, 1e-3)
 
 
 def test_unsupported_rotary_scaling_is_refused(tmp_path):

@@ -24,6 +24,7 @@ import pytest
 from builder import graph
 from builder.decoder import from_transformers
 from builder.gguf import weights as gguf_weights
+from builder.gguf.header import open_gguf
 from conftest import make_model
 from runtime.engines import gguf_ops
 from builder.gguf.weights import interleave16
@@ -215,7 +216,7 @@ def test_native_engines_are_the_file_at_its_own_size(tmp_path, types):
 
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", native=True)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), native=True)
     assert all(layer.qkv.gguf and layer.o.gguf and layer.gate_up.gguf and layer.down.gguf for layer in decoder.layers)
     assert decoder.head.gguf is not None and decoder.embedding_gguf is decoder.head.gguf  # tied: one table, shared
     graph.build(decoder, tmp_path / "g.onnx")
@@ -234,7 +235,7 @@ def test_native_engines_are_the_file_at_its_own_size(tmp_path, types):
     errors, agreement = [], []
     for path, blocks in ((tmp_path / "g.onnx", decoder), (tmp_path / "nbits.onnx", None)):
         if blocks is None:  # MatMulNBits with int8 activations (accuracy level 4), the same file
-            blocks = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf")
+            blocks = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"))
             graph.build(blocks, path)
         engine = _engine(path, blocks)
         got = engine.forward(engine.new_cache(1), ids)[0]
@@ -260,7 +261,7 @@ def test_a_type_the_operator_lacks_keeps_matmulnbits_for_that_projection(tmp_pat
     types = dict(Q4_K_M, ffn_gate="Q5_K", ffn_up="Q5_K")
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", native=True)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), native=True)
     layer = decoder.layers[0]
     assert layer.gate_up.gguf is None and layer.gate_up.quant is not None
     assert layer.qkv.gguf is not None and layer.down.gguf is not None
@@ -313,22 +314,22 @@ def test_the_gather_reads_each_row_as_the_file_holds_it(kind, layout):
 
 
 def test_without_the_library_a_build_falls_back_by_name_and_a_native_bundle_is_refused(tmp_path, monkeypatch):
-    from builder import build, model_surgery
+    from builder import build, quantize
     from builder.errors import BuildError
     from runtime.bundle import BuildSpec, BundleError
     from runtime.engines import onnx_checks
 
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", Q4_K_M)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", native=True)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), native=True)
     graph.build(decoder, tmp_path / "native.onnx")
     proto = onnx_checks.parse_onnx((tmp_path / "native.onnx").read_bytes(), "native.onnx")
     onnx_checks.check_operators(proto, "native.onnx")  # with the library: fine
 
     monkeypatch.setenv(gguf_ops.LIBRARY_ENV, str(tmp_path / "missing.so"))
     spec = BuildSpec(target=str(tmp_path / "m.gguf"), draft="self", target_quant="gguf", draft_quant="gguf")
-    assert not model_surgery.native_gguf(spec)
-    (note,) = model_surgery._kernel_notes(spec, False)
+    assert not quantize.native_gguf(spec)
+    (note,) = quantize._kernel_notes(spec, False)
     assert "MatMulNBits" in note and "not built" in note and "setup.sh" in note
     with pytest.raises(BuildError, match="--gguf-kernel native: the GGUF kernel library is not built"):
         build.build(BuildSpec(**{**spec.__dict__, "gguf_kernel": "native"}), tmp_path / "out")

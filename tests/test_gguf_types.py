@@ -15,6 +15,7 @@ import pytest
 from builder import graph
 from builder.gguf import header as gguf_header
 from builder.gguf import weights as gguf_weights
+from builder.gguf.header import open_gguf
 from builder.decoder import Linear, from_transformers
 from conftest import make_model, tiny_config
 from runtime.engines.fused import FusedEngine
@@ -278,7 +279,7 @@ def test_gguf_blocks_become_matmulnbits_exactly(tmp_path, types, block):
     blocks or split into 16-wide ones."""
     model = make_model(tmp_path / "m", tiny_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", block)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), block)
     assert not decoder.notes
     assert all(layer.qkv.quant is not None and layer.down.quant is not None for layer in decoder.layers)
     assert {layer.down.quant.block for layer in decoder.layers} == {block}
@@ -323,7 +324,7 @@ def _ops_after_build(decoder, tmp_path):
 def test_mixed_type_files_are_built_exactly_and_nothing_is_requantized(tmp_path, types, block):
     model = make_model(tmp_path / "m", _wide_config(), seed=3).eval()
     _write_gguf(model, tmp_path / "m.gguf", types)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", block)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), block)
     assert not decoder.notes  # nothing left as float, nothing quantized again
     qkv = decoder.layers[0].qkv.quant
     assert (qkv.bits, qkv.block) == (8, 16 if {types["attn_q"], types["attn_v"]} & set(SIXTEEN_WIDE) else block)
@@ -340,10 +341,10 @@ def test_unpermuted_qk_files_and_a_wrong_flag_is_corrected_and_reported(tmp_path
     assert REGISTRY["LlamaForCausalLM"].gguf_permuted_qk is True
     model = make_model(tmp_path / "m", _wide_config("Qwen2ForCausalLM"), seed=4).eval()
     _write_gguf(model, tmp_path / "m.gguf", Q4_K_M, permuted_qk=False)
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", permuted_qk=False)
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), permuted_qk=False)
     assert not decoder.notes and decoder.layers[0].qkv.bias is not None  # Qwen2's q/k/v biases are kept
     assert _check_model_is_the_file(model, decoder, tmp_path) < 1e-4
-    wrong = gguf_weights.apply(from_transformers(model), tmp_path / "m.gguf", permuted_qk=True)
+    wrong = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "m.gguf"), permuted_qk=True)
     assert (
         len(wrong.notes) == 1
         and "gguf_permuted_qk (True)" in wrong.notes[0]
@@ -375,7 +376,7 @@ def test_gguf_types_without_an_exact_form_stay_float_and_are_reported(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    decoder = gguf_weights.apply(from_transformers(model), tmp_path / "f16.gguf")
+    decoder = gguf_weights.apply(from_transformers(model), open_gguf(tmp_path / "f16.gguf"))
     assert all(layer.down.quant is None and layer.qkv.quant is not None for layer in decoder.layers)
     assert decoder.notes and "F16" in decoder.notes[0] and "float32" in decoder.notes[0]
 
@@ -387,11 +388,11 @@ def test_a_file_that_disagrees_with_the_model_is_refused(tmp_path):
     decoder = from_transformers(model)
     decoder.layers[1].down.weight[3, 5] += 0.5  # not what the file says
     with pytest.raises(ValueError, match="ffn_down.*differ"):
-        gguf_weights.apply(decoder, tmp_path / "m.gguf")
+        gguf_weights.apply(decoder, open_gguf(tmp_path / "m.gguf"))
     decoder = from_transformers(model)
     decoder.layers[0].qkv.weight[0, 1] += 0.5  # q/k rows that match in neither order
     with pytest.raises(ValueError, match="attn_q.*in either q/k row order"):
-        gguf_weights.apply(decoder, tmp_path / "m.gguf")
+        gguf_weights.apply(decoder, open_gguf(tmp_path / "m.gguf"))
 
 
 # --- the header check ------------------------------------------------------------------------------------------------
@@ -473,7 +474,7 @@ def test_hostile_gguf_headers_are_refused_after_bounded_work_with_the_field_name
     data, field = HOSTILE[case]
     path = tmp_path / "hostile.gguf"
     path.write_bytes(data)
-    lines, err = lines_run(lambda: gguf_header.check(path), gguf_header)
+    lines, err = lines_run(lambda: gguf_header.open_gguf(path), gguf_header)
     assert isinstance(err, gguf_header.GGUFHeaderError) and "not a valid GGUF file" in str(err)
     assert field in str(err)
     assert lines <= MAX_LINES
@@ -505,13 +506,13 @@ def test_real_headers_pass_the_check(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    gguf_header.check(tmp_path / "ok.gguf")
+    gguf_header.open_gguf(tmp_path / "ok.gguf")
     reader = gguf.GGUFReader(str(tmp_path / "ok.gguf"))
     end = max(t.data_offset + t.n_bytes for t in reader.tensors if t.name == "b")
     del reader
     (tmp_path / "cut.gguf").write_bytes((tmp_path / "ok.gguf").read_bytes()[: end - 1])  # tensor b cut short
     with pytest.raises(gguf_header.GGUFHeaderError, match="'b'"):
-        gguf_header.check(tmp_path / "cut.gguf")
+        gguf_header.open_gguf(tmp_path / "cut.gguf")
 
 
 @pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])

@@ -255,7 +255,7 @@ def target_engine(
         return None
     path = folder / "target.onnx"
     if quant == "gguf" and checkpoint.gguf_file:
-        decoder = gguf_weights.apply(decoder, checkpoint.folder / checkpoint.gguf_file, native=native)
+        decoder = gguf_weights.apply(decoder, checkpoint.gguf, native=native)
         graph.build(decoder, path, accuracy_level)
     else:
         graph.build(decoder, path)

@@ -3,11 +3,10 @@ its optional reduced-vocabulary head.
 
 Reduced-vocabulary head (``draft_vocab=N``): the draft's head keeps the N token ids the target emitted most often in
 the training continuations (plus its EOS ids). They are saved in ``DIR/draft_vocab.json``; ``build-engines`` exports
-the draft with only those head rows (``reduce_head``) and the runtime maps its logits back to the full vocabulary
-with -inf elsewhere (``runtime.engines.mapped.MappedVocabEngine``), so the draft's q is 0 outside the kept set and
-rejection
-sampling stays exact. The saved safetensors keep the full head, so the folder stays an ordinary Hugging Face
-checkpoint.
+the draft with only those head rows (``builder.model_surgery.reduce_head``) and the runtime maps its logits back to
+the full vocabulary with -inf elsewhere (``runtime.engines.mapped.MappedVocabEngine``), so the draft's q is 0 outside
+the kept set and rejection sampling stays exact. The saved safetensors keep the full head, so the folder stays an
+ordinary Hugging Face checkpoint.
 """
 
 from __future__ import annotations
@@ -111,22 +110,3 @@ def head_weight(draft, kept):
 def hidden_states(draft, ids, mask):
     base = getattr(draft, draft.base_model_prefix)
     return base(input_ids=ids, attention_mask=mask).last_hidden_state
-
-
-def reduce_head(model, kept: np.ndarray):
-    """Replace the output head by one over the kept ids only (untied from the embeddings, which stay full).
-    The model then returns logits [B, S, len(kept)], column j for token kept[j]."""
-    import torch
-
-    head = model.get_output_embeddings()
-    if int(kept.max()) >= head.weight.shape[0]:
-        raise DistillError(f"draft_vocab keeps id {int(kept.max())} but the head has {head.weight.shape[0]} rows")
-    small = torch.nn.Linear(head.weight.shape[1], len(kept), bias=getattr(head, "bias", None) is not None)
-    with torch.no_grad():
-        small.weight.copy_(head.weight[torch.as_tensor(kept)])
-        if small.bias is not None:
-            small.bias.copy_(head.bias[torch.as_tensor(kept)])
-    model.set_output_embeddings(small)
-    if hasattr(model, "_tied_weights_keys"):
-        model._tied_weights_keys = None  # the embeddings keep every row: no tying from here on
-    return model

@@ -105,7 +105,7 @@ def teacher_source(checkpoint, context: int, accuracy_level: int, native: bool, 
         def blocks():
             return gguf_weights.apply(
                 streamed.decoder(),
-                Path(checkpoint.folder) / checkpoint.gguf_file,
+                checkpoint.gguf,
                 block,
                 permuted_qk=checkpoint.architecture.gguf_permuted_qk,
                 native=native,

@@ -621,7 +621,7 @@ def module_from(cfg: FeatureConfig, weights: dict[str, np.ndarray], embedding: n
     )
 
 
-def check_against_torch(path: Path, info, module, tolerance: float, seed: int = 0) -> dict:
+def check_against_trained(path: Path, info, module, tolerance: float, seed: int = 0) -> dict:
     """The draft graph (through the runtime's FusedEngine) against the torch module it was trained as: five true
     pairs in one call, then two chained one-pair calls on the graph's own predicted features. Max |logit diff| per
     case; raises builder.export.ExportError past ``tolerance``."""
@@ -658,3 +658,38 @@ def check_against_torch(path: Path, info, module, tolerance: float, seed: int = 
         "chain_2": (chain[1][None], chain_ref[1][None]),
     }
     return compare_cases(cases, tolerance, info.vocab_size)
+
+
+def export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Path, engine_graph: str):
+    """The build's draft engine of a feature draft (``draftsmith distill --init feature``): a fused graph over the
+    target's embeddings and head rows (``target_model``: builder.model_surgery.Model), with a ``features`` input,
+    checked against the torch module it was trained as: (GraphInfo, check report). Refused (BuildError) where the
+    draft was trained for another target or its shapes are not the target's."""
+    from builder import graph
+    from builder.errors import BuildError
+
+    if engine_graph != "fused":
+        raise BuildError(f"{draft_ckpt.source} is a feature draft: it runs only as the fused graph (--graph fused)")
+    try:
+        cfg, weights = load_feature_weights(draft_ckpt.folder)
+        # refuses a target a feature draft cannot follow, and an MLP wider than the target's
+        own = FeatureConfig.of_target(target_ckpt.config, intermediate=cfg.intermediate)
+    except DistillError as err:
+        raise BuildError(f"{draft_ckpt.source}: {err}") from None
+    if cfg.target_sha256 and cfg.target_sha256 != target_ckpt.sha256():
+        raise BuildError(
+            f"{draft_ckpt.source} was trained on the hidden states of another target "
+            f"(sha256 {cfg.target_sha256[:12]}...); distill it again for {target_ckpt.source}"
+        )
+    # every shape and setting must be the target's (the file is data: its numbers size the graph we write)
+    expected = dataclasses.replace(own, target_sha256=cfg.target_sha256)
+    if cfg != expected:
+        wrong = {k: v for k, v in dataclasses.asdict(cfg).items() if dataclasses.asdict(expected)[k] != v}
+        raise BuildError(f"{draft_ckpt.source}: feature_draft.json does not match the target's config: {wrong}")
+    embedding, head = target_model.embedding_and_head()
+    head = head[kept] if kept is not None else head
+    decoder = feature_decoder(cfg, weights, embedding, head)
+    graph.build(decoder, path)
+    info = graph.info_of(decoder)
+    module = module_from(cfg, weights, embedding, head)
+    return info, check_against_trained(path, info, module, target_ckpt.architecture.tolerance)

@@ -94,9 +94,20 @@ class _Walker:
         return n
 
 
-def check(path: Path) -> None:
-    """Raise GGUFHeaderError unless ``path``'s whole header (and every tensor's data extent) is consistent."""
-    read(path)
+@dataclass(frozen=True)
+class GgufFile:
+    """A GGUF file whose whole header was walked and checked, with the tensors it declares: read once, when the
+    checkpoint is resolved (builder.checkpoint), and handed on as data to what maps the file's blocks
+    (builder.gguf.weights), which need not walk the header again."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+
+
+def open_gguf(path: Path) -> GgufFile:
+    """``path`` with its tensors, once its whole header (and every tensor's data extent) is consistent
+    (GGUFHeaderError otherwise)."""
+    return GgufFile(Path(path), read(path))
 
 
 def read(path: Path) -> dict[str, TensorInfo]:

@@ -8,8 +8,8 @@ file of 491 MB, 6.2 GB for a 1.5B), and everything downstream copied it again. H
   i.e. llama.cpp's q/k row permutation undone, Gemma's norm - 1), but only when needed and one at a time.
 - ``Streamed.reference``: the transformers model of the first ``CHECK_LAYERS`` layers with the embedding, final
   norm and head, its weights those tensors (a truncated config; nothing else is read). It is what the fused graph
-  is checked against (builder.graph.check_against_torch) and where the rotary tables, scales and the embedding/head
-  come from (builder.decoder.from_transformers, as for any transformers model).
+  is checked against (builder.graph.check_fused_against_torch) and where the rotary tables, scales and the
+  embedding/head come from (builder.decoder.from_transformers, as for any transformers model).
 - ``Streamed.decoder(layers)``: that Decoder with ``LazyLayers``: layer i is dequantized from the file when the graph
   writer asks for it and dropped once written. The quantized engine maps the same layers onto the file's own blocks
   (builder.gguf.weights).

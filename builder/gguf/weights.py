@@ -58,6 +58,7 @@ import numpy as np
 from builder.decoder import BlockQuant, Decoder, GgufBlocks, LazyLayers, Linear
 from builder.gguf import draft_form
 from builder.gguf.draft_form import DraftForm
+from builder.gguf.header import GgufFile
 from runtime.engines import gguf_ops
 
 BLOCK = 32
@@ -100,13 +101,13 @@ class _Blocks:
 
 def apply(
     decoder: Decoder,
-    gguf_path: Path,
+    gguf: GgufFile,
     block: int = BLOCK,
     permuted_qk: bool = True,
     native: bool = False,
     form: DraftForm | None = None,
 ) -> Decoder:
-    """``decoder`` (from the dequantized model) with every linear layer the file holds in a faithful type replaced by
+    """``decoder`` (from the dequantized model) with every linear layer ``gguf`` holds in a faithful type replaced by
     its blocks as they are in the file. Works for a truncated decoder too (its first layers). Each replaced layer is
     first checked against the decoder's own float weights (which transformers dequantized from the same file): a
     file whose blocks say something else is refused (ValueError) rather than built.
@@ -134,10 +135,8 @@ def apply(
     requant = form.requantize_to if native else None
     if block not in (16, BLOCK):
         raise ValueError(f"GGUF blocks are {BLOCK} wide; they can be written as {BLOCK} or 16, not {block}")
-    from builder.gguf import header as gguf_header
-
-    tensors = gguf_header.read(gguf_path)  # checked, bounded; the data is mapped, not read
-    data = FileBytes(gguf_path)
+    tensors = gguf.tensors  # the header as builder.checkpoint walked and checked it
+    data = FileBytes(gguf.path)
     kept = [
         n
         for i in range(len(decoder.layers))
