@@ -184,14 +184,14 @@ def test_the_scheduler_decodes_the_executor_pair_to_the_target_greedy_output(tin
 def test_each_step_is_one_draft_call_and_one_target_call(tiny_bundle, generator):
     """The step calls the two engines as it calls an ONNX pair: the draft once (its k tokens in one request), the
     target once (verifying them), every call observed."""
-    from runtime.core.request import decode_request
+    from runtime.core.request import Asked, decode_request
 
     spec = executor_pair(tiny_bundle, generator.target.vocab_size, generator.tokenizer)
     calls = {"target": [], "draft": []}
     spec.target.watch(calls["target"].append)
     spec.draft.watch(calls["draft"].append)
     steps = []
-    admitted = spec.door.admit(["The quick brown fox"], decode_request(max_new_tokens=9, k=3))
+    admitted = spec.door.admit(Asked(["The quick brown fox"], {}, base=decode_request(max_new_tokens=9, k=3)))
     for _ in spec.run(admitted, on_step=steps.append):
         pass
     assert [c.kind for c in calls["target"]].count("generate_tokens") == len(steps)
