@@ -189,6 +189,17 @@ def generator(tiny_bundle):
 
 
 @pytest.fixture(scope="module")
+def reference(tiny_bundle):
+    """The pristine bundle's target and draft logits on PROMPT (tests/bundle_edits.py), for the files that check a
+    bundle loads the bytes it verified (tests/test_bundle.py, tests/test_loaded.py)."""
+    from bundle_edits import first_logits
+    from runtime.api import SpeculativeGenerator
+
+    generator = SpeculativeGenerator.from_bundle(tiny_bundle, threads=1)
+    return {role: first_logits(generator, role) for role in ("target", "draft")}
+
+
+@pytest.fixture(scope="module")
 def scheduler(generator):
     """A started scheduler over the session's generator, for the files that call the OpenAI app in-process
     (tests/openai_asgi.py); a file that needs a scheduler of its own defines one."""

@@ -400,3 +400,10 @@ def test_tojson_takes_an_integer_indent_and_short_separators():
     ]:
         with pytest.raises(ValueError, match=words):
             render_chat_template(value % arguments, USER)
+
+
+def test_chat_template_is_applied(generator):
+    rendered = generator.tokenizer.apply_chat_template("hello")
+    assert rendered.startswith("<|im_start|>user\nhello<|im_end|>") and rendered.endswith("assistant\n")
+    chat = generator.generate("hello", max_new_tokens=5, chat=True)
+    assert chat.prompt_tokens == len(generator.tokenizer.encode(rendered))

@@ -136,6 +136,7 @@ def test_a_stage_given_n_units_does_n_with_a_jumping_clock_in_the_engine_loops(l
 
     from builder import checkpoint as ckpt
     from builder.distill import feature_draft as fd
+    from builder.distill import training
     from builder.distill.continuations import Job, generate_with_engine, target_engine
     from builder.distill.corpus import Sample
 
@@ -154,7 +155,7 @@ def test_a_stage_given_n_units_does_n_with_a_jumping_clock_in_the_engine_loops(l
         Sample([], rng.integers(0, 40, 12).tolist(), features=rng.standard_normal((11, 16)).astype("float16"))
         for _ in range(10)
     ]
-    assert fd.train_feature_draft(draft, samples, steps=13, tokens_per_batch=48)["steps"] == 13
+    assert training.train_feature_draft(draft, samples, steps=13, tokens_per_batch=48)["steps"] == 13
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m.yaml", "qwen2.5-coder-1.5b-feature.yaml"])

@@ -203,7 +203,7 @@ def test_training_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(tm
     def run(folder, steps):
         folder.mkdir(exist_ok=True)
         draft = fresh()
-        fd.train_feature_draft(
+        training.train_feature_draft(
             draft, samples, steps=steps, tokens_per_batch=48, checkpoint=(folder, {"a": 1}), save_every=0.0
         )
         return {n: p.detach().clone() for n, p in draft.named_parameters()}
@@ -435,7 +435,7 @@ def test_bfloat16_products_train_a_float32_draft_that_measures_in_float32():
     and the draft computing in float32 afterwards (what is measured and saved), and the report names the type."""
     import torch
 
-    from builder.distill import feature_draft as fd
+    from builder.distill import training
     from builder.distill.corpus import DistillError
 
     fresh, samples = _tiny_draft_and_samples()
@@ -443,7 +443,7 @@ def test_bfloat16_products_train_a_float32_draft_that_measures_in_float32():
     for dtype in ("float32", "bfloat16"):
         torch.manual_seed(0)
         draft, losses = fresh(), []
-        report = fd.train_feature_draft(
+        report = training.train_feature_draft(
             draft,
             samples,
             steps=40,
@@ -460,6 +460,6 @@ def test_bfloat16_products_train_a_float32_draft_that_measures_in_float32():
         with torch.no_grad():
             assert torch.equal(draft.head_logits(features), features @ draft.head.T)  # float32 again, exactly
     assert abs(finals["bfloat16"] - finals["float32"]) < 0.1 * finals["float32"], finals
-    assert fd.matmul_dtype("auto") in ("float32", "bfloat16") and fd.matmul_dtype("float32") == "float32"
+    assert training.matmul_dtype("auto") in ("float32", "bfloat16") and training.matmul_dtype("float32") == "float32"
     with pytest.raises(DistillError, match="auto, float32 or bfloat16"):
-        fd.matmul_dtype("float16")
+        training.matmul_dtype("float16")

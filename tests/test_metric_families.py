@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -22,6 +24,7 @@ import pytest
 from fakes import BigramEngine, random_table
 from metric_readers import prometheus_samples, table_names, type_lines
 from runtime.metric_families import COUNTER, FAMILIES, GAUGE, HISTOGRAM, Reading, TritonMetrics, prometheus_text, read
+from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
 from runtime.metrics import RECENT, MetricsRegistry, RequestStats
 from runtime.core.handles import Overloaded, Unavailable
@@ -349,3 +352,88 @@ def test_the_triton_model_tells_clients_what_is_wrong_with_their_request(kind, m
 def test_the_triton_model_says_when_it_is_stopping(monkeypatch):
     message, logged = _triton_message(Unavailable("the scheduler is stopping"), monkeypatch)
     assert message == "the server is shutting down; retry on another" and not logged
+
+
+def test_metrics_definitions_and_prometheus_export():
+    table = random_table(7, 1)
+    gen = SpeculativeGenerator(None, BigramEngine(table), BigramEngine(table), tokenizer=_IdTokenizer(), eos_ids=())
+    result = gen.generate("ab", max_new_tokens=11, k=4, plan=False)  # k every step: the definitions' counts
+    s = result.stats
+    assert s.num_emitted_tokens == 11
+    assert s.draft_acceptance_rate == s.num_accepted_tokens / s.num_draft_tokens == 1.0
+    assert s.mean_acceptance_length == 1 + s.num_accepted_tokens / s.num_drafts
+    assert s.system_efficiency == pytest.approx(11 / s.verify_slots)
+    assert s.acceptance_per_position[:4] == [1.0, 1.0, 1.0, 1.0]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = gen.metrics_text()
+    samples = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for family in text_string_to_metric_families(text)
+        for x in family.samples
+    }
+    assert samples[("draftsmith_accepted_tokens_total", ())] == s.num_accepted_tokens
+    assert samples[("draftsmith_requests_total", ())] == 1
+    assert samples[("draftsmith_acceptance_by_position", (("position", "1"),))] == 1.0
+    # vLLM's spec-decode counters carry the same counts under vLLM's names
+    assert samples[("vllm:spec_decode_num_drafts_total", ())] == s.num_drafts
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", ())] == s.num_draft_tokens
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", ())] == s.num_accepted_tokens
+    assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == s.num_drafts
+    # one request: one TTFT and one inter-token latency observation, (total - TTFT) / (tokens - 1)
+    assert samples[("draftsmith_time_to_first_token_seconds_count", ())] == 1
+    assert samples[("draftsmith_time_to_first_token_seconds_sum", ())] == pytest.approx(s.time_to_first_token)
+    assert samples[("draftsmith_inter_token_latency_seconds_count", ())] == 1
+    assert samples[("draftsmith_inter_token_latency_seconds_sum", ())] == pytest.approx(
+        (s.total_time - s.time_to_first_token) / (s.num_emitted_tokens - 1)
+    )
+
+
+def test_metrics_registries_count_apart():
+    """Each bundle has its own MetricsRegistry: two generators in one process never share counts (nor clash on
+    names)."""
+    from runtime.metric_families import prometheus_text, read
+    from runtime.metrics import MetricsRegistry, RequestStats
+
+    one, two = MetricsRegistry(), MetricsRegistry()
+    one.add(RequestStats(num_emitted_tokens=1, time_to_first_token=0.2, total_time=0.2))
+
+    def text(registry):
+        return prometheus_text(read(registry))
+
+    assert "draftsmith_requests_total 1.0" in text(one)
+    assert "draftsmith_requests_total 0.0" in text(two)
+    assert 'draftsmith_time_to_first_token_seconds_bucket{le="0.25"} 1.0' in text(one)
+    assert 'draftsmith_time_to_first_token_seconds_bucket{le="0.1"} 0.0' in text(one)
+    assert "draftsmith_inter_token_latency_seconds_count 0.0" in text(one)  # one token: no inter-token gap
+    one.fallback_active = True
+    assert "draftsmith_fallback_active 1.0" in text(one)
+
+
+def test_decoding_never_imports_prometheus_client():
+    """Triton's Python backend runs the runtime but cannot import prometheus_client (its ssl import fails in the
+    stub's interpreter): only an export imports it."""
+    code = (
+        "import sys\nfrom runtime.metrics import MetricsRegistry, RequestStats\nimport runtime.api\n"
+        "from runtime.metric_families import TritonMetrics, prometheus_text, read\n"
+        "m = MetricsRegistry()\nm.add(RequestStats(num_emitted_tokens=3, total_time=1.0))\n"
+        "assert 'prometheus_client' not in sys.modules\nprometheus_text(read(m))\n"
+        "assert 'prometheus_client' in sys.modules\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+class _IdTokenizer:
+    """Characters 'a'.. map to ids 0..; enough for the metrics test over a bigram engine."""
+
+    vocab_size = 7
+
+    def encode(self, text):
+        return [ord(c) - ord("a") for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    def apply_chat_template(self, prompt):
+        return prompt

@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 
 from door_path import submit
+from batch_run import BatchRun
 from fakes import BigramEngine, exact_prefixes, random_table, total_variation, tv_bound
 from runtime.api import SpeculativeGenerator
 from runtime.errors import RequestError
 from runtime.core.handles import Overloaded, Unavailable
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.core.scheduler import Scheduler
+from runtime.decoding.config import AdaptiveK, DecodeConfig, Fallback
+from runtime.drafters.model import ModelDrafter
 from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["the cat", "a b c d e f", "hello there, how are", "def f(x):", "one two one two one", "zz"]
@@ -281,3 +284,117 @@ def test_a_client_at_its_row_cap_waits_while_rows_stay_free(generator):
     )
     with pytest.raises(ValueError, match="max_rows_per_client"):
         Scheduler(generator, max_rows_per_client=0)
+
+
+# --- the loop's control flow over scripted engines (a BatchRun: one group, one drafter) ----------------------
+
+
+def run_loop(target, draft, prompts, **config):
+    loop = BatchRun(target, ModelDrafter(draft) if draft else None, prompts, DecodeConfig(**config))
+    steps = list(loop.run())
+    return loop, steps
+
+
+def test_eos_ends_generation():
+    table = np.full((5, 5), -5.0)
+    table[:, 4] = 5.0  # every token is followed by token 4 (our EOS)
+    target = BigramEngine(table)
+    loop, _ = run_loop(target, BigramEngine(table), [[1, 2]], max_new_tokens=10, k=3, eos_ids=(4,))
+    assert loop.rows[0].generated == [4] and loop.rows[0].finished == "stop"
+
+
+def test_context_limit_ends_cleanly():
+    table = random_table(6, 0)
+    target = BigramEngine(table, max_context=12)
+    loop, _ = run_loop(target, BigramEngine(table, max_context=12), [[1] * 5], max_new_tokens=50, k=4)
+    row = loop.rows[0]
+    assert row.finished == "context" and row.total == 12
+
+
+def test_call_counts_with_a_perfect_draft():
+    """A draft identical to the target: every step accepts k and adds a bonus; draft calls are k per step."""
+    table = random_table(7, 1)
+    target, draft = BigramEngine(table), BigramEngine(table)
+    loop, steps = run_loop(target, draft, [[0, 1]], max_new_tokens=21, k=4)
+    row = loop.rows[0]
+    assert len(row.generated) == 21
+    assert row.stats.num_steps == 5  # 4 full steps emit 5 each (20), then one token left: k shrinks to 0
+    assert row.stats.num_accepted_tokens == 16 and row.stats.draft_acceptance_rate == 1.0
+    assert target.calls == 1 + 5  # prefill + one verify per step
+    assert draft.calls == 4 * 4  # k calls per drafting step, nothing in the last step
+    assert row.stats.mean_acceptance_length == 5.0
+
+
+def test_a_useless_draft_still_gives_target_output():
+    target_table, draft_table = random_table(7, 1), -random_table(7, 1)  # the draft prefers what the target doesn't
+    spec, _ = run_loop(BigramEngine(target_table), BigramEngine(draft_table), [[0, 1]], max_new_tokens=30, k=3)
+    plain, _ = run_loop(BigramEngine(target_table), None, [[0, 1]], max_new_tokens=30, k=3)
+    assert spec.rows[0].generated == plain.rows[0].generated
+    assert spec.rows[0].stats.draft_acceptance_rate < 0.2
+
+
+def test_draft_cache_matches_emitted_tokens_after_every_step():
+    """Rollback keeps exactly the accepted prefix in both caches (the invariant the loop relies on)."""
+    target_table = random_table(6, 3)
+    draft_table = target_table + np.random.default_rng(4).normal(0, 1.0, target_table.shape)
+    target, draft = BigramEngine(target_table), BigramEngine(draft_table)
+    drafter = ModelDrafter(draft)
+    loop = BatchRun(target, drafter, [[0, 1, 2]], DecodeConfig(max_new_tokens=40, k=3))
+    for _ in loop.run():
+        row = loop.rows[0]
+        seen = draft.live_tokens(drafter.cache, 0) + drafter.pending[0]
+        assert seen == row.prompt + row.generated
+    assert 0 < loop.rows[0].stats.num_accepted_tokens < loop.rows[0].stats.num_draft_tokens
+
+
+def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_rejection():
+    table = random_table(7, 1)
+    loop = BatchRun(
+        BigramEngine(table),
+        ModelDrafter(BigramEngine(table)),
+        [[0]],
+        DecodeConfig(max_new_tokens=60, k=1, adaptive=AdaptiveK(min_k=1, max_k=6)),
+    )
+    ks = []
+    for _ in loop.run():
+        ks.append(loop.k)
+    assert ks[:3] == [3, 5, 6]
+    bad = BatchRun(
+        BigramEngine(table),
+        ModelDrafter(BigramEngine(-table)),
+        [[0]],
+        DecodeConfig(max_new_tokens=30, k=5, adaptive=AdaptiveK(min_k=1, max_k=6)),
+    )
+    for _ in bad.run():
+        pass
+    assert bad.k == 1
+
+
+def test_fallback_switches_to_target_only_and_reprobes():
+    table = random_table(7, 1)
+    draft = BigramEngine(-table)
+    loop = BatchRun(
+        BigramEngine(table),
+        ModelDrafter(draft),
+        [[0]],
+        DecodeConfig(max_new_tokens=120, k=4, fallback=Fallback(threshold=0.5, window=8, probe_every=10)),
+    )
+    states = []
+    loop.on_fallback = states.append
+    plain, _ = run_loop(BigramEngine(table), None, [[0]], max_new_tokens=120, k=4)
+    for _ in loop.run():
+        pass
+    stats = loop.rows[0].stats
+    assert states[:3] == [True, False, True]  # fell back, re-probed, fell back again
+    assert stats.fallback_steps >= 10
+    assert loop.rows[0].generated == plain.rows[0].generated
+
+
+def test_draft_confidence_stops_drafting_early():
+    table = random_table(7, 1, scale=0.01)  # a nearly uniform draft: never confident
+    target = BigramEngine(random_table(7, 2))
+    drafter = ModelDrafter(BigramEngine(table), confidence=0.5)
+    loop = BatchRun(target, drafter, [[0]], DecodeConfig(max_new_tokens=10, k=4))
+    for _ in loop.run():
+        pass
+    assert loop.rows[0].stats.num_draft_tokens == loop.rows[0].stats.num_drafts  # one token per step, not 4

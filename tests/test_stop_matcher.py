@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,3 +89,27 @@ def test_a_row_steps_cost_does_not_grow_with_the_stops():
     search took ~200x as long (705 µs against 3.6 µs, issue 54). Relative, so a busy machine does not fail it."""
     long_stops = tuple(f"{i:02d}" + "z" * 254 for i in range(16))
     assert _row_step_seconds(long_stops) < 4 * _row_step_seconds(("\n\n",))
+
+
+@pytest.mark.parametrize(
+    "pieces, stops, sent, stopped",
+    [
+        (["abc E", "N", "D more"], ("END",), "abc ", True),  # the stop straddles three steps: nothing of it is sent
+        (["abc E", "x"], ("END",), "abc Ex", False),  # held, then sent once it cannot be a stop
+        (["xxa", "bc"], ("ab", "abc"), "xx", True),  # the earliest stop wins
+        (["ten ", "to one"], ("one",), "ten to ", True),
+        (["no stop here"], (), "no stop here", False),
+    ],
+)
+def test_a_stop_string_split_across_steps_never_leaks_its_first_part(pieces, stops, sent, stopped):
+    from runtime.text.tokenizer import StopText
+
+    text, got, ended = StopText(stops), [], False
+    for piece in pieces:
+        out, ended = text.push(piece)
+        got.append(out)
+        if ended:
+            break
+    if not ended:
+        got.append(text.flush())  # the sequence ends otherwise: what was held goes out
+    assert "".join(got) == text.text == sent and ended == stopped

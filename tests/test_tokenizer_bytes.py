@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("httpx")
 
 from openai_asgi import call, chat, completion, with_tool  # noqa: E402
-from test_bundle_integrity import copy_of, rehash  # noqa: E402
+from bundle_edits import copy_of, rehash  # noqa: E402
 
 WORDPIECE = {"type": "WordPiece", "prefix": "##", "cleanup": True}
 

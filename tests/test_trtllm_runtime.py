@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from fakes import fake_gpu_runner
+from bundle_edits import copy_of
 
 from builder.trtllm import build as trtllm
-from runtime.bundle import BuildSpec, load_manifest
+from runtime.bundle import BuildSpec, BundleError, load_manifest
 
 NO_TRTLLM = importlib.util.find_spec("tensorrt_llm") is None
 
@@ -351,3 +352,23 @@ def test_build_engines_triton_repo_writes_the_trtllm_layout(trt_bundle, tmp_path
     flavor = load_manifest(trt_bundle).spec.trtllm_flavor
     expected = "tensorrt_llm_bls/config.pbtxt" if flavor == "engine" else "tensorrt_llm/1/model.yaml"
     assert (tmp_path / "repo" / expected).is_file()
+
+
+def test_open_generator_loads_what_it_verified(tiny_bundle, tmp_path, monkeypatch):
+    """open_generator verified the bundle, then loaded it again with verify=False: an engine swapped in between
+    loaded unchecked. Now the loader verifies the bytes it loads."""
+    import runtime.trtllm.engine
+    from runtime.trtllm.engine import open_generator
+
+    root = copy_of(tiny_bundle, tmp_path / "b")
+    swapped = (root / "draft" / "model.onnx").read_bytes()  # another valid engine
+    real = runtime.trtllm.engine.load_manifest
+
+    def verify_then_swap(path, verify=True):
+        manifest = real(path, verify=verify)
+        (root / "target" / "model.onnx").write_bytes(swapped)
+        return manifest
+
+    monkeypatch.setattr(runtime.trtllm.engine, "load_manifest", verify_then_swap)
+    with pytest.raises(BundleError, match="target/model.onnx: sha256 differs from the manifest"):
+        open_generator(root, threads=1)

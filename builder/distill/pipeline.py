@@ -2,7 +2,7 @@
 expected time before anything slow runs), with progress and the report.
 
 Longer than most modules: the stages are read in the order they run, each a short step; the recipe is
-builder/distill/recipe.py, the training loops builder/distill/training.py and feature_draft.py.
+builder/distill/recipe.py, the training loops builder/distill/training.py.
 
 Each stage is a step of its own below, in the order ``distill_draft`` runs them; ``Run`` carries the recipe, the
 work plan and the timings from one to the next, ``_Target`` the loaded target. No stage looks at a clock to stop.
@@ -26,7 +26,7 @@ from builder.distill.recipe import DistillRecipe
 from builder.distill.resumable import distill_resumable
 from builder.distill.save import check_out, publish_draft
 from builder.distill.self_prompts import self_prompts as sample_self_prompts
-from builder.distill.training import train
+from builder.distill.training import chained_agreement, train, train_feature_draft
 from runtime.engines import gguf_ops
 from builder.distill.run import (
     Run,
@@ -343,7 +343,7 @@ def _distill_features(run: Run, target: _Target, samples, held, kept, progress, 
     draft = fd.init_feature_draft(target.model, kept, target.checkpoint.sha256())
     shell_config = target.model.config
     target.model = None  # the feature draft holds copies of the rows it needs
-    before = fd.chained_agreement(draft, held, kept)
+    before = chained_agreement(draft, held, kept)
     run.say(
         f"before: held-out top-1 agreement {before['top1']:.3f}, chained mean accepted {before['mean_accepted']:.2f}"
     )
@@ -354,7 +354,7 @@ def _distill_features(run: Run, target: _Target, samples, held, kept, progress, 
         run.work.train_steps,
         lambda step, value, rate, s: f"feature draft: training step {step}, loss {value:.4f}, lr {rate:.2e}, {s:.0f} s",
     )
-    trained = fd.train_feature_draft(
+    trained = train_feature_draft(
         draft,
         samples,
         steps=run.work.train_steps,

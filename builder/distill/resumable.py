@@ -208,9 +208,9 @@ def _draft(run: Run, source, kept, sha: str):
 def _measure(draft, held: dict, kept) -> dict:
     """Chained agreement on each held-out set, and on all of them (pooled by positions, not measured again: on a
     1.5B target's draft each pass over the held-out text takes a minute of the budget)."""
-    from builder.distill import feature_draft as fd
+    from builder.distill.training import chained_agreement
 
-    by_set = {name: fd.chained_agreement(draft, samples, kept) for name, samples in held.items()}
+    by_set = {name: chained_agreement(draft, samples, kept) for name, samples in held.items()}
     positions = sum(m["positions"] for m in by_set.values())
     per_position = [
         round(sum(m["per_position"][j] * m["positions"] for m in by_set.values()) / max(positions, 1), 4)
@@ -227,10 +227,10 @@ def _measure(draft, held: dict, kept) -> dict:
 
 def _train(run: Run, clock, draft, samples, kept, progress) -> dict:
     """Train for the planned steps, checkpointing as it goes (a resumed run ends on the unbroken run's weights)."""
-    from builder.distill import feature_draft as fd
+    from builder.distill.training import matmul_dtype, train_feature_draft
 
     recipe = run.recipe
-    dtype = fd.matmul_dtype()  # what the products read while training; the draft stays float32
+    dtype = matmul_dtype()  # what the products read while training; the draft stays float32
     run.say(f"feature draft: training with {dtype} matrix products (weights, gradients and the saved draft float32)")
     steps = run.work.train_steps
     on_step, done = training_bar(
@@ -254,7 +254,7 @@ def _train(run: Run, clock, draft, samples, kept, progress) -> dict:
         "steps": steps,
         "dtype": dtype,
     }
-    trained = fd.train_feature_draft(
+    trained = train_feature_draft(
         draft,
         samples,
         steps=steps,

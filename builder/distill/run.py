@@ -196,9 +196,10 @@ def publish_features(
     training prompts), write it and its transformers shell with the report (``extra``: the flow's own fields, last),
     and say how to build with it."""
     from builder.distill import feature_draft as fd
+    from builder.distill.training import chained_agreement
 
-    after = after or fd.chained_agreement(draft, held, kept)
-    train_fit = fd.chained_agreement(draft, samples[: len(held)], kept)
+    after = after or chained_agreement(draft, held, kept)
+    train_fit = chained_agreement(draft, samples[: len(held)], kept)
     run.say(
         f"after:  held-out top-1 agreement {after['top1']:.3f}, per draft position {after['per_position']}, "
         f"chained mean accepted at k=4 {after['mean_accepted']:.2f} (training prompts: top-1 "
