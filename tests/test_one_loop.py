@@ -1,4 +1,4 @@
-"""One decoding loop for every engine (issue 55): the scheduler's (runtime/core/scheduler.py), over ONNX Runtime's
+"""One decoding loop for every engine: the scheduler's (runtime/core/scheduler.py), over ONNX Runtime's
 engines and TensorRT-LLM's alike. An AST scan of the packages finds every other loop that decodes: a ``while`` or
 ``for`` loop (or comprehension) whose body, through the functions it calls, both calls an engine and decides when
 a sequence ends (compares against ``max_new_tokens`` or tests for an EOS id). Loops inside one step, such as a
@@ -170,7 +170,8 @@ def test_the_scheduler_runs_the_only_decoding_loop_but_the_teachers():
     )
 
 
-# the runtime's own second loop before issue 55 (runtime/trtllm/engine.py), cut to its shape
+# the runtime's own second loop (runtime/trtllm/engine.py) before TensorRT-LLM's engines came under the scheduler,
+# cut to its shape
 OLD_TENSORRT_LLM_LOOP = """
 class ExecutorSession:
     def generate(self, histories, max_tokens, drafts=None):
