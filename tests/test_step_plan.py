@@ -177,3 +177,56 @@ def test_a_model_free_drafter_is_charged_no_draft_calls():
     free = PlanInputs([0.6], [4], shared_drafter=True, min_width=1, plain_width=1, paid=[False])
     assert plan_draft_lengths(dear, paid) == [0] and plan_draft_lengths(dear, free) == [4]
     assert not PromptLookupDrafter(8).calls_draft_engine and not SuffixDrafter(8).calls_draft_engine
+
+
+def test_a_draft_that_must_catch_up_costs_its_catch_up_spread_over_the_steps_it_buys():
+    """A draft that has not drafted for a while (or at all) feeds every token it has not seen before drafting: the
+    plan charges that call's width, spread over the steps left, and predicts it whole."""
+    from runtime.decoding.step_costs import step_cost
+
+    model = costs({(1, 1): 1.0, (1, 2): 1.3, (1, 9): 3.0}, {1: 0.2})
+    caught_up = PlanInputs([0.8], [1], shared_drafter=True, min_width=1, plain_width=1, backlog=[1])
+    behind = PlanInputs([0.8], [1], shared_drafter=True, min_width=1, plain_width=1, backlog=[9], horizon=10.0)
+    assert step_cost(model, [1], caught_up) == pytest.approx(0.2 + 1.3)
+    assert step_cost(model, [1], behind) == pytest.approx(0.6 + 1.3)  # the draft's call at width 9: 3x its one
+    usual = 0.2 * 1.3  # a drafting row's usual first call (two tokens), beyond which the catch-up is spread
+    assert step_cost(model, [1], behind, planning=True) == pytest.approx(usual + (0.6 - usual) / 10 + 1.3)
+    assert plan_draft_lengths(model, behind) == [1]
+    assert plan_draft_lengths(model, PlanInputs([0.8], [1], True, 1, 1, backlog=[9], horizon=1.0)) == [0]
+
+
+def test_drafting_steps_that_run_dearer_than_predicted_stop_the_plan_from_drafting_at_that_batch():
+    """Drafting steps follow their own measured / predicted ratio, per batch size, apart from plain steps: a plan
+    whose drafting steps keep costing more than the calibration says stops drafting there, and only there."""
+    model = costs({(2, 1): 1.0, (2, 2): 1.2, (1, 1): 1.0, (1, 2): 1.2}, {1: 0.1, 2: 0.1})
+    inputs = PlanInputs([0.8] * 2, [1, 1], shared_drafter=True, min_width=1, plain_width=1)
+    assert plan_draft_lengths(model, inputs) == [1, 1]
+    for _ in range(10):
+        model.observe(predicted=1.4, measured=2.6, drafting_rows=2)
+    assert model.scale == 1.0 and model.drafting_factor(2) > 1.5
+    assert plan_draft_lengths(model, inputs) == [0, 0]
+    alone = PlanInputs([0.8], [1], shared_drafter=True, min_width=1, plain_width=1)
+    assert plan_draft_lengths(model, alone) == [1]
+
+
+def test_an_acceptance_estimate_counts_the_tokens_a_verification_tested():
+    """A draft rejected at its first token tested one token, not all it proposed: the estimate falls as for one."""
+    from runtime.decoding.config import DecodeConfig
+    from runtime.decoding.step import DecodeRow, learn_acceptance, tested
+
+    assert tested(3, 0) == 1 and tested(3, 2) == 3 and tested(3, 3) == 3
+    one, three = (DecodeRow(prompt=[1], config=DecodeConfig(8, 3)) for _ in range(2))
+    learn_acceptance(one, 1, 0)
+    learn_acceptance(three, 3, 0)
+    assert one.acceptance == pytest.approx(three.acceptance) and one.acceptance < one.prior
+
+
+def test_a_new_row_starts_from_what_its_drafter_achieved_in_the_rows_before_it():
+    from runtime.decoding.step import ACCEPTANCE_PRIOR, AcceptancePrior
+
+    priors = AcceptancePrior()
+    assert priors.of("model") == ACCEPTANCE_PRIOR
+    for _ in range(200):
+        priors.learn("model", 3, 3)  # every token accepted
+        priors.learn("prompt_lookup", 3, 0)  # the first rejected
+    assert priors.of("model") > 0.9 and priors.of("prompt_lookup") < 0.1 and priors.of("suffix") == ACCEPTANCE_PRIOR

@@ -57,7 +57,15 @@ import numpy as np
 
 from runtime.decoding.config import row_generators
 from runtime.decoding.planner import Group, GroupPolicy, Planning, plan_lengths
-from runtime.decoding.step import DecodeRow, DraftGroup, StepPlan, StepResult, decode_step, run_directly
+from runtime.decoding.step import (
+    AcceptancePrior,
+    DecodeRow,
+    DraftGroup,
+    StepPlan,
+    StepResult,
+    decode_step,
+    run_directly,
+)
 from runtime.decoding.step_costs import CostModel
 from runtime.errors import RequestError
 from runtime.core.loaded import LoadedBundle
@@ -149,6 +157,7 @@ class Scheduler:
         self.waiting: deque[_Waiting] = deque()
         self._predicted = 0.0  # the planned step's predicted seconds (0: not planned)
         self.draft_lengths: collections.Counter = collections.Counter()  # planned draft length -> row-steps
+        self.priors = AcceptancePrior()  # where a new row's acceptance estimate starts, per drafter kind
         self.counters = dict.fromkeys(
             ("steps", "speculative_steps", "row_steps", "admitted", "finished", "cancelled", "timed_out"), 0
         )
@@ -291,7 +300,7 @@ class Scheduler:
         result = decode_step(self.target, self.cache, self.rows, groups, plan, isolate=isolate)
         self._update(plan, groups, result)
         seconds = result.draft_time + result.verify_time
-        self.costs.observe(self._predicted, seconds)  # the costs follow how steps actually run
+        self.costs.observe(self._predicted, seconds, len(self.rows) if any(plan.drafting) else 0)  # how steps ran
         self._predicted = 0.0
         self._count(plan.idle.count(False), any(plan.drafting), time.perf_counter() - start, engine_time + seconds)
         self._retire([row.finished for row in self.rows])
@@ -309,6 +318,8 @@ class Scheduler:
                 isolate([row], self._advance, row, result.new[b])
                 stepped.append((row, result.new[b]))
                 self.draft_lengths[plan.limits[b]] += 1
+                if result.drafted[b]:
+                    self.priors.learn(row.group.name, result.drafted[b], result.accepted[b])
         for group, drafting in zip(groups, plan.drafting):
             policy = self.rows[group.rows[0]].group.policy
             changed = policy.learn(
@@ -495,8 +506,11 @@ class Scheduler:
         group = Group(drafter, GroupPolicy(config), admitted.drafter_name)
         rngs = row_generators(config.seed, len(admitted.prompts))
         deadline = w.submitted + w.timeout if w.timeout else None
+        prior = self.priors.of(group.name)
         return [
             _Row(
+                acceptance=prior,
+                prior=prior,
                 index=i,
                 prompt=prompt,
                 config=config,

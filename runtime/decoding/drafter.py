@@ -75,6 +75,13 @@ class Drafter:
         """Per row, the GrammarRow its draws must be masked by (None: unconstrained). Model-free drafters propose
         text, which the step cuts at the grammar's first refusal, so they ignore it."""
 
+    def backlog(self) -> list[int] | None:
+        """Per row, the tokens its next draft call feeds before the first draft token: the bonus token after a
+        drafting step, every token since it last drafted otherwise (its prompt, the first time). The step plan
+        charges that catch-up (runtime/decoding/step_costs.py); 0 where the row's next proposal costs no draft call
+        (a hybrid's free source has one). None: no draft engine to catch up."""
+        return None
+
     def can_draft(self) -> list[bool] | None:
         """Per row, whether it can still propose: False for good where a row has outgrown what the drafter holds (a
         cross-tokenizer draft whose context its text no longer fits), so the planners stop giving it a draft length

@@ -120,6 +120,9 @@ class FeatureDrafter(SamplingDrafter):
             self.features[b].append(self.fresh[b][: len(out)])
         self.fresh = None
 
+    def backlog(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
     def keep_rows(self, rows: np.ndarray) -> None:
         self.cache = self.engine.select(self.cache, rows)
         self.base = self.cache.lengths.copy()

@@ -114,6 +114,15 @@ class HybridDrafter(Drafter):
         self.free.observe(emitted)
         self.model.observe(emitted)
 
+    def backlog(self) -> list[int] | None:
+        """The model's backlog, 0 where the free drafter has a proposal now (that row's draft then costs no call;
+        the model catches up when it next drafts it)."""
+        backlog = self.model.backlog()
+        if backlog is None:
+            return None
+        found = self.free.propose([1] * len(backlog), SamplingParams(), [None] * len(backlog))
+        return [0 if tokens else n for tokens, n in zip(found.tokens, backlog)]
+
     def keep_rows(self, rows: np.ndarray) -> None:
         self.rates = [self.rates[r] for r in rows]
         self.free.keep_rows(rows)

@@ -77,6 +77,9 @@ class ModelDrafter(SamplingDrafter):
     def observe(self, emitted: list[list[int]]) -> None:
         self.pending = [p + out for p, out in zip(self.pending, emitted)]
 
+    def backlog(self) -> list[int]:
+        return [len(p) for p in self.pending]
+
     def keep_rows(self, rows: np.ndarray) -> None:
         self.cache = self.engine.select(self.cache, rows)
         self.pending = [self.pending[r] for r in rows]
