@@ -34,6 +34,7 @@ class CostModel:
     draft: dict[int, float] = field(default_factory=dict)
     scale: float = 1.0
     drafting: dict[int, float] = field(default_factory=dict)  # rows -> measured / predicted of drafting steps
+    _read: dict = field(default_factory=dict, repr=False, compare=False)  # call_cost's reads of the table, kept
 
     @property
     def calibrated(self) -> bool:
@@ -45,11 +46,16 @@ class CostModel:
         than the others save their draft calls, not target compute."""
         if not self.call or not widths:
             return 0.0
+        key = (len(self.call), len(widths), max(widths))  # the table's size: a calibration adds to it
+        if key not in self._read:
+            self._read[key] = self._rows_cost(len(widths), float(max(widths)))
+        return self._read[key] * self.scale
+
+    def _rows_cost(self, rows: int, width: float) -> float:
         sizes = sorted({r for r, _ in self.call})
-        per_size = [self._width_cost(r, float(max(widths))) for r in sizes]
-        rows = len(widths)
+        per_size = [self._width_cost(r, width) for r in sizes]
         cost = np.interp(rows, sizes, per_size) if rows <= sizes[-1] else per_size[-1] * rows / sizes[-1]
-        return float(cost) * self.scale
+        return float(cost)
 
     def _width_cost(self, rows: int, width: float) -> float:
         known = sorted(w for r, w in self.call if r == rows)
@@ -92,6 +98,7 @@ class CostModel:
     def calibrate(self, target, draft, max_batch: int, max_width: int, past: int = 64, repeats: int = 3) -> None:
         """Time target calls of 1, 2, 4, ... ``max_batch`` rows at each width of ``WIDTHS`` up to ``max_width`` (and
         the draft's one-token calls) after ``past`` tokens, the best of ``repeats`` each."""
+        self._read.clear()
         sizes = sorted({1, max_batch} | {b for b in (2, 4, 8, 16, 32) if b < max_batch})
         widths = sorted({w for w in WIDTHS if w < max_width} | {max_width})
         prefill = min(PREFILL_WIDTH, fitting_width(target))
