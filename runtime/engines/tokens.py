@@ -66,10 +66,10 @@ class TokenEngine(Engine):
         out: list[list[int]] = [[] for _ in range(cache.batch)]
         if asked:
             inputs = [histories[b] + list(chunks[b]) for b in asked]
-            emitted = self.emit(
+            answers = self.emit(
                 inputs, [list(drafts[b]) for b in asked], [room[b] for b in asked], [sampling[b] for b in asked]
             )
-            for b, tokens in zip(asked, emitted):
+            for b, tokens in zip(asked, answers):
                 out[b] = [int(t) for t in tokens][: room[b]]
         self._extend(cache, [list(chunk) + emitted[:-1] for chunk, emitted in zip(chunks, out)])
         return out
