@@ -160,7 +160,7 @@ class LlmApiEngine(TokenEngine):
     it as one-call steps: each asks for up to ``step_tokens`` tokens a row and takes what the executor accepted.
 
     Every call sends each row's whole history as token ids, which the KV cache's block reuse spares a second
-    prefill: tensorrt_llm/llmapi/llm.py (upstream main as stored here) ``LLM.generate(inputs: PromptInputs |
+    prefill: tensorrt_llm/llmapi/llm.py (stored commit 00966934) ``LLM.generate(inputs: PromptInputs |
     Sequence[PromptInputs], sampling_params: SamplingParams | List[SamplingParams] | None, use_tqdm: bool = True,
     ...)``, where a list of ints is a prompt of token ids (``PromptInputs``; upstream's tests/hlapi/run_llm.py
     passes ``[prompt_token_ids]``) and a list of SamplingParams gives each input its own; each RequestOutput's
@@ -169,8 +169,9 @@ class LlmApiEngine(TokenEngine):
     Each row is decoded as it asks (``samples``): greedy rows as they always were (``temperature=0.0``), sampled
     rows with their temperature, top-k, top-p and a seed of this call (``llm_sampling_params``). How a sampled row's
     speculation stays exact is TensorRT-LLM's own, not ours: its executor drafts, verifies and samples inside the
-    call (its PyTorch sampler verifies by rejection sampling where the drafter gives draft logits, else by matching
-    the draft against the target's own samples), and nothing of it is checked here."""
+    call (tensorrt_llm/_torch/pyexecutor/sampler.py ``process_draft_tokens``, stored versions: rejection sampling
+    where the drafter gives draft logits, else the draft matched against the target's own samples), and nothing of
+    it is checked here."""
 
     samples = True
 
