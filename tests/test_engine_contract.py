@@ -21,6 +21,7 @@ import pytest
 
 from runtime.bundle import load_manifest
 from runtime.engines.base import Engine, EngineWrapper
+from runtime.decoding.sampling import RowSampling, SamplingParams
 from runtime.engines.onnx import engine_class
 from test_drafter_contract import PACKAGES, ROOT, capability_probes
 
@@ -189,8 +190,11 @@ def test_an_engine_that_returns_tokens_sends_whole_histories_and_keeps_the_steps
     with pytest.raises(TypeError, match="returns tokens, not logits"):
         engine.forward(cache, np.array([[1], [2]]))
     seen = EngineWrapper(engine)  # a wrapper is the engine it wraps, its token calls included
-    assert seen.returns_tokens and seen.speculation == "verifies"
+    assert seen.returns_tokens and seen.speculation == "verifies" and not seen.samples
     assert seen.generate_tokens(cache, [[3], [4]], [[], []], [1, 1]) == [[105], [103]]
+    sampled = [RowSampling(SamplingParams(0.8), 5), None]  # an engine that decodes greedily takes no sampled row
+    with pytest.raises(TypeError, match="decodes greedily"):
+        seen.generate_tokens(cache, [[3], [4]], [[], []], [1, 1], sampled)
 
 
 def test_join_appends_rows_that_continue_as_if_alone(engine):

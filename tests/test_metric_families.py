@@ -82,7 +82,7 @@ def fake_pb_utils() -> types.ModuleType:
             super().__init__(name, description, kind, pb.made)
 
     class TritonError(Exception):
-        CANCELLED = "CANCELLED"
+        CANCELLED, UNAVAILABLE = "CANCELLED", "UNAVAILABLE"
 
         def __init__(self, message, code=None):
             super().__init__(message)
@@ -255,19 +255,25 @@ def _triton_request(prompt, max_tokens=8) -> dict:
     }
 
 
-def test_the_triton_model_exports_the_table_and_what_it_counts(tiny_bundle, monkeypatch):
-    """The Triton model (through the fake backend, not decoupled): it declares exactly the table's families, and
-    after a served request and a refused one its metrics are the OpenAI rendering's of the same reading."""
-    pb = fake_pb_utils()
+def _triton_model(bundle, pb, monkeypatch):
+    """The Triton model over ``bundle`` (not decoupled), initialized through the fake backend ``pb``."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
     module = _load_triton_model()
     parameters = dict(
-        bundle=str(tiny_bundle), threads="1", max_tokens_limit="64", max_prompt_bytes="4096", max_stop_words="4",
+        bundle=str(bundle), threads="1", max_tokens_limit="64", max_prompt_bytes="4096", max_stop_words="4",
         max_stop_word_bytes="64", policy="exact", max_batch="2", max_queue="8", plan="false",
     )  # fmt: skip
     config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
     model = module.TritonPythonModel()
     model.initialize({"model_config": json.dumps(config), "model_name": "speculative", "model_version": "1"})
+    return model
+
+
+def test_the_triton_model_exports_the_table_and_what_it_counts(tiny_bundle, monkeypatch):
+    """The Triton model (through the fake backend, not decoupled): it declares exactly the table's families, and
+    after a served request and a refused one its metrics are the OpenAI rendering's of the same reading."""
+    pb = fake_pb_utils()
+    model = _triton_model(tiny_bundle, pb, monkeypatch)
     try:
         assert {f.name: f.kind.lower() for f in pb.made} == table_names()
         (refused,) = model.execute([_triton_request("hi", 0)])  # refused alone: exported at its refusal
@@ -284,6 +290,31 @@ def test_the_triton_model_exports_the_table_and_what_it_counts(tiny_bundle, monk
         assert got[("draftsmith_request_errors_total", ())] == 2  # the front door's refusals
         assert got[("draftsmith_target_calls_total", ())] >= 2  # its prefill and at least one step
         assert got[("draftsmith_scheduler_finished_total", ())] == 1
+    finally:
+        model.finalize()
+
+
+def test_the_triton_model_refuses_a_full_queue_before_any_work(tiny_bundle, monkeypatch):
+    """The Triton model's door asks the scheduler's room, as the OpenAI server's does: with the queue full a good
+    request is refused before it is tokenized, with the code Triton's own full queue answers with (UNAVAILABLE),
+    and counted as the scheduler's refusal; a bad request is still refused for what it is, and once there is room
+    again a request is served."""
+    pb = fake_pb_utils()
+    model = _triton_model(tiny_bundle, pb, monkeypatch)
+    try:
+        tokenizer, encoded = model.bundle.tokenizer, []
+        real = tokenizer.encode
+        monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: encoded.append(a) or real(*a, **k))
+        model.scheduler.max_queue = 0  # full: no request may wait
+        (full,) = model.execute([_triton_request("The quick brown fox")])
+        assert full.error.code == pb.TritonError.UNAVAILABLE and str(full.error).startswith("overloaded")
+        assert not encoded  # refused before its tokenizing
+        assert triton_samples(pb.made)[("draftsmith_scheduler_refused_total", ())] == 1
+        (bad,) = model.execute([_triton_request("hi", 0)])
+        assert "max_tokens" in str(bad.error) and bad.error.code is None
+        model.scheduler.max_queue = 8
+        (served,) = model.execute([_triton_request("The quick brown fox")])
+        assert served.error is None and encoded
     finally:
         model.finalize()
 

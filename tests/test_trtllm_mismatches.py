@@ -67,16 +67,61 @@ def fake_trtllm(monkeypatch):
     return install_fake_trtllm(monkeypatch)
 
 
+SAMPLING = fixture("sampling_params.json")
+
+
+class FakeSamplingParams:
+    """``tensorrt_llm.SamplingParams`` as upstream defines it (sampling_params.json): keyword-only, only its fields
+    (anything else is a TypeError, as from the dataclass), checked as the later release's ``_validate`` checks them.
+    ``greedy`` is whether both releases decode the values greedily, and it refuses values they decode apart
+    (temperature alone: sampled in the later one, greedy in 1.0.0rc4's C++ runtime)."""
+
+    def __init__(self, *args, **fields):
+        if args:
+            raise TypeError("SamplingParams.__init__() takes keyword arguments only (kw_only=True)")
+        unknown = sorted(set(fields) - set(SAMPLING["sampling_params_fields"]))
+        if unknown:
+            raise TypeError(f"SamplingParams.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        for name in SAMPLING["sampling_params_fields"]:
+            setattr(self, name, fields.get(name))
+        self.max_tokens = fields.get("max_tokens", SAMPLING["max_tokens_default"])
+        self.given = fields
+        if self.top_p is not None and not 0 <= self.top_p <= 1:
+            raise ValueError(f"require 0 <= top_p <= 1, got top_p={self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"require top_k >= 0, got top_k={self.top_k}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"require temperature >= 0, got temperature={self.temperature}")
+
+    @property
+    def greedy(self) -> bool:
+        t, p, k = self.temperature, self.top_p, self.top_k
+        later = (t is None and p is None and k is None) or k == 1 or p == 0.0 or t == 0
+        rc4 = ((k or 0) == 0 and (p or 0.0) == 0.0) or k == 1  # the runtime's defaults, regularizeTopKTopP
+        if later != rc4:
+            raise ValueError(f"the pinned releases decode {self.given} apart: greedy {rc4} in 1.0.0rc4, {later} later")
+        return later
+
+
+def executor_sampling_config(beam_width: int = 1, **keywords):
+    """``bindings.executor.SamplingConfig``: beam_width, then its keyword-only arguments by upstream's names."""
+    unknown = sorted(set(keywords) - set(SAMPLING["executor_sampling_config_keywords"]))
+    if unknown:
+        raise TypeError(f"SamplingConfig(): incompatible function arguments: {unknown}")
+    return types.SimpleNamespace(beam_width=beam_width, **keywords)
+
+
 def install_fake_trtllm(monkeypatch):
-    """A tensorrt_llm stand-in: runtime.ModelRunnerCpp and bindings.executor's request types."""
+    """A tensorrt_llm stand-in: SamplingParams, runtime.ModelRunnerCpp and bindings.executor's request types."""
     FakeRunner.calls = []
     package = types.ModuleType("tensorrt_llm")
+    package.SamplingParams = FakeSamplingParams
     runtime = types.ModuleType("tensorrt_llm.runtime")
     runtime.ModelRunnerCpp = FakeRunner
     bindings = types.ModuleType("tensorrt_llm.bindings")
     executor = types.ModuleType("tensorrt_llm.bindings.executor")
     executor.Request = lambda **kw: types.SimpleNamespace(**kw)
-    executor.SamplingConfig = lambda **kw: types.SimpleNamespace(**kw)
+    executor.SamplingConfig = executor_sampling_config
     executor.OutputConfig = lambda **kw: types.SimpleNamespace(**kw)
     executor.ExternalDraftTokensConfig = lambda tokens: types.SimpleNamespace(tokens=list(tokens))
     package.runtime, package.bindings, bindings.executor = runtime, bindings, executor

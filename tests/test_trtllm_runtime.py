@@ -210,7 +210,7 @@ def test_the_front_door_refuses_what_an_engine_that_returns_tokens_cannot_do(tin
         ({"logprobs": 2}, "logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ):
-        with pytest.raises(RequestError, match="greedily in-process") as err:
+        with pytest.raises(RequestError, match="in-process they decode greedily") as err:
             spec.generate("hi", **asked)
         assert err.value.field == field
 
@@ -232,49 +232,154 @@ def test_the_pinned_executor_calls_run_under_the_scheduler(trt_bundle, monkeypat
     assert all(g.stats.num_accepted_tokens == g.stats.num_draft_tokens > 0 for g in got)
 
 
-class GreedyLLM:
-    """The LLM API's ``generate(inputs, sampling_params, use_tqdm)`` on CPU: token-id prompts, one SamplingParams
-    each, greedy continuations up to its max_tokens (what an executor speculating inside itself returns)."""
+class PinnedLLM:
+    """The LLM API's ``LLM.generate`` on CPU, held to upstream's interface (tests/fixtures/trtllm/sampling_params.json):
+    only ``generate``'s own keywords, one pinned ``SamplingParams`` per token-id prompt. A greedy one continues with
+    the target's argmax; a sampled one draws each token from the target's law under its temperature, top-k and
+    top-p with a generator seeded by its ``seed`` alone (what a seeded executor request is: the same seed, the same
+    tokens). Records every call's (prompt, SamplingParams) pairs in ``calls``."""
 
     def __init__(self, engine):
-        self.executor, self.calls = GreedyExecutor(engine), 0
+        self.engine, self.calls = engine, []
+        self.answer = self._continue  # (history, params) -> tokens; a test replaces it to end every row
 
-    def generate(self, inputs, sampling_params, use_tqdm=True):
+    def generate(self, inputs, sampling_params=None, use_tqdm=True, **options):
         import types
 
-        self.calls += 1
-        out = self.executor.generate(inputs, [p.max_tokens for p in sampling_params])
+        from test_trtllm_mismatches import SAMPLING, FakeSamplingParams
+
+        assert set(options) <= set(SAMPLING["generate_parameters"]), options
+        assert isinstance(sampling_params, list) and len(sampling_params) == len(inputs)
+        assert all(isinstance(p, FakeSamplingParams) for p in sampling_params)
+        assert all(isinstance(i, list) and all(isinstance(t, int) for t in i) for i in inputs)  # token-id prompts
+        self.calls.append([(list(i), p) for i, p in zip(inputs, sampling_params)])
+        out = [self.answer(list(i), p) for i, p in zip(inputs, sampling_params)]
         return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=tokens)]) for tokens in out]
+
+    def _continue(self, history: list[int], params) -> list[int]:
+        from runtime.decoding.sampling import SamplingParams, probabilities, sample
+
+        rng = None if params.greedy else np.random.default_rng(params.seed)
+        law = None if params.greedy else SamplingParams(params.temperature, params.top_k or None, params.top_p)
+        tokens = []
+        while len(tokens) < params.max_tokens:
+            logits = self.engine.forward(self.engine.new_cache(1), np.asarray([history + tokens], np.int64))[0, -1]
+            tokens.append(int(logits.argmax()) if rng is None else sample(probabilities(logits, law), rng))
+        return tokens
+
+
+def llm_api_generator(bundle, generator, monkeypatch, speculative: bool = True):
+    """An llmapi bundle's generator as ``open_llm_api`` makes it, over ``PinnedLLM`` (the tiny target) and the
+    pinned ``tensorrt_llm`` stand-in; returns (generator, llm)."""
+    from test_trtllm_mismatches import install_fake_trtllm
+
+    from runtime.api import SpeculativeGenerator
+    from runtime.trtllm.llmapi import LlmApiEngine
+
+    install_fake_trtllm(monkeypatch)
+    manifest = load_manifest(bundle, verify=False)
+    vocab = generator.target.vocab_size
+    llm = PinnedLLM(_onnx_engine(bundle, manifest, manifest.target, vocab))
+    engine = LlmApiEngine(
+        llm, vocab_size=vocab, max_context=manifest.max_context, step_tokens=4, speculative=speculative
+    )
+    return SpeculativeGenerator(manifest, engine, None, generator.tokenizer, manifest.eos_token_ids), llm
 
 
 def test_the_scheduler_drives_an_engine_that_speculates_inside_in_one_call_steps(tiny_bundle, generator, monkeypatch):
-    import sys
-    import types
-
-    from runtime.api import SpeculativeGenerator
     from runtime.errors import RequestError
-    from runtime.trtllm.llmapi import LlmApiEngine
 
-    monkeypatch.setitem(sys.modules, "tensorrt_llm", types.SimpleNamespace(SamplingParams=types.SimpleNamespace))
-    manifest = load_manifest(tiny_bundle, verify=False)
-    vocab = generator.target.vocab_size
-    llm = GreedyLLM(_onnx_engine(tiny_bundle, manifest, manifest.target, vocab))
-    engine = LlmApiEngine(llm, vocab_size=vocab, max_context=manifest.max_context, step_tokens=4)
-    spec = SpeculativeGenerator(manifest, engine, None, generator.tokenizer, manifest.eos_token_ids)
+    spec, llm = llm_api_generator(tiny_bundle, generator, monkeypatch)
     prompts = ["The quick brown fox", "def add(a, b):"]
     want = generator.generate(prompts, max_new_tokens=10, mode="target")
     got = spec.generate(prompts, max_new_tokens=10)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert llm.calls == 3  # one call a step, each up to step_tokens a row: 4 + 4 + 2
-    engine = LlmApiEngine(llm, vocab_size=vocab, max_context=manifest.max_context, step_tokens=4, speculative=False)
-    baseline = SpeculativeGenerator(manifest, engine, None, generator.tokenizer, manifest.eos_token_ids)
+    assert len(llm.calls) == 3  # one call a step, each up to step_tokens a row: 4 + 4 + 2
+    for _, params in (pair for call in llm.calls for pair in call):  # greedy as before: temperature 0.0 alone
+        assert params.given == {"max_tokens": params.max_tokens, "temperature": 0.0} and params.greedy
+    baseline, _ = llm_api_generator(tiny_bundle, generator, monkeypatch, speculative=False)
     assert [g.token_ids for g in baseline.generate(prompts, max_new_tokens=10)] == [w.token_ids for w in want]
-    llm.executor.generate = lambda inputs, most: [[] for _ in inputs]  # it stops each row (its end id left out)
+    llm.answer = lambda history, params: []  # it stops each row (its end id left out)
     ended = spec.generate(prompts[0], max_new_tokens=10)
     assert ended.token_ids == [] and ended.finish_reason == "stop"
     for asked in ({"mode": "target"}, {"drafter": "prompt_lookup"}):
         with pytest.raises(RequestError, match="inside TensorRT-LLM's executor"):
             spec.generate("hi", **asked)
+
+
+def test_sampled_rows_reach_the_llm_each_with_its_own_parameters(tiny_bundle, generator, monkeypatch):
+    """Two sampled requests and a greedy one share each step's one call: each row's SamplingParams carries its own
+    temperature, top-k, top-p and a seed of that step (a fresh one each step, so no two steps replay the same
+    draws); the greedy row's is what it always was."""
+    from door_path import submit
+
+    from runtime.core.scheduler import Scheduler
+
+    spec, llm = llm_api_generator(tiny_bundle, generator, monkeypatch)
+    scheduler = Scheduler(spec, max_batch=4, prefill_chunk=None)
+    asked = [dict(temperature=0.7, seed=1), dict(temperature=1.3, top_k=5, top_p=0.9, seed=2), dict(temperature=0.0)]
+    sent = [submit(scheduler, p, max_new_tokens=8, **a) for p, a in zip(["Hello", "Once upon", "def f("], asked)]
+    while scheduler.busy:
+        scheduler.step()
+    results = [s.result() for s in sent]
+    assert all(len(r.token_ids) == 8 or r.finish_reason == "stop" for r in results)
+    first = llm.calls[0]
+    assert len(first) == 3  # the three rows in one call
+    warm, hot, cold = (params for _, params in first)  # in the order they came
+    assert (warm.temperature, warm.top_k, warm.top_p) == (0.7, 0, 1.0) and not warm.greedy  # no top-k, no nucleus
+    assert (hot.temperature, hot.top_k, hot.top_p) == (1.3, 5, 0.9) and not hot.greedy
+    assert cold.given == {"max_tokens": cold.max_tokens, "temperature": 0.0} and cold.seed is None
+    assert isinstance(hot.seed, int) and isinstance(warm.seed, int) and hot.seed != warm.seed
+    seeds = [params.seed for call in llm.calls for _, params in call[:1]]  # the first row's seed, step by step
+    assert len(seeds) > 1 and len(set(seeds)) == len(seeds)
+
+
+def test_a_seeded_sampled_request_repeats_and_another_seed_differs(tiny_bundle, generator, monkeypatch):
+    """Through the pinned stand-in's seeded sampling: the same seed gives the same tokens (alone or batched), other
+    seeds other tokens; greedy output is the target's own."""
+    spec, _ = llm_api_generator(tiny_bundle, generator, monkeypatch)
+    options = dict(max_new_tokens=10, temperature=1.5)
+    once = spec.generate("The quick brown fox", seed=7, **options).token_ids
+    assert spec.generate("The quick brown fox", seed=7, **options).token_ids == once
+    batched = spec.generate(["def add(a, b):", "The quick brown fox"], seed=[3, 7], **options)
+    assert batched[1].token_ids == once
+    others = {tuple(spec.generate("The quick brown fox", seed=s, **options).token_ids) for s in (8, 9, 10)}
+    assert others - {tuple(once)}
+    want = generator.generate("The quick brown fox", max_new_tokens=10, mode="target").token_ids
+    assert spec.generate("The quick brown fox", max_new_tokens=10).token_ids == want
+
+
+def test_an_llm_api_bundle_still_refuses_what_it_cannot_do(tiny_bundle, generator, monkeypatch):
+    from runtime.errors import RequestError
+
+    spec, _ = llm_api_generator(tiny_bundle, generator, monkeypatch)
+    for asked, field in (
+        ({"logprobs": 2}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ):
+        with pytest.raises(RequestError, match="with sampling but without constraints or log-probabilities") as err:
+            spec.generate("hi", temperature=0.5, **asked)
+        assert err.value.field == field
+
+
+def test_llm_sampling_params_read_the_same_in_both_pinned_releases(monkeypatch):
+    """Each SamplingParams the engine builds is one both read releases agree on (greedy or sampled), and values
+    they read apart are what the pinned stand-in refuses: temperature alone is greedy in 1.0.0rc4."""
+    from test_trtllm_mismatches import FakeSamplingParams, install_fake_trtllm
+
+    from runtime.decoding.sampling import RowSampling, SamplingParams
+    from runtime.trtllm.llmapi import llm_sampling_params
+
+    install_fake_trtllm(monkeypatch)
+    assert llm_sampling_params(3, None).greedy
+    for params in (SamplingParams(0.5), SamplingParams(2.0, top_k=1), SamplingParams(0.8, top_p=0.5)):
+        built = llm_sampling_params(3, RowSampling(params, 11))
+        assert built.seed == 11 and built.max_tokens == 3
+        assert built.greedy == (params.top_k == 1)  # top_k 1 is greedy in both
+    with pytest.raises(ValueError, match="decode .* apart"):
+        assert FakeSamplingParams(temperature=0.5).greedy
+    with pytest.raises(TypeError, match="unexpected keyword argument 'random_seed'"):
+        FakeSamplingParams(random_seed=3)  # the executor's deprecated name, not SamplingParams'
 
 
 # --- a bundle's llm_api.yaml never grants consent or points outside the bundle ----------------------------------------

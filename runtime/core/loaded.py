@@ -164,14 +164,15 @@ class LoadedBundle:
 
     def check_config(self, config: DecodeConfig) -> None:
         """RequestError where the target cannot decode a request as asked: an engine that returns tokens
-        (``Engine.returns_tokens``: TensorRT-LLM's executor) gives no logits to sample, mask or score, so it decodes
-        greedily, unconstrained and without log-probabilities."""
+        (``Engine.returns_tokens``: TensorRT-LLM's executor) gives no logits to mask or score, so it decodes
+        unconstrained and without log-probabilities, and greedily unless its runtime samples each row itself
+        (``Engine.samples``: the LLM-API flavor)."""
         if not self.target.returns_tokens:
             return
         asked = [
             name
             for name, given in (
-                ("temperature", not config.params.greedy),
+                ("temperature", not config.params.greedy and not self.target.samples),
                 ("response_format", config.grammar is not None),
                 ("logprobs", config.logprobs is not None),
             )
@@ -179,8 +180,9 @@ class LoadedBundle:
         ]
         if asked:
             raise RequestError(
-                f"{asked[0]}: this bundle's TensorRT-LLM engines return tokens, not logits, so they decode greedily "
-                f"in-process; not supported here: {asked}. Serve the bundle with Triton for sampling",
+                f"{asked[0]}: this bundle's TensorRT-LLM engines return tokens, not logits, so in-process they "
+                f"decode {'with sampling but ' if self.target.samples else 'greedily, '}without constraints or "
+                f"log-probabilities; not supported here: {asked}. Serve the bundle with Triton for these",
                 asked[0],
             )
 

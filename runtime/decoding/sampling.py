@@ -38,6 +38,27 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+ENGINE_SEED_LIMIT = 2**63  # a call's seed is below this: an unsigned 64-bit seed field (TensorRT-LLM's) takes it
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One row's sampling for one call of an engine that samples inside itself (``Engine.samples``): its parameters
+    and a seed for that call alone. An engine that returns tokens is asked again each step with the row's whole
+    history, so a seed reused each call would replay the same random draws at every step; the seed comes from the
+    row's own generator instead (``for_row``): a seeded row repeats its output, an unseeded one does not."""
+
+    params: SamplingParams
+    seed: int
+
+    @classmethod
+    def for_row(cls, params: SamplingParams, rng: np.random.Generator) -> "RowSampling | None":
+        """This step's sampling of a row (None: greedy, which the engine decodes as it always has)."""
+        if params.greedy:
+            return None
+        return cls(params, int(rng.integers(ENGINE_SEED_LIMIT)))
+
+
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """logits [..., V] -> processed distribution [..., V] (float32, normalized in float64 sums). Used identically
     for p and q. Few passes over the vocabulary, in float32 (a step samples from several 49k-wide rows, and this

@@ -26,7 +26,7 @@ from runtime.decoding.config import DecodeConfig
 from runtime.decoding.drafter import Drafter, Proposal
 from runtime.decoding.grammar import constrain, forced_proposals
 from runtime.metrics import RequestStats
-from runtime.decoding.sampling import point_masses, token_logprobs, verify
+from runtime.decoding.sampling import RowSampling, point_masses, token_logprobs, verify
 
 
 ACCEPTANCE_PRIOR = 0.6  # a row's acceptance estimate before it has drafted
@@ -191,12 +191,13 @@ def score(target, cache, chunks: list[list[int]], exact: bool = True) -> tuple[l
 
 def engine_verdicts(target, cache, rows: list[DecodeRow], chunks: list[list[int]], idle: list[bool]) -> list:
     """A step on an engine that returns tokens (``Engine.generate_tokens``): one call, each row's chunk [last, x_1..x_d]
-    given as its last token and its draft to verify, up to the tokens the row has room for; per row (accepted
-    draft tokens n, the tokens the step emits), None for a row sitting the step out. Greedy (the front door refuses
-    the rest), so the engine's own choice is the row's: n counts the draft tokens it emitted as drafted. A row
-    given room that gets nothing back has ended (the old in-process loop's rule too)."""
+    given as its last token and its draft to verify, up to the tokens the row has room for, with the row's own
+    sampling (``engine_sampling``); per row (accepted draft tokens n, the tokens the step emits), None for a row
+    sitting the step out. The engine's own choice is the row's: n counts the draft tokens it emitted as drafted. A
+    row given room that gets nothing back has ended (the old in-process loop's rule too)."""
     room = [0 if idle[b] else row_room(row, target.max_context) for b, row in enumerate(rows)]
-    out = target.generate_tokens(cache, [c[:1] for c in chunks], [c[1:] for c in chunks], room)
+    sampling = engine_sampling(target, rows, room)
+    out = target.generate_tokens(cache, [c[:1] for c in chunks], [c[1:] for c in chunks], room, sampling)
     for row, emitted, left in zip(rows, out, room):
         if left and not emitted:  # the runtime ended it: at its end id, which an executor may leave out
             row.finished = "stop"
@@ -204,6 +205,15 @@ def engine_verdicts(target, cache, rows: list[DecodeRow], chunks: list[list[int]
         None if idle[b] else (agreed(chunk[1:], emitted), emitted)
         for b, (chunk, emitted) in enumerate(zip(chunks, out))
     ]
+
+
+def engine_sampling(target, rows: list[DecodeRow], room: list[int]) -> list[RowSampling | None] | None:
+    """Each asked row's sampling for this call where the engine samples inside itself (``Engine.samples``): its
+    parameters and a seed drawn from its own generator, so a seeded row repeats its output and no two steps share a
+    seed. None: the engine decodes every row greedily (the front door refused sampled requests for it)."""
+    if not target.samples:
+        return None
+    return [RowSampling.for_row(row.config.params, row.rng) if left else None for row, left in zip(rows, room)]
 
 
 def agreed(draft: list[int], emitted: list[int]) -> int:

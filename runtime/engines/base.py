@@ -87,9 +87,12 @@ class Engine:
     session_seconds = 0.0  # seconds its runtime's sessions have run so far (what a Call's session_seconds counts)
     session_widest = 0  # the widest query its sessions ran since an observed call began (a Call's session_width)
     observers: tuple = ()  # told of every call (``watch``)
-    # its calls return tokens its runtime chose (``generate_tokens``), not logits: greedy only, no per-position
-    # scores, so the front door refuses sampling, logprobs and grammars for it (LoadedBundle.check_config)
+    # its calls return tokens its runtime chose (``generate_tokens``), not logits: no per-position scores, so the
+    # front door refuses logprobs and grammars for it, and sampling unless it ``samples`` (LoadedBundle.check_config)
     returns_tokens = False
+    # an engine that returns tokens whose runtime samples each row under the row's own parameters and seed
+    # (``generate_tokens``' ``sampling``); without it such an engine decodes greedily and sampling is refused
+    samples = False
     # how an engine that returns tokens speculates: "" not at all (one greedy token a row per step, or a draft
     # engine's k), "verifies" (it checks the draft tokens a step gives it: the accepted ones, then its own next
     # token), "internal" (its runtime drafts and verifies inside the call: a step is that one call, and no drafter
@@ -120,13 +123,20 @@ class Engine:
         raise NotImplementedError
 
     def compute_tokens(
-        self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
+        self,
+        cache: KVCache,
+        chunks: list[list[int]],
+        drafts: list[list[int]],
+        room: list[int],
+        sampling: list | None = None,
     ) -> list[list[int]]:
         """Where ``returns_tokens``, in place of ``compute``: each row's ``chunks[b]`` (the tokens it feeds: a
         step's last emitted token, a drafter's pending ones) decoded inside the engine with ``drafts[b]`` to verify
         (``speculation`` "verifies" only), at most ``room[b]`` tokens (0: the row only takes its chunk); returns the
-        tokens each row emits (the draft tokens it accepted, then its own). The cache then holds each row's chunk
-        and what it emitted but the last token: the decode step's invariant, which needs no rollback."""
+        tokens each row emits (the draft tokens it accepted, then its own). ``sampling[b]``: the row's
+        ``RowSampling`` for this call (runtime/decoding/sampling.py), only where the engine ``samples``; None (or no
+        list): greedy. The cache then holds each row's chunk and what it emitted but the last token: the decode
+        step's invariant, which needs no rollback."""
         raise NotImplementedError
 
     def rollback(self, cache: KVCache, keep: np.ndarray) -> None:
@@ -206,11 +216,18 @@ class Engine:
         return self._observed("prefill_rows", cache, shape, lambda: self.compute_rows(cache, rows, chunks))
 
     def generate_tokens(
-        self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
+        self,
+        cache: KVCache,
+        chunks: list[list[int]],
+        drafts: list[list[int]],
+        room: list[int],
+        sampling: list | None = None,
     ) -> list[list[int]]:
         """``compute_tokens`` (see there), observed: an engine that returns tokens answers a step with this call."""
         shape = (len(chunks), max((len(c) + len(d) for c, d in zip(chunks, drafts)), default=0))
-        return self._observed("generate_tokens", cache, shape, lambda: self.compute_tokens(cache, chunks, drafts, room))
+        return self._observed(
+            "generate_tokens", cache, shape, lambda: self.compute_tokens(cache, chunks, drafts, room, sampling)
+        )
 
     def watch(self, observer: CallObserver) -> None:
         """Report every call to ``observer`` (a Triton model's call counter, the bench's timings) from now on."""
@@ -251,6 +268,7 @@ class EngineWrapper(Engine):
     feature_width = property(lambda self: self.engine.feature_width)
     prefills_in_chunks = property(lambda self: self.engine.prefills_in_chunks)
     returns_tokens = property(lambda self: self.engine.returns_tokens)
+    samples = property(lambda self: self.engine.samples)
     speculation = property(lambda self: self.engine.speculation)
     session_seconds = property(lambda self: self.engine.session_seconds)
     session_widest = property(
@@ -279,9 +297,14 @@ class EngineWrapper(Engine):
         return self.engine.compute_rows(cache, rows, chunks)
 
     def compute_tokens(
-        self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
+        self,
+        cache: KVCache,
+        chunks: list[list[int]],
+        drafts: list[list[int]],
+        room: list[int],
+        sampling: list | None = None,
     ) -> list[list[int]]:
-        return self.engine.compute_tokens(cache, chunks, drafts, room)
+        return self.engine.compute_tokens(cache, chunks, drafts, room, sampling)
 
 
 def live_keep_mask(mask: np.ndarray, keep: np.ndarray) -> np.ndarray:

@@ -20,9 +20,12 @@ class TokenEngine(Engine):
     def __init__(self, *, vocab_size: int, max_context: int):
         self.vocab_size, self.max_context = vocab_size, max_context
 
-    def emit(self, inputs: list[list[int]], drafts: list[list[int]], room: list[int]) -> list[list[int]]:
+    def emit(
+        self, inputs: list[list[int]], drafts: list[list[int]], room: list[int], sampling: list
+    ) -> list[list[int]]:
         """Per row, the tokens the runtime emits after ``inputs[b]`` (a whole history), verifying ``drafts[b]``,
-        at most ``room[b]`` (>= 1) of them; only rows with room are asked."""
+        at most ``room[b]`` (>= 1) of them, sampled under ``sampling[b]`` (a ``RowSampling``; None: greedy); only
+        rows with room are asked."""
         raise NotImplementedError
 
     def new_cache(self, batch: int) -> KVCache:
@@ -48,14 +51,25 @@ class TokenEngine(Engine):
         return None
 
     def compute_tokens(
-        self, cache: KVCache, chunks: list[list[int]], drafts: list[list[int]], room: list[int]
+        self,
+        cache: KVCache,
+        chunks: list[list[int]],
+        drafts: list[list[int]],
+        room: list[int],
+        sampling: list | None = None,
     ) -> list[list[int]]:
         histories = cache.extra["tokens"]
+        sampling = sampling or [None] * cache.batch
+        if not self.samples and any(s is not None for s in sampling):
+            raise TypeError(f"{type(self).__name__} decodes greedily: its rows cannot be sampled")
         asked = [b for b in range(cache.batch) if room[b] > 0]
         out: list[list[int]] = [[] for _ in range(cache.batch)]
         if asked:
             inputs = [histories[b] + list(chunks[b]) for b in asked]
-            for b, tokens in zip(asked, self.emit(inputs, [list(drafts[b]) for b in asked], [room[b] for b in asked])):
+            answers = self.emit(
+                inputs, [list(drafts[b]) for b in asked], [room[b] for b in asked], [sampling[b] for b in asked]
+            )
+            for b, tokens in zip(asked, answers):
                 out[b] = [int(t) for t in tokens][: room[b]]
         self._extend(cache, [list(chunk) + emitted[:-1] for chunk, emitted in zip(chunks, out)])
         return out

@@ -131,7 +131,13 @@ class ExecutorEngine(TokenEngine):
     The target (``verifies``) checks a step's draft tokens itself in the same request, as a ``draft_tokens_external``
     engine does (``ExternalDraftTokensConfig``; Triton's ``tensorrt_llm_bls`` sends them as ``draft_input_ids``): it
     returns the accepted ones plus its own next token, at most ``len(draft) + 1``. The draft decodes a row's k greedy
-    tokens in one request (runtime/drafters/tokens.py). Greedy only: the session samples with ``top_k=1``.
+    tokens in one request (runtime/drafters/tokens.py). Greedy only (``samples`` False): the session samples with
+    ``top_k=1``. Sampling stays refused here because the executor's check of external draft tokens sent without
+    draft logits is not exact under sampling: cpp/tensorrt_llm/kernels/speculativeDecoding/
+    externalDraftTokensKernels.cu (stored commit 04a2cacb) accepts a draft token where it equals the target's own
+    token and, at a rejection, samples the next token afresh from the target's distribution, unchanged, so the
+    draft token can come out again: its probability exceeds the target's. Exact acceptance needs the draft's
+    logits, which these engines do not give (``--gather_context_logits`` is refused with a draft length).
     """
 
     def __init__(self, session, *, vocab_size: int, max_context: int, verifies: bool):
@@ -139,7 +145,9 @@ class ExecutorEngine(TokenEngine):
         self.session = session
         self.speculation = "verifies" if verifies else ""
 
-    def emit(self, inputs: list[list[int]], drafts: list[list[int]], room: list[int]) -> list[list[int]]:
+    def emit(
+        self, inputs: list[list[int]], drafts: list[list[int]], room: list[int], sampling: list
+    ) -> list[list[int]]:
         """The target: each draft cut to its row's room but one (the executor returns at most the draft and one
         token), max_tokens its length + 1; the draft: ``room`` greedy tokens."""
         if not self.speculation:

@@ -160,24 +160,57 @@ class LlmApiEngine(TokenEngine):
     it as one-call steps: each asks for up to ``step_tokens`` tokens a row and takes what the executor accepted.
 
     Every call sends each row's whole history as token ids, which the KV cache's block reuse spares a second
-    prefill: tensorrt_llm/llmapi/llm.py (upstream main as stored here) ``LLM.generate(inputs: PromptInputs |
+    prefill: tensorrt_llm/llmapi/llm.py (stored commit 00966934) ``LLM.generate(inputs: PromptInputs |
     Sequence[PromptInputs], sampling_params: SamplingParams | List[SamplingParams] | None, use_tqdm: bool = True,
     ...)``, where a list of ints is a prompt of token ids (``PromptInputs``; upstream's tests/hlapi/run_llm.py
     passes ``[prompt_token_ids]``) and a list of SamplingParams gives each input its own; each RequestOutput's
-    ``outputs[0].token_ids`` are the tokens generated. Greedy (``temperature=0.0``), the front door refusing the
-    rest: a sampled step's seed would repeat each step."""
+    ``outputs[0].token_ids`` are the tokens generated.
+
+    Each row is decoded as it asks (``samples``): greedy rows as they always were (``temperature=0.0``), sampled
+    rows with their temperature, top-k, top-p and a seed of this call (``llm_sampling_params``). How a sampled row's
+    speculation stays exact is TensorRT-LLM's own, not ours: its executor drafts, verifies and samples inside the
+    call (tensorrt_llm/_torch/pyexecutor/sampler.py ``process_draft_tokens``, stored versions: rejection sampling
+    where the drafter gives draft logits, else the draft matched against the target's own samples), and nothing of
+    it is checked here."""
+
+    samples = True
 
     def __init__(self, llm, *, vocab_size: int, max_context: int, step_tokens: int, speculative: bool = True):
         super().__init__(vocab_size=vocab_size, max_context=max_context)
         self.llm, self.step_tokens = llm, step_tokens
         self.speculation = "internal" if speculative else ""
 
-    def emit(self, inputs: list[list[int]], drafts: list[list[int]], room: list[int]) -> list[list[int]]:
-        from tensorrt_llm import SamplingParams
-
-        params = [SamplingParams(max_tokens=min(r, self.step_tokens), temperature=0.0) for r in room]
+    def emit(
+        self, inputs: list[list[int]], drafts: list[list[int]], room: list[int], sampling: list
+    ) -> list[list[int]]:
+        params = [llm_sampling_params(min(r, self.step_tokens), s) for r, s in zip(room, sampling)]
         # RequestOutput: outputs[0] is a CompletionOutput whose token_ids are the tokens generated
         return [list(output.outputs[0].token_ids) for output in self.llm.generate(inputs, params, use_tqdm=False)]
+
+
+def llm_sampling_params(max_tokens: int, sampling):
+    """``tensorrt_llm.SamplingParams`` for one row of one call (``sampling``: its ``RowSampling``; None: greedy).
+
+    tensorrt_llm/sampling_params.py ``SamplingParams`` (dataclass, keyword-only; read at 1.0.0rc4, commit 000a01de,
+    and a later stored version with ``params_imply_greedy_decoding``): ``max_tokens``, ``temperature``, ``top_k``,
+    ``top_p``, ``seed`` (Optional[int], "the random seed used by the random number generator in sampling"). Which
+    values sample differs between them: in the later one, neither temperature, top_k nor top_p set is greedy, and
+    temperature 0, top_k 1 or top_p 0 is greedy; in 1.0.0rc4 an unset top_k and top_p are the C++ runtime's
+    defaults, 0 and 0, which its ``regularizeTopKTopP`` (cpp/tensorrt_llm/kernels/samplingTopKKernels.h, stored
+    commit e41b05cd) turns into top_k 1, greedy whatever the temperature. So a sampled row sets all three: top_k 0
+    ("all logits") for no top-k, top_p 1.0 for no nucleus, and its temperature (> 0), which both sample from."""
+    from tensorrt_llm import SamplingParams
+
+    if sampling is None:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = sampling.params
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(params.temperature),
+        top_k=int(params.top_k or 0),
+        top_p=1.0 if params.top_p is None else float(params.top_p),
+        seed=int(sampling.seed),
+    )
 
 
 def open_llm_api(path: str | os.PathLike, verify: bool = True, speculative: bool = True, **overrides):

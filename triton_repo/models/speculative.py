@@ -88,6 +88,19 @@ def _optional(request, name: str):
 GENERIC_FAILURE = "the server failed while decoding this request; retry later"
 
 
+def _error(err):
+    """The TritonError a client gets for ``err``: ``_message``'s text, with UNAVAILABLE where the server has no
+    room now (its queue is full) or is stopping: the code Triton's own full queue answers with
+    (triton-inference-server/core src/scheduler_utils.cc, ``PriorityQueue::PolicyQueue::Enqueue``: UNAVAILABLE
+    "Exceeds maximum queue size"; stored commit 05295b70), which a client reads as "retry", not as its own fault.
+    Anything else keeps the default code."""
+    from runtime.core.handles import Overloaded, is_stopping
+
+    if isinstance(err, Overloaded) or is_stopping(err):
+        return pb_utils.TritonError(_message(err), pb_utils.TritonError.UNAVAILABLE)
+    return pb_utils.TritonError(_message(err))
+
+
 def _message(err) -> str:
     """A client's error text: what this model and the runtime say to clients (a bad request, overloaded, stopping)
     as it is; anything else is logged here and answered generically, as the OpenAI server's 500 is: an engine's
@@ -142,11 +155,6 @@ class TritonPythonModel:
         )  # the GPU Triton gave this instance
         from runtime.core.request import FrontDoor, Limits
 
-        bounds = ("max_tokens_limit", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes")
-        limits = Limits.for_context(self.bundle.max_context, **{n: int(_param(config, n)) for n in bounds})
-        self.door = FrontDoor(self.bundle, limits)  # every request's checks, as the OpenAI server's
-        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-        self.vocab_size = self.bundle.tokenizer.vocab_size
         from runtime.core.scheduler import Scheduler
 
         self.scheduler = Scheduler(
@@ -156,6 +164,12 @@ class TritonPythonModel:
             policy=_param(config, "policy"),
             plan=_param(config, "plan").lower() == "true",
         )
+        bounds = ("max_tokens_limit", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes")
+        limits = Limits.for_context(self.bundle.max_context, **{n: int(_param(config, n)) for n in bounds})
+        # every request's checks, as the OpenAI server's, its room included: a full queue refuses before any work
+        self.door = FrontDoor(self.bundle, limits, room=self.scheduler.check_room)
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        self.vocab_size = self.bundle.tokenizer.vocab_size
         self.scheduler.start()
         from runtime.metric_families import TritonMetrics
 
@@ -208,10 +222,13 @@ class TritonPythonModel:
         return [self._answer(item) for item in submitted]
 
     def _submit(self, item):
+        from runtime.core.handles import Overloaded
         from runtime.errors import RequestError
 
         try:
             item.handle = self.scheduler.enqueue(item.admitted, sink=lambda event: self._on_event(item, event))[0]
+        except Overloaded:
+            raise  # filled up since the door's check
         except RequestError as err:
             raise RequestInvalid(str(err)) from None
         if self.decoupled:
@@ -221,7 +238,7 @@ class TritonPythonModel:
     def _answer(self, item):
         """Not decoupled: the final response (or error) of one request of this batch."""
         if isinstance(item, Exception):
-            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(_message(item)))
+            return pb_utils.InferenceResponse(output_tensors=[], error=_error(item))
         item.finished.wait()
         return item.response
 
@@ -249,7 +266,7 @@ class TritonPythonModel:
             if item.handle is not None:
                 self.active.pop(item.handle.id, None)
         if error is not None:
-            response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(_message(error)))
+            response = pb_utils.InferenceResponse(output_tensors=[], error=_error(error))
         if self.decoupled:
             self._send(item, response, flags=FINAL)
         else:
@@ -274,16 +291,18 @@ class TritonPythonModel:
                     item.handle.cancel()
 
     def _fail(self, sender, err):
-        message = _message(err)
+        error = _error(err)
         try:
-            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)), flags=FINAL)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
         except Exception:  # noqa: BLE001 - the client is gone; nothing left to tell it
             pass
 
     def _parse(self, request, sender) -> Request:
         """A request's tensors in the front door's names (``_asked``), then the door's checks, before any work: its
         bounds, its text, its tokens (``input_ids`` from ``preprocessing`` when the ensemble sends them: tokenized
-        once), the bundle's bounds, its drafter."""
+        once), the bundle's bounds, its drafter. The scheduler's room is asked after the cheap checks and before
+        the tokenizing, so a full queue refuses before any work (Overloaded, answered as ``_error`` says)."""
+        from runtime.core.handles import Overloaded
         from runtime.errors import RequestError
 
         asked = self._asked(request)
@@ -298,6 +317,8 @@ class TritonPythonModel:
             asked = dataclasses.replace(asked, tokens=[ids.as_numpy().reshape(-1).tolist()])
         try:
             admitted = self.door.admit(asked)
+        except Overloaded:
+            raise  # no room now (the scheduler's queue is full): not the request's fault (``_error``)
         except RequestError as err:
             raise RequestInvalid(str(err)) from None
         return Request(sender, admitted, bool(stream))
