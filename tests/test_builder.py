@@ -122,8 +122,8 @@ def test_interrupted_build_leaves_no_bundle(tiny_pair, tmp_path, stage):
         if name == stage:
             raise KeyboardInterrupt(f"killed at {name}")
 
+    spec = BuildSpec(target=str(target), draft=str(draft), draft_quant="fp32", eval_tokens=EVAL_TOKENS)
     with pytest.raises(KeyboardInterrupt):
-        spec = BuildSpec(target=str(target), draft=str(draft), draft_quant="fp32", eval_tokens=EVAL_TOKENS)
         build(spec, out, on_stage=explode)
     assert list(tmp_path.iterdir()) == []  # neither the bundle nor a temporary directory
 
