@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from builder.architectures import REGISTRY
 from builder.build import build
 from builder.cli import main as cli
-from conftest import make_disjoint_tokenizer, make_model, tiny_config
+from conftest import EVAL_TOKENS, make_disjoint_tokenizer, make_model, tiny_config
 from runtime.bundle import BuildSpec, BundleError, Manifest, SpecError, load_manifest
 
 # One tiny-model case per registered architecture (optimum's completeness guard): add one with every new entry.
@@ -122,8 +122,9 @@ def test_interrupted_build_leaves_no_bundle(tiny_pair, tmp_path, stage):
         if name == stage:
             raise KeyboardInterrupt(f"killed at {name}")
 
+    spec = BuildSpec(target=str(target), draft=str(draft), draft_quant="fp32", eval_tokens=EVAL_TOKENS)
     with pytest.raises(KeyboardInterrupt):
-        build(BuildSpec(target=str(target), draft=str(draft), draft_quant="fp32"), out, on_stage=explode)
+        build(spec, out, on_stage=explode)
     assert list(tmp_path.iterdir()) == []  # neither the bundle nor a temporary directory
 
 
@@ -161,7 +162,8 @@ def test_quantized_self_draft_bundle(tiny_pair, tmp_path):
 
 
 def test_self_layers_draft(tiny_pair, tmp_path):
-    manifest = build(BuildSpec(target=str(tiny_pair[0]), draft="self:layers=1", draft_quant="fp32"), tmp_path / "l")
+    spec = BuildSpec(target=str(tiny_pair[0]), draft="self:layers=1", draft_quant="fp32", eval_tokens=EVAL_TOKENS)
+    manifest = build(spec, tmp_path / "l")
     assert manifest.draft.num_layers == 1 and manifest.target.num_layers == 2
 
 
@@ -341,6 +343,8 @@ def test_cli_json_summary_and_inspect(tiny_pair, tmp_path):
         "int8",
         "--k",
         "3",
+        "--eval-tokens",
+        str(EVAL_TOKENS),
         "--out",
         str(out),
         "--json",
@@ -365,6 +369,8 @@ def test_build_with_triton_repo(tiny_pair, tmp_path):
         "self",
         "--draft-quant",
         "int8",
+        "--eval-tokens",
+        str(EVAL_TOKENS),
         "--out",
         str(tmp_path / "b"),
         "--triton-repo",

@@ -9,6 +9,8 @@ import random
 import numpy as np
 import pytest
 
+from conftest import EVAL_TOKENS
+
 
 @pytest.fixture(scope="module")
 def distilled(learnable_target, tmp_path_factory):
@@ -184,6 +186,7 @@ def test_preset_recipe_distils_once_then_builds(learnable_target, tmp_path):
                 "draft_quant": "fp32",
                 "k": 2,
                 "max_context": 128,
+                "eval_tokens": EVAL_TOKENS,
                 "distill": {
                     "init": "layers=1",
                     "minutes": 1.0,

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import DISTILL_WORDS
+from conftest import DISTILL_WORDS, EVAL_TOKENS
 
 
 def _text_folder(root, files: int = 40, words: int = 120):
@@ -89,6 +89,7 @@ def test_the_draft_of_a_resumable_run_builds_into_a_bundle(resumable_run, per_to
         draft_quant="fp32",
         k=3,
         max_context=128,
+        eval_tokens=EVAL_TOKENS,
     )
     build(spec, tmp_path / "bundle")
     gen = SpeculativeGenerator.from_bundle(tmp_path / "bundle", threads=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_model, make_tokenizer, tiny_config
+from conftest import EVAL_TOKENS, make_model, make_tokenizer, tiny_config
 
 from builder.architectures import REGISTRY
 
@@ -45,7 +45,13 @@ def test_truncated_self_draft_of_every_architecture(architecture, tmp_path):
     target = tiny_target(tmp_path, architecture, layers=2)
     manifest = build(
         BuildSpec(
-            target=str(target), draft="self:layers=1", target_quant="fp32", draft_quant="fp32", k=2, max_context=64
+            target=str(target),
+            draft="self:layers=1",
+            target_quant="fp32",
+            draft_quant="fp32",
+            k=2,
+            max_context=64,
+            eval_tokens=EVAL_TOKENS,
         ),
         tmp_path / "bundle",
     )
@@ -145,6 +151,7 @@ def test_a_feature_draft_for_gemma3_builds_and_stays_exact(tmp_path):
             draft_quant="fp32",
             k=2,
             max_context=64,
+            eval_tokens=EVAL_TOKENS,
         ),
         tmp_path / "bundle",
     )

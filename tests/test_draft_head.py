@@ -14,6 +14,7 @@ from runtime.engines.mapped import MappedVocabEngine
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from batch_run import BatchRun
+from conftest import EVAL_TOKENS
 from runtime.drafters.model import ModelDrafter
 from test_sampling import CASES, VOCAB, exact_pairs, total_variation
 
@@ -114,7 +115,13 @@ def test_a_reduced_head_draft_builds_and_decodes_like_the_target(tiny_pair, tmp_
     (reduced / "draft_vocab.json").write_text(json.dumps({"kept_ids": sorted(set(kept))}), encoding="utf-8")
     manifest = build(
         BuildSpec(
-            target=str(target), draft=str(reduced), target_quant="fp32", draft_quant="fp32", k=3, max_context=128
+            target=str(target),
+            draft=str(reduced),
+            target_quant="fp32",
+            draft_quant="fp32",
+            k=3,
+            max_context=128,
+            eval_tokens=EVAL_TOKENS,
         ),
         tmp_path / "bundle",
     )

@@ -11,7 +11,7 @@ from builder import graph
 from builder.architectures import REGISTRY
 from builder.decoder import ROPE_KINDS, GraphError, RotaryTable, from_transformers
 from builder.export import ExportError
-from conftest import make_model, tiny_config
+from conftest import EVAL_TOKENS, make_model, tiny_config
 from runtime.engines.fused import FusedEngine
 
 # Rotary scalings on Llama, each changing the angles within the 16 checked positions
@@ -215,6 +215,7 @@ def test_quantized_targets_keep_greedy_speculation_identical(architecture, quant
             block_size=16,
             k=3,
             max_context=96,
+            eval_tokens=EVAL_TOKENS,
         ),
         tmp_path / "bundle",
     )

@@ -20,12 +20,16 @@ pytestmark = pytest.mark.skipif(
     QEMU is None or platform.machine() != "x86_64",
     reason="needs qemu-user's qemu-x86_64 on an x86_64 machine (apt-get install qemu-user)",
 )
+CPUS = ["Haswell", "EPYC-Rome"]
 
 
-@pytest.mark.parametrize("cpu", ["Haswell", "EPYC-Rome"])
-def test_the_exactness_checks_hold_on_an_emulated_avx2_cpu(cpu, wide_head_int4, tmp_path):
+@pytest.fixture(scope="module")
+def emulated(wide_head_int4, tmp_path_factory):
+    """Both emulated CPUs' runs of tests/isa_check.py, started together: each is one single-threaded qemu process of
+    minutes, so on a machine of two or more cores the pair takes the time of one. {cpu: (process, stdout, stderr)}."""
     path, info = wide_head_int4
-    described = tmp_path / "info.json"
+    folder = tmp_path_factory.mktemp("isa")
+    described = folder / "info.json"
     described.write_text(
         json.dumps(
             {
@@ -38,14 +42,33 @@ def test_the_exactness_checks_hold_on_an_emulated_avx2_cpu(cpu, wide_head_int4, 
     )
     script = Path(__file__).with_name("isa_check.py")
     graphs = [str(path.with_name(f"{quant}.onnx")) for quant in ("fp32", "int8", "int4")]
-    done = subprocess.run(
-        [QEMU, "-cpu", cpu, sys.executable, str(script), str(described), *graphs],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        # qemu-user shows the host's /proc/cpuinfo, which keys the kept points: keep none
-        env={**os.environ, "DRAFTSMITH_CACHE_DIR": "off"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    runs = {}
+    for cpu in CPUS:
+        out, err = folder / f"{cpu}.out", folder / f"{cpu}.err"
+        with open(out, "wb") as stdout, open(err, "wb") as stderr:
+            process = subprocess.Popen(
+                [QEMU, "-cpu", cpu, sys.executable, str(script), str(described), *graphs],
+                stdout=stdout,
+                stderr=stderr,
+                # qemu-user shows the host's /proc/cpuinfo, which keys the kept points: keep none
+                env={**os.environ, "DRAFTSMITH_CACHE_DIR": "off"},
+            )
+        runs[cpu] = (process, out, err)
+    yield runs
+    for process, _, _ in runs.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_the_exactness_checks_hold_on_an_emulated_avx2_cpu(cpu, emulated):
+    process, out, err = emulated[cpu]
+    try:
+        returncode = process.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert returncode == 0, err.read_text(errors="replace")[-3000:]
+    result = json.loads(out.read_text().strip().splitlines()[-1])
     assert result["failures"] == [], (cpu, result)

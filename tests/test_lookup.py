@@ -10,6 +10,7 @@ from runtime.drafters.lookup import PromptLookupDrafter, lookup
 from runtime.decoding.sampling import SamplingParams, probabilities
 from runtime.decoding.config import DecodeConfig
 from batch_run import BatchRun
+from conftest import EVAL_TOKENS
 
 
 @pytest.mark.parametrize(
@@ -102,6 +103,7 @@ def test_the_bundle_names_its_default_drafter(tiny_pair, tmp_path):
             max_context=128,
             drafter="hybrid",
             draft_confidence=0.6,
+            eval_tokens=EVAL_TOKENS,
         ),
         tmp_path / "b",
     )
