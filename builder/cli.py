@@ -95,6 +95,13 @@ class DefaultGroup(click.Group):
     type=int,
     help="A GGUF draft's head over the N most frequent target tokens only (0: all; e.g. 32768).",
 )
+@click.option(
+    "--allow-slow-draft",
+    is_flag=True,
+    default=None,
+    help="Build a draft whose one-token call measures as costly as the target's or more (refused otherwise: "
+    "speculation with it is slower than the target alone).",
+)
 @click.option("--max-context", type=int, help="Cap the context (default: the pair's usable maximum).")
 @click.option(
     "--eval-tokens",
