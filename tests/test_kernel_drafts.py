@@ -51,6 +51,40 @@ def test_requantized_float_weights_are_ggufs_quantizer_and_checked_a_chunk_at_a_
     assert np.array_equal(raw, quants.quantize(np.ascontiguousarray(weight.T), GGMLQuantizationType.Q4_0))
 
 
+@native_only
+def test_a_feature_draft_on_the_kernel_embeds_with_the_target_files_own_blocks(tmp_path):
+    """A tiny GGUF target (Q8_0 table): every matrix of a feature draft becomes Q4_0 blocks, its embedding the
+    file's Q8_0 rows; the graph computes what the float draft does up to the re-quantization; a table that is not
+    the file's is refused."""
+    from builder import graph
+    from builder.distill import feature_draft as fd
+    from builder.gguf.header import open_gguf
+    from test_draft_forms import _engine, _model_and_file
+
+    model, path = _model_and_file(tmp_path)
+    draft = fd.init_feature_draft(model, None)
+    cfg, weights = draft.cfg, fd.saved_weights(draft)
+    embedding = model.get_input_embeddings().weight.detach().numpy()
+    head = model.get_output_embeddings().weight.detach().numpy()
+    floats = fd.feature_decoder(cfg, weights, embedding, head)
+    graph.build(floats, tmp_path / "float.onnx")
+    blocks = draft_form.on_kernel(fd.feature_decoder(cfg, weights, embedding, head), open_gguf(path), True)
+    assert blocks.embedding_gguf.parts[0][0] == "Q8_0" and blocks.embedding_gguf.n == 320
+    linears = [blocks.feature_fc, blocks.head, *(getattr(blocks.layers[0], p) for p in draft_form.LAYER_MATRICES)]
+    assert all(lin.gguf is not None and lin.gguf.parts[0][0] == "Q4_0" and lin.weight is None for lin in linears)
+    graph.build(blocks, tmp_path / "kernel.onnx")
+    tokens = np.random.default_rng(2).integers(0, 320, (1, 6))
+    features = np.random.default_rng(3).standard_normal((1, 6, 64)).astype(np.float32)
+    out = []
+    for name, decoder in (("float", floats), ("kernel", blocks)):
+        engine = _engine(tmp_path / f"{name}.onnx", decoder)
+        out.append(engine.forward(engine.new_cache(1), tokens, features=features))
+    assert np.abs(out[1] - out[0]).max() < 0.25 * np.abs(out[0]).max()  # Q4_0: close, not equal
+    other = fd.feature_decoder(cfg, weights, embedding * 1.01, head)
+    with pytest.raises(ValueError, match="token_embd.weight: the file's blocks differ from the embedding"):
+        draft_form.on_kernel(other, open_gguf(path), True)
+
+
 # --- SmolLM2's GGUF target with a feature draft and a self-draft, built both ways -----------------------------------
 
 
