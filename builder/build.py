@@ -84,6 +84,9 @@ def _build_into(
         tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, kept, rows, stage, chooser
     )
     memory.release()  # the models' weights, dropped with make_engines' frame
+    stage("time draft")
+    ratio = draft_choice.draft_call_ratio(tmp, pair, target, draft, kept, threads)
+    draft_choice.refuse_slow_draft(ratio, spec)  # before the long evaluation
     stage("evaluate")
     report = evaluate.score_engines(
         tmp,
@@ -98,6 +101,7 @@ def _build_into(
         feature_draft=model_surgery.is_feature_draft(draft_ckpt),
         draft_tok=draft_tok if pair.cross else None,
     )
+    report["draft_call_vs_target"] = round(ratio, 3)  # one-token calls, timed in turn (draft_choice)
     report["engine_notes"] = engine_notes  # e.g. GGUF tensors kept as float weights (no exact MatMulNBits form)
     if chooser is not None:
         report["draft_choice"] = chooser.report

@@ -95,6 +95,13 @@ class DefaultGroup(click.Group):
     type=int,
     help="A GGUF draft's head over the N most frequent target tokens only (0: all; e.g. 32768).",
 )
+@click.option(
+    "--allow-slow-draft",
+    is_flag=True,
+    default=None,
+    help="Build a draft whose one-token call measures as costly as the target's or more (refused otherwise: "
+    "speculation with it is slower than the target alone).",
+)
 @click.option("--max-context", type=int, help="Cap the context (default: the pair's usable maximum).")
 @click.option(
     "--eval-tokens",
@@ -385,9 +392,10 @@ def _print_summary(out: Path, manifest) -> None:
         table.add_column(column)
     for entry in (manifest.target, manifest.draft):
         row = report.get(entry.role, {})
+        form = manifest.spec.draft_blocks if entry.role == "draft" and manifest.spec.draft_blocks != "file" else ""
         table.add_row(
             entry.role,
-            entry.quant,
+            f"{entry.quant} {form}".strip(),  # int4 q4_0: GgufMatMul's blocks; int4: MatMulNBits
             f"{entry.size_bytes / 1e6:.1f}",
             _figure(row.get("top1_agreement_vs_fp32"), 3),
             _figure(row.get("perplexity"), 2),
@@ -399,6 +407,8 @@ def _print_summary(out: Path, manifest) -> None:
         f"{_agreement(report)}; default k {manifest.default_k}; "
         f"max context {manifest.max_context}; built in {report.get('build_seconds', 0)} s"
     )
+    if "draft_call_vs_target" in report:
+        console.print(f"a draft call costs {report['draft_call_vs_target']:.2f} of a target call (measured in turn)")
     bridge = report.get("vocab_bridge")
     if bridge:
         console.print(

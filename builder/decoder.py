@@ -145,8 +145,9 @@ class Decoder:
     sliding_window: int = 0  # tokens a query sees, itself included, in every layer without its own window; 0: all
     notes: list[str] = field(default_factory=list)
     # a feature draft (builder/distill/feature_draft.py): x = [embedding(token), features] @ feature_fc, float32
-    # [2H, H], where features are the target's final hidden states (its ``hidden`` output) or the draft's own
-    feature_fc: np.ndarray | None = None
+    # [2H, H], where features are the target's final hidden states (its ``hidden`` output) or the draft's own; a
+    # Linear of blocks on Draftsmith's kernel (builder.gguf.draft_form.on_kernel)
+    feature_fc: "np.ndarray | Linear | None" = None
     # the tables each Layer.rope names; empty: one plain table from rope_theta and max_positions
     rotary: dict[str, RotaryTable] = field(default_factory=dict)
     embed_scale: float = 1.0  # Gemma: the embedding lookup times sqrt(hidden)

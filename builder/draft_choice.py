@@ -48,7 +48,7 @@ from builder.quantize import native_gguf, quantize_engine
 from builder.pairing import Pairing
 from runtime.bundle import BuildSpec
 from runtime.decoding.sampling import SamplingParams
-from runtime.decoding.step_costs import CostModel, relative_call, timed_call
+from runtime.decoding.step_costs import CostModel, fitting_past, relative_call, timed_call
 from runtime.drafters.registry import REGISTRY
 
 # (draft_blocks, draft_head): the file as it is, its head cut, and the 4-bit forms
@@ -60,6 +60,8 @@ PROMPTS = 3  # of each kind (code completions, chat requests) whose continuation
 PROMPT_TOKENS = 256  # each prompt's last tokens at most
 NEW_TOKENS = 96  # the target's greedy continuation of each
 COST_CALLS = 15  # one-token calls of a draft form and of the target, in turn, that time the form
+# a draft whose one-token call costs this share of the target's or more is refused (``refuse_slow_draft``)
+SLOW_DRAFT = 1.0
 # what a cross-tokenizer pair drafts with by default where the spec's drafter needs one vocabulary (the registry's
 # same_vocab)
 CROSS_DRAFTER = "tli"
@@ -365,3 +367,40 @@ class Chooser:
     def _say(self, line: str) -> None:
         if self.say is not None:
             self.say(line)
+
+
+# --- never a draft slower than its target ----------------------------------------------------------------------------
+
+
+def draft_call_ratio(tmp: Path, pair, target: Engine, draft: Engine, kept, threads: int) -> float:
+    """The bundle's draft engine's one-token call over its target's, measured on this machine: both sessions
+    opened as the runtime opens them, warmed, then COST_CALLS calls of each timed in turn (``relative_call``, the
+    ratio of their medians: timed apart, the machine's drift between two runs moves the ratio)."""
+    session = functools.partial(
+        opener, max_context=pair.max_context, threads=threads, vocab_size=target.info.vocab_size
+    )
+    target_engine = session(tmp / "target" / "model.onnx", target.info)()
+    draft_engine = session(tmp / "draft" / "model.onnx", draft.info, kept)()
+    past = fitting_past(64, 1, target_engine, draft_engine)
+    for engine in (target_engine, draft_engine):
+        timed_call(engine, 1, 1, past, 3)  # warm: a new session's first calls map its weights in
+    ratio = relative_call(draft_engine, target_engine, past, COST_CALLS)
+    del target_engine, draft_engine
+    release()
+    return ratio
+
+
+def refuse_slow_draft(ratio: float, spec: BuildSpec, limit: float | None = None) -> None:
+    """BuildError where a draft token's call costs ``limit`` (SLOW_DRAFT) of the target's one-token call or more
+    (``ratio``, measured by ``draft_call_ratio``) and the spec does not allow it (``allow_slow_draft``): speculation
+    with such a draft makes fewer tokens a second than the target alone, whatever its acceptance."""
+    limit = SLOW_DRAFT if limit is None else limit
+    if ratio < limit or spec.allow_slow_draft:
+        return
+    raise BuildError(
+        f"the draft is not faster than its target: its one-token call costs {ratio:.2f} of the target's (medians "
+        f"of {COST_CALLS} calls of each, timed in turn on this machine), so speculative decoding with it would be "
+        "slower than the target alone. Use a cheaper draft (fewer layers: --draft self:layers=N; a distilled or "
+        "feature draft; 4-bit weights: --draft-quant int4, on Draftsmith's kernel where it is built), or build it "
+        "anyway with --allow-slow-draft (allow_slow_draft: true in a preset)"
+    )

@@ -20,7 +20,8 @@ from builder import export, graph, memory, quantize
 from builder.decoder import GraphError, from_transformers
 from builder.errors import BuildError
 from builder.gguf import stream as gguf_stream
-from builder.gguf.draft_form import DraftForm
+from builder.gguf import draft_form
+from builder.gguf.draft_form import KERNEL_BLOCKS, DraftForm
 from builder.progress import Stage
 from runtime.bundle import BuildSpec
 
@@ -70,6 +71,7 @@ def make_engines(
     at a time: the target's go before a separate draft's load; a truncated self-draft reads the target's, a whole
     one quantizes the target's own fp32 graph. With a ``chooser`` (draft_blocks auto) the draft's form, drafter and
     k are measured once the target is made (``builder.draft_choice.Chooser``)."""
+    spec = kernel_draft(spec, target_ckpt, draft_ckpt)
     target, target_model, target_notes = _make_target(
         tmp, work, spec, target_ckpt, draft_ckpt, draft_layers, rows, stage
     )
@@ -82,13 +84,13 @@ def make_engines(
     if draft_ckpt is target_ckpt and not draft_layers:
         draft_model = target_model
         draft = dataclasses.replace(
-            target, reference=target.reference if spec.draft_quant == spec.target_quant else target.fp32
+            target, reference=target.reference if draft_quant(spec) == spec.target_quant else target.fp32
         )
     elif is_feature_draft(draft_ckpt):
         from builder.distill.feature_draft import export_feature_draft
 
         draft_model = None
-        info, check = export_feature_draft(
+        info, check, feature = export_feature_draft(
             target_model, target_ckpt, draft_ckpt, kept, work / "draft.onnx", spec.engine_graph
         )
         draft = Engine(info, check, work / "draft.onnx", work / "draft.onnx")
@@ -97,29 +99,84 @@ def make_engines(
             target_model = None  # a separate draft: the target's weights are written; free them first
             memory.release()
         draft_model = target_model if draft_layers else Model(draft_ckpt, spec, rows, kept)
-        fp32, reference = work / "draft.onnx", _reference_path(work, "draft", draft_model, spec.draft_quant, spec)
+        fp32, reference = work / "draft.onnx", _reference_path(work, "draft", draft_model, draft_quant(spec), spec)
         info, check = _export(draft_model, draft_ckpt, fp32, spec, draft_layers, full=reference == fp32)
         if kept is not None and draft_model.streamed is not None:  # the head is cut as its blocks are written
             info = dataclasses.replace(info, vocab_size=len(kept))
         draft = Engine(info, check, fp32, reference)
     memory.release()
     stage("quantize draft")
-    draft_notes = quantize.quantize_engine(
-        draft.fp32,
-        tmp / "draft" / "model.onnx",
-        spec.draft_quant,
-        spec,
-        target_ckpt if draft_layers else draft_ckpt,
-        draft_model,
-        draft_layers,
-        reference=None if draft.reference == target.reference else draft.reference,
-        form=DraftForm(spec.draft_blocks, kept),
-    )
+    if is_feature_draft(draft_ckpt):
+        spec, draft_notes = _feature_engine(feature, tmp / "draft" / "model.onnx", spec, draft.fp32, target_ckpt)
+    else:
+        draft_notes = quantize.quantize_engine(
+            draft.fp32,
+            tmp / "draft" / "model.onnx",
+            draft_quant(spec),
+            spec,
+            target_ckpt if draft_layers else draft_ckpt,
+            draft_model,
+            draft_layers,
+            reference=None if draft.reference == target.reference else draft.reference,
+            form=DraftForm(spec.draft_blocks, kept),
+        )
     notes = {
         role: list(dict.fromkeys([*engine.info.notes, *notes]))  # the fp32 graph's notes first
         for role, engine, notes in (("target", target, target_notes), ("draft", draft, draft_notes))
     }
     return target, draft, notes, spec, kept
+
+
+def kernel_draft(spec: BuildSpec, target_ckpt, draft_ckpt) -> BuildSpec:
+    """``spec`` with the draft's form on Draftsmith's kernel: a feature draft or a self-draft asked for as int4
+    beside a gguf target whose kernel is built (``quantize.native_gguf``) is written as GgufMatMul over Q4_0 blocks
+    (``draft_blocks: q4_0``, the form the manifest then records) instead of ONNX Runtime's MatMulNBits, which it
+    stays where the kernel is not built. Refused (BuildError): int4 in Q4_0 blocks for any other draft."""
+    ours = draft_ckpt is target_ckpt or is_feature_draft(draft_ckpt)
+    int4_beside_gguf = spec.draft_quant == "int4" and spec.target_quant == "gguf"
+    if int4_beside_gguf and spec.draft_blocks == KERNEL_BLOCKS and not ours:
+        raise BuildError(
+            f"draft_blocks {KERNEL_BLOCKS} with draft_quant int4 puts a feature draft or a self-draft on "
+            f"Draftsmith's kernel; {draft_ckpt.source} is neither: use draft_blocks file (or a .gguf draft with "
+            "draft_quant gguf)"
+        )
+    if int4_beside_gguf and ours and spec.draft_blocks == "file" and quantize.native_gguf(spec):
+        return dataclasses.replace(spec, draft_blocks=KERNEL_BLOCKS)
+    return spec
+
+
+def draft_quant(spec: BuildSpec) -> str:
+    """The quant the draft's engine is written with: an int4 self-draft on the kernel (``kernel_draft``) is the
+    target file's values re-quantized into Q4_0 blocks, the GGUF path's (builder.gguf.weights, DraftForm q4_0)."""
+    return "gguf" if spec.draft_quant == "int4" and spec.draft_blocks == KERNEL_BLOCKS else spec.draft_quant
+
+
+def _feature_engine(decoder, dst: Path, spec: BuildSpec, fp32: Path, target_ckpt) -> tuple[BuildSpec, list[str]]:
+    """(spec, notes) of a feature draft's engine at ``dst``: on Draftsmith's kernel (``kernel_draft``: every matrix
+    Q4_0 blocks, the embedding the target file's own blocks, builder.gguf.draft_form.on_kernel), else ``fp32``
+    quantized as ``spec.draft_quant`` by ONNX Runtime. A draft whose widths are not whole Q4_0 blocks keeps
+    MatMulNBits, and the spec then says so (draft_blocks file)."""
+    if spec.draft_blocks != KERNEL_BLOCKS:
+        quantize.quantize(fp32, dst, spec.draft_quant, spec.block_size, spec.symmetric, spec.accuracy_level)
+        return spec, []
+    wrong = draft_form.fits_kernel(decoder)
+    if wrong is not None:
+        quantize.quantize(fp32, dst, spec.draft_quant, spec.block_size, spec.symmetric, spec.accuracy_level)
+        return dataclasses.replace(spec, draft_blocks="file"), [
+            f"ONNX Runtime's MatMulNBits int4, not Draftsmith's kernel: {wrong} is not whole Q4_0 blocks"
+        ]
+    try:
+        draft_form.on_kernel(decoder, target_ckpt.gguf, target_ckpt.architecture.gguf_permuted_qk)
+    except ValueError as err:
+        raise BuildError(f"the feature draft on Draftsmith's kernel: {err}") from None
+    graph.build(decoder, dst, spec.accuracy_level)
+    table = decoder.embedding_gguf or decoder.embedding_quant
+    how = "GgufGather" if decoder.embedding_gguf is not None else "GatherBlockQuantized"
+    kind = decoder.embedding_gguf.parts[0][0] if decoder.embedding_gguf is not None else f"{table.bits}-bit"
+    return spec, [
+        "every matrix (fc, layer, head) re-quantized from the draft's float weights into Q4_0 blocks, multiplied "
+        f"by Draftsmith's GgufMatMul; its embedding the target file's own {kind} blocks ({how})"
+    ]
 
 
 def _make_target(
@@ -129,7 +186,7 @@ def _make_target(
     only where something reads it: a whole self-draft quantized from it, or the target scored against it."""
     stage("export target")
     model = Model(target_ckpt, spec, rows)
-    self_fp32 = draft_ckpt is target_ckpt and not draft_layers and spec.draft_quant != "gguf"  # quantized from it
+    self_fp32 = draft_ckpt is target_ckpt and not draft_layers and draft_quant(spec) != "gguf"  # quantized from it
     fp32, reference = work / "target.onnx", _reference_path(work, "target", model, spec.target_quant, spec)
     info, check = _export(model, target_ckpt, fp32, spec, full=self_fp32 or reference == fp32)
     memory.release()  # the torch check's session and arrays

@@ -108,7 +108,8 @@ def quantize_engine(
         )
 
     native = native_gguf(spec)
-    said = _kernel_notes(spec, native) + _form_notes(form)  # what the engine is, known before it is written
+    requantized = native and form is not None and form.requantize_to is not None
+    said = _kernel_notes(spec, native, requantized) + _form_notes(form)  # what the engine is, before it is written
 
     def blocks(native: bool):
         decoder = model.decoder(layers)  # a fresh one each time: apply replaces its weights by the file's blocks
@@ -141,10 +142,12 @@ def _form_notes(form: DraftForm | None) -> list[str]:
     return notes
 
 
-def _kernel_notes(spec: BuildSpec, native: bool) -> list[str]:
-    """What the report says about the kernel that multiplies by the file's blocks."""
+def _kernel_notes(spec: BuildSpec, native: bool, requantized: bool = False) -> list[str]:
+    """What the report says about the kernel that multiplies by the file's blocks (``requantized``: by a draft's
+    blocks re-quantized from them, which ``_form_notes`` says)."""
     if native:
-        return [f"the file's blocks as they are, multiplied by Draftsmith's GgufMatMul ({gguf_ops.kernels()} here)"]
+        what = "the draft's blocks" if requantized else "the file's blocks as they are"
+        return [f"{what}, multiplied by Draftsmith's GgufMatMul ({gguf_ops.kernels()} here)"]
     if spec.gguf_kernel == "auto" and spec.engine_graph == "fused":
         return [
             f"ONNX Runtime's MatMulNBits form (~1.5x the file's bytes a token, slower): {gguf_ops.unavailable_reason()}"

@@ -131,9 +131,14 @@ class BuildSpec:
     gguf_kernel: str = "auto"
     # quant gguf drafts (builder/gguf/draft_form.py): "q4_0" re-quantizes the draft file's blocks into the kernel's
     # 4-bit ones ("file": as they are), and a draft_head of N > 0 keeps the head rows of the N most frequent target
-    # tokens only. A draft's precision and head move its acceptance, never the output: the target verifies.
+    # tokens only. A draft's precision and head move its acceptance, never the output: the target verifies. With
+    # draft_quant int4 beside a gguf target, "q4_0" says a feature draft or self-draft is GgufMatMul over Q4_0
+    # blocks (the build sets it where the kernel is built; "file": ONNX Runtime's MatMulNBits).
     draft_blocks: str = "file"
     draft_head: int = 0
+    # a draft whose one-token call costs as much as the target's (or more) is refused at build time with the
+    # measured ratio (builder.draft_choice.refuse_slow_draft); True builds it anyway
+    allow_slow_draft: bool = False
     opset: int = 18
     max_context: int = 0  # 0: the usable maximum of the pair
     eval_tokens: int = 0  # tokens of the evaluation set the build report scores (0: all, ~25,000)
@@ -198,11 +203,15 @@ class BuildSpec:
             "0 (every row) or a number of head rows >= 256",
             self.draft_head,
         )
-        if self.draft_blocks != "file" or self.draft_head:
+        # int4 in the kernel's Q4_0 blocks: a feature draft or a self-draft beside a GGUF target on Draftsmith's
+        # kernel (builder.model_surgery.kernel_draft resolves it; the manifest then says the form the engine is)
+        kernel_int4 = self.draft_quant == "int4" and self.target_quant == "gguf" and self.draft_blocks == "q4_0"
+        if (self.draft_blocks != "file" or self.draft_head) and not (kernel_int4 and not self.draft_head):
             _check(
                 self.draft_quant == "gguf",
                 "draft_quant",
-                "'gguf' with draft_blocks / draft_head (they reshape a GGUF draft file's own blocks)",
+                "'gguf' with draft_blocks / draft_head (they reshape a GGUF draft file's own blocks; int4 takes "
+                "draft_blocks q4_0 beside a gguf target only)",
                 self.draft_quant,
             )
 

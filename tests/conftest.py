@@ -15,6 +15,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # measured class points (runtime.engines.attention_classes) go to a folder of this run's, not the user's cache
 os.environ.setdefault("DRAFTSMITH_CACHE_DIR", tempfile.mkdtemp(prefix="draftsmith-test-cache-"))
 
+
+@pytest.fixture(scope="session", autouse=True)
+def slow_drafts_built():
+    """The tiny test pairs' draft and target are about the same size, so a draft's measured call is ~1.0 of its
+    target's either side by chance: every build here still measures it (builder.draft_choice.draft_call_ratio), but
+    none is refused for it (SLOW_DRAFT infinite); tests/test_draft_speed.py tests the refusal with the ratio
+    injected."""
+    from builder import draft_choice
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(draft_choice, "SLOW_DRAFT", float("inf"))
+        yield
+
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. ",
     "def add(a, b):\n    return a + b\n",

@@ -112,7 +112,17 @@ def test_damaged_bundles_are_refused(tiny_bundle, tmp_path, damage):
 
 @pytest.mark.parametrize(
     "stage",
-    ["pair", "export target", "quantize target", "export draft", "quantize draft", "evaluate", "tokenizer", "manifest"],
+    [
+        "pair",
+        "export target",
+        "quantize target",
+        "export draft",
+        "quantize draft",
+        "time draft",
+        "evaluate",
+        "tokenizer",
+        "manifest",
+    ],
 )
 def test_interrupted_build_leaves_no_bundle(tiny_pair, tmp_path, stage):
     target, draft = tiny_pair

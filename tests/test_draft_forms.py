@@ -156,7 +156,8 @@ def open_prompts() -> str:
 @pytest.mark.parametrize(
     "fields, field",
     [
-        ({"draft_quant": "int4", "draft_blocks": "q4_0"}, "draft_quant"),
+        ({"draft_quant": "int8", "draft_blocks": "q4_0"}, "draft_quant"),
+        ({"draft_quant": "int4", "draft_blocks": "q4_0", "target_quant": "int8"}, "draft_quant"),  # no gguf target
         ({"draft_quant": "int4", "draft_head": 4096}, "draft_quant"),
         ({"draft_quant": "gguf", "draft_blocks": "q2_k"}, "draft_blocks"),
         ({"draft_quant": "gguf", "draft_head": 100}, "draft_head"),
@@ -165,4 +166,4 @@ def open_prompts() -> str:
 )
 def test_a_form_the_build_cannot_make_is_refused_by_name(fields, field):
     with pytest.raises(SpecError, match=field):
-        BuildSpec(target="t.gguf", draft="d.gguf", target_quant="gguf", **fields)
+        BuildSpec(target="t.gguf", draft="d.gguf", **{"target_quant": "gguf", **fields})

@@ -458,8 +458,9 @@ def check_against_trained(path: Path, info, module, tolerance: float, seed: int 
 def export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Path, engine_graph: str):
     """The build's draft engine of a feature draft (``draftsmith distill --init feature``): a fused graph over the
     target's embeddings and head rows (``target_model``: builder.model_surgery.Model), with a ``features`` input,
-    checked against the torch module it was trained as: (GraphInfo, check report). Refused (BuildError) where the
-    draft was trained for another target or its shapes are not the target's."""
+    checked against the torch module it was trained as: (GraphInfo, check report, its float Decoder: what the
+    engine on Draftsmith's kernel is re-quantized from, builder.gguf.draft_form.on_kernel). Refused (BuildError)
+    where the draft was trained for another target or its shapes are not the target's."""
     from builder import graph
     from builder.errors import BuildError
 
@@ -487,4 +488,4 @@ def export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Path
     graph.build(decoder, path)
     info = graph.info_of(decoder)
     module = module_from(cfg, weights, embedding, head)
-    return info, check_against_trained(path, info, module, target_ckpt.architecture.tolerance)
+    return info, check_against_trained(path, info, module, target_ckpt.architecture.tolerance), decoder

@@ -737,3 +737,13 @@ def _pack(blocks: _Blocks) -> BlockQuant:
         padded[:, : zero.shape[1]] = zero
         zero_points = np.ascontiguousarray(padded[:, 0::2] | (padded[:, 1::2] << 4))
     return BlockQuant(4, block, k, n, np.ascontiguousarray(packed), blocks.scales, zero_points, blocks.offsets)
+
+
+def file_embedding(decoder: Decoder, gguf: GgufFile, permuted_qk: bool = True) -> None:
+    """The embedding of a draft that embeds tokens with its target's own table (a feature draft) as the target
+    file's blocks, read by GgufGather where the kernel knows their type (else GatherBlockQuantized), checked like
+    every layer against the float table the draft was made with; ValueError where the file's token_embd is not that
+    table (another shape, a type without an exact form, other values)."""
+    _embedding(decoder, FileBytes(gguf.path), gguf.tensors, permuted_qk, native=True, tied_ok=False)
+    if decoder.embedding_gguf is None and decoder.embedding_quant is None:
+        raise ValueError("the target file's token_embd.weight is not the draft's embedding table (shape or type)")
