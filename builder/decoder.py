@@ -146,7 +146,7 @@ class Decoder:
     notes: list[str] = field(default_factory=list)
     # a feature draft (builder/distill/feature_draft.py): x = [embedding(token), features] @ feature_fc, float32
     # [2H, H], where features are the target's final hidden states (its ``hidden`` output) or the draft's own; a
-    # Linear of blocks on Draftsmith's kernel (builder.gguf.draft_form.on_kernel)
+    # Linear of blocks on Draftsmith's kernel (builder.gguf.float_draft.on_kernel)
     feature_fc: "np.ndarray | Linear | None" = None
     # the tables each Layer.rope names; empty: one plain table from rope_theta and max_positions
     rotary: dict[str, RotaryTable] = field(default_factory=dict)

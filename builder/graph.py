@@ -217,7 +217,7 @@ def _embed(g: "_Graph", decoder: Decoder) -> str:
         (x,) = g.op("Mul", [x, g.const("embed_scale", np.array(decoder.embed_scale, np.float32))], name="embed_scale")
     if decoder.feature_fc is not None:
         (both,) = g.op("Concat", [x, "features"], name="embed_features", axis=-1)
-        if isinstance(decoder.feature_fc, Linear):  # on the kernel: blocks (builder.gguf.draft_form.on_kernel)
+        if isinstance(decoder.feature_fc, Linear):  # on the kernel: blocks (builder.gguf.float_draft.on_kernel)
             x = _linear(g, "fc", both, decoder.feature_fc)
         else:
             (x,) = g.op("MatMul", [both, g.const("feature_fc", decoder.feature_fc.astype(np.float32))], name="fc")

@@ -20,7 +20,7 @@ from builder import export, graph, memory, quantize
 from builder.decoder import GraphError, from_transformers
 from builder.errors import BuildError
 from builder.gguf import stream as gguf_stream
-from builder.gguf import draft_form
+from builder.gguf import float_draft
 from builder.gguf.draft_form import KERNEL_BLOCKS, DraftForm
 from builder.progress import Stage
 from runtime.bundle import BuildSpec
@@ -153,20 +153,20 @@ def draft_quant(spec: BuildSpec) -> str:
 
 def _feature_engine(decoder, dst: Path, spec: BuildSpec, fp32: Path, target_ckpt) -> tuple[BuildSpec, list[str]]:
     """(spec, notes) of a feature draft's engine at ``dst``: on Draftsmith's kernel (``kernel_draft``: every matrix
-    Q4_0 blocks, the embedding the target file's own blocks, builder.gguf.draft_form.on_kernel), else ``fp32``
+    Q4_0 blocks, the embedding the target file's own blocks, builder.gguf.float_draft.on_kernel), else ``fp32``
     quantized as ``spec.draft_quant`` by ONNX Runtime. A draft whose widths are not whole Q4_0 blocks keeps
     MatMulNBits, and the spec then says so (draft_blocks file)."""
     if spec.draft_blocks != KERNEL_BLOCKS:
         quantize.quantize(fp32, dst, spec.draft_quant, spec.block_size, spec.symmetric, spec.accuracy_level)
         return spec, []
-    wrong = draft_form.fits_kernel(decoder)
+    wrong = float_draft.fits_kernel(decoder)
     if wrong is not None:
         quantize.quantize(fp32, dst, spec.draft_quant, spec.block_size, spec.symmetric, spec.accuracy_level)
         return dataclasses.replace(spec, draft_blocks="file"), [
             f"ONNX Runtime's MatMulNBits int4, not Draftsmith's kernel: {wrong} is not whole Q4_0 blocks"
         ]
     try:
-        draft_form.on_kernel(decoder, target_ckpt.gguf, target_ckpt.architecture.gguf_permuted_qk)
+        float_draft.on_kernel(decoder, target_ckpt.gguf, target_ckpt.architecture.gguf_permuted_qk)
     except ValueError as err:
         raise BuildError(f"the feature draft on Draftsmith's kernel: {err}") from None
     graph.build(decoder, dst, spec.accuracy_level)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from builder.decoder import Decoder, Layer, Linear
-from builder.gguf import draft_form
+from builder.gguf import float_draft
 from conftest import smollm2_available
 from runtime.engines import gguf_ops
 
@@ -38,16 +38,16 @@ def _float_decoder(rng, hidden=64, inner=96, vocab=48, heads=4):
 
 def test_a_draft_whose_widths_are_not_whole_blocks_is_said_not_to_fit():
     rng = np.random.default_rng(0)
-    assert draft_form.fits_kernel(_float_decoder(rng)) is None
-    assert "layers.0.down (K = 72)" == draft_form.fits_kernel(_float_decoder(rng, inner=72))
+    assert float_draft.fits_kernel(_float_decoder(rng)) is None
+    assert "layers.0.down (K = 72)" == float_draft.fits_kernel(_float_decoder(rng, inner=72))
 
 
 def test_requantized_float_weights_are_ggufs_quantizer_and_checked_a_chunk_at_a_time(monkeypatch):
     from gguf import GGMLQuantizationType, quants
 
     weight = np.random.default_rng(1).standard_normal((64, 40)).astype(np.float32)  # [K, N]
-    monkeypatch.setattr(draft_form, "REQUANTIZE_ROWS", 16)  # three chunks of rows
-    raw = draft_form._requantized_float("w", weight, "Q4_0")
+    monkeypatch.setattr(float_draft, "REQUANTIZE_ROWS", 16)  # three chunks of rows
+    raw = float_draft._requantized_float("w", weight, "Q4_0")
     assert np.array_equal(raw, quants.quantize(np.ascontiguousarray(weight.T), GGMLQuantizationType.Q4_0))
 
 
@@ -68,9 +68,9 @@ def test_a_feature_draft_on_the_kernel_embeds_with_the_target_files_own_blocks(t
     head = model.get_output_embeddings().weight.detach().numpy()
     floats = fd.feature_decoder(cfg, weights, embedding, head)
     graph.build(floats, tmp_path / "float.onnx")
-    blocks = draft_form.on_kernel(fd.feature_decoder(cfg, weights, embedding, head), open_gguf(path), True)
+    blocks = float_draft.on_kernel(fd.feature_decoder(cfg, weights, embedding, head), open_gguf(path), True)
     assert blocks.embedding_gguf.parts[0][0] == "Q8_0" and blocks.embedding_gguf.n == 320
-    linears = [blocks.feature_fc, blocks.head, *(getattr(blocks.layers[0], p) for p in draft_form.LAYER_MATRICES)]
+    linears = [blocks.feature_fc, blocks.head, *(getattr(blocks.layers[0], p) for p in float_draft.LAYER_MATRICES)]
     assert all(lin.gguf is not None and lin.gguf.parts[0][0] == "Q4_0" and lin.weight is None for lin in linears)
     graph.build(blocks, tmp_path / "kernel.onnx")
     tokens = np.random.default_rng(2).integers(0, 320, (1, 6))
@@ -82,7 +82,7 @@ def test_a_feature_draft_on_the_kernel_embeds_with_the_target_files_own_blocks(t
     assert np.abs(out[1] - out[0]).max() < 0.25 * np.abs(out[0]).max()  # Q4_0: close, not equal
     other = fd.feature_decoder(cfg, weights, embedding * 1.01, head)
     with pytest.raises(ValueError, match="token_embd.weight: the file's blocks differ from the embedding"):
-        draft_form.on_kernel(other, open_gguf(path), True)
+        float_draft.on_kernel(other, open_gguf(path), True)
 
 
 # --- SmolLM2's GGUF target with a feature draft and a self-draft, built both ways -----------------------------------

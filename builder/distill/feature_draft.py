@@ -459,7 +459,7 @@ def export_feature_draft(target_model, target_ckpt, draft_ckpt, kept, path: Path
     """The build's draft engine of a feature draft (``draftsmith distill --init feature``): a fused graph over the
     target's embeddings and head rows (``target_model``: builder.model_surgery.Model), with a ``features`` input,
     checked against the torch module it was trained as: (GraphInfo, check report, its float Decoder: what the
-    engine on Draftsmith's kernel is re-quantized from, builder.gguf.draft_form.on_kernel). Refused (BuildError)
+    engine on Draftsmith's kernel is re-quantized from, builder.gguf.float_draft.on_kernel). Refused (BuildError)
     where the draft was trained for another target or its shapes are not the target's."""
     from builder import graph
     from builder.errors import BuildError
