@@ -162,10 +162,8 @@ def probe_limits(costs: CostModel, inputs: PlanInputs) -> list[int]:
 
 
 def _probed(ks: list[int], costs: CostModel, inputs: PlanInputs, rows) -> list[int]:
-    """``ks`` with probes (``with_probes``); the hopeful plan is asked only on a step where a row kept from drafting
-    is due to probe (its count reaches PROBE_EVERY), not on every step: at batch 4 it was half the plan's time."""
-    due = any(not k and limit and row.undrafted + 1 >= PROBE_EVERY for k, limit, row in zip(ks, inputs.limits, rows))
-    limits = probe_limits(costs, inputs) if due else inputs.limits
+    """``ks`` with probes (``with_probes``); the hopeful plan is asked only where a row is kept from drafting."""
+    limits = probe_limits(costs, inputs) if not all(ks) else inputs.limits
     return with_probes(ks, limits, rows)
 
 

@@ -8,7 +8,7 @@ from runtime.decoding.drafter import Drafter, Proposal
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
 from runtime.decoding.sampling import SamplingParams
-from runtime.decoding.step_costs import expected_tokens
+from runtime.decoding.step_costs import STEADY_BACKLOG, expected_tokens
 
 PRIOR = 0.6  # a row's acceptance estimate of each source before it has drafted
 
@@ -65,10 +65,15 @@ class HybridDrafter(Drafter):
         self, limits: list[int], params: SamplingParams, rngs: list, prefixes: list[list[int]] | None = None
     ) -> Proposal:
         """A row with a prefix (grammar-forced tokens) goes to the model, which drafts on after it; the others
-        look up first."""
+        look up first, and take the free proposal wherever the model would first have to catch up (what the step
+        plan priced them at: ``backlog``), else where it pays more than the model's."""
         prefixes = prefixes or [[] for _ in limits]
         found = self.free.propose([0 if p else limit for p, limit in zip(prefixes, limits)], params, rngs)
-        pick = [bool(t) and self.free_pays(b, len(t), limits) for b, t in enumerate(found.tokens)]
+        behind = self.model.backlog() or [0] * len(limits)
+        pick = [
+            bool(t) and (behind[b] > STEADY_BACKLOG or self.free_pays(b, len(t), limits))
+            for b, t in enumerate(found.tokens)
+        ]
         model_limits = [0 if p else limit for p, limit in zip(pick, limits)]
         drafted = (
             self.model.propose(model_limits, params, rngs, prefixes=prefixes)
