@@ -56,6 +56,7 @@ def self_draft_build(target, out) -> list[str]:
         "self",
         "--draft-quant",
         "int8",
+        "--allow-slow-draft",  # a subprocess: conftest's slow_drafts_built does not reach it
         "--eval-tokens",
         str(EVAL_TOKENS),
         "--out",

@@ -211,7 +211,8 @@ def test_the_generator_and_bench_build_suffix_drafters(generator):
     assert hybrid.free.config == HYBRID_SUFFIX
     assert drafter_labels("suffix,hybrid_suffix") == ["suffix", "hybrid_suffix"]  # the bench takes both
     ids = [generator.encode_prompt("def add(a, b):\n    return a + b\n\ndef add(a, b):\n", False)]
-    records, _ = decode(generator, ids, "speculative", 4, 24, 0.0, 0, "suffix")
+    # plan off: the drafter's earlier rows in this module (a random tiny model) may have priced drafting out
+    records, _ = decode(generator, ids, "speculative", 4, 24, 0.0, 0, "suffix", plan=False)
     plain, _ = decode(generator, ids, "target", None, 24, 0.0, 0, "suffix")
     assert records[0].token_ids == plain[0].token_ids
     assert sum(drafted for drafted, *_ in records[0].steps) > 0
