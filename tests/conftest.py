@@ -29,6 +29,19 @@ def slow_drafts_built():
         yield
 
 
+@pytest.fixture
+def streams(monkeypatch):
+    """Rows drawn from streams, as unseeded rows are (rejection sampling), though seeded so the test repeats: the
+    scheduler's rows get generators, never position-keyed races (runtime/decoding/seeded.py). For tests of
+    rejection sampling itself: a seeded row's races keep the target's law whatever q a drafter states."""
+    from runtime.core import scheduler
+    from runtime.decoding.config import row_randomness
+
+    monkeypatch.setattr(
+        scheduler, "row_randomness", lambda seed, rows, params, keyed: row_randomness(seed, rows, params, keyed=False)
+    )
+
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. ",
     "def add(a, b):\n    return a + b\n",

@@ -99,18 +99,37 @@ def exact_prefixes(probs: np.ndarray, start: int, length: int) -> np.ndarray:
     return joint
 
 
-def exact_acceptance(probs: np.ndarray, draft_laws: list[np.ndarray], start: int) -> np.ndarray:
+def exact_acceptance(probs: np.ndarray, draft_laws: list[np.ndarray], start: int, races: bool = False) -> np.ndarray:
     """P(draft tokens 1..j all accepted), j = 1..len(draft_laws), in one verify step after ``start``.
 
     draft_laws[j-1][a, b] is the draft's q(b | a) at position j (a point-mass proposal x_j: 1 where b == x_j). Under
-    rejection sampling P(x_j = b and accepted | x_{j-1} = a) = min(p(b | a), q(b | a)), so the chain is a product.
+    rejection sampling P(x_j = b and accepted | x_{j-1} = a) = min(p(b | a), q(b | a)); under a seeded row's races
+    (``races``) it is ``raced_together``'s. Either way the chain is a product.
     """
     reach = np.eye(len(probs))[start]  # [a]: P(all so far accepted and the last token is a)
     out = []
     for law in draft_laws:
-        reach = reach @ np.minimum(probs, law)
+        reach = reach @ (raced_together(probs, law) if races else np.minimum(probs, law))
         out.append(reach.sum())
     return np.array(out)
+
+
+def raced_together(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[..., b]: P(b wins both exponential races over the same noise, one under p and one under q): b wins both when
+    every other w's time E_w exceeds E_b * max(p_w / p_b, q_w / q_b); integrated over E_b ~ Exp(1), that is
+    1 / sum_w max(p_w / p_b, q_w / q_b), and 0 where p_b or q_b is 0."""
+    p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = np.maximum(p[..., None, :] / p[..., :, None], q[..., None, :] / q[..., :, None])
+        out = 1.0 / ratios.sum(-1)
+    return np.where((p > 0) & (q > 0), out, 0.0)
+
+
+def drawn_by_races(rows) -> bool:
+    """Whether the rows are seeded sampled rows drawn by position-keyed races (runtime/decoding/seeded.py)."""
+    from runtime.decoding.seeded import SeededNoise
+
+    return isinstance(rows[0].rng, SeededNoise)
 
 
 def point_mass_laws(tokens: list[int], vocab: int) -> list[np.ndarray]:
@@ -191,7 +210,7 @@ def assert_follows_target(rows, first: DraftCounts, probs: np.ndarray, start: in
     for axes in ((1, 2, 3), (2, 3), (3,), (0, 1)):
         law = exact.sum(axes)
         assert total_variation(observed.sum(axes), law) < tv_bound(law, n), f"law of the tokens but {axes}"
-    acceptance = exact_acceptance(probs, draft_laws, start)
+    acceptance = exact_acceptance(probs, draft_laws, start, races=drawn_by_races(rows))
     depth = len(draft_laws)
     assert first.drafted[:depth].tolist() == [n] * depth and len(first.drafted) == depth
     assert np.abs(first.accepted[:depth] / n - acceptance).max() < rate_bound(n), (first.accepted / n, acceptance)

@@ -15,7 +15,17 @@ from functools import lru_cache
 
 import numpy as np
 
-from fakes import LENGTH, DraftCounts, TokenCache, last_positions, rate_bound, total_variation, tv_bound
+from fakes import (
+    LENGTH,
+    DraftCounts,
+    TokenCache,
+    drawn_by_races,
+    last_positions,
+    raced_together,
+    rate_bound,
+    total_variation,
+    tv_bound,
+)
 from runtime.engines.base import KVCache
 from runtime.decoding.sampling import probabilities
 
@@ -81,15 +91,17 @@ def exact_joint(law, context: list[int], vocab: int, length: int = LENGTH) -> np
     return joint
 
 
-def exact_acceptance(law, draft_law, context: list[int], vocab: int, depth: int) -> np.ndarray:
-    """P(draft tokens 1..j all accepted) in the first step: min(p, q) chained over draft positions, where
-    draft_law(prefix, j) is the draft's q at position j (after prefix = context + j - 1 accepted tokens)."""
+def exact_acceptance(law, draft_law, context: list[int], vocab: int, depth: int, races: bool = False) -> np.ndarray:
+    """P(draft tokens 1..j all accepted) in the first step: min(p, q) (a seeded row's races: ``raced_together``)
+    chained over draft positions, where draft_law(prefix, j) is the draft's q at position j (after prefix = context +
+    j - 1 accepted tokens)."""
     out = np.zeros(depth)
+    joint = raced_together if races else np.minimum
 
     def walk(prefix: list[int], j: int, reach: float) -> None:
         if j == depth:
             return
-        both = np.minimum(law(prefix), draft_law(prefix, j))
+        both = joint(law(prefix), draft_law(prefix, j))
         for token in range(vocab):
             if both[token] > 0:
                 out[j] += reach * both[token]
@@ -119,7 +131,7 @@ def assert_follows_prefix_target(rows, first: DraftCounts, law, context: list[in
         marginal = exact.sum(axes) if axes else exact
         got = observed.sum(axes) if axes else observed
         assert total_variation(got, marginal) < tv_bound(marginal, n), f"law of the tokens but {axes}"
-    acceptance = exact_acceptance(law, draft_law, context, vocab, depth)
+    acceptance = exact_acceptance(law, draft_law, context, vocab, depth, races=drawn_by_races(rows))
     assert first.drafted[:depth].tolist() == [n] * depth and len(first.drafted) == depth, first.drafted
     assert np.abs(first.accepted[:depth] / n - acceptance).max() < rate_bound(n), (first.accepted / n, acceptance)
     assert DraftCounts.of(rows).multi_token_steps_decided_both_ways()

@@ -198,7 +198,7 @@ def test_string_sampling_follows_the_target_distribution(params):
         assert 0 < first.accepted[0] < first.drafted[0]
 
 
-def test_a_misstated_draft_law_fails_the_distribution_test(monkeypatch):
+def test_a_misstated_draft_law_fails_the_distribution_test(monkeypatch, streams):
     """Recording a q other than the law the token was drawn from (here 20% too small: the restricted law's mass
     before renormalising, roughly) is the bug exactness rests on: the distribution test must see it."""
     import runtime.drafters.cross_vocab as cross_vocab

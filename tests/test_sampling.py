@@ -9,15 +9,18 @@ from fakes import (
     LENGTH,
     BigramEngine,
     assert_follows_target,
+    drawn_by_races,
     exact_prefixes,
     prefix_frequencies,
     random_table,
     run_loop,
     total_variation,
+    tv_bound,
 )
 from runtime.decoding import sampling
 from runtime.errors import RequestError
 from runtime.decoding.sampling import SamplingParams, probabilities, verify
+from runtime.decoding.seeded import SeededNoise, race
 from runtime.decoding.config import DecodeConfig
 from batch_run import BatchRun
 from runtime.drafters.model import ModelDrafter
@@ -118,10 +121,19 @@ def run_model_drafter(target_table, draft_table, params, n: int, k: int, seed: i
 CASES = [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)]
 
 
-@pytest.mark.parametrize("params", CASES, ids=["T=1", "T=0.7,top_k=3", "T=1.3,top_p=0.8"])
-def test_speculative_sampling_follows_the_target_distribution(params):
+@pytest.mark.parametrize(
+    "params, draws",
+    [(params, "races") for params in CASES] + [(CASES[2], "streams")],
+    ids=["T=1", "T=0.7,top_k=3", "T=1.3,top_p=0.8", "T=1.3,top_p=0.8,streams"],
+)
+def test_speculative_sampling_follows_the_target_distribution(params, draws, request):
+    """Both ways of sampling: seeded rows' races (acceptance: the coupling's) and streams (rejection sampling's; the
+    suite's other distribution tests run seeded rows, so races)."""
+    if draws == "streams":
+        request.getfixturevalue("streams")
     target_table, draft_table = random_table(VOCAB, 1), random_table(VOCAB, 2)
     loop, first = run_model_drafter(target_table, draft_table, params, N, k=3, seed=7)
+    assert drawn_by_races(loop.rows) == (draws == "races")
     p, q = probabilities(target_table, params), probabilities(draft_table, params)
     assert_follows_target(loop.rows, first, p, 0, [q] * 3)
     # the draft really differs: a sampler that followed it would be far off
@@ -141,7 +153,7 @@ def test_the_budget_rule_lets_the_first_step_draft_all_but_one_new_token():
         assert all(len(r.generated) == max_new_tokens for r in loop.rows)
 
 
-def test_a_wrong_acceptance_rule_fails_the_distribution_test(monkeypatch):
+def test_a_wrong_acceptance_rule_fails_the_distribution_test(monkeypatch, streams):
     """Resampling from p (not the residual max(0, p - q)) after a rejection is a classic bug: it must be caught."""
 
     def wrong_verify(tokens, draft_probs, logits, params, rng):
@@ -221,3 +233,50 @@ def test_top_p_on_a_large_vocabulary_is_the_full_sort_nucleus():
         got = np.zeros(len(probs), bool)
         got[nucleus_ids(probs, top_p)] = True
         assert np.array_equal(got, want), trial
+
+
+# --- seeded rows: position-keyed races -----------------------------------------------------------------------------
+
+
+def test_a_race_follows_its_distribution_and_its_key():
+    """Over many keys a race picks each token as often as its probability; one key and position always pick the same."""
+    small = np.array([0.05, 0.0, 0.5, 0.25, 0.2])
+    large = np.zeros(5000)  # over BLOCK ids: a race between blocks, then within the winner (ids at blocks' edges)
+    large[[3, 1023, 1024, 2047, 2500, 4999]] = [0.3, 0.1, 0.2, 0.15, 0.05, 0.2]
+    for p in (small, large):
+        picks = np.bincount([race(p, key, 3) for key in range(20000)], minlength=len(p)) / 20000
+        assert total_variation(picks, p) < tv_bound(p, 20000) and not picks[p == 0].any()
+        assert len({race(p, 77, 3) for _ in range(5)}) == 1
+        assert len({race(p, 77, position) for position in range(40)}) > 1  # positions draw apart
+
+
+def test_a_draft_that_races_on_the_target_law_is_always_accepted():
+    """Drafted by the same races over the same law, every token is the target's choice: no rejection, ever."""
+    logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4]] * 4))
+    p = probabilities(logits[0], SAMPLED)
+    for seed in range(50):
+        noise = SeededNoise(np.random.SeedSequence(seed))
+        draft = noise.at(10)
+        tokens = [draft.choose(p) for _ in range(3)]
+        assert verify(tokens, [p] * 3, logits, SAMPLED, noise.at(10))[0] == 3
+
+
+def seeded_text(mode: str, k: int, plan: bool, seed=5, prompts=((0,),)) -> list[list[int]]:
+    """Seeded sampled text (T = 1 and top-p, a draft that disagrees often) decoded with ``mode`` at ``k``."""
+    target, draft = BigramEngine(random_table(VOCAB, 1)), BigramEngine(random_table(VOCAB, 2))
+    params = SamplingParams(1.0, top_p=0.9)
+    config = DecodeConfig(24, k, params, seed=seed, plan=plan)
+    loop = BatchRun(target, ModelDrafter(draft) if mode == "speculative" else None, [list(p) for p in prompts], config)
+    for _ in loop.run():
+        pass
+    return [row.generated for row in loop.rows]
+
+
+def test_seeded_text_does_not_depend_on_the_draft():
+    """A seeded row's text is the same at every draft length, planned or not, and without a draft at all: each
+    token is the target's race at its position, whatever was drafted."""
+    alone = seeded_text("target", 1, False)
+    assert all(seeded_text("speculative", k, plan) == alone for k in (1, 2, 5) for plan in (False, True))
+    assert seeded_text("target", 1, False, seed=6) != alone  # the seed matters (so the equalities above could fail)
+    rows = seeded_text("speculative", 3, False, seed=[5, 9, 5], prompts=([0], [1], [0]))
+    assert rows[0] == rows[2] == alone[0]

@@ -29,9 +29,10 @@ then scores every row's [last, x_1..x_d] in one call (an engine that takes a rag
 Two policies:
 
 - "exact" (the default): every answer is bit for bit what the same request gets alone, in any batch: greedy rows
-  because every call scores a row as its lone call would, whatever its draft length; a seeded sampled row always
-  drafts its k (whether a step drafts changes how its random stream is used), so its text is the same whatever it
-  runs with. Unseeded sampled rows follow the target's distribution exactly (each step is exact rejection sampling).
+  because every call scores a row as its lone call would, whatever its draft length; a seeded sampled row because
+  each of its tokens is a race keyed by its seed and position (runtime/decoding/seeded.py), the same whatever was
+  drafted, so its text is the same whatever it runs with (and the same as target-only decoding's). Unseeded sampled
+  rows follow the target's distribution exactly (each step is exact rejection sampling).
 - "throughput": the same, except that no call is padded (``exact=False``: a row that does not draft scores one
   token; a step where no row drafts is one batched call of one token a row, the cheapest target-only step) and
   seeded sampled rows are planned like the others. Such calls run other attention and matmul kernels than a lone
@@ -55,7 +56,7 @@ from typing import Callable
 
 import numpy as np
 
-from runtime.decoding.config import row_generators
+from runtime.decoding.config import row_randomness
 from runtime.decoding.planner import Group, GroupPolicy, Planning, plan_lengths
 from runtime.decoding.step import (
     AcceptancePrior,
@@ -504,7 +505,7 @@ class Scheduler:
             if self.plan and config.plan:
                 drafter.use_costs(self.costs)  # a hybrid picks its source per step by them
         group = Group(drafter, GroupPolicy(config), admitted.drafter_name)
-        rngs = row_generators(config.seed, len(admitted.prompts))
+        rngs = row_randomness(config.seed, len(admitted.prompts), config.params, keyed=not self.target.samples)
         deadline = w.submitted + w.timeout if w.timeout else None
         prior = self.priors.of(group.name)
         return [

@@ -9,6 +9,7 @@ import numpy as np
 
 from runtime.errors import RequestError
 from runtime.decoding.sampling import SamplingParams
+from runtime.decoding.seeded import SeededNoise
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class DecodeConfig:
     eos_ids: tuple[int, ...] = ()
     adaptive: AdaptiveK | None = None
     fallback: Fallback | None = None
-    seed: int | Sequence[int | None] | None = None  # one seed for the batch, or one per row (see row_generators)
+    seed: int | Sequence[int | None] | None = None  # one seed for the batch, or one per row (see row_randomness)
     grammar: Any = None  # a CompiledGrammar (runtime/decoding/grammar.py): every row's output must match it
     forced_drafts: bool = True  # with a grammar: propose the tokens it forces as a draft (no draft call)
     logprobs: int | None = None  # None: off; n >= 0: each token's log-probability and the n most likely
@@ -51,18 +52,33 @@ class DecodeConfig:
     exact: bool = True  # every row's target calls padded as its lone calls would be (DecodeRequest.policy)
 
 
-def row_generators(seed: int | Sequence[int | None] | None, rows: int) -> list[np.random.Generator]:
-    """One random generator per row; every draw of a row (draft sample, acceptance, recovered, bonus) uses its own.
+def row_randomness(
+    seed: int | Sequence[int | None] | None, rows: int, params: SamplingParams, keyed: bool = True
+) -> list[np.random.Generator | SeededNoise]:
+    """One source of randomness per row; every draw of a row (draft sample, acceptance, recovered, bonus) uses its own.
 
     One seed for the whole batch: row b draws from stream b of it, so identical prompts still differ. One seed per
-    row (a sequence): each row's generator comes from its own seed alone, the stream a batch of one would give it, so
+    row (a sequence): each row's stream comes from its own seed alone, the stream a batch of one would give it, so
     a seeded request's text does not depend on what it was batched with or where. None: fresh entropy.
+
+    A seeded sampled row gets position-keyed races (``SeededNoise``, runtime/decoding/seeded.py) where ``keyed``: its
+    text then depends on its seed and the target alone, not on its draft lengths. ``keyed`` False (an engine that
+    samples inside itself, which takes a seed a call): a generator like every other row's.
     """
+    streams = row_streams(seed, rows)
+    return [
+        SeededNoise(stream) if keyed and seeded and not params.greedy else np.random.default_rng(stream)
+        for stream, seeded in streams
+    ]
+
+
+def row_streams(seed: int | Sequence[int | None] | None, rows: int) -> list[tuple[np.random.SeedSequence, bool]]:
+    """Each row's seed sequence, and whether a seed chose it (False: fresh entropy)."""
     if seed is None or isinstance(seed, (int, np.integer)):
         if seed is not None and seed < 0:
             raise RequestError(f"seed: expected an integer >= 0, received {seed}")
-        return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(rows)]
+        return [(stream, seed is not None) for stream in np.random.SeedSequence(seed).spawn(rows)]
     seeds = list(seed)
     if len(seeds) != rows:
         raise RequestError(f"seed: expected one seed per prompt ({rows}), received {len(seeds)}")
-    return [row_generators(s, 1)[0] for s in seeds]
+    return [row_streams(s, 1)[0] for s in seeds]

@@ -5,8 +5,10 @@ one row, a Python API batch one group of all its rows. Its ``GroupPolicy`` decid
 what its steps achieved: its request's k, moved by ``AdaptiveK`` (up after a fully accepted step, down otherwise),
 or none while ``Fallback`` holds it target-only because acceptance fell (re-probing after a while). Over the whole
 batch the measured call costs then pick each row's length up to that limit, the lengths that make the most expected
-tokens per second (runtime/decoding/step_costs.py); a seeded sampled row keeps its limit where its text must not
-depend on what else runs (whether a step drafts changes how its random stream is used).
+tokens per second (runtime/decoding/step_costs.py). A seeded sampled row is planned too: its tokens are races keyed
+by its seed and position (runtime/decoding/seeded.py), the same text at any draft length. Only where the target
+samples inside itself (a seed a call) does such a row keep its limit, so that its text does not depend on what else
+runs.
 
 Deciding is kept apart from executing (runtime/decoding/step.py), as vLLM keeps ``schedule()`` apart from its
 model runner: the scheduler (runtime/core/scheduler.py) asks ``plan_lengths`` and runs the plan.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.decoding.config import DecodeConfig
+from runtime.decoding.seeded import SeededNoise
 from runtime.decoding.step import DecodeRow
 from runtime.decoding.step_costs import PROBE_EVERY, CostModel, PlanInputs, plan_draft_lengths, step_cost, with_probes
 from runtime.decoding.drafter import Drafter
@@ -91,8 +94,8 @@ class LengthPlan:
 @dataclass(frozen=True)
 class Planning:
     """How a scheduler plans: ``by_cost`` (lengths from measured costs; False: every row drafts its limit),
-    ``exact`` (its policy: rows scored with lone-call kernels, seeded sampled rows at their limit) and ``width``
-    (a scored row's least width in the target's call)."""
+    ``exact`` (its policy: rows scored with lone-call kernels, seeded rows a target samples at their limit) and
+    ``width`` (a scored row's least width in the target's call)."""
 
     by_cost: bool
     exact: bool
@@ -111,8 +114,8 @@ def plan_lengths(
     """Each row's draft length this step: its group's limit (0 for a row still prefilling, a group without a
     drafter unless the grammar forces tokens, a row its drafter is done with), then, over every row of a drafting
     group, the lengths the measured costs pick (``planning.by_cost``), each row kept from drafting probing again
-    every PROBE_EVERY steps; a request that asked for no plan, and a seeded sampled row under "exact", keep their
-    limits. ``members[g]``: group g's rows (positions in ``rows``)."""
+    every PROBE_EVERY steps; a request that asked for no plan, and a seeded sampled row of a target that samples inside
+    itself under "exact", keep their limits. ``members[g]``: group g's rows (positions in ``rows``)."""
     limits = group_limits(rows, groups, members, idle, max_context)
     drafting = [
         g.drafter is not None and not g.policy.in_fallback and any(limits[b] for b in m)
@@ -212,5 +215,12 @@ def row_groups(groups: list[Group], members: list[list[int]], rows: int) -> list
 
 
 def pinned(row: DecodeRow, group: Group) -> bool:
-    """A seeded sampled row that drafts: planning it by costs would make its text depend on timing."""
-    return group.drafter is not None and row.config.seed is not None and not row.config.params.greedy
+    """A seeded sampled row that drafts and draws from a stream (a target that samples inside itself takes a seed a
+    call): planning it by costs would make its text depend on timing. A row with position-keyed races
+    (runtime/decoding/seeded.py) has the same text at any draft length, and is planned like the others."""
+    return (
+        group.drafter is not None
+        and row.config.seed is not None
+        and not row.config.params.greedy
+        and not isinstance(row.rng, SeededNoise)
+    )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.decoding.seeded import Draws
 from runtime.errors import RequestError
 
 
@@ -118,9 +119,12 @@ def top_probability(logits: np.ndarray) -> float:
     return float(1.0 / np.exp(shifted).sum())
 
 
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+def sample(probs: np.ndarray, rng: np.random.Generator | Draws) -> int:
     """Inverse-CDF draw from one distribution [V], over its support (float64 sums: a float32 running sum would
-    drop the smallest probabilities near its end)."""
+    drop the smallest probabilities near its end); a seeded row's position-keyed race (runtime/decoding/seeded.py)
+    where ``rng`` is its cursor."""
+    if isinstance(rng, Draws):
+        return rng.choose(probs)
     support = np.flatnonzero(probs > 0)
     cdf = np.cumsum(probs[support].astype(np.float64))
     return int(support[min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(support) - 1)])
@@ -158,10 +162,9 @@ def verify(
     """
     if params.greedy:
         choices = target_logits.argmax(axis=-1)
-        for i, token in enumerate(draft_tokens):
-            if choices[i] != token:
-                return i, int(choices[i])  # recovered token: the target's own choice
-        return len(draft_tokens), int(choices[len(draft_tokens)])  # bonus token
+        return matched(draft_tokens, lambda i: int(choices[i]))
+    if isinstance(rng, Draws):  # a seeded row: the target's own race winner at each position, the draft's kept to it
+        return matched(draft_tokens, lambda i: rng.choose(probabilities(target_logits[i], params)))
     for i, token in enumerate(draft_tokens):  # p_i only for the positions reached (up to the first rejection)
         p, q = probabilities(target_logits[i], params), draft_probs[i]
         if rng.random() * q[token] < p[token]:  # u < p/q without dividing by q
@@ -171,6 +174,16 @@ def verify(
             residual = p
         return i, sample(residual, rng)  # recovered token
     return len(draft_tokens), sample(probabilities(target_logits[len(draft_tokens)], params), rng)  # bonus token
+
+
+def matched(draft_tokens: list[int], choice) -> tuple[int, int]:
+    """Verification by the target's own choices (``choice(i)``: its token at draft position i, asked in order up to
+    the first that differs): the draft tokens up to there, then the target's token (recovered, or the bonus)."""
+    for i, token in enumerate(draft_tokens):
+        chosen = choice(i)
+        if chosen != token:
+            return i, chosen
+    return len(draft_tokens), choice(len(draft_tokens))
 
 
 def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> tuple[list[float], list[list]]:

@@ -27,6 +27,7 @@ from runtime.decoding.drafter import Drafter, Proposal
 from runtime.decoding.grammar import constrain, forced_proposals
 from runtime.metrics import RequestStats
 from runtime.decoding.sampling import RowSampling, point_masses, token_logprobs, verify
+from runtime.decoding.seeded import SeededNoise, positioned
 
 
 ACCEPTANCE_PRIOR = 0.6  # a row's acceptance estimate before it has drafted
@@ -41,7 +42,7 @@ class DecodeRow:
 
     prompt: list[int]
     config: DecodeConfig
-    rng: np.random.Generator | None = None
+    rng: np.random.Generator | SeededNoise | None = None  # SeededNoise: a seeded sampled row's position-keyed races
     index: int = 0  # position in the caller's batch
     generated: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
@@ -175,11 +176,11 @@ def propose_group(drafter: Drafter | None, rows: list[DecodeRow], limits: list[i
     config = rows[0].config
     if any(row.grammar is not None for row in rows):
         return propose_constrained(
-            drafter, [row.grammar for row in rows], limits, config, [row.rng for row in rows], vocab_size
+            drafter, [row.grammar for row in rows], limits, config, [draws(row) for row in rows], vocab_size
         )
     if drafter is None or not any(limits):
         return Proposal.empty(len(rows))
-    return drafter.propose(limits, config.params, [row.rng for row in rows])
+    return drafter.propose(limits, config.params, [draws(row) for row in rows])
 
 
 def score(target, cache, chunks: list[list[int]], exact: bool = True) -> tuple[list, list]:
@@ -213,7 +214,13 @@ def engine_sampling(target, rows: list[DecodeRow], room: list[int]) -> list[RowS
     seed. None: the engine decodes every row greedily (the front door refused sampled requests for it)."""
     if not target.samples:
         return None
-    return [RowSampling.for_row(row.config.params, row.rng) if left else None for row, left in zip(rows, room)]
+    return [RowSampling.for_row(row.config.params, draws(row)) if left else None for row, left in zip(rows, room)]
+
+
+def draws(row: DecodeRow):
+    """What this step's draws of a row come from, drafting and verifying alike: a seeded sampled row's races from its
+    first open position (runtime/decoding/seeded.py), else its generator."""
+    return positioned(row.rng, len(row.generated))
 
 
 def agreed(draft: list[int], emitted: list[int]) -> int:
@@ -315,7 +322,7 @@ def verify_row(row, drafted: list[int], probs: list, logits: np.ndarray) -> tupl
     masked at every position), recording the target's log-probabilities of what it emits when asked. Returns
     (accepted draft tokens n, the tokens the step emits)."""
     scores = logits if row.grammar is None else constrain(logits, row.grammar.verify_masks(drafted))
-    n, extra = verify(drafted, probs, scores, row.config.params, row.rng)
+    n, extra = verify(drafted, probs, scores, row.config.params, draws(row))
     out = drafted[:n] + [extra]
     if row.grammar is not None:
         out = out[: row.grammar.commit(n, extra)]
