@@ -34,7 +34,7 @@ class CostModel:
     draft: dict[int, float] = field(default_factory=dict)
     scale: float = 1.0
     drafting: dict[int, float] = field(default_factory=dict)  # rows -> measured / predicted of drafting steps
-    _read: dict = field(default_factory=dict, repr=False, compare=False)  # call_cost's reads of the table, kept
+    _read: dict = field(default_factory=dict, repr=False, compare=False)  # reads of the tables, kept (unscaled)
 
     @property
     def calibrated(self) -> bool:
@@ -69,8 +69,11 @@ class CostModel:
         """One draft token for ``rows`` rows in one call (0 without a draft model: lookup drafters cost ~nothing)."""
         if not self.draft:
             return 0.0
-        sizes = sorted(self.draft)
-        return float(np.interp(rows, sizes, [self.draft[s] for s in sizes])) * self.scale
+        key = ("draft", len(self.draft), rows)  # a plan asks it thousands of times a step at batch 8
+        if key not in self._read:
+            sizes = sorted(self.draft)
+            self._read[key] = float(np.interp(rows, sizes, [self.draft[s] for s in sizes]))
+        return self._read[key] * self.scale
 
     def draft_call(self, rows: int, width: int) -> float:
         """One draft call over ``rows`` rows feeding ``width`` tokens each (a draft's first call of a step feeds what
@@ -78,7 +81,10 @@ class CostModel:
         how the target's calls grow with width at that batch (the draft is timed at one width only)."""
         if width <= 1 or not self.call:
             return self.draft_cost(rows)
-        return self.draft_cost(rows) * self.call_cost([width] * rows) / max(self.call_cost([1] * rows), 1e-12)
+        key = ("growth", len(self.call), rows, width)
+        if key not in self._read:
+            self._read[key] = self._rows_cost(rows, float(width)) / max(self._rows_cost(rows, 1.0), 1e-12)
+        return self.draft_cost(rows) * self._read[key]
 
     def observe(self, predicted: float, measured: float, drafting_rows: int = 0) -> None:
         """Follow the machine: ``scale`` (a step that drafted nothing) or ``drafting[drafting_rows]`` (a step of
