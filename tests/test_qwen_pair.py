@@ -44,7 +44,8 @@ def qwen_bundle(tmp_path_factory) -> Path:
     preset["eval_tokens"] = 1024  # CI time: the preset build scores the whole set (docs/building.md)
     out = tmp_path_factory.mktemp("qwen-bundle") / "bundle"
     # CI time: two of draft_blocks auto's six forms, the two the tests compare (each form is a draft export, quantize,
-    # timing and scoring, ~1 min here; tests/test_draft_choice.py builds and scores every form on SmolLM2)
+    # timing and scoring, ~1 min here; tests/test_draft_choice.py builds and scores on SmolLM2 every form its
+    # vocabulary admits)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("builder.draft_choice.FORMS", (("file", 0), ("q4_0", 32768)))
         build(from_dict(BuildSpec, preset), out, threads=2)
