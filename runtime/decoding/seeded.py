@@ -85,13 +85,12 @@ def race(probs: np.ndarray, key: int, position: int) -> int:
 
 
 class SeededNoise:
-    """A seeded sampled row's randomness: its 64-bit key (from its seed, as ``row_generators`` derives a row's
-    stream), and a generator for draws that are not races (an engine that samples inside itself asks one seed a call
-    through ``integers``)."""
+    """A seeded sampled row's randomness: its 64-bit key, from its seed sequence (``row_randomness`` derives it as it
+    derives every row's stream). Only rows of a target that our sampling serves get one: a target that samples inside
+    itself takes a seed a call from a generator instead."""
 
     def __init__(self, seed_sequence: np.random.SeedSequence):
         self.key = int(seed_sequence.generate_state(1, np.uint64)[0])
-        self.generator = np.random.default_rng(seed_sequence)
 
     def at(self, position: int) -> "Draws":
         """The row's draws from output position ``position`` on."""
@@ -110,12 +109,6 @@ class Draws:
         token = race(probs, self.noise.key, self.position)
         self.position += 1
         return token
-
-    def integers(self, *args, **kwargs):
-        return self.noise.generator.integers(*args, **kwargs)
-
-    def random(self, *args, **kwargs):
-        return self.noise.generator.random(*args, **kwargs)
 
 
 def positioned(rng, position: int):

@@ -214,7 +214,7 @@ def engine_sampling(target, rows: list[DecodeRow], room: list[int]) -> list[RowS
     seed. None: the engine decodes every row greedily (the front door refused sampled requests for it)."""
     if not target.samples:
         return None
-    return [RowSampling.for_row(row.config.params, draws(row)) if left else None for row, left in zip(rows, room)]
+    return [RowSampling.for_row(row.config.params, row.rng) if left else None for row, left in zip(rows, room)]
 
 
 def draws(row: DecodeRow):
